@@ -1,0 +1,30 @@
+# The two entry points of the README. Everything else is CMake.
+BUILD ?= build
+JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+BUILD_TYPE ?= RelWithDebInfo
+CMAKE_FLAGS ?=
+DEMO_ARGS ?=
+
+.PHONY: deps configure build demo test bench clean
+
+deps:
+	bash scripts/install-deps.sh
+
+configure: deps
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) $(CMAKE_FLAGS)
+
+build: configure
+	cmake --build $(BUILD) -j $(JOBS)
+
+demo: build
+	$(BUILD)/ferry demo $(DEMO_ARGS)
+
+test: build
+	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+
+bench: build
+	$(BUILD)/bench/ferry_bench_save
+	$(BUILD)/bench/ferry_bench_plan
+
+clean:
+	rm -rf $(BUILD)

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs the Debian packages Ferry builds against. Idempotent: does nothing
+# when every package is already present. Needs root (or sudo) when it installs.
+set -euo pipefail
+
+packages=(
+  build-essential cmake pkg-config ccache clang-format
+  libcaf-dev libucx-dev ucx-utils
+  capnproto libcapnp-dev
+  catch2 libxxhash-dev libzstd-dev
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install-deps: all ${#packages[@]} packages present"
+  exit 0
+fi
+
+echo "install-deps: installing ${missing[*]}"
+sudo=""
+[ "$(id -u)" -eq 0 ] || sudo="sudo"
+export DEBIAN_FRONTEND=noninteractive
+$sudo apt-get update -qq
+$sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"

@@ -1,0 +1,93 @@
+// Every OS call of the storage path goes through Filesystem, so tests can
+// wrap it (FilesystemWrapper) to inject faults. Implementations are
+// thread-safe; a File may be used from several threads for pread/pwrite.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ferry/status.hpp"
+
+namespace ferry {
+
+struct OpenOptions {
+  bool write = false;      // read-only otherwise
+  bool create = false;
+  bool exclusive = false;  // with create: fail if it exists
+  bool truncate = false;
+  bool direct = false;     // O_DIRECT; silently dropped where unsupported (tmpfs)
+};
+
+class File {
+ public:
+  virtual ~File() = default;
+  virtual const std::string& path() const = 0;
+  // True when the file really is open with O_DIRECT: then buffers, offsets
+  // and lengths must be 4096-aligned.
+  virtual bool direct() const = 0;
+  // Writes all `len` bytes (loops over short writes) or fails naming the path.
+  virtual Status pwrite(const void* data, size_t len, uint64_t offset) = 0;
+  // Reads up to `len` bytes; fewer only at end of file.
+  virtual Result<size_t> pread(void* data, size_t len, uint64_t offset) = 0;
+  virtual Status truncate(uint64_t size) = 0;
+  virtual Status sync() = 0;   // fsync
+  virtual Status close() = 0;  // idempotent; the destructor closes too
+};
+
+struct FileInfo {
+  uint64_t size = 0;
+  bool is_dir = false;
+  int64_t mtime_unix_ms = 0;
+};
+
+class Filesystem {
+ public:
+  virtual ~Filesystem() = default;
+  virtual Result<std::unique_ptr<File>> open(const std::string& path, const OpenOptions& o) = 0;
+  virtual Status mkdir(const std::string& path) = 0;      // fails if it exists
+  virtual Status mkdirs(const std::string& path) = 0;     // mkdir -p
+  virtual Status rename(const std::string& from, const std::string& to) = 0;
+  virtual Status unlink(const std::string& path) = 0;
+  virtual Status rmdir(const std::string& path) = 0;
+  virtual Status sync_dir(const std::string& path) = 0;  // open O_DIRECTORY + fsync
+  virtual Result<std::vector<std::string>> list(const std::string& dir) = 0;  // names, no . ..
+  virtual Result<FileInfo> stat(const std::string& path) = 0;  // not_found if absent
+};
+
+// The default: POSIX calls, errors via Status::from_errno naming op and path.
+std::shared_ptr<Filesystem> posix_filesystem();
+
+// Forwards everything to `target`; subclasses override only what they break.
+class FilesystemWrapper : public Filesystem {
+ public:
+  explicit FilesystemWrapper(std::shared_ptr<Filesystem> target) : target_(std::move(target)) {}
+  Result<std::unique_ptr<File>> open(const std::string& p, const OpenOptions& o) override {
+    return target_->open(p, o);
+  }
+  Status mkdir(const std::string& p) override { return target_->mkdir(p); }
+  Status mkdirs(const std::string& p) override { return target_->mkdirs(p); }
+  Status rename(const std::string& f, const std::string& t) override { return target_->rename(f, t); }
+  Status unlink(const std::string& p) override { return target_->unlink(p); }
+  Status rmdir(const std::string& p) override { return target_->rmdir(p); }
+  Status sync_dir(const std::string& p) override { return target_->sync_dir(p); }
+  Result<std::vector<std::string>> list(const std::string& d) override { return target_->list(d); }
+  Result<FileInfo> stat(const std::string& p) override { return target_->stat(p); }
+
+ protected:
+  std::shared_ptr<Filesystem> target_;
+};
+
+// Helpers built on the interface (so they see injected faults too).
+std::string join_path(const std::string& a, const std::string& b);
+std::string parent_path(const std::string& p);
+Result<std::string> read_file(Filesystem& fs, const std::string& path);
+// temp file in the same directory, write, fsync (if `sync`), rename over
+// `path`, fsync the directory (if `sync`).
+Status write_file_atomic(Filesystem& fs, const std::string& path, const std::string& bytes,
+                         bool sync);
+// Removes a file or a directory tree; not_found is not an error.
+Status remove_all(Filesystem& fs, const std::string& path);
+
+}  // namespace ferry

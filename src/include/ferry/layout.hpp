@@ -1,0 +1,71 @@
+// The layout of one data file, decided by the writer side: a safetensors
+// header (padded with spaces so data starts 4096-aligned), then every chunk
+// back to back in plan order.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ferry/box.hpp"
+#include "ferry/status.hpp"
+#include "ferry/tensor.hpp"
+
+namespace ferry {
+
+constexpr uint64_t kDataAlignment = 4096;
+
+struct ChunkRef {
+  std::string key;
+  DType dtype = DType::f32;
+  std::vector<int64_t> global_shape;
+  Box box;  // the chunk's region of the global tensor
+  uint64_t nbytes() const { return static_cast<uint64_t>(box.numel()) * dtype_size(dtype); }
+};
+
+struct LaidOutChunk {
+  ChunkRef chunk;
+  std::string entry;     // safetensors entry name, see entry_name()
+  uint64_t offset = 0;   // absolute byte offset in the file
+  uint64_t length = 0;
+};
+
+struct FileLayout {
+  std::string name;    // file name inside the checkpoint directory
+  std::string header;  // 8-byte LE length + JSON + spaces; size % 4096 == 0
+  std::vector<LaidOutChunk> chunks;
+  uint64_t size = 0;   // exact file size: header.size() + all chunk bytes
+};
+
+// "key@o0,o1,..." (offsets of the chunk in the global tensor): unique within a
+// checkpoint as long as chunks of one tensor never share offsets.
+std::string entry_name(const std::string& key, const Box& box);
+
+// "rank-00003-0001.safetensors"
+std::string data_file_name(int32_t rank, uint32_t file);
+
+// Builds the header and offsets. The JSON carries "__metadata__" with
+// {"format": "ferry"} and one entry per chunk with dtype, shape (box sizes)
+// and data_offsets relative to the data start.
+Result<FileLayout> layout_file(std::string name, std::vector<ChunkRef> chunks);
+
+// What a safetensors header says about one entry.
+struct SafetensorsEntry {
+  std::string name;
+  std::string dtype;
+  std::vector<int64_t> shape;
+  uint64_t begin = 0, end = 0;  // relative to the data start
+};
+struct SafetensorsHeader {
+  uint64_t data_start = 0;  // 8 + header length
+  std::vector<SafetensorsEntry> entries;
+  std::vector<std::pair<std::string, std::string>> metadata;
+};
+
+// Parses and checks the header at the start of a safetensors file of
+// `file_size` bytes (`prefix` holds at least its first 8 + N bytes): valid
+// JSON object, known dtypes, shape/size agreement, entries contiguous and
+// covering [0, file_size - data_start) exactly, unique names.
+Result<SafetensorsHeader> parse_safetensors_header(const std::string& prefix, uint64_t file_size);
+
+}  // namespace ferry

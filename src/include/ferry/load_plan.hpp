@@ -1,0 +1,67 @@
+// Load planning (resharding), pure: intersect the shards a caller asks for
+// with the chunks a manifest has, and produce byte-range reads aligned to the
+// chunks' checksum blocks, so every byte read can be verified.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "ferry/box.hpp"
+#include "ferry/manifest.hpp"
+#include "ferry/status.hpp"
+#include "ferry/tensor.hpp"
+
+namespace ferry {
+
+// What one state dict entry wants: its region of the global tensor.
+struct LoadRequest {
+  uint32_t entry = 0;  // index in the caller's StateDict
+  std::string key;
+  DType dtype = DType::f32;
+  std::vector<int64_t> global_shape;
+  Box box;
+};
+
+// Builds one request per entry (a view without a Shard asks for the whole
+// tensor). Errors name the key.
+Result<std::vector<LoadRequest>> make_load_requests(const StateDict& sd);
+
+// One read of a contiguous range of whole checksum blocks of one chunk, and
+// what to copy out of it into one entry.
+struct ReadOp {
+  uint32_t entry = 0;         // StateDict entry
+  uint32_t tensor = 0;        // index into Manifest::tensors
+  uint32_t chunk = 0;         // index into that tensor's chunks
+  uint32_t file = 0;          // index into Manifest::files
+  uint64_t file_offset = 0;   // absolute offset of the read in the file
+  uint64_t length = 0;        // bytes to read
+  uint64_t chunk_offset = 0;  // where the read starts inside the chunk
+  uint32_t first_block = 0;   // first checksum block covered (chunk_offset / block bytes)
+  uint32_t nblocks = 0;
+  Box region;                 // the part of the tensor both have (global coords)
+  Box chunk_box;              // the saved chunk's box
+  Box target_box;             // the caller's box
+};
+
+struct LoadPlanOptions {
+  uint64_t max_read_bytes = 64ull << 20;  // reads are split at block boundaries past this
+};
+
+// Errors (invalid_argument / not_found, naming the key): key absent from the
+// checkpoint, dtype or global shape different from the saved one, a requested
+// region the saved chunks do not fully cover. Only blocks that hold bytes of
+// the requested region are read; adjacent touched blocks are merged.
+Result<std::vector<ReadOp>> make_load_plan(const Manifest& m,
+                                           const std::vector<LoadRequest>& requests,
+                                           const LoadPlanOptions& opts = {});
+
+// For every contiguous run of op.region whose bytes lie in this read, calls
+// fn(offset in the read buffer, byte offset in the target's row-major
+// linearization, bytes). Together the ops of a plan cover every requested
+// byte exactly once.
+void for_each_copy(const ReadOp& op, size_t elem_size,
+                   const std::function<void(uint64_t, uint64_t, uint64_t)>& fn);
+
+}  // namespace ferry

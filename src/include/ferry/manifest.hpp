@@ -1,0 +1,77 @@
+// The committed checkpoint's index (MANIFEST): its C++ form and the framed
+// Cap'n Proto encoding described in docs/format.md.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "ferry/status.hpp"
+#include "ferry/tensor.hpp"
+
+namespace ferry {
+
+constexpr uint32_t kManifestFormatVersion = 1;
+constexpr char kManifestFileName[] = "MANIFEST";
+
+struct ManifestChunk {
+  std::vector<int64_t> offsets;  // in the global tensor
+  std::vector<int64_t> sizes;
+  uint32_t file = 0;             // index into Manifest::files
+  uint64_t byte_offset = 0;      // absolute offset in that file
+  uint64_t byte_length = 0;
+  std::string entry;             // safetensors entry name
+  // xxh3-64 of each checksum_block_bytes piece of the chunk's bytes (the
+  // last may be shorter); empty when the checkpoint was saved without them.
+  std::vector<uint64_t> checksums;
+};
+
+struct ManifestTensor {
+  std::string key;
+  DType dtype = DType::f32;
+  std::vector<int64_t> global_shape;
+  std::vector<ManifestChunk> chunks;
+};
+
+struct ManifestFile {
+  std::string name;
+  uint64_t size = 0;
+  int32_t rank = 0;
+};
+
+struct Manifest {
+  uint32_t format_version = kManifestFormatVersion;
+  std::vector<std::string> required_features;  // a reader refuses unknown ones
+  uint64_t step = 0;
+  uint64_t commit_seq = 0;
+  int32_t world_size = 1;
+  std::string job_id;
+  std::string checkpoint_id;
+  bool fsynced = true;
+  uint64_t checksum_block_bytes = 1ull << 20;
+  int64_t created_unix_ms = 0;
+  std::vector<ManifestFile> files;
+  std::vector<ManifestTensor> tensors;  // sorted by key
+  std::vector<std::pair<std::string, std::string>> metadata;  // user key/values
+
+  const ManifestTensor* find(const std::string& key) const;  // binary search
+  uint64_t total_bytes() const;  // sum of chunk byte lengths
+};
+
+// Features this build understands (a manifest naming another is refused).
+const std::vector<std::string>& known_manifest_features();
+
+// Framed bytes: magic, version, required features, payload length + xxh3,
+// Cap'n Proto payload.
+std::string encode_manifest(const Manifest& m);
+
+// Checks the frame (magic, version <= ours, known features, length, payload
+// checksum), decodes with traversal/nesting limits sized from the input, and
+// checks that the contents are consistent (chunks inside their tensors and
+// files, lengths matching dtype x numel, checksum counts). Every failure is a
+// Status (corruption / unsupported) naming what is wrong; never throws.
+Result<Manifest> decode_manifest(std::string_view bytes);
+
+}  // namespace ferry

@@ -1,0 +1,66 @@
+// Ferry's settings. They come from, highest first: code (RuntimeArgs::
+// settings), the file named by FERRY_CONFIG, the actor config file
+// (caf-application.ini in the working directory or --config-file=PATH), each
+// a [ferry] section of key = value lines. All three go through the same
+// validator, since CAF 0.17 silently drops INI values it cannot parse.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ferry/status.hpp"
+
+namespace ferry {
+
+struct Options {
+  std::string root;                     // root: checkpoint directory ("" = must be given per call)
+  uint64_t pool_bytes = 1ull << 30;     // pool-bytes: staging pool size
+  uint64_t chunk_bytes = 8ull << 20;    // chunk-bytes: pool block = write size
+  uint32_t writers = 2;                 // writers: writer threads per rank
+  bool direct_io = true;                // direct-io: O_DIRECT data writes
+  bool fsync = true;                    // fsync: data, manifest, directories
+  bool checksum = true;                 // checksum: xxh3-64 per checksum block
+  uint64_t checksum_block_bytes = 1ull << 20;  // checksum-block-bytes
+  uint32_t keep_last = 0;               // keep-last: retention, 0 keeps all
+  bool fail_fast = false;               // fail-fast: 2nd save_async fails instead of waiting
+  double lease_seconds = 30.0;          // lease-seconds: pending directory lease
+  uint32_t readers = 2;                 // readers: reader threads for load
+};
+
+// key = value, as read from one source (the value unquoted).
+struct Setting {
+  std::string key;     // without the "ferry." prefix
+  std::string value;
+  std::string origin;  // "code", "FERRY_CONFIG=/x.ini:12", "caf-application.ini:3"
+};
+
+// Every key with its default and a one-line description, in file order
+// (what `ferry config` prints and config/ferry.ini documents).
+struct OptionInfo {
+  const char* key;
+  const char* default_value;
+  const char* help;
+};
+const std::vector<OptionInfo>& option_infos();
+
+// Applies settings in order (later wins) on top of the defaults. An unknown
+// key or a bad value is invalid_argument naming the key, the value and where
+// it came from. Sizes accept suffixes: 4096, 8MiB, 1GiB, 512KB; booleans
+// true/false/on/off/1/0; durations in seconds (2.5, "30s", "500ms").
+Result<Options> resolve_options(const std::vector<Setting>& settings);
+
+// Reads the [ferry] section of an INI file (CAF syntax: `;` comments, quoted
+// strings, `ferry.key = v` at top level also accepted). A missing file is
+// not_found; a syntax error is invalid_argument naming file and line.
+Result<std::vector<Setting>> read_ini_settings(const std::string& path);
+// The same, from text (origin names the source in errors).
+Result<std::vector<Setting>> parse_ini_settings(const std::string& text, const std::string& origin);
+
+// The whole precedence chain. `config_file` is the explicit --config-file
+// (must exist) or "" for caf-application.ini in the working directory
+// (skipped when absent); FERRY_CONFIG is read from the environment.
+Result<Options> load_options(const std::vector<Setting>& code, const std::string& config_file);
+
+}  // namespace ferry

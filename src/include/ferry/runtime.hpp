@@ -1,0 +1,120 @@
+// The facade a training job uses. Declared here, implemented in
+// actors/runtime.cpp where the actor system lives.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ferry/options.hpp"
+#include "ferry/status.hpp"
+#include "ferry/tensor.hpp"
+
+namespace ferry {
+
+class Filesystem;
+class DeviceBackend;
+
+struct SaveOptions {
+  bool overwrite = false;  // replace an existing step instead of failing
+  std::vector<std::pair<std::string, std::string>> metadata;  // stored in the manifest
+  std::string root;        // overrides Options::root for this save
+};
+
+// Figures of one save, filled in as it goes.
+struct SaveMetrics {
+  double save_async_ms = 0;  // time inside save_async
+  double plan_ms = 0;        // local + global plan and layout
+  double snapshot_ms = 0;    // save_async -> last byte off the tensors
+  double write_ms = 0;       // first block written -> all files fsynced
+  double commit_ms = 0;      // manifest + renames + LATEST
+  double total_ms = 0;       // save_async -> committed
+  uint64_t bytes = 0;        // data bytes this rank wrote
+  uint64_t files = 0;
+  double persist_gbps() const { return total_ms > 0 ? bytes / (total_ms * 1e6) : 0; }
+};
+
+namespace detail {
+struct SaveState;
+}
+
+// Returned by save_async at once. Copyable; all copies see the same save.
+// Waits never throw: errors come back as a Status.
+class SaveHandle {
+ public:
+  SaveHandle() = default;
+  explicit SaveHandle(std::shared_ptr<detail::SaveState> s) : s_(std::move(s)) {}
+
+  // Blocks until every byte is off the caller's tensors (they may be mutated
+  // afterwards), or the save failed before that.
+  Status wait_snapshot() const;
+  // Blocks until the checkpoint is committed (or failed).
+  Status wait_committed() const;
+  bool snapshot_done() const;
+  bool done() const;
+  uint64_t step() const;
+  std::string path() const;            // the committed directory (once done)
+  SaveMetrics metrics() const;
+  uint64_t bytes_persisted() const;    // written so far (for progress lines)
+  uint64_t bytes_total() const;
+  bool valid() const { return s_ != nullptr; }
+
+ private:
+  std::shared_ptr<detail::SaveState> s_;
+};
+
+struct RuntimeArgs {
+  std::vector<Setting> settings;  // code options: highest precedence
+  std::string config_file;        // explicit actor config file, "" = caf-application.ini if present
+  std::vector<std::string> argv;  // extra CAF command line (e.g. --config-file=...)
+  int32_t rank = 0;
+  int32_t world_size = 1;
+  std::shared_ptr<Filesystem> fs;         // default: POSIX
+  std::shared_ptr<DeviceBackend> device;  // default: host (+ CUDA when available)
+
+  RuntimeArgs& set(const std::string& key, const std::string& value) {
+    settings.push_back({key, value, "code"});
+    return *this;
+  }
+};
+
+class Runtime {
+ public:
+  // Starts the actor system, validates options, allocates and pre-faults the
+  // staging pool. Errors name the bad key/value.
+  static Result<std::unique_ptr<Runtime>> create(RuntimeArgs args);
+  // create() with rank and world size from the torchrun-style environment.
+  static Result<std::unique_ptr<Runtime>> from_env(RuntimeArgs args = {});
+  ~Runtime();  // waits (bounded) for an in-flight save, then stops the actors
+  Runtime(const Runtime&) = delete;
+  Runtime& operator=(const Runtime&) = delete;
+
+  // Starts a checkpoint of `sd` at `step` and returns at once. The views'
+  // memory must not change until wait_snapshot(). One save is in flight at a
+  // time: a second call waits for the first's snapshot, or fails fast
+  // (busy) when configured.
+  SaveHandle save_async(const StateDict& sd, uint64_t step, const SaveOptions& opts = {});
+
+  // Fills `sd`'s tensors from the checkpoint at `path` (a step directory, or
+  // a root: then its latest). Shards may differ from the saved ones.
+  Status load(StateDict& sd, const std::string& path);
+
+  // Path of the latest committed checkpoint under `root` (default: the
+  // configured root); "" when there is none.
+  std::string latest(const std::string& root = "") const;
+
+  const Options& options() const;
+  int32_t rank() const;
+  int32_t world_size() const;
+
+  struct Impl;
+
+ private:
+  explicit Runtime(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ferry

@@ -1,0 +1,89 @@
+// The caller's tensors as Ferry sees them: non-owning views, plus the shard a
+// view holds of a global tensor, collected in a StateDict.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ferry/status.hpp"
+
+namespace ferry {
+
+enum class DType : uint8_t {
+  boolean, u8, i8, i16, u16, i32, u32, i64, u64, f16, bf16, f32, f64, f8_e4m3, f8_e5m2,
+};
+
+size_t dtype_size(DType d);
+// Safetensors spelling: "F32", "BF16", "BOOL", "F8_E4M3", ...
+const char* dtype_name(DType d);
+Result<DType> parse_dtype(const std::string& name);
+
+struct Device {
+  enum class Kind : uint8_t { host, cuda };
+  Kind kind = Kind::host;
+  int index = 0;
+
+  static Device host() { return {}; }
+  static Device cuda(int i) { return {Kind::cuda, i}; }
+  bool is_host() const { return kind == Kind::host; }
+  bool operator==(const Device& o) const { return kind == o.kind && index == o.index; }
+  std::string to_string() const;  // "host", "cuda:0"
+};
+
+// A non-owning view of the caller's tensor memory. `strides` are in elements;
+// empty means row-major contiguous. The memory must stay valid (and, until
+// wait_snapshot(), unchanged) for as long as Ferry uses it.
+struct TensorView {
+  void* data = nullptr;
+  DType dtype = DType::f32;
+  std::vector<int64_t> shape;
+  std::vector<int64_t> strides;
+  Device device;
+
+  TensorView() = default;
+  TensorView(void* d, DType t, std::vector<int64_t> s, Device dev = Device::host(),
+             std::vector<int64_t> st = {})
+      : data(d), dtype(t), shape(std::move(s)), strides(std::move(st)), device(dev) {}
+
+  int64_t numel() const;
+  uint64_t nbytes() const { return static_cast<uint64_t>(numel()) * dtype_size(dtype); }
+  bool is_contiguous() const;
+  // Row-major element strides (the given ones, or computed from shape).
+  std::vector<int64_t> effective_strides() const;
+};
+
+// Where a view sits in its global tensor: the global shape and this view's
+// offsets in every dimension. A view without a Shard is the whole tensor.
+struct Shard {
+  std::vector<int64_t> global_shape;
+  std::vector<int64_t> offsets;
+};
+
+struct StateEntry {
+  std::string key;
+  TensorView view;
+  std::optional<Shard> shard;
+};
+
+// Keys are unique; insertion order is kept (it is the order of the files).
+class StateDict {
+ public:
+  // Returns invalid_argument for a duplicate or empty key.
+  Status add(std::string key, TensorView view, std::optional<Shard> shard = std::nullopt);
+  const std::vector<StateEntry>& entries() const { return entries_; }
+  std::vector<StateEntry>& entries() { return entries_; }
+  size_t size() const { return entries_.size(); }
+  bool empty() const { return entries_.empty(); }
+  const StateEntry* find(const std::string& key) const;
+
+ private:
+  std::vector<StateEntry> entries_;
+};
+
+// Checks one entry: known dtype, shape >= 0, strides rank, shard inside its
+// global shape, non-null data when bytes > 0. The message names the key.
+Status validate_entry(const StateEntry& e);
+
+}  // namespace ferry

@@ -1,0 +1,124 @@
+#include "ferry/tensor.hpp"
+
+#include <limits>
+
+namespace ferry {
+
+namespace {
+struct DTypeInfo {
+  DType d;
+  const char* name;
+  size_t size;
+};
+constexpr DTypeInfo kDTypes[] = {
+    {DType::boolean, "BOOL", 1}, {DType::u8, "U8", 1},     {DType::i8, "I8", 1},
+    {DType::i16, "I16", 2},      {DType::u16, "U16", 2},   {DType::i32, "I32", 4},
+    {DType::u32, "U32", 4},      {DType::i64, "I64", 8},   {DType::u64, "U64", 8},
+    {DType::f16, "F16", 2},      {DType::bf16, "BF16", 2}, {DType::f32, "F32", 4},
+    {DType::f64, "F64", 8},      {DType::f8_e4m3, "F8_E4M3", 1}, {DType::f8_e5m2, "F8_E5M2", 1},
+};
+const DTypeInfo* info(DType d) {
+  for (const auto& i : kDTypes)
+    if (i.d == d) return &i;
+  return nullptr;
+}
+}  // namespace
+
+size_t dtype_size(DType d) {
+  const auto* i = info(d);
+  return i ? i->size : 0;
+}
+
+const char* dtype_name(DType d) {
+  const auto* i = info(d);
+  return i ? i->name : "INVALID";
+}
+
+Result<DType> parse_dtype(const std::string& name) {
+  for (const auto& i : kDTypes)
+    if (name == i.name) return i.d;
+  return Status::invalid_argument("unknown dtype '" + name + "'");
+}
+
+std::string Device::to_string() const {
+  return kind == Kind::host ? "host" : "cuda:" + std::to_string(index);
+}
+
+int64_t TensorView::numel() const {
+  int64_t n = 1;
+  for (int64_t s : shape) n *= s;
+  return n;
+}
+
+std::vector<int64_t> TensorView::effective_strides() const {
+  if (!strides.empty()) return strides;
+  std::vector<int64_t> st(shape.size());
+  int64_t acc = 1;
+  for (size_t i = shape.size(); i-- > 0;) {
+    st[i] = acc;
+    acc *= shape[i];
+  }
+  return st;
+}
+
+bool TensorView::is_contiguous() const {
+  if (strides.empty()) return true;
+  int64_t acc = 1;
+  for (size_t i = shape.size(); i-- > 0;) {
+    if (shape[i] != 1 && strides[i] != acc) return false;
+    acc *= shape[i];
+  }
+  return true;
+}
+
+Status StateDict::add(std::string key, TensorView view, std::optional<Shard> shard) {
+  if (key.empty()) return Status::invalid_argument("state dict key is empty");
+  if (find(key)) return Status::invalid_argument("duplicate state dict key '" + key + "'");
+  entries_.push_back({std::move(key), std::move(view), std::move(shard)});
+  return Status();
+}
+
+const StateEntry* StateDict::find(const std::string& key) const {
+  for (const auto& e : entries_)
+    if (e.key == key) return &e;
+  return nullptr;
+}
+
+Status validate_entry(const StateEntry& e) {
+  const auto& v = e.view;
+  auto bad = [&](const std::string& why) {
+    return Status::invalid_argument("tensor '" + e.key + "': " + why);
+  };
+  if (dtype_size(v.dtype) == 0) return bad("unknown dtype");
+  for (int64_t s : v.shape)
+    if (s < 0) return bad("negative dimension in shape");
+  if (!v.strides.empty() && v.strides.size() != v.shape.size())
+    return bad("strides have rank " + std::to_string(v.strides.size()) + ", shape has rank " +
+               std::to_string(v.shape.size()));
+  for (int64_t s : v.strides)
+    if (s < 0) return bad("negative stride");
+  // Overflow guard: numel * size must fit in 63 bits.
+  int64_t n = 1;
+  for (int64_t s : v.shape) {
+    if (s != 0 && n > std::numeric_limits<int64_t>::max() / 8 / s) return bad("shape too large");
+    n *= s;
+  }
+  if (n > 0 && v.data == nullptr) return bad("data pointer is null");
+  if (e.shard) {
+    const auto& sh = *e.shard;
+    if (sh.global_shape.size() != v.shape.size() || sh.offsets.size() != v.shape.size())
+      return bad("shard rank (global shape " + std::to_string(sh.global_shape.size()) +
+                 ", offsets " + std::to_string(sh.offsets.size()) + ") differs from view rank " +
+                 std::to_string(v.shape.size()));
+    for (size_t i = 0; i < v.shape.size(); ++i) {
+      if (sh.offsets[i] < 0 || sh.global_shape[i] < 0 ||
+          sh.offsets[i] + v.shape[i] > sh.global_shape[i])
+        return bad("shard dim " + std::to_string(i) + " [" + std::to_string(sh.offsets[i]) + ", " +
+                   std::to_string(sh.offsets[i] + v.shape[i]) + ") exceeds global size " +
+                   std::to_string(sh.global_shape[i]));
+    }
+  }
+  return Status();
+}
+
+}  // namespace ferry
