@@ -1,0 +1,34 @@
+// The actors of one rank and how they are started. Each is defined in its
+// own source file; their messages are in messages.hpp.
+//
+//   save_async -> planner -> coordinator (rank 0) -> planner
+//   planner -> snapshot -> serializer -> writer xN -> planner -> coordinator
+//   load -> loader -> reader xN
+#pragma once
+
+#include <caf/all.hpp>
+
+#include "actors/context.hpp"
+
+namespace ferry {
+
+// Rank 0 only: gathers local plans, builds the global plan, creates the
+// pending directory, collects write results and commits. Detached: the commit
+// protocol is blocking I/O.
+caf::actor spawn_coordinator(caf::actor_system& sys, ContextPtr ctx);
+
+// One per rank: drives each save; spawns (linked) its snapshot, serializer
+// and writers.
+caf::actor spawn_planner(caf::actor_system& sys, ContextPtr ctx, caf::actor coordinator);
+
+// Spawned by the planner.
+caf::actor spawn_snapshot(caf::local_actor* parent, ContextPtr ctx, caf::actor serializer,
+                          caf::actor planner);
+caf::actor spawn_serializer(caf::local_actor* parent, ContextPtr ctx,
+                            std::vector<caf::actor> writers, caf::actor planner);
+caf::actor spawn_writer(caf::local_actor* parent, ContextPtr ctx, caf::actor planner);
+
+// Load: the loader fans reads out to detached readers.
+caf::actor spawn_loader(caf::actor_system& sys, ContextPtr ctx);
+
+}  // namespace ferry

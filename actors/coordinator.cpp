@@ -1,0 +1,193 @@
+// Coordinator: the rank-0 role that turns the ranks' local plans into one
+// checkpoint. Detached, because creating the pending directory and the
+// commit protocol are blocking I/O.
+//
+//   idle --all local plans--> writing --all write results--> commit --> idle
+//     ^                          |
+//     +-------- abort -----------+   (pending directory removed)
+//
+// The global plan is cached and reused while the ranks' local plans have the
+// same digests.
+
+#include <optional>
+
+#include "actors/actors.hpp"
+#include "actors/messages.hpp"
+#include "ferry/catalog.hpp"
+
+namespace ferry {
+
+namespace {
+
+struct Checkpoint {
+  std::string id;
+  uint64_t step = 0;
+  std::string root;
+  std::string pending_dir;
+  bool overwrite = false;
+  std::vector<std::pair<std::string, std::string>> metadata;
+  std::vector<std::optional<LocalPlan>> plans;
+  std::vector<caf::response_promise> plan_promises;
+  size_t plans_in = 0;
+  bool writing = false;
+  std::vector<std::optional<WriteResult>> results;
+  std::vector<caf::response_promise> commit_promises;
+  size_t results_in = 0;
+};
+
+struct coordinator_state {
+  static inline const char* name = "ferry.coordinator";
+  ContextPtr ctx;
+  std::optional<Checkpoint> active;
+  std::vector<uint64_t> cached_digests;
+  std::optional<GlobalPlan> cached_plan;
+};
+
+using coordinator_ptr = caf::stateful_actor<coordinator_state>*;
+
+int64_t lease_ms(const coordinator_state& st) {
+  return static_cast<int64_t>(st.ctx->opts.lease_seconds * 1000);
+}
+
+Result<GlobalPlan> global_plan(coordinator_state& st, const std::vector<LocalPlan>& plans) {
+  std::vector<uint64_t> digests;
+  digests.reserve(plans.size());
+  for (const auto& p : plans) digests.push_back(p.digest());
+  if (st.cached_plan && digests == st.cached_digests) return *st.cached_plan;
+  GlobalPlanOptions o;
+  auto gp = make_global_plan(plans, o);
+  if (gp.ok()) {
+    st.cached_plan = *gp;
+    st.cached_digests = std::move(digests);
+  }
+  return gp;
+}
+
+// Ends the active checkpoint with an error for everyone still waiting.
+void abort_active(coordinator_ptr self, const Status& status) {
+  auto& st = self->state;
+  if (!st.active) return;
+  Checkpoint& c = *st.active;
+  if (c.writing) remove_all(*st.ctx->fs, c.pending_dir);
+  for (auto& p : c.plan_promises)
+    if (p.pending()) p.deliver(PlanReply{status, c.id, "", {}});
+  for (auto& p : c.commit_promises)
+    if (p.pending()) p.deliver(CommitReply{status, "", 0});
+  st.active.reset();
+}
+
+void on_all_plans(coordinator_ptr self) {
+  auto& st = self->state;
+  Checkpoint& c = *st.active;
+  std::vector<LocalPlan> plans;
+  plans.reserve(c.plans.size());
+  for (auto& p : c.plans) plans.push_back(std::move(*p));
+  auto gp = global_plan(st, plans);
+  if (!gp.ok()) return abort_active(self, gp.status());
+  c.pending_dir = join_path(c.root, pending_dir_name(c.step, st.ctx->job_id, c.id));
+  Status s = prepare_pending(*st.ctx->fs, c.root, c.pending_dir, c.step, c.overwrite,
+                             lease_ms(st), st.ctx->job_id + "/" + c.id);
+  if (!s.ok()) {
+    remove_all(*st.ctx->fs, c.pending_dir);
+    return abort_active(self, s);
+  }
+  c.writing = true;
+  for (size_t r = 0; r < c.plan_promises.size(); ++r)
+    c.plan_promises[r].deliver(PlanReply{Status(), c.id, c.pending_dir, gp->ranks[r]});
+  // Refresh the lease a few times per period so gc never takes a live save.
+  self->delayed_send(self, std::chrono::milliseconds(lease_ms(st) / 3), atom::lease_v, c.id);
+}
+
+void on_all_results(coordinator_ptr self) {
+  auto& st = self->state;
+  Checkpoint& c = *st.active;
+  std::vector<WriteResult> results;
+  for (auto& r : c.results) results.push_back(std::move(*r));
+  ManifestHeader h;
+  h.step = c.step;
+  h.world_size = st.ctx->world_size;
+  h.job_id = st.ctx->job_id;
+  h.checkpoint_id = c.id;
+  h.fsynced = st.ctx->opts.fsync;
+  h.checksum_block_bytes = st.ctx->opts.checksum_block_bytes;
+  h.metadata = c.metadata;
+  auto m = assemble_manifest(h, results);
+  if (!m.ok()) return abort_active(self, m.status());
+  CommitOptions co{st.ctx->opts.fsync, c.overwrite, st.ctx->opts.keep_last};
+  auto out = commit_checkpoint(*st.ctx->fs, c.root, c.pending_dir, std::move(m).value(), co);
+  if (!out.ok()) return abort_active(self, out.status().with_context("commit: "));
+  for (auto& p : c.commit_promises) p.deliver(CommitReply{Status(), out->path, out->commit_seq});
+  st.active.reset();
+}
+
+caf::behavior coordinator_actor(coordinator_ptr self, ContextPtr ctx) {
+  self->state.ctx = std::move(ctx);
+  return {
+      [self](atom::plan, PlanRequest& req) -> caf::result<PlanReply> {
+        auto& st = self->state;
+        const auto world = static_cast<size_t>(st.ctx->world_size);
+        if (req.rank < 0 || static_cast<size_t>(req.rank) >= world)
+          return PlanReply{Status::invalid_argument("plan from rank " + std::to_string(req.rank) +
+                                                    " outside world size " +
+                                                    std::to_string(world)),
+                           req.checkpoint_id, "", {}};
+        if (st.active && st.active->id != req.checkpoint_id)
+          abort_active(self, Status::aborted("superseded by checkpoint " + req.checkpoint_id));
+        if (!st.active) {
+          Checkpoint c;
+          c.id = req.checkpoint_id;
+          c.step = req.step;
+          c.root = req.root;
+          c.overwrite = req.overwrite;
+          c.plans.resize(world);
+          c.plan_promises.resize(world);
+          c.results.resize(world);
+          c.commit_promises.resize(world);
+          st.active = std::move(c);
+        }
+        Checkpoint& c = *st.active;
+        if (req.rank == 0) c.metadata = req.metadata;
+        auto rp = self->make_response_promise();
+        if (!c.plans[req.rank]) ++c.plans_in;
+        c.plans[req.rank] = std::move(req.plan);
+        c.plan_promises[req.rank] = rp;
+        if (c.plans_in == world) on_all_plans(self);
+        return rp;
+      },
+      [self](atom::commit, CommitRequest& req) -> caf::result<CommitReply> {
+        auto& st = self->state;
+        if (!st.active || st.active->id != req.checkpoint_id || !st.active->writing)
+          return CommitReply{Status::aborted("checkpoint " + req.checkpoint_id + " is not active"),
+                             "", 0};
+        Checkpoint& c = *st.active;
+        const auto r = static_cast<size_t>(req.result.rank);
+        if (r >= c.results.size())
+          return CommitReply{Status::invalid_argument("write result from unknown rank"), "", 0};
+        auto rp = self->make_response_promise();
+        if (!c.results[r]) ++c.results_in;
+        c.results[r] = std::move(req.result);
+        c.commit_promises[r] = rp;
+        if (c.results_in == c.results.size()) on_all_results(self);
+        return rp;
+      },
+      [self](atom::abort, const std::string& id, const Status& why) {
+        auto& st = self->state;
+        if (st.active && st.active->id == id) abort_active(self, why);
+      },
+      [self](atom::lease, const std::string& id) {
+        auto& st = self->state;
+        if (!st.active || st.active->id != id || !st.active->writing) return;
+        write_lease(*st.ctx->fs, st.active->pending_dir, now_unix_ms() + lease_ms(st),
+                    st.ctx->job_id + "/" + id);
+        self->delayed_send(self, std::chrono::milliseconds(lease_ms(st) / 3), atom::lease_v, id);
+      },
+  };
+}
+
+}  // namespace
+
+caf::actor spawn_coordinator(caf::actor_system& sys, ContextPtr ctx) {
+  return sys.spawn<caf::detached>(coordinator_actor, std::move(ctx));
+}
+
+}  // namespace ferry

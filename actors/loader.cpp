@@ -1,0 +1,131 @@
+// Loader and readers. The loader splits a load plan over the readers and
+// gathers their outcomes; readers do the blocking preads on their own
+// threads, verify each checksum block they read and copy the requested bytes
+// into the caller's tensors through the device.
+
+#include <future>
+#include <map>
+
+#include "actors/actors.hpp"
+#include "actors/messages.hpp"
+#include "ferry/checksum.hpp"
+
+namespace ferry {
+
+namespace {
+
+struct reader_state {
+  static inline const char* name = "ferry.reader";
+  ContextPtr ctx;
+};
+
+// Verifies the checksum blocks of one read; the error names tensor and file.
+Status verify(const Manifest& m, const ReadOp& op, const std::string& path, const uint8_t* buf) {
+  const ManifestChunk& c = m.tensors[op.tensor].chunks[op.chunk];
+  if (c.checksums.empty()) return Status();
+  const uint64_t cb = m.checksum_block_bytes;
+  for (uint32_t i = 0; i < op.nblocks; ++i) {
+    const uint64_t begin = static_cast<uint64_t>(i) * cb;
+    const uint64_t n = std::min<uint64_t>(cb, op.length - begin);
+    const uint32_t block = op.first_block + i;
+    if (block >= c.checksums.size() || xxh3_64(buf + begin, n) != c.checksums[block])
+      return Status::corruption("checksum mismatch in tensor '" + m.tensors[op.tensor].key +
+                                "' (chunk " + c.entry + ", block " + std::to_string(block) +
+                                ") of file " + path);
+  }
+  return Status();
+}
+
+Status run_reads(reader_state& st, const ReadTask& task) {
+  const Manifest& m = *task.manifest;
+  std::map<uint32_t, std::unique_ptr<File>> open_files;
+  std::vector<uint8_t> buf;
+  for (const ReadOp& op : task.ops) {
+    const std::string path = join_path(task.dir, m.files[op.file].name);
+    auto& f = open_files[op.file];
+    if (!f) {
+      OpenOptions o;
+      auto r = st.ctx->fs->open(path, o);
+      if (!r.ok()) return r.status();
+      f = std::move(r).value();
+    }
+    buf.resize(op.length);
+    FERRY_ASSIGN_OR_RETURN(size_t got, f->pread(buf.data(), op.length, op.file_offset));
+    if (got != op.length)
+      return Status::corruption("file " + path + " is truncated: tensor '" +
+                                m.tensors[op.tensor].key + "' needs bytes up to " +
+                                std::to_string(op.file_offset + op.length));
+    FERRY_RETURN_IF_ERROR(verify(m, op, path, buf.data()));
+    const TensorView& target = task.targets[op.entry];
+    const size_t elem = dtype_size(target.dtype);
+    Status copy_status;
+    for_each_copy(op, elem, [&](uint64_t src, uint64_t dst, uint64_t n) {
+      if (!copy_status.ok()) return;
+      // The buffer is reused by the next read: wait for the copy to land.
+      std::promise<Status> done;
+      auto fut = done.get_future();
+      st.ctx->device->copy_in(buf.data() + src, target, dst, n,
+                              [&done](Status s) { done.set_value(std::move(s)); });
+      copy_status = fut.get();
+    });
+    FERRY_RETURN_IF_ERROR(copy_status);
+  }
+  return Status();
+}
+
+caf::behavior reader_actor(caf::stateful_actor<reader_state>* self, ContextPtr ctx) {
+  self->state.ctx = std::move(ctx);
+  return {
+      [self](atom::read, const ReadTask& task) -> Status { return run_reads(self->state, task); },
+  };
+}
+
+struct loader_state {
+  static inline const char* name = "ferry.loader";
+  ContextPtr ctx;
+  std::vector<caf::actor> readers;
+};
+
+caf::behavior loader_actor(caf::stateful_actor<loader_state>* self, ContextPtr ctx) {
+  self->state.ctx = ctx;
+  for (uint32_t i = 0; i < ctx->opts.readers; ++i)
+    self->state.readers.push_back(self->spawn<caf::detached + caf::linked>(reader_actor, ctx));
+  return {
+      [self](atom::load, const LoadJob& job) -> caf::result<Status> {
+        auto& readers = self->state.readers;
+        // Contiguous runs of the plan per reader keep each reader on few files.
+        std::vector<ReadTask> tasks(std::min<size_t>(readers.size(), job.ops.size()));
+        if (tasks.empty()) return Status();
+        const size_t per = (job.ops.size() + tasks.size() - 1) / tasks.size();
+        for (size_t i = 0; i < job.ops.size(); ++i) tasks[i / per].ops.push_back(job.ops[i]);
+        auto rp = self->make_response_promise();
+        auto left = std::make_shared<size_t>(0);
+        auto first_error = std::make_shared<Status>();
+        for (size_t i = 0; i < tasks.size(); ++i) {
+          if (tasks[i].ops.empty()) continue;
+          ++*left;
+          tasks[i].dir = job.dir;
+          tasks[i].manifest = job.manifest;
+          tasks[i].targets = job.targets;
+          auto done = [rp, left, first_error](Status s) mutable {
+            if (!s.ok() && first_error->ok()) *first_error = std::move(s);
+            if (--*left == 0) rp.deliver(*first_error);
+          };
+          self->request(readers[i], caf::infinite, atom::read_v, std::move(tasks[i]))
+              .then([done](const Status& s) mutable { done(s); },
+                    [self, done](caf::error& e) mutable {
+                      done(Status::internal("reader: " + self->system().render(e)));
+                    });
+        }
+        return rp;
+      },
+  };
+}
+
+}  // namespace
+
+caf::actor spawn_loader(caf::actor_system& sys, ContextPtr ctx) {
+  return sys.spawn(loader_actor, std::move(ctx));
+}
+
+}  // namespace ferry

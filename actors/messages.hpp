@@ -1,0 +1,156 @@
+// Messages between the actors of one process. They are copyable (CAF 0.17
+// requires it): pool blocks travel as leases, files as shared_ptrs, and the
+// tensors as non-owning views.
+#pragma once
+
+#include <caf/all.hpp>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "actors/save_state.hpp"
+#include "ferry/commit.hpp"
+#include "ferry/filesystem.hpp"
+#include "ferry/layout.hpp"
+#include "ferry/load_plan.hpp"
+#include "ferry/manifest.hpp"
+#include "ferry/plan.hpp"
+#include "ferry/pool.hpp"
+#include "ferry/runtime.hpp"
+
+CAF_ADD_ATOM(ferry, ferry::atom, save, "save")
+CAF_ADD_ATOM(ferry, ferry::atom, plan, "plan")
+CAF_ADD_ATOM(ferry, ferry::atom, snap, "snap")
+CAF_ADD_ATOM(ferry, ferry::atom, fill, "fill")
+CAF_ADD_ATOM(ferry, ferry::atom, copied, "copied")
+CAF_ADD_ATOM(ferry, ferry::atom, freed, "freed")
+CAF_ADD_ATOM(ferry, ferry::atom, block, "block")
+CAF_ADD_ATOM(ferry, ferry::atom, written, "written")
+CAF_ADD_ATOM(ferry, ferry::atom, open, "open")
+CAF_ADD_ATOM(ferry, ferry::atom, finish, "finish")
+CAF_ADD_ATOM(ferry, ferry::atom, syncdir, "syncdir")
+CAF_ADD_ATOM(ferry, ferry::atom, commit, "commit")
+CAF_ADD_ATOM(ferry, ferry::atom, abort, "abort")
+CAF_ADD_ATOM(ferry, ferry::atom, lease, "lease")
+CAF_ADD_ATOM(ferry, ferry::atom, sums, "sums")
+CAF_ADD_ATOM(ferry, ferry::atom, load, "load")
+CAF_ADD_ATOM(ferry, ferry::atom, read, "read")
+CAF_ADD_ATOM(ferry, ferry::atom, failed, "failed")
+
+namespace ferry {
+
+// save_async -> planner.
+struct SaveJob {
+  StateDict sd;
+  uint64_t step = 0;
+  SaveOptions opts;
+  std::string root;
+  std::shared_ptr<detail::SaveState> state;
+};
+
+// planner -> coordinator: one rank's contribution to a checkpoint.
+struct PlanRequest {
+  std::string checkpoint_id;
+  int32_t rank = 0;
+  uint64_t step = 0;
+  std::string root;
+  bool overwrite = false;
+  std::vector<std::pair<std::string, std::string>> metadata;  // rank 0's is kept
+  LocalPlan plan;
+};
+
+// coordinator -> planner.
+struct PlanReply {
+  Status status;
+  std::string checkpoint_id;
+  std::string pending_dir;
+  RankPlan plan;
+};
+
+// Where one chunk's bytes come from: a contiguous range of the view's
+// row-major byte stream (splits are along dim 0, so always contiguous).
+struct ChunkSource {
+  TensorView view;
+  uint64_t offset = 0;
+};
+
+// planner -> snapshot and serializer: everything about the files of a save.
+struct StreamJob {
+  uint64_t save = 0;
+  std::vector<FileLayout> files;
+  std::vector<std::shared_ptr<File>> handles;     // [file], opened by a writer
+  std::vector<std::vector<ChunkSource>> sources;  // [file][chunk]
+  uint64_t block_bytes = 0;
+  uint64_t checksum_block_bytes = 0;  // 0: no checksums
+};
+
+// A filled pool block: bytes [offset, offset + len) of a file.
+struct BlockMsg {
+  uint64_t save = 0;
+  uint32_t file = 0;
+  uint64_t index = 0;
+  Lease lease;
+  uint64_t offset = 0;
+  uint64_t len = 0;
+};
+
+struct WriteBlock {
+  BlockMsg block;
+  std::shared_ptr<File> file;
+  uint64_t write_len = 0;  // len rounded up for O_DIRECT
+};
+
+struct FileSet {
+  Status status;
+  std::vector<std::shared_ptr<File>> files;
+};
+
+struct ChecksumSet {
+  uint64_t save = 0;
+  std::vector<std::vector<std::vector<uint64_t>>> sums;  // [file][chunk][block]
+};
+
+// coordinator <- planner after its files are durable.
+struct CommitRequest {
+  std::string checkpoint_id;
+  WriteResult result;
+};
+
+struct CommitReply {
+  Status status;
+  std::string path;
+  uint64_t commit_seq = 0;
+};
+
+// Runtime::load -> loader.
+struct LoadJob {
+  std::string dir;
+  std::shared_ptr<const Manifest> manifest;
+  std::vector<ReadOp> ops;
+  std::vector<TensorView> targets;  // by StateDict entry index
+};
+
+struct ReadTask {
+  std::string dir;
+  std::shared_ptr<const Manifest> manifest;
+  std::vector<ReadOp> ops;
+  std::vector<TensorView> targets;
+};
+
+}  // namespace ferry
+
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::Status)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::SaveJob)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::PlanRequest)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::PlanReply)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::StreamJob)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::BlockMsg)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::WriteBlock)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::FileSet)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::ChecksumSet)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::CommitRequest)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::CommitReply)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::LoadJob)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::ReadTask)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<ferry::File>)

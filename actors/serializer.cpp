@@ -1,0 +1,126 @@
+// Serializer: computes one xxh3-64 per checksum block of every chunk as the
+// filled blocks stream past (in file order, so one running hash per file is
+// enough), pads the last block of a file for O_DIRECT, and hands each block
+// to a writer. When the last block has gone by, the checksums go to the
+// planner for its write result.
+
+#include "actors/actors.hpp"
+#include "actors/messages.hpp"
+#include "ferry/checksum.hpp"
+
+#include <cstring>
+
+namespace ferry {
+
+namespace {
+
+struct FileCursor {
+  size_t chunk = 0;       // first chunk not yet fully hashed
+  uint64_t in_chunk = 0;  // bytes of that chunk hashed so far
+  std::unique_ptr<StreamingChecksum> hash = std::make_unique<StreamingChecksum>();
+};
+
+struct serializer_state {
+  static inline const char* name = "ferry.serializer";
+  ContextPtr ctx;
+  std::vector<caf::actor> writers;
+  caf::actor planner;
+
+  bool active = false;
+  StreamJob job;
+  std::vector<FileCursor> cursors;
+  ChecksumSet sums;
+  uint64_t blocks_left = 0;
+};
+
+using serializer_ptr = caf::stateful_actor<serializer_state>*;
+
+void hash_block(serializer_state& st, const BlockMsg& b, const uint8_t* data) {
+  const FileLayout& f = st.job.files[b.file];
+  FileCursor& cur = st.cursors[b.file];
+  auto& out = st.sums.sums[b.file];
+  const uint64_t cb = st.job.checksum_block_bytes;
+  const uint64_t end = b.offset + b.len;
+  while (cur.chunk < f.chunks.size()) {
+    const LaidOutChunk& c = f.chunks[cur.chunk];
+    const uint64_t pos = c.offset + cur.in_chunk;
+    if (cur.in_chunk < c.length && pos >= end) break;  // the rest is in later blocks
+    const uint64_t avail = std::min(end, c.offset + c.length) - std::max(pos, b.offset);
+    const uint8_t* p = data + (pos - b.offset);
+    uint64_t left = cur.in_chunk < c.length ? avail : 0;
+    while (left > 0) {
+      const uint64_t take = std::min(left, cb - cur.in_chunk % cb);
+      cur.hash->update(p, take);
+      p += take;
+      left -= take;
+      cur.in_chunk += take;
+      if (cur.in_chunk % cb == 0 || cur.in_chunk == c.length) {
+        out[cur.chunk].push_back(cur.hash->digest());
+        cur.hash->reset();
+      }
+    }
+    if (cur.in_chunk < c.length) break;
+    ++cur.chunk;
+    cur.in_chunk = 0;
+  }
+}
+
+caf::behavior serializer_actor(serializer_ptr self, ContextPtr ctx,
+                               std::vector<caf::actor> writers, caf::actor planner) {
+  self->state.ctx = std::move(ctx);
+  self->state.writers = std::move(writers);
+  self->state.planner = std::move(planner);
+  return {
+      [self](atom::snap, const StreamJob& job) {
+        auto& st = self->state;
+        st.active = true;
+        st.job = job;
+        st.cursors.clear();
+        st.cursors.resize(job.files.size());
+        st.sums = ChecksumSet{job.save, {}};
+        st.blocks_left = 0;
+        for (const auto& f : job.files) {
+          st.sums.sums.emplace_back(f.chunks.size());
+          st.blocks_left += (f.size + job.block_bytes - 1) / job.block_bytes;
+        }
+        if (st.blocks_left == 0) self->send(st.planner, atom::sums_v, st.sums);
+      },
+      [self](atom::block, const BlockMsg& b) {
+        auto& st = self->state;
+        auto data = st.ctx->pool->data(b.lease);
+        if (!st.active || b.save != st.job.save || !data.ok()) {
+          st.ctx->pool->release(b.lease);  // a block of an abandoned save
+          return;
+        }
+        if (st.job.checksum_block_bytes > 0) hash_block(st, b, *data);
+        const auto& file = st.job.handles[b.file];
+        uint64_t write_len = b.len;
+        if (file->direct()) {
+          write_len = (b.len + kDataAlignment - 1) / kDataAlignment * kDataAlignment;
+          std::memset(*data + b.len, 0, write_len - b.len);
+        }
+        // Spread blocks over the writers; each file's blocks go round-robin
+        // so one large file is written by all of them.
+        const auto& w = st.writers[b.index % st.writers.size()];
+        self->send(w, atom::block_v, WriteBlock{b, file, write_len});
+        if (--st.blocks_left == 0) {
+          self->send(st.planner, atom::sums_v, st.sums);
+          st.active = false;
+        }
+      },
+      [self](atom::abort, uint64_t save) {
+        auto& st = self->state;
+        if (st.active && st.job.save == save) st.active = false;
+      },
+  };
+}
+
+}  // namespace
+
+caf::actor spawn_serializer(caf::local_actor* parent, ContextPtr ctx,
+                            std::vector<caf::actor> writers, caf::actor planner) {
+  return parent->spawn<caf::linked>(serializer_actor, std::move(ctx), std::move(writers),
+                                    std::move(planner));
+}
+
+}  // namespace ferry

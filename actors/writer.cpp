@@ -1,0 +1,72 @@
+// Writer: blocking file I/O on its own thread (a detached actor), so the
+// scheduler's threads never wait on the disk. It returns each block's lease
+// as soon as its pwrite is done and fsyncs once per file, at the end.
+
+#include "actors/actors.hpp"
+#include "actors/messages.hpp"
+
+namespace ferry {
+
+namespace {
+
+struct writer_state {
+  static inline const char* name = "ferry.writer";
+  ContextPtr ctx;
+  caf::actor planner;
+};
+
+caf::behavior writer_actor(caf::stateful_actor<writer_state>* self, ContextPtr ctx,
+                           caf::actor planner) {
+  self->state.ctx = std::move(ctx);
+  self->state.planner = std::move(planner);
+  return {
+      [self](atom::block, const WriteBlock& w) {
+        auto& st = self->state;
+        Status status;
+        auto data = st.ctx->pool->data(w.block.lease);
+        if (!data.ok()) {
+          status = data.status();
+        } else {
+          status = w.file->pwrite(*data, w.write_len, w.block.offset);
+        }
+        // Returning the block first lets the snapshot refill it while the
+        // planner handles the report.
+        st.ctx->pool->release(w.block.lease);
+        self->send(st.planner, atom::written_v, w.block.save, w.block.file, w.block.len, status);
+      },
+      [self](atom::open, const std::vector<std::string>& paths, bool direct) -> FileSet {
+        FileSet out;
+        OpenOptions o;
+        o.write = o.create = o.exclusive = true;
+        o.direct = direct;
+        for (const auto& p : paths) {
+          auto f = self->state.ctx->fs->open(p, o);
+          if (!f.ok()) {
+            out.status = f.status();
+            out.files.clear();
+            return out;
+          }
+          out.files.emplace_back(std::move(f).value());
+        }
+        return out;
+      },
+      // Cuts the O_DIRECT padding, makes the file durable and closes it.
+      [self](atom::finish, const std::shared_ptr<File>& f, uint64_t size) -> Status {
+        FERRY_RETURN_IF_ERROR(f->truncate(size));
+        if (self->state.ctx->opts.fsync) FERRY_RETURN_IF_ERROR(f->sync());
+        return f->close();
+      },
+      [self](atom::syncdir, const std::string& dir) -> Status {
+        return self->state.ctx->fs->sync_dir(dir);
+      },
+  };
+}
+
+}  // namespace
+
+caf::actor spawn_writer(caf::local_actor* parent, ContextPtr ctx, caf::actor planner) {
+  return parent->spawn<caf::detached + caf::linked>(writer_actor, std::move(ctx),
+                                                    std::move(planner));
+}
+
+}  // namespace ferry

@@ -1,0 +1,203 @@
+#include "ferry/device.hpp"
+
+#include <algorithm>
+#include <cassert>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace ferry {
+
+namespace {
+
+struct Dim {
+  int64_t size;
+  int64_t stride;  // elements
+};
+
+// Drops size-1 dims and merges neighbours that are contiguous with each other,
+// so a view that is strided only in its outer dims copies whole long rows.
+std::vector<Dim> collapse_dims(const TensorView& v) {
+  const auto strides = v.effective_strides();
+  std::vector<Dim> dims;
+  for (size_t k = 0; k < v.shape.size(); ++k) {
+    if (v.shape[k] == 1) continue;
+    dims.push_back({v.shape[k], strides[k]});
+  }
+  std::vector<Dim> out;
+  for (const auto& d : dims) {
+    if (!out.empty() && out.back().stride == d.stride * d.size) {
+      out.back().size *= d.size;
+      out.back().stride = d.stride;
+    } else {
+      out.push_back(d);
+    }
+  }
+  return out;
+}
+
+template <bool kOut>
+inline void move_bytes(uint8_t* tensor, uint8_t* host, size_t n) {
+  if (kOut) {
+    std::memcpy(host, tensor, n);
+  } else {
+    std::memcpy(tensor, host, n);
+  }
+}
+
+// Whole elements of one strided row. The element size is a template argument
+// so each memcpy compiles to a single load/store.
+template <bool kOut, size_t N>
+void move_elems(uint8_t* tensor, uint8_t* host, int64_t count, int64_t step) {
+  for (int64_t i = 0; i < count; ++i, tensor += step, host += N) move_bytes<kOut>(tensor, host, N);
+}
+
+template <bool kOut>
+void move_elems_any(uint8_t* tensor, uint8_t* host, int64_t count, int64_t step, size_t es) {
+  switch (es) {
+    case 1:
+      return move_elems<kOut, 1>(tensor, host, count, step);
+    case 2:
+      return move_elems<kOut, 2>(tensor, host, count, step);
+    case 4:
+      return move_elems<kOut, 4>(tensor, host, count, step);
+    case 8:
+      return move_elems<kOut, 8>(tensor, host, count, step);
+    default:
+      for (int64_t i = 0; i < count; ++i, tensor += step, host += es)
+        move_bytes<kOut>(tensor, host, es);
+  }
+}
+
+// Moves bytes [offset, offset + len) of the view's row-major byte stream to
+// or from `host`. The range may start and end inside an element.
+template <bool kOut>
+void strided_copy(const TensorView& v, uint64_t offset, uint64_t len, uint8_t* host) {
+  if (len == 0) return;
+  assert(offset + len <= v.nbytes());
+  auto* base = static_cast<uint8_t*>(v.data);
+  const uint64_t es = dtype_size(v.dtype);
+
+  if (v.is_contiguous()) {
+    move_bytes<kOut>(base + offset, host, len);
+    return;
+  }
+  const auto dims = collapse_dims(v);
+  if (dims.empty() || (dims.size() == 1 && dims[0].stride == 1)) {
+    move_bytes<kOut>(base + offset, host, len);
+    return;
+  }
+
+  const size_t r = dims.size();
+  const int64_t row_elems = dims[r - 1].size;
+  const int64_t step = dims[r - 1].stride * static_cast<int64_t>(es);
+  const bool dense_rows = dims[r - 1].stride == 1;
+
+  // Position of the first byte: row, column inside the row, byte inside the
+  // element; then the row's address from its outer index.
+  const auto first_elem = static_cast<int64_t>(offset / es);
+  uint64_t within = offset % es;
+  int64_t col = first_elem % row_elems;
+  int64_t row = first_elem / row_elems;
+  std::vector<int64_t> idx(r - 1, 0);
+  int64_t row_off = 0;  // bytes
+  for (size_t k = r - 1; k-- > 0;) {
+    idx[k] = row % dims[k].size;
+    row /= dims[k].size;
+    row_off += idx[k] * dims[k].stride * static_cast<int64_t>(es);
+  }
+
+  uint64_t left = len;
+  while (left > 0) {
+    uint8_t* p = base + row_off;
+    if (dense_rows) {
+      const uint64_t start = static_cast<uint64_t>(col) * es + within;
+      const uint64_t n = std::min<uint64_t>(left, static_cast<uint64_t>(row_elems) * es - start);
+      move_bytes<kOut>(p + start, host, n);
+      host += n;
+      left -= n;
+    } else {
+      p += col * step;
+      if (within) {
+        const uint64_t n = std::min<uint64_t>(es - within, left);
+        move_bytes<kOut>(p + within, host, n);
+        host += n;
+        left -= n;
+        p += step;
+        ++col;
+      }
+      const int64_t full = std::min<int64_t>(row_elems - col, static_cast<int64_t>(left / es));
+      move_elems_any<kOut>(p, host, full, step, es);
+      host += full * es;
+      left -= full * es;
+      col += full;
+      p += full * step;
+      if (left > 0 && col < row_elems) {
+        // The range ends inside this element.
+        move_bytes<kOut>(p, host, left);
+        left = 0;
+      }
+    }
+    within = 0;
+    col = 0;
+    for (size_t k = r - 1; k-- > 0;) {
+      const int64_t bstride = dims[k].stride * static_cast<int64_t>(es);
+      if (++idx[k] < dims[k].size) {
+        row_off += bstride;
+        break;
+      }
+      row_off -= (dims[k].size - 1) * bstride;
+      idx[k] = 0;
+    }
+  }
+}
+
+class HostDevice final : public DeviceBackend {
+ public:
+  bool handles(const Device& d) const override { return d.is_host(); }
+
+  void copy_out(const TensorView& src, uint64_t offset, uint64_t len, void* dst,
+                Done done) override {
+    Status st = check(src, offset, len);
+    if (st.ok()) strided_copy_out(src, offset, len, dst);
+    done(std::move(st));
+  }
+
+  void copy_in(const void* src, const TensorView& dst, uint64_t offset, uint64_t len,
+               Done done) override {
+    Status st = check(dst, offset, len);
+    if (st.ok()) strided_copy_in(src, dst, offset, len);
+    done(std::move(st));
+  }
+
+ private:
+  static Status check(const TensorView& v, uint64_t offset, uint64_t len) {
+    if (!v.device.is_host())
+      return Status::invalid_argument("host device asked to copy a tensor on " +
+                                      v.device.to_string());
+    if (offset > v.nbytes() || len > v.nbytes() - offset)
+      return Status::invalid_argument("byte range [" + std::to_string(offset) + ", " +
+                                      std::to_string(offset + len) + ") exceeds the tensor's " +
+                                      std::to_string(v.nbytes()) + " bytes");
+    return Status();
+  }
+};
+
+}  // namespace
+
+void strided_copy_out(const TensorView& src, uint64_t offset, uint64_t len, void* dst) {
+  strided_copy<true>(src, offset, len, static_cast<uint8_t*>(dst));
+}
+
+void strided_copy_in(const void* src, const TensorView& dst, uint64_t offset, uint64_t len) {
+  // The host buffer is only read on this path; the shared walker takes a
+  // mutable pointer for both directions.
+  strided_copy<false>(dst, offset, len, static_cast<uint8_t*>(const_cast<void*>(src)));
+}
+
+std::shared_ptr<DeviceBackend> host_device() {
+  return std::make_shared<HostDevice>();
+}
+
+}  // namespace ferry

@@ -1,0 +1,311 @@
+// The POSIX Filesystem and the helpers built on the Filesystem interface.
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <mutex>
+
+#include "ferry/filesystem.hpp"
+
+namespace ferry {
+namespace {
+
+class PosixFile : public File {
+ public:
+  PosixFile(int fd, std::string path, bool direct)
+      : fd_(fd), path_(std::move(path)), direct_(direct) {}
+  // A destructor has nobody to report to; callers that care call close().
+  ~PosixFile() override { (void)close(); }
+
+  const std::string& path() const override { return path_; }
+  bool direct() const override { return direct_; }
+
+  Status pwrite(const void* data, size_t len, uint64_t offset) override {
+    const char* p = static_cast<const char*>(data);
+    while (len > 0) {
+      ssize_t n = ::pwrite(fd_, p, len, static_cast<off_t>(offset));
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        return Status::from_errno(errno, "pwrite", path_);
+      }
+      if (n == 0) {
+        // The kernel accepted nothing and reported no error: looping would
+        // spin forever, so treat it as the device refusing more bytes.
+        return Status::from_errno(ENOSPC, "pwrite", path_);
+      }
+      p += n;
+      len -= static_cast<size_t>(n);
+      offset += static_cast<uint64_t>(n);
+    }
+    return Status::ok_status();
+  }
+
+  Result<size_t> pread(void* data, size_t len, uint64_t offset) override {
+    char* p = static_cast<char*>(data);
+    size_t done = 0;
+    while (done < len) {
+      ssize_t n = ::pread(fd_, p + done, len - done, static_cast<off_t>(offset + done));
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        return Status::from_errno(errno, "pread", path_);
+      }
+      if (n == 0) break;  // end of file
+      done += static_cast<size_t>(n);
+    }
+    return done;
+  }
+
+  Status truncate(uint64_t size) override {
+    while (::ftruncate(fd_, static_cast<off_t>(size)) != 0) {
+      if (errno != EINTR) return Status::from_errno(errno, "truncate", path_);
+    }
+    return Status::ok_status();
+  }
+
+  // fsync, not fdatasync: a truncate changes the size, which is metadata
+  // that fdatasync may leave behind on some filesystems.
+  Status sync() override {
+    while (::fsync(fd_) != 0) {
+      if (errno != EINTR) return Status::from_errno(errno, "fsync", path_);
+    }
+    return Status::ok_status();
+  }
+
+  Status close() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (fd_ < 0) return Status::ok_status();
+    int fd = fd_;
+    fd_ = -1;
+    // Linux frees the descriptor even when close fails (EINTR included), so
+    // retrying could close a descriptor another thread has just opened.
+    if (::close(fd) != 0) return Status::from_errno(errno, "close", path_);
+    return Status::ok_status();
+  }
+
+ private:
+  std::mutex mu_;  // guards close() against a concurrent close()
+  int fd_;
+  std::string path_;
+  bool direct_;
+};
+
+Status check_errno(int rc, const char* op, const std::string& path) {
+  if (rc == 0) return Status::ok_status();
+  return Status::from_errno(errno, op, path);
+}
+
+class PosixFilesystem : public Filesystem {
+ public:
+  Result<std::unique_ptr<File>> open(const std::string& path, const OpenOptions& o) override {
+    int flags = O_CLOEXEC | (o.write ? O_RDWR : O_RDONLY);
+    if (o.create) flags |= O_CREAT;
+    if (o.create && o.exclusive) flags |= O_EXCL;
+    if (o.truncate) flags |= O_TRUNC;
+    bool direct = o.direct;
+    int fd = open_retrying(path, flags | (direct ? O_DIRECT : 0));
+    if (fd < 0 && direct && errno == EINVAL) {
+      // tmpfs and some FUSE filesystems refuse O_DIRECT: fall back to the
+      // page cache and tell the caller through direct().
+      direct = false;
+      fd = open_retrying(path, flags);
+    }
+    if (fd < 0) return Status::from_errno(errno, "open", path);
+    return std::unique_ptr<File>(new PosixFile(fd, path, direct));
+  }
+
+  Status mkdir(const std::string& path) override {
+    return check_errno(::mkdir(path.c_str(), 0755), "mkdir", path);
+  }
+
+  Status mkdirs(const std::string& path) override {
+    if (path.empty()) return Status::invalid_argument("mkdirs: empty path");
+    // Walk every prefix that ends at a separator, then the whole path.
+    size_t pos = 0;
+    while (true) {
+      pos = path.find('/', pos + 1);
+      std::string prefix = path.substr(0, pos);
+      if (!prefix.empty() && prefix != "/" && ::mkdir(prefix.c_str(), 0755) != 0) {
+        int err = errno;
+        struct stat st;
+        if (err != EEXIST) return Status::from_errno(err, "mkdir", prefix);
+        if (::stat(prefix.c_str(), &st) != 0) return Status::from_errno(errno, "stat", prefix);
+        if (!S_ISDIR(st.st_mode)) return Status::from_errno(ENOTDIR, "mkdir", prefix);
+      }
+      if (pos == std::string::npos) break;
+    }
+    return Status::ok_status();
+  }
+
+  Status rename(const std::string& from, const std::string& to) override {
+    return check_errno(::rename(from.c_str(), to.c_str()), "rename", from + " -> " + to);
+  }
+
+  Status unlink(const std::string& path) override {
+    return check_errno(::unlink(path.c_str()), "unlink", path);
+  }
+
+  Status rmdir(const std::string& path) override {
+    return check_errno(::rmdir(path.c_str()), "rmdir", path);
+  }
+
+  Status sync_dir(const std::string& path) override {
+    int fd = open_retrying(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) return Status::from_errno(errno, "open directory", path);
+    Status st;
+    while (::fsync(fd) != 0) {
+      if (errno != EINTR) {
+        st = Status::from_errno(errno, "fsync directory", path);
+        break;
+      }
+    }
+    if (::close(fd) != 0 && st.ok()) st = Status::from_errno(errno, "close directory", path);
+    return st;
+  }
+
+  Result<std::vector<std::string>> list(const std::string& dir) override {
+    DIR* d = ::opendir(dir.c_str());
+    if (d == nullptr) return Status::from_errno(errno, "opendir", dir);
+    std::vector<std::string> names;
+    while (true) {
+      errno = 0;  // readdir signals an error only through errno
+      struct dirent* e = ::readdir(d);
+      if (e == nullptr) {
+        int err = errno;
+        ::closedir(d);
+        if (err != 0) return Status::from_errno(err, "readdir", dir);
+        break;
+      }
+      std::string name = e->d_name;
+      if (name == "." || name == "..") continue;
+      names.push_back(std::move(name));
+    }
+    std::sort(names.begin(), names.end());
+    return names;
+  }
+
+  Result<FileInfo> stat(const std::string& path) override {
+    struct stat st;
+    if (::stat(path.c_str(), &st) != 0) return Status::from_errno(errno, "stat", path);
+    FileInfo info;
+    info.size = static_cast<uint64_t>(st.st_size);
+    info.is_dir = S_ISDIR(st.st_mode);
+    info.mtime_unix_ms =
+        static_cast<int64_t>(st.st_mtim.tv_sec) * 1000 + st.st_mtim.tv_nsec / 1'000'000;
+    return info;
+  }
+
+ private:
+  static int open_retrying(const std::string& path, int flags) {
+    int fd;
+    do {
+      fd = ::open(path.c_str(), flags, 0644);
+    } while (fd < 0 && errno == EINTR);
+    return fd;
+  }
+};
+
+}  // namespace
+
+std::shared_ptr<Filesystem> posix_filesystem() {
+  // Stateless, so one shared instance is as good as many; it is still passed
+  // down explicitly rather than reached as a global.
+  static const std::shared_ptr<Filesystem> fs = std::make_shared<PosixFilesystem>();
+  return fs;
+}
+
+std::string join_path(const std::string& a, const std::string& b) {
+  if (a.empty()) return b;
+  if (b.empty()) return a;
+  if (a.back() == '/') return a + b;
+  return a + "/" + b;
+}
+
+std::string parent_path(const std::string& p) {
+  size_t end = p.find_last_not_of('/');
+  if (end == std::string::npos) return p.empty() ? "." : "/";
+  size_t slash = p.rfind('/', end);
+  if (slash == std::string::npos) return ".";
+  size_t last = p.find_last_not_of('/', slash);
+  if (last == std::string::npos) return "/";
+  return p.substr(0, last + 1);
+}
+
+Result<std::string> read_file(Filesystem& fs, const std::string& path) {
+  FERRY_ASSIGN_OR_RETURN(FileInfo info, fs.stat(path));
+  if (info.is_dir) return Status::invalid_argument("read_file " + path + ": is a directory");
+  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<File> f, fs.open(path, OpenOptions{}));
+  // The size is a hint: the file may have grown since stat, so read to EOF
+  // through a small probe instead of doubling a possibly large buffer.
+  std::string out(static_cast<size_t>(info.size), '\0');
+  size_t have = 0;
+  while (true) {
+    if (have < out.size()) {
+      FERRY_ASSIGN_OR_RETURN(size_t n, f->pread(&out[have], out.size() - have, have));
+      have += n;
+      if (have < out.size()) break;  // pread stops short only at end of file
+    } else {
+      char probe[4096];
+      FERRY_ASSIGN_OR_RETURN(size_t n, f->pread(probe, sizeof(probe), have));
+      if (n == 0) break;
+      out.append(probe, n);
+      have += n;
+    }
+  }
+  out.resize(have);
+  FERRY_RETURN_IF_ERROR(f->close());
+  return out;
+}
+
+Status write_file_atomic(Filesystem& fs, const std::string& path, const std::string& bytes,
+                         bool sync) {
+  static std::atomic<uint64_t> counter{0};
+  std::string tmp = path + ".tmp-" + std::to_string(::getpid()) + "-" +
+                    std::to_string(counter.fetch_add(1, std::memory_order_relaxed));
+  OpenOptions o;
+  o.write = true;
+  o.create = true;
+  o.exclusive = true;
+  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<File> f, fs.open(tmp, o));
+  Status st = f->pwrite(bytes.data(), bytes.size(), 0);
+  if (st.ok() && sync) st = f->sync();
+  Status closed = f->close();
+  if (st.ok()) st = closed;
+  if (st.ok()) st = fs.rename(tmp, path);
+  if (!st.ok()) {
+    (void)fs.unlink(tmp);  // best effort: the first error is the one to report
+    return st;
+  }
+  if (sync) FERRY_RETURN_IF_ERROR(fs.sync_dir(parent_path(path)));
+  return Status::ok_status();
+}
+
+Status remove_all(Filesystem& fs, const std::string& path) {
+  Result<FileInfo> info = fs.stat(path);
+  if (!info.ok()) {
+    return info.status().code() == StatusCode::not_found ? Status::ok_status() : info.status();
+  }
+  if (!info->is_dir) {
+    Status st = fs.unlink(path);
+    return st.code() == StatusCode::not_found ? Status::ok_status() : st;
+  }
+  // stat follows symlinks, so a link to a directory looks like a directory.
+  // Walking it would delete the target's contents: try unlink first, which
+  // removes a link and is refused (EISDIR) by a real directory.
+  if (fs.unlink(path).ok()) return Status::ok_status();
+  Result<std::vector<std::string>> names = fs.list(path);
+  if (!names.ok()) {
+    return names.status().code() == StatusCode::not_found ? Status::ok_status() : names.status();
+  }
+  for (const std::string& name : *names) {
+    FERRY_RETURN_IF_ERROR(remove_all(fs, join_path(path, name)));
+  }
+  Status st = fs.rmdir(path);
+  return st.code() == StatusCode::not_found ? Status::ok_status() : st;
+}
+
+}  // namespace ferry

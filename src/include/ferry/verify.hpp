@@ -1,0 +1,33 @@
+// Full verification of a committed checkpoint: the manifest's own checksum,
+// every data file's size and safetensors header against the manifest, and
+// every checksum block of every chunk.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "ferry/filesystem.hpp"
+#include "ferry/manifest.hpp"
+#include "ferry/status.hpp"
+
+namespace ferry {
+
+struct VerifyReport {
+  uint64_t files = 0;
+  uint64_t chunks = 0;
+  uint64_t bytes_checked = 0;
+  std::vector<Status> problems;  // each names the file (and tensor)
+  bool ok() const { return problems.empty(); }
+};
+
+// Reads every byte. Returns an error only when the manifest itself cannot
+// be read; problems in data files are collected in the report.
+Result<VerifyReport> verify_checkpoint(Filesystem& fs, const std::string& dir);
+
+// Checks one data file's safetensors header against what the manifest says
+// it holds (names, dtypes, shapes, offsets) and its size. headers_only
+// callers (ferry inspect) use this without reading the data.
+Status check_data_file_header(Filesystem& fs, const std::string& dir, uint32_t file_index,
+                              const Manifest& m);
+
+}  // namespace ferry

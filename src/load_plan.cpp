@@ -1,0 +1,333 @@
+#include "ferry/load_plan.hpp"
+
+#include <algorithm>
+#include <memory>
+#include <unordered_map>
+
+namespace ferry {
+
+namespace {
+
+std::string shape_string(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(shape[i]);
+  }
+  return s + "]";
+}
+
+Box chunk_box(const ManifestChunk& c) {
+  return Box{c.offsets, c.sizes};
+}
+
+// A tensor's chunks sorted by their start in dim 0. With the largest dim-0
+// extent of any chunk, the chunks that can meet a request are a contiguous
+// slice of this order, so a 1,000-rank row-sharded tensor is not scanned in
+// full for each of its 1,000 requests.
+struct ChunkIndex {
+  std::vector<uint32_t> by_start;
+  int64_t max_extent = 0;
+};
+
+// Below this many chunks a linear scan is as fast as the index and simpler.
+constexpr size_t kIndexMinChunks = 16;
+
+Status check_chunks(const ManifestTensor& t, size_t elem_size) {
+  for (size_t i = 0; i < t.chunks.size(); ++i) {
+    const auto& c = t.chunks[i];
+    auto bad = [&](const std::string& why) {
+      return Status::corruption("tensor '" + t.key + "' chunk " + std::to_string(i) + ": " + why);
+    };
+    if (c.offsets.size() != t.global_shape.size() || c.sizes.size() != t.global_shape.size())
+      return bad("rank differs from the tensor's");
+    if (c.byte_length != static_cast<uint64_t>(chunk_box(c).numel()) * elem_size)
+      return bad("holds " + std::to_string(c.byte_length) + " bytes, its box " +
+                 chunk_box(c).to_string() + " needs " +
+                 std::to_string(static_cast<uint64_t>(chunk_box(c).numel()) * elem_size));
+  }
+  return Status();
+}
+
+ChunkIndex build_index(const ManifestTensor& t) {
+  ChunkIndex ix;
+  ix.by_start.resize(t.chunks.size());
+  for (size_t i = 0; i < t.chunks.size(); ++i) {
+    ix.by_start[i] = static_cast<uint32_t>(i);
+    ix.max_extent = std::max(ix.max_extent, t.chunks[i].sizes[0]);
+  }
+  std::sort(ix.by_start.begin(), ix.by_start.end(), [&](uint32_t a, uint32_t b) {
+    return t.chunks[a].offsets[0] < t.chunks[b].offsets[0];
+  });
+  return ix;
+}
+
+// Chunk indices (ascending) that may intersect `box`.
+std::vector<uint32_t> candidate_chunks(const ManifestTensor& t, const ChunkIndex* ix,
+                                       const Box& box) {
+  std::vector<uint32_t> out;
+  if (!ix) {
+    out.reserve(t.chunks.size());
+    for (size_t i = 0; i < t.chunks.size(); ++i) out.push_back(static_cast<uint32_t>(i));
+    return out;
+  }
+  // A chunk starting at or before box.start - max_extent ends at or before
+  // box.start; one starting at or after box.end starts past it.
+  const int64_t lo = box.offsets[0] - ix->max_extent;
+  const int64_t hi = box.offsets[0] + box.sizes[0];
+  auto start_of = [&](uint32_t c) { return t.chunks[c].offsets[0]; };
+  auto first = std::upper_bound(ix->by_start.begin(), ix->by_start.end(), lo,
+                                [&](int64_t v, uint32_t c) { return v < start_of(c); });
+  auto last = std::lower_bound(first, ix->by_start.end(), hi,
+                               [&](uint32_t c, int64_t v) { return start_of(c) < v; });
+  out.assign(first, last);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// Appends the reads of the blocks of one chunk that hold bytes of `region`.
+void plan_chunk_reads(const LoadRequest& req, uint32_t tensor_idx, uint32_t chunk_idx,
+                      const ManifestChunk& c, const Box& region, const Box& cbox, size_t elem_size,
+                      uint64_t block_bytes, const LoadPlanOptions& opts, std::vector<ReadOp>* out) {
+  // A checkpoint without a block size is read as one block per chunk.
+  const uint64_t bb = block_bytes ? block_bytes : std::max<uint64_t>(c.byte_length, 1);
+
+  // Inclusive ranges of touched blocks. Runs of a region arrive in increasing
+  // chunk order (the region is a sub-box of the chunk, both row-major), so a
+  // new range only ever extends or follows the last one.
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  for_each_run(region, cbox, req.box, [&](int64_t s, int64_t, int64_t n) {
+    const uint64_t first = static_cast<uint64_t>(s) * elem_size / bb;
+    const uint64_t last = (static_cast<uint64_t>(s + n) * elem_size - 1) / bb;
+    if (!ranges.empty() && first <= ranges.back().second + 1) {
+      ranges.back().second = std::max(ranges.back().second, last);
+    } else {
+      ranges.emplace_back(first, last);
+    }
+  });
+
+  const uint64_t max_blocks = std::max<uint64_t>(1, opts.max_read_bytes / bb);
+  for (const auto& [first, last] : ranges) {
+    for (uint64_t b = first; b <= last; b += max_blocks) {
+      const uint64_t nb = std::min(max_blocks, last - b + 1);
+      ReadOp op;
+      op.entry = req.entry;
+      op.tensor = tensor_idx;
+      op.chunk = chunk_idx;
+      op.file = c.file;
+      op.chunk_offset = b * bb;
+      // The chunk's last block may be short.
+      op.length = std::min((b + nb) * bb, c.byte_length) - op.chunk_offset;
+      op.file_offset = c.byte_offset + op.chunk_offset;
+      op.first_block = static_cast<uint32_t>(b);
+      op.nblocks = static_cast<uint32_t>(nb);
+      op.region = region;
+      op.chunk_box = cbox;
+      op.target_box = req.box;
+      out->push_back(std::move(op));
+    }
+  }
+}
+
+// The runs of for_each_run(region, src, dst), addressable by index. A read
+// holds a slice of a chunk; seeking straight to its first run keeps copying a
+// chunk split into many reads linear in the runs instead of reads x runs.
+class RunCursor {
+ public:
+  RunCursor(const Box& region, const Box& src, const Box& dst) : sizes_(region.sizes) {
+    const size_t r = region.rank();
+    if (region.empty()) {
+      count_ = 0;
+      return;
+    }
+    // Same merge rule as for_each_run.
+    inner_ = r == 0 ? 0 : r - 1;
+    while (inner_ > 0 && region.sizes[inner_] == src.sizes[inner_] &&
+           region.sizes[inner_] == dst.sizes[inner_])
+      --inner_;
+    for (size_t k = inner_; k < r; ++k) run_ *= region.sizes[k];
+    src_stride_.resize(r);
+    dst_stride_.resize(r);
+    int64_t sa = 1, da = 1;
+    for (size_t k = r; k-- > 0;) {
+      src_stride_[k] = sa;
+      dst_stride_[k] = da;
+      sa *= src.sizes[k];
+      da *= dst.sizes[k];
+    }
+    for (size_t k = 0; k < r; ++k) {
+      src_base_ += (region.offsets[k] - src.offsets[k]) * src_stride_[k];
+      dst_base_ += (region.offsets[k] - dst.offsets[k]) * dst_stride_[k];
+    }
+    count_ = 1;
+    for (size_t k = 0; k < inner_; ++k) count_ *= region.sizes[k];
+    idx_.assign(inner_, 0);
+  }
+
+  int64_t count() const { return count_; }
+  int64_t run() const { return run_; }
+
+  // Source element offset of run i, without moving the cursor.
+  int64_t src_of(int64_t i) const {
+    int64_t s = src_base_;
+    for (size_t k = inner_; k-- > 0;) {
+      s += (i % sizes_[k]) * src_stride_[k];
+      i /= sizes_[k];
+    }
+    return s;
+  }
+
+  void seek(int64_t i) {
+    pos_ = i;
+    src_ = src_base_;
+    dst_ = dst_base_;
+    for (size_t k = inner_; k-- > 0;) {
+      idx_[k] = i % sizes_[k];
+      i /= sizes_[k];
+      src_ += idx_[k] * src_stride_[k];
+      dst_ += idx_[k] * dst_stride_[k];
+    }
+  }
+
+  bool done() const { return pos_ >= count_; }
+  int64_t src() const { return src_; }
+  int64_t dst() const { return dst_; }
+
+  void next() {
+    ++pos_;
+    for (size_t k = inner_; k-- > 0;) {
+      if (++idx_[k] < sizes_[k]) {
+        src_ += src_stride_[k];
+        dst_ += dst_stride_[k];
+        return;
+      }
+      src_ -= (sizes_[k] - 1) * src_stride_[k];
+      dst_ -= (sizes_[k] - 1) * dst_stride_[k];
+      idx_[k] = 0;
+    }
+  }
+
+ private:
+  std::vector<int64_t> sizes_;
+  std::vector<int64_t> src_stride_, dst_stride_;
+  std::vector<int64_t> idx_;
+  size_t inner_ = 0;
+  int64_t run_ = 1;
+  int64_t count_ = 0;
+  int64_t src_base_ = 0, dst_base_ = 0;
+  int64_t pos_ = 0, src_ = 0, dst_ = 0;
+};
+
+}  // namespace
+
+Result<std::vector<LoadRequest>> make_load_requests(const StateDict& sd) {
+  std::vector<LoadRequest> out;
+  out.reserve(sd.size());
+  const auto& entries = sd.entries();
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const auto& e = entries[i];
+    FERRY_RETURN_IF_ERROR(validate_entry(e));
+    LoadRequest r;
+    r.entry = static_cast<uint32_t>(i);
+    r.key = e.key;
+    r.dtype = e.view.dtype;
+    if (e.shard) {
+      r.global_shape = e.shard->global_shape;
+      r.box = Box{e.shard->offsets, e.view.shape};
+    } else {
+      r.global_shape = e.view.shape;
+      r.box = Box::whole(e.view.shape);
+    }
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+Result<std::vector<ReadOp>> make_load_plan(const Manifest& m,
+                                           const std::vector<LoadRequest>& requests,
+                                           const LoadPlanOptions& opts) {
+  std::vector<ReadOp> ops;
+  // Per tensor, built on first use: its chunks are checked once, and indexed
+  // when there are many, however many requests name it.
+  std::unordered_map<uint32_t, std::unique_ptr<ChunkIndex>> seen;
+
+  for (const auto& req : requests) {
+    const ManifestTensor* t = m.find(req.key);
+    if (!t) return Status::not_found("tensor '" + req.key + "' is not in the checkpoint");
+    if (t->dtype != req.dtype)
+      return Status::invalid_argument("tensor '" + req.key + "': dtype " + dtype_name(req.dtype) +
+                                      " requested, checkpoint has " + dtype_name(t->dtype));
+    if (t->global_shape != req.global_shape)
+      return Status::invalid_argument(
+          "tensor '" + req.key + "': global shape " + shape_string(req.global_shape) +
+          " requested, checkpoint has " + shape_string(t->global_shape));
+    if (req.box.offsets.size() != req.global_shape.size() ||
+        std::any_of(req.box.sizes.begin(), req.box.sizes.end(), [](int64_t s) { return s < 0; }) ||
+        !Box::whole(req.global_shape).contains(req.box))
+      return Status::invalid_argument("tensor '" + req.key + "': requested box " +
+                                      req.box.to_string() + " is not inside global shape " +
+                                      shape_string(req.global_shape));
+    const size_t elem_size = dtype_size(t->dtype);
+    if (elem_size == 0) return Status::invalid_argument("tensor '" + req.key + "': unknown dtype");
+    if (req.box.empty()) continue;
+
+    const auto tensor_idx = static_cast<uint32_t>(t - m.tensors.data());
+    auto it = seen.find(tensor_idx);
+    if (it == seen.end()) {
+      FERRY_RETURN_IF_ERROR(check_chunks(*t, elem_size));
+      std::unique_ptr<ChunkIndex> ix;
+      if (t->chunks.size() >= kIndexMinChunks && !t->global_shape.empty())
+        ix = std::make_unique<ChunkIndex>(build_index(*t));
+      it = seen.emplace(tensor_idx, std::move(ix)).first;
+    }
+
+    int64_t covered = 0;
+    for (uint32_t ci : candidate_chunks(*t, it->second.get(), req.box)) {
+      const auto& c = t->chunks[ci];
+      const Box cbox = chunk_box(c);
+      auto region = intersect(cbox, req.box);
+      if (!region) continue;
+      covered += region->numel();
+      plan_chunk_reads(req, tensor_idx, ci, c, *region, cbox, elem_size, m.checksum_block_bytes,
+                       opts, &ops);
+    }
+    // Saved chunks are disjoint, so full coverage is exactly a full count.
+    if (covered != req.box.numel())
+      return Status::invalid_argument("tensor '" + req.key + "': region " + req.box.to_string() +
+                                      " is not fully covered by the checkpoint's chunks (" +
+                                      std::to_string(covered) + " of " +
+                                      std::to_string(req.box.numel()) + " elements)");
+  }
+  return ops;
+}
+
+void for_each_copy(const ReadOp& op, size_t elem_size,
+                   const std::function<void(uint64_t, uint64_t, uint64_t)>& fn) {
+  RunCursor cur(op.region, op.chunk_box, op.target_box);
+  if (cur.count() == 0 || op.length == 0) return;
+  const uint64_t es = elem_size;
+  const uint64_t lo = op.chunk_offset;
+  const uint64_t hi = op.chunk_offset + op.length;
+  const uint64_t run_bytes = static_cast<uint64_t>(cur.run()) * es;
+
+  // First run that ends past the read's start (source offsets grow with the
+  // run index).
+  int64_t a = 0, b = cur.count();
+  while (a < b) {
+    const int64_t mid = a + (b - a) / 2;
+    if (static_cast<uint64_t>(cur.src_of(mid)) * es + run_bytes <= lo) {
+      a = mid + 1;
+    } else {
+      b = mid;
+    }
+  }
+  for (cur.seek(a); !cur.done(); cur.next()) {
+    const uint64_t s = static_cast<uint64_t>(cur.src()) * es;
+    if (s >= hi) break;
+    const uint64_t from = std::max(s, lo);
+    const uint64_t to = std::min(s + run_bytes, hi);
+    fn(from - lo, static_cast<uint64_t>(cur.dst()) * es + (from - s), to - from);
+  }
+}
+
+}  // namespace ferry

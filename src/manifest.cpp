@@ -1,0 +1,516 @@
+// MANIFEST encoding: a small hand-written frame around a Cap'n Proto payload.
+// The byte layout is specified in docs/format.md; keep the two in step.
+
+#include "ferry/manifest.hpp"
+
+#include <capnp/message.h>
+#include <capnp/serialize.h>
+#include <kj/array.h>
+#include <kj/exception.h>
+
+#include <algorithm>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <tuple>
+#include <unordered_set>
+
+#include "ferry/checksum.hpp"
+#include "manifest.capnp.h"
+
+namespace ferry {
+namespace {
+
+// Never changes with the format version: it only says "this is a Ferry
+// manifest", so a reader can tell a foreign file from a newer one.
+constexpr char kMagic[8] = {'F', 'E', 'R', 'R', 'Y', 'M', 'F', '1'};
+
+// Decode-time limits. The traversal limit must scale with the input because a
+// manifest of a 1,000-rank job is far larger than Cap'n Proto's 64 MiB
+// default; the factor leaves room for Cap'n Proto's accounting of pointers
+// and list headers, and the margin for tiny messages.
+constexpr uint64_t kTraversalFactor = 4;
+constexpr uint64_t kTraversalMarginWords = 4096;
+// The schema nests five levels deep (Manifest > tensors > Tensor > chunks >
+// Chunk > lists); anything much deeper is not ours.
+constexpr int kNestingLimit = 16;
+
+void put_u16(std::string& out, uint16_t v) {
+  for (int i = 0; i < 2; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+void put_u32(std::string& out, uint32_t v) {
+  for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+void put_u64(std::string& out, uint64_t v) {
+  for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+
+// Reads the frame front to back; every take() is bounds-checked so a
+// truncated or lying frame turns into a corruption status, never a read past
+// the end.
+class FrameReader {
+ public:
+  explicit FrameReader(std::string_view bytes) : bytes_(bytes) {}
+
+  size_t position() const { return pos_; }
+  size_t remaining() const { return bytes_.size() - pos_; }
+
+  bool take(size_t n, std::string_view* out) {
+    if (remaining() < n) return false;
+    *out = bytes_.substr(pos_, n);
+    pos_ += n;
+    return true;
+  }
+  template <class T>
+  bool take_le(T* out) {
+    std::string_view b;
+    if (!take(sizeof(T), &b)) return false;
+    T v = 0;
+    for (size_t i = 0; i < sizeof(T); ++i)
+      v |= static_cast<T>(static_cast<unsigned char>(b[i])) << (8 * i);
+    *out = v;
+    return true;
+  }
+
+ private:
+  std::string_view bytes_;
+  size_t pos_ = 0;
+};
+
+Status truncated(const FrameReader& r, const char* what) {
+  return Status::corruption("MANIFEST is truncated: " + std::string(what) + " at byte " +
+                            std::to_string(r.position()) + " runs past the end (" +
+                            std::to_string(r.remaining()) + " bytes left)");
+}
+
+capnp::Text::Reader text(const std::string& s) {
+  return capnp::Text::Reader(s.c_str(), s.size());
+}
+std::string str(capnp::Text::Reader t) {
+  return std::string(t.begin(), t.size());
+}
+
+template <class ListBuilder>
+void fill_i64(ListBuilder list, const std::vector<int64_t>& v) {
+  for (size_t i = 0; i < v.size(); ++i) list.set(static_cast<unsigned>(i), v[i]);
+}
+
+// Reads the payload into *out. Throws kj::Exception on a malformed message
+// (the caller catches it); of the semantics it checks only what the C++ form
+// cannot hold, an unknown dtype name.
+Status from_proto(proto::Manifest::Reader root, Manifest* out) {
+  Manifest& m = *out;
+  m.format_version = root.getFormatVersion();
+  for (auto f : root.getRequiredFeatures()) m.required_features.push_back(str(f));
+  m.step = root.getStep();
+  m.commit_seq = root.getCommitSeq();
+  m.world_size = root.getWorldSize();
+  m.job_id = str(root.getJobId());
+  m.checkpoint_id = str(root.getCheckpointId());
+  m.fsynced = root.getFsynced();
+  m.checksum_block_bytes = root.getChecksumBlockBytes();
+  m.created_unix_ms = root.getCreatedUnixMs();
+
+  auto files = root.getFiles();
+  m.files.reserve(files.size());
+  for (auto f : files) m.files.push_back({str(f.getName()), f.getSize(), f.getRank()});
+
+  auto tensors = root.getTensors();
+  m.tensors.reserve(tensors.size());
+  for (auto t : tensors) {
+    ManifestTensor mt;
+    mt.key = str(t.getKey());
+    std::string dtype = str(t.getDtype());
+    auto parsed = parse_dtype(dtype);
+    if (!parsed.ok())
+      return Status::corruption("manifest: tensor '" + mt.key + "': unknown dtype '" + dtype + "'");
+    mt.dtype = parsed.value();
+    for (int64_t d : t.getGlobalShape()) mt.global_shape.push_back(d);
+    auto chunks = t.getChunks();
+    mt.chunks.reserve(chunks.size());
+    for (auto c : chunks) {
+      ManifestChunk mc;
+      for (int64_t o : c.getOffsets()) mc.offsets.push_back(o);
+      for (int64_t s : c.getSizes()) mc.sizes.push_back(s);
+      mc.file = c.getFile();
+      mc.byte_offset = c.getByteOffset();
+      mc.byte_length = c.getByteLength();
+      mc.entry = str(c.getEntry());
+      auto sums = c.getChecksums();
+      mc.checksums.reserve(sums.size());
+      for (uint64_t s : sums) mc.checksums.push_back(s);
+      mt.chunks.push_back(std::move(mc));
+    }
+    m.tensors.push_back(std::move(mt));
+  }
+
+  for (auto kv : root.getMetadata()) m.metadata.emplace_back(str(kv.getKey()), str(kv.getValue()));
+  return Status();
+}
+
+// a * b into *out, false on overflow.
+bool mul_u64(uint64_t a, uint64_t b, uint64_t* out) {
+  return !__builtin_mul_overflow(a, b, out);
+}
+
+std::string dims_to_string(const std::vector<int64_t>& v) {
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(v[i]);
+  }
+  return s + "]";
+}
+
+// The loader counts covered elements to decide whether a request is fully
+// covered, which is only sound if a tensor's chunks never overlap. A sweep
+// along the dimension with the most distinct offsets keeps this close to
+// n log n for row, column and grid shardings. REQUIRES: every chunk's box is
+// inside the global shape.
+Status check_disjoint(const ManifestTensor& t, const std::string& who) {
+  std::vector<size_t> live;  // chunks with at least one element
+  for (size_t i = 0; i < t.chunks.size(); ++i) {
+    bool empty = false;
+    for (int64_t s : t.chunks[i].sizes) empty = empty || s == 0;
+    if (!empty) live.push_back(i);
+  }
+  if (live.size() < 2) return Status();
+  const size_t rank = t.global_shape.size();
+  auto overlap = [&](size_t a, size_t b) {
+    const auto& x = t.chunks[a];
+    const auto& y = t.chunks[b];
+    for (size_t d = 0; d < rank; ++d)
+      if (x.offsets[d] >= y.offsets[d] + y.sizes[d] || y.offsets[d] >= x.offsets[d] + x.sizes[d])
+        return false;
+    return true;  // a 0-d tensor's chunks always overlap
+  };
+  size_t sweep = 0, best = 0;
+  for (size_t d = 0; d < rank; ++d) {
+    std::vector<int64_t> offs;
+    offs.reserve(live.size());
+    for (size_t i : live) offs.push_back(t.chunks[i].offsets[d]);
+    std::sort(offs.begin(), offs.end());
+    const size_t distinct =
+        static_cast<size_t>(std::unique(offs.begin(), offs.end()) - offs.begin());
+    if (distinct > best) best = distinct, sweep = d;
+  }
+  auto begin = [&](size_t i) { return rank ? t.chunks[i].offsets[sweep] : 0; };
+  auto end = [&](size_t i) {
+    return rank ? t.chunks[i].offsets[sweep] + t.chunks[i].sizes[sweep] : 1;
+  };
+  std::sort(live.begin(), live.end(), [&](size_t a, size_t b) { return begin(a) < begin(b); });
+  std::vector<size_t> active;  // chunks whose extent along `sweep` reaches the current one
+  for (size_t i : live) {
+    active.erase(
+        std::remove_if(active.begin(), active.end(), [&](size_t a) { return end(a) <= begin(i); }),
+        active.end());
+    for (size_t a : active)
+      if (overlap(a, i))
+        return Status::corruption(who + ": chunk " + std::to_string(i) + " overlaps chunk " +
+                                  std::to_string(a) + " (offsets " +
+                                  dims_to_string(t.chunks[i].offsets) + " and " +
+                                  dims_to_string(t.chunks[a].offsets) + ")");
+    active.push_back(i);
+  }
+  return Status();
+}
+
+// Everything a reader relies on before it touches a data file: a manifest
+// that passes here cannot send a load outside a file or a tensor.
+Status check_semantics(const Manifest& m) {
+  if (m.checksum_block_bytes == 0) return Status::corruption("manifest: checksum_block_bytes is 0");
+  if (m.world_size <= 0)
+    return Status::corruption("manifest: world size " + std::to_string(m.world_size) +
+                              " is not positive");
+
+  std::unordered_set<std::string> file_names;
+  for (size_t i = 0; i < m.files.size(); ++i) {
+    const auto& f = m.files[i];
+    // The name is joined to the checkpoint directory: it must not escape it.
+    if (f.name.empty() || f.name == "." || f.name == ".." ||
+        f.name.find_first_of(std::string("/\0", 2)) != std::string::npos)
+      return Status::corruption("manifest: file " + std::to_string(i) + " has an invalid name '" +
+                                f.name + "'");
+    if (!file_names.insert(f.name).second)
+      return Status::corruption("manifest: file '" + f.name + "' is listed twice");
+    if (f.rank < 0 || f.rank >= m.world_size)
+      return Status::corruption("manifest: file '" + f.name + "' was written by rank " +
+                                std::to_string(f.rank) + ", outside world size " +
+                                std::to_string(m.world_size));
+  }
+
+  struct Range {
+    uint32_t file;
+    uint64_t begin, end;
+    size_t tensor, chunk;
+  };
+  std::vector<Range> ranges;
+  std::unordered_set<std::string> entries;  // file index + '/' + entry
+
+  for (size_t ti = 0; ti < m.tensors.size(); ++ti) {
+    const auto& t = m.tensors[ti];
+    const std::string who = "manifest: tensor '" + t.key + "'";
+    if (t.key.empty())
+      return Status::corruption("manifest: tensor " + std::to_string(ti) + " has an empty key");
+    if (ti > 0 && !(m.tensors[ti - 1].key < t.key)) {
+      if (m.tensors[ti - 1].key == t.key) return Status::corruption(who + " is listed twice");
+      return Status::corruption(who + " is out of order (after '" + m.tensors[ti - 1].key +
+                                "'): tensors must be sorted by key");
+    }
+    const uint64_t elem = dtype_size(t.dtype);
+    if (elem == 0) return Status::corruption(who + ": unknown dtype");
+    for (int64_t d : t.global_shape)
+      if (d < 0)
+        return Status::corruption(who + ": negative dimension in global shape " +
+                                  dims_to_string(t.global_shape));
+
+    for (size_t ci = 0; ci < t.chunks.size(); ++ci) {
+      const auto& c = t.chunks[ci];
+      const std::string cwho = who + " chunk " + std::to_string(ci);
+      const size_t rank = t.global_shape.size();
+      if (c.offsets.size() != rank || c.sizes.size() != rank)
+        return Status::corruption(cwho + ": box rank (offsets " + std::to_string(c.offsets.size()) +
+                                  ", sizes " + std::to_string(c.sizes.size()) +
+                                  ") differs from tensor rank " + std::to_string(rank));
+      uint64_t numel = 1;
+      bool overflow = false;
+      for (size_t d = 0; d < rank; ++d) {
+        const int64_t o = c.offsets[d], s = c.sizes[d], g = t.global_shape[d];
+        if (o < 0 || s < 0 || o > g || s > g - o)
+          return Status::corruption(cwho + ": box offsets " + dims_to_string(c.offsets) +
+                                    " sizes " + dims_to_string(c.sizes) +
+                                    " lies outside global shape " + dims_to_string(t.global_shape));
+        overflow = overflow || !mul_u64(numel, static_cast<uint64_t>(s), &numel);
+      }
+      uint64_t expected = 0;
+      if (overflow || !mul_u64(numel, elem, &expected))
+        return Status::corruption(cwho + ": byte size of box " + dims_to_string(c.sizes) +
+                                  " overflows");
+      if (c.byte_length != expected)
+        return Status::corruption(cwho + ": byte length " + std::to_string(c.byte_length) +
+                                  ", expected " + std::to_string(expected) + " (" +
+                                  std::to_string(numel) + " x " + dtype_name(t.dtype) + ")");
+      if (c.file >= m.files.size())
+        return Status::corruption(cwho + ": file index " + std::to_string(c.file) +
+                                  " out of range (" + std::to_string(m.files.size()) + " files)");
+      const auto& f = m.files[c.file];
+      if (c.byte_offset > f.size || c.byte_length > f.size - c.byte_offset)
+        return Status::corruption(cwho + ": bytes [" + std::to_string(c.byte_offset) + ", +" +
+                                  std::to_string(c.byte_length) + ") run past the end of file '" +
+                                  f.name + "' (" + std::to_string(f.size) + " bytes)");
+      if (!c.checksums.empty()) {
+        const uint64_t blocks = c.byte_length / m.checksum_block_bytes +
+                                (c.byte_length % m.checksum_block_bytes != 0 ? 1 : 0);
+        if (c.checksums.size() != blocks)
+          return Status::corruption(cwho + ": " + std::to_string(c.checksums.size()) +
+                                    " checksums, expected " + std::to_string(blocks) + " for " +
+                                    std::to_string(c.byte_length) + " bytes in blocks of " +
+                                    std::to_string(m.checksum_block_bytes));
+      }
+      if (!entries.insert(std::to_string(c.file) + "/" + c.entry).second)
+        return Status::corruption(cwho + ": entry '" + c.entry + "' appears twice in file '" +
+                                  f.name + "'");
+      if (c.byte_length > 0)
+        ranges.push_back({c.file, c.byte_offset, c.byte_offset + c.byte_length, ti, ci});
+    }
+    FERRY_RETURN_IF_ERROR(check_disjoint(t, who));
+  }
+
+  // Two chunks sharing bytes would make one of them wrong whatever is on disk.
+  std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) {
+    return std::tie(a.file, a.begin) < std::tie(b.file, b.begin);
+  });
+  for (size_t i = 1; i < ranges.size(); ++i) {
+    const auto& a = ranges[i - 1];
+    const auto& b = ranges[i];
+    if (a.file == b.file && b.begin < a.end)
+      return Status::corruption("manifest: tensor '" + m.tensors[b.tensor].key + "' chunk " +
+                                std::to_string(b.chunk) + " overlaps tensor '" +
+                                m.tensors[a.tensor].key + "' chunk " + std::to_string(a.chunk) +
+                                " in file '" + m.files[a.file].name + "'");
+  }
+  return Status();
+}
+
+}  // namespace
+
+const ManifestTensor* Manifest::find(const std::string& key) const {
+  auto it =
+      std::lower_bound(tensors.begin(), tensors.end(), key,
+                       [](const ManifestTensor& t, const std::string& k) { return t.key < k; });
+  return it != tensors.end() && it->key == key ? &*it : nullptr;
+}
+
+uint64_t Manifest::total_bytes() const {
+  uint64_t n = 0;
+  for (const auto& t : tensors)
+    for (const auto& c : t.chunks) n += c.byte_length;
+  return n;
+}
+
+const std::vector<std::string>& known_manifest_features() {
+  // Empty until a feature (e.g. a compression codec) exists; a name added
+  // here must also be described in docs/format.md.
+  static const std::vector<std::string> kKnown;
+  return kKnown;
+}
+
+std::string encode_manifest(const Manifest& m) {
+  capnp::MallocMessageBuilder message;
+  auto root = message.initRoot<proto::Manifest>();
+  root.setFormatVersion(m.format_version);
+  root.setStep(m.step);
+  root.setCommitSeq(m.commit_seq);
+  root.setWorldSize(m.world_size);
+  root.setJobId(text(m.job_id));
+  root.setCheckpointId(text(m.checkpoint_id));
+  root.setFsynced(m.fsynced);
+  root.setChecksumBlockBytes(m.checksum_block_bytes);
+  root.setCreatedUnixMs(m.created_unix_ms);
+
+  auto features = root.initRequiredFeatures(static_cast<unsigned>(m.required_features.size()));
+  for (size_t i = 0; i < m.required_features.size(); ++i)
+    features.set(static_cast<unsigned>(i), text(m.required_features[i]));
+
+  auto files = root.initFiles(static_cast<unsigned>(m.files.size()));
+  for (size_t i = 0; i < m.files.size(); ++i) {
+    auto f = files[static_cast<unsigned>(i)];
+    f.setName(text(m.files[i].name));
+    f.setSize(m.files[i].size);
+    f.setRank(m.files[i].rank);
+  }
+
+  auto tensors = root.initTensors(static_cast<unsigned>(m.tensors.size()));
+  for (size_t i = 0; i < m.tensors.size(); ++i) {
+    const auto& mt = m.tensors[i];
+    auto t = tensors[static_cast<unsigned>(i)];
+    t.setKey(text(mt.key));
+    t.setDtype(dtype_name(mt.dtype));
+    fill_i64(t.initGlobalShape(static_cast<unsigned>(mt.global_shape.size())), mt.global_shape);
+    auto chunks = t.initChunks(static_cast<unsigned>(mt.chunks.size()));
+    for (size_t j = 0; j < mt.chunks.size(); ++j) {
+      const auto& mc = mt.chunks[j];
+      auto c = chunks[static_cast<unsigned>(j)];
+      fill_i64(c.initOffsets(static_cast<unsigned>(mc.offsets.size())), mc.offsets);
+      fill_i64(c.initSizes(static_cast<unsigned>(mc.sizes.size())), mc.sizes);
+      c.setFile(mc.file);
+      c.setByteOffset(mc.byte_offset);
+      c.setByteLength(mc.byte_length);
+      c.setEntry(text(mc.entry));
+      auto sums = c.initChecksums(static_cast<unsigned>(mc.checksums.size()));
+      for (size_t k = 0; k < mc.checksums.size(); ++k)
+        sums.set(static_cast<unsigned>(k), mc.checksums[k]);
+    }
+  }
+
+  auto metadata = root.initMetadata(static_cast<unsigned>(m.metadata.size()));
+  for (size_t i = 0; i < m.metadata.size(); ++i) {
+    auto kv = metadata[static_cast<unsigned>(i)];
+    kv.setKey(text(m.metadata[i].first));
+    kv.setValue(text(m.metadata[i].second));
+  }
+
+  kj::Array<capnp::word> words = capnp::messageToFlatArray(message);
+  kj::ArrayPtr<const kj::byte> payload = words.asBytes();
+
+  std::string out;
+  size_t feature_bytes = 0;
+  for (const auto& f : m.required_features) feature_bytes += 2 + f.size();
+  out.reserve(sizeof(kMagic) + 8 + feature_bytes + 16 + payload.size());
+  out.append(kMagic, sizeof(kMagic));
+  put_u32(out, m.format_version);
+  put_u32(out, static_cast<uint32_t>(m.required_features.size()));
+  for (const auto& f : m.required_features) {
+    // Feature names are short identifiers; a longer one is a caller bug.
+    const size_t n = std::min<size_t>(f.size(), std::numeric_limits<uint16_t>::max());
+    put_u16(out, static_cast<uint16_t>(n));
+    out.append(f.data(), n);
+  }
+  put_u64(out, payload.size());
+  put_u64(out, xxh3_64(payload.begin(), payload.size()));
+  out.append(reinterpret_cast<const char*>(payload.begin()), payload.size());
+  return out;
+}
+
+Result<Manifest> decode_manifest(std::string_view bytes) {
+  FrameReader r(bytes);
+  std::string_view magic;
+  if (!r.take(sizeof(kMagic), &magic) || std::memcmp(magic.data(), kMagic, sizeof(kMagic)) != 0)
+    return Status::corruption("MANIFEST has a bad magic (not a Ferry manifest, " +
+                              std::to_string(bytes.size()) + " bytes)");
+
+  uint32_t version = 0;
+  if (!r.take_le(&version)) return truncated(r, "format version");
+  if (version == 0) return Status::corruption("MANIFEST format version is 0");
+  if (version > kManifestFormatVersion)
+    return Status::unsupported("MANIFEST format version " + std::to_string(version) +
+                               " is newer than this build supports (version " +
+                               std::to_string(kManifestFormatVersion) + ")");
+
+  uint32_t feature_count = 0;
+  if (!r.take_le(&feature_count)) return truncated(r, "required feature count");
+  std::vector<std::string> features;
+  const auto& known = known_manifest_features();
+  for (uint32_t i = 0; i < feature_count; ++i) {
+    uint16_t len = 0;
+    std::string_view name;
+    if (!r.take_le(&len) || !r.take(len, &name)) return truncated(r, "required feature");
+    if (name.empty()) return Status::corruption("MANIFEST names an empty required feature");
+    if (std::find(known.begin(), known.end(), name) == known.end())
+      return Status::unsupported("MANIFEST requires feature '" + std::string(name) +
+                                 "', which this build does not know");
+    features.emplace_back(name);
+  }
+
+  uint64_t payload_len = 0, payload_sum = 0;
+  if (!r.take_le(&payload_len) || !r.take_le(&payload_sum)) return truncated(r, "payload header");
+  if (payload_len != r.remaining())
+    return Status::corruption("MANIFEST payload length is " + std::to_string(payload_len) +
+                              " but " + std::to_string(r.remaining()) + " bytes follow");
+  if (payload_len == 0 || payload_len % sizeof(capnp::word) != 0)
+    return Status::corruption("MANIFEST payload length " + std::to_string(payload_len) +
+                              " is not a positive multiple of 8");
+  std::string_view payload;
+  r.take(payload_len, &payload);
+  const uint64_t actual_sum = xxh3_64(payload.data(), payload.size());
+  if (actual_sum != payload_sum)
+    return Status::corruption("MANIFEST payload checksum mismatch (stored " +
+                              std::to_string(payload_sum) + ", computed " +
+                              std::to_string(actual_sum) + ")");
+
+  // Cap'n Proto reads words in place, so it needs 8-byte alignment the input
+  // string does not promise.
+  const size_t nwords = payload_len / sizeof(capnp::word);
+  Manifest m;
+  try {
+    kj::Array<capnp::word> words = kj::heapArray<capnp::word>(nwords);
+    std::memcpy(words.begin(), payload.data(), payload_len);
+    capnp::ReaderOptions options;
+    options.traversalLimitInWords = nwords * kTraversalFactor + kTraversalMarginWords;
+    options.nestingLimit = kNestingLimit;
+    capnp::FlatArrayMessageReader reader(words.asPtr(), options);
+    if (reader.getEnd() != words.end())
+      return Status::corruption("MANIFEST payload has " +
+                                std::to_string((words.end() - reader.getEnd()) * 8) +
+                                " bytes after the message");
+    FERRY_RETURN_IF_ERROR(from_proto(reader.getRoot<proto::Manifest>(), &m));
+  } catch (const kj::Exception& e) {
+    return Status::corruption("MANIFEST payload does not decode: " +
+                              std::string(e.getDescription().cStr()));
+  } catch (const std::exception& e) {
+    return Status::corruption(std::string("MANIFEST payload does not decode: ") + e.what());
+  }
+
+  // The payload repeats the frame's version and features so that a frame
+  // edited without the payload (which the checksum cannot see) is caught.
+  if (m.format_version != version)
+    return Status::corruption("MANIFEST frame says version " + std::to_string(version) +
+                              " but its payload says " + std::to_string(m.format_version));
+  if (m.required_features != features)
+    return Status::corruption("MANIFEST frame and payload list different required features");
+
+  FERRY_RETURN_IF_ERROR(check_semantics(m));
+  return m;
+}
+
+}  // namespace ferry

@@ -1,0 +1,628 @@
+// Ferry's settings: one table of keys, a strict validator, and a small INI
+// reader. Ferry parses its own [ferry] section instead of trusting CAF's
+// option binding because CAF 0.17 drops values it cannot parse without a word;
+// here every bad value stops the start with a message naming key, value and
+// source.
+#include "ferry/options.hpp"
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <charconv>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <sstream>
+
+namespace ferry {
+namespace {
+
+constexpr uint64_t kKiB = 1ull << 10;
+constexpr uint64_t kMiB = 1ull << 20;
+constexpr uint64_t kGiB = 1ull << 30;
+constexpr uint64_t kTiB = 1ull << 40;
+// O_DIRECT wants offsets and lengths aligned to the logical block size; 4096
+// covers every device Ferry targets, so sizes that become write or checksum
+// boundaries must be multiples of it.
+constexpr uint64_t kAlign = 4096;
+constexpr uint64_t kMaxChunkBytes = kGiB;
+constexpr uint32_t kMaxThreads = 64;
+
+std::string lower(std::string s) {
+  std::transform(s.begin(), s.end(), s.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return s;
+}
+
+bool is_space(char c) {
+  return c == ' ' || c == '\t' || c == '\r' || c == '\f' || c == '\v';
+}
+
+std::string trim(const std::string& s) {
+  size_t b = 0;
+  size_t e = s.size();
+  while (b < e && is_space(s[b])) ++b;
+  while (e > b && is_space(s[e - 1])) --e;
+  return s.substr(b, e - b);
+}
+
+bool all_digits(const std::string& s) {
+  return !s.empty() &&
+         std::all_of(s.begin(), s.end(), [](unsigned char c) { return std::isdigit(c); });
+}
+
+// Quotes a value for an error message so that empty values and stray
+// whitespace stay visible.
+std::string quote_value(const std::string& v) {
+  std::string out = "\"";
+  for (char c : v) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (c == '\n') {
+      out += "\\n";
+    } else if (c == '\t') {
+      out += "\\t";
+    } else {
+      out += c;
+    }
+  }
+  return out + "\"";
+}
+
+// ---- value parsers: each returns false and leaves `why` set on bad input ----
+
+bool parse_uint(const std::string& text, uint64_t max, uint64_t& out) {
+  const std::string t = trim(text);
+  if (!all_digits(t)) return false;
+  auto [p, ec] = std::from_chars(t.data(), t.data() + t.size(), out);
+  return ec == std::errc() && p == t.data() + t.size() && out <= max;
+}
+
+bool parse_size(const std::string& text, uint64_t& out, std::string& why) {
+  why =
+      "expected a size like 512MiB (a whole number of bytes, optionally with a suffix "
+      "B, KB/MB/GB/TB, KiB/MiB/GiB/TiB or K/M/G/T)";
+  const std::string t = trim(text);
+  size_t n = 0;
+  while (n < t.size() && std::isdigit(static_cast<unsigned char>(t[n]))) ++n;
+  if (n == 0) {
+    if (!t.empty() && t[0] == '-') why = "a size cannot be negative";
+    return false;
+  }
+  uint64_t number = 0;
+  auto [p, ec] = std::from_chars(t.data(), t.data() + n, number);
+  if (ec != std::errc() || p != t.data() + n) {
+    why = "too large for a 64-bit byte count";
+    return false;
+  }
+  const std::string suffix = lower(trim(t.substr(n)));
+  static const std::pair<const char*, uint64_t> kSuffixes[] = {
+      {"", 1},
+      {"b", 1},
+      {"k", kKiB},
+      {"kib", kKiB},
+      {"m", kMiB},
+      {"mib", kMiB},
+      {"g", kGiB},
+      {"gib", kGiB},
+      {"t", kTiB},
+      {"tib", kTiB},
+      {"kb", 1000},
+      {"mb", 1000 * 1000},
+      {"gb", 1000ull * 1000 * 1000},
+      {"tb", 1000ull * 1000 * 1000 * 1000},
+  };
+  for (const auto& [name, mult] : kSuffixes) {
+    if (suffix != name) continue;
+    if (number > std::numeric_limits<uint64_t>::max() / mult) {
+      why = "too large for a 64-bit byte count";
+      return false;
+    }
+    out = number * mult;
+    return true;
+  }
+  return false;
+}
+
+bool parse_bool(const std::string& text, bool& out, std::string& why) {
+  why = "expected true/false, on/off, yes/no or 1/0";
+  const std::string t = lower(trim(text));
+  if (t == "true" || t == "on" || t == "yes" || t == "1") {
+    out = true;
+    return true;
+  }
+  if (t == "false" || t == "off" || t == "no" || t == "0") {
+    out = false;
+    return true;
+  }
+  return false;
+}
+
+// Seconds as a plain decimal ("2.5"), or with an "s" or "ms" suffix. No
+// exponents, signs, inf or nan: from_chars would take them, users don't mean them.
+bool parse_duration(const std::string& text, double& out, std::string& why) {
+  why = "expected a duration like 30, 2.5s or 500ms";
+  const std::string t = trim(text);
+  size_t n = 0;
+  while (n < t.size() && std::isdigit(static_cast<unsigned char>(t[n]))) ++n;
+  if (n == 0) return false;
+  if (n < t.size() && t[n] == '.') {
+    const size_t frac = n + 1;
+    n = frac;
+    while (n < t.size() && std::isdigit(static_cast<unsigned char>(t[n]))) ++n;
+    if (n == frac) return false;
+  }
+  double number = 0;
+  auto [p, ec] = std::from_chars(t.data(), t.data() + n, number);
+  if (ec != std::errc() || p != t.data() + n || !std::isfinite(number)) return false;
+  const std::string suffix = lower(trim(t.substr(n)));
+  if (suffix == "ms") {
+    number /= 1000.0;
+  } else if (!suffix.empty() && suffix != "s") {
+    return false;
+  }
+  out = number;
+  return true;
+}
+
+bool parse_threads(const std::string& text, uint32_t& out, std::string& why) {
+  why = "expected a whole number from 1 to " + std::to_string(kMaxThreads);
+  uint64_t v = 0;
+  if (!parse_uint(text, kMaxThreads, v) || v == 0) return false;
+  out = static_cast<uint32_t>(v);
+  return true;
+}
+
+bool parse_aligned_size(const std::string& text, uint64_t max, uint64_t& out, std::string& why) {
+  uint64_t v = 0;
+  if (!parse_size(text, v, why)) return false;
+  if (v == 0 || v % kAlign != 0 || v > max) {
+    why = "must be a positive multiple of 4096 bytes";
+    if (max != std::numeric_limits<uint64_t>::max()) why += " and at most 1GiB";
+    return false;
+  }
+  out = v;
+  return true;
+}
+
+// ---- the key table ----
+
+using ApplyFn = bool (*)(const std::string& value, Options& out, std::string& why);
+
+struct KeySpec {
+  OptionInfo info;
+  ApplyFn apply;
+};
+
+// The order is the order of option_infos() and of config/ferry.ini.
+const std::vector<KeySpec>& key_table() {
+  static const std::vector<KeySpec> kTable = {
+      {{"root", "", "checkpoint directory; empty means every save and load must name one"},
+       [](const std::string& v, Options& o, std::string&) {
+         o.root = v;
+         return true;
+       }},
+      {{"pool-bytes", "1GiB", "pinned staging pool per rank; at least chunk-bytes"},
+       [](const std::string& v, Options& o, std::string& why) {
+         uint64_t n = 0;
+         if (!parse_size(v, n, why)) return false;
+         if (n == 0) {
+           why = "must be positive";
+           return false;
+         }
+         o.pool_bytes = n;
+         return true;
+       }},
+      {{"chunk-bytes", "8MiB",
+        "pool block size and size of one data write; a multiple of 4096, at most 1GiB"},
+       [](const std::string& v, Options& o, std::string& why) {
+         return parse_aligned_size(v, kMaxChunkBytes, o.chunk_bytes, why);
+       }},
+      {{"writers", "2", "writer threads per rank, 1 to 64"},
+       [](const std::string& v, Options& o, std::string& why) {
+         return parse_threads(v, o.writers, why);
+       }},
+      {{"direct-io", "true", "write data with O_DIRECT, bypassing the page cache"},
+       [](const std::string& v, Options& o, std::string& why) {
+         return parse_bool(v, o.direct_io, why);
+       }},
+      {{"fsync", "true",
+        "fsync data files, the manifest and directories before a checkpoint counts as saved"},
+       [](const std::string& v, Options& o, std::string& why) {
+         return parse_bool(v, o.fsync, why);
+       }},
+      {{"checksum", "true", "store an xxh3-64 checksum per checksum block and verify it on load"},
+       [](const std::string& v, Options& o, std::string& why) {
+         return parse_bool(v, o.checksum, why);
+       }},
+      {{"checksum-block-bytes", "1MiB", "bytes covered by one checksum; a multiple of 4096"},
+       [](const std::string& v, Options& o, std::string& why) {
+         return parse_aligned_size(v, std::numeric_limits<uint64_t>::max(), o.checksum_block_bytes,
+                                   why);
+       }},
+      {{"keep-last", "0", "committed checkpoints to keep under root; 0 keeps all"},
+       [](const std::string& v, Options& o, std::string& why) {
+         why = "expected a whole number, 0 or more (0 keeps all)";
+         uint64_t n = 0;
+         if (!parse_uint(v, std::numeric_limits<uint32_t>::max(), n)) return false;
+         o.keep_last = static_cast<uint32_t>(n);
+         return true;
+       }},
+      {{"fail-fast", "false",
+        "a save_async while another save is in flight fails with busy instead of waiting"},
+       [](const std::string& v, Options& o, std::string& why) {
+         return parse_bool(v, o.fail_fast, why);
+       }},
+      {{"lease-seconds", "30",
+        "lease on a pending checkpoint directory; after it a crashed save may be cleaned up"},
+       [](const std::string& v, Options& o, std::string& why) {
+         double s = 0;
+         if (!parse_duration(v, s, why)) return false;
+         if (!(s > 0)) {
+           why = "must be greater than 0";
+           return false;
+         }
+         o.lease_seconds = s;
+         return true;
+       }},
+      {{"readers", "2", "reader threads per rank for load, 1 to 64"},
+       [](const std::string& v, Options& o, std::string& why) {
+         return parse_threads(v, o.readers, why);
+       }},
+  };
+  return kTable;
+}
+
+const KeySpec* find_key(const std::string& key) {
+  for (const auto& spec : key_table()) {
+    if (key == spec.info.key) return &spec;
+  }
+  return nullptr;
+}
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+// The likely intended key for a misspelt one: snake_case, wrong case, a
+// doubled "ferry." prefix, or a near miss. Empty when nothing is close.
+std::string suggest_key(const std::string& key) {
+  std::string k = lower(key);
+  std::replace(k.begin(), k.end(), '_', '-');
+  const std::string prefix = "ferry.";
+  if (k.compare(0, prefix.size(), prefix) == 0) k = k.substr(prefix.size());
+  if (find_key(k)) return k;
+  std::string best;
+  size_t best_d = 3;  // more than two edits away is a different word
+  for (const auto& spec : key_table()) {
+    const size_t d = edit_distance(k, spec.info.key);
+    if (d < best_d) {
+      best_d = d;
+      best = spec.info.key;
+    }
+  }
+  return best;
+}
+
+std::string known_keys() {
+  std::string out;
+  for (const auto& spec : key_table()) {
+    if (!out.empty()) out += ", ";
+    out += spec.info.key;
+  }
+  return out;
+}
+
+std::string from(const std::string& origin) {
+  return " (from " + (origin.empty() ? std::string("an unnamed source") : origin) + ")";
+}
+
+// ---- INI ----
+
+// Splits on '\n'; a trailing '\r' is removed so that CRLF files read the same.
+std::vector<std::string> split_lines(const std::string& text) {
+  std::vector<std::string> lines;
+  size_t start = 0;
+  // A UTF-8 byte order mark is what some editors put first; it is not a key.
+  if (text.compare(0, 3, "\xEF\xBB\xBF") == 0) start = 3;
+  while (start <= text.size()) {
+    size_t end = text.find('\n', start);
+    if (end == std::string::npos) end = text.size();
+    std::string line = text.substr(start, end - start);
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    lines.push_back(std::move(line));
+    if (end == text.size()) break;
+    start = end + 1;
+  }
+  return lines;
+}
+
+bool is_comment_start(char c) {
+  return c == ';' || c == '#';
+}
+
+// Only blanks or a comment may follow a section header or a quoted value.
+bool only_trailer(const std::string& s, size_t pos) {
+  while (pos < s.size() && is_space(s[pos])) ++pos;
+  return pos == s.size() || is_comment_start(s[pos]);
+}
+
+bool valid_key_char(char c) {
+  return std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.';
+}
+
+class IniParser {
+ public:
+  IniParser(const std::string& text, const std::string& origin)
+      : lines_(split_lines(text)), origin_(origin) {}
+
+  Result<std::vector<Setting>> run() {
+    for (size_t i = 0; i < lines_.size(); ++i) {
+      line_no_ = i + 1;
+      const std::string line = trim(lines_[i]);
+      if (line.empty() || is_comment_start(line[0])) continue;
+      Status st = line[0] == '[' ? section(line) : entry(line, i);
+      if (!st.ok()) return st;
+    }
+    return std::move(out_);
+  }
+
+ private:
+  Status error(const std::string& what) const {
+    return Status::invalid_argument(origin_ + ":" + std::to_string(line_no_) + ": " + what);
+  }
+
+  Status section(const std::string& line) {
+    const size_t close = line.find(']');
+    if (close == std::string::npos) return error("unterminated section header " + line);
+    if (!only_trailer(line, close + 1)) {
+      return error("unexpected text after section header " + line.substr(0, close + 1));
+    }
+    section_ = trim(line.substr(1, close - 1));
+    if (section_.empty()) return error("empty section name []");
+    if (section_.compare(0, 6, "ferry.") == 0) {
+      return error("nested section [" + section_ +
+                   "] is not supported: put Ferry's keys directly in [ferry]");
+    }
+    return Status::ok_status();
+  }
+
+  Status entry(const std::string& line, size_t& index) {
+    const size_t eq = line.find('=');
+    if (eq == std::string::npos) return error("expected key = value, got " + quote_value(line));
+    const std::string key = trim(line.substr(0, eq));
+    if (key.empty()) return error("missing key before '='");
+    if (!std::all_of(key.begin(), key.end(), valid_key_char)) {
+      return error("invalid key " + quote_value(key) + " (letters, digits, '-', '_' and '.' only)");
+    }
+    const size_t first_line = line_no_;
+    std::string value;
+    FERRY_RETURN_IF_ERROR(read_value(trim(line.substr(eq + 1)), index, value));
+
+    std::string ferry_key;
+    if (section_ == "ferry") {
+      ferry_key = key;
+    } else if (key.compare(0, 6, "ferry.") == 0) {
+      ferry_key = key.substr(6);
+    } else {
+      return Status::ok_status();  // CAF's or another library's key
+    }
+    out_.push_back({ferry_key, value, origin_ + ":" + std::to_string(first_line)});
+    return Status::ok_status();
+  }
+
+  // `index` advances when a list or map value spans several lines.
+  Status read_value(const std::string& raw, size_t& index, std::string& value) {
+    if (!raw.empty() && raw[0] == '"') return read_quoted(raw, value);
+    if (!raw.empty() && (raw[0] == '[' || raw[0] == '{')) return read_nested(raw, index, value);
+    size_t end = 0;
+    while (end < raw.size() && !is_comment_start(raw[end])) ++end;
+    value = trim(raw.substr(0, end));
+    return Status::ok_status();
+  }
+
+  Status read_quoted(const std::string& raw, std::string& value) {
+    value.clear();
+    for (size_t i = 1; i < raw.size(); ++i) {
+      const char c = raw[i];
+      if (c == '"') {
+        if (!only_trailer(raw, i + 1)) return error("unexpected text after quoted value");
+        return Status::ok_status();
+      }
+      if (c != '\\') {
+        value += c;
+        continue;
+      }
+      if (++i == raw.size()) break;
+      switch (raw[i]) {
+        case '"':
+          value += '"';
+          break;
+        case '\\':
+          value += '\\';
+          break;
+        case 'n':
+          value += '\n';
+          break;
+        case 't':
+          value += '\t';
+          break;
+        default:
+          return error(std::string("unknown escape \\") + raw[i] + " in quoted value");
+      }
+    }
+    return error("unterminated quoted value " + raw);
+  }
+
+  // CAF lists and maps ([1, 2], {a = 1}) may span lines. Ferry has no such
+  // key, but CAF's sections do, and a valid CAF file must not read as broken.
+  Status read_nested(const std::string& raw, size_t& index, std::string& value) {
+    value.clear();
+    int depth = 0;
+    bool in_quote = false;
+    std::string text = raw;
+    for (;;) {
+      for (size_t i = 0; i < text.size(); ++i) {
+        const char c = text[i];
+        if (in_quote) {
+          if (c == '\\' && i + 1 < text.size()) {
+            value += c;
+            value += text[++i];
+            continue;
+          }
+          if (c == '"') in_quote = false;
+        } else if (c == '"') {
+          in_quote = true;
+        } else if (is_comment_start(c)) {
+          break;
+        } else if (c == '[' || c == '{') {
+          ++depth;
+        } else if (c == ']' || c == '}') {
+          if (--depth == 0) {
+            value += c;
+            if (!only_trailer(text, i + 1)) return error("unexpected text after list");
+            value = trim(value);
+            return Status::ok_status();
+          }
+        }
+        value += c;
+      }
+      if (in_quote) return error("unterminated quoted value " + trim(text));
+      if (index + 1 >= lines_.size()) {
+        return error("unterminated list or map (no closing bracket before end of file)");
+      }
+      text = lines_[++index];
+      value += '\n';
+    }
+  }
+
+  std::vector<std::string> lines_;
+  std::string origin_;
+  std::string section_;  // "" before the first header
+  size_t line_no_ = 0;
+  std::vector<Setting> out_;
+};
+
+// `what` describes the file in errors ("config file /x.ini",
+// "FERRY_CONFIG=/x.ini"); `origin` prefixes each setting's origin.
+Result<std::vector<Setting>> read_ini_file(const std::string& path, const std::string& origin,
+                                           const std::string& what) {
+  std::error_code ec;
+  const auto st = std::filesystem::status(path, ec);
+  if (!std::filesystem::exists(st)) return Status::not_found(what + " does not exist");
+  if (std::filesystem::is_directory(st)) {
+    return Status::invalid_argument(what + " is a directory, not an INI file");
+  }
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Status::io_error(what + ": cannot open: " + std::strerror(errno));
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) return Status::io_error(what + ": cannot read: " + std::strerror(errno));
+  return parse_ini_settings(text.str(), origin);
+}
+
+}  // namespace
+
+const std::vector<OptionInfo>& option_infos() {
+  static const std::vector<OptionInfo> kInfos = [] {
+    std::vector<OptionInfo> infos;
+    for (const auto& spec : key_table()) infos.push_back(spec.info);
+    return infos;
+  }();
+  return kInfos;
+}
+
+Result<Options> resolve_options(const std::vector<Setting>& settings) {
+  Options opts;
+  // Where pool-bytes and chunk-bytes last came from, for the cross-key check.
+  std::pair<std::string, std::string> pool_src{find_key("pool-bytes")->info.default_value,
+                                               "default"};
+  std::pair<std::string, std::string> chunk_src{find_key("chunk-bytes")->info.default_value,
+                                                "default"};
+
+  for (const Setting& s : settings) {
+    const KeySpec* spec = find_key(s.key);
+    if (!spec) {
+      std::string msg =
+          "unknown key ferry." + s.key + " = " + quote_value(s.value) + from(s.origin);
+      const std::string hint = suggest_key(s.key);
+      if (!hint.empty()) msg += ": did you mean " + hint + "?";
+      return Status::invalid_argument(msg + "; known keys: " + known_keys());
+    }
+    std::string why;
+    if (!spec->apply(s.value, opts, why)) {
+      return Status::invalid_argument("ferry." + s.key + " = " + quote_value(s.value) +
+                                      from(s.origin) + ": " + why);
+    }
+    if (s.key == "pool-bytes") pool_src = {s.value, s.origin};
+    if (s.key == "chunk-bytes") chunk_src = {s.value, s.origin};
+  }
+
+  // Checked after all sources so that raising both in different files works.
+  if (opts.pool_bytes < opts.chunk_bytes) {
+    return Status::invalid_argument(
+        "ferry.pool-bytes = " + quote_value(pool_src.first) + from(pool_src.second) +
+        " is smaller than ferry.chunk-bytes = " + quote_value(chunk_src.first) +
+        from(chunk_src.second) + ": the pool must hold at least one chunk");
+  }
+  return opts;
+}
+
+Result<std::vector<Setting>> parse_ini_settings(const std::string& text,
+                                                const std::string& origin) {
+  return IniParser(text, origin).run();
+}
+
+Result<std::vector<Setting>> read_ini_settings(const std::string& path) {
+  return read_ini_file(path, path, "config file " + path);
+}
+
+Result<Options> load_options(const std::vector<Setting>& code, const std::string& config_file) {
+  std::vector<Setting> all;
+  auto append = [&all](std::vector<Setting>&& more) {
+    all.insert(all.end(), std::make_move_iterator(more.begin()),
+               std::make_move_iterator(more.end()));
+  };
+
+  if (!config_file.empty()) {
+    FERRY_ASSIGN_OR_RETURN(auto file,
+                           read_ini_file(config_file, config_file, "--config-file " + config_file));
+    append(std::move(file));
+  } else {
+    // CAF skips its default file silently when absent; so does Ferry.
+    const std::string kDefault = "caf-application.ini";
+    std::error_code ec;
+    if (std::filesystem::exists(kDefault, ec)) {
+      FERRY_ASSIGN_OR_RETURN(auto file,
+                             read_ini_file(kDefault, kDefault, "config file " + kDefault));
+      append(std::move(file));
+    }
+  }
+
+  const char* env = std::getenv("FERRY_CONFIG");
+  if (env && *env) {
+    const std::string origin = std::string("FERRY_CONFIG=") + env;
+    FERRY_ASSIGN_OR_RETURN(auto file, read_ini_file(env, origin, origin));
+    append(std::move(file));
+  }
+
+  all.insert(all.end(), code.begin(), code.end());
+  return resolve_options(all);
+}
+
+}  // namespace ferry

@@ -1,0 +1,844 @@
+#include "ferry/plan.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <string_view>
+#include <unordered_map>
+
+#include "ferry/checksum.hpp"
+
+#ifdef FERRY_PLAN_PROFILE
+#include <time.h>
+#include <chrono>
+#include <cstdio>
+#define PROF_T(t) \
+  timespec t;     \
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t)
+#define PROF_MS(a, b) ((b.tv_sec - a.tv_sec) * 1e3 + (b.tv_nsec - a.tv_nsec) / 1e6)
+#define PROF_P(a, b, c, d, e, f)                                                      \
+  std::fprintf(stderr, "intern %.1f scatter %.1f group %.1f assign %.1f emit %.1f\n", \
+               PROF_MS(a, b), PROF_MS(b, c), PROF_MS(c, d), PROF_MS(d, e), PROF_MS(e, f))
+#else
+#define PROF_T(t)
+#define PROF_P(...)
+#endif
+
+namespace ferry {
+
+namespace {
+
+std::string dims_str(const std::vector<int64_t>& v) {
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(v[i]);
+  }
+  return s + "]";
+}
+
+// Python slice style, "[0:4096, 0:128]": the same spelling Box::to_string
+// uses, kept local so error paths need nothing beyond this file.
+std::string box_str(const int64_t* off, const int64_t* size, size_t rank) {
+  std::string s = "[";
+  for (size_t d = 0; d < rank; ++d) {
+    if (d) s += ", ";
+    s += std::to_string(off[d]) + ":" + std::to_string(off[d] + size[d]);
+  }
+  return s + "]";
+}
+
+std::string box_str(const Box& b) {
+  return box_str(b.offsets.data(), b.sizes.data(), b.rank());
+}
+
+int64_t numel_of(const std::vector<int64_t>& sizes) {
+  int64_t n = 1;
+  for (int64_t s : sizes) n *= s;
+  return n;
+}
+
+// Little-endian byte stream, so a digest means the same thing on every host.
+class Canonical {
+ public:
+  void u8(uint8_t v) { buf_.push_back(static_cast<char>(v)); }
+  void u32(uint32_t v) {
+    for (int i = 0; i < 4; ++i) u8(static_cast<uint8_t>(v >> (8 * i)));
+  }
+  void u64(uint64_t v) {
+    for (int i = 0; i < 8; ++i) u8(static_cast<uint8_t>(v >> (8 * i)));
+  }
+  void str(const std::string& s) {
+    u64(s.size());
+    buf_.append(s);
+  }
+  void dims(const std::vector<int64_t>& v) {
+    u32(static_cast<uint32_t>(v.size()));
+    for (int64_t x : v) u64(static_cast<uint64_t>(x));
+  }
+  uint64_t digest() const { return xxh3_64(buf_.data(), buf_.size()); }
+
+ private:
+  std::string buf_;
+};
+
+}  // namespace
+
+uint64_t LocalPlan::digest() const {
+  Canonical c;
+  c.str("ferry.local_plan.v1");
+  c.u32(static_cast<uint32_t>(rank));
+  c.u64(items.size());
+  for (const auto& it : items) {
+    c.str(it.key);
+    c.u8(static_cast<uint8_t>(it.dtype));
+    c.dims(it.global_shape);
+    c.dims(it.box.offsets);
+    c.dims(it.box.sizes);
+    c.u64(it.nbytes);
+  }
+  return c.digest();
+}
+
+Result<LocalPlan> make_local_plan(const StateDict& sd, int32_t rank) {
+  if (rank < 0) return Status::invalid_argument("rank " + std::to_string(rank) + " is negative");
+  if (sd.size() > std::numeric_limits<uint32_t>::max())
+    return Status::invalid_argument("state dict has too many entries");
+  LocalPlan plan;
+  plan.rank = rank;
+  plan.items.reserve(sd.size());
+  uint32_t index = 0;
+  for (const auto& e : sd.entries()) {
+    FERRY_RETURN_IF_ERROR(validate_entry(e));
+    WriteItem it;
+    it.key = e.key;
+    it.dtype = e.view.dtype;
+    it.box.sizes = e.view.shape;
+    if (e.shard) {
+      it.global_shape = e.shard->global_shape;
+      it.box.offsets = e.shard->offsets;
+    } else {
+      it.global_shape = e.view.shape;
+      it.box.offsets.assign(e.view.shape.size(), 0);
+    }
+    it.nbytes = e.view.nbytes();
+    it.entry = index++;
+    plan.items.push_back(std::move(it));
+  }
+  return plan;
+}
+
+namespace {
+
+constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();
+constexpr uint32_t kWhole = kNone - 1;
+
+struct KeyInfo {
+  std::string_view key;
+  const WriteItem* first;  // fixes the dtype and global shape of the key
+  uint32_t first_rank;
+  uint32_t last_rank;  // catches a key listed twice by one rank
+  uint32_t count;
+  uint32_t ndim;
+  uint64_t dsize;
+  int64_t global_numel;
+  uint32_t begin;   // first slot of the key
+  size_t box_base;  // where the box of that slot starts in kbox_
+};
+
+// One item of one rank, as the coordinator sees it while grouping.
+struct Slot {
+  uint32_t rank;
+  uint32_t index;  // into plans[rank].items
+};
+
+// A replica group of several ranks that is written: slots [begin, end) of one
+// key hold the same box, in ascending rank.
+struct Group {
+  uint32_t begin;
+  uint32_t end;
+  uint32_t key;
+  uint64_t nbytes;
+};
+
+struct Slice {
+  int64_t begin;  // rows from the item's dim-0 offset
+  int64_t rows;
+};
+
+// Boxes are stored flat as offsets then sizes, so comparing the whole row
+// orders them by offsets, then sizes.
+int cmp_row(const int64_t* a, const int64_t* b, size_t n) {
+  for (size_t i = 0; i < n; ++i)
+    if (a[i] != b[i]) return a[i] < b[i] ? -1 : 1;
+  return 0;
+}
+
+// Boxes have a handful of dims: a plain loop beats a call to memcpy.
+void copy_row(int64_t* dst, const int64_t* src, size_t n) {
+  for (size_t i = 0; i < n; ++i) dst[i] = src[i];
+}
+
+int64_t row_numel(const int64_t* sizes, size_t ndim) {
+  int64_t n = 1;
+  for (size_t d = 0; d < ndim; ++d) n *= sizes[d];
+  return n;
+}
+
+// The whole of make_global_plan. Items are copied once into flat arrays of
+// int64 boxes (one in rank order, one grouped by key), so that grouping,
+// validation and output walk contiguous memory instead of chasing each
+// WriteItem's vectors across thousands of plans. The per-key scratch is
+// reused, so the per-key work allocates nothing once it has grown.
+class GlobalPlanner {
+ public:
+  GlobalPlanner(const std::vector<LocalPlan>& plans, const GlobalPlanOptions& opts)
+      : plans_(plans), opts_(opts) {}
+
+  Result<GlobalPlan> run() {
+    if (plans_.empty()) return Status::invalid_argument("global plan needs at least one rank");
+    if (opts_.files_per_rank == 0) return Status::invalid_argument("files_per_rank must be >= 1");
+    PROF_T(t0);
+    FERRY_RETURN_IF_ERROR(intern());
+    PROF_T(t1);
+    scatter();
+    PROF_T(t2);
+    assign_.assign(base_.back(), kNone);
+    chunks_of_.assign(plans_.size(), 0);
+    if (opts_.policy == OwnerPolicy::balanced) load_.assign(plans_.size(), 0);
+    for (uint32_t k = 0; k < keys_.size(); ++k) FERRY_RETURN_IF_ERROR(group_key(k));
+    PROF_T(t3);
+    if (opts_.policy == OwnerPolicy::lowest_rank)
+      assign_lowest();
+    else
+      assign_balanced();
+    PROF_T(t4);
+    GlobalPlan gp = emit();
+    PROF_T(t5);
+    PROF_P(t0, t1, t2, t3, t4, t5);
+    return gp;
+  }
+
+ private:
+  Status item_error(uint32_t rank, const WriteItem& it, const std::string& why) const {
+    return Status::invalid_argument("tensor '" + it.key + "' on rank " + std::to_string(rank) +
+                                    ": " + why);
+  }
+
+  // The first item of a key fixes its dtype and global shape.
+  Status init_key(uint32_t rank, const WriteItem& it, KeyInfo* k) const {
+    k->dsize = dtype_size(it.dtype);
+    if (k->dsize == 0) return item_error(rank, it, "unknown dtype");
+    int64_t n = 1;
+    for (int64_t s : it.global_shape) {
+      if (s < 0) return item_error(rank, it, "negative global shape " + dims_str(it.global_shape));
+      if (s != 0 && n > std::numeric_limits<int64_t>::max() / 8 / s)
+        return item_error(rank, it, "global shape too large " + dims_str(it.global_shape));
+      n *= s;
+    }
+    k->ndim = static_cast<uint32_t>(it.global_shape.size());
+    k->global_numel = n;
+    return Status();
+  }
+
+  // REQUIRES: `it` has its key's dtype and global shape. The numel of a box
+  // inside the global shape cannot overflow: init_key bounded the global one.
+  static bool box_ok(const WriteItem& it, const KeyInfo& k) {
+    const size_t n = k.ndim;
+    if (it.box.offsets.size() != n || it.box.sizes.size() != n) return false;
+    const int64_t* o = it.box.offsets.data();
+    const int64_t* s = it.box.sizes.data();
+    const int64_t* g = it.global_shape.data();
+    int64_t numel = 1;
+    for (size_t d = 0; d < n; ++d) {
+      if (o[d] < 0 || s[d] < 0 || o[d] > g[d] || s[d] > g[d] - o[d]) return false;
+      numel *= s[d];
+    }
+    return it.nbytes == static_cast<uint64_t>(numel) * k.dsize;
+  }
+
+  Status box_error(uint32_t rank, const WriteItem& it, const KeyInfo& k) const {
+    const size_t n = k.ndim;
+    if (it.box.offsets.size() != n || it.box.sizes.size() != n)
+      return item_error(rank, it,
+                        "box rank (offsets " + std::to_string(it.box.offsets.size()) + ", sizes " +
+                            std::to_string(it.box.sizes.size()) + ") differs from global rank " +
+                            std::to_string(n));
+    for (size_t d = 0; d < n; ++d) {
+      const int64_t o = it.box.offsets[d], s = it.box.sizes[d], g = it.global_shape[d];
+      if (o < 0 || s < 0 || o > g || s > g - o)
+        return item_error(
+            rank, it,
+            "box " + box_str(it.box) + " is outside global shape " + dims_str(it.global_shape));
+    }
+    const uint64_t want = static_cast<uint64_t>(numel_of(it.box.sizes)) * k.dsize;
+    return item_error(rank, it,
+                      "nbytes " + std::to_string(it.nbytes) + " but box " + box_str(it.box) +
+                          " of " + dtype_name(it.dtype) + " holds " + std::to_string(want));
+  }
+
+  // The loop below is bound by the latency of chasing each item's heap
+  // buffers; asking for them a few items ahead overlaps those misses.
+  static constexpr size_t kAhead = 8;
+  static void prefetch(const WriteItem& it) {
+    __builtin_prefetch(it.key.data());
+    __builtin_prefetch(it.global_shape.data());
+    __builtin_prefetch(it.box.offsets.data());
+    __builtin_prefetch(it.box.sizes.data());
+  }
+
+  // Gives every key a dense id in order of first appearance, checks each item
+  // against its key and copies its box into fbox_. Ranks usually list the same
+  // keys in the same order, so the id found at the same position on the
+  // previous rank is tried before the hash map: one string compare per item.
+  Status intern() {
+    const size_t nranks = plans_.size();
+    if (nranks >= kWhole) return Status::invalid_argument("too many ranks");
+    base_.resize(nranks + 1);
+    size_t total = 0, widest = 0;
+    for (size_t r = 0; r < nranks; ++r) {
+      if (plans_[r].rank != static_cast<int32_t>(r))
+        return Status::invalid_argument("local plan at position " + std::to_string(r) +
+                                        " is for rank " + std::to_string(plans_[r].rank));
+      base_[r] = total;
+      total += plans_[r].items.size();
+      widest = std::max(widest, plans_[r].items.size());
+    }
+    base_[nranks] = total;
+    uniform_ = total == widest * nranks;
+    if (total >= kWhole) return Status::invalid_argument("too many write items");
+    key_of_.reset(new uint32_t[total]);
+    fbox_cap_ = total * 4;  // enough for 2-d tensors; grows for more
+    fbox_.reset(new int64_t[fbox_cap_]);
+    fbox_len_ = 0;
+    std::vector<uint32_t> prev(widest, kNone);
+    for (uint32_t r = 0; r < nranks; ++r) {
+      const auto& items = plans_[r].items;
+      uint32_t* key_of = key_of_.get() + base_[r];
+      for (size_t i = 0; i < items.size(); ++i) {
+        const WriteItem& it = items[i];
+        if (i + kAhead < items.size()) prefetch(items[i + kAhead]);
+        const std::string_view name(it.key);
+        uint32_t id = prev[i];
+        if (id == kNone || keys_[id].key != name) {
+          auto found = ids_.find(name);
+          id = found == ids_.end() ? kNone : found->second;
+        }
+        if (id == kNone) {
+          KeyInfo k{name, &it, r, r, 0, 0, 0, 0, 0, 0};
+          FERRY_RETURN_IF_ERROR(init_key(r, it, &k));
+          id = static_cast<uint32_t>(keys_.size());
+          keys_.push_back(k);
+          ids_.emplace(name, id);
+        } else {
+          KeyInfo& k = keys_[id];
+          if (k.last_rank == r)
+            return Status::invalid_argument("rank " + std::to_string(r) + " lists tensor '" +
+                                            it.key + "' twice");
+          k.last_rank = r;
+          if (it.dtype != k.first->dtype || it.global_shape != k.first->global_shape)
+            return Status::invalid_argument(
+                "tensor '" + it.key + "': rank " + std::to_string(k.first_rank) + " has " +
+                dtype_name(k.first->dtype) + " " + dims_str(k.first->global_shape) + ", rank " +
+                std::to_string(r) + " has " + dtype_name(it.dtype) + " " +
+                dims_str(it.global_shape));
+        }
+        KeyInfo& k = keys_[id];
+        if (!box_ok(it, k)) return box_error(r, it, k);
+        uniform_ &= id == i;
+        if (fbox_len_ + 2 * k.ndim > fbox_cap_) grow_fbox(2 * k.ndim);
+        copy_row(fbox_.get() + fbox_len_, it.box.offsets.data(), k.ndim);
+        copy_row(fbox_.get() + fbox_len_ + k.ndim, it.box.sizes.data(), k.ndim);
+        fbox_len_ += 2 * k.ndim;
+        k.count++;
+        key_of[i] = id;
+        prev[i] = id;
+      }
+    }
+    return Status();
+  }
+
+  void grow_fbox(size_t need) {
+    fbox_cap_ = std::max(2 * fbox_cap_, fbox_len_ + need);
+    std::unique_ptr<int64_t[]> bigger(new int64_t[fbox_cap_]);
+    std::memcpy(bigger.get(), fbox_.get(), fbox_len_ * sizeof(int64_t));
+    fbox_ = std::move(bigger);
+  }
+
+  // Counting sort of all items by key: stable, so each key's slots come out in
+  // ascending rank, with their boxes beside them in kbox_.
+  void scatter() {
+    if (uniform_) return scatter_uniform();
+    uint32_t pos = 0;
+    size_t box = 0;
+    for (KeyInfo& k : keys_) {
+      k.begin = pos;
+      k.box_base = box;
+      pos += k.count;
+      box += static_cast<size_t>(k.count) * 2 * k.ndim;
+    }
+    slots_.reset(new Slot[pos]);
+    kbox_.reset(new int64_t[box]);
+    std::vector<uint32_t> next(keys_.size());
+    std::vector<int64_t*> next_box(keys_.size());
+    for (size_t k = 0; k < keys_.size(); ++k) {
+      next[k] = keys_[k].begin;
+      next_box[k] = kbox_.get() + keys_[k].box_base;
+    }
+    const int64_t* src = fbox_.get();
+    for (uint32_t r = 0; r < plans_.size(); ++r) {
+      const uint32_t n = static_cast<uint32_t>(plans_[r].items.size());
+      const uint32_t* key_of = key_of_.get() + base_[r];
+      for (uint32_t i = 0; i < n; ++i) {
+        const uint32_t k = key_of[i];
+        const size_t width = 2 * keys_[k].ndim;
+        slots_[next[k]++] = {r, i};
+        copy_row(next_box[k], src, width);
+        next_box[k] += width;
+        src += width;
+      }
+    }
+  }
+
+  // Every rank lists the same keys in the same order (item i is key i): the
+  // scatter is a transpose of a ranks x keys matrix of boxes, done in blocks of
+  // keys so that the rows being written stay few (cache and TLB friendly).
+  void scatter_uniform() {
+    const uint32_t nranks = static_cast<uint32_t>(plans_.size());
+    const uint32_t nkeys = static_cast<uint32_t>(keys_.size());
+    size_t box = 0, row = 0;
+    std::vector<size_t> in_row(nkeys);  // a key's box offset within a rank's row of fbox_
+    for (uint32_t i = 0; i < nkeys; ++i) {
+      KeyInfo& k = keys_[i];
+      k.begin = i * nranks;
+      k.box_base = box;
+      box += static_cast<size_t>(nranks) * 2 * k.ndim;
+      in_row[i] = row;
+      row += 2 * k.ndim;
+    }
+    slots_.reset(new Slot[static_cast<size_t>(nkeys) * nranks]);
+    kbox_.reset(new int64_t[box]);
+    constexpr uint32_t kBlock = 32;
+    for (uint32_t kb = 0; kb < nkeys; kb += kBlock) {
+      const uint32_t ke = std::min(nkeys, kb + kBlock);
+      for (uint32_t r = 0; r < nranks; ++r) {
+        const int64_t* src = fbox_.get() + r * row;
+        for (uint32_t i = kb; i < ke; ++i) {
+          const KeyInfo& k = keys_[i];
+          const size_t width = 2 * k.ndim;
+          slots_[k.begin + r] = {r, i};
+          copy_row(kbox_.get() + k.box_base + r * width, src + in_row[i], width);
+        }
+      }
+    }
+  }
+
+  const int64_t* box_at(const KeyInfo& k, uint32_t slot) const {
+    return kbox_.get() + k.box_base + static_cast<size_t>(slot - k.begin) * 2 * k.ndim;
+  }
+
+  // Orders key k's slots by box, then rank, moving the boxes along.
+  void sort_key(const KeyInfo& k) {
+    const size_t width = 2 * k.ndim;
+    const uint32_t n = k.count;
+    int64_t* boxes = kbox_.get() + k.box_base;
+    Slot* slots = slots_.get() + k.begin;
+    perm_.resize(n);
+    for (uint32_t i = 0; i < n; ++i) perm_[i] = i;
+    std::sort(perm_.begin(), perm_.end(), [&](uint32_t a, uint32_t b) {
+      const int c = cmp_row(boxes + a * width, boxes + b * width, width);
+      return c != 0 ? c < 0 : slots[a].rank < slots[b].rank;
+    });
+    tmp_slots_.assign(slots, slots + n);
+    tmp_box_.assign(boxes, boxes + n * width);
+    for (uint32_t i = 0; i < n; ++i) {
+      slots[i] = tmp_slots_[perm_[i]];
+      std::memcpy(boxes + i * width, tmp_box_.data() + perm_[i] * width, width * sizeof(int64_t));
+    }
+  }
+
+  Status group_key(uint32_t kid) {
+    const KeyInfo& k = keys_[kid];
+    const size_t width = 2 * k.ndim;
+    const uint32_t b = k.begin, e = k.begin + k.count;
+    // Row-, column- and grid-sharded plans usually arrive sorted (ranks are
+    // laid out in box order), so the sort is usually skipped.
+    for (uint32_t s = b + 1; s < e; ++s) {
+      if (cmp_row(box_at(k, s - 1), box_at(k, s), width) > 0) {
+        sort_key(k);
+        break;
+      }
+    }
+    distinct_.clear();
+    for (uint32_t g = b; g < e;) {
+      const int64_t* box = box_at(k, g);
+      uint32_t ge = g + 1;
+      while (ge < e && cmp_row(box, box_at(k, ge), width) == 0) ++ge;
+      const int64_t numel = row_numel(box + k.ndim, k.ndim);
+      // A zero-size tensor is written once (its first group) so that the
+      // manifest still lists it; empty shards of other tensors hold nothing.
+      if (k.global_numel == 0 ? g == b : numel != 0) {
+        add_group(kid, g, ge, static_cast<uint64_t>(numel) * k.dsize);
+        if (k.global_numel != 0) distinct_.push_back(g);
+      }
+      g = ge;
+    }
+    if (k.global_numel == 0) return Status();
+    if (chain_covers(k)) return Status();
+    return check_cover(k);
+  }
+
+  // The common shardings in one pass: every box spans the whole tensor but in
+  // one dimension v, and the boxes (sorted, so by their offset in v) abut from
+  // 0 to the end of v. Also the unsharded case: one box, the whole tensor.
+  // False means "not shown", never "invalid": the general check decides.
+  bool chain_covers(const KeyInfo& k) const {
+    if (distinct_.empty()) return false;
+    const size_t nd = k.ndim;
+    const int64_t* global = k.first->global_shape.data();
+    auto full = [&](const int64_t* box, size_t d) {
+      return box[d] == 0 && box[nd + d] == global[d];
+    };
+    const int64_t* first = box_at(k, distinct_[0]);
+    size_t v = nd;
+    for (size_t d = 0; d < nd; ++d) {
+      if (full(first, d)) continue;
+      if (v != nd) return false;
+      v = d;
+    }
+    if (v == nd) return distinct_.size() == 1;
+    int64_t expect = 0;
+    for (uint32_t s : distinct_) {
+      const int64_t* box = box_at(k, s);
+      if (box[v] != expect) return false;
+      for (size_t d = 0; d < nd; ++d)
+        if (d != v && !full(box, d)) return false;
+      expect = box[v] + box[nd + v];
+    }
+    return expect == global[v];
+  }
+
+  Status overlap_error(const KeyInfo& k, uint32_t a, uint32_t b) const {
+    const int64_t* ba = box_at(k, a);
+    const int64_t* bb = box_at(k, b);
+    return Status::invalid_argument(
+        "tensor '" + std::string(k.key) + "': rank " + std::to_string(slots_[a].rank) + " box " +
+        box_str(ba, ba + k.ndim, k.ndim) + " overlaps rank " + std::to_string(slots_[b].rank) +
+        " box " + box_str(bb, bb + k.ndim, k.ndim));
+  }
+
+  // The distinct non-empty boxes of key k (distinct_, sorted by offsets) must
+  // tile the global shape: pairwise disjoint and covering every element.
+  Status check_cover(const KeyInfo& k) {
+    const int64_t* global = k.first->global_shape.data();
+    const size_t ndim = k.ndim;
+    if (cuts_.size() < ndim) cuts_.resize(ndim);
+    // Cut points per dimension: every box edge, plus 0 and the global end so
+    // that gaps at the borders show up as unmarked cells.
+    const uint64_t limit = 8 * static_cast<uint64_t>(distinct_.size()) + 64;
+    uint64_t cells = 1;
+    for (size_t d = 0; d < ndim; ++d) {
+      lo_vals_.clear();
+      hi_vals_.clear();
+      lo_vals_.push_back(0);
+      for (uint32_t s : distinct_) {
+        const int64_t* box = box_at(k, s);
+        lo_vals_.push_back(box[d]);
+        hi_vals_.push_back(box[d] + box[ndim + d]);
+      }
+      hi_vals_.push_back(global[d]);
+      if (!std::is_sorted(lo_vals_.begin(), lo_vals_.end()))
+        std::sort(lo_vals_.begin(), lo_vals_.end());
+      if (!std::is_sorted(hi_vals_.begin(), hi_vals_.end()))
+        std::sort(hi_vals_.begin(), hi_vals_.end());
+      auto& cut = cuts_[d];
+      cut.resize(lo_vals_.size() + hi_vals_.size());
+      cut.erase(std::set_union(lo_vals_.begin(), lo_vals_.end(), hi_vals_.begin(), hi_vals_.end(),
+                               cut.begin()),
+                cut.end());
+      cut.erase(std::unique(cut.begin(), cut.end()), cut.end());
+      const uint64_t n = cut.size() - 1;
+      if (n > limit / cells) return check_cover_sweep(k);
+      cells *= n;
+    }
+    return check_cover_grid(k, cells);
+  }
+
+  // Marks the grid cells each box covers with the box's slot; a cell marked
+  // twice is an overlap, a cell never marked a gap.
+  Status check_cover_grid(const KeyInfo& k, uint64_t cells) {
+    const size_t ndim = k.ndim;
+    mark_.assign(cells, kNone);
+    lo_idx_.resize(ndim);
+    hi_idx_.resize(ndim);
+    cur_.resize(ndim);
+    stride_.resize(ndim);
+    uint64_t st = 1;
+    for (size_t d = ndim; d-- > 0;) {
+      stride_[d] = st;
+      st *= cuts_[d].size() - 1;
+    }
+    size_t row_cursor = 0;  // boxes come sorted by dim-0 offset
+    for (uint32_t s : distinct_) {
+      const int64_t* box = box_at(k, s);
+      for (size_t d = 0; d < ndim; ++d) {
+        const auto& cut = cuts_[d];
+        size_t lo;
+        if (d == 0) {
+          while (cut[row_cursor] < box[0]) ++row_cursor;
+          lo = row_cursor;
+        } else {
+          lo = std::lower_bound(cut.begin(), cut.end(), box[d]) - cut.begin();
+        }
+        const int64_t end = box[d] + box[ndim + d];
+        size_t hi = lo + 1;
+        if (cut[hi] != end) hi = std::lower_bound(cut.begin() + hi, cut.end(), end) - cut.begin();
+        lo_idx_[d] = lo;
+        hi_idx_[d] = hi;
+        cur_[d] = lo;
+      }
+      // Odometer over the cells of the box, last dimension fastest.
+      for (bool more = true; more;) {
+        uint64_t cell = 0;
+        for (size_t d = 0; d < ndim; ++d) cell += cur_[d] * stride_[d];
+        if (mark_[cell] != kNone) return overlap_error(k, mark_[cell], s);
+        mark_[cell] = s;
+        more = false;
+        for (size_t d = ndim; d-- > 0;) {
+          if (++cur_[d] < hi_idx_[d]) {
+            more = true;
+            break;
+          }
+          cur_[d] = lo_idx_[d];
+        }
+      }
+    }
+    for (uint64_t cell = 0; cell < cells; ++cell) {
+      if (mark_[cell] != kNone) continue;
+      std::string where = "[";
+      uint64_t rest = cell;
+      for (size_t d = 0; d < ndim; ++d) {
+        const uint64_t c = rest / stride_[d];
+        rest %= stride_[d];
+        if (d) where += ", ";
+        where += std::to_string(cuts_[d][c]) + ":" + std::to_string(cuts_[d][c + 1]);
+      }
+      return Status::invalid_argument("tensor '" + std::string(k.key) +
+                                      "': no rank holds elements " + where + "] of global shape " +
+                                      dims_str(k.first->global_shape));
+    }
+    return Status();
+  }
+
+  // For boxes that cut the tensor into too many grid cells: sweep along dim 0
+  // keeping the boxes whose dim-0 range is still open, test each new box
+  // against those, then compare volumes (disjoint boxes inside the tensor
+  // cover it iff their volumes add up to its numel).
+  Status check_cover_sweep(const KeyInfo& k) {
+    const size_t ndim = k.ndim;
+    active_.clear();
+    int64_t covered = 0;
+    for (uint32_t s : distinct_) {
+      const int64_t* box = box_at(k, s);
+      size_t keep = 0;
+      for (uint32_t a : active_) {
+        const int64_t* ab = box_at(k, a);
+        if (ab[0] + ab[ndim] > box[0]) active_[keep++] = a;
+      }
+      active_.resize(keep);
+      for (uint32_t a : active_) {
+        const int64_t* ab = box_at(k, a);
+        bool meet = true;
+        for (size_t d = 0; d < ndim && meet; ++d)
+          meet = std::max(ab[d], box[d]) < std::min(ab[d] + ab[ndim + d], box[d] + box[ndim + d]);
+        if (meet) return overlap_error(k, a, s);
+      }
+      active_.push_back(s);
+      covered += row_numel(box + ndim, ndim);
+    }
+    if (covered != k.global_numel)
+      return Status::invalid_argument("tensor '" + std::string(k.key) + "': ranks hold " +
+                                      std::to_string(covered) + " of its " +
+                                      std::to_string(k.global_numel) + " elements (global shape " +
+                                      dims_str(k.first->global_shape) + ")");
+    return Status();
+  }
+
+  size_t flat(const Slot& s) const { return base_[s.rank] + s.index; }
+
+  void give(const Slot& s, uint32_t what) {
+    assign_[flat(s)] = what;
+    chunks_of_[s.rank]++;
+  }
+
+  // A group held by one rank can only go to that rank, under any policy: it is
+  // assigned at once; only replicated groups wait for the policy.
+  void add_group(uint32_t kid, uint32_t begin, uint32_t end, uint64_t nbytes) {
+    unique_items_++;
+    if (end - begin > 1) {
+      groups_.push_back({begin, end, kid, nbytes});
+      return;
+    }
+    give(slots_[begin], kWhole);
+    if (!load_.empty()) load_[slots_[begin].rank] += nbytes;
+  }
+
+  void assign_lowest() {
+    for (const Group& g : groups_) give(slots_[g.begin], kWhole);
+  }
+
+  // LPT greedy: the groups that only one rank holds have loaded their ranks
+  // already (add_group); the replicated ones follow, largest first, each to
+  // its least-loaded member (or in dim-0 slices to several of them when
+  // large).
+  void assign_balanced() {
+    std::vector<uint64_t>& load = load_;
+    std::vector<uint32_t> shared(groups_.size());
+    for (uint32_t gi = 0; gi < groups_.size(); ++gi) shared[gi] = gi;
+    std::sort(shared.begin(), shared.end(), [this](uint32_t a, uint32_t b) {
+      if (groups_[a].nbytes != groups_[b].nbytes) return groups_[a].nbytes > groups_[b].nbytes;
+      return a < b;
+    });
+    std::vector<uint32_t> pick;
+    for (uint32_t gi : shared) {
+      const Group& g = groups_[gi];
+      const KeyInfo& k = keys_[g.key];
+      const uint32_t members = g.end - g.begin;
+      const int64_t rows = k.ndim >= 1 ? box_at(k, g.begin)[k.ndim] : 0;
+      const bool split = opts_.split_bytes > 0 && g.nbytes >= opts_.split_bytes && rows >= 2;
+      if (!split) {
+        uint32_t best = g.begin;
+        for (uint32_t m = g.begin + 1; m < g.end; ++m)
+          if (load[slots_[m].rank] < load[slots_[best].rank]) best = m;
+        give(slots_[best], kWhole);
+        load[slots_[best].rank] += g.nbytes;
+        continue;
+      }
+      const uint32_t parts = static_cast<uint32_t>(std::min<int64_t>(members, rows));
+      pick.resize(members);
+      for (uint32_t m = 0; m < members; ++m) pick[m] = g.begin + m;
+      auto by_load = [this, &load](uint32_t a, uint32_t b) {
+        const uint64_t la = load[slots_[a].rank], lb = load[slots_[b].rank];
+        return la != lb ? la < lb : slots_[a].rank < slots_[b].rank;
+      };
+      std::partial_sort(pick.begin(), pick.begin() + parts, pick.end(), by_load);
+      const uint64_t row_bytes = g.nbytes / static_cast<uint64_t>(rows);
+      const int64_t base = rows / parts, extra = rows % parts;
+      int64_t begin = 0;
+      for (uint32_t p = 0; p < parts; ++p) {
+        const int64_t n = base + (p < extra ? 1 : 0);
+        const Slot& s = slots_[pick[p]];
+        give(s, static_cast<uint32_t>(slices_.size()));
+        slices_.push_back({begin, n});
+        load[s.rank] += static_cast<uint64_t>(n) * row_bytes;
+        begin += n;
+      }
+    }
+  }
+
+  // Each rank holds one item per key and split slices go to distinct members,
+  // so a rank writes at most one chunk per item: walking its items in order
+  // yields its chunks already in write order.
+  GlobalPlan emit() {
+    GlobalPlan gp;
+    gp.ranks.resize(plans_.size());
+    gp.unique_items = unique_items_;
+    const int64_t* box = fbox_.get();
+    for (uint32_t r = 0; r < plans_.size(); ++r) {
+      RankPlan& rp = gp.ranks[r];
+      rp.rank = static_cast<int32_t>(r);
+      rp.files = opts_.files_per_rank;
+      rp.chunks.reserve(chunks_of_[r]);
+      const uint32_t n = static_cast<uint32_t>(plans_[r].items.size());
+      const uint32_t* assign = assign_.data() + base_[r];
+      const uint32_t* key_of = key_of_.get() + base_[r];
+      for (uint32_t i = 0; i < n; ++i) {
+        const KeyInfo& k = keys_[key_of[i]];
+        const int64_t* item_box = box;
+        box += 2 * k.ndim;
+        const uint32_t a = assign[i];
+        if (a == kNone) continue;
+        rp.chunks.emplace_back();
+        ChunkAssignment& c = rp.chunks.back();
+        c.item = i;
+        c.box.offsets.assign(item_box, item_box + k.ndim);
+        c.box.sizes.assign(item_box + k.ndim, item_box + 2 * k.ndim);
+        if (a != kWhole) {
+          c.box.offsets[0] += slices_[a].begin;
+          c.box.sizes[0] = slices_[a].rows;
+        }
+        rp.bytes += static_cast<uint64_t>(row_numel(c.box.sizes.data(), k.ndim)) * k.dsize;
+      }
+      if (rp.files > 1) assign_files(&rp, plans_[r].items);
+      gp.total_bytes += rp.bytes;
+    }
+    return gp;
+  }
+
+  // Largest chunk first to the file with the fewest bytes so far (ties: the
+  // lowest file), so the files of a rank end up about the same size.
+  void assign_files(RankPlan* rp, const std::vector<WriteItem>& items) {
+    const size_t n = rp->chunks.size();
+    chunk_bytes_.resize(n);
+    order_.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      const ChunkAssignment& c = rp->chunks[i];
+      chunk_bytes_[i] =
+          static_cast<uint64_t>(numel_of(c.box.sizes)) * dtype_size(items[c.item].dtype);
+      order_[i] = static_cast<uint32_t>(i);
+    }
+    std::sort(order_.begin(), order_.end(), [this](uint32_t a, uint32_t b) {
+      return chunk_bytes_[a] != chunk_bytes_[b] ? chunk_bytes_[a] > chunk_bytes_[b] : a < b;
+    });
+    file_load_.assign(rp->files, 0);
+    for (uint32_t c : order_) {
+      const size_t best =
+          std::min_element(file_load_.begin(), file_load_.end()) - file_load_.begin();
+      rp->chunks[c].file = static_cast<uint32_t>(best);
+      file_load_[best] += chunk_bytes_[c];
+    }
+  }
+
+  const std::vector<LocalPlan>& plans_;
+  const GlobalPlanOptions& opts_;
+
+  std::vector<size_t> base_;            // flat index of each rank's first item
+  std::unique_ptr<uint32_t[]> key_of_;  // key id per flat item
+  std::unique_ptr<int64_t[]> fbox_;     // boxes in flat (rank, item) order
+  size_t fbox_len_ = 0, fbox_cap_ = 0;
+  std::vector<KeyInfo> keys_;
+  std::unordered_map<std::string_view, uint32_t> ids_;
+  std::unique_ptr<Slot[]> slots_;    // items grouped by key, sorted by box
+  std::unique_ptr<int64_t[]> kbox_;  // their boxes, in slot order
+  bool uniform_ = false;             // every rank lists the same keys in the same order
+  std::vector<Group> groups_;        // replicated groups, waiting for the policy
+  uint64_t unique_items_ = 0;
+  std::vector<uint64_t> load_;       // bytes per rank (balanced policy only)
+  std::vector<uint32_t> assign_;     // per flat item: kNone, kWhole or a slice
+  std::vector<uint32_t> chunks_of_;  // per rank
+  std::vector<Slice> slices_;
+
+  // Scratch reused across keys and ranks.
+  std::vector<uint32_t> perm_;
+  std::vector<Slot> tmp_slots_;
+  std::vector<int64_t> tmp_box_;
+  std::vector<uint32_t> distinct_;
+  std::vector<std::vector<int64_t>> cuts_;
+  std::vector<int64_t> lo_vals_, hi_vals_;
+  std::vector<uint32_t> mark_;
+  std::vector<size_t> lo_idx_, hi_idx_, cur_;
+  std::vector<uint64_t> stride_;
+  std::vector<uint32_t> active_;
+  std::vector<uint64_t> chunk_bytes_, file_load_;
+  std::vector<uint32_t> order_;
+};
+
+}  // namespace
+
+Result<GlobalPlan> make_global_plan(const std::vector<LocalPlan>& plans,
+                                    const GlobalPlanOptions& opts) {
+  return GlobalPlanner(plans, opts).run();
+}
+
+}  // namespace ferry

@@ -1,0 +1,125 @@
+#include "ferry/pool.hpp"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <limits>
+#include <string>
+
+namespace ferry {
+namespace {
+
+constexpr uint64_t kPageBytes = 4096;
+
+std::string lease_text(const Lease& l) {
+  return "block " + std::to_string(l.index) + " generation " + std::to_string(l.generation);
+}
+
+}  // namespace
+
+Result<std::unique_ptr<StagingPool>> StagingPool::create(uint64_t bytes, uint64_t block_bytes) {
+  if (block_bytes == 0 || block_bytes % kPageBytes != 0) {
+    return Status::invalid_argument("staging pool: block_bytes " + std::to_string(block_bytes) +
+                                    " is not a positive multiple of 4096");
+  }
+  if (bytes < block_bytes) {
+    return Status::invalid_argument("staging pool: pool bytes " + std::to_string(bytes) +
+                                    " is smaller than block_bytes " + std::to_string(block_bytes));
+  }
+  uint64_t blocks = bytes / block_bytes;
+  if (blocks > std::numeric_limits<uint32_t>::max()) {
+    return Status::invalid_argument("staging pool: " + std::to_string(blocks) + " blocks of " +
+                                    std::to_string(block_bytes) +
+                                    " bytes exceed the 2^32-1 a lease can index");
+  }
+  uint64_t total = blocks * block_bytes;
+  if (total > std::numeric_limits<size_t>::max()) {
+    return Status::invalid_argument("staging pool: " + std::to_string(total) +
+                                    " bytes do not fit the address space");
+  }
+  void* p = ::mmap(nullptr, static_cast<size_t>(total), PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) {
+    return Status::io_error("staging pool: mmap of " + std::to_string(total) +
+                            " bytes failed: " + std::strerror(errno));
+  }
+  // A forked child (a launcher, a subprocess of the training script) must not
+  // share or copy-on-write pages that the device may be DMA-ing into.
+  if (::madvise(p, static_cast<size_t>(total), MADV_DONTFORK) != 0) {
+    int err = errno;
+    ::munmap(p, static_cast<size_t>(total));
+    return Status::io_error("staging pool: madvise(MADV_DONTFORK) of " + std::to_string(total) +
+                            " bytes failed: " + std::strerror(err));
+  }
+  // Fewer TLB misses on big copies; only a hint, so a refusal is fine.
+  (void)::madvise(p, static_cast<size_t>(total), MADV_HUGEPAGE);
+  // Touch every page now: a copy into fresh pages runs at a fraction of the
+  // speed of one into faulted-in pages, and that cost belongs at startup.
+  auto* base = static_cast<uint8_t*>(p);
+  for (uint64_t off = 0; off < total; off += kPageBytes) {
+    base[off] = 0;
+  }
+  return std::unique_ptr<StagingPool>(
+      new StagingPool(base, block_bytes, static_cast<uint32_t>(blocks)));
+}
+
+StagingPool::StagingPool(uint8_t* base, uint64_t block_bytes, uint32_t blocks)
+    : base_(base), block_bytes_(block_bytes), generation_(blocks, 0), in_use_(blocks, false) {
+  free_.reserve(blocks);
+  // Pushed in reverse so the first acquisitions hand out low indexes.
+  for (uint32_t i = blocks; i > 0; --i) free_.push_back(i - 1);
+}
+
+StagingPool::~StagingPool() {
+  ::munmap(base_, static_cast<size_t>(bytes()));
+}
+
+std::optional<Lease> StagingPool::try_acquire() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (free_.empty()) return std::nullopt;
+  // LIFO: the block released last is the one most likely still in cache.
+  uint32_t index = free_.back();
+  free_.pop_back();
+  in_use_[index] = true;
+  return Lease{index, generation_[index]};
+}
+
+Result<uint8_t*> StagingPool::data(const Lease& l) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (l.index >= generation_.size() || !in_use_[l.index] || generation_[l.index] != l.generation) {
+    return Status::invalid_argument("stale lease: " + lease_text(l) + " is not held");
+  }
+  return base_ + static_cast<uint64_t>(l.index) * block_bytes_;
+}
+
+Status StagingPool::release(const Lease& l) {
+  std::function<void()> hook;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (l.index >= generation_.size() || !in_use_[l.index] ||
+        generation_[l.index] != l.generation) {
+      return Status::invalid_argument("stale lease: cannot release " + lease_text(l));
+    }
+    ++generation_[l.index];
+    in_use_[l.index] = false;
+    free_.push_back(l.index);
+    hook = hook_;
+  }
+  // Outside the lock: the hook typically wakes an actor that acquires again.
+  if (hook) hook();
+  return Status::ok_status();
+}
+
+void StagingPool::set_release_hook(std::function<void()> hook) {
+  std::lock_guard<std::mutex> lock(mu_);
+  hook_ = std::move(hook);
+}
+
+uint32_t StagingPool::free_blocks() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<uint32_t>(free_.size());
+}
+
+}  // namespace ferry

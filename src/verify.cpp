@@ -1,0 +1,112 @@
+#include "ferry/verify.hpp"
+
+#include <map>
+
+#include "ferry/catalog.hpp"
+#include "ferry/checksum.hpp"
+#include "ferry/layout.hpp"
+#include "ferry/manifest.hpp"
+
+namespace ferry {
+
+Status check_data_file_header(Filesystem& fs, const std::string& dir, uint32_t file_index,
+                              const Manifest& m) {
+  const ManifestFile& mf = m.files[file_index];
+  const std::string path = join_path(dir, mf.name);
+  FERRY_ASSIGN_OR_RETURN(FileInfo info, fs.stat(path));
+  if (info.size != mf.size)
+    return Status::corruption(path + ": size " + std::to_string(info.size) +
+                              ", manifest says " + std::to_string(mf.size));
+  FERRY_ASSIGN_OR_RETURN(auto f, fs.open(path, OpenOptions{}));
+  std::string prefix(8, '\0');
+  FERRY_ASSIGN_OR_RETURN(size_t got, f->pread(prefix.data(), 8, 0));
+  if (got != 8) return Status::corruption(path + ": shorter than a safetensors header");
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<uint8_t>(prefix[i]);
+  if (n > mf.size - 8 || n > (100ull << 20))
+    return Status::corruption(path + ": safetensors header length " + std::to_string(n) +
+                              " is impossible for a file of " + std::to_string(mf.size) + " bytes");
+  prefix.resize(8 + n);
+  FERRY_ASSIGN_OR_RETURN(got, f->pread(prefix.data() + 8, n, 8));
+  if (got != n) return Status::corruption(path + ": truncated safetensors header");
+  auto h = parse_safetensors_header(prefix, mf.size);
+  if (!h.ok()) return h.status().with_context(path + ": ");
+
+  std::map<std::string, const SafetensorsEntry*> by_name;
+  for (const auto& e : h->entries) by_name[e.name] = &e;
+  size_t expected = 0;
+  for (const ManifestTensor& t : m.tensors) {
+    for (const ManifestChunk& c : t.chunks) {
+      if (c.file != file_index) continue;
+      ++expected;
+      auto it = by_name.find(c.entry);
+      if (it == by_name.end())
+        return Status::corruption(path + ": safetensors header lacks entry '" + c.entry +
+                                  "' of tensor '" + t.key + "'");
+      const SafetensorsEntry& e = *it->second;
+      if (e.dtype != dtype_name(t.dtype) || e.shape != c.sizes ||
+          h->data_start + e.begin != c.byte_offset || e.end - e.begin != c.byte_length)
+        return Status::corruption(path + ": safetensors entry '" + c.entry + "' of tensor '" +
+                                  t.key + "' disagrees with the manifest");
+    }
+  }
+  if (expected != h->entries.size())
+    return Status::corruption(path + ": safetensors header has " +
+                              std::to_string(h->entries.size()) + " entries, manifest expects " +
+                              std::to_string(expected));
+  return Status();
+}
+
+Result<VerifyReport> verify_checkpoint(Filesystem& fs, const std::string& dir) {
+  FERRY_ASSIGN_OR_RETURN(Manifest m, read_manifest(fs, dir));
+  VerifyReport rep;
+  std::vector<bool> file_ok(m.files.size(), true);
+  for (uint32_t i = 0; i < m.files.size(); ++i) {
+    ++rep.files;
+    Status s = check_data_file_header(fs, dir, i, m);
+    if (!s.ok()) {
+      rep.problems.push_back(s);
+      file_ok[i] = false;
+    }
+  }
+  std::map<uint32_t, std::unique_ptr<File>> open;
+  std::vector<uint8_t> buf;
+  const uint64_t cb = m.checksum_block_bytes;
+  for (const ManifestTensor& t : m.tensors) {
+    for (const ManifestChunk& c : t.chunks) {
+      ++rep.chunks;
+      if (!file_ok[c.file] || c.checksums.empty()) continue;
+      const std::string path = join_path(dir, m.files[c.file].name);
+      auto& f = open[c.file];
+      if (!f) {
+        auto r = fs.open(path, OpenOptions{});
+        if (!r.ok()) {
+          rep.problems.push_back(r.status());
+          file_ok[c.file] = false;
+          continue;
+        }
+        f = std::move(r).value();
+      }
+      for (size_t b = 0; b < c.checksums.size(); ++b) {
+        const uint64_t off = b * cb;
+        const uint64_t n = std::min(cb, c.byte_length - off);
+        buf.resize(n);
+        auto got = f->pread(buf.data(), n, c.byte_offset + off);
+        if (!got.ok()) {
+          rep.problems.push_back(got.status());
+          break;
+        }
+        rep.bytes_checked += *got;
+        if (*got != n || xxh3_64(buf.data(), n) != c.checksums[b]) {
+          rep.problems.push_back(Status::corruption(
+              path + ": checksum mismatch in tensor '" + t.key + "' chunk " + c.entry +
+              " block " + std::to_string(b) + " (bytes " + std::to_string(c.byte_offset + off) +
+              ".." + std::to_string(c.byte_offset + off + n) + ")"));
+        }
+      }
+    }
+  }
+  return rep;
+}
+
+}  // namespace ferry

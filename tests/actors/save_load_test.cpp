@@ -1,0 +1,394 @@
+// End to end through the Runtime and its actors: real files, real fsyncs.
+
+#include <catch2/catch.hpp>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+#include <random>
+
+#include "ferry/catalog.hpp"
+#include "ferry/filesystem.hpp"
+#include "ferry/runtime.hpp"
+#include "test_util.hpp"
+
+namespace fs = std::filesystem;
+using ferry::testing::TempDir;
+
+namespace {
+
+std::unique_ptr<ferry::Runtime> make_runtime(const std::string& root,
+                                             std::vector<std::pair<std::string, std::string>> kv = {}) {
+  ferry::RuntimeArgs args;
+  args.set("root", root).set("pool-bytes", "4MiB").set("chunk-bytes", "256KiB");
+  args.set("checksum-block-bytes", "64KiB");
+  for (auto& [k, v] : kv) args.set(k, v);
+  auto rt = ferry::Runtime::create(args);
+  REQUIRE(rt.ok());
+  return std::move(rt).value();
+}
+
+// A tensor that owns its bytes, filled with a pattern that depends on a seed.
+struct Buf {
+  std::vector<uint8_t> bytes;
+  ferry::DType dtype;
+  std::vector<int64_t> shape;
+  Buf(ferry::DType d, std::vector<int64_t> s, uint64_t seed) : dtype(d), shape(std::move(s)) {
+    int64_t n = 1;
+    for (auto x : shape) n *= x;
+    bytes.resize(n * ferry::dtype_size(d));
+    std::mt19937_64 rng(seed);
+    for (auto& b : bytes) b = static_cast<uint8_t>(rng());
+  }
+  ferry::TensorView view() { return {bytes.data(), dtype, shape}; }
+};
+
+std::vector<uint8_t> slurp(const std::string& p) {
+  std::ifstream f(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(f), {}};
+}
+
+void flip_byte(const std::string& path, uint64_t offset) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(offset);
+  char c;
+  f.read(&c, 1);
+  c ^= 0x5a;
+  f.seekp(offset);
+  f.write(&c, 1);
+}
+
+}  // namespace
+
+TEST_CASE("save then load many dtypes and shapes, bytes equal", "[actors][save]") {
+  TempDir dir;
+  auto rt = make_runtime(dir.path());
+  std::vector<Buf> bufs;
+  bufs.emplace_back(ferry::DType::f32, std::vector<int64_t>{300, 257}, 1);
+  bufs.emplace_back(ferry::DType::bf16, std::vector<int64_t>{1000}, 2);
+  bufs.emplace_back(ferry::DType::f64, std::vector<int64_t>{}, 3);  // 0-d scalar
+  bufs.emplace_back(ferry::DType::i8, std::vector<int64_t>{0, 5}, 4);  // zero-size
+  bufs.emplace_back(ferry::DType::i64, std::vector<int64_t>{7, 3, 5}, 5);
+  bufs.emplace_back(ferry::DType::u8, std::vector<int64_t>{1}, 6);
+  ferry::StateDict sd;
+  for (size_t i = 0; i < bufs.size(); ++i)
+    REQUIRE(sd.add("t" + std::to_string(i), bufs[i].view()).ok());
+
+  auto h = rt->save_async(sd, 10);
+  REQUIRE(h.wait_snapshot().ok());
+  auto st = h.wait_committed();
+  INFO(st.to_string());
+  REQUIRE(st.ok());
+  CHECK(h.path() == dir.path() + "/step-00000010");
+  CHECK(fs::exists(h.path() + "/MANIFEST"));
+  CHECK(h.metrics().bytes > 0);
+  CHECK(rt->latest() == h.path());
+
+  std::vector<Buf> fresh;
+  ferry::StateDict out;
+  for (size_t i = 0; i < bufs.size(); ++i) {
+    fresh.emplace_back(bufs[i].dtype, bufs[i].shape, 100 + i);
+    REQUIRE(out.add("t" + std::to_string(i), fresh[i].view()).ok());
+  }
+  auto ls = rt->load(out, rt->latest());
+  INFO(ls.to_string());
+  REQUIRE(ls.ok());
+  for (size_t i = 0; i < bufs.size(); ++i) CHECK(fresh[i].bytes == bufs[i].bytes);
+}
+
+TEST_CASE("a state 4x larger than the pool streams through it", "[actors][save]") {
+  TempDir dir;
+  auto rt = make_runtime(dir.path(), {{"pool-bytes", "1MiB"}, {"chunk-bytes", "128KiB"}});
+  Buf big(ferry::DType::f32, {1024, 1024 + 17}, 7);  // ~4.07 MiB
+  Buf small(ferry::DType::f16, {333}, 8);
+  ferry::StateDict sd;
+  REQUIRE(sd.add("big", big.view()).ok());
+  REQUIRE(sd.add("small", small.view()).ok());
+  auto h = rt->save_async(sd, 1);
+  REQUIRE(h.wait_committed().ok());
+  CHECK(h.bytes_persisted() == h.bytes_total());
+
+  Buf big2(ferry::DType::f32, {1024, 1024 + 17}, 9);
+  Buf small2(ferry::DType::f16, {333}, 10);
+  ferry::StateDict out;
+  REQUIRE(out.add("big", big2.view()).ok());
+  REQUIRE(out.add("small", small2.view()).ok());
+  REQUIRE(rt->load(out, dir.path()).ok());
+  CHECK(big2.bytes == big.bytes);
+  CHECK(small2.bytes == small.bytes);
+}
+
+TEST_CASE("mutating after wait_snapshot does not change what was saved", "[actors][save]") {
+  TempDir dir;
+  auto rt = make_runtime(dir.path());
+  Buf w(ferry::DType::f32, {512, 512}, 11);
+  const auto original = w.bytes;
+  ferry::StateDict sd;
+  REQUIRE(sd.add("w", w.view()).ok());
+  auto h = rt->save_async(sd, 5);
+  REQUIRE(h.wait_snapshot().ok());
+  std::fill(w.bytes.begin(), w.bytes.end(), 0xEE);  // the "optimizer step"
+  REQUIRE(h.wait_committed().ok());
+
+  Buf back(ferry::DType::f32, {512, 512}, 12);
+  ferry::StateDict out;
+  REQUIRE(out.add("w", back.view()).ok());
+  REQUIRE(rt->load(out, h.path()).ok());
+  CHECK(back.bytes == original);
+}
+
+TEST_CASE("load reshards: column shard, full tensor, three uneven pieces", "[actors][reshard]") {
+  TempDir dir;
+  auto rt = make_runtime(dir.path());
+  const int64_t R = 90, C = 70;
+  Buf full(ferry::DType::i32, {R, C}, 13);
+  ferry::StateDict sd;
+  REQUIRE(sd.add("m", full.view()).ok());
+  REQUIRE(rt->save_async(sd, 1).wait_committed().ok());
+  auto elem = [&](int64_t r, int64_t c) {
+    int32_t v;
+    std::memcpy(&v, full.bytes.data() + (r * C + c) * 4, 4);
+    return v;
+  };
+
+  SECTION("column shard") {
+    std::vector<int32_t> col(R * 20);
+    ferry::StateDict out;
+    REQUIRE(out.add("m", {col.data(), ferry::DType::i32, {R, 20}},
+                    ferry::Shard{{R, C}, {0, 45}})
+                .ok());
+    REQUIRE(rt->load(out, dir.path()).ok());
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t c = 0; c < 20; ++c) REQUIRE(col[r * 20 + c] == elem(r, 45 + c));
+  }
+  SECTION("three uneven row pieces") {
+    const int64_t cuts[] = {0, 7, 61, R};
+    for (int i = 0; i < 3; ++i) {
+      const int64_t rows = cuts[i + 1] - cuts[i];
+      std::vector<int32_t> piece(rows * C);
+      ferry::StateDict out;
+      REQUIRE(out.add("m", {piece.data(), ferry::DType::i32, {rows, C}},
+                      ferry::Shard{{R, C}, {cuts[i], 0}})
+                  .ok());
+      REQUIRE(rt->load(out, dir.path()).ok());
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < C; ++c) REQUIRE(piece[r * C + c] == elem(cuts[i] + r, c));
+    }
+  }
+  SECTION("a transposed (strided) target") {
+    std::vector<int32_t> t(R * C);
+    // View of shape {R, C} whose memory is column-major.
+    ferry::TensorView v(t.data(), ferry::DType::i32, {R, C}, ferry::Device::host(), {1, R});
+    ferry::StateDict out;
+    REQUIRE(out.add("m", v).ok());
+    REQUIRE(rt->load(out, dir.path()).ok());
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t c = 0; c < C; ++c) REQUIRE(t[c * R + r] == elem(r, c));
+  }
+}
+
+TEST_CASE("load errors name the key", "[actors][load]") {
+  TempDir dir;
+  auto rt = make_runtime(dir.path());
+  Buf a(ferry::DType::f32, {4, 4}, 1);
+  ferry::StateDict sd;
+  REQUIRE(sd.add("layer.a", a.view()).ok());
+  REQUIRE(rt->save_async(sd, 1).wait_committed().ok());
+
+  Buf wrong_shape(ferry::DType::f32, {4, 5}, 2);
+  ferry::StateDict out;
+  REQUIRE(out.add("layer.a", wrong_shape.view()).ok());
+  auto st = rt->load(out, dir.path());
+  CHECK_FALSE(st.ok());
+  CHECK_THAT(st.message(), Catch::Contains("layer.a"));
+
+  Buf other(ferry::DType::f32, {4, 4}, 3);
+  ferry::StateDict missing;
+  REQUIRE(missing.add("layer.b", other.view()).ok());
+  st = rt->load(missing, dir.path());
+  CHECK_FALSE(st.ok());
+  CHECK_THAT(st.message(), Catch::Contains("layer.b"));
+
+  ferry::StateDict nothing;
+  CHECK(rt->load(nothing, dir.sub("no-such-root")).code() == ferry::StatusCode::not_found);
+}
+
+TEST_CASE("saving an existing step fails unless overwrite", "[actors][save]") {
+  TempDir dir;
+  auto rt = make_runtime(dir.path());
+  Buf a(ferry::DType::f32, {64}, 1);
+  ferry::StateDict sd;
+  REQUIRE(sd.add("a", a.view()).ok());
+  REQUIRE(rt->save_async(sd, 3).wait_committed().ok());
+  const auto first = a.bytes;
+
+  std::fill(a.bytes.begin(), a.bytes.end(), 7);
+  auto st = rt->save_async(sd, 3).wait_committed();
+  CHECK(st.code() == ferry::StatusCode::already_exists);
+  CHECK_THAT(st.message(), Catch::Contains("step-00000003"));
+  // Nothing left behind by the refused save.
+  for (auto& e : fs::directory_iterator(dir.path()))
+    CHECK(e.path().filename().string().rfind(".pending-", 0) != 0);
+
+  ferry::SaveOptions ow;
+  ow.overwrite = true;
+  REQUIRE(rt->save_async(sd, 3, ow).wait_committed().ok());
+  Buf back(ferry::DType::f32, {64}, 2);
+  ferry::StateDict out;
+  REQUIRE(out.add("a", back.view()).ok());
+  REQUIRE(rt->load(out, dir.path()).ok());
+  CHECK(back.bytes == a.bytes);
+  CHECK(back.bytes != first);
+}
+
+TEST_CASE("a second save waits for the first snapshot, or fails fast", "[actors][save]") {
+  TempDir dir;
+  Buf a(ferry::DType::f32, {1024, 512}, 1);
+  ferry::StateDict sd;
+  REQUIRE(sd.add("a", a.view()).ok());
+  SECTION("waits") {
+    auto rt = make_runtime(dir.path());
+    auto h1 = rt->save_async(sd, 1);
+    auto h2 = rt->save_async(sd, 2);
+    CHECK(h1.snapshot_done());  // save_async(2) returned only after it
+    REQUIRE(h1.wait_committed().ok());
+    REQUIRE(h2.wait_committed().ok());
+    auto list = ferry::list_checkpoints(*ferry::posix_filesystem(), dir.path());
+    REQUIRE(list.ok());
+    REQUIRE(list->size() == 2);
+    CHECK((*list)[1].commit_seq > (*list)[0].commit_seq);
+  }
+  SECTION("fails fast") {
+    // A pool smaller than the state keeps the first snapshot open for a while.
+    auto rt = make_runtime(dir.path(), {{"fail-fast", "true"},
+                                        {"pool-bytes", "256KiB"},
+                                        {"chunk-bytes", "128KiB"}});
+    auto h1 = rt->save_async(sd, 1);
+    auto h2 = rt->save_async(sd, 2);
+    if (!h1.snapshot_done()) {
+      CHECK(h2.wait_committed().code() == ferry::StatusCode::busy);
+    }
+    REQUIRE(h1.wait_committed().ok());
+  }
+}
+
+TEST_CASE("a save into an unwritable place fails clearly, nothing visible", "[actors][save]") {
+  TempDir dir;
+  // A regular file where a directory should be: fails even for root.
+  { std::ofstream(dir.sub("blocker")) << "x"; }
+  auto rt = make_runtime(dir.sub("blocker") + "/ckpt");
+  Buf a(ferry::DType::f32, {16}, 1);
+  ferry::StateDict sd;
+  REQUIRE(sd.add("a", a.view()).ok());
+  auto h = rt->save_async(sd, 1);
+  auto st = h.wait_committed();
+  CHECK_FALSE(st.ok());
+  CHECK(h.wait_snapshot().code() == st.code());
+  CHECK_THAT(st.message(), Catch::Contains("blocker"));
+  CHECK(rt->latest().empty());
+}
+
+TEST_CASE("pending directories are never loaded", "[actors][pending]") {
+  TempDir dir;
+  auto rt = make_runtime(dir.path());
+  Buf a(ferry::DType::f32, {32}, 1);
+  ferry::StateDict sd;
+  REQUIRE(sd.add("a", a.view()).ok());
+  auto h = rt->save_async(sd, 1);
+  REQUIRE(h.wait_committed().ok());
+  // Fake an interrupted later save: a pending directory with a full copy.
+  const std::string pending = dir.path() + "/" + ferry::pending_dir_name(2, "job", "abc");
+  fs::copy(h.path(), pending);
+  CHECK(rt->latest() == h.path());
+  ferry::StateDict out;
+  Buf b(ferry::DType::f32, {32}, 2);
+  REQUIRE(out.add("a", b.view()).ok());
+  auto st = rt->load(out, pending);
+  CHECK_FALSE(st.ok());
+  CHECK_THAT(st.message(), Catch::Contains("pending"));
+}
+
+TEST_CASE("corruption is detected and names tensor and file", "[actors][corruption]") {
+  TempDir dir;
+  auto rt = make_runtime(dir.path());
+  Buf a(ferry::DType::f32, {256, 256}, 1);
+  ferry::StateDict sd;
+  REQUIRE(sd.add("weights", a.view()).ok());
+  auto h = rt->save_async(sd, 1);
+  REQUIRE(h.wait_committed().ok());
+  const std::string data = h.path() + "/rank-00000-0000.safetensors";
+  REQUIRE(fs::exists(data));
+
+  Buf b(ferry::DType::f32, {256, 256}, 2);
+  ferry::StateDict out;
+  REQUIRE(out.add("weights", b.view()).ok());
+
+  SECTION("a data byte") {
+    flip_byte(data, fs::file_size(data) - 1000);
+    auto st = rt->load(out, h.path());
+    CHECK(st.code() == ferry::StatusCode::corruption);
+    CHECK_THAT(st.message(), Catch::Contains("weights"));
+    CHECK_THAT(st.message(), Catch::Contains("rank-00000-0000.safetensors"));
+  }
+  SECTION("a manifest byte") {
+    flip_byte(h.path() + "/MANIFEST", 40);
+    auto st = rt->load(out, h.path());
+    CHECK(st.code() == ferry::StatusCode::corruption);
+    CHECK_THAT(st.message(), Catch::Contains("MANIFEST"));
+  }
+  SECTION("a truncated data file") {
+    fs::resize_file(data, fs::file_size(data) - 10);
+    auto st = rt->load(out, h.path());
+    CHECK(st.code() == ferry::StatusCode::corruption);
+  }
+}
+
+TEST_CASE("2,000 small tensors round trip", "[actors][save]") {
+  TempDir dir;
+  auto rt = make_runtime(dir.path());
+  std::vector<Buf> bufs;
+  ferry::StateDict sd;
+  bufs.reserve(2000);
+  for (int i = 0; i < 2000; ++i) bufs.emplace_back(ferry::DType::f32, std::vector<int64_t>{i % 37 + 1, 3}, i);
+  for (int i = 0; i < 2000; ++i) REQUIRE(sd.add("p." + std::to_string(i), bufs[i].view()).ok());
+  auto h = rt->save_async(sd, 1);
+  CHECK(h.metrics().save_async_ms < 200);  // generous: shared CI machines
+  REQUIRE(h.wait_committed().ok());
+  std::vector<Buf> back;
+  back.reserve(2000);
+  ferry::StateDict out;
+  for (int i = 0; i < 2000; ++i) back.emplace_back(ferry::DType::f32, std::vector<int64_t>{i % 37 + 1, 3}, i + 5000);
+  for (int i = 0; i < 2000; ++i) REQUIRE(out.add("p." + std::to_string(i), back[i].view()).ok());
+  REQUIRE(rt->load(out, dir.path()).ok());
+  for (int i = 0; i < 2000; ++i) REQUIRE(back[i].bytes == bufs[i].bytes);
+}
+
+TEST_CASE("bad settings are refused at start, naming the key", "[actors][config]") {
+  ferry::RuntimeArgs args;
+  args.set("pool-bytes", "lots");
+  auto rt = ferry::Runtime::create(args);
+  REQUIRE_FALSE(rt.ok());
+  CHECK_THAT(rt.status().message(), Catch::Contains("pool-bytes"));
+  CHECK_THAT(rt.status().message(), Catch::Contains("lots"));
+
+  ferry::RuntimeArgs args2;
+  args2.set("pool-bites", "1GiB");
+  auto rt2 = ferry::Runtime::create(args2);
+  REQUIRE_FALSE(rt2.ok());
+  CHECK_THAT(rt2.status().message(), Catch::Contains("pool-bites"));
+}
+
+TEST_CASE("retention keeps the last N after the new one is durable", "[actors][retention]") {
+  TempDir dir;
+  auto rt = make_runtime(dir.path(), {{"keep-last", "2"}});
+  Buf a(ferry::DType::f32, {8}, 1);
+  ferry::StateDict sd;
+  REQUIRE(sd.add("a", a.view()).ok());
+  for (uint64_t s = 1; s <= 4; ++s) REQUIRE(rt->save_async(sd, s * 10).wait_committed().ok());
+  auto list = ferry::list_checkpoints(*ferry::posix_filesystem(), dir.path());
+  REQUIRE(list.ok());
+  REQUIRE(list->size() == 2);
+  CHECK((*list)[0].step == 30);
+  CHECK((*list)[1].step == 40);
+}

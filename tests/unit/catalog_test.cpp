@@ -1,0 +1,274 @@
+#include "ferry/catalog.hpp"
+
+#include <catch2/catch.hpp>
+#include <string>
+#include <vector>
+
+#include "ferry/filesystem.hpp"
+#include "ferry/manifest.hpp"
+#include "test_util.hpp"
+
+namespace ferry {
+namespace {
+
+using ferry::testing::TempDir;
+
+bool contains(const std::string& haystack, const std::string& needle) {
+  return haystack.find(needle) != std::string::npos;
+}
+
+// A committed checkpoint as the coordinator leaves it: a step directory with
+// a MANIFEST (no data files: the catalog never opens them).
+std::string make_checkpoint(Filesystem& fs, const std::string& root, uint64_t step,
+                            uint64_t commit_seq) {
+  std::string dir = join_path(root, step_dir_name(step));
+  REQUIRE(fs.mkdirs(dir).ok());
+  Manifest m;
+  m.step = step;
+  m.commit_seq = commit_seq;
+  m.job_id = "job";
+  m.checkpoint_id = "ckpt-" + std::to_string(step);
+  REQUIRE(write_file_atomic(fs, join_path(dir, kManifestFileName), encode_manifest(m), false).ok());
+  return dir;
+}
+
+std::vector<uint64_t> steps_of(const std::vector<CheckpointInfo>& v) {
+  std::vector<uint64_t> out;
+  for (const auto& c : v) out.push_back(c.step);
+  return out;
+}
+
+TEST_CASE("catalog directory names", "[catalog]") {
+  CHECK(step_dir_name(1000) == "step-00001000");
+  CHECK(step_dir_name(0) == "step-00000000");
+  CHECK(step_dir_name(123456789012ull) == "step-123456789012");
+  CHECK(pending_dir_name(1200, "jobA", "x1") == ".pending-00001200-jobA-x1");
+  CHECK(is_pending_dir_name(".pending-00001200-jobA-x1"));
+  CHECK_FALSE(is_pending_dir_name("step-00001200"));
+  CHECK_FALSE(is_pending_dir_name("pending-00001200"));
+
+  uint64_t step = 7;
+  CHECK(parse_step_dir_name("step-00001000", &step));
+  CHECK(step == 1000);
+  CHECK(parse_step_dir_name("step-123456789012", &step));
+  CHECK(step == 123456789012ull);
+  CHECK(parse_step_dir_name(step_dir_name(UINT64_MAX), &step));
+  CHECK(step == UINT64_MAX);
+  step = 7;
+  CHECK_FALSE(parse_step_dir_name("step-1000", &step));  // too few digits
+  CHECK_FALSE(parse_step_dir_name("step-0000100x", &step));
+  CHECK_FALSE(parse_step_dir_name("step-00001000.tmp", &step));
+  CHECK_FALSE(parse_step_dir_name("step--0001000", &step));
+  CHECK_FALSE(parse_step_dir_name("Step-00001000", &step));
+  CHECK_FALSE(parse_step_dir_name("step-", &step));
+  CHECK_FALSE(parse_step_dir_name("step-99999999999999999999", &step));  // overflows
+  CHECK_FALSE(parse_step_dir_name(".pending-00001000-j-i", &step));
+  CHECK(step == 7);
+}
+
+TEST_CASE("catalog lists committed checkpoints by commit sequence", "[catalog]") {
+  TempDir tmp;
+  auto fs = posix_filesystem();
+  const std::string& root = tmp.path();
+  // Commit order differs from step order (e.g. a job rolled back and resaved).
+  make_checkpoint(*fs, root, 300, 1);
+  make_checkpoint(*fs, root, 100, 3);
+  make_checkpoint(*fs, root, 200, 2);
+  // A pending directory with a perfectly good manifest is still invisible.
+  std::string pending = join_path(root, pending_dir_name(900, "job", "p"));
+  REQUIRE(fs->mkdir(pending).ok());
+  Manifest pm;
+  pm.step = 900;
+  pm.commit_seq = 99;
+  REQUIRE(write_file_atomic(*fs, join_path(pending, kManifestFileName), encode_manifest(pm), false)
+              .ok());
+  // Noise that must be ignored.
+  REQUIRE(fs->mkdir(join_path(root, "step-12")).ok());
+  REQUIRE(write_file_atomic(*fs, join_path(root, "step-00000500"), "a file", false).ok());
+  REQUIRE(write_file_atomic(*fs, join_path(root, kLatestFileName), "step-00000200\n", false).ok());
+
+  auto list = list_checkpoints(*fs, root);
+  REQUIRE(list.ok());
+  CHECK(steps_of(*list) == std::vector<uint64_t>{300, 200, 100});
+  for (const auto& c : *list) {
+    CHECK(c.status.ok());
+    CHECK(c.path == join_path(root, step_dir_name(c.step)));
+    CHECK(c.latest_hint == (c.step == 200));
+  }
+  CHECK((*list)[2].commit_seq == 3);
+
+  auto latest = find_latest(*fs, root);
+  REQUIRE(latest.ok());
+  CHECK(latest->step == 100);  // highest commit seq, not highest step
+  CHECK(latest->commit_seq == 3);
+
+  auto m = read_manifest(*fs, latest->path);
+  REQUIRE(m.ok());
+  CHECK(m->checkpoint_id == "ckpt-100");
+}
+
+TEST_CASE("catalog lists a corrupt manifest and never picks it", "[catalog]") {
+  TempDir tmp;
+  auto fs = posix_filesystem();
+  const std::string& root = tmp.path();
+  make_checkpoint(*fs, root, 10, 1);
+  std::string bad = make_checkpoint(*fs, root, 20, 2);
+  std::string bad_manifest = join_path(bad, kManifestFileName);
+  auto bytes = read_file(*fs, bad_manifest);
+  REQUIRE(bytes.ok());
+  std::string broken = *bytes;
+  broken[broken.size() / 2] ^= 0x5a;
+  REQUIRE(write_file_atomic(*fs, bad_manifest, broken, false).ok());
+  std::string missing = join_path(root, step_dir_name(30));  // no MANIFEST at all
+  REQUIRE(fs->mkdir(missing).ok());
+
+  auto list = list_checkpoints(*fs, root);
+  REQUIRE(list.ok());
+  REQUIRE(list->size() == 3);
+  int unreadable = 0;
+  for (const auto& c : *list) {
+    if (c.step == 10) {
+      CHECK(c.status.ok());
+      continue;
+    }
+    ++unreadable;
+    CHECK_FALSE(c.status.ok());
+    CHECK(c.commit_seq == 0);
+    CHECK(contains(c.status.message(), c.path));
+  }
+  CHECK(unreadable == 2);
+
+  auto m = read_manifest(*fs, bad);
+  REQUIRE_FALSE(m.ok());
+  CHECK(contains(m.status().message(), bad_manifest));
+
+  auto latest = find_latest(*fs, root);
+  REQUIRE(latest.ok());
+  CHECK(latest->step == 10);
+}
+
+TEST_CASE("catalog find_latest on an empty root", "[catalog]") {
+  TempDir tmp;
+  auto fs = posix_filesystem();
+  REQUIRE(fs->mkdir(join_path(tmp.path(), pending_dir_name(1, "j", "i"))).ok());
+  auto latest = find_latest(*fs, tmp.path());
+  REQUIRE_FALSE(latest.ok());
+  CHECK(latest.status().code() == StatusCode::not_found);
+  CHECK(contains(latest.status().message(), tmp.path()));
+
+  auto missing = list_checkpoints(*fs, join_path(tmp.path(), "nope"));
+  REQUIRE_FALSE(missing.ok());
+  CHECK(missing.status().code() == StatusCode::not_found);
+}
+
+TEST_CASE("catalog gc removes expired pending directories only", "[catalog]") {
+  TempDir tmp;
+  auto fs = posix_filesystem();
+  const std::string& root = tmp.path();
+  int64_t now = now_unix_ms();
+  make_checkpoint(*fs, root, 1, 1);
+
+  std::string expired = join_path(root, pending_dir_name(2, "job", "old"));
+  REQUIRE(fs->mkdirs(join_path(expired, "sub")).ok());
+  REQUIRE(
+      write_file_atomic(*fs, join_path(expired, "sub/rank-00000-0000.safetensors"), "data", false)
+          .ok());
+  REQUIRE(write_lease(*fs, expired, now - 1000, "host:1234").ok());
+
+  std::string live = join_path(root, pending_dir_name(3, "job", "live"));
+  REQUIRE(fs->mkdir(live).ok());
+  REQUIRE(write_lease(*fs, live, now + 60'000, "host:5678").ok());
+  auto lease = read_file(*fs, join_path(live, kLeaseFileName));
+  REQUIRE(lease.ok());
+  CHECK(*lease == std::to_string(now + 60'000) + " host:5678\n");
+
+  // Just created, lease not written yet: young, so kept within the grace.
+  std::string fresh = join_path(root, pending_dir_name(4, "job", "fresh"));
+  REQUIRE(fs->mkdir(fresh).ok());
+  // A torn lease counts as no lease.
+  std::string torn = join_path(root, pending_dir_name(5, "job", "torn"));
+  REQUIRE(fs->mkdir(torn).ok());
+  REQUIRE(write_file_atomic(*fs, join_path(torn, kLeaseFileName), "12ab", false).ok());
+
+  auto report = collect_garbage(*fs, root, now, 60'000);
+  REQUIRE(report.ok());
+  CHECK(report->removed == std::vector<std::string>{expired});
+  CHECK(report->kept == std::vector<std::string>{live, fresh, torn});
+  CHECK(fs->stat(expired).status().code() == StatusCode::not_found);
+  CHECK(fs->stat(live).ok());
+  CHECK(find_latest(*fs, root).ok());  // committed checkpoints are untouched
+
+  // Later, past both the grace period and the live lease.
+  auto later = collect_garbage(*fs, root, now + 10 * 60'000, 60'000);
+  REQUIRE(later.ok());
+  CHECK(later->removed == std::vector<std::string>{live, fresh, torn});
+  CHECK(later->kept.empty());
+  CHECK(*fs->list(root) == std::vector<std::string>{step_dir_name(1)});
+}
+
+TEST_CASE("catalog retention keeps the newest N by commit sequence", "[catalog]") {
+  TempDir tmp;
+  auto fs = posix_filesystem();
+  const std::string& root = tmp.path();
+  // Steps out of commit order; 50 was committed last.
+  make_checkpoint(*fs, root, 10, 1);
+  make_checkpoint(*fs, root, 40, 2);
+  make_checkpoint(*fs, root, 20, 3);
+  make_checkpoint(*fs, root, 30, 4);
+  make_checkpoint(*fs, root, 50, 5);
+  std::string pending = join_path(root, pending_dir_name(60, "job", "p"));
+  REQUIRE(fs->mkdir(pending).ok());
+  REQUIRE(write_lease(*fs, pending, now_unix_ms() + 60'000, "me").ok());
+
+  auto none = apply_retention(*fs, root, 0);
+  REQUIRE(none.ok());
+  CHECK(none->empty());
+  CHECK(list_checkpoints(*fs, root)->size() == 5);
+
+  auto removed = apply_retention(*fs, root, 2);
+  REQUIRE(removed.ok());
+  CHECK(*removed == std::vector<std::string>{join_path(root, step_dir_name(10)),
+                                             join_path(root, step_dir_name(40)),
+                                             join_path(root, step_dir_name(20))});
+  auto left = list_checkpoints(*fs, root);
+  REQUIRE(left.ok());
+  CHECK(steps_of(*left) == std::vector<uint64_t>{30, 50});
+  CHECK(fs->stat(pending).ok());  // pending saves are not retention's business
+  // Nothing half-deleted is left behind.
+  CHECK(*fs->list(root) == std::vector<std::string>{pending_dir_name(60, "job", "p"),
+                                                    step_dir_name(30), step_dir_name(50)});
+
+  auto again = apply_retention(*fs, root, 2);
+  REQUIRE(again.ok());
+  CHECK(again->empty());
+
+  auto keep_one = apply_retention(*fs, root, 1);
+  REQUIRE(keep_one.ok());
+  CHECK(*keep_one == std::vector<std::string>{join_path(root, step_dir_name(30))});
+  auto latest = find_latest(*fs, root);
+  REQUIRE(latest.ok());
+  CHECK(latest->step == 50);
+}
+
+TEST_CASE("catalog works through a wrapped filesystem", "[catalog]") {
+  // Only the interface is used: a wrapper that sees every call still works.
+  struct CountingFilesystem : FilesystemWrapper {
+    using FilesystemWrapper::FilesystemWrapper;
+    int lists = 0;
+    Result<std::vector<std::string>> list(const std::string& d) override {
+      ++lists;
+      return FilesystemWrapper::list(d);
+    }
+  };
+  TempDir tmp;
+  CountingFilesystem fs(posix_filesystem());
+  make_checkpoint(fs, tmp.path(), 5, 1);
+  make_checkpoint(fs, tmp.path(), 6, 2);
+  auto latest = find_latest(fs, tmp.path());
+  REQUIRE(latest.ok());
+  CHECK(latest->step == 6);
+  CHECK(fs.lists >= 1);
+}
+
+}  // namespace
+}  // namespace ferry

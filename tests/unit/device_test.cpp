@@ -1,0 +1,158 @@
+#include "ferry/device.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <vector>
+
+using ferry::DType;
+using ferry::TensorView;
+
+namespace {
+
+// The view's row-major logical byte stream, element by element: the
+// definition the strided helpers must agree with.
+std::vector<uint8_t> logical_bytes(const TensorView& v) {
+  const size_t es = ferry::dtype_size(v.dtype);
+  const auto strides = v.effective_strides();
+  std::vector<uint8_t> out;
+  const int64_t n = v.numel();
+  for (int64_t e = 0; e < n; ++e) {
+    int64_t rem = e, off = 0;
+    for (size_t k = v.shape.size(); k-- > 0;) {
+      off += (rem % v.shape[k]) * strides[k];
+      rem /= v.shape[k];
+    }
+    const auto* p = static_cast<const uint8_t*>(v.data) + off * static_cast<int64_t>(es);
+    out.insert(out.end(), p, p + es);
+  }
+  return out;
+}
+
+std::vector<uint8_t> iota_bytes(size_t n) {
+  std::vector<uint8_t> b(n);
+  for (size_t i = 0; i < n; ++i) b[i] = static_cast<uint8_t>(i * 37 + (i >> 8));
+  return b;
+}
+
+}  // namespace
+
+TEST_CASE("strided copy of a transposed view matches a reference", "[device]") {
+  const int64_t rows = 7, cols = 5;
+  for (DType dt : {DType::u8, DType::bf16, DType::f32, DType::f64}) {
+    const size_t es = ferry::dtype_size(dt);
+    auto storage = iota_bytes(rows * cols * es);
+    // storage holds a cols x rows matrix; the view is its rows x cols transpose.
+    TensorView t{storage.data(), dt, {rows, cols}, ferry::Device::host(), {1, rows}};
+    REQUIRE_FALSE(t.is_contiguous());
+    const auto ref = logical_bytes(t);
+    REQUIRE(ref.size() == t.nbytes());
+
+    std::mt19937 rng(static_cast<uint32_t>(es));
+    for (int iter = 0; iter < 300; ++iter) {
+      uint64_t a = std::uniform_int_distribution<uint64_t>(0, ref.size())(rng);
+      uint64_t b = std::uniform_int_distribution<uint64_t>(0, ref.size())(rng);
+      if (a > b) std::swap(a, b);
+      INFO("dtype " << ferry::dtype_name(dt) << " bytes [" << a << ", " << b << ")");
+
+      std::vector<uint8_t> out(b - a + 2, 0xAB);
+      ferry::strided_copy_out(t, a, b - a, out.data() + 1);
+      CHECK(std::equal(ref.begin() + a, ref.begin() + b, out.begin() + 1));
+      CHECK(out.front() == 0xAB);
+      CHECK(out.back() == 0xAB);
+
+      // Copy new bytes in over the same range; the rest must stay put.
+      std::vector<uint8_t> fresh(b - a);
+      for (auto& x : fresh) x = static_cast<uint8_t>(rng());
+      auto expect = ref;
+      std::copy(fresh.begin(), fresh.end(), expect.begin() + a);
+      auto saved = storage;
+      ferry::strided_copy_in(fresh.data(), t, a, b - a);
+      CHECK(logical_bytes(t) == expect);
+      storage = saved;
+    }
+  }
+}
+
+TEST_CASE("strided copy: contiguous, sliced and degenerate views", "[device]") {
+  SECTION("contiguous view at any range") {
+    auto storage = iota_bytes(6 * 4 * 4);
+    TensorView t{storage.data(), DType::f32, {6, 4}};
+    std::vector<uint8_t> out(13);
+    ferry::strided_copy_out(t, 7, 13, out.data());
+    CHECK(std::equal(out.begin(), out.end(), storage.begin() + 7));
+  }
+  SECTION("row slice of a wider matrix: dense rows, strided outer dim") {
+    auto storage = iota_bytes(4 * 10 * 2);
+    // Columns 3..8 of a 4 x 10 bf16 matrix.
+    TensorView t{storage.data() + 3 * 2, DType::bf16, {4, 6}, ferry::Device::host(), {10, 1}};
+    const auto ref = logical_bytes(t);
+    for (uint64_t a = 0; a < ref.size(); a += 3) {
+      for (uint64_t b = a; b <= ref.size(); b += 5) {
+        std::vector<uint8_t> out(b - a);
+        ferry::strided_copy_out(t, a, b - a, out.data());
+        CHECK(std::equal(out.begin(), out.end(), ref.begin() + a));
+      }
+    }
+  }
+  SECTION("3-D permuted view with size-1 dims") {
+    auto storage = iota_bytes(3 * 1 * 4 * 8);
+    // A [3,1,4] f64 tensor viewed as [4,1,3].
+    TensorView t{storage.data(), DType::f64, {4, 1, 3}, ferry::Device::host(), {1, 4, 4}};
+    const auto ref = logical_bytes(t);
+    std::vector<uint8_t> out(ref.size() - 11);
+    ferry::strided_copy_out(t, 5, out.size(), out.data());
+    CHECK(std::equal(out.begin(), out.end(), ref.begin() + 5));
+
+    std::vector<uint8_t> back = ref;
+    std::reverse(back.begin(), back.end());
+    ferry::strided_copy_in(back.data(), t, 0, back.size());
+    CHECK(logical_bytes(t) == back);
+  }
+  SECTION("0-d scalar") {
+    double x = 2.5, y = 0;
+    TensorView t{&x, DType::f64, {}};
+    ferry::strided_copy_out(t, 0, 8, &y);
+    CHECK(y == 2.5);
+  }
+}
+
+TEST_CASE("host device copies synchronously and reports", "[device]") {
+  auto dev = ferry::host_device();
+  CHECK(dev->handles(ferry::Device::host()));
+  CHECK_FALSE(dev->handles(ferry::Device::cuda(0)));
+
+  std::vector<int32_t> storage(12);
+  std::iota(storage.begin(), storage.end(), 0);
+  TensorView t{storage.data(), DType::i32, {4, 3}, ferry::Device::host(), {1, 4}};
+
+  std::vector<int32_t> out(12, -1);
+  bool called = false;
+  dev->copy_out(t, 0, 48, out.data(), [&](ferry::Status st) {
+    CHECK(st.ok());
+    called = true;
+  });
+  CHECK(called);
+  CHECK(out == std::vector<int32_t>{0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11});
+
+  std::vector<int32_t> in{100, 101, 102};
+  called = false;
+  dev->copy_in(in.data(), t, 12, 12, [&](ferry::Status st) {
+    CHECK(st.ok());
+    called = true;
+  });
+  CHECK(called);
+  CHECK(storage[1] == 100);
+  CHECK(storage[5] == 101);
+  CHECK(storage[9] == 102);
+
+  ferry::Status err;
+  dev->copy_out(t, 40, 16, out.data(), [&](ferry::Status st) { err = st; });
+  CHECK(err.code() == ferry::StatusCode::invalid_argument);
+  TensorView gpu{storage.data(), DType::i32, {12}, ferry::Device::cuda(0)};
+  dev->copy_out(gpu, 0, 4, out.data(), [&](ferry::Status st) { err = st; });
+  CHECK(err.code() == ferry::StatusCode::invalid_argument);
+}

@@ -1,0 +1,378 @@
+// One conformance suite for every Filesystem: the POSIX one and a forwarding
+// wrapper (the base of the fault-injecting one) must behave the same.
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ferry/filesystem.hpp"
+#include "ferry/pool.hpp"
+#include "test_util.hpp"
+
+namespace ferry {
+namespace {
+
+using ferry::testing::TempDir;
+
+bool contains(const std::string& haystack, const std::string& needle) {
+  return haystack.find(needle) != std::string::npos;
+}
+
+OpenOptions writable(bool create = true, bool exclusive = false) {
+  OpenOptions o;
+  o.write = true;
+  o.create = create;
+  o.exclusive = exclusive;
+  return o;
+}
+
+// Exercises every operation of `fs` inside `dir`. Called once per
+// implementation; SECTIONs rerun the setup for each branch.
+void filesystem_conformance(Filesystem& fs, const std::string& dir) {
+  SECTION("write, read back, truncate, sync, close twice") {
+    std::string path = join_path(dir, "a.bin");
+    auto f = fs.open(path, writable());
+    REQUIRE(f.ok());
+    CHECK((*f)->path() == path);
+    std::string text = "hello, ferry";
+    REQUIRE((*f)->pwrite(text.data(), text.size(), 0).ok());
+    REQUIRE((*f)->pwrite("!!", 2, 100).ok());  // leaves a hole
+    REQUIRE((*f)->sync().ok());
+
+    char buf[200] = {};
+    auto n = (*f)->pread(buf, sizeof(buf), 0);
+    REQUIRE(n.ok());
+    CHECK(*n == 102);  // short only because of end of file
+    CHECK(std::string(buf, text.size()) == text);
+    CHECK(buf[50] == '\0');
+    CHECK(std::string(buf + 100, 2) == "!!");
+
+    auto past = (*f)->pread(buf, 10, 1000);
+    REQUIRE(past.ok());
+    CHECK(*past == 0);
+
+    REQUIRE((*f)->truncate(5).ok());
+    REQUIRE((*f)->sync().ok());
+    auto info = fs.stat(path);
+    REQUIRE(info.ok());
+    CHECK(info->size == 5);
+    CHECK_FALSE(info->is_dir);
+    CHECK(info->mtime_unix_ms > 0);
+
+    CHECK((*f)->close().ok());
+    CHECK((*f)->close().ok());  // idempotent
+    auto contents = read_file(fs, path);
+    REQUIRE(contents.ok());
+    CHECK(*contents == "hello");
+  }
+
+  SECTION("open options: exclusive, truncate, read-only") {
+    std::string path = join_path(dir, "b.bin");
+    REQUIRE(write_file_atomic(fs, path, "0123456789", false).ok());
+
+    auto excl = fs.open(path, writable(true, true));
+    REQUIRE_FALSE(excl.ok());
+    CHECK(excl.status().code() == StatusCode::already_exists);
+    CHECK(contains(excl.status().message(), path));
+
+    OpenOptions trunc = writable(false);
+    trunc.truncate = true;
+    auto t = fs.open(path, trunc);
+    REQUIRE(t.ok());
+    REQUIRE((*t)->close().ok());
+    CHECK(fs.stat(path)->size == 0);
+
+    auto ro = fs.open(path, OpenOptions{});
+    REQUIRE(ro.ok());
+    Status w = (*ro)->pwrite("x", 1, 0);
+    CHECK_FALSE(w.ok());
+    CHECK(contains(w.message(), "pwrite"));
+    CHECK(contains(w.message(), path));
+  }
+
+  SECTION("errors name the operation and the path") {
+    std::string missing = join_path(dir, "no-such-file");
+    auto f = fs.open(missing, OpenOptions{});
+    REQUIRE_FALSE(f.ok());
+    CHECK(f.status().code() == StatusCode::not_found);
+    CHECK(contains(f.status().message(), "open"));
+    CHECK(contains(f.status().message(), missing));
+
+    auto st = fs.stat(missing);
+    REQUIRE_FALSE(st.ok());
+    CHECK(st.status().code() == StatusCode::not_found);
+    CHECK(contains(st.status().message(), missing));
+
+    auto rf = read_file(fs, missing);
+    REQUIRE_FALSE(rf.ok());
+    CHECK(rf.status().code() == StatusCode::not_found);
+
+    std::string orphan = join_path(dir, "missing-parent/child");
+    Status m = fs.mkdir(orphan);
+    CHECK(m.code() == StatusCode::not_found);
+    CHECK(contains(m.message(), "mkdir"));
+    CHECK(contains(m.message(), orphan));
+
+    // A regular file as the parent fails for root too (unlike a read-only
+    // directory, which root may write into anyway).
+    std::string file = join_path(dir, "plain");
+    REQUIRE(write_file_atomic(fs, file, "x", false).ok());
+    Status under_file = fs.mkdir(join_path(file, "sub"));
+    CHECK_FALSE(under_file.ok());
+    CHECK(contains(under_file.message(), file));
+    Status mkdirs_under_file = fs.mkdirs(join_path(file, "sub/deeper"));
+    CHECK_FALSE(mkdirs_under_file.ok());
+    CHECK(contains(mkdirs_under_file.message(), file));
+
+    Status un = fs.unlink(missing);
+    CHECK(un.code() == StatusCode::not_found);
+    CHECK(contains(un.message(), "unlink"));
+    Status rn = fs.rename(missing, join_path(dir, "elsewhere"));
+    CHECK(rn.code() == StatusCode::not_found);
+    CHECK(contains(rn.message(), missing));
+    CHECK(fs.rmdir(missing).code() == StatusCode::not_found);
+    CHECK(fs.sync_dir(missing).code() == StatusCode::not_found);
+    auto ls = fs.list(missing);
+    REQUIRE_FALSE(ls.ok());
+    CHECK(ls.status().code() == StatusCode::not_found);
+    CHECK(contains(ls.status().message(), missing));
+  }
+
+  SECTION("read-only parent directory") {
+    std::string ro = join_path(dir, "ro");
+    REQUIRE(fs.mkdir(ro).ok());
+    REQUIRE(::chmod(ro.c_str(), 0555) == 0);
+    if (::geteuid() == 0) {
+      // root bypasses directory permissions; nothing to check here.
+      SUCCEED("skipped: running as root");
+    } else {
+      Status s = fs.mkdir(join_path(ro, "sub"));
+      CHECK(s.code() == StatusCode::io_error);
+      CHECK(contains(s.message(), join_path(ro, "sub")));
+      auto f = fs.open(join_path(ro, "f"), writable());
+      CHECK_FALSE(f.ok());
+    }
+    REQUIRE(::chmod(ro.c_str(), 0755) == 0);
+  }
+
+  SECTION("mkdir, mkdirs, list, stat, rename, rmdir") {
+    std::string d = join_path(dir, "d");
+    REQUIRE(fs.mkdir(d).ok());
+    Status again = fs.mkdir(d);
+    CHECK(again.code() == StatusCode::already_exists);
+    CHECK(contains(again.message(), d));
+
+    std::string deep = join_path(dir, "x/y/z");
+    REQUIRE(fs.mkdirs(deep).ok());
+    REQUIRE(fs.mkdirs(deep).ok());  // existing directories are fine
+    REQUIRE(fs.mkdirs(deep + "/").ok());
+    auto info = fs.stat(deep);
+    REQUIRE(info.ok());
+    CHECK(info->is_dir);
+
+    REQUIRE(write_file_atomic(fs, join_path(d, "c"), "c", false).ok());
+    REQUIRE(write_file_atomic(fs, join_path(d, "a"), "a", false).ok());
+    REQUIRE(fs.mkdir(join_path(d, "b")).ok());
+    auto names = fs.list(d);
+    REQUIRE(names.ok());
+    CHECK(*names == std::vector<std::string>{"a", "b", "c"});
+
+    REQUIRE(fs.rename(join_path(d, "a"), join_path(d, "c")).ok());  // replaces c
+    CHECK(*read_file(fs, join_path(d, "c")) == "a");
+    CHECK(fs.stat(join_path(d, "a")).status().code() == StatusCode::not_found);
+    REQUIRE(fs.sync_dir(d).ok());
+
+    Status not_empty = fs.rmdir(d);
+    CHECK_FALSE(not_empty.ok());
+    CHECK(contains(not_empty.message(), "rmdir"));
+    REQUIRE(fs.rmdir(join_path(d, "b")).ok());
+    REQUIRE(fs.unlink(join_path(d, "c")).ok());
+    REQUIRE(fs.rmdir(d).ok());
+    CHECK(fs.stat(d).status().code() == StatusCode::not_found);
+  }
+
+  SECTION("write_file_atomic replaces and leaves no temp files") {
+    std::string path = join_path(dir, "LATEST");
+    REQUIRE(write_file_atomic(fs, path, "step-00000001\n", true).ok());
+    REQUIRE(write_file_atomic(fs, path, "step-00000002\n", true).ok());
+    CHECK(*read_file(fs, path) == "step-00000002\n");
+    CHECK(*fs.list(dir) == std::vector<std::string>{"LATEST"});
+
+    std::string empty = join_path(dir, "empty");
+    REQUIRE(write_file_atomic(fs, empty, "", false).ok());
+    CHECK(*read_file(fs, empty) == "");
+
+    std::string big(3 * 1024 * 1024 + 17, '\0');
+    for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<char>(i * 31 + 7);
+    std::string big_path = join_path(dir, "big");
+    REQUIRE(write_file_atomic(fs, big_path, big, false).ok());
+    CHECK(*read_file(fs, big_path) == big);
+
+    // Renaming over a directory fails: the temp file must be cleaned up.
+    std::string blocker = join_path(dir, "blocker");
+    REQUIRE(fs.mkdir(blocker).ok());
+    REQUIRE(write_file_atomic(fs, join_path(blocker, "inner"), "x", false).ok());
+    Status s = write_file_atomic(fs, blocker, "data", false);
+    CHECK_FALSE(s.ok());
+    CHECK(contains(s.message(), blocker));
+    CHECK(*fs.list(dir) == std::vector<std::string>{"LATEST", "big", "blocker", "empty"});
+
+    Status missing_dir = write_file_atomic(fs, join_path(dir, "nope/file"), "x", true);
+    CHECK(missing_dir.code() == StatusCode::not_found);
+    CHECK(contains(missing_dir.message(), join_path(dir, "nope/file")));
+  }
+
+  SECTION("remove_all") {
+    std::string tree = join_path(dir, "tree");
+    REQUIRE(fs.mkdirs(join_path(tree, "a/b/c")).ok());
+    REQUIRE(write_file_atomic(fs, join_path(tree, "f1"), "1", false).ok());
+    REQUIRE(write_file_atomic(fs, join_path(tree, "a/f2"), "2", false).ok());
+    REQUIRE(write_file_atomic(fs, join_path(tree, "a/b/c/f3"), "3", false).ok());
+    REQUIRE(remove_all(fs, tree).ok());
+    CHECK(fs.stat(tree).status().code() == StatusCode::not_found);
+    CHECK(remove_all(fs, tree).ok());  // already gone is fine
+
+    std::string file = join_path(dir, "single");
+    REQUIRE(write_file_atomic(fs, file, "s", false).ok());
+    REQUIRE(remove_all(fs, file).ok());
+    CHECK(fs.stat(file).status().code() == StatusCode::not_found);
+    CHECK(*fs.list(dir) == std::vector<std::string>{});
+  }
+
+  SECTION("remove_all removes a link to a directory, not what it points at") {
+    std::string target = join_path(dir, "target");
+    REQUIRE(fs.mkdir(target).ok());
+    REQUIRE(write_file_atomic(fs, join_path(target, "keep"), "k", false).ok());
+    std::string link = join_path(dir, "link");
+    REQUIRE(::symlink(target.c_str(), link.c_str()) == 0);
+    REQUIRE(remove_all(fs, link).ok());
+    CHECK(fs.stat(link).status().code() == StatusCode::not_found);
+    CHECK(*read_file(fs, join_path(target, "keep")) == "k");
+  }
+
+  SECTION("concurrent pwrite and pread on one file") {
+    std::string path = join_path(dir, "shared.bin");
+    auto f = fs.open(path, writable());
+    REQUIRE(f.ok());
+    File* file = f->get();
+    constexpr size_t kPiece = 64 * 1024;
+    std::vector<std::thread> threads;
+    std::vector<Status> results(4);
+    for (int t = 0; t < 4; ++t) {
+      threads.emplace_back([file, t, &results]() {
+        std::string piece(kPiece, static_cast<char>('a' + t));
+        results[t] = file->pwrite(piece.data(), piece.size(), t * kPiece);
+      });
+    }
+    for (auto& th : threads) th.join();
+    for (const Status& s : results) CHECK(s.ok());
+    std::string back(4 * kPiece, '\0');
+    auto n = file->pread(&back[0], back.size(), 0);
+    REQUIRE(n.ok());
+    REQUIRE(*n == back.size());
+    for (int t = 0; t < 4; ++t) CHECK(back[t * kPiece + kPiece - 1] == 'a' + t);
+    REQUIRE(file->close().ok());
+  }
+
+  SECTION("O_DIRECT writes of aligned blocks from pool memory") {
+    auto pool = StagingPool::create(3 * 4096, 4096);
+    REQUIRE(pool.ok());
+    auto w1 = (*pool)->try_acquire();
+    auto w2 = (*pool)->try_acquire();
+    auto r = (*pool)->try_acquire();
+    REQUIRE((w1 && w2 && r));
+    uint8_t* b1 = *(*pool)->data(*w1);
+    uint8_t* b2 = *(*pool)->data(*w2);
+    uint8_t* rb = *(*pool)->data(*r);
+    std::memset(b1, 0x11, 4096);
+    std::memset(b2, 0x22, 4096);
+
+    std::string path = join_path(dir, "direct.bin");
+    OpenOptions o = writable();
+    o.direct = true;
+    auto f = fs.open(path, o);
+    REQUIRE(f.ok());  // where O_DIRECT is refused (tmpfs) open still succeeds
+    INFO("direct() = " << (*f)->direct());
+    REQUIRE((*f)->pwrite(b1, 4096, 0).ok());
+    REQUIRE((*f)->pwrite(b2, 4096, 4096).ok());
+    auto n = (*f)->pread(rb, 4096, 4096);
+    REQUIRE(n.ok());
+    CHECK(*n == 4096);
+    CHECK(std::memcmp(rb, b2, 4096) == 0);
+    // The writer pads the last block and cuts the file to its real size.
+    REQUIRE((*f)->truncate(4096 + 100).ok());
+    REQUIRE((*f)->sync().ok());
+    REQUIRE((*f)->close().ok());
+
+    auto back = read_file(fs, path);
+    REQUIRE(back.ok());
+    REQUIRE(back->size() == 4096 + 100);
+    CHECK(static_cast<uint8_t>((*back)[0]) == 0x11);
+    CHECK(static_cast<uint8_t>((*back)[4095]) == 0x11);
+    CHECK(static_cast<uint8_t>((*back)[4096 + 99]) == 0x22);
+  }
+}
+
+// Forwards everything: the smallest subclass, as a fault injector starts.
+class PassThroughFilesystem : public FilesystemWrapper {
+ public:
+  using FilesystemWrapper::FilesystemWrapper;
+};
+
+TEST_CASE("posix filesystem conformance", "[filesystem]") {
+  TempDir tmp;
+  REQUIRE(!tmp.path().empty());
+  auto fs = posix_filesystem();
+  filesystem_conformance(*fs, tmp.path());
+}
+
+TEST_CASE("wrapped filesystem conformance", "[filesystem]") {
+  TempDir tmp;
+  REQUIRE(!tmp.path().empty());
+  PassThroughFilesystem fs(posix_filesystem());
+  filesystem_conformance(fs, tmp.path());
+}
+
+TEST_CASE("O_DIRECT falls back where the filesystem refuses it", "[filesystem]") {
+  // /dev/shm is tmpfs, which refused O_DIRECT (EINVAL) before Linux 6.6;
+  // newer kernels accept it, so both outcomes are valid here.
+  struct stat st;
+  if (::stat("/dev/shm", &st) != 0 || !S_ISDIR(st.st_mode)) {
+    WARN("skipped: no /dev/shm");
+    return;
+  }
+  auto fs = posix_filesystem();
+  std::string path = "/dev/shm/ferry-direct-" + std::to_string(::getpid());
+  OpenOptions o = writable();
+  o.direct = true;
+  auto f = fs->open(path, o);
+  REQUIRE(f.ok());
+  std::string data = "not aligned at all";
+  // Unaligned I/O is only legal when the fallback really happened.
+  if (!(*f)->direct()) REQUIRE((*f)->pwrite(data.data(), data.size(), 0).ok());
+  REQUIRE((*f)->close().ok());
+  REQUIRE(fs->unlink(path).ok());
+}
+
+TEST_CASE("join_path and parent_path", "[filesystem]") {
+  CHECK(join_path("a", "b") == "a/b");
+  CHECK(join_path("a/", "b") == "a/b");
+  CHECK(join_path("", "b") == "b");
+  CHECK(join_path("/", "b") == "/b");
+  CHECK(parent_path("/x/y/z") == "/x/y");
+  CHECK(parent_path("/x/y/z/") == "/x/y");
+  CHECK(parent_path("/x") == "/");
+  CHECK(parent_path("/") == "/");
+  CHECK(parent_path("x") == ".");
+  CHECK(parent_path("x/y") == "x");
+  CHECK(parent_path("//x//y") == "//x");
+  CHECK(parent_path("") == ".");
+}
+
+}  // namespace
+}  // namespace ferry

@@ -1,0 +1,162 @@
+#include <atomic>
+#include <catch2/catch.hpp>
+#include <cstring>
+#include <set>
+#include <thread>
+#include <vector>
+
+#include "ferry/pool.hpp"
+
+namespace ferry {
+namespace {
+
+bool contains(const std::string& haystack, const std::string& needle) {
+  return haystack.find(needle) != std::string::npos;
+}
+
+TEST_CASE("pool rounds down to whole blocks", "[pool]") {
+  auto pool = StagingPool::create(5 * 8192 + 4096, 8192);
+  REQUIRE(pool.ok());
+  CHECK((*pool)->blocks() == 5);
+  CHECK((*pool)->block_bytes() == 8192);
+  CHECK((*pool)->bytes() == 5 * 8192);
+  CHECK((*pool)->free_blocks() == 5);
+  CHECK(reinterpret_cast<uintptr_t>((*pool)->base()) % 4096 == 0);
+
+  auto one = StagingPool::create(4096, 4096);
+  REQUIRE(one.ok());
+  CHECK((*one)->blocks() == 1);
+}
+
+TEST_CASE("pool rejects bad sizes naming the values", "[pool]") {
+  auto zero = StagingPool::create(1 << 20, 0);
+  REQUIRE_FALSE(zero.ok());
+  CHECK(zero.status().code() == StatusCode::invalid_argument);
+
+  auto unaligned = StagingPool::create(1 << 20, 5000);
+  REQUIRE_FALSE(unaligned.ok());
+  CHECK(unaligned.status().code() == StatusCode::invalid_argument);
+  CHECK(contains(unaligned.status().message(), "5000"));
+
+  auto small = StagingPool::create(4096, 8192);
+  REQUIRE_FALSE(small.ok());
+  CHECK(small.status().code() == StatusCode::invalid_argument);
+  CHECK(contains(small.status().message(), "4096"));
+  CHECK(contains(small.status().message(), "8192"));
+}
+
+TEST_CASE("pool leases: acquire all, release, reacquire, refuse stale", "[pool]") {
+  auto created = StagingPool::create(4 * 4096, 4096);
+  REQUIRE(created.ok());
+  StagingPool& pool = **created;
+  int hook_calls = 0;
+  pool.set_release_hook([&hook_calls]() { ++hook_calls; });
+
+  std::vector<Lease> leases;
+  std::set<uint32_t> indexes;
+  for (int i = 0; i < 4; ++i) {
+    auto l = pool.try_acquire();
+    REQUIRE(l.has_value());
+    leases.push_back(*l);
+    indexes.insert(l->index);
+  }
+  CHECK(indexes.size() == 4);
+  CHECK_FALSE(pool.try_acquire().has_value());
+  CHECK(pool.free_blocks() == 0);
+
+  // Every block is its own 4096-aligned, writable slice of the region.
+  for (const Lease& l : leases) {
+    auto p = pool.data(l);
+    REQUIRE(p.ok());
+    CHECK(reinterpret_cast<uintptr_t>(*p) % 4096 == 0);
+    CHECK(*p == pool.base() + uint64_t{l.index} * 4096);
+    std::memset(*p, static_cast<int>(l.index + 1), 4096);
+  }
+  for (const Lease& l : leases) {
+    uint8_t* p = *pool.data(l);
+    CHECK(p[0] == l.index + 1);
+    CHECK(p[4095] == l.index + 1);
+  }
+
+  Lease old = leases[2];
+  REQUIRE(pool.release(old).ok());
+  CHECK(hook_calls == 1);
+  CHECK(pool.free_blocks() == 1);
+
+  auto data_after_release = pool.data(old);
+  REQUIRE_FALSE(data_after_release.ok());
+  CHECK(data_after_release.status().code() == StatusCode::invalid_argument);
+  CHECK(contains(data_after_release.status().message(), "stale lease"));
+  Status double_release = pool.release(old);
+  CHECK(double_release.code() == StatusCode::invalid_argument);
+  CHECK(hook_calls == 1);  // only successful releases call the hook
+
+  // LIFO: the block just released comes back, under a new generation.
+  auto again = pool.try_acquire();
+  REQUIRE(again.has_value());
+  CHECK(again->index == old.index);
+  CHECK(again->generation != old.generation);
+  CHECK(pool.data(*again).ok());
+  CHECK_FALSE(pool.data(old).ok());
+  CHECK(pool.release(old).code() == StatusCode::invalid_argument);
+
+  Lease unknown{99, 0};
+  CHECK(pool.data(unknown).status().code() == StatusCode::invalid_argument);
+  CHECK(pool.release(unknown).code() == StatusCode::invalid_argument);
+
+  leases[2] = *again;
+  for (const Lease& l : leases) REQUIRE(pool.release(l).ok());
+  CHECK(hook_calls == 5);
+  CHECK(pool.free_blocks() == 4);
+}
+
+TEST_CASE("pool release hook runs outside the lock", "[pool]") {
+  auto created = StagingPool::create(2 * 4096, 4096);
+  REQUIRE(created.ok());
+  StagingPool& pool = **created;
+  // A waiter woken by the hook typically acquires at once: that must not
+  // deadlock on the pool's mutex.
+  std::optional<Lease> from_hook;
+  pool.set_release_hook([&pool, &from_hook]() {
+    if (!from_hook) from_hook = pool.try_acquire();
+  });
+  auto l = pool.try_acquire();
+  REQUIRE(l.has_value());
+  REQUIRE(pool.release(*l).ok());
+  REQUIRE(from_hook.has_value());
+  CHECK(pool.free_blocks() == 1);
+}
+
+TEST_CASE("pool is safe under concurrent acquire and release", "[pool]") {
+  auto created = StagingPool::create(8 * 4096, 4096);
+  REQUIRE(created.ok());
+  StagingPool& pool = **created;
+  std::atomic<int> hooks{0};
+  pool.set_release_hook([&hooks]() { hooks.fetch_add(1, std::memory_order_relaxed); });
+  std::atomic<int> released{0};
+  std::atomic<int> errors{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&pool, &released, &errors, t]() {
+      for (int i = 0; i < 2000; ++i) {
+        auto l = pool.try_acquire();
+        if (!l) continue;
+        auto p = pool.data(*l);
+        if (!p.ok()) {
+          ++errors;
+          continue;
+        }
+        (*p)[0] = static_cast<uint8_t>(t);
+        if (!pool.release(*l).ok()) ++errors;
+        ++released;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  CHECK(errors == 0);
+  CHECK(hooks == released);
+  CHECK(pool.free_blocks() == 8);
+}
+
+}  // namespace
+}  // namespace ferry

@@ -1,0 +1,146 @@
+// ls, inspect, verify, gc, config: read-only views of a root (gc aside).
+
+#include <cinttypes>
+#include <cstdio>
+
+#include "ferry/catalog.hpp"
+#include "ferry/manifest.hpp"
+#include "ferry/options.hpp"
+#include "ferry/verify.hpp"
+#include "tools/commands.hpp"
+
+namespace ferry::cli {
+
+std::string human_bytes(double b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (b >= 1024 && u < 4) {
+    b /= 1024;
+    ++u;
+  }
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), u == 0 ? "%.0f %s" : "%.2f %s", b, units[u]);
+  return buf;
+}
+
+namespace {
+
+int need_one(const Args& args, const char* what) {
+  if (args.size() == 1) return 0;
+  std::fprintf(stderr, "expected exactly one argument: %s\n", what);
+  return 2;
+}
+
+std::string dims(const std::vector<int64_t>& v) {
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + "]";
+}
+
+}  // namespace
+
+int cmd_ls(const Args& args) {
+  if (int rc = need_one(args, "ROOT")) return rc;
+  auto fs = posix_filesystem();
+  auto list = list_checkpoints(*fs, args[0]);
+  if (!list.ok()) {
+    std::fprintf(stderr, "ferry ls: %s\n", list.status().to_string().c_str());
+    return 1;
+  }
+  auto latest = find_latest(*fs, args[0]);
+  std::printf("%-16s %12s %10s %12s %8s  %s\n", "CHECKPOINT", "STEP", "SEQ", "SIZE", "TENSORS",
+              "");
+  for (const auto& c : *list) {
+    const std::string name = c.path.substr(c.path.find_last_of('/') + 1);
+    if (!c.status.ok()) {
+      std::printf("%-16s %12" PRIu64 " %10s %12s %8s  UNREADABLE: %s\n", name.c_str(), c.step, "-",
+                  "-", "-", c.status.to_string().c_str());
+      continue;
+    }
+    std::string mark;
+    if (latest.ok() && latest->path == c.path) mark = "LATEST";
+    if (c.latest_hint && mark.empty()) mark = "(LATEST file points here)";
+    std::printf("%-16s %12" PRIu64 " %10" PRIu64 " %12s %8" PRIu64 "  %s\n", name.c_str(), c.step,
+                c.commit_seq, human_bytes(c.bytes).c_str(), c.tensors, mark.c_str());
+  }
+  if (list->empty()) std::printf("(no committed checkpoints in %s)\n", args[0].c_str());
+  return 0;
+}
+
+int cmd_inspect(const Args& args) {
+  if (int rc = need_one(args, "CKPT (a step directory)")) return rc;
+  auto fs = posix_filesystem();
+  auto m = read_manifest(*fs, args[0]);
+  if (!m.ok()) {
+    std::fprintf(stderr, "ferry inspect: %s\n", m.status().to_string().c_str());
+    return 1;
+  }
+  std::printf("checkpoint %s\n  step %" PRIu64 ", commit seq %" PRIu64
+              ", world size %d, job %s, id %s\n  fsynced %s, checksum block %s, %zu files, %s\n",
+              args[0].c_str(), m->step, m->commit_seq, m->world_size, m->job_id.c_str(),
+              m->checkpoint_id.c_str(), m->fsynced ? "yes" : "no",
+              human_bytes(m->checksum_block_bytes).c_str(), m->files.size(),
+              human_bytes(m->total_bytes()).c_str());
+  for (const auto& [k, v] : m->metadata) std::printf("  meta %s = %s\n", k.c_str(), v.c_str());
+  int rc = 0;
+  std::printf("files:\n");
+  for (uint32_t i = 0; i < m->files.size(); ++i) {
+    Status s = check_data_file_header(*fs, args[0], i, *m);
+    std::printf("  [%u] %s  %s  rank %d  header %s\n", i, m->files[i].name.c_str(),
+                human_bytes(m->files[i].size).c_str(), m->files[i].rank,
+                s.ok() ? "ok" : s.to_string().c_str());
+    if (!s.ok()) rc = 1;
+  }
+  std::printf("tensors:\n");
+  for (const auto& t : m->tensors) {
+    std::printf("  %s  %s %s  %zu chunk(s)\n", t.key.c_str(), dtype_name(t.dtype),
+                dims(t.global_shape).c_str(), t.chunks.size());
+    for (const auto& c : t.chunks) {
+      std::printf("    offsets %s sizes %s  file [%u] %s bytes %" PRIu64 "..%" PRIu64, dims(c.offsets).c_str(),
+                  dims(c.sizes).c_str(), c.file, m->files[c.file].name.c_str(), c.byte_offset,
+                  c.byte_offset + c.byte_length);
+      if (!c.checksums.empty())
+        std::printf("  xxh3 %016" PRIx64 "%s", c.checksums[0], c.checksums.size() > 1 ? " ..." : "");
+      std::printf("  (%zu block checksum%s)\n", c.checksums.size(), c.checksums.size() == 1 ? "" : "s");
+    }
+  }
+  return rc;
+}
+
+int cmd_verify(const Args& args) {
+  if (int rc = need_one(args, "CKPT (a step directory)")) return rc;
+  auto fs = posix_filesystem();
+  auto rep = verify_checkpoint(*fs, args[0]);
+  if (!rep.ok()) {
+    std::fprintf(stderr, "ferry verify: %s\n", rep.status().to_string().c_str());
+    return 1;
+  }
+  for (const auto& p : rep->problems) std::printf("PROBLEM %s\n", p.to_string().c_str());
+  std::printf("%s: %" PRIu64 " files, %" PRIu64 " chunks, %s checked, %zu problem(s)\n",
+              rep->ok() ? "OK" : "CORRUPT", rep->files, rep->chunks,
+              human_bytes(rep->bytes_checked).c_str(), rep->problems.size());
+  return rep->ok() ? 0 : 1;
+}
+
+int cmd_gc(const Args& args) {
+  if (int rc = need_one(args, "ROOT")) return rc;
+  auto fs = posix_filesystem();
+  auto rep = collect_garbage(*fs, args[0], now_unix_ms());
+  if (!rep.ok()) {
+    std::fprintf(stderr, "ferry gc: %s\n", rep.status().to_string().c_str());
+    return 1;
+  }
+  for (const auto& p : rep->removed) std::printf("removed %s (lease expired)\n", p.c_str());
+  for (const auto& p : rep->kept) std::printf("kept    %s (lease live)\n", p.c_str());
+  std::printf("%zu removed, %zu kept\n", rep->removed.size(), rep->kept.size());
+  return 0;
+}
+
+int cmd_config(const Args&) {
+  std::printf("[ferry]\n");
+  for (const auto& o : option_infos())
+    std::printf("; %s\n%s = %s\n", o.help, o.key, o.default_value);
+  return 0;
+}
+
+}  // namespace ferry::cli

@@ -1,0 +1,22 @@
+// The `ferry` CLI's subcommands. Each takes the arguments after its name and
+// returns the process exit code.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace ferry::cli {
+
+using Args = std::vector<std::string>;
+
+int cmd_ls(const Args& args);
+int cmd_inspect(const Args& args);
+int cmd_verify(const Args& args);
+int cmd_gc(const Args& args);
+int cmd_config(const Args& args);
+int cmd_demo(const Args& args);
+
+// "1.50 GiB"
+std::string human_bytes(double bytes);
+
+}  // namespace ferry::cli
