@@ -70,9 +70,9 @@ void abort_active(coordinator_ptr self, const Status& status) {
   Checkpoint& c = *st.active;
   if (c.writing) remove_all(*st.ctx->fs, c.pending_dir);
   for (auto& p : c.plan_promises)
-    if (p.pending()) p.deliver(PlanReply{status, c.id, "", {}});
+    if (p.pending()) p.deliver(PlanReply{st.ctx->job_id, c.id, status, "", {}});
   for (auto& p : c.commit_promises)
-    if (p.pending()) p.deliver(CommitReply{status, "", 0});
+    if (p.pending()) p.deliver(CommitMsg{st.ctx->job_id, c.id, status, "", 0});
   st.active.reset();
 }
 
@@ -93,7 +93,7 @@ void on_all_plans(coordinator_ptr self) {
   }
   c.writing = true;
   for (size_t r = 0; r < c.plan_promises.size(); ++r)
-    c.plan_promises[r].deliver(PlanReply{Status(), c.id, c.pending_dir, gp->ranks[r]});
+    c.plan_promises[r].deliver(PlanReply{st.ctx->job_id, c.id, Status(), c.pending_dir, gp->ranks[r]});
   // Refresh the lease a few times per period so gc never takes a live save.
   self->delayed_send(self, std::chrono::milliseconds(lease_ms(st) / 3), atom::lease_v, c.id);
 }
@@ -116,7 +116,8 @@ void on_all_results(coordinator_ptr self) {
   CommitOptions co{st.ctx->opts.fsync, c.overwrite, st.ctx->opts.keep_last};
   auto out = commit_checkpoint(*st.ctx->fs, c.root, c.pending_dir, std::move(m).value(), co);
   if (!out.ok()) return abort_active(self, out.status().with_context("commit: "));
-  for (auto& p : c.commit_promises) p.deliver(CommitReply{Status(), out->path, out->commit_seq});
+  for (auto& p : c.commit_promises)
+    p.deliver(CommitMsg{st.ctx->job_id, c.id, Status(), out->path, out->commit_seq});
   st.active.reset();
 }
 
@@ -127,10 +128,10 @@ caf::behavior coordinator_actor(coordinator_ptr self, ContextPtr ctx) {
         auto& st = self->state;
         const auto world = static_cast<size_t>(st.ctx->world_size);
         if (req.rank < 0 || static_cast<size_t>(req.rank) >= world)
-          return PlanReply{Status::invalid_argument("plan from rank " + std::to_string(req.rank) +
-                                                    " outside world size " +
-                                                    std::to_string(world)),
-                           req.checkpoint_id, "", {}};
+          return PlanReply{st.ctx->job_id, req.checkpoint_id,
+                           Status::invalid_argument("plan from rank " + std::to_string(req.rank) +
+                                                    " outside world size " + std::to_string(world)),
+                           "", {}};
         if (st.active && st.active->id != req.checkpoint_id)
           abort_active(self, Status::aborted("superseded by checkpoint " + req.checkpoint_id));
         if (!st.active) {
@@ -154,15 +155,17 @@ caf::behavior coordinator_actor(coordinator_ptr self, ContextPtr ctx) {
         if (c.plans_in == world) on_all_plans(self);
         return rp;
       },
-      [self](atom::commit, CommitRequest& req) -> caf::result<CommitReply> {
+      [self](atom::commit, CommitRequest& req) -> caf::result<CommitMsg> {
         auto& st = self->state;
         if (!st.active || st.active->id != req.checkpoint_id || !st.active->writing)
-          return CommitReply{Status::aborted("checkpoint " + req.checkpoint_id + " is not active"),
-                             "", 0};
+          return CommitMsg{st.ctx->job_id, req.checkpoint_id,
+                           Status::aborted("checkpoint " + req.checkpoint_id + " is not active"), "",
+                           0};
         Checkpoint& c = *st.active;
         const auto r = static_cast<size_t>(req.result.rank);
         if (r >= c.results.size())
-          return CommitReply{Status::invalid_argument("write result from unknown rank"), "", 0};
+          return CommitMsg{st.ctx->job_id, req.checkpoint_id,
+                           Status::invalid_argument("write result from unknown rank"), "", 0};
         auto rp = self->make_response_promise();
         if (!c.results[r]) ++c.results_in;
         c.results[r] = std::move(req.result);

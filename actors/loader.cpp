@@ -36,6 +36,19 @@ Status verify(const Manifest& m, const ReadOp& op, const std::string& path, cons
   return Status();
 }
 
+// The header is not covered by the chunk checksums; its own checksum makes
+// the data file as trustworthy as the chunks read from it.
+Status verify_header(File& f, const ManifestFile& mf, const std::string& path,
+                     std::vector<uint8_t>& buf) {
+  if (mf.header_bytes == 0) return Status();
+  buf.resize(mf.header_bytes);
+  FERRY_ASSIGN_OR_RETURN(size_t got, f.pread(buf.data(), buf.size(), 0));
+  if (got != buf.size() || xxh3_64(buf.data(), buf.size()) != mf.header_checksum)
+    return Status::corruption("safetensors header of file " + path +
+                              " does not match its checksum in the manifest");
+  return Status();
+}
+
 Status run_reads(reader_state& st, const ReadTask& task) {
   const Manifest& m = *task.manifest;
   std::map<uint32_t, std::unique_ptr<File>> open_files;
@@ -44,10 +57,10 @@ Status run_reads(reader_state& st, const ReadTask& task) {
     const std::string path = join_path(task.dir, m.files[op.file].name);
     auto& f = open_files[op.file];
     if (!f) {
-      OpenOptions o;
-      auto r = st.ctx->fs->open(path, o);
+      auto r = st.ctx->fs->open(path, OpenOptions{});
       if (!r.ok()) return r.status();
       f = std::move(r).value();
+      FERRY_RETURN_IF_ERROR(verify_header(*f, m.files[op.file], path, buf));
     }
     buf.resize(op.length);
     FERRY_ASSIGN_OR_RETURN(size_t got, f->pread(buf.data(), op.length, op.file_offset));

@@ -17,6 +17,7 @@
 #include "ferry/manifest.hpp"
 #include "ferry/plan.hpp"
 #include "ferry/pool.hpp"
+#include "ferry/protocol.hpp"
 #include "ferry/runtime.hpp"
 
 CAF_ADD_ATOM(ferry, ferry::atom, save, "save")
@@ -47,25 +48,6 @@ struct SaveJob {
   SaveOptions opts;
   std::string root;
   std::shared_ptr<detail::SaveState> state;
-};
-
-// planner -> coordinator: one rank's contribution to a checkpoint.
-struct PlanRequest {
-  std::string checkpoint_id;
-  int32_t rank = 0;
-  uint64_t step = 0;
-  std::string root;
-  bool overwrite = false;
-  std::vector<std::pair<std::string, std::string>> metadata;  // rank 0's is kept
-  LocalPlan plan;
-};
-
-// coordinator -> planner.
-struct PlanReply {
-  Status status;
-  std::string checkpoint_id;
-  std::string pending_dir;
-  RankPlan plan;
 };
 
 // Where one chunk's bytes come from: a contiguous range of the view's
@@ -111,18 +93,6 @@ struct ChecksumSet {
   std::vector<std::vector<std::vector<uint64_t>>> sums;  // [file][chunk][block]
 };
 
-// coordinator <- planner after its files are durable.
-struct CommitRequest {
-  std::string checkpoint_id;
-  WriteResult result;
-};
-
-struct CommitReply {
-  Status status;
-  std::string path;
-  uint64_t commit_seq = 0;
-};
-
 // Runtime::load -> loader.
 struct LoadJob {
   std::string dir;
@@ -150,7 +120,7 @@ CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::WriteBlock)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::FileSet)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::ChecksumSet)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::CommitRequest)
-CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::CommitReply)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::CommitMsg)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::LoadJob)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::ReadTask)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<ferry::File>)

@@ -18,6 +18,7 @@
 
 #include "actors/actors.hpp"
 #include "actors/messages.hpp"
+#include "ferry/checksum.hpp"
 
 namespace ferry {
 
@@ -95,7 +96,7 @@ void send_result(planner_ptr self) {
   wr.rank = st.ctx->rank;
   for (size_t f = 0; f < cur.layouts.size(); ++f) {
     const FileLayout& l = cur.layouts[f];
-    wr.files.push_back({l.name, l.size});
+    wr.files.push_back({l.name, l.size, l.header.size(), xxh3_64(l.header.data(), l.header.size())});
     for (size_t c = 0; c < l.chunks.size(); ++c) {
       const LaidOutChunk& lc = l.chunks[c];
       wr.chunks.push_back({lc.chunk.key, lc.chunk.dtype, lc.chunk.global_shape, lc.chunk.box,
@@ -111,9 +112,9 @@ void send_result(planner_ptr self) {
   });
   const uint64_t id = cur.id;
   self->request(st.coordinator, caf::infinite, atom::commit_v,
-                CommitRequest{cur.checkpoint_id, std::move(wr)})
+                CommitRequest{st.ctx->job_id, cur.checkpoint_id, std::move(wr)})
       .then(
-          [self, id, now](const CommitReply& r) {
+          [self, id, now](const CommitMsg& r) {
             auto& st = self->state;
             if (st.cur.id != id) return;
             st.cur.job.state->update_metrics(
@@ -267,7 +268,7 @@ void start_next(planner_ptr self) {
   if (!local.ok()) return end_save(self, local.status(), "");
   cur.local = std::move(local).value();
   cur.checkpoint_id = random_id(st.rng);
-  PlanRequest req{cur.checkpoint_id, st.ctx->rank, cur.job.step, cur.job.root,
+  PlanRequest req{st.ctx->job_id, cur.checkpoint_id, st.ctx->rank, cur.job.step, cur.job.root,
                   cur.job.opts.overwrite, cur.job.opts.metadata, cur.local};
   const uint64_t id = cur.id;
   self->request(st.coordinator, caf::infinite, atom::plan_v, std::move(req))

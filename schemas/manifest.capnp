@@ -27,6 +27,8 @@ struct DataFile {
   name @0 :Text;                   # file name inside the checkpoint directory
   size @1 :UInt64;                 # exact size in bytes
   rank @2 :Int32;                  # rank that wrote it
+  headerBytes @3 :UInt64;          # safetensors header size incl. the 8-byte length and padding
+  headerChecksum @4 :UInt64;       # xxh3-64 of those header bytes
 }
 
 struct Tensor {

@@ -26,7 +26,8 @@ Result<Manifest> assemble_manifest(const ManifestHeader& header,
       return Status::internal("write result " + std::to_string(r) + " is from rank " +
                               std::to_string(wr.rank));
     const uint32_t file_base = static_cast<uint32_t>(m.files.size());
-    for (const WrittenFile& f : wr.files) m.files.push_back({f.name, f.size, wr.rank});
+    for (const WrittenFile& f : wr.files)
+      m.files.push_back({f.name, f.size, wr.rank, f.header_bytes, f.header_checksum});
     for (const WrittenChunk& c : wr.chunks) {
       if (c.file >= wr.files.size())
         return Status::internal("rank " + std::to_string(wr.rank) + " reported chunk of '" + c.key +

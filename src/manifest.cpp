@@ -113,7 +113,9 @@ Status from_proto(proto::Manifest::Reader root, Manifest* out) {
 
   auto files = root.getFiles();
   m.files.reserve(files.size());
-  for (auto f : files) m.files.push_back({str(f.getName()), f.getSize(), f.getRank()});
+  for (auto f : files)
+    m.files.push_back({str(f.getName()), f.getSize(), f.getRank(), f.getHeaderBytes(),
+                       f.getHeaderChecksum()});
 
   auto tensors = root.getTensors();
   m.tensors.reserve(tensors.size());
@@ -237,6 +239,10 @@ Status check_semantics(const Manifest& m) {
       return Status::corruption("manifest: file '" + f.name + "' was written by rank " +
                                 std::to_string(f.rank) + ", outside world size " +
                                 std::to_string(m.world_size));
+    if (f.header_bytes > f.size)
+      return Status::corruption("manifest: file '" + f.name + "' has a header of " +
+                                std::to_string(f.header_bytes) + " bytes but is only " +
+                                std::to_string(f.size) + " bytes long");
   }
 
   struct Range {
@@ -378,6 +384,8 @@ std::string encode_manifest(const Manifest& m) {
     f.setName(text(m.files[i].name));
     f.setSize(m.files[i].size);
     f.setRank(m.files[i].rank);
+    f.setHeaderBytes(m.files[i].header_bytes);
+    f.setHeaderChecksum(m.files[i].header_checksum);
   }
 
   auto tensors = root.initTensors(static_cast<unsigned>(m.tensors.size()));

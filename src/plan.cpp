@@ -17,9 +17,9 @@
   timespec t;     \
   clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t)
 #define PROF_MS(a, b) ((b.tv_sec - a.tv_sec) * 1e3 + (b.tv_nsec - a.tv_nsec) / 1e6)
-#define PROF_P(a, b, c, d, e, f)                                                      \
-  std::fprintf(stderr, "intern %.1f scatter %.1f group %.1f assign %.1f emit %.1f\n", \
-               PROF_MS(a, b), PROF_MS(b, c), PROF_MS(c, d), PROF_MS(d, e), PROF_MS(e, f))
+#define PROF_P(a, b, c, d, e, f)                                                                  \
+  std::fprintf(stderr, "intern %.1f init %.1f group %.1f assign %.1f emit %.1f\n", PROF_MS(a, b), \
+               PROF_MS(b, c), PROF_MS(c, d), PROF_MS(d, e), PROF_MS(e, f))
 #else
 #define PROF_T(t)
 #define PROF_P(...)
@@ -143,8 +143,8 @@ struct KeyInfo {
   uint32_t ndim;
   uint64_t dsize;
   int64_t global_numel;
-  uint32_t begin;   // first slot of the key
-  size_t box_base;  // where the box of that slot starts in kbox_
+  uint32_t begin;   // general layout: the key's first slot in slots_
+  size_t box_base;  // general layout: where its boxes start in kbox_
 };
 
 // One item of one rank, as the coordinator sees it while grouping.
@@ -153,12 +153,21 @@ struct Slot {
   uint32_t index;  // into plans[rank].items
 };
 
-// A replica group of several ranks that is written: slots [begin, end) of one
-// key hold the same box, in ascending rank.
+// The items of one key side by side: their slots, and their boxes stored flat
+// (offsets then sizes, `width` = 2 * ndim int64 per box) so that comparing two
+// rows orders boxes by offsets, then sizes.
+struct KeyItems {
+  Slot* slots;
+  int64_t* boxes;
+  size_t width;
+  const int64_t* box(uint32_t j) const { return boxes + j * width; }
+};
+
+// A replica group held by several ranks: members_[begin, end), ascending rank.
 struct Group {
   uint32_t begin;
   uint32_t end;
-  uint32_t key;
+  int64_t rows;  // the box's dim-0 size (0 for a 0-d tensor): what a split cuts
   uint64_t nbytes;
 };
 
@@ -167,8 +176,6 @@ struct Slice {
   int64_t rows;
 };
 
-// Boxes are stored flat as offsets then sizes, so comparing the whole row
-// orders them by offsets, then sizes.
 int cmp_row(const int64_t* a, const int64_t* b, size_t n) {
   for (size_t i = 0; i < n; ++i)
     if (a[i] != b[i]) return a[i] < b[i] ? -1 : 1;
@@ -186,11 +193,17 @@ int64_t row_numel(const int64_t* sizes, size_t ndim) {
   return n;
 }
 
-// The whole of make_global_plan. Items are copied once into flat arrays of
-// int64 boxes (one in rank order, one grouped by key), so that grouping,
-// validation and output walk contiguous memory instead of chasing each
-// WriteItem's vectors across thousands of plans. The per-key scratch is
-// reused, so the per-key work allocates nothing once it has grown.
+// The whole of make_global_plan, in passes:
+//   intern: one walk over every item of every rank (the only one that reads
+//           the WriteItems' heap data): key ids, validation, boxes copied into
+//           fbox_, a flat int64 array in rank order.
+//   group:  per key, its items side by side sorted by box: replica groups, and
+//           the check that distinct boxes tile the tensor. Groups held by one
+//           rank are assigned at once.
+//   assign: replicated groups, by the policy.
+//   emit:   one walk in rank order building the RankPlans from fbox_.
+// Scratch vectors are reused across keys, so the per-key work allocates
+// nothing once they have grown.
 class GlobalPlanner {
  public:
   GlobalPlanner(const std::vector<LocalPlan>& plans, const GlobalPlanOptions& opts)
@@ -202,12 +215,11 @@ class GlobalPlanner {
     PROF_T(t0);
     FERRY_RETURN_IF_ERROR(intern());
     PROF_T(t1);
-    scatter();
-    PROF_T(t2);
     assign_.assign(base_.back(), kNone);
     chunks_of_.assign(plans_.size(), 0);
     if (opts_.policy == OwnerPolicy::balanced) load_.assign(plans_.size(), 0);
-    for (uint32_t k = 0; k < keys_.size(); ++k) FERRY_RETURN_IF_ERROR(group_key(k));
+    PROF_T(t2);
+    FERRY_RETURN_IF_ERROR(uniform_ ? group_uniform() : group_general());
     PROF_T(t3);
     if (opts_.policy == OwnerPolicy::lowest_rank)
       assign_lowest();
@@ -278,14 +290,22 @@ class GlobalPlanner {
                           " of " + dtype_name(it.dtype) + " holds " + std::to_string(want));
   }
 
-  // The loop below is bound by the latency of chasing each item's heap
-  // buffers; asking for them a few items ahead overlaps those misses.
-  static constexpr size_t kAhead = 8;
-  static void prefetch(const WriteItem& it) {
-    __builtin_prefetch(it.key.data());
-    __builtin_prefetch(it.global_shape.data());
-    __builtin_prefetch(it.box.offsets.data());
-    __builtin_prefetch(it.box.sizes.data());
+  // Asks for the WriteItem a few items ahead, and for the heap buffers of a
+  // nearer one (whose WriteItem is by then in cache): the walk is bound by the
+  // latency of those dependent loads, not by bandwidth.
+  static void prefetch(const std::vector<WriteItem>& items, size_t i) {
+    if (i + 16 < items.size()) {
+      const char* p = reinterpret_cast<const char*>(&items[i + 16]);
+      __builtin_prefetch(p);
+      __builtin_prefetch(p + 64);
+    }
+    if (i + 6 < items.size()) {
+      const WriteItem& f = items[i + 6];
+      __builtin_prefetch(f.key.data());
+      __builtin_prefetch(f.global_shape.data());
+      __builtin_prefetch(f.box.offsets.data());
+      __builtin_prefetch(f.box.sizes.data());
+    }
   }
 
   // Gives every key a dense id in order of first appearance, checks each item
@@ -306,8 +326,8 @@ class GlobalPlanner {
       widest = std::max(widest, plans_[r].items.size());
     }
     base_[nranks] = total;
-    uniform_ = total == widest * nranks;
     if (total >= kWhole) return Status::invalid_argument("too many write items");
+    uniform_ = total == widest * nranks;
     key_of_.reset(new uint32_t[total]);
     fbox_cap_ = total * 4;  // enough for 2-d tensors; grows for more
     fbox_.reset(new int64_t[fbox_cap_]);
@@ -317,8 +337,8 @@ class GlobalPlanner {
       const auto& items = plans_[r].items;
       uint32_t* key_of = key_of_.get() + base_[r];
       for (size_t i = 0; i < items.size(); ++i) {
+        prefetch(items, i);
         const WriteItem& it = items[i];
-        if (i + kAhead < items.size()) prefetch(items[i + kAhead]);
         const std::string_view name(it.key);
         uint32_t id = prev[i];
         if (id == kNone || keys_[id].key != name) {
@@ -346,7 +366,6 @@ class GlobalPlanner {
         }
         KeyInfo& k = keys_[id];
         if (!box_ok(it, k)) return box_error(r, it, k);
-        uniform_ &= id == i;
         if (fbox_len_ + 2 * k.ndim > fbox_cap_) grow_fbox(2 * k.ndim);
         copy_row(fbox_.get() + fbox_len_, it.box.offsets.data(), k.ndim);
         copy_row(fbox_.get() + fbox_len_ + k.ndim, it.box.sizes.data(), k.ndim);
@@ -354,6 +373,7 @@ class GlobalPlanner {
         k.count++;
         key_of[i] = id;
         prev[i] = id;
+        uniform_ &= id == i;
       }
     }
     return Status();
@@ -366,10 +386,9 @@ class GlobalPlanner {
     fbox_ = std::move(bigger);
   }
 
-  // Counting sort of all items by key: stable, so each key's slots come out in
-  // ascending rank, with their boxes beside them in kbox_.
-  void scatter() {
-    if (uniform_) return scatter_uniform();
+  // Any layout: a counting sort of all items by key (stable, so each key's
+  // slots come out in ascending rank) with their boxes, then each key.
+  Status group_general() {
     uint32_t pos = 0;
     size_t box = 0;
     for (KeyInfo& k : keys_) {
@@ -378,13 +397,13 @@ class GlobalPlanner {
       pos += k.count;
       box += static_cast<size_t>(k.count) * 2 * k.ndim;
     }
-    slots_.reset(new Slot[pos]);
-    kbox_.reset(new int64_t[box]);
+    std::unique_ptr<Slot[]> slots(new Slot[pos]);
+    std::unique_ptr<int64_t[]> kbox(new int64_t[box]);
     std::vector<uint32_t> next(keys_.size());
     std::vector<int64_t*> next_box(keys_.size());
     for (size_t k = 0; k < keys_.size(); ++k) {
       next[k] = keys_[k].begin;
-      next_box[k] = kbox_.get() + keys_[k].box_base;
+      next_box[k] = kbox.get() + keys_[k].box_base;
     }
     const int64_t* src = fbox_.get();
     for (uint32_t r = 0; r < plans_.size(); ++r) {
@@ -393,144 +412,167 @@ class GlobalPlanner {
       for (uint32_t i = 0; i < n; ++i) {
         const uint32_t k = key_of[i];
         const size_t width = 2 * keys_[k].ndim;
-        slots_[next[k]++] = {r, i};
+        slots[next[k]++] = {r, i};
         copy_row(next_box[k], src, width);
         next_box[k] += width;
         src += width;
       }
     }
+    for (uint32_t k = 0; k < keys_.size(); ++k) {
+      const KeyInfo& key = keys_[k];
+      KeyItems v{slots.get() + key.begin, kbox.get() + key.box_base, 2 * key.ndim};
+      FERRY_RETURN_IF_ERROR(group_key(k, v));
+    }
+    return Status();
   }
 
-  // Every rank lists the same keys in the same order (item i is key i): the
-  // scatter is a transpose of a ranks x keys matrix of boxes, done in blocks of
-  // keys so that the rows being written stay few (cache and TLB friendly).
-  void scatter_uniform() {
+  // Every rank lists the same keys in the same order (item i is key i), so
+  // fbox_ is a ranks x keys matrix of boxes. It is transposed a block of keys
+  // at a time into a buffer small enough to stay in cache while those keys are
+  // grouped, instead of through a copy of everything.
+  Status group_uniform() {
     const uint32_t nranks = static_cast<uint32_t>(plans_.size());
     const uint32_t nkeys = static_cast<uint32_t>(keys_.size());
-    size_t box = 0, row = 0;
-    std::vector<size_t> in_row(nkeys);  // a key's box offset within a rank's row of fbox_
-    for (uint32_t i = 0; i < nkeys; ++i) {
-      KeyInfo& k = keys_[i];
-      k.begin = i * nranks;
-      k.box_base = box;
-      box += static_cast<size_t>(nranks) * 2 * k.ndim;
-      in_row[i] = row;
-      row += 2 * k.ndim;
-    }
-    slots_.reset(new Slot[static_cast<size_t>(nkeys) * nranks]);
-    kbox_.reset(new int64_t[box]);
-    constexpr uint32_t kBlock = 32;
-    for (uint32_t kb = 0; kb < nkeys; kb += kBlock) {
-      const uint32_t ke = std::min(nkeys, kb + kBlock);
+    std::vector<size_t> in_row(nkeys + 1);  // a key's box within a rank's row of fbox_
+    for (uint32_t i = 0; i < nkeys; ++i) in_row[i + 1] = in_row[i] + 2 * keys_[i].ndim;
+    const size_t row = in_row[nkeys];
+    constexpr size_t kBlockBytes = 1 << 20;
+    const size_t slot_bytes = static_cast<size_t>(nranks) * sizeof(Slot);
+    for (uint32_t kb = 0; kb < nkeys;) {
+      uint32_t ke = kb + 1;
+      size_t bytes = slot_bytes + nranks * (in_row[ke] - in_row[kb]) * sizeof(int64_t);
+      while (ke < nkeys) {
+        const size_t more = slot_bytes + nranks * (in_row[ke + 1] - in_row[ke]) * sizeof(int64_t);
+        if (bytes + more > kBlockBytes) break;
+        bytes += more;
+        ++ke;
+      }
+      block_slots_.resize(static_cast<size_t>(ke - kb) * nranks);
+      block_box_.resize(nranks * (in_row[ke] - in_row[kb]));
       for (uint32_t r = 0; r < nranks; ++r) {
         const int64_t* src = fbox_.get() + r * row;
         for (uint32_t i = kb; i < ke; ++i) {
-          const KeyInfo& k = keys_[i];
-          const size_t width = 2 * k.ndim;
-          slots_[k.begin + r] = {r, i};
-          copy_row(kbox_.get() + k.box_base + r * width, src + in_row[i], width);
+          const size_t width = in_row[i + 1] - in_row[i];
+          block_slots_[static_cast<size_t>(i - kb) * nranks + r] = {r, i};
+          copy_row(block_box_.data() + nranks * (in_row[i] - in_row[kb]) + r * width,
+                   src + in_row[i], width);
         }
       }
+      for (uint32_t i = kb; i < ke; ++i) {
+        KeyItems v{block_slots_.data() + static_cast<size_t>(i - kb) * nranks,
+                   block_box_.data() + nranks * (in_row[i] - in_row[kb]),
+                   in_row[i + 1] - in_row[i]};
+        FERRY_RETURN_IF_ERROR(group_key(i, v));
+      }
+      kb = ke;
     }
+    return Status();
   }
 
-  const int64_t* box_at(const KeyInfo& k, uint32_t slot) const {
-    return kbox_.get() + k.box_base + static_cast<size_t>(slot - k.begin) * 2 * k.ndim;
-  }
-
-  // Orders key k's slots by box, then rank, moving the boxes along.
-  void sort_key(const KeyInfo& k) {
-    const size_t width = 2 * k.ndim;
+  // Orders a key's items by box, then rank.
+  void sort_key(const KeyInfo& k, const KeyItems& v) {
+    const size_t width = v.width;
     const uint32_t n = k.count;
-    int64_t* boxes = kbox_.get() + k.box_base;
-    Slot* slots = slots_.get() + k.begin;
     perm_.resize(n);
     for (uint32_t i = 0; i < n; ++i) perm_[i] = i;
     std::sort(perm_.begin(), perm_.end(), [&](uint32_t a, uint32_t b) {
-      const int c = cmp_row(boxes + a * width, boxes + b * width, width);
-      return c != 0 ? c < 0 : slots[a].rank < slots[b].rank;
+      const int c = cmp_row(v.box(a), v.box(b), width);
+      return c != 0 ? c < 0 : v.slots[a].rank < v.slots[b].rank;
     });
-    tmp_slots_.assign(slots, slots + n);
-    tmp_box_.assign(boxes, boxes + n * width);
+    tmp_slots_.assign(v.slots, v.slots + n);
+    tmp_box_.assign(v.boxes, v.boxes + n * width);
     for (uint32_t i = 0; i < n; ++i) {
-      slots[i] = tmp_slots_[perm_[i]];
-      std::memcpy(boxes + i * width, tmp_box_.data() + perm_[i] * width, width * sizeof(int64_t));
+      v.slots[i] = tmp_slots_[perm_[i]];
+      copy_row(v.boxes + i * width, tmp_box_.data() + perm_[i] * width, width);
     }
   }
 
-  Status group_key(uint32_t kid) {
+  Status group_key(uint32_t kid, const KeyItems& v) {
     const KeyInfo& k = keys_[kid];
-    const size_t width = 2 * k.ndim;
-    const uint32_t b = k.begin, e = k.begin + k.count;
+    const uint32_t n = k.count;
     // Row-, column- and grid-sharded plans usually arrive sorted (ranks are
     // laid out in box order), so the sort is usually skipped.
-    for (uint32_t s = b + 1; s < e; ++s) {
-      if (cmp_row(box_at(k, s - 1), box_at(k, s), width) > 0) {
-        sort_key(k);
+    for (uint32_t j = 1; j < n; ++j) {
+      if (cmp_row(v.box(j - 1), v.box(j), v.width) > 0) {
+        sort_key(k, v);
         break;
       }
     }
     distinct_.clear();
-    for (uint32_t g = b; g < e;) {
-      const int64_t* box = box_at(k, g);
+    for (uint32_t g = 0; g < n;) {
+      const int64_t* box = v.box(g);
       uint32_t ge = g + 1;
-      while (ge < e && cmp_row(box, box_at(k, ge), width) == 0) ++ge;
+      while (ge < n && cmp_row(box, v.box(ge), v.width) == 0) ++ge;
       const int64_t numel = row_numel(box + k.ndim, k.ndim);
       // A zero-size tensor is written once (its first group) so that the
       // manifest still lists it; empty shards of other tensors hold nothing.
-      if (k.global_numel == 0 ? g == b : numel != 0) {
-        add_group(kid, g, ge, static_cast<uint64_t>(numel) * k.dsize);
+      if (k.global_numel == 0 ? g == 0 : numel != 0) {
+        add_group(k, v, g, ge, static_cast<uint64_t>(numel) * k.dsize);
         if (k.global_numel != 0) distinct_.push_back(g);
       }
       g = ge;
     }
     if (k.global_numel == 0) return Status();
-    if (chain_covers(k)) return Status();
-    return check_cover(k);
+    if (chain_covers(k, v)) return Status();
+    return check_cover(k, v);
+  }
+
+  // A group held by one rank can only go to that rank, whatever the policy:
+  // it is assigned at once. Replicated groups wait for the policy.
+  void add_group(const KeyInfo& k, const KeyItems& v, uint32_t begin, uint32_t end,
+                 uint64_t nbytes) {
+    unique_items_++;
+    if (end - begin == 1) {
+      give(v.slots[begin], kWhole);
+      if (!load_.empty()) load_[v.slots[begin].rank] += nbytes;
+      return;
+    }
+    const int64_t rows = k.ndim >= 1 ? v.box(begin)[k.ndim] : 0;
+    groups_.push_back({static_cast<uint32_t>(members_.size()),
+                       static_cast<uint32_t>(members_.size() + end - begin), rows, nbytes});
+    members_.insert(members_.end(), v.slots + begin, v.slots + end);
   }
 
   // The common shardings in one pass: every box spans the whole tensor but in
-  // one dimension v, and the boxes (sorted, so by their offset in v) abut from
-  // 0 to the end of v. Also the unsharded case: one box, the whole tensor.
+  // one dimension d, and the boxes (sorted, so by their offset in d) abut from
+  // 0 to the end of d. Also the unsharded case: one box, the whole tensor.
   // False means "not shown", never "invalid": the general check decides.
-  bool chain_covers(const KeyInfo& k) const {
+  bool chain_covers(const KeyInfo& k, const KeyItems& v) const {
     if (distinct_.empty()) return false;
     const size_t nd = k.ndim;
     const int64_t* global = k.first->global_shape.data();
     auto full = [&](const int64_t* box, size_t d) {
       return box[d] == 0 && box[nd + d] == global[d];
     };
-    const int64_t* first = box_at(k, distinct_[0]);
-    size_t v = nd;
+    const int64_t* first = v.box(distinct_[0]);
+    size_t along = nd;
     for (size_t d = 0; d < nd; ++d) {
       if (full(first, d)) continue;
-      if (v != nd) return false;
-      v = d;
+      if (along != nd) return false;
+      along = d;
     }
-    if (v == nd) return distinct_.size() == 1;
+    if (along == nd) return distinct_.size() == 1;
     int64_t expect = 0;
-    for (uint32_t s : distinct_) {
-      const int64_t* box = box_at(k, s);
-      if (box[v] != expect) return false;
+    for (uint32_t j : distinct_) {
+      const int64_t* box = v.box(j);
+      if (box[along] != expect) return false;
       for (size_t d = 0; d < nd; ++d)
-        if (d != v && !full(box, d)) return false;
-      expect = box[v] + box[nd + v];
+        if (d != along && !full(box, d)) return false;
+      expect = box[along] + box[nd + along];
     }
-    return expect == global[v];
+    return expect == global[along];
   }
 
-  Status overlap_error(const KeyInfo& k, uint32_t a, uint32_t b) const {
-    const int64_t* ba = box_at(k, a);
-    const int64_t* bb = box_at(k, b);
+  Status overlap_error(const KeyInfo& k, const KeyItems& v, uint32_t a, uint32_t b) const {
     return Status::invalid_argument(
-        "tensor '" + std::string(k.key) + "': rank " + std::to_string(slots_[a].rank) + " box " +
-        box_str(ba, ba + k.ndim, k.ndim) + " overlaps rank " + std::to_string(slots_[b].rank) +
-        " box " + box_str(bb, bb + k.ndim, k.ndim));
+        "tensor '" + std::string(k.key) + "': rank " + std::to_string(v.slots[a].rank) + " box " +
+        box_str(v.box(a), v.box(a) + k.ndim, k.ndim) + " overlaps rank " +
+        std::to_string(v.slots[b].rank) + " box " + box_str(v.box(b), v.box(b) + k.ndim, k.ndim));
   }
 
-  // The distinct non-empty boxes of key k (distinct_, sorted by offsets) must
+  // The distinct non-empty boxes of a key (distinct_, sorted by offsets) must
   // tile the global shape: pairwise disjoint and covering every element.
-  Status check_cover(const KeyInfo& k) {
+  Status check_cover(const KeyInfo& k, const KeyItems& v) {
     const int64_t* global = k.first->global_shape.data();
     const size_t ndim = k.ndim;
     if (cuts_.size() < ndim) cuts_.resize(ndim);
@@ -542,8 +584,8 @@ class GlobalPlanner {
       lo_vals_.clear();
       hi_vals_.clear();
       lo_vals_.push_back(0);
-      for (uint32_t s : distinct_) {
-        const int64_t* box = box_at(k, s);
+      for (uint32_t j : distinct_) {
+        const int64_t* box = v.box(j);
         lo_vals_.push_back(box[d]);
         hi_vals_.push_back(box[d] + box[ndim + d]);
       }
@@ -559,15 +601,15 @@ class GlobalPlanner {
                 cut.end());
       cut.erase(std::unique(cut.begin(), cut.end()), cut.end());
       const uint64_t n = cut.size() - 1;
-      if (n > limit / cells) return check_cover_sweep(k);
+      if (n > limit / cells) return check_cover_sweep(k, v);
       cells *= n;
     }
-    return check_cover_grid(k, cells);
+    return check_cover_grid(k, v, cells);
   }
 
-  // Marks the grid cells each box covers with the box's slot; a cell marked
+  // Marks the grid cells each box covers with the box's index; a cell marked
   // twice is an overlap, a cell never marked a gap.
-  Status check_cover_grid(const KeyInfo& k, uint64_t cells) {
+  Status check_cover_grid(const KeyInfo& k, const KeyItems& v, uint64_t cells) {
     const size_t ndim = k.ndim;
     mark_.assign(cells, kNone);
     lo_idx_.resize(ndim);
@@ -580,8 +622,8 @@ class GlobalPlanner {
       st *= cuts_[d].size() - 1;
     }
     size_t row_cursor = 0;  // boxes come sorted by dim-0 offset
-    for (uint32_t s : distinct_) {
-      const int64_t* box = box_at(k, s);
+    for (uint32_t j : distinct_) {
+      const int64_t* box = v.box(j);
       for (size_t d = 0; d < ndim; ++d) {
         const auto& cut = cuts_[d];
         size_t lo;
@@ -602,8 +644,8 @@ class GlobalPlanner {
       for (bool more = true; more;) {
         uint64_t cell = 0;
         for (size_t d = 0; d < ndim; ++d) cell += cur_[d] * stride_[d];
-        if (mark_[cell] != kNone) return overlap_error(k, mark_[cell], s);
-        mark_[cell] = s;
+        if (mark_[cell] != kNone) return overlap_error(k, v, mark_[cell], j);
+        mark_[cell] = j;
         more = false;
         for (size_t d = ndim; d-- > 0;) {
           if (++cur_[d] < hi_idx_[d]) {
@@ -635,26 +677,26 @@ class GlobalPlanner {
   // keeping the boxes whose dim-0 range is still open, test each new box
   // against those, then compare volumes (disjoint boxes inside the tensor
   // cover it iff their volumes add up to its numel).
-  Status check_cover_sweep(const KeyInfo& k) {
+  Status check_cover_sweep(const KeyInfo& k, const KeyItems& v) {
     const size_t ndim = k.ndim;
     active_.clear();
     int64_t covered = 0;
-    for (uint32_t s : distinct_) {
-      const int64_t* box = box_at(k, s);
+    for (uint32_t j : distinct_) {
+      const int64_t* box = v.box(j);
       size_t keep = 0;
       for (uint32_t a : active_) {
-        const int64_t* ab = box_at(k, a);
+        const int64_t* ab = v.box(a);
         if (ab[0] + ab[ndim] > box[0]) active_[keep++] = a;
       }
       active_.resize(keep);
       for (uint32_t a : active_) {
-        const int64_t* ab = box_at(k, a);
+        const int64_t* ab = v.box(a);
         bool meet = true;
         for (size_t d = 0; d < ndim && meet; ++d)
           meet = std::max(ab[d], box[d]) < std::min(ab[d] + ab[ndim + d], box[d] + box[ndim + d]);
-        if (meet) return overlap_error(k, a, s);
+        if (meet) return overlap_error(k, v, a, j);
       }
-      active_.push_back(s);
+      active_.push_back(j);
       covered += row_numel(box + ndim, ndim);
     }
     if (covered != k.global_numel)
@@ -665,70 +707,53 @@ class GlobalPlanner {
     return Status();
   }
 
-  size_t flat(const Slot& s) const { return base_[s.rank] + s.index; }
-
   void give(const Slot& s, uint32_t what) {
-    assign_[flat(s)] = what;
+    assign_[base_[s.rank] + s.index] = what;
     chunks_of_[s.rank]++;
   }
 
-  // A group held by one rank can only go to that rank, under any policy: it is
-  // assigned at once; only replicated groups wait for the policy.
-  void add_group(uint32_t kid, uint32_t begin, uint32_t end, uint64_t nbytes) {
-    unique_items_++;
-    if (end - begin > 1) {
-      groups_.push_back({begin, end, kid, nbytes});
-      return;
-    }
-    give(slots_[begin], kWhole);
-    if (!load_.empty()) load_[slots_[begin].rank] += nbytes;
-  }
-
   void assign_lowest() {
-    for (const Group& g : groups_) give(slots_[g.begin], kWhole);
+    for (const Group& g : groups_) give(members_[g.begin], kWhole);
   }
 
   // LPT greedy: the groups that only one rank holds have loaded their ranks
   // already (add_group); the replicated ones follow, largest first, each to
-  // its least-loaded member (or in dim-0 slices to several of them when
-  // large).
+  // its least-loaded member, or in dim-0 slices to several of them when large.
   void assign_balanced() {
     std::vector<uint64_t>& load = load_;
-    std::vector<uint32_t> shared(groups_.size());
-    for (uint32_t gi = 0; gi < groups_.size(); ++gi) shared[gi] = gi;
-    std::sort(shared.begin(), shared.end(), [this](uint32_t a, uint32_t b) {
+    std::vector<uint32_t> order(groups_.size());
+    for (uint32_t gi = 0; gi < groups_.size(); ++gi) order[gi] = gi;
+    std::sort(order.begin(), order.end(), [this](uint32_t a, uint32_t b) {
       if (groups_[a].nbytes != groups_[b].nbytes) return groups_[a].nbytes > groups_[b].nbytes;
       return a < b;
     });
     std::vector<uint32_t> pick;
-    for (uint32_t gi : shared) {
+    for (uint32_t gi : order) {
       const Group& g = groups_[gi];
-      const KeyInfo& k = keys_[g.key];
       const uint32_t members = g.end - g.begin;
-      const int64_t rows = k.ndim >= 1 ? box_at(k, g.begin)[k.ndim] : 0;
-      const bool split = opts_.split_bytes > 0 && g.nbytes >= opts_.split_bytes && rows >= 2;
+      const bool split = opts_.split_bytes > 0 && g.nbytes >= opts_.split_bytes && g.rows >= 2;
       if (!split) {
         uint32_t best = g.begin;
         for (uint32_t m = g.begin + 1; m < g.end; ++m)
-          if (load[slots_[m].rank] < load[slots_[best].rank]) best = m;
-        give(slots_[best], kWhole);
-        load[slots_[best].rank] += g.nbytes;
+          if (load[members_[m].rank] < load[members_[best].rank]) best = m;
+        give(members_[best], kWhole);
+        load[members_[best].rank] += g.nbytes;
         continue;
       }
-      const uint32_t parts = static_cast<uint32_t>(std::min<int64_t>(members, rows));
+      const uint32_t parts = static_cast<uint32_t>(std::min<int64_t>(members, g.rows));
       pick.resize(members);
       for (uint32_t m = 0; m < members; ++m) pick[m] = g.begin + m;
       auto by_load = [this, &load](uint32_t a, uint32_t b) {
-        const uint64_t la = load[slots_[a].rank], lb = load[slots_[b].rank];
-        return la != lb ? la < lb : slots_[a].rank < slots_[b].rank;
+        const uint64_t la = load[members_[a].rank], lb = load[members_[b].rank];
+        return la != lb ? la < lb : members_[a].rank < members_[b].rank;
       };
       std::partial_sort(pick.begin(), pick.begin() + parts, pick.end(), by_load);
-      const uint64_t row_bytes = g.nbytes / static_cast<uint64_t>(rows);
-      const int64_t base = rows / parts, extra = rows % parts;
+      const uint64_t row_bytes = g.nbytes / static_cast<uint64_t>(g.rows);
+      const int64_t base = g.rows / parts, extra = g.rows % parts;
       int64_t begin = 0;
       for (uint32_t p = 0; p < parts; ++p) {
         const int64_t n = base + (p < extra ? 1 : 0);
-        const Slot& s = slots_[pick[p]];
+        const Slot& s = members_[pick[p]];
         give(s, static_cast<uint32_t>(slices_.size()));
         slices_.push_back({begin, n});
         load[s.rank] += static_cast<uint64_t>(n) * row_bytes;
@@ -807,12 +832,12 @@ class GlobalPlanner {
   std::unique_ptr<uint32_t[]> key_of_;  // key id per flat item
   std::unique_ptr<int64_t[]> fbox_;     // boxes in flat (rank, item) order
   size_t fbox_len_ = 0, fbox_cap_ = 0;
+  bool uniform_ = false;  // every rank lists the same keys in the same order
   std::vector<KeyInfo> keys_;
   std::unordered_map<std::string_view, uint32_t> ids_;
-  std::unique_ptr<Slot[]> slots_;    // items grouped by key, sorted by box
-  std::unique_ptr<int64_t[]> kbox_;  // their boxes, in slot order
-  bool uniform_ = false;             // every rank lists the same keys in the same order
-  std::vector<Group> groups_;        // replicated groups, waiting for the policy
+
+  std::vector<Group> groups_;  // replicated groups, waiting for the policy
+  std::vector<Slot> members_;  // their members
   uint64_t unique_items_ = 0;
   std::vector<uint64_t> load_;       // bytes per rank (balanced policy only)
   std::vector<uint32_t> assign_;     // per flat item: kNone, kWhole or a slice
@@ -820,6 +845,8 @@ class GlobalPlanner {
   std::vector<Slice> slices_;
 
   // Scratch reused across keys and ranks.
+  std::vector<Slot> block_slots_;
+  std::vector<int64_t> block_box_;
   std::vector<uint32_t> perm_;
   std::vector<Slot> tmp_slots_;
   std::vector<int64_t> tmp_box_;

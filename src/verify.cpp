@@ -29,6 +29,10 @@ Status check_data_file_header(Filesystem& fs, const std::string& dir, uint32_t f
   prefix.resize(8 + n);
   FERRY_ASSIGN_OR_RETURN(got, f->pread(prefix.data() + 8, n, 8));
   if (got != n) return Status::corruption(path + ": truncated safetensors header");
+  if (mf.header_bytes != 0 &&
+      (mf.header_bytes != prefix.size() || xxh3_64(prefix.data(), prefix.size()) != mf.header_checksum))
+    return Status::corruption(path + ": safetensors header does not match its checksum in the "
+                              "manifest");
   auto h = parse_safetensors_header(prefix, mf.size);
   if (!h.ok()) return h.status().with_context(path + ": ");
 

@@ -337,6 +337,12 @@ TEST_CASE("corruption is detected and names tensor and file", "[actors][corrupti
     CHECK(st.code() == ferry::StatusCode::corruption);
     CHECK_THAT(st.message(), Catch::Contains("MANIFEST"));
   }
+  SECTION("a safetensors header byte") {
+    flip_byte(data, 20);
+    auto st = rt->load(out, h.path());
+    CHECK(st.code() == ferry::StatusCode::corruption);
+    CHECK_THAT(st.message(), Catch::Contains("rank-00000-0000.safetensors"));
+  }
   SECTION("a truncated data file") {
     fs::resize_file(data, fs::file_size(data) - 10);
     auto st = rt->load(out, h.path());

@@ -31,6 +31,8 @@ struct WrittenChunk {
 struct WrittenFile {
   std::string name;
   uint64_t size = 0;
+  uint64_t header_bytes = 0;
+  uint64_t header_checksum = 0;
 };
 
 // One rank's report after its files and the pending directory are durable.

@@ -39,6 +39,8 @@ struct ManifestFile {
   std::string name;
   uint64_t size = 0;
   int32_t rank = 0;
+  uint64_t header_bytes = 0;     // the safetensors header, padding included
+  uint64_t header_checksum = 0;  // xxh3-64 of it, so a flipped header byte is caught on load
 };
 
 struct Manifest {

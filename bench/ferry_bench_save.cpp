@@ -1,0 +1,490 @@
+// Saves a synthetic host state through Ferry and compares it, in the same
+// run, with the two limits it can at best reach on this machine:
+//   - persist: a plain sequential O_DIRECT writer (8 MiB aligned pwrites from
+//     one warm buffer into one file, then fsync) writing the same bytes;
+//   - snapshot: memcpy of the same tensors into warm (pre-touched) memory.
+//
+//   ferry_bench_save [--state-mib N] [--tensors N] [--pool-mib N] [--chunk-mib N]
+//                    [--writers N] [--reps N] [--dir DIR] [--rss-run]
+//
+// Order: allocate and touch the state, note the RSS (the baseline), create the
+// Runtime (it pre-faults the pool), one warm-up save (not counted), the timed
+// saves, then the raw writer and the memcpy. The pool defaults to the state
+// plus its header, so the snapshot needs no block to be written first.
+// --rss-run is the memory run: a 4 GiB state through a 512 MiB pool.
+// Figures are the median over --reps (default: more reps for small states).
+// Targets are reported as PASS/MISS and never change the exit code; a save
+// that fails does. The last line is one JSON object.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ferry/runtime.hpp"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr uint64_t kMiB = 1ull << 20;
+constexpr uint64_t kRawBlock = 8 * kMiB;
+constexpr uint64_t kAlign = 4096;
+
+double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+struct Flags {
+  uint64_t state_mib = 2048;
+  uint32_t tensors = 120;
+  uint64_t pool_mib = 0;   // 0: state + header (instant snapshot)
+  uint64_t chunk_mib = 0;  // 0: the runtime's default
+  uint32_t writers = 0;    // 0: the runtime's default
+  uint32_t reps = 0;       // 0: by state size
+  std::string dir;
+  bool rss_run = false;
+};
+
+[[noreturn]] void usage(const std::string& why) {
+  std::fprintf(stderr,
+               "ferry_bench_save: %s\n"
+               "usage: ferry_bench_save [--state-mib N] [--tensors N] [--pool-mib N]\n"
+               "                        [--chunk-mib N] [--writers N] [--reps N] [--dir DIR]\n"
+               "                        [--rss-run]\n"
+               "  --state-mib  state size (default 2048; 4096 with --rss-run)\n"
+               "  --tensors    number of tensors (default 120; try 2000 for many small ones)\n"
+               "  --pool-mib   staging pool (default: the state plus its header; 512 with\n"
+               "               --rss-run)\n"
+               "  --chunk-mib  pool block / write size (default: the runtime's)\n"
+               "  --writers    writer threads (default: the runtime's)\n"
+               "  --reps       timed saves (default 5 up to 512 MiB, 3 up to 2 GiB, else 1)\n"
+               "  --dir DIR    where to write (a fresh directory inside DIR, removed at the\n"
+               "               end; default $TMPDIR or /tmp)\n",
+               why.c_str());
+  std::exit(2);
+}
+
+uint64_t parse_positive(const std::string& s, const std::string& flag) {
+  char* end = nullptr;
+  errno = 0;
+  const unsigned long long v = std::strtoull(s.c_str(), &end, 10);
+  if (s.empty() || *end != '\0' || errno != 0 || v == 0 || v > (1ull << 32))
+    usage("bad value for " + flag + ": '" + s + "'");
+  return v;
+}
+
+Flags parse(int argc, char** argv) {
+  Flags f;
+  bool state_set = false, pool_set = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (flag == "-h" || flag == "--help") usage("help");
+    if (flag == "--rss-run") {
+      f.rss_run = true;
+      continue;
+    }
+    if (i + 1 >= argc) usage("missing value for " + flag);
+    const std::string v = argv[++i];
+    if (flag == "--state-mib") {
+      f.state_mib = parse_positive(v, flag);
+      state_set = true;
+    } else if (flag == "--tensors") {
+      f.tensors = static_cast<uint32_t>(parse_positive(v, flag));
+    } else if (flag == "--pool-mib") {
+      f.pool_mib = parse_positive(v, flag);
+      pool_set = true;
+    } else if (flag == "--chunk-mib") {
+      f.chunk_mib = parse_positive(v, flag);
+    } else if (flag == "--writers") {
+      f.writers = static_cast<uint32_t>(parse_positive(v, flag));
+    } else if (flag == "--reps") {
+      f.reps = static_cast<uint32_t>(parse_positive(v, flag));
+    } else if (flag == "--dir") {
+      f.dir = v;
+    } else {
+      usage("unknown flag " + flag);
+    }
+  }
+  // Explicit sizes win over the memory run's, whatever the flag order.
+  if (f.rss_run && !state_set) f.state_mib = 4096;
+  if (f.rss_run && !pool_set) f.pool_mib = 512;
+  if (f.state_mib * kMiB / f.tensors < 256)
+    usage("--tensors " + std::to_string(f.tensors) + " is too many for " +
+          std::to_string(f.state_mib) + " MiB (each tensor needs at least 256 bytes)");
+  if (f.reps == 0) f.reps = f.state_mib <= 512 ? 5 : f.state_mib <= 2048 ? 3 : 1;
+  return f;
+}
+
+// Current resident set (not the peak), from /proc/self/statm.
+uint64_t current_rss_bytes() {
+  FILE* f = std::fopen("/proc/self/statm", "r");
+  if (!f) return 0;
+  unsigned long long size = 0, resident = 0;
+  const int n = std::fscanf(f, "%llu %llu", &size, &resident);
+  std::fclose(f);
+  return n == 2 ? resident * static_cast<uint64_t>(sysconf(_SC_PAGESIZE)) : 0;
+}
+
+uint64_t peak_rss_bytes() {
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<uint64_t>(ru.ru_maxrss) * 1024;  // KiB on Linux
+}
+
+// An anonymous mapping, every page written so it is resident before any
+// clock starts.
+class Region {
+ public:
+  explicit Region(uint64_t bytes) : bytes_(bytes) {
+    void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+      std::fprintf(stderr, "mmap of %llu bytes failed: %s\n",
+                   static_cast<unsigned long long>(bytes), std::strerror(errno));
+      std::exit(1);
+    }
+    data_ = static_cast<uint8_t*>(p);
+  }
+  ~Region() { ::munmap(data_, bytes_); }
+  Region(const Region&) = delete;
+  Region& operator=(const Region&) = delete;
+  uint8_t* data() const { return data_; }
+  uint64_t size() const { return bytes_; }
+
+ private:
+  uint8_t* data_;
+  uint64_t bytes_;
+};
+
+// Not all zeros, so nothing downstream can take a shortcut on the content.
+void fill_pattern(uint8_t* p, uint64_t bytes) {
+  auto* w = reinterpret_cast<uint64_t*>(p);
+  for (uint64_t i = 0; i < bytes / 8; ++i) w[i] = (i + 1) * 0x9E3779B97F4A7C15ull;
+}
+
+struct Tensor {
+  uint64_t offset;  // in the state region
+  uint64_t bytes;
+  ferry::DType dtype;
+};
+
+// Uneven sizes (1x to 3x of each other) so blocks mix tensors and tensors
+// straddle blocks, as in a real model. Every size is a multiple of 256 bytes
+// and the sizes sum to `total` exactly.
+std::vector<Tensor> make_tensors(uint64_t total, uint32_t n) {
+  std::vector<double> weight(n);
+  double sum = 0;
+  for (uint32_t i = 0; i < n; ++i) sum += weight[i] = 1.0 + (i * 7919u % 13u) / 6.0;
+  std::vector<Tensor> ts(n);
+  uint64_t used = 0;
+  for (uint32_t i = 0; i < n; ++i) {
+    uint64_t b = static_cast<uint64_t>(total * (weight[i] / sum)) / 256 * 256;
+    if (b == 0) b = 256;
+    if (i + 1 == n) b = total - used;
+    ts[i] = {used, b, i % 3 == 2 ? ferry::DType::bf16 : ferry::DType::f32};
+    used += b;
+  }
+  return ts;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+double best(const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); }
+
+// A fresh directory removed at the end, whatever happens in between.
+class ScratchDir {
+ public:
+  explicit ScratchDir(const std::string& parent) {
+    std::string tmpl = parent + "/ferry-bench-save-XXXXXX";
+    if (!mkdtemp(tmpl.data())) {
+      std::fprintf(stderr, "cannot create a directory in %s: %s\n", parent.c_str(),
+                   std::strerror(errno));
+      std::exit(1);
+    }
+    path_ = tmpl;
+  }
+  ~ScratchDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  ScratchDir(const ScratchDir&) = delete;
+  ScratchDir& operator=(const ScratchDir&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+struct SaveSample {
+  double save_async_ms;
+  double snapshot_ms;
+  double total_ms;
+  ferry::SaveMetrics metrics;
+};
+
+// One save, timed from the caller's side; the checkpoint is removed after
+// the clock stops so the next rep starts from the same disk state.
+SaveSample timed_save(ferry::Runtime& rt, const ferry::StateDict& sd, uint64_t step) {
+  const auto t0 = Clock::now();
+  ferry::SaveHandle h = rt.save_async(sd, step);
+  const double async_ms = ms_since(t0);
+  const ferry::Status snap = h.wait_snapshot();
+  const double snap_ms = ms_since(t0);
+  const ferry::Status done = h.wait_committed();
+  const double total_ms = ms_since(t0);
+  if (!snap.ok() || !done.ok()) {
+    std::fprintf(stderr, "save of step %llu failed: %s\n", static_cast<unsigned long long>(step),
+                 (done.ok() ? snap : done).to_string().c_str());
+    std::exit(1);
+  }
+  std::error_code ec;
+  std::filesystem::remove_all(h.path(), ec);
+  return {async_ms, snap_ms, total_ms, h.metrics()};
+}
+
+struct RawResult {
+  double ms;
+  bool direct;
+};
+
+// The machine's sequential write limit for this many bytes: one file, 8 MiB
+// aligned pwrites of the same warm buffer, one fsync; open to close timed.
+RawResult raw_write(const std::string& path, uint64_t bytes, uint8_t* buf) {
+  const auto t0 = Clock::now();
+  bool direct = true;
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_DIRECT, 0644);
+  if (fd < 0 && errno == EINVAL) {  // tmpfs and some FUSE mounts refuse O_DIRECT
+    direct = false;
+    fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  }
+  if (fd < 0) {
+    std::fprintf(stderr, "open %s: %s\n", path.c_str(), std::strerror(errno));
+    std::exit(1);
+  }
+  for (uint64_t off = 0; off < bytes;) {
+    const uint64_t want = std::min(kRawBlock, (bytes - off + kAlign - 1) / kAlign * kAlign);
+    const ssize_t n = ::pwrite(fd, buf, want, static_cast<off_t>(off));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      std::fprintf(stderr, "pwrite %s at %llu: %s\n", path.c_str(),
+                   static_cast<unsigned long long>(off), n < 0 ? std::strerror(errno) : "no progress");
+      std::exit(1);
+    }
+    off += static_cast<uint64_t>(n);
+  }
+  if (::fsync(fd) != 0) {
+    std::fprintf(stderr, "fsync %s: %s\n", path.c_str(), std::strerror(errno));
+    std::exit(1);
+  }
+  ::close(fd);
+  const double ms = ms_since(t0);
+  ::unlink(path.c_str());
+  return {ms, direct};
+}
+
+// The snapshot limit: the same per-tensor copies Ferry makes, into warm
+// memory. A destination smaller than the state (the memory run) is reused
+// from its start, which keeps it warm.
+double memcpy_state(const Region& state, const std::vector<Tensor>& ts, const Region& dst) {
+  const auto t0 = Clock::now();
+  uint64_t at = 0;
+  for (const Tensor& t : ts) {
+    for (uint64_t done = 0; done < t.bytes;) {
+      if (at == dst.size()) at = 0;
+      const uint64_t n = std::min(t.bytes - done, dst.size() - at);
+      std::memcpy(dst.data() + at, state.data() + t.offset + done, n);
+      at += n;
+      done += n;
+    }
+  }
+  return ms_since(t0);
+}
+
+const char* verdict(bool applies, bool pass) { return !applies ? "n/a " : pass ? "PASS" : "MISS"; }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Flags flags = parse(argc, argv);
+  const uint64_t state_bytes = flags.state_mib * kMiB;
+
+  std::string parent = flags.dir;
+  if (parent.empty()) {
+    const char* t = std::getenv("TMPDIR");
+    parent = t && *t ? t : "/tmp";
+  }
+  ScratchDir scratch(parent);
+  const std::string root = scratch.path() + "/ckpt";
+
+  // --- the state, allocated and touched before anything of Ferry exists ----
+  std::printf("state: %llu MiB in %u tensors, filling...\n",
+              static_cast<unsigned long long>(flags.state_mib), flags.tensors);
+  std::fflush(stdout);
+  Region state(state_bytes);
+  fill_pattern(state.data(), state_bytes);
+  const std::vector<Tensor> tensors = make_tensors(state_bytes, flags.tensors);
+  ferry::StateDict sd;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const Tensor& t = tensors[i];
+    const int64_t cols = 64;
+    const int64_t rows = static_cast<int64_t>(t.bytes / ferry::dtype_size(t.dtype)) / cols;
+    const std::string key = "model.layers." + std::to_string(i / 8) + ".p" +
+                            std::to_string(i % 8) + ".weight";
+    auto st = sd.add(key, ferry::TensorView{state.data() + t.offset, t.dtype, {rows, cols}});
+    if (!st.ok()) {
+      std::fprintf(stderr, "state dict: %s\n", st.to_string().c_str());
+      return 1;
+    }
+  }
+  const uint64_t baseline_rss = current_rss_bytes();
+
+  // --- Ferry ---------------------------------------------------------------
+  ferry::RuntimeArgs args;
+  args.set("root", root);
+  const uint64_t chunk_bytes = flags.chunk_mib ? flags.chunk_mib * kMiB : 8 * kMiB;
+  if (flags.chunk_mib) args.set("chunk-bytes", std::to_string(chunk_bytes));
+  if (flags.writers) args.set("writers", std::to_string(flags.writers));
+  // Room for the state, its safetensors header (about 100 bytes a tensor,
+  // 4 KiB aligned) and the partial last block.
+  const uint64_t header_allowance = 64 * 1024 + 256ull * flags.tensors;
+  const uint64_t pool_bytes =
+      flags.pool_mib ? flags.pool_mib * kMiB
+                     : ((state_bytes + header_allowance + chunk_bytes - 1) / chunk_bytes + 1) *
+                           chunk_bytes;
+  args.set("pool-bytes", std::to_string(pool_bytes));
+  auto created = ferry::Runtime::create(args);
+  if (!created.ok()) {
+    std::fprintf(stderr, "Runtime::create: %s\n", created.status().to_string().c_str());
+    return 1;
+  }
+  std::unique_ptr<ferry::Runtime> rt = std::move(created).value();
+  const ferry::Options opts = rt->options();  // a copy: rt is gone before the report
+  std::printf("pool %.0f MiB, chunk %.0f MiB, writers %u, direct-io %s, checksum %s, dir %s\n",
+              static_cast<double>(opts.pool_bytes) / kMiB,
+              static_cast<double>(opts.chunk_bytes) / kMiB, opts.writers,
+              opts.direct_io ? "on" : "off", opts.checksum ? "on" : "off", root.c_str());
+
+  uint64_t step = 1;
+  const SaveSample warm = timed_save(*rt, sd, step++);
+  std::printf("warm-up save: %.1f ms (not counted), %llu bytes in %llu file(s)\n", warm.total_ms,
+              static_cast<unsigned long long>(warm.metrics.bytes),
+              static_cast<unsigned long long>(warm.metrics.files));
+  if (warm.metrics.bytes > opts.pool_bytes)
+    std::printf("note: the checkpoint (%llu bytes) is larger than the pool: the snapshot waits "
+                "for writes\n",
+                static_cast<unsigned long long>(warm.metrics.bytes));
+
+  std::vector<SaveSample> saves;
+  for (uint32_t r = 0; r < flags.reps; ++r) {
+    saves.push_back(timed_save(*rt, sd, step++));
+    const SaveSample& s = saves.back();
+    std::printf("save %u: save_async %.3f ms, snapshot %.1f ms, committed %.1f ms "
+                "(plan %.1f, write %.1f, commit %.1f) = %.2f GB/s\n",
+                r + 1, s.save_async_ms, s.snapshot_ms, s.total_ms, s.metrics.plan_ms,
+                s.metrics.write_ms, s.metrics.commit_ms, state_bytes / (s.total_ms * 1e6));
+    std::fflush(stdout);
+  }
+  // Read before the raw writer and the memcpy buffers can raise it.
+  const uint64_t peak_rss = peak_rss_bytes();
+  rt.reset();  // frees the pool before the limits are measured
+
+  auto pick = [&saves](double SaveSample::*field) {
+    std::vector<double> v;
+    for (const auto& s : saves) v.push_back(s.*field);
+    return v;
+  };
+  const std::vector<double> async_v = pick(&SaveSample::save_async_ms);
+  const std::vector<double> snap_v = pick(&SaveSample::snapshot_ms);
+  const std::vector<double> total_v = pick(&SaveSample::total_ms);
+
+  // --- the write limit -----------------------------------------------------
+  std::vector<double> raw_v;
+  bool raw_direct = true;
+  {
+    Region buf(kRawBlock);
+    fill_pattern(buf.data(), kRawBlock);
+    for (uint32_t r = 0; r < flags.reps; ++r) {
+      const RawResult rr = raw_write(scratch.path() + "/raw.bin", state_bytes, buf.data());
+      raw_direct = raw_direct && rr.direct;
+      raw_v.push_back(rr.ms);
+    }
+  }
+
+  // --- the snapshot limit --------------------------------------------------
+  std::vector<double> memcpy_v;
+  {
+    Region dst(std::min(state_bytes, (pool_bytes + kAlign - 1) / kAlign * kAlign));
+    std::memset(dst.data(), 1, dst.size());
+    for (uint32_t r = 0; r < std::max<uint32_t>(flags.reps, 3); ++r)
+      memcpy_v.push_back(memcpy_state(state, tensors, dst));
+  }
+
+  // --- report ----------------------------------------------------------------
+  const double ferry_ms = median(total_v), raw_ms = median(raw_v);
+  const double snapshot_ms = median(snap_v), memcpy_ms = median(memcpy_v);
+  const double save_async_ms = median(async_v);
+  const double ferry_gbps = state_bytes / (ferry_ms * 1e6);
+  const double raw_gbps = state_bytes / (raw_ms * 1e6);
+  const double persist_ratio = ferry_gbps / raw_gbps;
+  const double snapshot_ratio = snapshot_ms / memcpy_ms;
+  const double peak_mib = static_cast<double>(peak_rss) / kMiB;
+  const double baseline_mib = static_cast<double>(baseline_rss) / kMiB;
+  const double growth_mib = peak_mib - baseline_mib;
+  const double pool_mib = static_cast<double>(opts.pool_bytes) / kMiB;
+
+  std::printf("\n%u timed rep(s), medians (best in brackets):\n", flags.reps);
+  std::printf("  ferry persist   %8.1f ms  %6.2f GB/s  [%.2f GB/s]\n", ferry_ms, ferry_gbps,
+              state_bytes / (best(total_v) * 1e6));
+  std::printf("  raw write       %8.1f ms  %6.2f GB/s  [%.2f GB/s]%s\n", raw_ms, raw_gbps,
+              state_bytes / (best(raw_v) * 1e6), raw_direct ? "" : "  (O_DIRECT refused)");
+  std::printf("  persist ratio   %8.3f\n", persist_ratio);
+  std::printf("  save_async      %8.3f ms  [%.3f ms]\n", save_async_ms, best(async_v));
+  std::printf("  snapshot        %8.1f ms  %6.2f GB/s  [%.1f ms]\n", snapshot_ms,
+              state_bytes / (snapshot_ms * 1e6), best(snap_v));
+  std::printf("  memcpy          %8.1f ms  %6.2f GB/s  [%.1f ms]\n", memcpy_ms,
+              state_bytes / (memcpy_ms * 1e6), best(memcpy_v));
+  std::printf("  snapshot ratio  %8.3f\n", snapshot_ratio);
+  std::printf("  rss: baseline %.0f MiB (state touched), peak %.0f MiB, growth %.0f MiB "
+              "(pool %.0f MiB)\n",
+              baseline_mib, peak_mib, growth_mib, pool_mib);
+
+  const bool many = flags.tensors >= 1000;
+  const bool instant = opts.pool_bytes >= state_bytes;
+  std::printf("\ntargets:\n");
+  std::printf("  %s persist_ratio >= 0.85                     (%.3f)\n",
+              verdict(true, persist_ratio >= 0.85), persist_ratio);
+  std::printf("  %s save_async_ms <= 2 with 1000+ tensors     (%.3f ms, %u tensors)\n",
+              verdict(many, save_async_ms <= 2.0), save_async_ms, flags.tensors);
+  std::printf("  %s snapshot_ratio <= 1.3 with pool >= state  (%.3f)\n",
+              verdict(instant, snapshot_ratio <= 1.3), snapshot_ratio);
+  std::printf("  %s rss growth <= pool + 100 MiB              (%.0f <= %.0f MiB)%s\n",
+              verdict(true, growth_mib <= pool_mib + 100), growth_mib, pool_mib + 100,
+              flags.rss_run ? "" : "  [the target is for --rss-run]");
+
+  std::printf(
+      "{\"bench\":\"save\",\"state_mib\":%llu,\"pool_mib\":%.0f,\"chunk_mib\":%.0f,"
+      "\"writers\":%u,\"tensors\":%u,\"reps\":%u,\"rss_run\":%s,"
+      "\"ferry_persist_gbps\":%.3f,\"raw_write_gbps\":%.3f,\"persist_ratio\":%.3f,"
+      "\"raw_direct\":%s,\"save_async_ms\":%.3f,\"snapshot_ms\":%.1f,\"memcpy_ms\":%.1f,"
+      "\"snapshot_ratio\":%.3f,\"total_ms\":%.1f,\"raw_ms\":%.1f,\"peak_rss_mib\":%.0f,"
+      "\"baseline_rss_mib\":%.0f,\"rss_growth_mib\":%.0f}\n",
+      static_cast<unsigned long long>(flags.state_mib), pool_mib,
+      static_cast<double>(opts.chunk_bytes) / kMiB, opts.writers, flags.tensors, flags.reps,
+      flags.rss_run ? "true" : "false", ferry_gbps, raw_gbps, persist_ratio,
+      raw_direct ? "true" : "false", save_async_ms, snapshot_ms, memcpy_ms, snapshot_ratio,
+      ferry_ms, raw_ms, peak_mib, baseline_mib, growth_mib);
+  return 0;
+}

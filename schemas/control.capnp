@@ -1,0 +1,84 @@
+# The control protocol between ranks: joining a job, liveness, and the outcome
+# (abort or commit) of one checkpoint. Each message travels in the frame of
+# src/include/ferry/protocol.hpp with protocol byte 0. Every message carries
+# the job id (and the checkpoint id where it concerns one) so that a stray
+# message from another job or an older checkpoint is recognised and dropped.
+# Never remove or renumber a field: retire it by renaming it obsoleteX.
+@0xc6e0b4c34e39e9da;
+
+using Cxx = import "/capnp/c++.capnp";
+$Cxx.namespace("ferry::proto");
+
+# The wire form of ferry::Status, shared by both protocols (plan.capnp imports
+# it). Enumerants follow ferry::StatusCode in name and order.
+struct Status {
+  code @0 :Code;                   # what kind of failure; ok for success
+  message @1 :Text;                # names the rank, file, key... that is wrong
+
+  enum Code {
+    ok @0;                         # success
+    invalidArgument @1;            # bad input from the caller
+    notFound @2;                   # a file, checkpoint or key does not exist
+    alreadyExists @3;              # e.g. the step directory exists
+    ioError @4;                    # an OS call failed
+    corruption @5;                 # bytes on disk disagree with the manifest
+    unsupported @6;                # a format version or feature this build lacks
+    busy @7;                       # a save is in flight and fail-fast is set
+    aborted @8;                    # the checkpoint was abandoned
+    timeout @9;                    # a phase ran past its deadline
+    outcomeUnknown @10;            # the coordinator vanished after the commit point
+    internal @11;                  # a bug
+  }
+}
+
+# First message of a non-zero rank on its connection to rank 0.
+struct Join {
+  jobId @0 :Text;                  # the job the sender believes it belongs to
+  token @1 :Text;                  # FERRY_JOB_TOKEN, else TORCHELASTIC_RUN_ID, else SLURM_JOB_ID
+  rank @2 :Int32;                  # sender's rank, in [0, worldSize)
+  worldSize @3 :Int32;             # world size as the sender sees it
+  host @4 :Text;                   # sender's host name, for error messages
+  pid @5 :Int64;                   # sender's process id, for error messages
+}
+
+# Rank 0's answer to a Join.
+struct JoinAck {
+  jobId @0 :Text;                  # rank 0's job id
+  status @1 :Status;               # not ok: the join is refused, with the reason
+}
+
+# Liveness of a rank; hung peers are not caught by the transport alone.
+struct Heartbeat {
+  jobId @0 :Text;                  # the sender's job
+  rank @1 :Int32;                  # the sender's rank
+  seq @2 :UInt64;                  # increases by one per heartbeat of the sender
+}
+
+# A checkpoint is abandoned on every rank.
+struct Abort {
+  jobId @0 :Text;                  # the job of the checkpoint
+  checkpointId @1 :Text;           # the abandoned checkpoint
+  failedRank @2 :Int32 = -1;       # the rank that failed; -1 when unknown
+  phase @3 :Text;                  # "plan", "write" or "commit"
+  reason @4 :Status;               # why it was abandoned
+}
+
+# Rank 0 -> every rank: the outcome of a checkpoint's commit.
+struct Commit {
+  jobId @0 :Text;                  # the job of the checkpoint
+  checkpointId @1 :Text;           # the committed (or failed) checkpoint
+  status @2 :Status;               # ok: committed; otherwise why not
+  path @3 :Text;                   # the step directory (ROOT/step-...)
+  commitSeq @4 :UInt64;            # the commit sequence number given to it
+}
+
+# What one control frame holds: exactly one of these.
+struct ControlMessage {
+  union {
+    join @0 :Join;                 # rank -> rank 0, first on a connection
+    joinAck @1 :JoinAck;           # rank 0 -> rank
+    heartbeat @2 :Heartbeat;       # either direction
+    abort @3 :Abort;               # rank 0 -> every rank, or rank -> rank 0
+    commit @4 :Commit;             # rank 0 -> every rank
+  }
+}

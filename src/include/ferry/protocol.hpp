@@ -1,0 +1,127 @@
+// The messages ranks exchange (schemas/control.capnp, schemas/plan.capnp) in
+// their C++ form, and their wire encoding: a 16-byte frame header followed by
+// a Cap'n Proto flat array. Every message carries the job id and the
+// checkpoint id (or load id) it belongs to, so a stray message from another
+// job or an older checkpoint is recognised and dropped.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include "ferry/commit.hpp"
+#include "ferry/plan.hpp"
+#include "ferry/status.hpp"
+
+namespace ferry {
+
+// control.capnp --------------------------------------------------------------------
+
+// First message of a non-zero rank on its connection to rank 0.
+struct JoinMsg {
+  std::string job_id;
+  std::string token;  // FERRY_JOB_TOKEN, else TORCHELASTIC_RUN_ID, else SLURM_JOB_ID
+  int32_t rank = 0;
+  int32_t world_size = 1;
+  std::string host;
+  int64_t pid = 0;
+};
+
+struct JoinAckMsg {
+  std::string job_id;
+  Status status;  // not ok: refused, with the reason
+};
+
+struct HeartbeatMsg {
+  std::string job_id;
+  int32_t rank = 0;
+  uint64_t seq = 0;
+};
+
+// A checkpoint is abandoned on every rank: names the rank and phase that failed.
+struct AbortMsg {
+  std::string job_id;
+  std::string checkpoint_id;
+  int32_t failed_rank = -1;
+  std::string phase;  // "plan", "write", "commit"
+  Status reason;
+};
+
+// Rank 0 -> every rank: the outcome of a checkpoint's commit.
+struct CommitMsg {
+  std::string job_id;
+  std::string checkpoint_id;
+  Status status;
+  std::string path;
+  uint64_t commit_seq = 0;
+};
+
+// plan.capnp -----------------------------------------------------------------------
+
+// A rank's local plan for one checkpoint (rank -> rank 0).
+struct PlanRequest {
+  std::string job_id;
+  std::string checkpoint_id;
+  int32_t rank = 0;
+  uint64_t step = 0;
+  std::string root;
+  bool overwrite = false;
+  std::vector<std::pair<std::string, std::string>> metadata;  // rank 0's is kept
+  LocalPlan plan;
+};
+
+// Rank 0 -> a rank: its part of the global plan, or why there is none.
+struct PlanReply {
+  std::string job_id;
+  std::string checkpoint_id;
+  Status status;
+  std::string pending_dir;
+  RankPlan plan;
+};
+
+// A rank's write result once its files and the pending directory are durable.
+struct CommitRequest {
+  std::string job_id;
+  std::string checkpoint_id;
+  WriteResult result;
+};
+
+// Load: a rank asks rank 0 which checkpoint to load (path as given by the
+// caller); rank 0 answers with the directory and the manifest bytes, read once.
+struct LoadRequestMsg {
+  std::string job_id;
+  std::string load_id;
+  int32_t rank = 0;
+  std::string path;
+};
+
+struct LoadReplyMsg {
+  std::string job_id;
+  std::string load_id;
+  Status status;
+  std::string dir;
+  std::string manifest;  // the MANIFEST file's bytes (framed; decode_manifest)
+};
+
+using WireMessage = std::variant<JoinMsg, JoinAckMsg, HeartbeatMsg, AbortMsg, CommitMsg,
+                                 PlanRequest, PlanReply, CommitRequest, LoadRequestMsg,
+                                 LoadReplyMsg>;
+
+// Job id and checkpoint/load id of any message ("" where it has none).
+std::string_view message_job_id(const WireMessage& m);
+std::string_view message_checkpoint_id(const WireMessage& m);
+const char* message_name(const WireMessage& m);  // "Join", "PlanRequest", ...
+
+// Frame: magic "FRY1" (4 bytes), u8 protocol (0 control, 1 plan), 3 bytes
+// reserved (0), u64 LE payload length, then the Cap'n Proto flat array.
+std::string encode_message(const WireMessage& m);
+
+// Never throws: bad magic, length, alignment-agnostic (copies into aligned
+// words), traversal/nesting limits sized from the input, unknown union
+// member, invalid enum/dtype/status code -> invalid_argument naming what.
+Result<WireMessage> decode_message(std::string_view bytes);
+
+}  // namespace ferry

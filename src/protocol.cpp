@@ -1,0 +1,649 @@
+// Wire encoding of the messages between ranks (schemas/control.capnp,
+// schemas/plan.capnp) behind a 16-byte frame. The decoder is the boundary
+// where bytes from another process (or from anyone who can reach the port)
+// become trusted C++ values, so it checks everything the rest of Ferry would
+// otherwise index with: it never throws and never returns a value whose boxes,
+// dtypes, status codes or file indices are out of range.
+
+#include "ferry/protocol.hpp"
+
+#include <capnp/message.h>
+#include <capnp/serialize.h>
+#include <kj/array.h>
+#include <kj/exception.h>
+
+#include <cstring>
+#include <exception>
+#include <new>
+#include <type_traits>
+
+#include "control.capnp.h"
+#include "plan.capnp.h"
+
+namespace ferry {
+namespace {
+
+constexpr char kMagic[4] = {'F', 'R', 'Y', '1'};
+constexpr size_t kHeaderBytes = 16;
+constexpr uint8_t kControlProtocol = 0;
+constexpr uint8_t kPlanProtocol = 1;
+
+// The traversal limit scales with the payload because one rank's plan or
+// write result in a 4,096-rank job can exceed Cap'n Proto's 64 MiB default.
+// The decoder reads every pointer once, so each word is charged about once;
+// the factor covers list headers and zero-sized elements (charged one word
+// each) and the margin covers tiny messages. What matters is that the work
+// is linear in the input, so a crafted message cannot make it loop.
+constexpr uint64_t kTraversalFactor = 4;
+constexpr uint64_t kTraversalMarginWords = 1024;
+// The deepest path is PlanMessage > CommitRequest > WriteResult > chunks >
+// WrittenChunk > Box > sizes; anything much deeper is not ours.
+constexpr int kNestingLimit = 16;
+
+// ferry::StatusCode and proto::Status::Code are converted by value.
+using WireCode = proto::Status::Code;
+static_assert(static_cast<int>(WireCode::OK) == static_cast<int>(StatusCode::ok));
+static_assert(static_cast<int>(WireCode::INVALID_ARGUMENT) ==
+              static_cast<int>(StatusCode::invalid_argument));
+static_assert(static_cast<int>(WireCode::NOT_FOUND) == static_cast<int>(StatusCode::not_found));
+static_assert(static_cast<int>(WireCode::ALREADY_EXISTS) ==
+              static_cast<int>(StatusCode::already_exists));
+static_assert(static_cast<int>(WireCode::IO_ERROR) == static_cast<int>(StatusCode::io_error));
+static_assert(static_cast<int>(WireCode::CORRUPTION) == static_cast<int>(StatusCode::corruption));
+static_assert(static_cast<int>(WireCode::UNSUPPORTED) == static_cast<int>(StatusCode::unsupported));
+static_assert(static_cast<int>(WireCode::BUSY) == static_cast<int>(StatusCode::busy));
+static_assert(static_cast<int>(WireCode::ABORTED) == static_cast<int>(StatusCode::aborted));
+static_assert(static_cast<int>(WireCode::TIMEOUT) == static_cast<int>(StatusCode::timeout));
+static_assert(static_cast<int>(WireCode::OUTCOME_UNKNOWN) ==
+              static_cast<int>(StatusCode::outcome_unknown));
+static_assert(static_cast<int>(WireCode::INTERNAL) == static_cast<int>(StatusCode::internal));
+
+// --- encoding ---------------------------------------------------------------------
+
+void put_u64(std::string& out, uint64_t v) {
+  for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+
+kj::StringPtr text(const std::string& s) {
+  return kj::StringPtr(s.c_str(), s.size());
+}
+
+template <class ListBuilder, class Vector>
+void fill(ListBuilder list, const Vector& values) {
+  for (size_t i = 0; i < values.size(); ++i) list.set(static_cast<unsigned>(i), values[i]);
+}
+
+void set_status(proto::Status::Builder b, const Status& s) {
+  b.setCode(static_cast<WireCode>(s.code()));
+  b.setMessage(text(s.message()));
+}
+
+void set_box(proto::Box::Builder b, const Box& box) {
+  fill(b.initOffsets(static_cast<unsigned>(box.offsets.size())), box.offsets);
+  fill(b.initSizes(static_cast<unsigned>(box.sizes.size())), box.sizes);
+}
+
+std::string frame(uint8_t protocol, capnp::MessageBuilder& builder) {
+  kj::Array<capnp::word> words = capnp::messageToFlatArray(builder);
+  kj::ArrayPtr<const kj::byte> bytes = words.asBytes();
+  std::string out;
+  out.reserve(kHeaderBytes + bytes.size());
+  out.append(kMagic, sizeof(kMagic));
+  out.push_back(static_cast<char>(protocol));
+  out.append(3, '\0');
+  put_u64(out, bytes.size());
+  out.append(reinterpret_cast<const char*>(bytes.begin()), bytes.size());
+  return out;
+}
+
+struct Encoder {
+  std::string operator()(const JoinMsg& m) const {
+    capnp::MallocMessageBuilder mb;
+    auto b = mb.initRoot<proto::ControlMessage>().initJoin();
+    b.setJobId(text(m.job_id));
+    b.setToken(text(m.token));
+    b.setRank(m.rank);
+    b.setWorldSize(m.world_size);
+    b.setHost(text(m.host));
+    b.setPid(m.pid);
+    return frame(kControlProtocol, mb);
+  }
+
+  std::string operator()(const JoinAckMsg& m) const {
+    capnp::MallocMessageBuilder mb;
+    auto b = mb.initRoot<proto::ControlMessage>().initJoinAck();
+    b.setJobId(text(m.job_id));
+    set_status(b.initStatus(), m.status);
+    return frame(kControlProtocol, mb);
+  }
+
+  std::string operator()(const HeartbeatMsg& m) const {
+    capnp::MallocMessageBuilder mb;
+    auto b = mb.initRoot<proto::ControlMessage>().initHeartbeat();
+    b.setJobId(text(m.job_id));
+    b.setRank(m.rank);
+    b.setSeq(m.seq);
+    return frame(kControlProtocol, mb);
+  }
+
+  std::string operator()(const AbortMsg& m) const {
+    capnp::MallocMessageBuilder mb;
+    auto b = mb.initRoot<proto::ControlMessage>().initAbort();
+    b.setJobId(text(m.job_id));
+    b.setCheckpointId(text(m.checkpoint_id));
+    b.setFailedRank(m.failed_rank);
+    b.setPhase(text(m.phase));
+    set_status(b.initReason(), m.reason);
+    return frame(kControlProtocol, mb);
+  }
+
+  std::string operator()(const CommitMsg& m) const {
+    capnp::MallocMessageBuilder mb;
+    auto b = mb.initRoot<proto::ControlMessage>().initCommit();
+    b.setJobId(text(m.job_id));
+    b.setCheckpointId(text(m.checkpoint_id));
+    set_status(b.initStatus(), m.status);
+    b.setPath(text(m.path));
+    b.setCommitSeq(m.commit_seq);
+    return frame(kControlProtocol, mb);
+  }
+
+  std::string operator()(const PlanRequest& m) const {
+    capnp::MallocMessageBuilder mb;
+    auto b = mb.initRoot<proto::PlanMessage>().initPlanRequest();
+    b.setJobId(text(m.job_id));
+    b.setCheckpointId(text(m.checkpoint_id));
+    b.setRank(m.rank);
+    b.setStep(m.step);
+    b.setRoot(text(m.root));
+    b.setOverwrite(m.overwrite);
+    auto meta = b.initMetadata(static_cast<unsigned>(m.metadata.size()));
+    for (unsigned i = 0; i < meta.size(); ++i) {
+      meta[i].setKey(text(m.metadata[i].first));
+      meta[i].setValue(text(m.metadata[i].second));
+    }
+    auto plan = b.initPlan();
+    plan.setRank(m.plan.rank);
+    auto items = plan.initItems(static_cast<unsigned>(m.plan.items.size()));
+    for (unsigned i = 0; i < items.size(); ++i) {
+      const WriteItem& w = m.plan.items[i];
+      auto it = items[i];
+      it.setKey(text(w.key));
+      it.setDtype(dtype_name(w.dtype));
+      fill(it.initGlobalShape(static_cast<unsigned>(w.global_shape.size())), w.global_shape);
+      set_box(it.initBox(), w.box);
+      it.setNbytes(w.nbytes);
+      it.setEntry(w.entry);
+    }
+    return frame(kPlanProtocol, mb);
+  }
+
+  std::string operator()(const PlanReply& m) const {
+    capnp::MallocMessageBuilder mb;
+    auto b = mb.initRoot<proto::PlanMessage>().initPlanReply();
+    b.setJobId(text(m.job_id));
+    b.setCheckpointId(text(m.checkpoint_id));
+    set_status(b.initStatus(), m.status);
+    b.setPendingDir(text(m.pending_dir));
+    auto plan = b.initPlan();
+    plan.setRank(m.plan.rank);
+    plan.setFiles(m.plan.files);
+    plan.setBytes(m.plan.bytes);
+    auto chunks = plan.initChunks(static_cast<unsigned>(m.plan.chunks.size()));
+    for (unsigned i = 0; i < chunks.size(); ++i) {
+      const ChunkAssignment& c = m.plan.chunks[i];
+      auto cb = chunks[i];
+      cb.setItem(c.item);
+      set_box(cb.initBox(), c.box);
+      cb.setFile(c.file);
+    }
+    return frame(kPlanProtocol, mb);
+  }
+
+  std::string operator()(const CommitRequest& m) const {
+    capnp::MallocMessageBuilder mb;
+    auto b = mb.initRoot<proto::PlanMessage>().initCommitRequest();
+    b.setJobId(text(m.job_id));
+    b.setCheckpointId(text(m.checkpoint_id));
+    const WriteResult& r = m.result;
+    auto rb = b.initResult();
+    rb.setRank(r.rank);
+    rb.setSnapshotMs(r.snapshot_ms);
+    rb.setWriteMs(r.write_ms);
+    rb.setBytes(r.bytes);
+    auto files = rb.initFiles(static_cast<unsigned>(r.files.size()));
+    for (unsigned i = 0; i < files.size(); ++i) {
+      files[i].setName(text(r.files[i].name));
+      files[i].setSize(r.files[i].size);
+    }
+    auto chunks = rb.initChunks(static_cast<unsigned>(r.chunks.size()));
+    for (unsigned i = 0; i < chunks.size(); ++i) {
+      const WrittenChunk& c = r.chunks[i];
+      auto cb = chunks[i];
+      cb.setKey(text(c.key));
+      cb.setDtype(dtype_name(c.dtype));
+      fill(cb.initGlobalShape(static_cast<unsigned>(c.global_shape.size())), c.global_shape);
+      set_box(cb.initBox(), c.box);
+      cb.setFile(c.file);
+      cb.setByteOffset(c.byte_offset);
+      cb.setByteLength(c.byte_length);
+      cb.setEntry(text(c.entry));
+      fill(cb.initChecksums(static_cast<unsigned>(c.checksums.size())), c.checksums);
+    }
+    return frame(kPlanProtocol, mb);
+  }
+
+  std::string operator()(const LoadRequestMsg& m) const {
+    capnp::MallocMessageBuilder mb;
+    auto b = mb.initRoot<proto::PlanMessage>().initLoadRequest();
+    b.setJobId(text(m.job_id));
+    b.setLoadId(text(m.load_id));
+    b.setRank(m.rank);
+    b.setPath(text(m.path));
+    return frame(kPlanProtocol, mb);
+  }
+
+  std::string operator()(const LoadReplyMsg& m) const {
+    capnp::MallocMessageBuilder mb;
+    auto b = mb.initRoot<proto::PlanMessage>().initLoadReply();
+    b.setJobId(text(m.job_id));
+    b.setLoadId(text(m.load_id));
+    set_status(b.initStatus(), m.status);
+    b.setDir(text(m.dir));
+    b.setManifest(
+        kj::arrayPtr(reinterpret_cast<const kj::byte*>(m.manifest.data()), m.manifest.size()));
+    return frame(kPlanProtocol, mb);
+  }
+};
+
+// --- decoding ---------------------------------------------------------------------
+//
+// The readers below may throw kj::Exception on a malformed payload (bad
+// pointers, traversal or nesting limits); decode_message catches it. What
+// Cap'n Proto accepts but Ferry cannot use comes back as a Status naming the
+// field.
+
+std::string str(capnp::Text::Reader t) {
+  return std::string(t.cStr(), t.size());
+}
+
+std::vector<int64_t> i64s(capnp::List<int64_t>::Reader l) {
+  std::vector<int64_t> v;
+  v.reserve(l.size());
+  for (int64_t x : l) v.push_back(x);
+  return v;
+}
+
+std::string quoted(const std::string& s) {
+  return "\"" + s + "\"";
+}
+
+Status read_status(proto::Status::Reader r, const std::string& where, Status* out) {
+  const auto raw = static_cast<uint16_t>(r.getCode());
+  if (raw > static_cast<uint16_t>(StatusCode::internal))
+    return Status::invalid_argument(where + ": unknown status code " + std::to_string(raw));
+  *out = Status(static_cast<StatusCode>(raw), str(r.getMessage()));
+  return Status();
+}
+
+Status read_rank(int32_t rank, const std::string& where) {
+  if (rank < 0) return Status::invalid_argument(where + ": negative rank " + std::to_string(rank));
+  return Status();
+}
+
+Status read_dtype(capnp::Text::Reader t, const std::string& where, DType* out) {
+  Result<DType> d = parse_dtype(str(t));
+  if (!d.ok()) return d.status().with_context(where + ": ");
+  *out = *d;
+  return Status();
+}
+
+Status read_box(proto::Box::Reader r, const std::string& where, Box* out) {
+  out->offsets = i64s(r.getOffsets());
+  out->sizes = i64s(r.getSizes());
+  if (out->offsets.size() != out->sizes.size())
+    return Status::invalid_argument(where + ": box has " + std::to_string(out->offsets.size()) +
+                                    " offsets but " + std::to_string(out->sizes.size()) + " sizes");
+  for (size_t d = 0; d < out->sizes.size(); ++d)
+    if (out->offsets[d] < 0 || out->sizes[d] < 0)
+      return Status::invalid_argument(where + ": negative offset or size in box dim " +
+                                      std::to_string(d));
+  return Status();
+}
+
+// A box that lies inside its tensor, and a tensor whose byte size fits in
+// int64, so that later arithmetic on either cannot overflow.
+Status check_in_shape(const Box& box, const std::vector<int64_t>& shape, DType dtype,
+                      const std::string& where) {
+  if (box.rank() != shape.size())
+    return Status::invalid_argument(where + ": " + box_text(box) + " has rank " +
+                                    std::to_string(box.rank()) + ", the global shape " +
+                                    std::to_string(shape.size()));
+  int64_t bytes = static_cast<int64_t>(dtype_size(dtype));
+  for (size_t d = 0; d < shape.size(); ++d) {
+    if (shape[d] < 0)
+      return Status::invalid_argument(where + ": negative global shape in dim " +
+                                      std::to_string(d));
+    if (__builtin_mul_overflow(bytes, shape[d], &bytes))
+      return Status::invalid_argument(where + ": global shape too large");
+    if (box.offsets[d] > shape[d] - box.sizes[d])
+      return Status::invalid_argument(where + ": " + box_text(box) +
+                                      " exceeds the global shape in dim " + std::to_string(d));
+  }
+  return Status();
+}
+
+Result<WireMessage> read_control(proto::ControlMessage::Reader root) {
+  switch (root.which()) {
+    case proto::ControlMessage::JOIN: {
+      auto r = root.getJoin();
+      JoinMsg m;
+      m.job_id = str(r.getJobId());
+      m.token = str(r.getToken());
+      m.rank = r.getRank();
+      m.world_size = r.getWorldSize();
+      m.host = str(r.getHost());
+      m.pid = r.getPid();
+      if (m.world_size < 1 || m.rank < 0 || m.rank >= m.world_size)
+        return Status::invalid_argument("Join: rank " + std::to_string(m.rank) +
+                                        " outside world size " + std::to_string(m.world_size));
+      return WireMessage(std::move(m));
+    }
+    case proto::ControlMessage::JOIN_ACK: {
+      auto r = root.getJoinAck();
+      JoinAckMsg m;
+      m.job_id = str(r.getJobId());
+      FERRY_RETURN_IF_ERROR(read_status(r.getStatus(), "JoinAck status", &m.status));
+      return WireMessage(std::move(m));
+    }
+    case proto::ControlMessage::HEARTBEAT: {
+      auto r = root.getHeartbeat();
+      HeartbeatMsg m;
+      m.job_id = str(r.getJobId());
+      m.rank = r.getRank();
+      m.seq = r.getSeq();
+      FERRY_RETURN_IF_ERROR(read_rank(m.rank, "Heartbeat"));
+      return WireMessage(std::move(m));
+    }
+    case proto::ControlMessage::ABORT: {
+      auto r = root.getAbort();
+      AbortMsg m;
+      m.job_id = str(r.getJobId());
+      m.checkpoint_id = str(r.getCheckpointId());
+      m.failed_rank = r.getFailedRank();
+      m.phase = str(r.getPhase());
+      if (m.failed_rank < -1)
+        return Status::invalid_argument("Abort: failed rank " + std::to_string(m.failed_rank));
+      FERRY_RETURN_IF_ERROR(read_status(r.getReason(), "Abort reason", &m.reason));
+      return WireMessage(std::move(m));
+    }
+    case proto::ControlMessage::COMMIT: {
+      auto r = root.getCommit();
+      CommitMsg m;
+      m.job_id = str(r.getJobId());
+      m.checkpoint_id = str(r.getCheckpointId());
+      FERRY_RETURN_IF_ERROR(read_status(r.getStatus(), "Commit status", &m.status));
+      m.path = str(r.getPath());
+      m.commit_seq = r.getCommitSeq();
+      return WireMessage(std::move(m));
+    }
+  }
+  return Status::invalid_argument("unknown ControlMessage member " +
+                                  std::to_string(static_cast<uint16_t>(root.which())) +
+                                  " (sent by a newer Ferry?)");
+}
+
+Result<WireMessage> read_plan_request(proto::PlanRequest::Reader r) {
+  PlanRequest m;
+  m.job_id = str(r.getJobId());
+  m.checkpoint_id = str(r.getCheckpointId());
+  m.rank = r.getRank();
+  m.step = r.getStep();
+  m.root = str(r.getRoot());
+  m.overwrite = r.getOverwrite();
+  FERRY_RETURN_IF_ERROR(read_rank(m.rank, "PlanRequest"));
+  auto meta = r.getMetadata();
+  m.metadata.reserve(meta.size());
+  for (auto kv : meta) m.metadata.emplace_back(str(kv.getKey()), str(kv.getValue()));
+  auto plan = r.getPlan();
+  m.plan.rank = plan.getRank();
+  FERRY_RETURN_IF_ERROR(read_rank(m.plan.rank, "PlanRequest plan"));
+  auto items = plan.getItems();
+  m.plan.items.resize(items.size());
+  for (unsigned i = 0; i < items.size(); ++i) {
+    auto it = items[i];
+    WriteItem& w = m.plan.items[i];
+    w.key = str(it.getKey());
+    const std::string where = "PlanRequest item " + std::to_string(i) + " " + quoted(w.key);
+    FERRY_RETURN_IF_ERROR(read_dtype(it.getDtype(), where, &w.dtype));
+    w.global_shape = i64s(it.getGlobalShape());
+    FERRY_RETURN_IF_ERROR(read_box(it.getBox(), where, &w.box));
+    FERRY_RETURN_IF_ERROR(check_in_shape(w.box, w.global_shape, w.dtype, where));
+    w.nbytes = it.getNbytes();
+    w.entry = it.getEntry();
+  }
+  return WireMessage(std::move(m));
+}
+
+Result<WireMessage> read_plan_reply(proto::PlanReply::Reader r) {
+  PlanReply m;
+  m.job_id = str(r.getJobId());
+  m.checkpoint_id = str(r.getCheckpointId());
+  FERRY_RETURN_IF_ERROR(read_status(r.getStatus(), "PlanReply status", &m.status));
+  m.pending_dir = str(r.getPendingDir());
+  auto plan = r.getPlan();
+  m.plan.rank = plan.getRank();
+  m.plan.files = plan.getFiles();
+  m.plan.bytes = plan.getBytes();
+  FERRY_RETURN_IF_ERROR(read_rank(m.plan.rank, "PlanReply plan"));
+  auto chunks = plan.getChunks();
+  m.plan.chunks.resize(chunks.size());
+  for (unsigned i = 0; i < chunks.size(); ++i) {
+    auto c = chunks[i];
+    ChunkAssignment& a = m.plan.chunks[i];
+    const std::string where = "PlanReply chunk " + std::to_string(i);
+    a.item = c.getItem();
+    a.file = c.getFile();
+    FERRY_RETURN_IF_ERROR(read_box(c.getBox(), where, &a.box));
+    if (a.file >= m.plan.files)
+      return Status::invalid_argument(where + ": file " + std::to_string(a.file) +
+                                      " but the rank writes " + std::to_string(m.plan.files) +
+                                      " files");
+  }
+  return WireMessage(std::move(m));
+}
+
+Result<WireMessage> read_commit_request(proto::CommitRequest::Reader r) {
+  CommitRequest m;
+  m.job_id = str(r.getJobId());
+  m.checkpoint_id = str(r.getCheckpointId());
+  auto res = r.getResult();
+  WriteResult& w = m.result;
+  w.rank = res.getRank();
+  w.snapshot_ms = res.getSnapshotMs();
+  w.write_ms = res.getWriteMs();
+  w.bytes = res.getBytes();
+  FERRY_RETURN_IF_ERROR(read_rank(w.rank, "CommitRequest result"));
+  auto files = res.getFiles();
+  w.files.resize(files.size());
+  for (unsigned i = 0; i < files.size(); ++i) {
+    auto f = files[i];
+    w.files[i].name = str(f.getName());
+    w.files[i].size = f.getSize();
+  }
+  auto chunks = res.getChunks();
+  w.chunks.resize(chunks.size());
+  for (unsigned i = 0; i < chunks.size(); ++i) {
+    auto c = chunks[i];
+    WrittenChunk& wc = w.chunks[i];
+    wc.key = str(c.getKey());
+    const std::string where = "CommitRequest chunk " + std::to_string(i) + " " + quoted(wc.key);
+    FERRY_RETURN_IF_ERROR(read_dtype(c.getDtype(), where, &wc.dtype));
+    wc.global_shape = i64s(c.getGlobalShape());
+    FERRY_RETURN_IF_ERROR(read_box(c.getBox(), where, &wc.box));
+    FERRY_RETURN_IF_ERROR(check_in_shape(wc.box, wc.global_shape, wc.dtype, where));
+    wc.file = c.getFile();
+    if (wc.file >= w.files.size())
+      return Status::invalid_argument(where + ": file " + std::to_string(wc.file) +
+                                      " but the rank reports " + std::to_string(w.files.size()) +
+                                      " files");
+    wc.byte_offset = c.getByteOffset();
+    wc.byte_length = c.getByteLength();
+    wc.entry = str(c.getEntry());
+    auto sums = c.getChecksums();
+    wc.checksums.reserve(sums.size());
+    for (uint64_t s : sums) wc.checksums.push_back(s);
+  }
+  return WireMessage(std::move(m));
+}
+
+Result<WireMessage> read_plan(proto::PlanMessage::Reader root) {
+  switch (root.which()) {
+    case proto::PlanMessage::PLAN_REQUEST:
+      return read_plan_request(root.getPlanRequest());
+    case proto::PlanMessage::PLAN_REPLY:
+      return read_plan_reply(root.getPlanReply());
+    case proto::PlanMessage::COMMIT_REQUEST:
+      return read_commit_request(root.getCommitRequest());
+    case proto::PlanMessage::LOAD_REQUEST: {
+      auto r = root.getLoadRequest();
+      LoadRequestMsg m;
+      m.job_id = str(r.getJobId());
+      m.load_id = str(r.getLoadId());
+      m.rank = r.getRank();
+      m.path = str(r.getPath());
+      FERRY_RETURN_IF_ERROR(read_rank(m.rank, "LoadRequest"));
+      return WireMessage(std::move(m));
+    }
+    case proto::PlanMessage::LOAD_REPLY: {
+      auto r = root.getLoadReply();
+      LoadReplyMsg m;
+      m.job_id = str(r.getJobId());
+      m.load_id = str(r.getLoadId());
+      FERRY_RETURN_IF_ERROR(read_status(r.getStatus(), "LoadReply status", &m.status));
+      m.dir = str(r.getDir());
+      auto data = r.getManifest();
+      m.manifest.assign(reinterpret_cast<const char*>(data.begin()), data.size());
+      return WireMessage(std::move(m));
+    }
+  }
+  return Status::invalid_argument("unknown PlanMessage member " +
+                                  std::to_string(static_cast<uint16_t>(root.which())) +
+                                  " (sent by a newer Ferry?)");
+}
+
+uint64_t get_u64_le(const char* p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i)
+    v |= static_cast<uint64_t>(static_cast<unsigned char>(p[i])) << (8 * i);
+  return v;
+}
+
+std::string hex(std::string_view bytes) {
+  static const char kDigits[] = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : bytes) {
+    out.push_back(kDigits[c >> 4]);
+    out.push_back(kDigits[c & 0xf]);
+  }
+  return out;
+}
+
+Result<WireMessage> decode_payload(uint8_t protocol, std::string_view payload) {
+  // The frame may sit at any address (UCX hands over unaligned data) and
+  // Cap'n Proto reads words in place, so it gets an aligned copy.
+  kj::Array<capnp::word> words = kj::heapArray<capnp::word>(payload.size() / sizeof(capnp::word));
+  std::memcpy(words.begin(), payload.data(), payload.size());
+  capnp::ReaderOptions options;
+  options.traversalLimitInWords = words.size() * kTraversalFactor + kTraversalMarginWords;
+  options.nestingLimit = kNestingLimit;
+  capnp::FlatArrayMessageReader reader(words.asPtr(), options);
+  if (reader.getEnd() != words.end())
+    return Status::invalid_argument(
+        std::to_string((words.end() - reader.getEnd()) * sizeof(capnp::word)) +
+        " trailing bytes after the message");
+  if (protocol == kControlProtocol) return read_control(reader.getRoot<proto::ControlMessage>());
+  return read_plan(reader.getRoot<proto::PlanMessage>());
+}
+
+template <class T>
+constexpr bool kHasCheckpointId =
+    std::is_same_v<T, AbortMsg> || std::is_same_v<T, CommitMsg> || std::is_same_v<T, PlanRequest> ||
+    std::is_same_v<T, PlanReply> || std::is_same_v<T, CommitRequest>;
+template <class T>
+constexpr bool kHasLoadId = std::is_same_v<T, LoadRequestMsg> || std::is_same_v<T, LoadReplyMsg>;
+
+}  // namespace
+
+std::string_view message_job_id(const WireMessage& m) {
+  return std::visit([](const auto& x) -> std::string_view { return x.job_id; }, m);
+}
+
+std::string_view message_checkpoint_id(const WireMessage& m) {
+  return std::visit(
+      [](const auto& x) -> std::string_view {
+        using T = std::decay_t<decltype(x)>;
+        if constexpr (kHasCheckpointId<T>) {
+          return x.checkpoint_id;
+        } else if constexpr (kHasLoadId<T>) {
+          return x.load_id;
+        } else {
+          return {};
+        }
+      },
+      m);
+}
+
+const char* message_name(const WireMessage& m) {
+  static const char* const kNames[] = {"Join",        "JoinAck",     "Heartbeat", "Abort",
+                                       "Commit",      "PlanRequest", "PlanReply", "CommitRequest",
+                                       "LoadRequest", "LoadReply"};
+  static_assert(sizeof(kNames) / sizeof(kNames[0]) == std::variant_size_v<WireMessage>);
+  return kNames[m.index()];
+}
+
+std::string encode_message(const WireMessage& m) {
+  return std::visit(Encoder{}, m);
+}
+
+Result<WireMessage> decode_message(std::string_view bytes) {
+  if (bytes.size() < kHeaderBytes)
+    return Status::invalid_argument("message frame truncated: " + std::to_string(bytes.size()) +
+                                    " bytes, the header alone is " + std::to_string(kHeaderBytes));
+  if (std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) != 0)
+    return Status::invalid_argument("bad message magic: expected \"FRY1\" (46525931), got " +
+                                    hex(bytes.substr(0, sizeof(kMagic))));
+  const auto protocol = static_cast<uint8_t>(bytes[4]);
+  if (protocol != kControlProtocol && protocol != kPlanProtocol)
+    return Status::invalid_argument("unknown message protocol byte " + std::to_string(protocol) +
+                                    " (0 control, 1 plan)");
+  if (bytes[5] != 0 || bytes[6] != 0 || bytes[7] != 0)
+    return Status::invalid_argument("reserved message frame bytes are not zero: " +
+                                    hex(bytes.substr(5, 3)));
+  const uint64_t length = get_u64_le(bytes.data() + 8);
+  const uint64_t remaining = bytes.size() - kHeaderBytes;
+  if (length != remaining)
+    return Status::invalid_argument("message payload length " + std::to_string(length) +
+                                    " does not match the " + std::to_string(remaining) +
+                                    " bytes after the header");
+  if (length == 0 || length % sizeof(capnp::word) != 0)
+    return Status::invalid_argument("message payload length " + std::to_string(length) +
+                                    " is not a positive multiple of 8");
+
+  const std::string what = protocol == kControlProtocol ? "control" : "plan";
+  try {
+    Result<WireMessage> out = decode_payload(protocol, bytes.substr(kHeaderBytes));
+    if (!out.ok()) return out.status().with_context("malformed " + what + " message: ");
+    return out;
+  } catch (const kj::Exception& e) {
+    return Status::invalid_argument("malformed " + what +
+                                    " message: " + std::string(e.getDescription().cStr()));
+  } catch (const std::bad_alloc&) {
+    return Status::internal("out of memory decoding a " + std::to_string(length) + "-byte " + what +
+                            " message");
+  } catch (const std::exception& e) {
+    return Status::invalid_argument("malformed " + what + " message: " + e.what());
+  }
+}
+
+}  // namespace ferry
