@@ -278,6 +278,16 @@ std::string quoted(const std::string& s) {
   return "\"" + s + "\"";
 }
 
+// Box::to_string adds offsets to sizes, which may overflow on hostile input.
+std::string box_text(const Box& b) {
+  auto list = [](const std::vector<int64_t>& v) {
+    std::string s = "[";
+    for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+    return s + "]";
+  };
+  return "box (offsets " + list(b.offsets) + ", sizes " + list(b.sizes) + ")";
+}
+
 Status read_status(proto::Status::Reader r, const std::string& where, Status* out) {
   const auto raw = static_cast<uint16_t>(r.getCode());
   if (raw > static_cast<uint16_t>(StatusCode::internal))
