@@ -28,6 +28,13 @@ caf::actor spawn_serializer(caf::local_actor* parent, ContextPtr ctx,
                             std::vector<caf::actor> writers, caf::actor planner);
 caf::actor spawn_writer(caf::local_actor* parent, ContextPtr ctx, caf::actor planner);
 
+// The bridge between this process's actors and the other ranks: encodes and
+// decodes the protocol (protocol.hpp) and drives the Transport. On rank 0 it
+// forwards remote ranks' requests to the coordinator; on other ranks it
+// stands in for the coordinator (the planner cannot tell the difference).
+// Attach the transport with (atom::attach, shared_ptr<Transport>).
+caf::actor spawn_link(caf::actor_system& sys, ContextPtr ctx, caf::actor coordinator);
+
 // Load: the loader fans reads out to detached readers.
 caf::actor spawn_loader(caf::actor_system& sys, ContextPtr ctx);
 

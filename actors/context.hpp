@@ -18,6 +18,10 @@ struct RankContext {
   int32_t rank = 0;
   int32_t world_size = 1;
   std::string job_id;
+  // The same on every rank of one job run, different across runs: with the
+  // step and the save's sequence number it makes a checkpoint id all ranks
+  // agree on without a round trip.
+  uint64_t run_salt = 0;
   std::shared_ptr<Filesystem> fs;
   std::shared_ptr<DeviceBackend> device;
   std::shared_ptr<StagingPool> pool;

@@ -9,6 +9,8 @@
 // The global plan is cached and reused while the ranks' local plans have the
 // same digests.
 
+#include <deque>
+#include <map>
 #include <optional>
 
 #include "actors/actors.hpp"
@@ -38,12 +40,24 @@ struct Checkpoint {
 struct coordinator_state {
   static inline const char* name = "ferry.coordinator";
   ContextPtr ctx;
+  caf::actor link;  // world size > 1: broadcasts aborts to every rank
+  // Ranks that failed, with why: every later checkpoint fails at once
+  // instead of waiting for them to the plan timeout.
+  std::map<int32_t, Status> failed;
+  // Loads resolved for the ranks, by load id: every rank of one collective
+  // load gets the same directory and manifest bytes.
+  std::map<std::string, LoadReplyMsg> loads;
+  std::deque<std::string> load_order;
   std::optional<Checkpoint> active;
   std::vector<uint64_t> cached_digests;
   std::optional<GlobalPlan> cached_plan;
 };
 
 using coordinator_ptr = caf::stateful_actor<coordinator_state>*;
+
+std::chrono::milliseconds seconds(double s) {
+  return std::chrono::milliseconds(static_cast<int64_t>(s * 1000));
+}
 
 int64_t lease_ms(const coordinator_state& st) {
   return static_cast<int64_t>(st.ctx->opts.lease_seconds * 1000);
@@ -55,6 +69,7 @@ Result<GlobalPlan> global_plan(coordinator_state& st, const std::vector<LocalPla
   for (const auto& p : plans) digests.push_back(p.digest());
   if (st.cached_plan && digests == st.cached_digests) return *st.cached_plan;
   GlobalPlanOptions o;
+  if (st.ctx->opts.owner_lowest_rank) o.policy = OwnerPolicy::lowest_rank;
   auto gp = make_global_plan(plans, o);
   if (gp.ok()) {
     st.cached_plan = *gp;
@@ -63,11 +78,24 @@ Result<GlobalPlan> global_plan(coordinator_state& st, const std::vector<LocalPla
   return gp;
 }
 
-// Ends the active checkpoint with an error for everyone still waiting.
-void abort_active(coordinator_ptr self, const Status& status) {
+const char* phase_of(const Checkpoint& c) { return c.writing ? "write" : "plan"; }
+
+std::string missing_ranks(const std::vector<bool>& have) {
+  std::string s;
+  for (size_t r = 0; r < have.size(); ++r)
+    if (!have[r]) s += (s.empty() ? "" : ", ") + std::to_string(r);
+  return s;
+}
+
+// Ends the active checkpoint with an error for everyone still waiting, and
+// tells every rank (a rank busy writing has no request open to answer).
+void abort_active(coordinator_ptr self, const Status& status, int32_t failed_rank = -1) {
   auto& st = self->state;
   if (!st.active) return;
   Checkpoint& c = *st.active;
+  if (st.link)
+    self->send(st.link, atom::abort_v,
+               AbortMsg{st.ctx->job_id, c.id, failed_rank, phase_of(c), status});
   if (c.writing) remove_all(*st.ctx->fs, c.pending_dir);
   for (auto& p : c.plan_promises)
     if (p.pending()) p.deliver(PlanReply{st.ctx->job_id, c.id, status, "", {}});
@@ -94,6 +122,8 @@ void on_all_plans(coordinator_ptr self) {
   c.writing = true;
   for (size_t r = 0; r < c.plan_promises.size(); ++r)
     c.plan_promises[r].deliver(PlanReply{st.ctx->job_id, c.id, Status(), c.pending_dir, gp->ranks[r]});
+  self->delayed_send(self, seconds(st.ctx->opts.write_timeout_s), atom::deadline_v, c.id,
+                     std::string("write"));
   // Refresh the lease a few times per period so gc never takes a live save.
   self->delayed_send(self, std::chrono::milliseconds(lease_ms(st) / 3), atom::lease_v, c.id);
 }
@@ -145,9 +175,21 @@ caf::behavior coordinator_actor(coordinator_ptr self, ContextPtr ctx) {
           c.results.resize(world);
           c.commit_promises.resize(world);
           st.active = std::move(c);
+          self->delayed_send(self, seconds(st.ctx->opts.plan_timeout_s), atom::deadline_v,
+                             req.checkpoint_id, std::string("plan"));
         }
         Checkpoint& c = *st.active;
         if (req.rank == 0) c.metadata = req.metadata;
+        if (!st.failed.empty()) {
+          const auto& [rank, why] = *st.failed.begin();
+          auto rp = self->make_response_promise();
+          c.plan_promises[req.rank] = rp;
+          abort_active(self,
+                       Status::aborted("rank " + std::to_string(rank) +
+                                       " failed before the plan phase: " + why.message()),
+                       rank);
+          return rp;
+        }
         auto rp = self->make_response_promise();
         if (!c.plans[req.rank]) ++c.plans_in;
         c.plans[req.rank] = std::move(req.plan);
@@ -176,6 +218,54 @@ caf::behavior coordinator_actor(coordinator_ptr self, ContextPtr ctx) {
       [self](atom::abort, const std::string& id, const Status& why) {
         auto& st = self->state;
         if (st.active && st.active->id == id) abort_active(self, why);
+      },
+      [self](atom::attach, caf::actor link) { self->state.link = std::move(link); },
+      [self](atom::failed, int32_t rank, const Status& why) {
+        auto& st = self->state;
+        st.failed.emplace(rank, why);
+        if (!st.active) return;
+        abort_active(self,
+                     Status::aborted("rank " + std::to_string(rank) + " failed during the " +
+                                     phase_of(*st.active) + " phase: " + why.message()),
+                     rank);
+      },
+      [self](atom::deadline, const std::string& id, const std::string& phase) {
+        auto& st = self->state;
+        if (!st.active || st.active->id != id || phase != phase_of(*st.active)) return;
+        const Checkpoint& c = *st.active;
+        std::vector<bool> have;
+        if (c.writing)
+          for (const auto& r : c.results) have.push_back(r.has_value());
+        else
+          for (const auto& p : c.plans) have.push_back(p.has_value());
+        const double limit = c.writing ? st.ctx->opts.write_timeout_s : st.ctx->opts.plan_timeout_s;
+        abort_active(self, Status::timeout("the " + phase + " phase timed out after " +
+                                           std::to_string(limit) + " s waiting for rank(s) " +
+                                           missing_ranks(have)));
+      },
+      [self](atom::load, const LoadRequestMsg& req) -> LoadReplyMsg {
+        auto& st = self->state;
+        auto it = st.loads.find(req.load_id);
+        if (it != st.loads.end()) return it->second;
+        LoadReplyMsg r{st.ctx->job_id, req.load_id, Status(), "", ""};
+        auto dir = resolve_checkpoint(*st.ctx->fs, req.path);
+        if (!dir.ok()) {
+          r.status = dir.status();
+        } else {
+          r.dir = *dir;
+          auto bytes = read_file(*st.ctx->fs, join_path(r.dir, kManifestFileName));
+          if (bytes.ok())
+            r.manifest = std::move(bytes).value();
+          else
+            r.status = bytes.status();
+        }
+        st.loads.emplace(req.load_id, r);
+        st.load_order.push_back(req.load_id);
+        if (st.load_order.size() > 8) {  // every rank asks within moments; keep a few
+          st.loads.erase(st.load_order.front());
+          st.load_order.pop_front();
+        }
+        return r;
       },
       [self](atom::lease, const std::string& id) {
         auto& st = self->state;

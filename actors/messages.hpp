@@ -19,6 +19,7 @@
 #include "ferry/pool.hpp"
 #include "ferry/protocol.hpp"
 #include "ferry/runtime.hpp"
+#include "actors/transport.hpp"
 
 CAF_ADD_ATOM(ferry, ferry::atom, save, "save")
 CAF_ADD_ATOM(ferry, ferry::atom, plan, "plan")
@@ -38,6 +39,9 @@ CAF_ADD_ATOM(ferry, ferry::atom, sums, "sums")
 CAF_ADD_ATOM(ferry, ferry::atom, load, "load")
 CAF_ADD_ATOM(ferry, ferry::atom, read, "read")
 CAF_ADD_ATOM(ferry, ferry::atom, failed, "failed")
+CAF_ADD_ATOM(ferry, ferry::atom, frame, "frame")
+CAF_ADD_ATOM(ferry, ferry::atom, attach, "attach")
+CAF_ADD_ATOM(ferry, ferry::atom, deadline, "deadline")
 
 namespace ferry {
 
@@ -121,6 +125,10 @@ CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::FileSet)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::ChecksumSet)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::CommitRequest)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::CommitMsg)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::AbortMsg)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::LoadRequestMsg)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::LoadReplyMsg)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<ferry::Transport>)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::LoadJob)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::ReadTask)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<ferry::File>)

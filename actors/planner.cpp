@@ -14,7 +14,6 @@
 // Saves queue here: one runs at a time.
 
 #include <deque>
-#include <random>
 
 #include "actors/actors.hpp"
 #include "actors/messages.hpp"
@@ -55,16 +54,19 @@ struct planner_state {
   std::deque<SaveJob> queue;
   uint64_t next_id = 1;
   Current cur;
-  std::mt19937_64 rng{std::random_device{}()};
 };
 
 using planner_ptr = caf::stateful_actor<planner_state>*;
 
 void start_next(planner_ptr self);
 
-std::string random_id(std::mt19937_64& rng) {
+// Every rank calls save_async the same number of times (saves are
+// collective), so (salt, step, sequence) names one checkpoint on all ranks.
+std::string checkpoint_id(uint64_t salt, uint64_t step, uint64_t seq) {
+  const uint64_t parts[] = {salt, step, seq};
   char buf[17];
-  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(rng()));
+  std::snprintf(buf, sizeof(buf), "%016llx",
+                static_cast<unsigned long long>(xxh3_64(parts, sizeof(parts))));
   return buf;
 }
 
@@ -75,16 +77,34 @@ void end_save(planner_ptr self, const Status& status, const std::string& path) {
   start_next(self);
 }
 
-void fail(planner_ptr self, Status status) {
+const char* phase_name(Phase p) {
+  switch (p) {
+    case Phase::idle: return "idle";
+    case Phase::planning: return "plan";
+    case Phase::opening:
+    case Phase::streaming:
+    case Phase::finishing: return "write";
+    case Phase::committing: return "commit";
+  }
+  return "?";
+}
+
+// Abandons the current save. `local` failures are named after this rank and
+// reported to the coordinator; aborts that came from the coordinator are not
+// sent back.
+void fail(planner_ptr self, Status status, bool local = true) {
   auto& st = self->state;
   if (st.cur.phase == Phase::idle) return;
   const uint64_t id = st.cur.id;
   self->send(st.snapshot, atom::abort_v, id);
   self->send(st.serializer, atom::abort_v, id);
-  if (!st.cur.checkpoint_id.empty())
+  if (local)
+    status = status.with_context("rank " + std::to_string(st.ctx->rank) + " (" +
+                                 phase_name(st.cur.phase) + " phase): ");
+  if (local && !st.cur.checkpoint_id.empty())
     self->send(st.coordinator, atom::abort_v, st.cur.checkpoint_id, status);
   for (auto& f : st.cur.files) f->close();
-  end_save(self, status.with_context("rank " + std::to_string(st.ctx->rank) + ": "), "");
+  end_save(self, status, "");
 }
 
 void send_result(planner_ptr self) {
@@ -121,7 +141,7 @@ void send_result(planner_ptr self) {
                 [&](SaveMetrics& m) { m.commit_ms = st.cur.job.state->ms_since_start() - now; });
             if (!r.status.ok()) {
               st.cur.checkpoint_id.clear();  // the coordinator already cleaned up
-              fail(self, r.status);
+              fail(self, r.status, false);
               return;
             }
             end_save(self, Status(), r.path);
@@ -221,7 +241,7 @@ void on_plan(planner_ptr self, const PlanReply& r) {
   auto& cur = st.cur;
   if (!r.status.ok()) {
     cur.checkpoint_id.clear();  // the coordinator created nothing
-    return fail(self, r.status);
+    return fail(self, r.status, false);
   }
   cur.plan = r.plan;
   cur.pending_dir = r.pending_dir;
@@ -267,7 +287,7 @@ void start_next(planner_ptr self) {
   auto local = make_local_plan(cur.job.sd, st.ctx->rank);
   if (!local.ok()) return end_save(self, local.status(), "");
   cur.local = std::move(local).value();
-  cur.checkpoint_id = random_id(st.rng);
+  cur.checkpoint_id = checkpoint_id(st.ctx->run_salt, cur.job.step, cur.id);
   PlanRequest req{st.ctx->job_id, cur.checkpoint_id, st.ctx->rank, cur.job.step, cur.job.root,
                   cur.job.opts.overwrite, cur.job.opts.metadata, cur.local};
   const uint64_t id = cur.id;
@@ -316,6 +336,12 @@ caf::behavior planner_actor(planner_ptr self, ContextPtr ctx, caf::actor coordin
           for (uint64_t left : cur.file_bytes_left) all = all && left == 0;
           if (all) cur.phase = Phase::finishing;
         }
+      },
+      // The coordinator abandoned a checkpoint ("*": every one, rank 0 is gone).
+      [self](atom::abort, const std::string& checkpoint_id, const Status& why) {
+        auto& cur = self->state.cur;
+        if (cur.phase == Phase::idle) return;
+        if (checkpoint_id == "*" || checkpoint_id == cur.checkpoint_id) fail(self, why, false);
       },
       [self](atom::sums, ChecksumSet& sums) {
         auto& cur = self->state.cur;

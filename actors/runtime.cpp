@@ -5,10 +5,13 @@
 
 #include <cstdlib>
 #include <fstream>
+#include <random>
+#include <unistd.h>
 
 #include "actors/actors.hpp"
 #include "actors/messages.hpp"
 #include "ferry/catalog.hpp"
+#include "ferry/checksum.hpp"
 
 namespace ferry {
 
@@ -70,36 +73,18 @@ struct Runtime::Impl {
   caf::actor_system_config cfg;
   std::unique_ptr<caf::actor_system> sys;
   std::shared_ptr<RankContext> ctx;
-  caf::actor coordinator;
+  caf::actor coordinator;  // rank 0
+  caf::actor link;         // world size > 1
   caf::actor planner;
   caf::actor loader;
+  std::shared_ptr<Transport> transport;
+  uint64_t loads = 0;      // collective load counter: the load id every rank agrees on
+  bool joined = false;     // every rank connected: shutdown waits for them to leave
   std::mutex mu;  // serializes save_async callers
   std::shared_ptr<detail::SaveState> last;
 };
 
 namespace {
-
-// A job id safe inside a directory name.
-std::string job_id_from_env() {
-  for (const char* var : {"FERRY_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"}) {
-    const char* v = std::getenv(var);
-    if (v && *v) {
-      std::string id;
-      for (const char* p = v; *p && id.size() < 32; ++p)
-        id.push_back(std::isalnum(static_cast<unsigned char>(*p)) || *p == '_' ? *p : '_');
-      return id;
-    }
-  }
-  return "local";
-}
-
-std::string config_file_from(const RuntimeArgs& args) {
-  if (!args.config_file.empty()) return args.config_file;
-  const std::string flag = "--config-file=";
-  for (const auto& a : args.argv)
-    if (a.compare(0, flag.size(), flag) == 0) return a.substr(flag.size());
-  return "";
-}
 
 Result<int32_t> env_int(const char* name, int32_t fallback) {
   const char* v = std::getenv(name);
@@ -112,6 +97,163 @@ Result<int32_t> env_int(const char* name, int32_t fallback) {
   return static_cast<int32_t>(x);
 }
 
+std::string env_or(const char* name, const std::string& fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? v : fallback;
+}
+
+// The job token every rank of one job shares (guards against mix-ups between
+// jobs, not against attackers): ours, else torchrun's, else Slurm's.
+std::string job_token_from_env() {
+  for (const char* var : {"FERRY_JOB_TOKEN", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"}) {
+    const char* v = std::getenv(var);
+    if (v && *v) return v;
+  }
+  return "";
+}
+
+// A job id safe inside a directory name, the same on every rank.
+std::string job_id_from_env(const std::string& token) {
+  std::string raw;
+  for (const char* var : {"FERRY_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"})
+    if (raw.empty()) raw = env_or(var, "");
+  if (raw.empty() && !token.empty()) {
+    char buf[20];
+    std::snprintf(buf, sizeof(buf), "j%08llx",
+                  static_cast<unsigned long long>(xxh3_64(token.data(), token.size()) >> 32));
+    raw = buf;
+  }
+  if (raw.empty()) return "local";
+  std::string id;
+  for (char c : raw)
+    if (id.size() < 32) id.push_back(std::isalnum(static_cast<unsigned char>(c)) ? c : '_');
+  return id;
+}
+
+// Connects this rank to the others (world size > 1): rank 0 listens and
+// admits ranks that present the job token; the others join it.
+Status start_transport(Runtime::Impl& impl, const std::string& token) {
+  const RankContext& ctx = *impl.ctx;
+  if (token.empty())
+    return Status::invalid_argument(
+        "no job token: set FERRY_JOB_TOKEN (or run under torchrun or Slurm) so the ranks of "
+        "one job can recognise each other");
+  TransportOptions to;
+  to.rank = ctx.rank;
+  to.world_size = ctx.world_size;
+  to.host = !ctx.opts.coordinator_address.empty() ? ctx.opts.coordinator_address
+                                                  : env_or("MASTER_ADDR", "127.0.0.1");
+  uint32_t port = ctx.opts.port;
+  if (port == 0) {
+    FERRY_ASSIGN_OR_RETURN(int32_t master, env_int("MASTER_PORT", 0));
+    if (master <= 0 || master >= 65535)
+      return Status::invalid_argument("no port for the ranks to meet: set MASTER_PORT or "
+                                      "ferry.port");
+    port = static_cast<uint32_t>(master) + 1;
+  }
+  to.port = static_cast<uint16_t>(port);
+  to.connect_timeout_s = ctx.opts.connect_timeout_s;
+  to.heartbeat_interval_s = ctx.opts.heartbeat_interval_s;
+  to.heartbeat_timeout_s = ctx.opts.heartbeat_timeout_s;
+
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  const std::string hello =
+      encode_message(JoinMsg{ctx.job_id, token, ctx.rank, ctx.world_size, host, getpid()});
+  const std::string heartbeat = encode_message(HeartbeatMsg{ctx.job_id, ctx.rank, 0});
+
+  // Ranks > 0: the join verdict and the start barrier, from the progress thread.
+  struct Verdict {
+    std::mutex mu;
+    std::condition_variable cv;
+    Status status;
+    bool all_joined = false;
+  };
+  auto verdict = std::make_shared<Verdict>();
+  TransportCallbacks cb;
+  const std::string job = ctx.job_id;
+  const int32_t world = ctx.world_size;
+  cb.accept = [token, job, world](const std::string& bytes, std::string* reply) -> Result<int32_t> {
+    auto m = decode_message(bytes);
+    Status why;
+    int32_t rank = -1;
+    if (!m.ok()) {
+      why = m.status().with_context("malformed join: ");
+    } else if (auto* j = std::get_if<JoinMsg>(&*m); j == nullptr) {
+      why = Status::invalid_argument(std::string("expected a Join, got ") + message_name(*m));
+    } else if (j->token != token) {
+      why = Status::invalid_argument("rank " + std::to_string(j->rank) + " (pid " +
+                                     std::to_string(j->pid) + " on " + j->host +
+                                     ") presented a different job token");
+    } else if (j->world_size != world) {
+      why = Status::invalid_argument("rank " + std::to_string(j->rank) + " has world size " +
+                                     std::to_string(j->world_size) + ", rank 0 has " +
+                                     std::to_string(world));
+    } else {
+      rank = j->rank;
+    }
+    if (!why.ok()) {
+      std::fprintf(stderr, "ferry[rank 0]: refused a process: %s\n", why.to_string().c_str());
+      *reply = encode_message(JoinAckMsg{job, why});
+      return why;
+    }
+    *reply = encode_message(JoinAckMsg{job, Status()});
+    return rank;
+  };
+  caf::actor link = impl.link;
+  const bool rank0 = ctx.rank == 0;
+  cb.on_frame = [link, verdict, rank0](int32_t from, std::string bytes) {
+    if (!rank0 && from == 0) {
+      auto m = decode_message(bytes);
+      if (m.ok() && std::holds_alternative<JoinAckMsg>(*m)) {
+        const auto& ack = std::get<JoinAckMsg>(*m);
+        std::lock_guard<std::mutex> lock(verdict->mu);
+        verdict->status = ack.status;
+        verdict->all_joined = verdict->all_joined || ack.all_joined;
+        verdict->cv.notify_all();
+        return;
+      }
+    }
+    caf::anon_send(link, atom::frame_v, from, std::move(bytes));
+  };
+  cb.on_peer_failed = [link](int32_t rank, Status why) {
+    caf::anon_send(link, atom::failed_v, rank, std::move(why));
+  };
+  FERRY_ASSIGN_OR_RETURN(auto t, Transport::start(to, hello, heartbeat, std::move(cb)));
+  impl.transport = std::move(t);
+  caf::anon_send(impl.link, atom::attach_v, impl.transport, impl.planner);
+  Status s = impl.transport->wait_peers(ctx.opts.connect_timeout_s);
+  const std::string me = "rank " + std::to_string(ctx.rank);
+  if (rank0) {
+    if (!s.ok()) return s.with_context(me + " waiting for the other ranks: ");
+    // The start barrier: no rank starts (and maybe finishes and leaves)
+    // before every rank is connected.
+    const std::string ready = encode_message(JoinAckMsg{ctx.job_id, Status(), true});
+    for (int32_t r = 1; r < ctx.world_size; ++r) FERRY_RETURN_IF_ERROR(impl.transport->send(r, ready));
+    return Status();
+  }
+  std::unique_lock<std::mutex> lock(verdict->mu);
+  verdict->cv.wait_for(lock, std::chrono::milliseconds(static_cast<int64_t>(
+                                 ctx.opts.connect_timeout_s * 1000)),
+                       [&] { return !verdict->status.ok() || verdict->all_joined; });
+  if (!verdict->status.ok())
+    return verdict->status.with_context("rank 0 refused " + me + ": ");
+  if (!s.ok()) return s.with_context(me + " connecting: ");
+  if (!verdict->all_joined)
+    return Status::timeout(me + ": not every rank joined within " +
+                           std::to_string(ctx.opts.connect_timeout_s) + " s");
+  return Status();
+}
+
+std::string config_file_from(const RuntimeArgs& args) {
+  if (!args.config_file.empty()) return args.config_file;
+  const std::string flag = "--config-file=";
+  for (const auto& a : args.argv)
+    if (a.compare(0, flag.size(), flag) == 0) return a.substr(flag.size());
+  return "";
+}
+
+
 }  // namespace
 
 Runtime::Runtime(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -122,9 +264,6 @@ Result<std::unique_ptr<Runtime>> Runtime::create(RuntimeArgs args) {
   if (args.world_size < 1 || args.rank < 0 || args.rank >= args.world_size)
     return Status::invalid_argument("rank " + std::to_string(args.rank) + " outside world size " +
                                     std::to_string(args.world_size));
-  if (args.world_size > 1)
-    return Status::unsupported("world size " + std::to_string(args.world_size) +
-                               ": this build saves from one rank only");
 
   auto impl = std::make_unique<Impl>();
   // Ferry is a guest in the training process: a few scheduler threads are
@@ -146,7 +285,10 @@ Result<std::unique_ptr<Runtime>> Runtime::create(RuntimeArgs args) {
   ctx->opts = opts;
   ctx->rank = args.rank;
   ctx->world_size = args.world_size;
-  ctx->job_id = job_id_from_env();
+  const std::string token = job_token_from_env();
+  ctx->job_id = job_id_from_env(token);
+  ctx->run_salt = args.world_size > 1 ? xxh3_64(token.data(), token.size())
+                                      : std::random_device{}() ^ (uint64_t{std::random_device{}()} << 32);
   ctx->fs = args.fs ? args.fs : posix_filesystem();
   ctx->device = args.device ? args.device : host_device();
   FERRY_ASSIGN_OR_RETURN(auto pool, StagingPool::create(opts.pool_bytes, opts.chunk_bytes));
@@ -155,9 +297,19 @@ Result<std::unique_ptr<Runtime>> Runtime::create(RuntimeArgs args) {
 
   impl->sys = std::make_unique<caf::actor_system>(impl->cfg);
   if (args.rank == 0) impl->coordinator = spawn_coordinator(*impl->sys, ctx);
-  impl->planner = spawn_planner(*impl->sys, ctx, impl->coordinator);
+  if (args.world_size > 1) {
+    impl->link = spawn_link(*impl->sys, ctx, impl->coordinator);
+    if (impl->coordinator) caf::anon_send(impl->coordinator, atom::attach_v, impl->link);
+  }
+  // On ranks > 0 the link stands in for the coordinator.
+  impl->planner = spawn_planner(*impl->sys, ctx, args.rank == 0 ? impl->coordinator : impl->link);
   impl->loader = spawn_loader(*impl->sys, ctx);
-  return std::unique_ptr<Runtime>(new Runtime(std::move(impl)));
+  std::unique_ptr<Runtime> rt(new Runtime(std::move(impl)));
+  if (args.world_size > 1) {
+    FERRY_RETURN_IF_ERROR(start_transport(*rt->impl_, token));
+    rt->impl_->joined = true;
+  }
+  return rt;
 }
 
 Result<std::unique_ptr<Runtime>> Runtime::from_env(RuntimeArgs args) {
@@ -179,9 +331,19 @@ Runtime::~Runtime() {
     last->cv.wait_for(lock, std::chrono::seconds(60), [&] { return last->done; });
   }
   impl_->ctx->pool->set_release_hook(nullptr);
+  if (impl_->link && impl_->joined) {
+    caf::scoped_actor self{*impl_->sys};
+    // Rank 0 waits (bounded) for the others to leave: they may still need it
+    // for a collective load or a commit outcome.
+    const double wait_s = impl_->ctx->rank == 0 ? impl_->ctx->opts.write_timeout_s : 5;
+    self->request(impl_->link, std::chrono::milliseconds(static_cast<int64_t>(wait_s * 1000)),
+                  atom::finish_v)
+        .receive([](bool) {}, [](caf::error&) {});
+  }
+  if (impl_->transport) impl_->transport->stop();
   // Detached actors' threads wait until nothing refers to their actor, so
   // drop our handles before the system waits for them.
-  for (auto* a : {&impl_->planner, &impl_->coordinator, &impl_->loader}) {
+  for (auto* a : {&impl_->planner, &impl_->coordinator, &impl_->loader, &impl_->link}) {
     if (*a) caf::anon_send_exit(*a, caf::exit_reason::user_shutdown);
     *a = caf::actor();
   }
@@ -225,37 +387,34 @@ SaveHandle Runtime::save_async(const StateDict& sd, uint64_t step, const SaveOpt
 }
 
 Status Runtime::load(StateDict& sd, const std::string& path) {
-  if (path.empty()) return Status::not_found("no checkpoint to load (empty path)");
-  Filesystem& fs = *impl_->ctx->fs;
-  std::string base = path;
-  while (base.size() > 1 && base.back() == '/') base.pop_back();
-  base = base.substr(base.find_last_of('/') + 1);
-  // A pending directory may hold a complete-looking MANIFEST copy (a crash
-  // after the manifest write, before the rename): never load one.
-  if (is_pending_dir_name(base))
-    return Status::invalid_argument(path + " is a pending (uncommitted) checkpoint");
-  std::string dir = path;
-  if (!fs.stat(join_path(path, kManifestFileName)).ok()) {
-    auto latest = find_latest(fs, path);
-    if (!latest.ok()) return Status::not_found("no committed checkpoint at " + path);
-    dir = latest->path;
-  }
-  auto m = read_manifest(fs, dir);
-  if (!m.ok()) return m.status();
+  Impl& im = *impl_;
+  // Rank 0 decides which checkpoint and reads its manifest once, for every
+  // rank: all ranks load the same step even while another save commits.
+  LoadRequestMsg req{im.ctx->job_id, "load-" + std::to_string(++im.loads), im.ctx->rank, path};
+  caf::actor resolver = im.ctx->rank == 0 ? im.coordinator : im.link;
+  caf::scoped_actor self{*im.sys};
+  LoadReplyMsg reply;
+  self->request(resolver, caf::infinite, atom::load_v, std::move(req))
+      .receive([&](const LoadReplyMsg& r) { reply = r; },
+               [&](caf::error& e) {
+                 reply.status = Status::internal("load: " + self->system().render(e));
+               });
+  if (!reply.status.ok()) return reply.status;
+  auto m = decode_manifest(reply.manifest);
+  if (!m.ok()) return m.status().with_context(join_path(reply.dir, kManifestFileName) + ": ");
   auto manifest = std::make_shared<const Manifest>(std::move(m).value());
   FERRY_ASSIGN_OR_RETURN(auto requests, make_load_requests(sd));
   LoadPlanOptions lo;
-  lo.max_read_bytes = impl_->ctx->opts.chunk_bytes;
+  lo.max_read_bytes = im.ctx->opts.chunk_bytes;
   FERRY_ASSIGN_OR_RETURN(auto ops, make_load_plan(*manifest, requests, lo));
-  LoadJob job{dir, manifest, std::move(ops), {}};
+  LoadJob job{reply.dir, manifest, std::move(ops), {}};
   for (const auto& e : sd.entries()) job.targets.push_back(e.view);
 
   Status result;
-  caf::scoped_actor self{*impl_->sys};
-  self->request(impl_->loader, caf::infinite, atom::load_v, std::move(job))
+  self->request(im.loader, caf::infinite, atom::load_v, std::move(job))
       .receive([&](const Status& s) { result = s; },
                [&](caf::error& e) { result = Status::internal("load: " + self->system().render(e)); });
-  return result.with_context(result.ok() ? "" : "load " + dir + ": ");
+  return result.with_context(result.ok() ? "" : "load " + reply.dir + ": ");
 }
 
 std::string Runtime::latest(const std::string& root) const {

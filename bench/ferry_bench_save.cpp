@@ -1,11 +1,12 @@
 // Saves a synthetic host state through Ferry and compares it, in the same
 // run, with the two limits it can at best reach on this machine:
 //   - persist: a plain sequential O_DIRECT writer (8 MiB aligned pwrites from
-//     one warm buffer into one file, then fsync) writing the same bytes;
+//     one warm buffer into one file, then fsync) writing the same bytes (and,
+//     for context only, the same with one thread per Ferry writer);
 //   - snapshot: memcpy of the same tensors into warm (pre-touched) memory.
 //
 //   ferry_bench_save [--state-mib N] [--tensors N] [--pool-mib N] [--chunk-mib N]
-//                    [--writers N] [--reps N] [--dir DIR] [--rss-run]
+//                    [--writers N] [--reps N] [--dir DIR] [--rss-run] [--set K=V]...
 //
 // Order: allocate and touch the state, note the RSS (the baseline), create the
 // Runtime (it pre-faults the pool), one warm-up save (not counted), the timed
@@ -29,6 +30,7 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "ferry/runtime.hpp"
@@ -53,6 +55,7 @@ struct Flags {
   uint32_t reps = 0;       // 0: by state size
   std::string dir;
   bool rss_run = false;
+  std::vector<std::pair<std::string, std::string>> settings;  // --set KEY=VALUE
 };
 
 [[noreturn]] void usage(const std::string& why) {
@@ -60,7 +63,7 @@ struct Flags {
                "ferry_bench_save: %s\n"
                "usage: ferry_bench_save [--state-mib N] [--tensors N] [--pool-mib N]\n"
                "                        [--chunk-mib N] [--writers N] [--reps N] [--dir DIR]\n"
-               "                        [--rss-run]\n"
+               "                        [--rss-run] [--set KEY=VALUE]...\n"
                "  --state-mib  state size (default 2048; 4096 with --rss-run)\n"
                "  --tensors    number of tensors (default 120; try 2000 for many small ones)\n"
                "  --pool-mib   staging pool (default: the state plus its header; 512 with\n"
@@ -69,7 +72,8 @@ struct Flags {
                "  --writers    writer threads (default: the runtime's)\n"
                "  --reps       timed saves (default 5 up to 512 MiB, 3 up to 2 GiB, else 1)\n"
                "  --dir DIR    where to write (a fresh directory inside DIR, removed at the\n"
-               "               end; default $TMPDIR or /tmp)\n",
+               "               end; default $TMPDIR or /tmp)\n"
+               "  --set K=V    any other [ferry] setting, e.g. --set checksum=false\n",
                why.c_str());
   std::exit(2);
 }
@@ -111,6 +115,10 @@ Flags parse(int argc, char** argv) {
       f.reps = static_cast<uint32_t>(parse_positive(v, flag));
     } else if (flag == "--dir") {
       f.dir = v;
+    } else if (flag == "--set") {
+      const size_t eq = v.find('=');
+      if (eq == std::string::npos || eq == 0) usage("--set needs KEY=VALUE, got '" + v + "'");
+      f.settings.emplace_back(v.substr(0, eq), v.substr(eq + 1));
     } else {
       usage("unknown flag " + flag);
     }
@@ -145,24 +153,35 @@ uint64_t peak_rss_bytes() {
 // clock starts.
 class Region {
  public:
-  explicit Region(uint64_t bytes) : bytes_(bytes) {
-    void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  // `huge`: 2 MiB aligned and advised for transparent huge pages, like the
+  // staging pool, so a limit is not measured on smaller pages than Ferry's.
+  Region(uint64_t bytes, bool huge) : bytes_(bytes), mapped_(bytes + (huge ? kHuge : 0)) {
+    void* p = ::mmap(nullptr, mapped_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) {
       std::fprintf(stderr, "mmap of %llu bytes failed: %s\n",
-                   static_cast<unsigned long long>(bytes), std::strerror(errno));
+                   static_cast<unsigned long long>(mapped_), std::strerror(errno));
       std::exit(1);
     }
-    data_ = static_cast<uint8_t*>(p);
+    base_ = static_cast<uint8_t*>(p);
+    data_ = base_;
+    if (huge) {
+      const uintptr_t a = reinterpret_cast<uintptr_t>(base_);
+      data_ = base_ + ((a + kHuge - 1) / kHuge * kHuge - a);
+      (void)::madvise(data_, bytes_, MADV_HUGEPAGE);  // a hint; refusal is fine
+    }
   }
-  ~Region() { ::munmap(data_, bytes_); }
+  ~Region() { ::munmap(base_, mapped_); }
   Region(const Region&) = delete;
   Region& operator=(const Region&) = delete;
   uint8_t* data() const { return data_; }
   uint64_t size() const { return bytes_; }
 
  private:
-  uint8_t* data_;
+  static constexpr uint64_t kHuge = 2 * kMiB;
   uint64_t bytes_;
+  uint64_t mapped_;
+  uint8_t* base_;
+  uint8_t* data_;
 };
 
 // Not all zeros, so nothing downstream can take a shortcut on the content.
@@ -202,7 +221,9 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
-double best(const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); }
+double best(const std::vector<double>& v) {
+  return *std::min_element(v.begin(), v.end());
+}
 
 // A fresh directory removed at the end, whatever happens in between.
 class ScratchDir {
@@ -260,9 +281,11 @@ struct RawResult {
   bool direct;
 };
 
-// The machine's sequential write limit for this many bytes: one file, 8 MiB
-// aligned pwrites of the same warm buffer, one fsync; open to close timed.
-RawResult raw_write(const std::string& path, uint64_t bytes, uint8_t* buf) {
+// The machine's write limit for this many bytes: one file, 8 MiB aligned
+// pwrites of the same warm buffer, one fsync; open to close timed. With
+// `threads` > 1, thread t writes blocks t, t + threads, ... (as Ferry spreads
+// blocks over its writers), which shows what a deeper queue gains.
+RawResult raw_write(const std::string& path, uint64_t bytes, const uint8_t* buf, uint32_t threads) {
   const auto t0 = Clock::now();
   bool direct = true;
   int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_DIRECT, 0644);
@@ -274,17 +297,28 @@ RawResult raw_write(const std::string& path, uint64_t bytes, uint8_t* buf) {
     std::fprintf(stderr, "open %s: %s\n", path.c_str(), std::strerror(errno));
     std::exit(1);
   }
-  for (uint64_t off = 0; off < bytes;) {
-    const uint64_t want = std::min(kRawBlock, (bytes - off + kAlign - 1) / kAlign * kAlign);
-    const ssize_t n = ::pwrite(fd, buf, want, static_cast<off_t>(off));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      std::fprintf(stderr, "pwrite %s at %llu: %s\n", path.c_str(),
-                   static_cast<unsigned long long>(off), n < 0 ? std::strerror(errno) : "no progress");
-      std::exit(1);
+  const uint64_t blocks = (bytes + kRawBlock - 1) / kRawBlock;
+  auto write_blocks = [&](uint32_t first) {
+    for (uint64_t b = first; b < blocks; b += threads) {
+      const uint64_t off = b * kRawBlock;
+      const uint64_t len = std::min(kRawBlock, (bytes - off + kAlign - 1) / kAlign * kAlign);
+      for (uint64_t done = 0; done < len;) {
+        const ssize_t n = ::pwrite(fd, buf + done, len - done, static_cast<off_t>(off + done));
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) {
+          std::fprintf(stderr, "pwrite %s at %llu: %s\n", path.c_str(),
+                       static_cast<unsigned long long>(off + done),
+                       n < 0 ? std::strerror(errno) : "no progress");
+          std::exit(1);
+        }
+        done += static_cast<uint64_t>(n);
+      }
     }
-    off += static_cast<uint64_t>(n);
-  }
+  };
+  std::vector<std::thread> pool;
+  for (uint32_t t = 1; t < threads; ++t) pool.emplace_back(write_blocks, t);
+  write_blocks(0);
+  for (auto& t : pool) t.join();
   if (::fsync(fd) != 0) {
     std::fprintf(stderr, "fsync %s: %s\n", path.c_str(), std::strerror(errno));
     std::exit(1);
@@ -313,7 +347,9 @@ double memcpy_state(const Region& state, const std::vector<Tensor>& ts, const Re
   return ms_since(t0);
 }
 
-const char* verdict(bool applies, bool pass) { return !applies ? "n/a " : pass ? "PASS" : "MISS"; }
+const char* verdict(bool applies, bool pass) {
+  return !applies ? "n/a " : pass ? "PASS" : "MISS";
+}
 
 }  // namespace
 
@@ -333,7 +369,8 @@ int main(int argc, char** argv) {
   std::printf("state: %llu MiB in %u tensors, filling...\n",
               static_cast<unsigned long long>(flags.state_mib), flags.tensors);
   std::fflush(stdout);
-  Region state(state_bytes);
+  // Plain pages, as a framework's allocator hands them out.
+  Region state(state_bytes, false);
   fill_pattern(state.data(), state_bytes);
   const std::vector<Tensor> tensors = make_tensors(state_bytes, flags.tensors);
   ferry::StateDict sd;
@@ -341,8 +378,8 @@ int main(int argc, char** argv) {
     const Tensor& t = tensors[i];
     const int64_t cols = 64;
     const int64_t rows = static_cast<int64_t>(t.bytes / ferry::dtype_size(t.dtype)) / cols;
-    const std::string key = "model.layers." + std::to_string(i / 8) + ".p" +
-                            std::to_string(i % 8) + ".weight";
+    const std::string key =
+        "model.layers." + std::to_string(i / 8) + ".p" + std::to_string(i % 8) + ".weight";
     auto st = sd.add(key, ferry::TensorView{state.data() + t.offset, t.dtype, {rows, cols}});
     if (!st.ok()) {
       std::fprintf(stderr, "state dict: %s\n", st.to_string().c_str());
@@ -361,10 +398,11 @@ int main(int argc, char** argv) {
   // 4 KiB aligned) and the partial last block.
   const uint64_t header_allowance = 64 * 1024 + 256ull * flags.tensors;
   const uint64_t pool_bytes =
-      flags.pool_mib ? flags.pool_mib * kMiB
-                     : ((state_bytes + header_allowance + chunk_bytes - 1) / chunk_bytes + 1) *
-                           chunk_bytes;
+      flags.pool_mib
+          ? flags.pool_mib * kMiB
+          : ((state_bytes + header_allowance + chunk_bytes - 1) / chunk_bytes + 1) * chunk_bytes;
   args.set("pool-bytes", std::to_string(pool_bytes));
+  for (const auto& [k, v] : flags.settings) args.set(k, v);
   auto created = ferry::Runtime::create(args);
   if (!created.ok()) {
     std::fprintf(stderr, "Runtime::create: %s\n", created.status().to_string().c_str());
@@ -383,18 +421,20 @@ int main(int argc, char** argv) {
               static_cast<unsigned long long>(warm.metrics.bytes),
               static_cast<unsigned long long>(warm.metrics.files));
   if (warm.metrics.bytes > opts.pool_bytes)
-    std::printf("note: the checkpoint (%llu bytes) is larger than the pool: the snapshot waits "
-                "for writes\n",
-                static_cast<unsigned long long>(warm.metrics.bytes));
+    std::printf(
+        "note: the checkpoint (%llu bytes) is larger than the pool: the snapshot waits "
+        "for writes\n",
+        static_cast<unsigned long long>(warm.metrics.bytes));
 
   std::vector<SaveSample> saves;
   for (uint32_t r = 0; r < flags.reps; ++r) {
     saves.push_back(timed_save(*rt, sd, step++));
     const SaveSample& s = saves.back();
-    std::printf("save %u: save_async %.3f ms, snapshot %.1f ms, committed %.1f ms "
-                "(plan %.1f, write %.1f, commit %.1f) = %.2f GB/s\n",
-                r + 1, s.save_async_ms, s.snapshot_ms, s.total_ms, s.metrics.plan_ms,
-                s.metrics.write_ms, s.metrics.commit_ms, state_bytes / (s.total_ms * 1e6));
+    std::printf(
+        "save %u: save_async %.3f ms, snapshot %.1f ms, committed %.1f ms "
+        "(plan %.1f, write %.1f, commit %.1f) = %.2f GB/s\n",
+        r + 1, s.save_async_ms, s.snapshot_ms, s.total_ms, s.metrics.plan_ms, s.metrics.write_ms,
+        s.metrics.commit_ms, state_bytes / (s.total_ms * 1e6));
     std::fflush(stdout);
   }
   // Read before the raw writer and the memcpy buffers can raise it.
@@ -411,22 +451,27 @@ int main(int argc, char** argv) {
   const std::vector<double> total_v = pick(&SaveSample::total_ms);
 
   // --- the write limit -----------------------------------------------------
-  std::vector<double> raw_v;
+  std::vector<double> raw_v, raw_par_v;
   bool raw_direct = true;
+  const uint32_t par = std::max<uint32_t>(opts.writers, 2);
   {
-    Region buf(kRawBlock);
+    Region buf(kRawBlock, true);
     fill_pattern(buf.data(), kRawBlock);
     for (uint32_t r = 0; r < flags.reps; ++r) {
-      const RawResult rr = raw_write(scratch.path() + "/raw.bin", state_bytes, buf.data());
+      const RawResult rr = raw_write(scratch.path() + "/raw.bin", state_bytes, buf.data(), 1);
       raw_direct = raw_direct && rr.direct;
       raw_v.push_back(rr.ms);
     }
+    // Not the target's reference; printed so a ratio above 1 can be read.
+    for (uint32_t r = 0; r < flags.reps; ++r)
+      raw_par_v.push_back(raw_write(scratch.path() + "/raw.bin", state_bytes, buf.data(), par).ms);
   }
 
   // --- the snapshot limit --------------------------------------------------
   std::vector<double> memcpy_v;
   {
-    Region dst(std::min(state_bytes, (pool_bytes + kAlign - 1) / kAlign * kAlign));
+    // Huge pages where the kernel grants them, as the pool asks for them.
+    Region dst(std::min(state_bytes, (opts.pool_bytes + kAlign - 1) / kAlign * kAlign), true);
     std::memset(dst.data(), 1, dst.size());
     for (uint32_t r = 0; r < std::max<uint32_t>(flags.reps, 3); ++r)
       memcpy_v.push_back(memcpy_state(state, tensors, dst));
@@ -439,6 +484,7 @@ int main(int argc, char** argv) {
   const double ferry_gbps = state_bytes / (ferry_ms * 1e6);
   const double raw_gbps = state_bytes / (raw_ms * 1e6);
   const double persist_ratio = ferry_gbps / raw_gbps;
+  const double raw_par_gbps = state_bytes / (median(raw_par_v) * 1e6);
   const double snapshot_ratio = snapshot_ms / memcpy_ms;
   const double peak_mib = static_cast<double>(peak_rss) / kMiB;
   const double baseline_mib = static_cast<double>(baseline_rss) / kMiB;
@@ -450,16 +496,20 @@ int main(int argc, char** argv) {
               state_bytes / (best(total_v) * 1e6));
   std::printf("  raw write       %8.1f ms  %6.2f GB/s  [%.2f GB/s]%s\n", raw_ms, raw_gbps,
               state_bytes / (best(raw_v) * 1e6), raw_direct ? "" : "  (O_DIRECT refused)");
-  std::printf("  persist ratio   %8.3f\n", persist_ratio);
+  std::printf("  raw write x%-3u  %8.1f ms  %6.2f GB/s  [%.2f GB/s]  (%u threads, for context)\n",
+              par, median(raw_par_v), raw_par_gbps, state_bytes / (best(raw_par_v) * 1e6), par);
+  std::printf("  persist ratio   %8.3f  (%.3f against %u writing threads)\n", persist_ratio,
+              ferry_gbps / raw_par_gbps, par);
   std::printf("  save_async      %8.3f ms  [%.3f ms]\n", save_async_ms, best(async_v));
   std::printf("  snapshot        %8.1f ms  %6.2f GB/s  [%.1f ms]\n", snapshot_ms,
               state_bytes / (snapshot_ms * 1e6), best(snap_v));
   std::printf("  memcpy          %8.1f ms  %6.2f GB/s  [%.1f ms]\n", memcpy_ms,
               state_bytes / (memcpy_ms * 1e6), best(memcpy_v));
   std::printf("  snapshot ratio  %8.3f\n", snapshot_ratio);
-  std::printf("  rss: baseline %.0f MiB (state touched), peak %.0f MiB, growth %.0f MiB "
-              "(pool %.0f MiB)\n",
-              baseline_mib, peak_mib, growth_mib, pool_mib);
+  std::printf(
+      "  rss: baseline %.0f MiB (state touched), peak %.0f MiB, growth %.0f MiB "
+      "(pool %.0f MiB)\n",
+      baseline_mib, peak_mib, growth_mib, pool_mib);
 
   const bool many = flags.tensors >= 1000;
   const bool instant = opts.pool_bytes >= state_bytes;
@@ -478,12 +528,13 @@ int main(int argc, char** argv) {
       "{\"bench\":\"save\",\"state_mib\":%llu,\"pool_mib\":%.0f,\"chunk_mib\":%.0f,"
       "\"writers\":%u,\"tensors\":%u,\"reps\":%u,\"rss_run\":%s,"
       "\"ferry_persist_gbps\":%.3f,\"raw_write_gbps\":%.3f,\"persist_ratio\":%.3f,"
-      "\"raw_direct\":%s,\"save_async_ms\":%.3f,\"snapshot_ms\":%.1f,\"memcpy_ms\":%.1f,"
+      "\"raw_write_par_gbps\":%.3f,\"raw_par_threads\":%u,\"raw_direct\":%s,\"save_async_ms\":%.3f,"
+      "\"snapshot_ms\":%.1f,\"memcpy_ms\":%.1f,"
       "\"snapshot_ratio\":%.3f,\"total_ms\":%.1f,\"raw_ms\":%.1f,\"peak_rss_mib\":%.0f,"
       "\"baseline_rss_mib\":%.0f,\"rss_growth_mib\":%.0f}\n",
       static_cast<unsigned long long>(flags.state_mib), pool_mib,
       static_cast<double>(opts.chunk_bytes) / kMiB, opts.writers, flags.tensors, flags.reps,
-      flags.rss_run ? "true" : "false", ferry_gbps, raw_gbps, persist_ratio,
+      flags.rss_run ? "true" : "false", ferry_gbps, raw_gbps, persist_ratio, raw_par_gbps, par,
       raw_direct ? "true" : "false", save_async_ms, snapshot_ms, memcpy_ms, snapshot_ratio,
       ferry_ms, raw_ms, peak_mib, baseline_mib, growth_mib);
   return 0;

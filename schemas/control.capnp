@@ -45,6 +45,7 @@ struct Join {
 struct JoinAck {
   jobId @0 :Text;                  # rank 0's job id
   status @1 :Status;               # not ok: the join is refused, with the reason
+  allJoined @2 :Bool;              # sent again once every rank joined: the start barrier
 }
 
 # Liveness of a rank; hung peers are not caught by the transport alone.
@@ -52,6 +53,7 @@ struct Heartbeat {
   jobId @0 :Text;                  # the sender's job
   rank @1 :Int32;                  # the sender's rank
   seq @2 :UInt64;                  # increases by one per heartbeat of the sender
+  leaving @3 :Bool;                # the sender is shutting down: its close is expected
 }
 
 # A checkpoint is abandoned on every rank.

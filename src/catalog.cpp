@@ -199,4 +199,19 @@ int64_t now_unix_ms() {
       .count();
 }
 
+Result<std::string> resolve_checkpoint(Filesystem& fs, const std::string& path) {
+  if (path.empty()) return Status::not_found("no checkpoint to load (empty path)");
+  std::string base = path;
+  while (base.size() > 1 && base.back() == '/') base.pop_back();
+  base = base.substr(base.find_last_of('/') + 1);
+  // A crash after the manifest write but before the rename leaves a
+  // complete-looking pending directory: never load one.
+  if (is_pending_dir_name(base))
+    return Status::invalid_argument(path + " is a pending (uncommitted) checkpoint");
+  if (fs.stat(join_path(path, kManifestFileName)).ok()) return path;
+  auto latest = find_latest(fs, path);
+  if (!latest.ok()) return Status::not_found("no committed checkpoint at " + path);
+  return latest->path;
+}
+
 }  // namespace ferry

@@ -189,6 +189,17 @@ bool parse_aligned_size(const std::string& text, uint64_t max, uint64_t& out, st
   return true;
 }
 
+bool parse_positive_duration(const std::string& text, double& out, std::string& why) {
+  double s = 0;
+  if (!parse_duration(text, s, why)) return false;
+  if (!(s > 0)) {
+    why = "must be greater than 0";
+    return false;
+  }
+  out = s;
+  return true;
+}
+
 // ---- the key table ----
 
 using ApplyFn = bool (*)(const std::string& value, Options& out, std::string& why);
@@ -272,6 +283,56 @@ const std::vector<KeySpec>& key_table() {
       {{"readers", "2", "reader threads per rank for load, 1 to 64"},
        [](const std::string& v, Options& o, std::string& why) {
          return parse_threads(v, o.readers, why);
+       }},
+      {{"coordinator-address", "", "address of rank 0; empty means MASTER_ADDR, else 127.0.0.1"},
+       [](const std::string& v, Options& o, std::string&) {
+         o.coordinator_address = v;
+         return true;
+       }},
+      {{"port", "0", "port rank 0 listens on for the other ranks; 0 means MASTER_PORT + 1"},
+       [](const std::string& v, Options& o, std::string& why) {
+         why = "expected a port number from 0 to 65535";
+         uint64_t n = 0;
+         if (!parse_uint(v, 65535, n)) return false;
+         o.port = static_cast<uint32_t>(n);
+         return true;
+       }},
+      {{"connect-timeout", "60s", "how long ranks wait for each other at start"},
+       [](const std::string& v, Options& o, std::string& why) {
+         return parse_positive_duration(v, o.connect_timeout_s, why);
+       }},
+      {{"heartbeat-interval", "1s", "how often ranks tell each other they are alive"},
+       [](const std::string& v, Options& o, std::string& why) {
+         return parse_positive_duration(v, o.heartbeat_interval_s, why);
+       }},
+      {{"heartbeat-timeout", "10s", "a rank silent this long is failed (catches a hung process)"},
+       [](const std::string& v, Options& o, std::string& why) {
+         return parse_positive_duration(v, o.heartbeat_timeout_s, why);
+       }},
+      {{"plan-timeout", "60s", "time for every rank's local plan to reach rank 0"},
+       [](const std::string& v, Options& o, std::string& why) {
+         return parse_positive_duration(v, o.plan_timeout_s, why);
+       }},
+      {{"write-timeout", "600s", "time for every rank to write and fsync its files"},
+       [](const std::string& v, Options& o, std::string& why) {
+         return parse_positive_duration(v, o.write_timeout_s, why);
+       }},
+      {{"commit-timeout", "60s", "time for rank 0 to write the manifest and commit"},
+       [](const std::string& v, Options& o, std::string& why) {
+         return parse_positive_duration(v, o.commit_timeout_s, why);
+       }},
+      {{"owner-policy", "balanced",
+        "who writes replicated tensors: balanced (spread over ranks) or lowest-rank"},
+       [](const std::string& v, Options& o, std::string& why) {
+         why = "expected balanced or lowest-rank";
+         if (v == "balanced") {
+           o.owner_lowest_rank = false;
+         } else if (v == "lowest-rank") {
+           o.owner_lowest_rank = true;
+         } else {
+           return false;
+         }
+         return true;
        }},
   };
   return kTable;

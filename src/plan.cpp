@@ -9,22 +9,6 @@
 
 #include "ferry/checksum.hpp"
 
-#ifdef FERRY_PLAN_PROFILE
-#include <time.h>
-#include <chrono>
-#include <cstdio>
-#define PROF_T(t) \
-  timespec t;     \
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t)
-#define PROF_MS(a, b) ((b.tv_sec - a.tv_sec) * 1e3 + (b.tv_nsec - a.tv_nsec) / 1e6)
-#define PROF_P(a, b, c, d, e, f)                                                                  \
-  std::fprintf(stderr, "intern %.1f init %.1f group %.1f assign %.1f emit %.1f\n", PROF_MS(a, b), \
-               PROF_MS(b, c), PROF_MS(c, d), PROF_MS(d, e), PROF_MS(e, f))
-#else
-#define PROF_T(t)
-#define PROF_P(...)
-#endif
-
 namespace ferry {
 
 namespace {
@@ -143,8 +127,8 @@ struct KeyInfo {
   uint32_t ndim;
   uint64_t dsize;
   int64_t global_numel;
-  uint32_t begin;   // general layout: the key's first slot in slots_
-  size_t box_base;  // general layout: where its boxes start in kbox_
+  uint32_t begin;   // group_general: the key's first slot
+  size_t box_base;  // group_general: where its boxes start
 };
 
 // One item of one rank, as the coordinator sees it while grouping.
@@ -212,24 +196,16 @@ class GlobalPlanner {
   Result<GlobalPlan> run() {
     if (plans_.empty()) return Status::invalid_argument("global plan needs at least one rank");
     if (opts_.files_per_rank == 0) return Status::invalid_argument("files_per_rank must be >= 1");
-    PROF_T(t0);
     FERRY_RETURN_IF_ERROR(intern());
-    PROF_T(t1);
     assign_.assign(base_.back(), kNone);
     chunks_of_.assign(plans_.size(), 0);
     if (opts_.policy == OwnerPolicy::balanced) load_.assign(plans_.size(), 0);
-    PROF_T(t2);
     FERRY_RETURN_IF_ERROR(uniform_ ? group_uniform() : group_general());
-    PROF_T(t3);
     if (opts_.policy == OwnerPolicy::lowest_rank)
       assign_lowest();
     else
       assign_balanced();
-    PROF_T(t4);
-    GlobalPlan gp = emit();
-    PROF_T(t5);
-    PROF_P(t0, t1, t2, t3, t4, t5);
-    return gp;
+    return emit();
   }
 
  private:
@@ -437,6 +413,7 @@ class GlobalPlanner {
     for (uint32_t i = 0; i < nkeys; ++i) in_row[i + 1] = in_row[i] + 2 * keys_[i].ndim;
     const size_t row = in_row[nkeys];
     constexpr size_t kBlockBytes = 1 << 20;
+    constexpr uint32_t kRowsAhead = 4;
     const size_t slot_bytes = static_cast<size_t>(nranks) * sizeof(Slot);
     for (uint32_t kb = 0; kb < nkeys;) {
       uint32_t ke = kb + 1;
@@ -451,6 +428,13 @@ class GlobalPlanner {
       block_box_.resize(nranks * (in_row[ke] - in_row[kb]));
       for (uint32_t r = 0; r < nranks; ++r) {
         const int64_t* src = fbox_.get() + r * row;
+        if (r + kRowsAhead < nranks) {
+          // Rows lie far apart: no hardware prefetcher follows this walk.
+          const char* next = reinterpret_cast<const char*>(src + kRowsAhead * row + in_row[kb]);
+          const size_t len = (in_row[ke] - in_row[kb]) * sizeof(int64_t);
+          for (size_t off = 0; off < len; off += 64) __builtin_prefetch(next + off);
+          if (len) __builtin_prefetch(next + len - 1);
+        }
         for (uint32_t i = kb; i < ke; ++i) {
           const size_t width = in_row[i + 1] - in_row[i];
           block_slots_[static_cast<size_t>(i - kb) * nranks + r] = {r, i};

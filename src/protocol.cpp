@@ -114,6 +114,7 @@ struct Encoder {
     auto b = mb.initRoot<proto::ControlMessage>().initJoinAck();
     b.setJobId(text(m.job_id));
     set_status(b.initStatus(), m.status);
+    b.setAllJoined(m.all_joined);
     return frame(kControlProtocol, mb);
   }
 
@@ -123,6 +124,7 @@ struct Encoder {
     b.setJobId(text(m.job_id));
     b.setRank(m.rank);
     b.setSeq(m.seq);
+    b.setLeaving(m.leaving);
     return frame(kControlProtocol, mb);
   }
 
@@ -364,6 +366,7 @@ Result<WireMessage> read_control(proto::ControlMessage::Reader root) {
       JoinAckMsg m;
       m.job_id = str(r.getJobId());
       FERRY_RETURN_IF_ERROR(read_status(r.getStatus(), "JoinAck status", &m.status));
+      m.all_joined = r.getAllJoined();
       return WireMessage(std::move(m));
     }
     case proto::ControlMessage::HEARTBEAT: {
@@ -372,6 +375,7 @@ Result<WireMessage> read_control(proto::ControlMessage::Reader root) {
       m.job_id = str(r.getJobId());
       m.rank = r.getRank();
       m.seq = r.getSeq();
+      m.leaving = r.getLeaving();
       FERRY_RETURN_IF_ERROR(read_rank(m.rank, "Heartbeat"));
       return WireMessage(std::move(m));
     }

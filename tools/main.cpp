@@ -34,6 +34,7 @@ int main(int argc, char** argv) {
   if (cmd == "gc") return ferry::cli::cmd_gc(args);
   if (cmd == "config") return ferry::cli::cmd_config(args);
   if (cmd == "demo") return ferry::cli::cmd_demo(args);
+  if (cmd == "launch") return ferry::cli::cmd_launch(args);
   std::fprintf(stderr, "ferry: unknown command '%s'\n", cmd.c_str());
   usage(stderr);
   return 2;

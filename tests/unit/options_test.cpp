@@ -112,9 +112,27 @@ TEST_CASE("no settings give the documented defaults", "[options]") {
 }
 
 TEST_CASE("option_infos lists every key once, and its defaults resolve to Options{}", "[options]") {
-  const std::vector<std::string> expected = {
-      "root",     "pool-bytes",           "chunk-bytes", "writers",   "direct-io",     "fsync",
-      "checksum", "checksum-block-bytes", "keep-last",   "fail-fast", "lease-seconds", "readers"};
+  const std::vector<std::string> expected = {"root",
+                                             "pool-bytes",
+                                             "chunk-bytes",
+                                             "writers",
+                                             "direct-io",
+                                             "fsync",
+                                             "checksum",
+                                             "checksum-block-bytes",
+                                             "keep-last",
+                                             "fail-fast",
+                                             "lease-seconds",
+                                             "readers",
+                                             "coordinator-address",
+                                             "port",
+                                             "connect-timeout",
+                                             "heartbeat-interval",
+                                             "heartbeat-timeout",
+                                             "plan-timeout",
+                                             "write-timeout",
+                                             "commit-timeout",
+                                             "owner-policy"};
   std::vector<std::string> keys;
   std::vector<Setting> defaults;
   for (const auto& info : ferry::option_infos()) {
@@ -274,6 +292,11 @@ TEST_CASE("a bad value for any key names the key, the value and its origin", "[o
       {"lease-seconds", "1e3", "duration"},
       {"readers", "0", "1 to 64"},
       {"readers", "100", "1 to 64"},
+      {"port", "65536", "port number"},
+      {"port", "http", "port number"},
+      {"heartbeat-timeout", "0", "greater than 0"},
+      {"write-timeout", "soon", "duration"},
+      {"owner-policy", "random", "balanced or lowest-rank"},
   };
   for (const auto& c : cases) {
     INFO(c.key << " = " << c.value);

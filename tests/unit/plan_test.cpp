@@ -734,3 +734,69 @@ TEST_CASE("global planning is deterministic", "[plan]") {
   const auto copy = plans;
   CHECK(same_plan(first, plan_ok(copy, opts)));
 }
+
+TEST_CASE("the order in which ranks list their tensors does not change the plan", "[plan]") {
+  // Same tensors; in `shuffled` some ranks list them in another order, which
+  // takes the planner off its fast path for identical layouts.
+  auto ordered = empty_plans(6);
+  for (int i = 0; i < 30; ++i) {
+    const std::string key = "t" + std::to_string(i);
+    if (i % 3 == 0)
+      add_replicated(&ordered, key, {12 + i, 32});
+    else
+      add_row_sharded(&ordered, key, {6 * i + i % 4, 8}, i % 2 ? DType::bf16 : DType::f32);
+  }
+  auto shuffled = ordered;
+  std::reverse(shuffled[3].items.begin(), shuffled[3].items.end());
+  std::rotate(shuffled[5].items.begin(), shuffled[5].items.begin() + 7, shuffled[5].items.end());
+
+  GlobalPlanOptions opts;
+  opts.split_bytes = 2048;
+  for (auto policy : {OwnerPolicy::balanced, OwnerPolicy::lowest_rank}) {
+    opts.policy = policy;
+    const auto a = plan_ok(ordered, opts);
+    const auto b = plan_ok(shuffled, opts);
+    verify(ordered, a);
+    verify(shuffled, b);
+    CHECK(a.total_bytes == b.total_bytes);
+    CHECK(a.unique_items == b.unique_items);
+    for (size_t r = 0; r < a.ranks.size(); ++r) {
+      auto chunks = [](const std::vector<LocalPlan>& plans, const GlobalPlan& gp, size_t rank) {
+        std::vector<std::pair<std::string, Box>> out;
+        for (const auto& c : gp.ranks[rank].chunks)
+          out.emplace_back(plans[rank].items[c.item].key, c.box);
+        std::sort(out.begin(), out.end(), [](const auto& x, const auto& y) {
+          return x.first != y.first ? x.first < y.first : x.second.offsets < y.second.offsets;
+        });
+        return out;
+      };
+      INFO("rank " << r);
+      CHECK(chunks(ordered, a, r) == chunks(shuffled, b, r));
+      CHECK(a.ranks[r].bytes == b.ranks[r].bytes);
+    }
+  }
+}
+
+TEST_CASE("mixed model over 64 ranks is covered exactly once and balanced", "[plan]") {
+  auto plans = empty_plans(64);
+  uint64_t total = 0;
+  for (int i = 0; i < 60; ++i) {
+    const std::string key = "m" + std::to_string(i);
+    if (i % 5 == 0) {
+      add_replicated(&plans, key, {100 + i, 16}, DType::bf16);
+      total += (100 + i) * 16 * 2;
+    } else {
+      add_row_sharded(&plans, key, {64 * 3 + i, 16});
+      total += (64 * 3 + i) * 16 * 4;
+    }
+  }
+  GlobalPlanOptions opts;
+  opts.split_bytes = 1024;
+  const auto gp = plan_ok(plans, opts);
+  verify(plans, gp);
+  CHECK(gp.total_bytes == total);
+  uint64_t most = 0;
+  for (const auto& rp : gp.ranks) most = std::max(most, rp.bytes);
+  // Every rank writes its own shards; the replicas are spread on top of that.
+  CHECK(most <= total / 64 + 4096);
+}

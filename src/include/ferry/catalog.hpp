@@ -41,6 +41,11 @@ Result<std::vector<CheckpointInfo>> list_checkpoints(Filesystem& fs, const std::
 // decodes, or not_found.
 Result<CheckpointInfo> find_latest(Filesystem& fs, const std::string& root);
 
+// What a caller means by `path`: a checkpoint directory (it holds a
+// MANIFEST), or a root (then its latest checkpoint). A pending directory is
+// refused even when it holds a manifest: it was never committed.
+Result<std::string> resolve_checkpoint(Filesystem& fs, const std::string& path);
+
 // Reads and decodes ROOT/.../MANIFEST (corruption names the path).
 Result<Manifest> read_manifest(Filesystem& fs, const std::string& checkpoint_dir);
 

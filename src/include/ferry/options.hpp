@@ -27,6 +27,16 @@ struct Options {
   bool fail_fast = false;               // fail-fast: 2nd save_async fails instead of waiting
   double lease_seconds = 30.0;          // lease-seconds: pending directory lease
   uint32_t readers = 2;                 // readers: reader threads for load
+  // Many ranks (torchrun-style environment fills what is left unset).
+  std::string coordinator_address;      // coordinator-address: "" = MASTER_ADDR, else 127.0.0.1
+  uint32_t port = 0;                    // port: rank 0 listens here; 0 = MASTER_PORT + 1
+  double connect_timeout_s = 60;        // connect-timeout: ranks wait this long for each other
+  double heartbeat_interval_s = 1;      // heartbeat-interval
+  double heartbeat_timeout_s = 10;      // heartbeat-timeout: a silent peer is failed after it
+  double plan_timeout_s = 60;           // plan-timeout: all local plans in
+  double write_timeout_s = 600;         // write-timeout: all write results in
+  double commit_timeout_s = 60;         // commit-timeout: manifest, renames, LATEST
+  bool owner_lowest_rank = false;       // owner-policy: "balanced" (default) or "lowest-rank"
 };
 
 // key = value, as read from one source (the value unquoted).

@@ -32,13 +32,15 @@ struct JoinMsg {
 
 struct JoinAckMsg {
   std::string job_id;
-  Status status;  // not ok: refused, with the reason
+  Status status;            // not ok: refused, with the reason
+  bool all_joined = false;  // the second ack: every rank joined, the job may start
 };
 
 struct HeartbeatMsg {
   std::string job_id;
   int32_t rank = 0;
   uint64_t seq = 0;
+  bool leaving = false;  // the last one: the sender's Runtime is shutting down
 };
 
 // A checkpoint is abandoned on every rank: names the rank and phase that failed.

@@ -1,0 +1,105 @@
+// Transport: carries opaque byte frames between the ranks of one job, in a
+// star (rank 0 listens, every other rank connects to rank 0). The only code in
+// Ferry that knows UCX; it knows nothing about the bytes it carries (the layer
+// above hands it pre-encoded Cap'n Proto messages).
+//
+// Connection life, seen from rank 0:
+//
+//   conn request --> awaiting hello --accept() ok--> up --error/silence--> failed
+//                          |                                  (on_peer_failed once)
+//                          +--accept() error--> refused (reply sent; closed when the
+//                                               client hangs up or after the heartbeat
+//                                               timeout)
+//
+// and from a rank R > 0:
+//
+//   connecting --first frame from rank 0--> up --error/silence--> failed
+//     |   ^                                        (on_peer_failed(0) once)
+//     +---+ endpoint error before the first frame: retry until connect_timeout_s,
+//           then failed (on_peer_failed(0, timeout)).
+//
+// Threading: one progress thread owns the UCX worker. send() and
+// wait_peers() may be called from any thread; callbacks run on the progress
+// thread and must be quick. No callback runs once stop() has begun.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "ferry/status.hpp"
+
+namespace ferry {
+
+struct TransportOptions {
+  int32_t rank = 0;
+  int32_t world_size = 1;
+  std::string host = "127.0.0.1";   // rank 0's address (MASTER_ADDR); rank 0 listens on it
+  uint16_t port = 0;                // rank 0 listens here; 0 on rank 0 = pick a free port (port())
+  double connect_timeout_s = 30;    // non-zero ranks retry connecting until this deadline
+  double heartbeat_interval_s = 1;  // send `heartbeat` bytes to every peer this often
+  double heartbeat_timeout_s = 10;  // a peer silent (no frame at all) this long is failed
+};
+
+struct TransportCallbacks {
+  // Rank 0 only (REQUIRED there): the first frame of a new connection (the
+  // Join). Return the peer's rank, or an error; on error the transport sends
+  // *reply (if non-empty) and closes the connection. On success *reply (if
+  // non-empty) is sent back as the first frame (the JoinAck). A rank outside
+  // [1, world_size) or one already joined is refused without a reply.
+  std::function<Result<int32_t>(const std::string& hello, std::string* reply)> accept;
+  // Every frame after the hello, heartbeats included. On ranks > 0 the first
+  // frame from rank 0 (the JoinAck) arrives here before wait_peers() returns.
+  std::function<void(int32_t from_rank, std::string frame)> on_frame;
+  // Once per peer, as soon as its endpoint fails or it has been silent for
+  // heartbeat_timeout_s. A peer that closes its end gracefully is reported
+  // too: the layer above knows whether that was expected.
+  std::function<void(int32_t rank, Status why)> on_peer_failed;
+};
+
+class Transport {
+ public:
+  // Creates the UCX context and worker (and on rank 0 the listener, so a port
+  // already in use is an error here), then starts the progress thread. Ranks
+  // > 0 send `hello` as the first frame of every connection attempt.
+  // Callbacks run on the progress thread: they must be quick, may call send(),
+  // and must not call wait_peers() or stop().
+  static Result<std::unique_ptr<Transport>> start(const TransportOptions& options,
+                                                  std::string hello, std::string heartbeat,
+                                                  TransportCallbacks callbacks);
+
+  // Rank 0: until all world_size-1 peers were accepted; other ranks: until
+  // connected and the first frame from rank 0 (the ack) arrived. Returns the
+  // failure of a peer that failed (connect deadline included), or
+  // Status::timeout naming the missing ranks. Thread-safe.
+  Status wait_peers(double timeout_s);
+
+  // The listening port on rank 0 (the chosen one when options.port was 0);
+  // 0 on other ranks and on a rank 0 with world_size 1 (nothing to listen for).
+  uint16_t port() const;
+
+  // Queues `frame` for `to_rank` and returns at once; frames to one peer
+  // arrive in order. Errors: a rank out of range, this rank, a rank other
+  // than 0 from a rank > 0, a peer not (yet) connected or failed, or a
+  // stopped transport. A peer that fails after this returns is reported
+  // through on_peer_failed only. Thread-safe.
+  Status send(int32_t to_rank, std::string frame);
+
+  // Sends what is already queued, closes the endpoints (flushing to live
+  // peers, bounded to a couple of seconds), destroys the listener, the worker
+  // and the context, and joins the thread. Idempotent; also run by the
+  // destructor. REQUIRES: not called from a callback.
+  void stop();
+
+  ~Transport();
+  Transport(const Transport&) = delete;
+  Transport& operator=(const Transport&) = delete;
+
+ private:
+  class Impl;
+  explicit Transport(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ferry

@@ -1,0 +1,208 @@
+// One rank of a multi-process test job, started by `ferry launch`. It builds
+// a deterministic, sharded synthetic model whose every element is a function
+// of (tensor, global index, seed), so any rank count and any sharding can
+// check what it loads without a reference copy.
+//
+//   rank_worker --mode save|load|mismatch|kill --root DIR [--step S] [--seed X]
+//               [--layout save|swap|full] [--many N] [--kill-rank R]
+//               [--kill-after plan|snapshot] [--set key=value]...
+// Exit 0 when the mode's expectation holds (for mismatch/kill: the save
+// failed with an error naming what it must name), 1 otherwise.
+
+#include <csignal>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "ferry/runtime.hpp"
+
+namespace {
+
+struct Spec {
+  std::string key;
+  ferry::DType dtype;
+  std::vector<int64_t> shape;
+  char split;  // 'r' rows, 'c' columns, 'x' replicated
+};
+
+std::vector<Spec> model(int many) {
+  if (many > 0) {
+    std::vector<Spec> v;
+    for (int i = 0; i < many; ++i)
+      v.push_back({"p." + std::to_string(i), ferry::DType::f32, {8 + i % 5, 4}, i % 7 ? 'r' : 'x'});
+    return v;
+  }
+  return {
+      {"layers.0.w_row", ferry::DType::f32, {96, 40}, 'r'},
+      {"layers.0.w_col", ferry::DType::bf16, {40, 60}, 'c'},
+      {"layers.0.bias", ferry::DType::f32, {40}, 'x'},
+      {"optimizer.step", ferry::DType::i64, {}, 'x'},
+      {"emb", ferry::DType::f16, {64, 24}, 'r'},
+      {"rep_big", ferry::DType::f32, {512, 256}, 'x'},
+  };
+}
+
+uint64_t mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// [begin, end) of part `r` of `n` when `dim` is cut unevenly (part j ~ j+1).
+std::pair<int64_t, int64_t> uneven(int64_t dim, int r, int n) {
+  const int64_t total = static_cast<int64_t>(n) * (n + 1) / 2;
+  auto cut = [&](int j) { return dim * (static_cast<int64_t>(j) * (j + 1) / 2) / total; };
+  return {cut(r), cut(r + 1)};
+}
+
+struct Local {
+  std::vector<uint8_t> bytes;
+  std::vector<int64_t> shape, offsets;
+};
+
+// This rank's piece of tensor `s` under `split`.
+Local piece(const Spec& s, char split, int rank, int world) {
+  Local l;
+  l.shape = s.shape;
+  l.offsets.assign(s.shape.size(), 0);
+  if (split == 'r' && !s.shape.empty()) {
+    auto [b, e] = uneven(s.shape[0], rank, world);
+    l.offsets[0] = b;
+    l.shape[0] = e - b;
+  } else if (split == 'c' && s.shape.size() >= 2) {
+    const int64_t per = (s.shape[1] + world - 1) / world;
+    const int64_t b = std::min<int64_t>(s.shape[1], per * rank);
+    l.offsets[1] = b;
+    l.shape[1] = std::min<int64_t>(s.shape[1], b + per) - b;
+  }
+  int64_t n = 1;
+  for (auto d : l.shape) n *= d;
+  l.bytes.resize(n * ferry::dtype_size(s.dtype));
+  return l;
+}
+
+// Element bytes at every local position, from the global index.
+void fill_expected(const Spec& s, size_t k, const Local& l, uint64_t seed, std::vector<uint8_t>& out) {
+  out.resize(l.bytes.size());
+  const size_t es = ferry::dtype_size(s.dtype);
+  const size_t rank = s.shape.size();
+  std::vector<int64_t> idx(rank, 0);
+  const int64_t n = static_cast<int64_t>(l.bytes.size() / es);
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t g = 0;
+    for (size_t d = 0; d < rank; ++d) g = g * s.shape[d] + l.offsets[d] + idx[d];
+    const uint64_t v = mix(seed * 1000003ull + k * 7919ull + static_cast<uint64_t>(g));
+    std::memcpy(out.data() + i * es, &v, es);
+    for (size_t d = rank; d-- > 0;) {
+      if (++idx[d] < l.shape[d]) break;
+      idx[d] = 0;
+    }
+  }
+}
+
+std::string arg(int argc, char** argv, const char* name, const char* fallback) {
+  for (int i = 1; i + 1 < argc; ++i)
+    if (!std::strcmp(argv[i], name)) return argv[i + 1];
+  return fallback;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string mode = arg(argc, argv, "--mode", "save");
+  const std::string root = arg(argc, argv, "--root", "");
+  const uint64_t step = std::stoull(arg(argc, argv, "--step", "1"));
+  const uint64_t seed = std::stoull(arg(argc, argv, "--seed", "1"));
+  const std::string layout = arg(argc, argv, "--layout", mode == "load" ? "swap" : "save");
+  const int many = std::stoi(arg(argc, argv, "--many", "0"));
+  const int kill_rank = std::stoi(arg(argc, argv, "--kill-rank", "1"));
+  const std::string kill_after = arg(argc, argv, "--kill-after", "plan");
+
+  ferry::RuntimeArgs ra;
+  ra.set("root", root).set("pool-bytes", "4MiB").set("chunk-bytes", "256KiB");
+  ra.set("checksum-block-bytes", "64KiB").set("heartbeat-interval", "200ms");
+  ra.set("heartbeat-timeout", "3s").set("plan-timeout", "20s").set("write-timeout", "30s");
+  ra.set("connect-timeout", "30s");
+  for (int i = 1; i + 1 < argc; ++i) {
+    if (std::strcmp(argv[i], "--set")) continue;
+    std::string kv = argv[i + 1];
+    auto eq = kv.find('=');
+    if (eq != std::string::npos) ra.set(kv.substr(0, eq), kv.substr(eq + 1));
+  }
+  auto rt_or = ferry::Runtime::from_env(ra);
+  if (!rt_or.ok()) {
+    std::printf("ERROR start: %s\n", rt_or.status().to_string().c_str());
+    return 1;
+  }
+  auto& rt = *rt_or.value();
+  const int rank = rt.rank(), world = rt.world_size();
+
+  const auto specs = model(many);
+  std::vector<Local> locals;
+  ferry::StateDict sd;
+  for (size_t k = 0; k < specs.size(); ++k) {
+    Spec s = specs[k];
+    char split = s.split;
+    if (layout == "swap") split = split == 'r' ? 'c' : split == 'c' ? 'r' : 'x';
+    if (layout == "full") split = 'x';
+    if (mode == "mismatch" && rank == 1 && k == 2) s.dtype = ferry::DType::f64;
+    locals.push_back(piece(s, split, rank, world));
+  }
+  for (size_t k = 0; k < specs.size(); ++k) {
+    Spec s = specs[k];
+    if (mode == "mismatch" && rank == 1 && k == 2) s.dtype = ferry::DType::f64;
+    Local& l = locals[k];
+    if (mode != "load") fill_expected(s, k, l, seed, l.bytes);
+    sd.add(s.key, ferry::TensorView(l.bytes.data(), s.dtype, l.shape),
+           ferry::Shard{s.shape, l.offsets});
+  }
+
+  if (mode == "load") {
+    auto st = rt.load(sd, root);
+    if (!st.ok()) {
+      std::printf("ERROR load: %s\n", st.to_string().c_str());
+      return 1;
+    }
+    std::vector<uint8_t> expect;
+    for (size_t k = 0; k < specs.size(); ++k) {
+      fill_expected(specs[k], k, locals[k], seed, expect);
+      if (expect != locals[k].bytes) {
+        std::printf("ERROR tensor %s differs from what was saved\n", specs[k].key.c_str());
+        return 1;
+      }
+    }
+    std::printf("LOADED %zu tensors, every byte equal\n", specs.size());
+    return 0;
+  }
+
+  const auto t0 = std::chrono::steady_clock::now();
+  auto h = rt.save_async(sd, step);
+  if (mode == "kill" && rank == kill_rank) {
+    if (kill_after == "snapshot") h.wait_snapshot();
+    std::raise(SIGKILL);
+  }
+  auto st = h.wait_committed();
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  if (mode == "save") {
+    if (!st.ok()) {
+      std::printf("ERROR save: %s\n", st.to_string().c_str());
+      return 1;
+    }
+    const auto m = h.metrics();
+    std::printf("SAVED %s bytes=%llu total_ms=%.1f\n", h.path().c_str(),
+                static_cast<unsigned long long>(m.bytes), m.total_ms);
+    return 0;
+  }
+  // mismatch / kill: the save must fail, quickly, naming what failed.
+  std::printf("FAILED as expected after %.0f ms: %s\n", ms, st.to_string().c_str());
+  if (st.ok()) return 1;
+  if (mode == "mismatch") return st.message().find("layers.0.bias") != std::string::npos ? 0 : 1;
+  return st.message().find("rank " + std::to_string(kill_rank)) != std::string::npos ||
+                 st.code() == ferry::StatusCode::outcome_unknown
+             ? 0
+             : 1;
+}

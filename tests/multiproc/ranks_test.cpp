@@ -1,0 +1,173 @@
+// Many ranks for real: `ferry launch` starts N processes that meet over UCX,
+// plan together and commit one checkpoint; other rank counts load it back.
+
+#include <catch2/catch.hpp>
+
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <unistd.h>
+#include <sys/wait.h>
+
+#include "ferry/catalog.hpp"
+#include "ferry/manifest.hpp"
+#include "test_util.hpp"
+
+namespace fs = std::filesystem;
+using ferry::testing::TempDir;
+
+namespace {
+
+struct Run {
+  int code = -1;
+  std::string out;
+  double seconds = 0;
+};
+
+Run launch(int n, const std::string& worker_args, const std::string& env = "") {
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string cmd = env + " " + FERRY_CLI_PATH + " launch -n " + std::to_string(n) +
+                          " --grace 20 -- " + FERRY_RANK_WORKER_PATH + " " + worker_args + " 2>&1";
+  Run r;
+  FILE* p = popen(cmd.c_str(), "r");
+  REQUIRE(p != nullptr);
+  std::array<char, 4096> buf;
+  size_t got;
+  while ((got = fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), got);
+  const int status = pclose(p);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return r;
+}
+
+size_t count(const std::string& s, const std::string& what) {
+  size_t n = 0;
+  for (size_t p = s.find(what); p != std::string::npos; p = s.find(what, p + 1)) ++n;
+  return n;
+}
+
+ferry::Manifest manifest_of(const std::string& root) {
+  auto fsys = ferry::posix_filesystem();
+  auto latest = ferry::find_latest(*fsys, root);
+  REQUIRE(latest.ok());
+  auto m = ferry::read_manifest(*fsys, latest->path);
+  REQUIRE(m.ok());
+  return *m;
+}
+
+std::string save_args(const TempDir& d, int step = 1, int seed = 7) {
+  return "--mode save --root " + d.path() + " --step " + std::to_string(step) + " --seed " +
+         std::to_string(seed);
+}
+
+}  // namespace
+
+TEST_CASE("2 ranks save one checkpoint and load it back in other shardings", "[ranks]") {
+  TempDir d;
+  auto r = launch(2, save_args(d));
+  INFO(r.out);
+  REQUIRE(r.code == 0);
+  CHECK(count(r.out, "SAVED") == 2);
+  auto m = manifest_of(d.path());
+  CHECK(m.world_size == 2);
+  CHECK(m.files.size() == 2);  // one data file per rank
+  // Replicated tensors are written once.
+  for (const auto& t : m.tensors)
+    if (t.key == "layers.0.bias" || t.key == "optimizer.step") CHECK(t.chunks.size() == 1);
+  size_t dirs = 0;
+  for (auto& e : fs::directory_iterator(d.path())) dirs += e.is_directory();
+  CHECK(dirs == 1);  // one checkpoint directory, no pending leftovers
+
+  for (int m_ranks : {2, 1, 3}) {
+    INFO("load into " << m_ranks << " ranks");
+    auto l = launch(m_ranks, "--mode load --seed 7 --root " + d.path());
+    INFO(l.out);
+    CHECK(l.code == 0);
+    CHECK(count(l.out, "every byte equal") == static_cast<size_t>(m_ranks));
+  }
+  auto full = launch(2, "--mode load --layout full --seed 7 --root " + d.path());
+  INFO(full.out);
+  CHECK(full.code == 0);
+}
+
+TEST_CASE("4 ranks save; 3 ranks load with a different sharding", "[ranks]") {
+  TempDir d;
+  auto r = launch(4, save_args(d));
+  INFO(r.out);
+  REQUIRE(r.code == 0);
+  auto m = manifest_of(d.path());
+  CHECK(m.world_size == 4);
+  auto l = launch(3, "--mode load --seed 7 --root " + d.path());
+  INFO(l.out);
+  CHECK(l.code == 0);
+  CHECK(count(l.out, "every byte equal") == 3);
+}
+
+TEST_CASE("a 2,000-tensor state across 4 ranks", "[ranks]") {
+  TempDir d;
+  auto r = launch(4, save_args(d) + " --many 2000");
+  INFO(r.out.substr(0, 4000));
+  REQUIRE(r.code == 0);
+  CHECK(manifest_of(d.path()).tensors.size() == 2000);
+  auto l = launch(2, "--mode load --many 2000 --seed 7 --root " + d.path());
+  INFO(l.out.substr(0, 4000));
+  CHECK(l.code == 0);
+}
+
+TEST_CASE("mismatched state dicts fail on every rank, naming the key, with no files left",
+          "[ranks]") {
+  TempDir d;
+  auto r = launch(3, "--mode mismatch --root " + d.path());
+  INFO(r.out);
+  CHECK(r.code == 0);  // every rank saw the error it expected
+  CHECK(count(r.out, "FAILED as expected") == 3);
+  CHECK(fs::is_empty(d.path()));
+}
+
+TEST_CASE("a rank killed during a save: the others fail fast, nothing is committed", "[ranks]") {
+  TempDir d;
+  auto first = launch(2, save_args(d, 1, 11));
+  INFO(first.out);
+  REQUIRE(first.code == 0);
+  for (const char* when : {"plan", "snapshot"}) {
+    INFO("killed after " << when);
+    auto r = launch(3, "--mode kill --step 2 --seed 12 --kill-rank 1 --root " + d.path() +
+                           " --kill-after " + when);
+    INFO(r.out);
+    CHECK(r.code != 0);  // rank 1 died
+    CHECK(count(r.out, "FAILED as expected") == 2);
+    CHECK_THAT(r.out, Catch::Contains("rank 1"));
+    CHECK(r.seconds < 15);  // heartbeat timeout 3 s + write timeout not reached
+    // Nothing committed; the previous checkpoint is still the latest and loads.
+    auto m = manifest_of(d.path());
+    CHECK(m.step == 1);
+    auto l = launch(2, "--mode load --seed 11 --root " + d.path());
+    INFO(l.out);
+    CHECK(l.code == 0);
+  }
+}
+
+TEST_CASE("a process with the wrong job token is refused", "[ranks]") {
+  TempDir d;
+  // Rank 0 and rank 1 started by hand with different tokens.
+  const std::string port = std::to_string(20000 + (getpid() % 20000));
+  const std::string common = "WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port + " ";
+  const std::string w = std::string(FERRY_RANK_WORKER_PATH) + " --mode save --root " + d.path() +
+                        " --set connect-timeout=4s";
+  const std::string cmd = common + "RANK=0 FERRY_JOB_TOKEN=aaaa " + w + " > " + d.sub("r0") +
+                          " 2>&1 & r0=$!; " + common + "RANK=1 FERRY_JOB_TOKEN=bbbb " + w + " > " +
+                          d.sub("r1") + " 2>&1; wait $r0; true";
+  REQUIRE(std::system(cmd.c_str()) == 0);
+  auto slurp = [](const std::string& p) {
+    std::ifstream f(p);
+    return std::string(std::istreambuf_iterator<char>(f), {});
+  };
+  const std::string r0 = slurp(d.sub("r0")), r1 = slurp(d.sub("r1"));
+  INFO("rank 0: " << r0 << "\nrank 1: " << r1);
+  CHECK_THAT(r1, Catch::Contains("ERROR start"));
+  CHECK_THAT(r1, Catch::Contains("token"));
+  CHECK_THAT(r0, Catch::Contains("refused"));
+  CHECK_THAT(r0, Catch::Contains("ERROR start"));  // rank 0 never got its peer
+}

@@ -1,0 +1,745 @@
+#include "ferry/protocol.hpp"
+
+#include <capnp/any.h>
+#include <capnp/message.h>
+#include <capnp/serialize.h>
+
+#include <catch2/catch.hpp>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "control.capnp.h"
+#include "plan.capnp.h"
+
+namespace {
+
+using namespace ferry;
+
+// --- samples: every message type with contents that exercise each field ----------
+
+Box box(std::vector<int64_t> offsets, std::vector<int64_t> sizes) {
+  return Box{std::move(offsets), std::move(sizes)};
+}
+
+JoinMsg sample_join() {
+  JoinMsg m;
+  m.job_id = "job-7f3a";
+  m.token = "torchelastic-1234";
+  m.rank = 3;
+  m.world_size = 8;
+  m.host = "node-017.cluster";
+  m.pid = 4194301;
+  return m;
+}
+
+JoinAckMsg sample_join_ack() {
+  JoinAckMsg m;
+  m.job_id = "job-7f3a";
+  m.status = Status::invalid_argument("rank 3: token \"x\" does not match job-7f3a");
+  return m;
+}
+
+HeartbeatMsg sample_heartbeat() {
+  HeartbeatMsg m;
+  m.job_id = "job-7f3a";
+  m.rank = 5;
+  m.seq = 0xfedcba9876543210ull;
+  return m;
+}
+
+AbortMsg sample_abort() {
+  AbortMsg m;
+  m.job_id = "job-7f3a";
+  m.checkpoint_id = "ckpt-000042";
+  m.failed_rank = 6;
+  m.phase = "write";
+  m.reason = Status::io_error("pwrite /ckpt/.pending/rank-00006-0000.safetensors: No space left");
+  return m;
+}
+
+CommitMsg sample_commit() {
+  CommitMsg m;
+  m.job_id = "job-7f3a";
+  m.checkpoint_id = "ckpt-000042";
+  m.status = Status::ok_status();
+  m.path = "/ckpt/step-00001000";
+  m.commit_seq = 17;
+  return m;
+}
+
+PlanRequest sample_plan_request() {
+  PlanRequest m;
+  m.job_id = "job-7f3a";
+  m.checkpoint_id = "ckpt-000042";
+  m.rank = 2;
+  m.step = 1000;
+  m.root = "/ckpt";
+  m.overwrite = true;
+  m.metadata = {{"lr", "3e-4"}, {"note", "ünïcode ok"}, {"", ""}};
+  m.plan.rank = 2;
+  WriteItem a;
+  a.key = "layer0.weight";
+  a.dtype = DType::bf16;
+  a.global_shape = {8192, 4096};
+  a.box = box({4096, 0}, {4096, 4096});
+  a.nbytes = 4096ull * 4096 * 2;
+  a.entry = 0;
+  WriteItem scalar;  // a 0-d tensor: empty shape and box
+  scalar.key = "step";
+  scalar.dtype = DType::i64;
+  scalar.nbytes = 8;
+  scalar.entry = 1;
+  WriteItem grid;
+  grid.key = "experts.w";
+  grid.dtype = DType::f8_e4m3;
+  grid.global_shape = {16, 64, 0};
+  grid.box = box({8, 32, 0}, {8, 32, 0});
+  grid.entry = 2;
+  m.plan.items = {a, scalar, grid};
+  return m;
+}
+
+PlanReply sample_plan_reply() {
+  PlanReply m;
+  m.job_id = "job-7f3a";
+  m.checkpoint_id = "ckpt-000042";
+  m.status = Status::ok_status();
+  m.pending_dir = "/ckpt/.pending-00001000-job-7f3a-ckpt-000042";
+  m.plan.rank = 2;
+  m.plan.files = 2;
+  m.plan.bytes = 123456789;
+  m.plan.chunks = {{0, box({4096, 0}, {2048, 4096}), 0},
+                   {0, box({6144, 0}, {2048, 4096}), 1},
+                   {1, box({}, {}), 1}};
+  return m;
+}
+
+CommitRequest sample_commit_request() {
+  CommitRequest m;
+  m.job_id = "job-7f3a";
+  m.checkpoint_id = "ckpt-000042";
+  WriteResult& r = m.result;
+  r.rank = 2;
+  r.files = {{"rank-00002-0000.safetensors", 33558528}, {"rank-00002-0001.safetensors", 4104}};
+  WrittenChunk c;
+  c.key = "layer0.weight";
+  c.dtype = DType::bf16;
+  c.global_shape = {8192, 4096};
+  c.box = box({4096, 0}, {4096, 4096});
+  c.file = 0;
+  c.byte_offset = 4096;
+  c.byte_length = 33554432;
+  c.entry = "layer0.weight@4096,0";
+  c.checksums = {1, 0xffffffffffffffffull, 0x0123456789abcdefull};
+  WrittenChunk s;
+  s.key = "step";
+  s.dtype = DType::i64;
+  s.file = 1;
+  s.byte_offset = 4096;
+  s.byte_length = 8;
+  s.entry = "step";
+  r.chunks = {c, s};
+  r.snapshot_ms = 12.5;
+  r.write_ms = 2048.25;
+  r.bytes = 33554440;
+  return m;
+}
+
+LoadRequestMsg sample_load_request() {
+  LoadRequestMsg m;
+  m.job_id = "job-7f3a";
+  m.load_id = "load-0007";
+  m.rank = 1;
+  m.path = "/ckpt/latest";
+  return m;
+}
+
+LoadReplyMsg sample_load_reply() {
+  LoadReplyMsg m;
+  m.job_id = "job-7f3a";
+  m.load_id = "load-0007";
+  m.status = Status::ok_status();
+  m.dir = "/ckpt/step-00001000";
+  m.manifest = std::string("FERRYMF1\0\0\x01\xff binary manifest bytes", 34);
+  return m;
+}
+
+std::vector<WireMessage> all_samples() {
+  return {sample_join(),       sample_join_ack(),       sample_heartbeat(),
+          sample_abort(),      sample_commit(),         sample_plan_request(),
+          sample_plan_reply(), sample_commit_request(), sample_load_request(),
+          sample_load_reply()};
+}
+
+// --- field-by-field comparison, so that a dropped field names itself ---------------
+
+void check_same(const Status& a, const Status& b) {
+  CHECK(a.code() == b.code());
+  CHECK(a.message() == b.message());
+}
+
+void check_same(const Box& a, const Box& b) {
+  CHECK(a.offsets == b.offsets);
+  CHECK(a.sizes == b.sizes);
+}
+
+void check_same(const JoinMsg& a, const JoinMsg& b) {
+  CHECK(a.job_id == b.job_id);
+  CHECK(a.token == b.token);
+  CHECK(a.rank == b.rank);
+  CHECK(a.world_size == b.world_size);
+  CHECK(a.host == b.host);
+  CHECK(a.pid == b.pid);
+}
+
+void check_same(const JoinAckMsg& a, const JoinAckMsg& b) {
+  CHECK(a.job_id == b.job_id);
+  check_same(a.status, b.status);
+}
+
+void check_same(const HeartbeatMsg& a, const HeartbeatMsg& b) {
+  CHECK(a.job_id == b.job_id);
+  CHECK(a.rank == b.rank);
+  CHECK(a.seq == b.seq);
+}
+
+void check_same(const AbortMsg& a, const AbortMsg& b) {
+  CHECK(a.job_id == b.job_id);
+  CHECK(a.checkpoint_id == b.checkpoint_id);
+  CHECK(a.failed_rank == b.failed_rank);
+  CHECK(a.phase == b.phase);
+  check_same(a.reason, b.reason);
+}
+
+void check_same(const CommitMsg& a, const CommitMsg& b) {
+  CHECK(a.job_id == b.job_id);
+  CHECK(a.checkpoint_id == b.checkpoint_id);
+  check_same(a.status, b.status);
+  CHECK(a.path == b.path);
+  CHECK(a.commit_seq == b.commit_seq);
+}
+
+void check_same(const PlanRequest& a, const PlanRequest& b) {
+  CHECK(a.job_id == b.job_id);
+  CHECK(a.checkpoint_id == b.checkpoint_id);
+  CHECK(a.rank == b.rank);
+  CHECK(a.step == b.step);
+  CHECK(a.root == b.root);
+  CHECK(a.overwrite == b.overwrite);
+  CHECK(a.metadata == b.metadata);
+  CHECK(a.plan.rank == b.plan.rank);
+  REQUIRE(a.plan.items.size() == b.plan.items.size());
+  for (size_t i = 0; i < a.plan.items.size(); ++i) {
+    const WriteItem& x = a.plan.items[i];
+    const WriteItem& y = b.plan.items[i];
+    INFO("item " << i);
+    CHECK(x.key == y.key);
+    CHECK(x.dtype == y.dtype);
+    CHECK(x.global_shape == y.global_shape);
+    check_same(x.box, y.box);
+    CHECK(x.nbytes == y.nbytes);
+    CHECK(x.entry == y.entry);
+  }
+}
+
+void check_same(const PlanReply& a, const PlanReply& b) {
+  CHECK(a.job_id == b.job_id);
+  CHECK(a.checkpoint_id == b.checkpoint_id);
+  check_same(a.status, b.status);
+  CHECK(a.pending_dir == b.pending_dir);
+  CHECK(a.plan.rank == b.plan.rank);
+  CHECK(a.plan.files == b.plan.files);
+  CHECK(a.plan.bytes == b.plan.bytes);
+  REQUIRE(a.plan.chunks.size() == b.plan.chunks.size());
+  for (size_t i = 0; i < a.plan.chunks.size(); ++i) {
+    INFO("chunk " << i);
+    CHECK(a.plan.chunks[i].item == b.plan.chunks[i].item);
+    check_same(a.plan.chunks[i].box, b.plan.chunks[i].box);
+    CHECK(a.plan.chunks[i].file == b.plan.chunks[i].file);
+  }
+}
+
+void check_same(const CommitRequest& a, const CommitRequest& b) {
+  CHECK(a.job_id == b.job_id);
+  CHECK(a.checkpoint_id == b.checkpoint_id);
+  const WriteResult& x = a.result;
+  const WriteResult& y = b.result;
+  CHECK(x.rank == y.rank);
+  CHECK(x.snapshot_ms == y.snapshot_ms);
+  CHECK(x.write_ms == y.write_ms);
+  CHECK(x.bytes == y.bytes);
+  REQUIRE(x.files.size() == y.files.size());
+  for (size_t i = 0; i < x.files.size(); ++i) {
+    CHECK(x.files[i].name == y.files[i].name);
+    CHECK(x.files[i].size == y.files[i].size);
+  }
+  REQUIRE(x.chunks.size() == y.chunks.size());
+  for (size_t i = 0; i < x.chunks.size(); ++i) {
+    const WrittenChunk& p = x.chunks[i];
+    const WrittenChunk& q = y.chunks[i];
+    INFO("chunk " << i);
+    CHECK(p.key == q.key);
+    CHECK(p.dtype == q.dtype);
+    CHECK(p.global_shape == q.global_shape);
+    check_same(p.box, q.box);
+    CHECK(p.file == q.file);
+    CHECK(p.byte_offset == q.byte_offset);
+    CHECK(p.byte_length == q.byte_length);
+    CHECK(p.entry == q.entry);
+    CHECK(p.checksums == q.checksums);
+  }
+}
+
+void check_same(const LoadRequestMsg& a, const LoadRequestMsg& b) {
+  CHECK(a.job_id == b.job_id);
+  CHECK(a.load_id == b.load_id);
+  CHECK(a.rank == b.rank);
+  CHECK(a.path == b.path);
+}
+
+void check_same(const LoadReplyMsg& a, const LoadReplyMsg& b) {
+  CHECK(a.job_id == b.job_id);
+  CHECK(a.load_id == b.load_id);
+  check_same(a.status, b.status);
+  CHECK(a.dir == b.dir);
+  CHECK(a.manifest == b.manifest);
+}
+
+void check_same(const WireMessage& a, const WireMessage& b) {
+  REQUIRE(a.index() == b.index());
+  std::visit(
+      [&b](const auto& x) {
+        using T = std::decay_t<decltype(x)>;
+        check_same(x, std::get<T>(b));
+      },
+      a);
+}
+
+// --- raw frames, for what the C++ encoder never produces --------------------------
+
+std::string frame(uint8_t protocol, capnp::MessageBuilder& mb) {
+  kj::Array<capnp::word> words = capnp::messageToFlatArray(mb);
+  auto bytes = words.asBytes();
+  std::string out("FRY1", 4);
+  out.push_back(static_cast<char>(protocol));
+  out.append(3, '\0');
+  for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>((bytes.size() >> (8 * i)) & 0xff));
+  out.append(reinterpret_cast<const char*>(bytes.begin()), bytes.size());
+  return out;
+}
+
+void set_length(std::string& frame_bytes, uint64_t length) {
+  for (int i = 0; i < 8; ++i) frame_bytes[8 + i] = static_cast<char>((length >> (8 * i)) & 0xff);
+}
+
+std::string error_of(std::string_view bytes) {
+  Result<WireMessage> r = decode_message(bytes);
+  REQUIRE_FALSE(r.ok());
+  CHECK(r.status().code() == StatusCode::invalid_argument);
+  return r.status().message();
+}
+
+std::filesystem::path seed_dir() {
+  return std::filesystem::path(__FILE__).parent_path().parent_path() / "fuzz" / "protocol";
+}
+
+const char* seed_name(const WireMessage& m) {
+  static const char* const kFiles[] = {"join.bin",       "join_ack.bin",       "heartbeat.bin",
+                                       "abort.bin",      "commit.bin",         "plan_request.bin",
+                                       "plan_reply.bin", "commit_request.bin", "load_request.bin",
+                                       "load_reply.bin"};
+  return kFiles[m.index()];
+}
+
+}  // namespace
+
+TEST_CASE("every message type round trips with its contents", "[protocol]") {
+  for (const WireMessage& m : all_samples()) {
+    INFO(message_name(m));
+    const std::string bytes = encode_message(m);
+    Result<WireMessage> back = decode_message(bytes);
+    REQUIRE(back.ok());
+    check_same(m, *back);
+    CHECK(encode_message(*back) == bytes);
+  }
+}
+
+TEST_CASE("error statuses of every code round trip", "[protocol]") {
+  for (int c = 0; c <= static_cast<int>(StatusCode::internal); ++c) {
+    CommitMsg m = sample_commit();
+    m.status = Status(static_cast<StatusCode>(c), "code " + std::to_string(c));
+    AbortMsg a = sample_abort();
+    a.reason = m.status;
+    auto cm = decode_message(encode_message(m));
+    auto am = decode_message(encode_message(a));
+    REQUIRE(cm.ok());
+    REQUIRE(am.ok());
+    check_same(std::get<CommitMsg>(*cm).status, m.status);
+    check_same(std::get<AbortMsg>(*am).reason, m.status);
+  }
+}
+
+TEST_CASE("empty and default messages round trip", "[protocol]") {
+  for (const WireMessage& m : std::vector<WireMessage>{
+           JoinMsg{}, JoinAckMsg{}, HeartbeatMsg{}, AbortMsg{}, CommitMsg{}, PlanRequest{},
+           PlanReply{}, CommitRequest{}, LoadRequestMsg{}, LoadReplyMsg{}}) {
+    INFO(message_name(m));
+    Result<WireMessage> back = decode_message(encode_message(m));
+    REQUIRE(back.ok());
+    check_same(m, *back);
+  }
+}
+
+TEST_CASE("a frame at an unaligned address decodes", "[protocol]") {
+  for (const WireMessage& m : all_samples()) {
+    INFO(message_name(m));
+    const std::string bytes = encode_message(m);
+    for (size_t shift = 1; shift < 8; ++shift) {
+      std::vector<char> buf(bytes.size() + shift);
+      std::memcpy(buf.data() + shift, bytes.data(), bytes.size());
+      const char* p = buf.data() + shift;
+      REQUIRE(reinterpret_cast<uintptr_t>(p) % alignof(uint64_t) != 0);
+      Result<WireMessage> back = decode_message(std::string_view(p, bytes.size()));
+      REQUIRE(back.ok());
+      check_same(m, *back);
+    }
+  }
+}
+
+TEST_CASE("every truncation is an error", "[protocol]") {
+  for (const WireMessage& m : all_samples()) {
+    INFO(message_name(m));
+    const std::string bytes = encode_message(m);
+    for (size_t n = 0; n < bytes.size(); ++n) {
+      INFO("kept " << n << " of " << bytes.size() << " bytes");
+      CHECK_FALSE(decode_message(std::string_view(bytes).substr(0, n)).ok());
+    }
+    // A sender that lies consistently: the header's length matches what is
+    // there, but the Cap'n Proto message itself is cut short.
+    for (size_t n = 16; n < bytes.size(); n += 8) {
+      INFO("payload cut to " << n - 16 << " bytes, length fixed up");
+      std::string cut = bytes.substr(0, n);
+      set_length(cut, n - 16);
+      CHECK_FALSE(decode_message(cut).ok());
+    }
+  }
+}
+
+TEST_CASE("random byte flips never crash the decoder", "[protocol]") {
+  std::mt19937_64 rng(20240611);
+  size_t decoded = 0, refused = 0;
+  for (const WireMessage& m : all_samples()) {
+    const std::string bytes = encode_message(m);
+    std::uniform_int_distribution<size_t> pos(0, bytes.size() - 1);
+    std::uniform_int_distribution<int> byte(0, 255), flips(1, 4);
+    for (int iter = 0; iter < 3000; ++iter) {
+      std::string b = bytes;
+      for (int k = flips(rng); k > 0; --k) b[pos(rng)] = static_cast<char>(byte(rng));
+      Result<WireMessage> r = decode_message(b);
+      if (r.ok()) {
+        ++decoded;
+        // Whatever was accepted must be usable: it encodes and decodes again.
+        Result<WireMessage> again = decode_message(encode_message(*r));
+        CHECK(again.ok());
+      } else {
+        ++refused;
+        CHECK(r.status().code() == StatusCode::invalid_argument);
+        CHECK_FALSE(r.status().message().empty());
+      }
+    }
+  }
+  // Both outcomes must occur, or the test exercises nothing.
+  CHECK(decoded > 0);
+  CHECK(refused > 0);
+}
+
+TEST_CASE("random payloads behind a valid header never crash", "[protocol]") {
+  std::mt19937_64 rng(7);
+  for (int iter = 0; iter < 5000; ++iter) {
+    const size_t words = 1 + rng() % 24;
+    std::string payload(words * 8, '\0');
+    for (char& c : payload) c = static_cast<char>(rng());
+    if (iter % 2 == 0) {
+      // A plausible segment table (one segment of the right size) gets the
+      // decoder past the first check more often.
+      const uint32_t seg = static_cast<uint32_t>(words - 1);
+      std::memset(&payload[0], 0, 4);
+      std::memcpy(&payload[4], &seg, 4);
+    }
+    std::string f("FRY1", 4);
+    f.push_back(static_cast<char>(iter % 4 == 1 ? 1 : 0));
+    f.append(3, '\0');
+    f.append(8, '\0');
+    set_length(f, payload.size());
+    f += payload;
+    Result<WireMessage> r = decode_message(f);
+    if (!r.ok()) CHECK(r.status().code() == StatusCode::invalid_argument);
+  }
+}
+
+TEST_CASE("a bad frame header is an error naming the problem", "[protocol]") {
+  const std::string good = encode_message(sample_plan_request());
+  REQUIRE(decode_message(good).ok());
+
+  SECTION("too short for a header") {
+    CHECK_THAT(error_of(good.substr(0, 15)), Catch::Contains("truncated"));
+    CHECK_THAT(error_of(""), Catch::Contains("truncated"));
+  }
+  SECTION("wrong magic") {
+    std::string b = good;
+    b[0] = 'X';
+    CHECK_THAT(error_of(b), Catch::Contains("magic"));
+  }
+  SECTION("unknown protocol byte") {
+    std::string b = good;
+    b[4] = 2;
+    std::string e = error_of(b);
+    CHECK_THAT(e, Catch::Contains("protocol byte 2"));
+  }
+  SECTION("non-zero reserved bytes") {
+    std::string b = good;
+    b[6] = 1;
+    CHECK_THAT(error_of(b), Catch::Contains("reserved"));
+  }
+  SECTION("length larger than the bytes sent") {
+    std::string b = good;
+    set_length(b, good.size() - 16 + 8);
+    CHECK_THAT(error_of(b), Catch::Contains("length"));
+    set_length(b, ~0ull);
+    CHECK_THAT(error_of(b), Catch::Contains("length"));
+  }
+  SECTION("length smaller than the bytes sent") {
+    std::string b = good;
+    set_length(b, good.size() - 16 - 8);
+    CHECK_THAT(error_of(b), Catch::Contains("length"));
+  }
+  SECTION("length not a multiple of 8") {
+    std::string b = good + "abc";
+    set_length(b, good.size() - 16 + 3);
+    CHECK_THAT(error_of(b), Catch::Contains("multiple of 8"));
+  }
+  SECTION("empty payload") {
+    std::string b = good.substr(0, 16);
+    set_length(b, 0);
+    CHECK_THAT(error_of(b), Catch::Contains("length 0"));
+  }
+  SECTION("trailing words after the message") {
+    std::string b = good + std::string(16, '\0');
+    set_length(b, good.size() - 16 + 16);
+    CHECK_THAT(error_of(b), Catch::Contains("16 trailing bytes"));
+  }
+  SECTION("a control payload in a plan frame") {
+    std::string b = encode_message(sample_heartbeat());
+    b[4] = 1;  // a Heartbeat read as a PlanMessage is a PlanRequest with junk
+    Result<WireMessage> r = decode_message(b);
+    if (!r.ok()) CHECK_THAT(r.status().message(), Catch::Contains("plan message"));
+  }
+}
+
+TEST_CASE("content that Cap'n Proto accepts but Ferry cannot use is refused", "[protocol]") {
+  SECTION("unknown control member") {
+    capnp::MallocMessageBuilder mb;
+    mb.initRoot<proto::ControlMessage>().initHeartbeat().setJobId("j");
+    mb.getRoot<capnp::AnyStruct>().getDataSection()[0] = 9;
+    REQUIRE(static_cast<int>(mb.getRoot<proto::ControlMessage>().which()) == 9);
+    std::string e = error_of(frame(0, mb));
+    CHECK_THAT(e, Catch::Contains("malformed control message") &&
+                      Catch::Contains("unknown ControlMessage member 9"));
+  }
+  SECTION("unknown plan member") {
+    capnp::MallocMessageBuilder mb;
+    mb.initRoot<proto::PlanMessage>().initLoadRequest().setJobId("j");
+    mb.getRoot<capnp::AnyStruct>().getDataSection()[0] = 5;
+    CHECK_THAT(error_of(frame(1, mb)), Catch::Contains("unknown PlanMessage member 5"));
+  }
+  SECTION("unknown status code") {
+    capnp::MallocMessageBuilder mb;
+    auto s = mb.initRoot<proto::ControlMessage>().initCommit().initStatus();
+    s.setCode(static_cast<proto::Status::Code>(12));
+    CHECK_THAT(error_of(frame(0, mb)),
+               Catch::Contains("Commit status") && Catch::Contains("unknown status code 12"));
+  }
+  SECTION("unknown dtype name") {
+    capnp::MallocMessageBuilder mb;
+    auto item = mb.initRoot<proto::PlanMessage>().initPlanRequest().initPlan().initItems(1)[0];
+    item.setKey("emb");
+    item.setDtype("F99");
+    CHECK_THAT(error_of(frame(1, mb)), Catch::Contains("\"emb\"") && Catch::Contains("F99"));
+  }
+  SECTION("box offsets and sizes of different ranks") {
+    PlanReply m = sample_plan_reply();
+    m.plan.chunks[1].box.sizes.pop_back();
+    CHECK_THAT(error_of(encode_message(m)),
+               Catch::Contains("chunk 1") && Catch::Contains("2 offsets but 1 sizes"));
+  }
+  SECTION("box rank differs from the global shape's") {
+    PlanRequest m = sample_plan_request();
+    m.plan.items[0].global_shape = {8192};
+    CHECK_THAT(error_of(encode_message(m)),
+               Catch::Contains("layer0.weight") && Catch::Contains("rank 2"));
+  }
+  SECTION("negative size") {
+    CommitRequest m = sample_commit_request();
+    m.result.chunks[0].box.sizes[1] = -1;
+    CHECK_THAT(error_of(encode_message(m)),
+               Catch::Contains("layer0.weight") && Catch::Contains("negative"));
+  }
+  SECTION("negative global shape") {
+    PlanRequest m = sample_plan_request();
+    m.plan.items[0].global_shape[1] = -4096;
+    CHECK_THAT(error_of(encode_message(m)), Catch::Contains("negative global shape"));
+  }
+  SECTION("box outside the global shape, even where offset + size overflows") {
+    PlanRequest m = sample_plan_request();
+    m.plan.items[0].box.offsets[0] = INT64_MAX;
+    CHECK_THAT(error_of(encode_message(m)), Catch::Contains("exceeds the global shape"));
+  }
+  SECTION("a tensor too large to address") {
+    PlanRequest m = sample_plan_request();
+    m.plan.items[0].global_shape = {INT64_MAX / 2, 4096};
+    CHECK_THAT(error_of(encode_message(m)), Catch::Contains("too large"));
+  }
+  SECTION("chunk file index out of range") {
+    CommitRequest m = sample_commit_request();
+    m.result.chunks[1].file = 2;
+    CHECK_THAT(error_of(encode_message(m)), Catch::Contains("file 2"));
+    PlanReply p = sample_plan_reply();
+    p.plan.files = 1;
+    CHECK_THAT(error_of(encode_message(p)), Catch::Contains("chunk 1: file 1"));
+  }
+  SECTION("ranks out of range") {
+    JoinMsg j = sample_join();
+    j.rank = 8;
+    CHECK_THAT(error_of(encode_message(j)), Catch::Contains("rank 8 outside world size 8"));
+    HeartbeatMsg h = sample_heartbeat();
+    h.rank = -2;
+    CHECK_THAT(error_of(encode_message(h)), Catch::Contains("negative rank -2"));
+    AbortMsg a = sample_abort();
+    a.failed_rank = -1;  // "unknown" is allowed
+    CHECK(decode_message(encode_message(a)).ok());
+  }
+  SECTION("text that is not NUL-terminated") {
+    std::string b = encode_message(sample_load_request());
+    const std::string path = "/ckpt/latest";
+    const size_t at = b.find(path);
+    REQUIRE(at != std::string::npos);
+    b[at + path.size()] = 'x';  // the terminator
+    CHECK_THAT(error_of(b), Catch::Contains("malformed plan message"));
+  }
+}
+
+TEST_CASE("4096-rank-sized plans and write results round trip", "[protocol]") {
+  constexpr size_t kChunks = 100000;
+
+  SECTION("PlanReply with 100k chunks") {
+    PlanReply m = sample_plan_reply();
+    m.plan.files = 4;
+    m.plan.chunks.resize(kChunks);
+    for (size_t i = 0; i < kChunks; ++i)
+      m.plan.chunks[i] = {static_cast<uint32_t>(i), box({int64_t(i) * 64, 0, 0}, {64, 128, 3}),
+                          static_cast<uint32_t>(i % 4)};
+    const std::string bytes = encode_message(m);
+    Result<WireMessage> back = decode_message(bytes);
+    REQUIRE(back.ok());
+    const auto& r = std::get<PlanReply>(*back);
+    REQUIRE(r.plan.chunks.size() == kChunks);
+    CHECK(r.plan.chunks.back().box == m.plan.chunks.back().box);
+    CHECK(r.plan.chunks.back().file == 3);
+    CHECK(encode_message(*back) == bytes);
+  }
+
+  SECTION("CommitRequest larger than Cap'n Proto's 64 MiB default limit") {
+    CommitRequest m;
+    m.job_id = "job";
+    m.checkpoint_id = "ckpt";
+    m.result.rank = 4095;
+    m.result.files = {{"rank-04095-0000.safetensors", 1ull << 40}};
+    m.result.chunks.resize(kChunks);
+    std::vector<uint64_t> sums(96);
+    for (size_t k = 0; k < sums.size(); ++k) sums[k] = k * 0x9e3779b97f4a7c15ull;
+    for (size_t i = 0; i < kChunks; ++i) {
+      WrittenChunk& c = m.result.chunks[i];
+      c.key = "model.layers." + std::to_string(i) + ".mlp.weight";
+      c.dtype = DType::bf16;
+      c.global_shape = {int64_t(kChunks) * 16, 4096};
+      c.box = box({int64_t(i) * 16, 0}, {16, 4096});
+      c.byte_offset = i * 131072;
+      c.byte_length = 131072;
+      c.entry = c.key + "@" + std::to_string(i * 16) + ",0";
+      c.checksums = sums;
+    }
+    const std::string bytes = encode_message(m);
+    REQUIRE(bytes.size() > (64ull << 20));
+    Result<WireMessage> back = decode_message(bytes);
+    REQUIRE(back.ok());
+    const auto& r = std::get<CommitRequest>(*back).result;
+    REQUIRE(r.chunks.size() == kChunks);
+    CHECK(r.chunks[54321].key == m.result.chunks[54321].key);
+    CHECK(r.chunks[54321].entry == m.result.chunks[54321].entry);
+    CHECK(r.chunks.back().checksums == sums);
+    CHECK(r.chunks.back().box == m.result.chunks.back().box);
+  }
+}
+
+TEST_CASE("job id, checkpoint id and name of every message", "[protocol]") {
+  const std::vector<WireMessage> all = all_samples();
+  const char* const names[] = {"Join",        "JoinAck",     "Heartbeat", "Abort",
+                               "Commit",      "PlanRequest", "PlanReply", "CommitRequest",
+                               "LoadRequest", "LoadReply"};
+  const char* const ids[] = {"",
+                             "",
+                             "",
+                             "ckpt-000042",
+                             "ckpt-000042",
+                             "ckpt-000042",
+                             "ckpt-000042",
+                             "ckpt-000042",
+                             "load-0007",
+                             "load-0007"};
+  REQUIRE(all.size() == 10);
+  for (size_t i = 0; i < all.size(); ++i) {
+    CHECK(std::string(message_name(all[i])) == names[i]);
+    CHECK(message_job_id(all[i]) == "job-7f3a");
+    CHECK(message_checkpoint_id(all[i]) == ids[i]);
+  }
+}
+
+TEST_CASE("the protocol fuzz seeds decode", "[protocol]") {
+  const std::filesystem::path dir = seed_dir();
+  if (!std::filesystem::is_directory(dir)) {
+    WARN("no seed directory " << dir.string() << "; skipped");
+    return;
+  }
+  size_t n = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    if (e.path().extension() != ".bin") continue;
+    std::ifstream in(e.path(), std::ios::binary);
+    std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    INFO(e.path().string());
+    CHECK(bytes.size() < 4096);
+    CHECK(decode_message(bytes).ok());
+    ++n;
+  }
+  CHECK(n >= 5);
+}
+
+// Regenerates tests/fuzz/protocol/*.bin after a schema change:
+//   ferry_unit_tests "[write-seeds]"
+TEST_CASE("write the protocol fuzz seeds", "[.][write-seeds]") {
+  const std::filesystem::path dir = seed_dir();
+  std::filesystem::create_directories(dir);
+  for (const WireMessage& m : all_samples()) {
+    std::ofstream out(dir / seed_name(m), std::ios::binary | std::ios::trunc);
+    const std::string bytes = encode_message(m);
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    REQUIRE(out.good());
+  }
+}
