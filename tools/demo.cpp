@@ -1,14 +1,21 @@
-// ferry demo: a synthetic training loop on host memory. Every step rewrites
-// some tensors (the "optimizer"); every N steps it checkpoints in the
-// background and keeps training as soon as the snapshot is taken. At the end
-// it loads the last checkpoint into fresh tensors and checks every byte.
+// ferry demo: a synthetic data-parallel + tensor-parallel training job.
 //
-// Tensor contents are a pure function of (tensor, version), so the check
-// regenerates the expected bytes instead of keeping a second copy.
+// Without RANK in the environment it is the driver: it starts N ranks with
+// `ferry launch` to train and checkpoint, then M ranks (default N+1) to
+// restore the last checkpoint with a different sharding and check every byte.
+// With RANK set it is one of those ranks (--role train|restore).
+//
+// Every element of every tensor is a pure function of (tensor, version,
+// global index), and versions follow a fixed schedule, so a restoring rank
+// computes what the saved bytes must be for any shard without a reference
+// copy.
+
+#include <unistd.h>
 
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 
@@ -21,63 +28,70 @@ namespace ferry::cli {
 namespace {
 
 struct DemoFlags {
-  uint64_t state_mib = 1024;
-  uint32_t tensors = 64;
+  uint32_t ranks = 2;
+  uint32_t restore_ranks = 0;  // 0: ranks + 1
+  uint64_t state_mib = 1024;   // global, over all ranks
+  uint32_t layers = 8;
   uint32_t steps = 30;
   uint32_t every = 10;
   std::string root = "ferry-demo-checkpoints";
+  std::string role;            // "", "train", "restore"
+  std::vector<std::string> passthrough;  // --set / --config-file, for the ranks
   std::vector<Setting> settings;
   std::string config_file;
 };
 
 void demo_usage() {
   std::printf(
-      "usage: ferry demo [--state-mib N] [--tensors N] [--steps N] [--every N] [--root DIR]\n"
-      "                  [--set KEY=VALUE]... [--config-file=PATH]\n"
-      "  --state-mib   model state size in MiB (default 1024)\n"
-      "  --tensors     number of tensors (default 64)\n"
-      "  --steps       training steps (default 30)\n"
-      "  --every       checkpoint every N steps (default 10)\n"
-      "  --root        checkpoint root (default ./ferry-demo-checkpoints, emptied first)\n"
-      "  --set         a [ferry] setting, e.g. --set pool-bytes=512MiB\n");
-}
-
-bool parse_u64(const std::string& s, uint64_t* out) {
-  if (s.empty()) return false;
-  char* end = nullptr;
-  *out = std::strtoull(s.c_str(), &end, 10);
-  return *end == '\0';
+      "usage: ferry demo [--ranks N] [--restore-ranks M] [--state-mib N] [--layers N]\n"
+      "                  [--steps N] [--every N] [--root DIR] [--set KEY=VALUE]...\n"
+      "                  [--config-file=PATH]\n"
+      "  --ranks          training ranks (default 2)\n"
+      "  --restore-ranks  ranks that restore the last checkpoint (default ranks + 1)\n"
+      "  --state-mib      model state over all ranks, in MiB (default 1024)\n"
+      "  --layers         layers; each has a row-sharded, a column-sharded and a\n"
+      "                   replicated tensor (default 8)\n"
+      "  --steps          training steps (default 30)\n"
+      "  --every          checkpoint every N steps (default 10)\n"
+      "  --root           checkpoint root (default ./ferry-demo-checkpoints, emptied first)\n"
+      "  --set            a [ferry] setting for every rank, e.g. --set pool-bytes=512MiB\n");
 }
 
 int parse_flags(const Args& args, DemoFlags* f) {
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
-    auto value = [&](uint64_t* out) {
-      if (i + 1 >= args.size() || !parse_u64(args[i + 1], out) || *out == 0) {
+    const bool has_value = i + 1 < args.size();
+    auto number = [&](auto* out) {
+      char* end = nullptr;
+      const unsigned long long v = has_value ? std::strtoull(args[i + 1].c_str(), &end, 10) : 0;
+      if (!has_value || *end != '\0' || v == 0) {
         std::fprintf(stderr, "ferry demo: %s needs a positive number\n", a.c_str());
         return false;
       }
+      *out = static_cast<std::remove_pointer_t<decltype(out)>>(v);
       ++i;
       return true;
     };
-    uint64_t v = 0;
     if (a == "--help" || a == "-h") {
       demo_usage();
       return 0;
+    } else if (a == "--ranks") {
+      if (!number(&f->ranks)) return 2;
+    } else if (a == "--restore-ranks") {
+      if (!number(&f->restore_ranks)) return 2;
     } else if (a == "--state-mib") {
-      if (!value(&f->state_mib)) return 2;
-    } else if (a == "--tensors") {
-      if (!value(&v)) return 2;
-      f->tensors = static_cast<uint32_t>(v);
+      if (!number(&f->state_mib)) return 2;
+    } else if (a == "--layers") {
+      if (!number(&f->layers)) return 2;
     } else if (a == "--steps") {
-      if (!value(&v)) return 2;
-      f->steps = static_cast<uint32_t>(v);
+      if (!number(&f->steps)) return 2;
     } else if (a == "--every") {
-      if (!value(&v)) return 2;
-      f->every = static_cast<uint32_t>(v);
-    } else if (a == "--root" && i + 1 < args.size()) {
+      if (!number(&f->every)) return 2;
+    } else if (a == "--root" && has_value) {
       f->root = args[++i];
-    } else if (a == "--set" && i + 1 < args.size()) {
+    } else if (a == "--role" && has_value) {
+      f->role = args[++i];
+    } else if (a == "--set" && has_value) {
       const std::string kv = args[++i];
       const auto eq = kv.find('=');
       if (eq == std::string::npos) {
@@ -85,8 +99,10 @@ int parse_flags(const Args& args, DemoFlags* f) {
         return 2;
       }
       f->settings.push_back({kv.substr(0, eq), kv.substr(eq + 1), "--set"});
+      f->passthrough.insert(f->passthrough.end(), {"--set", kv});
     } else if (a.rfind("--config-file=", 0) == 0) {
       f->config_file = a.substr(14);
+      f->passthrough.push_back(a);
     } else {
       std::fprintf(stderr, "ferry demo: unknown flag '%s'\n", a.c_str());
       demo_usage();
@@ -96,31 +112,239 @@ int parse_flags(const Args& args, DemoFlags* f) {
   return -1;
 }
 
-uint64_t splitmix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
+// --- the synthetic model ------------------------------------------------------------
+
+enum class Split { rows, cols, replicated };
+
+struct TensorSpec {
+  std::string key;
+  DType dtype;
+  std::vector<int64_t> shape;  // global
+  Split split;
+};
+
+// Per layer: a row-sharded and a column-sharded weight (tensor parallel), a
+// replicated bias; plus a replicated step counter. Weights take the bytes.
+std::vector<TensorSpec> model(const DemoFlags& f) {
+  const uint64_t per_weight = (f.state_mib << 20) / (2 * f.layers);
+  const int64_t cols = 1024;
+  const int64_t rows = std::max<int64_t>(1, static_cast<int64_t>(per_weight / 4 / cols));
+  std::vector<TensorSpec> v;
+  for (uint32_t l = 0; l < f.layers; ++l) {
+    const std::string p = "layers." + std::to_string(l) + ".";
+    v.push_back({p + "attn.weight", DType::f32, {rows, cols}, Split::rows});
+    v.push_back({p + "mlp.weight", DType::f32, {cols, rows}, Split::cols});
+    v.push_back({p + "norm.bias", DType::f32, {cols}, Split::replicated});
+  }
+  v.push_back({"optimizer.step", DType::i32, {}, Split::replicated});
+  return v;
 }
 
-// The bytes of tensor t at version v.
-void fill(std::vector<uint64_t>& words, uint32_t t, uint64_t v) {
-  const uint64_t seed = splitmix((static_cast<uint64_t>(t) << 32) ^ v);
-  for (size_t i = 0; i < words.size(); ++i) words[i] = seed + i * 0x9e3779b97f4a7c15ull;
+uint32_t mix32(uint64_t x) {
+  x = (x ^ (x >> 33)) * 0xff51afd7ed558ccdull;
+  x = (x ^ (x >> 33)) * 0xc4ceb9fe1a85ec53ull;
+  return static_cast<uint32_t>(x ^ (x >> 33));
+}
+
+// Tensor t is rewritten ("optimizer step") at the end of every step s with
+// s % 4 == t % 4; a checkpoint at step s holds the versions before step s's
+// update.
+uint64_t version_at(size_t t, uint32_t step) {
+  uint64_t v = 0;
+  for (uint32_t s = 1; s < step; ++s) v += (s % 4 == t % 4);
+  return v;
+}
+
+struct Piece {
+  std::vector<uint32_t> words;  // every dtype here is 4 bytes wide
+  std::vector<int64_t> shape, offsets;
+};
+
+Piece piece_of(const TensorSpec& s, Split split, int rank, int world) {
+  Piece p;
+  p.shape = s.shape;
+  p.offsets.assign(s.shape.size(), 0);
+  const int dim = split == Split::rows ? 0 : split == Split::cols ? 1 : -1;
+  if (dim >= 0) {
+    const int64_t n = s.shape[dim];
+    const int64_t b = n * rank / world, e = n * (rank + 1) / world;  // uneven when n % world
+    p.offsets[dim] = b;
+    p.shape[dim] = e - b;
+  }
+  int64_t n = 1;
+  for (int64_t d : p.shape) n *= d;
+  p.words.resize(static_cast<size_t>(n));
+  return p;
+}
+
+// The words of piece p of tensor t at `version`, from global indices.
+void fill(const TensorSpec& s, size_t t, uint64_t version, const Piece& p,
+          std::vector<uint32_t>& out) {
+  out.resize(p.words.size());
+  const uint64_t seed = (static_cast<uint64_t>(t) << 40) ^ (version << 20);
+  if (s.shape.size() < 2) {
+    for (size_t i = 0; i < out.size(); ++i) out[i] = mix32(seed + i);
+    return;
+  }
+  const int64_t gcols = s.shape[1];
+  size_t i = 0;
+  for (int64_t r = 0; r < p.shape[0]; ++r) {
+    const uint64_t row = static_cast<uint64_t>((p.offsets[0] + r) * gcols + p.offsets[1]);
+    for (int64_t c = 0; c < p.shape[1]; ++c) out[i++] = mix32(seed + row + c);
+  }
 }
 
 double ms_since(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
 }
 
-void report(const SaveHandle& h) {
-  const SaveMetrics m = h.metrics();
-  std::printf(
-      "\r  checkpoint step %-6" PRIu64 " save_async %.3f ms | snapshot %.1f ms | persisted %s in "
-      "%.0f ms (%.2f GB/s) | commit %.1f ms\n",
-      h.step(), m.save_async_ms, m.snapshot_ms, human_bytes(m.bytes).c_str(), m.total_ms,
-      m.persist_gbps(), m.commit_ms);
+std::unique_ptr<Runtime> start_runtime(const DemoFlags& f) {
+  RuntimeArgs ra;
+  ra.config_file = f.config_file;
+  ra.settings = f.settings;
+  ra.set("root", f.root);
+  auto rt = Runtime::from_env(ra);
+  if (!rt.ok()) {
+    std::fprintf(stderr, "ferry demo: %s\n", rt.status().to_string().c_str());
+    return nullptr;
+  }
+  return std::move(rt).value();
+}
+
+// --- one training rank ------------------------------------------------------------------
+
+int train(const DemoFlags& f) {
+  auto rt = start_runtime(f);
+  if (!rt) return 1;
+  const int rank = rt->rank(), world = rt->world_size();
+  const auto specs = model(f);
+  std::vector<Piece> pieces;
+  StateDict sd;
+  uint64_t local_bytes = 0;
+  for (size_t t = 0; t < specs.size(); ++t) {
+    pieces.push_back(piece_of(specs[t], specs[t].split, rank, world));
+    fill(specs[t], t, 0, pieces[t], pieces[t].words);
+    local_bytes += pieces[t].words.size() * 4;
+  }
+  for (size_t t = 0; t < specs.size(); ++t)
+    sd.add(specs[t].key, TensorView(pieces[t].words.data(), specs[t].dtype, pieces[t].shape),
+           Shard{specs[t].shape, pieces[t].offsets});
+  std::printf("rank %d/%d: %zu tensors, %s local, pool %s\n", rank, world, specs.size(),
+              human_bytes(local_bytes).c_str(), human_bytes(rt->options().pool_bytes).c_str());
   std::fflush(stdout);
+
+  SaveHandle inflight;
+  int failures = 0, saves = 0;
+  auto last_progress = std::chrono::steady_clock::now();
+  auto poll = [&](bool block) {
+    if (!inflight.valid()) return;
+    if (block) inflight.wait_committed();
+    if (!inflight.done()) {
+      if (ms_since(last_progress) > 250) {
+        std::printf("  persisting step %" PRIu64 ": %s / %s\n", inflight.step(),
+                    human_bytes(inflight.bytes_persisted()).c_str(),
+                    human_bytes(inflight.bytes_total()).c_str());
+        std::fflush(stdout);
+        last_progress = std::chrono::steady_clock::now();
+      }
+      return;
+    }
+    const Status st = inflight.wait_committed();
+    const SaveMetrics m = inflight.metrics();
+    if (st.ok()) {
+      std::printf("checkpoint step %-4" PRIu64 " save_async %.3f ms | snapshot %.1f ms | "
+                  "persisted %s in %.0f ms (%.2f GB/s) | commit %.1f ms\n",
+                  inflight.step(), m.save_async_ms, m.snapshot_ms, human_bytes(m.bytes).c_str(),
+                  m.total_ms, m.persist_gbps(), m.commit_ms);
+    } else {
+      std::printf("checkpoint step %" PRIu64 " FAILED: %s\n", inflight.step(),
+                  st.to_string().c_str());
+      ++failures;
+    }
+    std::fflush(stdout);
+    inflight = SaveHandle();
+  };
+
+  const auto t0 = std::chrono::steady_clock::now();
+  for (uint32_t step = 1; step <= f.steps; ++step) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // forward/backward
+    poll(false);
+    if (step % f.every == 0) {
+      if (inflight.valid()) poll(true);  // one save in flight, as the runtime does
+      sd.entries().back().view.data = pieces.back().words.data();
+      pieces.back().words[0] = step;  // the step counter
+      inflight = rt->save_async(sd, step);
+      ++saves;
+      // The optimizer may not touch parameters before the snapshot is taken.
+      if (Status s = inflight.wait_snapshot(); !s.ok())
+        std::printf("snapshot of step %u failed: %s\n", step, s.to_string().c_str());
+    }
+    for (size_t t = step % 4; t + 1 < specs.size(); t += 4)
+      fill(specs[t], t, version_at(t, step + 1), pieces[t], pieces[t].words);
+  }
+  poll(true);
+  std::printf("rank %d: trained %u steps in %.1f s; %d checkpoints, %d failed\n", rank, f.steps,
+              ms_since(t0) / 1000, saves, failures);
+  return failures ? 1 : 0;
+}
+
+// --- one restoring rank -----------------------------------------------------------------
+
+int restore(const DemoFlags& f) {
+  auto rt = start_runtime(f);
+  if (!rt) return 1;
+  const int rank = rt->rank(), world = rt->world_size();
+  const uint32_t step = f.steps / f.every * f.every;  // the last checkpoint
+  const auto specs = model(f);
+  // A different sharding from training: rows <-> columns, replicated as is.
+  std::vector<Piece> pieces;
+  StateDict sd;
+  for (size_t t = 0; t < specs.size(); ++t) {
+    const Split s = specs[t].split == Split::rows   ? Split::cols
+                    : specs[t].split == Split::cols ? Split::rows
+                                                    : Split::replicated;
+    pieces.push_back(piece_of(specs[t], s, rank, world));
+  }
+  for (size_t t = 0; t < specs.size(); ++t)
+    sd.add(specs[t].key, TensorView(pieces[t].words.data(), specs[t].dtype, pieces[t].shape),
+           Shard{specs[t].shape, pieces[t].offsets});
+  const auto t0 = std::chrono::steady_clock::now();
+  const Status st = rt->load(sd, f.root);
+  const double ms = ms_since(t0);
+  if (!st.ok()) {
+    std::printf("rank %d: restore FAILED: %s\n", rank, st.to_string().c_str());
+    return 1;
+  }
+  uint64_t bytes = 0, bad = 0;
+  std::vector<uint32_t> expect;
+  for (size_t t = 0; t + 1 < specs.size(); ++t) {
+    fill(specs[t], t, version_at(t, step), pieces[t], expect);
+    bytes += expect.size() * 4;
+    if (expect != pieces[t].words) {
+      std::printf("rank %d: tensor %s differs from what was saved\n", rank, specs[t].key.c_str());
+      ++bad;
+    }
+  }
+  if (pieces.back().words[0] != step) {
+    std::printf("rank %d: optimizer.step is %u, expected %u\n", rank, pieces.back().words[0], step);
+    ++bad;
+  }
+  std::printf("rank %d/%d: restored step %u (%s, resharded) in %.0f ms: %s\n", rank, world, step,
+              human_bytes(bytes).c_str(), ms,
+              bad ? "MISMATCH" : "every byte matches the saved state");
+  return bad ? 1 : 0;
+}
+
+std::string self_exe() {
+  char buf[4096];
+  const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : "ferry";
+}
+
+std::string quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
 }
 
 }  // namespace
@@ -128,106 +352,49 @@ void report(const SaveHandle& h) {
 int cmd_demo(const Args& args) {
   DemoFlags f;
   if (int rc = parse_flags(args, &f); rc >= 0) return rc;
+  if (f.role == "train") return train(f);
+  if (f.role == "restore") return restore(f);
 
-  RuntimeArgs ra;
-  ra.config_file = f.config_file;
-  ra.settings = f.settings;
-  ra.set("root", f.root);
-  auto rt_or = Runtime::from_env(ra);
-  if (!rt_or.ok()) {
-    std::fprintf(stderr, "ferry demo: %s\n", rt_or.status().to_string().c_str());
-    return 1;
-  }
-  auto& rt = *rt_or.value();
+  // The driver: train with N ranks, restore with M.
+  if (f.restore_ranks == 0) f.restore_ranks = f.ranks + 1;
   remove_all(*posix_filesystem(), f.root);
-
-  const uint64_t words_per = (f.state_mib << 20) / f.tensors / 8;
-  std::printf("ferry demo: %u tensors x %s = %s state, %u steps, checkpoint every %u, pool %s, "
-              "root %s\n",
-              f.tensors, human_bytes(words_per * 8.0).c_str(),
-              human_bytes(words_per * 8.0 * f.tensors).c_str(), f.steps, f.every,
-              human_bytes(rt.options().pool_bytes).c_str(), f.root.c_str());
-
-  std::vector<std::vector<uint64_t>> state(f.tensors, std::vector<uint64_t>(words_per));
-  std::vector<uint64_t> version(f.tensors, 0);
-  for (uint32_t t = 0; t < f.tensors; ++t) fill(state[t], t, 0);
-  StateDict sd;
-  for (uint32_t t = 0; t < f.tensors; ++t)
-    sd.add("layer" + std::to_string(t / 4) + ".param" + std::to_string(t % 4),
-           TensorView(state[t].data(), DType::f32, {static_cast<int64_t>(words_per * 2)}));
-
-  SaveHandle inflight;
-  std::vector<uint64_t> saved_version;
-  std::vector<SaveHandle> done;
-  int failures = 0;
-  auto poll = [&](bool block) {
-    if (!inflight.valid()) return;
-    if (block) inflight.wait_committed();
-    if (!inflight.done()) {
-      std::printf("\r  persisting step %" PRIu64 ": %s / %s", inflight.step(),
-                  human_bytes(inflight.bytes_persisted()).c_str(),
-                  human_bytes(inflight.bytes_total()).c_str());
-      std::fflush(stdout);
-      return;
-    }
-    Status st = inflight.wait_committed();
-    if (st.ok()) {
-      report(inflight);
-    } else {
-      std::printf("\n  checkpoint step %" PRIu64 " FAILED: %s\n", inflight.step(),
-                  st.to_string().c_str());
-      ++failures;
-    }
-    done.push_back(inflight);
-    inflight = SaveHandle();
-  };
-
-  const auto t0 = std::chrono::steady_clock::now();
-  for (uint32_t step = 1; step <= f.steps; ++step) {
-    // "Forward/backward": some compute time during which the save proceeds.
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    poll(false);
-    if (step % f.every == 0) {
-      if (inflight.valid()) poll(true);  // one save at a time, as the runtime does
-      inflight = rt.save_async(sd, step);
-      saved_version = version;
-      // The optimizer may not touch parameters before the snapshot is taken.
-      if (Status s = inflight.wait_snapshot(); !s.ok())
-        std::printf("  snapshot of step %u failed: %s\n", step, s.to_string().c_str());
-    }
-    // "Optimizer step": rewrite a quarter of the tensors.
-    for (uint32_t t = step % 4; t < f.tensors; t += 4) fill(state[t], t, ++version[t]);
-  }
-  poll(true);
-  std::printf("trained %u steps in %.1f s; %zu checkpoints, %d failed\n", f.steps,
-              ms_since(t0) / 1000, done.size(), failures);
-  if (saved_version.empty()) return failures ? 1 : 0;
-
-  // Restore into fresh tensors and check every byte against what was saved.
-  const std::string latest = rt.latest();
-  std::vector<std::vector<uint64_t>> fresh(f.tensors, std::vector<uint64_t>(words_per));
-  StateDict out;
-  for (uint32_t t = 0; t < f.tensors; ++t)
-    out.add(sd.entries()[t].key,
-            TensorView(fresh[t].data(), DType::f32, {static_cast<int64_t>(words_per * 2)}));
-  const auto tl = std::chrono::steady_clock::now();
-  Status ls = rt.load(out, latest);
-  const double load_ms = ms_since(tl);
-  if (!ls.ok()) {
-    std::printf("load of %s FAILED: %s\n", latest.c_str(), ls.to_string().c_str());
+  const std::string exe = self_exe();
+  std::string common = " --root " + quote(f.root) + " --state-mib " + std::to_string(f.state_mib) +
+                       " --layers " + std::to_string(f.layers) + " --steps " +
+                       std::to_string(f.steps) + " --every " + std::to_string(f.every);
+  for (const auto& p : f.passthrough) common += " " + quote(p);
+  std::printf("ferry demo: %s model state over %u ranks (row-, column-sharded and replicated "
+              "tensors), %u steps, checkpoint every %u, root %s\n",
+              human_bytes(static_cast<double>(f.state_mib) * (1 << 20)).c_str(), f.ranks, f.steps,
+              f.every, f.root.c_str());
+  std::fflush(stdout);
+  // Unless told otherwise, size each rank's pool to its share of the state
+  // (an instant snapshot) and keep the restoring ranks' pools small: they
+  // only read.
+  bool pool_set = false;
+  for (const auto& s : f.settings) pool_set = pool_set || s.key == "pool-bytes";
+  const uint64_t share_mib = f.state_mib / f.ranks + f.state_mib / f.ranks / 8 + 16;
+  const std::string train_pool = pool_set ? "" : " --set pool-bytes=" + std::to_string(share_mib) + "MiB";
+  const std::string restore_pool = pool_set ? "" : " --set pool-bytes=64MiB";
+  const std::string train_cmd = quote(exe) + " launch -n " + std::to_string(f.ranks) + " -- " +
+                                quote(exe) + " demo --role train" + common + train_pool;
+  if (std::system(train_cmd.c_str()) != 0) {
+    std::printf("ferry demo: training FAILED\n");
     return 1;
   }
-  uint64_t bad = 0;
-  std::vector<uint64_t> expect(words_per);
-  for (uint32_t t = 0; t < f.tensors; ++t) {
-    fill(expect, t, saved_version[t]);
-    if (std::memcmp(expect.data(), fresh[t].data(), words_per * 8) != 0) ++bad;
+  std::printf("ferry demo: restoring the last checkpoint into %u ranks with another sharding\n",
+              f.restore_ranks);
+  std::fflush(stdout);
+  const std::string restore_cmd = quote(exe) + " launch -n " + std::to_string(f.restore_ranks) +
+                                  " -- " + quote(exe) + " demo --role restore" + common +
+                                  restore_pool;
+  if (std::system(restore_cmd.c_str()) != 0) {
+    std::printf("ferry demo: restore FAILED\n");
+    return 1;
   }
-  std::printf("loaded %s in %.0f ms (%.2f GB/s): %s\n", latest.c_str(), load_ms,
-              words_per * 8.0 * f.tensors / (load_ms * 1e6),
-              bad ? "MISMATCH" : "every byte matches the saved state");
-  if (bad) std::printf("  %" PRIu64 " tensors differ\n", bad);
-  return (bad || failures) ? 1 : 0;
+  std::printf("ferry demo: OK: trained on %u ranks, restored on %u, every byte checked\n", f.ranks,
+              f.restore_ranks);
+  return 0;
 }
 
 }  // namespace ferry::cli
