@@ -16,6 +16,13 @@
 #include <string>
 #include <vector>
 
+#include <unistd.h>
+
+#include <atomic>
+#include <thread>
+
+#include "actors/transport.hpp"
+#include "ferry/protocol.hpp"
 #include "ferry/runtime.hpp"
 
 namespace {
@@ -109,6 +116,43 @@ std::string arg(int argc, char** argv, const char* name, const char* fallback) {
   return fallback;
 }
 
+// Rank 1 of --mode garbage: joins with the right token through a bare
+// transport, then sends rank 0 frames that must not crash it. Exit 0 when
+// rank 0 answered the garbage with error reports.
+int send_garbage() {
+  const std::string token = std::getenv("FERRY_JOB_TOKEN") ? std::getenv("FERRY_JOB_TOKEN") : "";
+  ferry::TransportOptions to;
+  to.rank = 1;
+  to.world_size = std::stoi(std::getenv("WORLD_SIZE"));
+  to.port = static_cast<uint16_t>(std::stoi(std::getenv("MASTER_PORT")) + 1);
+  std::atomic<int> reports{0};
+  ferry::TransportCallbacks cb;
+  cb.on_frame = [&](int32_t, std::string bytes) {
+    auto m = ferry::decode_message(bytes);
+    if (m.ok() && std::holds_alternative<ferry::AbortMsg>(*m) &&
+        !std::get<ferry::AbortMsg>(*m).reason.ok())
+      ++reports;
+  };
+  cb.on_peer_failed = [](int32_t, ferry::Status) {};
+  // The job id rank 0 derives from the token (runtime.cpp) is not needed:
+  // the garbage is refused before the job id is looked at.
+  auto t = ferry::Transport::start(
+      to, ferry::encode_message(ferry::JoinMsg{"x", token, 1, to.world_size, "h", getpid()}),
+      ferry::encode_message(ferry::HeartbeatMsg{"x", 1, 0}), cb);
+  if (!t.ok() || !(*t)->wait_peers(30).ok()) return 1;
+  std::string valid = ferry::encode_message(ferry::HeartbeatMsg{"x", 1, 7});
+  const std::vector<std::string> frames = {
+      "", "garbage", std::string(100, '\xff'), valid.substr(0, valid.size() - 3),
+      "FRY1" + std::string(12, '\0') + std::string(64, '\x41'),
+  };
+  for (const auto& f : frames) (*t)->send(0, f);
+  for (int i = 0; i < 100 && reports < 3; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  std::printf("garbage sent: %zu frames, %d error reports back\n", frames.size(), reports.load());
+  (*t)->stop();
+  return reports >= 3 ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -120,6 +164,9 @@ int main(int argc, char** argv) {
   const int many = std::stoi(arg(argc, argv, "--many", "0"));
   const int kill_rank = std::stoi(arg(argc, argv, "--kill-rank", "1"));
   const std::string kill_after = arg(argc, argv, "--kill-after", "plan");
+
+  if (mode == "garbage" && std::getenv("RANK") && std::string(std::getenv("RANK")) == "1")
+    return send_garbage();
 
   ferry::RuntimeArgs ra;
   ra.set("root", root).set("pool-bytes", "4MiB").set("chunk-bytes", "256KiB");
@@ -201,6 +248,7 @@ int main(int argc, char** argv) {
   std::printf("FAILED as expected after %.0f ms: %s\n", ms, st.to_string().c_str());
   if (st.ok()) return 1;
   if (mode == "mismatch") return st.message().find("layers.0.bias") != std::string::npos ? 0 : 1;
+  if (mode == "garbage") return 0;  // rank 0 is alive and reports the failed save
   return st.message().find("rank " + std::to_string(kill_rank)) != std::string::npos ||
                  st.code() == ferry::StatusCode::outcome_unknown
              ? 0

@@ -171,3 +171,13 @@ TEST_CASE("a process with the wrong job token is refused", "[ranks]") {
   CHECK_THAT(r0, Catch::Contains("refused"));
   CHECK_THAT(r0, Catch::Contains("ERROR start"));  // rank 0 never got its peer
 }
+
+TEST_CASE("malformed messages are logged and answered, never a crash", "[ranks]") {
+  TempDir d;
+  auto r = launch(2, "--mode garbage --root " + d.path() + " --set plan-timeout=3s");
+  INFO(r.out);
+  CHECK(r.code == 0);
+  CHECK_THAT(r.out, Catch::Contains("malformed message from rank 1"));
+  CHECK_THAT(r.out, Catch::Contains("error reports back"));
+  CHECK_THAT(r.out, Catch::Contains("FAILED as expected"));  // rank 0 lived to report
+}
