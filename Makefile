@@ -5,7 +5,7 @@ BUILD_TYPE ?= RelWithDebInfo
 CMAKE_FLAGS ?=
 DEMO_ARGS ?=
 
-.PHONY: deps configure build demo test bench clean
+.PHONY: deps configure build demo test bench crashtest clean
 
 deps:
 	bash scripts/install-deps.sh
@@ -25,6 +25,12 @@ test: build
 bench: build
 	$(BUILD)/bench/ferry_bench_save
 	$(BUILD)/bench/ferry_bench_plan
+
+# Kills every rank role at every kill point RUNS times and prints a table
+# (points x roles x runs, torn, lost). ctest runs each point once.
+RUNS ?= 100
+crashtest: build
+	FERRY_CRASH_RUNS=$(RUNS) $(BUILD)/tests/multiproc/ferry_multiproc_tests "[killpoints]"
 
 clean:
 	rm -rf $(BUILD)

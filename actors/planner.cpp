@@ -18,6 +18,7 @@
 #include "actors/actors.hpp"
 #include "actors/messages.hpp"
 #include "ferry/checksum.hpp"
+#include "ferry/kill_point.hpp"
 
 namespace ferry {
 
@@ -131,6 +132,7 @@ void send_result(planner_ptr self) {
     wr.write_ms = m.write_ms;
   });
   const uint64_t id = cur.id;
+  kill_point("writer.report");
   self->request(st.coordinator, caf::infinite, atom::commit_v,
                 CommitRequest{st.ctx->job_id, cur.checkpoint_id, std::move(wr)})
       .then(
@@ -215,12 +217,13 @@ Status make_layouts(planner_state& st) {
       return Status::internal("global plan refers to item " + std::to_string(a.item) + " / file " +
                               std::to_string(a.file) + " this rank does not have");
     const WriteItem& it = cur.local.items[a.item];
-    refs[a.file].push_back({it.key, it.dtype, it.global_shape, a.box});
+    const Box& box = chunk_box(a, it);
+    refs[a.file].push_back({it.key, it.dtype, it.global_shape, box});
     // Splits are along dim 0, so a chunk is one contiguous byte range of the
     // item's row-major bytes.
     uint64_t offset = 0;
-    if (!a.box.offsets.empty() && it.box.sizes[0] > 0)
-      offset = static_cast<uint64_t>(a.box.offsets[0] - it.box.offsets[0]) *
+    if (!box.offsets.empty() && it.box.sizes[0] > 0)
+      offset = static_cast<uint64_t>(box.offsets[0] - it.box.offsets[0]) *
                (it.nbytes / static_cast<uint64_t>(it.box.sizes[0]));
     srcs[a.file].push_back({entries[it.entry].view, offset});
   }
@@ -239,6 +242,7 @@ Status make_layouts(planner_state& st) {
 void on_plan(planner_ptr self, const PlanReply& r) {
   auto& st = self->state;
   auto& cur = st.cur;
+  kill_point("plan.received");
   if (!r.status.ok()) {
     cur.checkpoint_id.clear();  // the coordinator created nothing
     return fail(self, r.status, false);
@@ -299,6 +303,7 @@ void start_next(planner_ptr self) {
               if (self->state.cur.id == id)
                 fail(self, Status::aborted("plan: " + self->system().render(e)));
             });
+  kill_point("plan.sent");
 }
 
 caf::behavior planner_actor(planner_ptr self, ContextPtr ctx, caf::actor coordinator) {

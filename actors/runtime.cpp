@@ -12,6 +12,8 @@
 #include "actors/messages.hpp"
 #include "ferry/catalog.hpp"
 #include "ferry/checksum.hpp"
+#include "ferry/kill_point.hpp"
+#include "ferry/verify.hpp"
 
 namespace ferry {
 
@@ -261,6 +263,7 @@ Runtime::Runtime(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Result<std::unique_ptr<Runtime>> Runtime::create(RuntimeArgs args) {
   const std::string config_file = config_file_from(args);
   FERRY_ASSIGN_OR_RETURN(Options opts, load_options(args.settings, config_file));
+  if (const char* k = std::getenv("FERRY_KILL_AT"); k && *k) FERRY_RETURN_IF_ERROR(check_kill_spec(k));
   if (args.world_size < 1 || args.rank < 0 || args.rank >= args.world_size)
     return Status::invalid_argument("rank " + std::to_string(args.rank) + " outside world size " +
                                     std::to_string(args.world_size));
@@ -281,6 +284,7 @@ Result<std::unique_ptr<Runtime>> Runtime::create(RuntimeArgs args) {
   if (auto err = impl->cfg.parse(caf_args, ini.empty() ? nullptr : ini.c_str()))
     return Status::invalid_argument("actor system config: " + caf::to_string(err));
 
+  set_kill_point_rank(args.rank);
   auto ctx = std::make_shared<RankContext>();
   ctx->opts = opts;
   ctx->rank = args.rank;
@@ -419,6 +423,11 @@ Status Runtime::load(StateDict& sd, const std::string& path) {
 
 std::string Runtime::latest(const std::string& root) const {
   auto r = find_latest(*impl_->ctx->fs, root.empty() ? impl_->ctx->opts.root : root);
+  return r.ok() ? r->path : "";
+}
+
+std::string Runtime::latest_valid(const std::string& root) const {
+  auto r = ferry::latest_valid(*impl_->ctx->fs, root.empty() ? impl_->ctx->opts.root : root);
   return r.ok() ? r->path : "";
 }
 

@@ -4,6 +4,7 @@
 
 #include "actors/actors.hpp"
 #include "actors/messages.hpp"
+#include "ferry/kill_point.hpp"
 
 namespace ferry {
 
@@ -28,6 +29,7 @@ caf::behavior writer_actor(caf::stateful_actor<writer_state>* self, ContextPtr c
           status = data.status();
         } else {
           status = w.file->pwrite(*data, w.write_len, w.block.offset);
+          if (status.ok()) kill_point("writer.write");
         }
         // Returning the block first lets the snapshot refill it while the
         // planner handles the report.
@@ -47,17 +49,25 @@ caf::behavior writer_actor(caf::stateful_actor<writer_state>* self, ContextPtr c
             return out;
           }
           out.files.emplace_back(std::move(f).value());
+          kill_point("writer.open");
         }
         return out;
       },
       // Cuts the O_DIRECT padding, makes the file durable and closes it.
       [self](atom::finish, const std::shared_ptr<File>& f, uint64_t size) -> Status {
         FERRY_RETURN_IF_ERROR(f->truncate(size));
-        if (self->state.ctx->opts.fsync) FERRY_RETURN_IF_ERROR(f->sync());
-        return f->close();
+        if (self->state.ctx->opts.fsync) {
+          FERRY_RETURN_IF_ERROR(f->sync());
+          kill_point("writer.fsync");
+        }
+        FERRY_RETURN_IF_ERROR(f->close());
+        kill_point("writer.close");
+        return Status();
       },
       [self](atom::syncdir, const std::string& dir) -> Status {
-        return self->state.ctx->fs->sync_dir(dir);
+        FERRY_RETURN_IF_ERROR(self->state.ctx->fs->sync_dir(dir));
+        kill_point("dir.fsync");
+        return Status();
       },
   };
 }

@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -41,6 +42,10 @@ using Clock = std::chrono::steady_clock;
 constexpr uint64_t kMiB = 1ull << 20;
 constexpr uint64_t kRawBlock = 8 * kMiB;
 constexpr uint64_t kAlign = 4096;
+
+// Thrown after the message is printed, so main unwinds and the scratch
+// directory (checkpoints, raw file) is removed on a failure too.
+struct Fatal {};
 
 double ms_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
@@ -160,7 +165,7 @@ class Region {
     if (p == MAP_FAILED) {
       std::fprintf(stderr, "mmap of %llu bytes failed: %s\n",
                    static_cast<unsigned long long>(mapped_), std::strerror(errno));
-      std::exit(1);
+      throw Fatal{};
     }
     base_ = static_cast<uint8_t*>(p);
     data_ = base_;
@@ -233,7 +238,7 @@ class ScratchDir {
     if (!mkdtemp(tmpl.data())) {
       std::fprintf(stderr, "cannot create a directory in %s: %s\n", parent.c_str(),
                    std::strerror(errno));
-      std::exit(1);
+      throw Fatal{};
     }
     path_ = tmpl;
   }
@@ -269,7 +274,7 @@ SaveSample timed_save(ferry::Runtime& rt, const ferry::StateDict& sd, uint64_t s
   if (!snap.ok() || !done.ok()) {
     std::fprintf(stderr, "save of step %llu failed: %s\n", static_cast<unsigned long long>(step),
                  (done.ok() ? snap : done).to_string().c_str());
-    std::exit(1);
+    throw Fatal{};
   }
   std::error_code ec;
   std::filesystem::remove_all(h.path(), ec);
@@ -295,11 +300,12 @@ RawResult raw_write(const std::string& path, uint64_t bytes, const uint8_t* buf,
   }
   if (fd < 0) {
     std::fprintf(stderr, "open %s: %s\n", path.c_str(), std::strerror(errno));
-    std::exit(1);
+    throw Fatal{};
   }
   const uint64_t blocks = (bytes + kRawBlock - 1) / kRawBlock;
+  std::atomic<bool> failed{false};  // threads cannot throw: they report here
   auto write_blocks = [&](uint32_t first) {
-    for (uint64_t b = first; b < blocks; b += threads) {
+    for (uint64_t b = first; b < blocks && !failed; b += threads) {
       const uint64_t off = b * kRawBlock;
       const uint64_t len = std::min(kRawBlock, (bytes - off + kAlign - 1) / kAlign * kAlign);
       for (uint64_t done = 0; done < len;) {
@@ -309,7 +315,8 @@ RawResult raw_write(const std::string& path, uint64_t bytes, const uint8_t* buf,
           std::fprintf(stderr, "pwrite %s at %llu: %s\n", path.c_str(),
                        static_cast<unsigned long long>(off + done),
                        n < 0 ? std::strerror(errno) : "no progress");
-          std::exit(1);
+          failed = true;
+          return;
         }
         done += static_cast<uint64_t>(n);
       }
@@ -319,9 +326,13 @@ RawResult raw_write(const std::string& path, uint64_t bytes, const uint8_t* buf,
   for (uint32_t t = 1; t < threads; ++t) pool.emplace_back(write_blocks, t);
   write_blocks(0);
   for (auto& t : pool) t.join();
+  if (failed) {
+    ::close(fd);
+    throw Fatal{};
+  }
   if (::fsync(fd) != 0) {
     std::fprintf(stderr, "fsync %s: %s\n", path.c_str(), std::strerror(errno));
-    std::exit(1);
+    throw Fatal{};
   }
   ::close(fd);
   const double ms = ms_since(t0);
@@ -351,10 +362,7 @@ const char* verdict(bool applies, bool pass) {
   return !applies ? "n/a " : pass ? "PASS" : "MISS";
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  const Flags flags = parse(argc, argv);
+int run(const Flags& flags) {
   const uint64_t state_bytes = flags.state_mib * kMiB;
 
   std::string parent = flags.dir;
@@ -538,4 +546,15 @@ int main(int argc, char** argv) {
       raw_direct ? "true" : "false", save_async_ms, snapshot_ms, memcpy_ms, snapshot_ratio,
       ferry_ms, raw_ms, peak_mib, baseline_mib, growth_mib);
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Flags flags = parse(argc, argv);
+  try {
+    return run(flags);
+  } catch (const Fatal&) {
+    return 1;
+  }
 }

@@ -42,8 +42,9 @@ struct LocalPlan {
 # One piece that a rank writes: all of an item, or a dim-0 slice of it.
 struct ChunkAssignment {
   item @0 :UInt32;                 # index into the rank's LocalPlan.items
-  box @1 :Box;                     # inside the item's box
+  box @1 :Box;                     # inside the item's box; unset when whole
   file @2 :UInt32;                 # index of the rank's file, < RankPlan.files
+  whole @3 :Bool;                  # all of the item, whose box the rank has: no box sent
 }
 
 # One rank's part of the global plan.

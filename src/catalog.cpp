@@ -1,6 +1,7 @@
 // The catalog reads a checkpoint root only through the Filesystem interface,
 // so fault-injection tests see every call it makes.
 #include "ferry/catalog.hpp"
+#include "ferry/kill_point.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -143,7 +144,12 @@ Result<GcReport> collect_garbage(Filesystem& fs, const std::string& root, int64_
     bool expired;
     int64_t expires = 0;
     Result<std::string> lease = read_file(fs, join_path(path, kLeaseFileName));
-    if (lease.ok() && parse_lease(*lease, &expires)) {
+    // Checkpoints moved aside by retention or by an overwrite are garbage by
+    // construction: no save owns them.
+    if (name.find("-retired-") != std::string::npos ||
+        name.find("-replaced-") != std::string::npos) {
+      expired = true;
+    } else if (lease.ok() && parse_lease(*lease, &expires)) {
       expired = expires < now_unix_ms;
     } else {
       // No lease yet (a save that just made its directory) or a torn one:
@@ -156,6 +162,7 @@ Result<GcReport> collect_garbage(Filesystem& fs, const std::string& root, int64_
       expired = st->mtime_unix_ms < now_unix_ms - grace_ms;
     }
     if (expired) {
+      kill_point("gc.delete");
       FERRY_RETURN_IF_ERROR(remove_all(fs, path));
       report.removed.push_back(path);
     } else {
@@ -187,6 +194,7 @@ Result<std::vector<std::string>> apply_retention(Filesystem& fs, const std::stri
     FERRY_RETURN_IF_ERROR(fs.rename(c.path, trash));
     FERRY_RETURN_IF_ERROR(fs.sync_dir(root));
     removed.push_back(c.path);
+    kill_point("retention.delete");
     FERRY_RETURN_IF_ERROR(remove_all(fs, trash));
   }
   FERRY_RETURN_IF_ERROR(fs.sync_dir(root));

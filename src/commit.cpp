@@ -4,6 +4,7 @@
 #include <map>
 
 #include "ferry/catalog.hpp"
+#include "ferry/kill_point.hpp"
 
 namespace ferry {
 
@@ -60,7 +61,9 @@ Status prepare_pending(Filesystem& fs, const std::string& root, const std::strin
     return Status::already_exists("checkpoint " + step_dir +
                                   " already exists (save with overwrite to replace it)");
   FERRY_RETURN_IF_ERROR(fs.mkdir(pending_dir));
-  return write_lease(fs, pending_dir, now_unix_ms() + lease_ms, owner);
+  FERRY_RETURN_IF_ERROR(write_lease(fs, pending_dir, now_unix_ms() + lease_ms, owner));
+  kill_point("pending.created");
+  return Status();
 }
 
 Result<CommitOutcome> commit_checkpoint(Filesystem& fs, const std::string& root,
@@ -74,11 +77,8 @@ Result<CommitOutcome> commit_checkpoint(Filesystem& fs, const std::string& root,
   manifest.commit_seq = seq + 1;
   manifest.fsynced = opts.fsync;
 
-  // The lease only protects a save in progress; a committed directory has none.
-  Status st = fs.unlink(join_path(pending_dir, kLeaseFileName));
-  if (!st.ok() && st.code() != StatusCode::not_found) return st;
   FERRY_RETURN_IF_ERROR(write_file_atomic(fs, join_path(pending_dir, kManifestFileName),
-                                          encode_manifest(manifest), opts.fsync));
+                                          encode_manifest(manifest), opts.fsync, "manifest"));
 
   const std::string name = step_dir_name(manifest.step);
   const std::string step_dir = join_path(root, name);
@@ -93,10 +93,16 @@ Result<CommitOutcome> commit_checkpoint(Filesystem& fs, const std::string& root,
     FERRY_RETURN_IF_ERROR(fs.rename(step_dir, displaced));
   }
   FERRY_RETURN_IF_ERROR(fs.rename(pending_dir, step_dir));  // the commit point
+  kill_point("commit.rename");
+  // The lease protected the save while it was pending (a crash before the
+  // rename leaves a directory gc may take once it expires); a committed
+  // directory needs none. Not in the manifest, so a leftover is harmless.
+  (void)fs.unlink(join_path(step_dir, kLeaseFileName));
   CommitOutcome out{step_dir, manifest.commit_seq, {}};
   if (opts.fsync) FERRY_RETURN_IF_ERROR(fs.sync_dir(root));
-  FERRY_RETURN_IF_ERROR(
-      write_file_atomic(fs, join_path(root, kLatestFileName), name + "\n", opts.fsync));
+  kill_point("root.fsync");
+  FERRY_RETURN_IF_ERROR(write_file_atomic(fs, join_path(root, kLatestFileName), name + "\n",
+                                          opts.fsync, "latest"));
   if (!displaced.empty()) FERRY_RETURN_IF_ERROR(remove_all(fs, displaced));
   FERRY_ASSIGN_OR_RETURN(out.retired, apply_retention(fs, root, opts.keep_last));
   return out;

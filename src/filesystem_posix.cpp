@@ -11,6 +11,7 @@
 #include <mutex>
 
 #include "ferry/filesystem.hpp"
+#include "ferry/kill_point.hpp"
 
 namespace ferry {
 namespace {
@@ -262,7 +263,10 @@ Result<std::string> read_file(Filesystem& fs, const std::string& path) {
 }
 
 Status write_file_atomic(Filesystem& fs, const std::string& path, const std::string& bytes,
-                         bool sync) {
+                         bool sync, const char* kill_prefix) {
+  auto point = [kill_prefix](const char* step) {
+    if (kill_prefix) kill_point((std::string(kill_prefix) + "." + step).c_str());
+  };
   static std::atomic<uint64_t> counter{0};
   std::string tmp = path + ".tmp-" + std::to_string(::getpid()) + "-" +
                     std::to_string(counter.fetch_add(1, std::memory_order_relaxed));
@@ -272,7 +276,11 @@ Status write_file_atomic(Filesystem& fs, const std::string& path, const std::str
   o.exclusive = true;
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<File> f, fs.open(tmp, o));
   Status st = f->pwrite(bytes.data(), bytes.size(), 0);
-  if (st.ok() && sync) st = f->sync();
+  if (st.ok()) point("write");
+  if (st.ok() && sync) {
+    st = f->sync();
+    if (st.ok()) point("fsync");
+  }
   Status closed = f->close();
   if (st.ok()) st = closed;
   if (st.ok()) st = fs.rename(tmp, path);
@@ -280,7 +288,9 @@ Status write_file_atomic(Filesystem& fs, const std::string& path, const std::str
     (void)fs.unlink(tmp);  // best effort: the first error is the one to report
     return st;
   }
+  point("rename");
   if (sync) FERRY_RETURN_IF_ERROR(fs.sync_dir(parent_path(path)));
+  point("dirsync");
   return Status::ok_status();
 }
 

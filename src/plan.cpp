@@ -118,16 +118,32 @@ namespace {
 constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();
 constexpr uint32_t kWhole = kNone - 1;
 
+// How the non-empty boxes of a key lie, as far as intern() has seen them in
+// rank order. `whole` and `chain` prove that the boxes tile the tensor with
+// nothing to sort or check; `other` sends the key through group_key.
+enum class Layout : uint8_t {
+  none,   // no non-empty box yet
+  whole,  // each box is the whole tensor: one replica group
+  chain,  // the boxes abut along one dimension and span the others: no replicas
+  other,
+};
+
 struct KeyInfo {
   std::string_view key;
   const WriteItem* first;  // fixes the dtype and global shape of the key
+  const int64_t* global;   // first->global_shape.data(), one load nearer
+  DType dtype;
+  Layout layout;
   uint32_t first_rank;
   uint32_t last_rank;  // catches a key listed twice by one rank
   uint32_t count;
   uint32_t ndim;
+  uint32_t holders;  // items with a non-empty box (whole and chain only)
+  uint32_t along;    // chain: the dimension the boxes cut
+  int64_t next;      // chain: where the next box must start along it
   uint64_t dsize;
   int64_t global_numel;
-  uint32_t begin;   // group_general: the key's first slot
+  uint32_t begin;   // group_general: the key's first slot; place: its next member
   size_t box_base;  // group_general: where its boxes start
 };
 
@@ -153,12 +169,47 @@ struct Group {
   uint32_t end;
   int64_t rows;  // the box's dim-0 size (0 for a 0-d tensor): what a split cuts
   uint64_t nbytes;
+  uint32_t key;  // with the group's index, a key's groups in box order: the tie-break
+  size_t box;    // its box in group_boxes_ (offsets, then sizes)
 };
 
 struct Slice {
   int64_t begin;  // rows from the item's dim-0 offset
   int64_t rows;
+  uint32_t group;
 };
+
+// Keys run to a few dozen bytes and almost always match: comparing them a word
+// at a time inline beats a call to memcmp, which dominated the walk.
+uint64_t load_u64(const char* p) {
+  uint64_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+bool same_key(std::string_view a, std::string_view b) {
+  const size_t n = a.size();
+  if (n != b.size()) return false;
+  const char* x = a.data();
+  const char* y = b.data();
+  if (n < 8) {
+    for (size_t i = 0; i < n; ++i)
+      if (x[i] != y[i]) return false;
+    return true;
+  }
+  uint64_t diff = 0;
+  for (size_t i = 0; i + 8 <= n; i += 8) diff |= load_u64(x + i) ^ load_u64(y + i);
+  diff |= load_u64(x + n - 8) ^ load_u64(y + n - 8);  // the tail, overlapping
+  return diff == 0;
+}
+
+bool same_dims(const std::vector<int64_t>& v, const int64_t* want, size_t n) {
+  if (v.size() != n) return false;
+  const int64_t* p = v.data();
+  for (size_t d = 0; d < n; ++d)
+    if (p[d] != want[d]) return false;
+  return true;
+}
 
 int cmp_row(const int64_t* a, const int64_t* b, size_t n) {
   for (size_t i = 0; i < n; ++i)
@@ -180,12 +231,16 @@ int64_t row_numel(const int64_t* sizes, size_t ndim) {
 // The whole of make_global_plan, in passes:
 //   intern: one walk over every item of every rank (the only one that reads
 //           the WriteItems' heap data): key ids, validation, boxes copied into
-//           fbox_, a flat int64 array in rank order.
-//   group:  per key, its items side by side sorted by box: replica groups, and
-//           the check that distinct boxes tile the tensor. Groups held by one
-//           rank are assigned at once.
+//           fbox_, a flat int64 array in rank order, and each key's layout.
+//   place:  the keys whose layout intern() recognised (replicated, or sharded
+//           along one dimension in rank order: most of them) in one walk over
+//           fbox_; no sort, no cover check.
+//   group:  per other key, its items side by side sorted by box: replica
+//           groups, and the check that distinct boxes tile the tensor.
+//   Groups held by one rank are assigned as soon as they are found.
 //   assign: replicated groups, by the policy.
-//   emit:   one walk in rank order building the RankPlans from fbox_.
+//   emit:   one walk in rank order building the RankPlans; only split chunks
+//           get a box of their own (a slice of their group's).
 // Scratch vectors are reused across keys, so the per-key work allocates
 // nothing once they have grown.
 class GlobalPlanner {
@@ -199,7 +254,8 @@ class GlobalPlanner {
     FERRY_RETURN_IF_ERROR(intern());
     assign_.assign(base_.back(), kNone);
     chunks_of_.assign(plans_.size(), 0);
-    if (opts_.policy == OwnerPolicy::balanced) load_.assign(plans_.size(), 0);
+    load_.assign(plans_.size(), 0);
+    place();
     FERRY_RETURN_IF_ERROR(uniform_ ? group_uniform() : group_general());
     if (opts_.policy == OwnerPolicy::lowest_rank)
       assign_lowest();
@@ -237,7 +293,7 @@ class GlobalPlanner {
     if (it.box.offsets.size() != n || it.box.sizes.size() != n) return false;
     const int64_t* o = it.box.offsets.data();
     const int64_t* s = it.box.sizes.data();
-    const int64_t* g = it.global_shape.data();
+    const int64_t* g = k.global;
     int64_t numel = 1;
     for (size_t d = 0; d < n; ++d) {
       if (o[d] < 0 || s[d] < 0 || o[d] > g[d] || s[d] > g[d] - o[d]) return false;
@@ -284,6 +340,65 @@ class GlobalPlanner {
     }
   }
 
+  // Follows the layout of a key as its boxes arrive in rank order (see
+  // Layout). Empty boxes are passed over: they hold nothing, and group_key
+  // passes over them too. The key's tensor is not empty (else it is `other`),
+  // so a box that spans a dimension is not empty in it. Called for every item
+  // while intern() waits on memory: the usual case, a box that continues its
+  // key's layout, is a few compares without branches.
+  static void track(KeyInfo* k, const int64_t* box) {
+    const size_t nd = k->ndim;
+    const int64_t* g = k->global;
+    if (k->layout == Layout::chain) {
+      const size_t a = k->along;
+      int64_t diff = box[a] ^ k->next;
+      for (size_t d = 0; d < nd; ++d)
+        if (d != a) diff |= box[d] | (box[nd + d] ^ g[d]);
+      if (diff == 0) {  // the next link, or an empty box where it would start
+        k->next += box[nd + a];
+        k->holders += box[nd + a] != 0;
+        return;
+      }
+    } else if (k->layout == Layout::whole) {
+      int64_t diff = 0;
+      for (size_t d = 0; d < nd; ++d) diff |= box[d] | (box[nd + d] ^ g[d]);
+      if (diff == 0) {
+        k->holders++;
+        return;
+      }
+    } else if (k->layout == Layout::other) {
+      return;
+    }
+    track_rest(k, box);
+  }
+
+  // track(): a key's first non-empty box, empty boxes, and boxes that end a
+  // layout.
+  static void track_rest(KeyInfo* k, const int64_t* box) {
+    const size_t nd = k->ndim;
+    const int64_t* g = k->global;
+    size_t cut = nd, cuts = 0;  // the dimensions the box does not span
+    for (size_t d = 0; d < nd; ++d) {
+      if (box[nd + d] == 0) return;  // empty
+      if (box[d] != 0 || box[nd + d] != g[d]) {
+        if (cuts++ == 0) cut = d;
+      }
+    }
+    if (k->layout != Layout::none) {
+      k->layout = Layout::other;
+    } else if (cuts == 0) {
+      k->layout = Layout::whole;
+      k->holders = 1;
+    } else if (cuts == 1 && box[cut] == 0) {
+      k->layout = Layout::chain;
+      k->along = static_cast<uint32_t>(cut);
+      k->next = box[nd + cut];
+      k->holders = 1;
+    } else {
+      k->layout = Layout::other;
+    }
+  }
+
   // Gives every key a dense id in order of first appearance, checks each item
   // against its key and copies its box into fbox_. Ranks usually list the same
   // keys in the same order, so the id found at the same position on the
@@ -317,13 +432,20 @@ class GlobalPlanner {
         const WriteItem& it = items[i];
         const std::string_view name(it.key);
         uint32_t id = prev[i];
-        if (id == kNone || keys_[id].key != name) {
+        if (id == kNone || !same_key(keys_[id].key, name)) {
           auto found = ids_.find(name);
           id = found == ids_.end() ? kNone : found->second;
         }
         if (id == kNone) {
-          KeyInfo k{name, &it, r, r, 0, 0, 0, 0, 0, 0};
+          KeyInfo k{};
+          k.key = name;
+          k.first = &it;
+          k.global = it.global_shape.data();
+          k.dtype = it.dtype;
+          k.first_rank = k.last_rank = r;
           FERRY_RETURN_IF_ERROR(init_key(r, it, &k));
+          // A zero-size tensor still gets one chunk: group_key knows how.
+          k.layout = k.global_numel == 0 ? Layout::other : Layout::none;
           id = static_cast<uint32_t>(keys_.size());
           keys_.push_back(k);
           ids_.emplace(name, id);
@@ -333,7 +455,7 @@ class GlobalPlanner {
             return Status::invalid_argument("rank " + std::to_string(r) + " lists tensor '" +
                                             it.key + "' twice");
           k.last_rank = r;
-          if (it.dtype != k.first->dtype || it.global_shape != k.first->global_shape)
+          if (it.dtype != k.dtype || !same_dims(it.global_shape, k.global, k.ndim))
             return Status::invalid_argument(
                 "tensor '" + it.key + "': rank " + std::to_string(k.first_rank) + " has " +
                 dtype_name(k.first->dtype) + " " + dims_str(k.first->global_shape) + ", rank " +
@@ -343,9 +465,11 @@ class GlobalPlanner {
         KeyInfo& k = keys_[id];
         if (!box_ok(it, k)) return box_error(r, it, k);
         if (fbox_len_ + 2 * k.ndim > fbox_cap_) grow_fbox(2 * k.ndim);
-        copy_row(fbox_.get() + fbox_len_, it.box.offsets.data(), k.ndim);
-        copy_row(fbox_.get() + fbox_len_ + k.ndim, it.box.sizes.data(), k.ndim);
+        int64_t* row = fbox_.get() + fbox_len_;
+        copy_row(row, it.box.offsets.data(), k.ndim);
+        copy_row(row + k.ndim, it.box.sizes.data(), k.ndim);
         fbox_len_ += 2 * k.ndim;
+        track(&k, row);
         k.count++;
         key_of[i] = id;
         prev[i] = id;
@@ -362,12 +486,64 @@ class GlobalPlanner {
     fbox_ = std::move(bigger);
   }
 
-  // Any layout: a counting sort of all items by key (stable, so each key's
-  // slots come out in ascending rank) with their boxes, then each key.
+  // Settles the keys whose layout intern() recognised: a chain must end at
+  // the tensor's end (else it leaves a gap: `other` then finds and names it).
+  // Whole copies held by several ranks become one replica group, members in
+  // ascending rank; every other non-empty box is a group of its own and is
+  // given to its rank at once. Groups are numbered in key order, as group_key
+  // numbers them, so that the order of their ties does not depend on which
+  // pass found them.
+  void place() {
+    for (uint32_t kid = 0; kid < keys_.size(); ++kid) {
+      KeyInfo& k = keys_[kid];
+      if (k.layout == Layout::none || (k.layout == Layout::chain && k.next != k.global[k.along]))
+        k.layout = Layout::other;
+      if (k.layout == Layout::other) {
+        slow_.push_back(kid);
+        continue;
+      }
+      if (k.layout == Layout::whole && k.holders >= 2) {
+        k.begin = static_cast<uint32_t>(members_.size());
+        groups_.push_back({k.begin, k.begin + k.holders, k.ndim >= 1 ? k.global[0] : 0,
+                           static_cast<uint64_t>(k.global_numel) * k.dsize, kid,
+                           group_boxes_.size()});
+        group_boxes_.insert(group_boxes_.end(), k.ndim, 0);
+        group_boxes_.insert(group_boxes_.end(), k.global, k.global + k.ndim);
+        members_.resize(members_.size() + k.holders);
+        unique_items_ += 1;
+      } else {
+        unique_items_ += k.holders;
+      }
+    }
+    if (slow_.size() == keys_.size()) return;
+    const int64_t* box = fbox_.get();
+    for (uint32_t r = 0; r < plans_.size(); ++r) {
+      const uint32_t n = static_cast<uint32_t>(plans_[r].items.size());
+      const uint32_t* key_of = key_of_.get() + base_[r];
+      for (uint32_t i = 0; i < n; ++i) {
+        KeyInfo& k = keys_[key_of[i]];
+        const int64_t* row = box;
+        box += 2 * k.ndim;
+        if (k.layout == Layout::other) continue;
+        const int64_t numel = row_numel(row + k.ndim, k.ndim);
+        if (numel == 0) continue;
+        if (k.layout == Layout::whole && k.holders >= 2)
+          members_[k.begin++] = {r, i};
+        else
+          give({r, i}, kWhole, static_cast<uint64_t>(numel) * k.dsize);
+      }
+    }
+  }
+
+  // Any layout: a counting sort of the other keys' items by key (stable, so
+  // each key's slots come out in ascending rank) with their boxes, then each
+  // of those keys.
   Status group_general() {
+    if (slow_.empty()) return Status();
     uint32_t pos = 0;
     size_t box = 0;
-    for (KeyInfo& k : keys_) {
+    for (uint32_t kid : slow_) {
+      KeyInfo& k = keys_[kid];
       k.begin = pos;
       k.box_base = box;
       pos += k.count;
@@ -377,9 +553,9 @@ class GlobalPlanner {
     std::unique_ptr<int64_t[]> kbox(new int64_t[box]);
     std::vector<uint32_t> next(keys_.size());
     std::vector<int64_t*> next_box(keys_.size());
-    for (size_t k = 0; k < keys_.size(); ++k) {
-      next[k] = keys_[k].begin;
-      next_box[k] = kbox.get() + keys_[k].box_base;
+    for (uint32_t kid : slow_) {
+      next[kid] = keys_[kid].begin;
+      next_box[kid] = kbox.get() + keys_[kid].box_base;
     }
     const int64_t* src = fbox_.get();
     for (uint32_t r = 0; r < plans_.size(); ++r) {
@@ -388,65 +564,73 @@ class GlobalPlanner {
       for (uint32_t i = 0; i < n; ++i) {
         const uint32_t k = key_of[i];
         const size_t width = 2 * keys_[k].ndim;
-        slots[next[k]++] = {r, i};
-        copy_row(next_box[k], src, width);
-        next_box[k] += width;
+        if (keys_[k].layout == Layout::other) {
+          slots[next[k]++] = {r, i};
+          copy_row(next_box[k], src, width);
+          next_box[k] += width;
+        }
         src += width;
       }
     }
-    for (uint32_t k = 0; k < keys_.size(); ++k) {
-      const KeyInfo& key = keys_[k];
+    for (uint32_t kid : slow_) {
+      const KeyInfo& key = keys_[kid];
       KeyItems v{slots.get() + key.begin, kbox.get() + key.box_base, 2 * key.ndim};
-      FERRY_RETURN_IF_ERROR(group_key(k, v));
+      FERRY_RETURN_IF_ERROR(group_key(kid, v));
     }
     return Status();
   }
 
   // Every rank lists the same keys in the same order (item i is key i), so
-  // fbox_ is a ranks x keys matrix of boxes. It is transposed a block of keys
-  // at a time into a buffer small enough to stay in cache while those keys are
-  // grouped, instead of through a copy of everything.
+  // fbox_ is a ranks x keys matrix of boxes. The other keys' columns are
+  // transposed a block of keys at a time into a buffer small enough to stay in
+  // cache while those keys are grouped, instead of through a copy of
+  // everything.
   Status group_uniform() {
     const uint32_t nranks = static_cast<uint32_t>(plans_.size());
     const uint32_t nkeys = static_cast<uint32_t>(keys_.size());
     std::vector<size_t> in_row(nkeys + 1);  // a key's box within a rank's row of fbox_
     for (uint32_t i = 0; i < nkeys; ++i) in_row[i + 1] = in_row[i] + 2 * keys_[i].ndim;
     const size_t row = in_row[nkeys];
+    auto width = [&](uint32_t kid) { return in_row[kid + 1] - in_row[kid]; };
     constexpr size_t kBlockBytes = 1 << 20;
     constexpr uint32_t kRowsAhead = 4;
     const size_t slot_bytes = static_cast<size_t>(nranks) * sizeof(Slot);
-    for (uint32_t kb = 0; kb < nkeys;) {
-      uint32_t ke = kb + 1;
-      size_t bytes = slot_bytes + nranks * (in_row[ke] - in_row[kb]) * sizeof(int64_t);
-      while (ke < nkeys) {
-        const size_t more = slot_bytes + nranks * (in_row[ke + 1] - in_row[ke]) * sizeof(int64_t);
+    std::vector<size_t> in_block;  // a key's column within the block
+    for (size_t kb = 0; kb < slow_.size();) {
+      size_t ke = kb + 1;
+      size_t bytes = slot_bytes + nranks * width(slow_[kb]) * sizeof(int64_t);
+      while (ke < slow_.size()) {
+        const size_t more = slot_bytes + nranks * width(slow_[ke]) * sizeof(int64_t);
         if (bytes + more > kBlockBytes) break;
         bytes += more;
         ++ke;
       }
-      block_slots_.resize(static_cast<size_t>(ke - kb) * nranks);
-      block_box_.resize(nranks * (in_row[ke] - in_row[kb]));
+      in_block.assign(1, 0);
+      for (size_t j = kb; j < ke; ++j) in_block.push_back(in_block.back() + width(slow_[j]));
+      block_slots_.resize((ke - kb) * nranks);
+      block_box_.resize(nranks * in_block.back());
       for (uint32_t r = 0; r < nranks; ++r) {
         const int64_t* src = fbox_.get() + r * row;
         if (r + kRowsAhead < nranks) {
           // Rows lie far apart: no hardware prefetcher follows this walk.
-          const char* next = reinterpret_cast<const char*>(src + kRowsAhead * row + in_row[kb]);
-          const size_t len = (in_row[ke] - in_row[kb]) * sizeof(int64_t);
-          for (size_t off = 0; off < len; off += 64) __builtin_prefetch(next + off);
-          if (len) __builtin_prefetch(next + len - 1);
+          const int64_t* ahead = src + kRowsAhead * row;
+          for (size_t j = kb; j < ke; ++j) {
+            const uint32_t kid = slow_[j];
+            __builtin_prefetch(ahead + in_row[kid]);
+            __builtin_prefetch(ahead + in_row[kid + 1] - 1);
+          }
         }
-        for (uint32_t i = kb; i < ke; ++i) {
-          const size_t width = in_row[i + 1] - in_row[i];
-          block_slots_[static_cast<size_t>(i - kb) * nranks + r] = {r, i};
-          copy_row(block_box_.data() + nranks * (in_row[i] - in_row[kb]) + r * width,
-                   src + in_row[i], width);
+        for (size_t j = kb; j < ke; ++j) {
+          const uint32_t kid = slow_[j];
+          const size_t w = width(kid);
+          block_slots_[(j - kb) * nranks + r] = {r, kid};
+          copy_row(block_box_.data() + nranks * in_block[j - kb] + r * w, src + in_row[kid], w);
         }
       }
-      for (uint32_t i = kb; i < ke; ++i) {
-        KeyItems v{block_slots_.data() + static_cast<size_t>(i - kb) * nranks,
-                   block_box_.data() + nranks * (in_row[i] - in_row[kb]),
-                   in_row[i + 1] - in_row[i]};
-        FERRY_RETURN_IF_ERROR(group_key(i, v));
+      for (size_t j = kb; j < ke; ++j) {
+        KeyItems v{block_slots_.data() + (j - kb) * nranks,
+                   block_box_.data() + nranks * in_block[j - kb], width(slow_[j])};
+        FERRY_RETURN_IF_ERROR(group_key(slow_[j], v));
       }
       kb = ke;
     }
@@ -491,7 +675,7 @@ class GlobalPlanner {
       // A zero-size tensor is written once (its first group) so that the
       // manifest still lists it; empty shards of other tensors hold nothing.
       if (k.global_numel == 0 ? g == 0 : numel != 0) {
-        add_group(k, v, g, ge, static_cast<uint64_t>(numel) * k.dsize);
+        add_group(kid, v, g, ge, static_cast<uint64_t>(numel) * k.dsize);
         if (k.global_numel != 0) distinct_.push_back(g);
       }
       g = ge;
@@ -503,17 +687,18 @@ class GlobalPlanner {
 
   // A group held by one rank can only go to that rank, whatever the policy:
   // it is assigned at once. Replicated groups wait for the policy.
-  void add_group(const KeyInfo& k, const KeyItems& v, uint32_t begin, uint32_t end,
-                 uint64_t nbytes) {
+  void add_group(uint32_t kid, const KeyItems& v, uint32_t begin, uint32_t end, uint64_t nbytes) {
+    const KeyInfo& k = keys_[kid];
     unique_items_++;
     if (end - begin == 1) {
-      give(v.slots[begin], kWhole);
-      if (!load_.empty()) load_[v.slots[begin].rank] += nbytes;
+      give(v.slots[begin], kWhole, nbytes);
       return;
     }
     const int64_t rows = k.ndim >= 1 ? v.box(begin)[k.ndim] : 0;
     groups_.push_back({static_cast<uint32_t>(members_.size()),
-                       static_cast<uint32_t>(members_.size() + end - begin), rows, nbytes});
+                       static_cast<uint32_t>(members_.size() + end - begin), rows, nbytes, kid,
+                       group_boxes_.size()});
+    group_boxes_.insert(group_boxes_.end(), v.box(begin), v.box(begin) + v.width);
     members_.insert(members_.end(), v.slots + begin, v.slots + end);
   }
 
@@ -691,24 +876,29 @@ class GlobalPlanner {
     return Status();
   }
 
-  void give(const Slot& s, uint32_t what) {
+  // `what`: kWhole or a slice. A rank's bytes are the sum of what it is given.
+  void give(const Slot& s, uint32_t what, uint64_t bytes) {
     assign_[base_[s.rank] + s.index] = what;
     chunks_of_[s.rank]++;
+    load_[s.rank] += bytes;
   }
 
   void assign_lowest() {
-    for (const Group& g : groups_) give(members_[g.begin], kWhole);
+    for (const Group& g : groups_) give(members_[g.begin], kWhole, g.nbytes);
   }
 
   // LPT greedy: the groups that only one rank holds have loaded their ranks
-  // already (add_group); the replicated ones follow, largest first, each to
+  // already (place, add_group); the replicated ones follow, largest first, each to
   // its least-loaded member, or in dim-0 slices to several of them when large.
   void assign_balanced() {
     std::vector<uint64_t>& load = load_;
     std::vector<uint32_t> order(groups_.size());
     for (uint32_t gi = 0; gi < groups_.size(); ++gi) order[gi] = gi;
     std::sort(order.begin(), order.end(), [this](uint32_t a, uint32_t b) {
-      if (groups_[a].nbytes != groups_[b].nbytes) return groups_[a].nbytes > groups_[b].nbytes;
+      const Group& x = groups_[a];
+      const Group& y = groups_[b];
+      if (x.nbytes != y.nbytes) return x.nbytes > y.nbytes;
+      if (x.key != y.key) return x.key < y.key;
       return a < b;
     });
     std::vector<uint32_t> pick;
@@ -720,8 +910,7 @@ class GlobalPlanner {
         uint32_t best = g.begin;
         for (uint32_t m = g.begin + 1; m < g.end; ++m)
           if (load[members_[m].rank] < load[members_[best].rank]) best = m;
-        give(members_[best], kWhole);
-        load[members_[best].rank] += g.nbytes;
+        give(members_[best], kWhole, g.nbytes);
         continue;
       }
       const uint32_t parts = static_cast<uint32_t>(std::min<int64_t>(members, g.rows));
@@ -738,9 +927,8 @@ class GlobalPlanner {
       for (uint32_t p = 0; p < parts; ++p) {
         const int64_t n = base + (p < extra ? 1 : 0);
         const Slot& s = members_[pick[p]];
-        give(s, static_cast<uint32_t>(slices_.size()));
-        slices_.push_back({begin, n});
-        load[s.rank] += static_cast<uint64_t>(n) * row_bytes;
+        give(s, static_cast<uint32_t>(slices_.size()), static_cast<uint64_t>(n) * row_bytes);
+        slices_.push_back({begin, n, gi});
         begin += n;
       }
     }
@@ -753,31 +941,34 @@ class GlobalPlanner {
     GlobalPlan gp;
     gp.ranks.resize(plans_.size());
     gp.unique_items = unique_items_;
-    const int64_t* box = fbox_.get();
     for (uint32_t r = 0; r < plans_.size(); ++r) {
       RankPlan& rp = gp.ranks[r];
       rp.rank = static_cast<int32_t>(r);
       rp.files = opts_.files_per_rank;
+      rp.bytes = load_[r];
       rp.chunks.reserve(chunks_of_[r]);
       const uint32_t n = static_cast<uint32_t>(plans_[r].items.size());
       const uint32_t* assign = assign_.data() + base_[r];
-      const uint32_t* key_of = key_of_.get() + base_[r];
       for (uint32_t i = 0; i < n; ++i) {
-        const KeyInfo& k = keys_[key_of[i]];
-        const int64_t* item_box = box;
-        box += 2 * k.ndim;
         const uint32_t a = assign[i];
         if (a == kNone) continue;
         rp.chunks.emplace_back();
         ChunkAssignment& c = rp.chunks.back();
         c.item = i;
-        c.box.offsets.assign(item_box, item_box + k.ndim);
-        c.box.sizes.assign(item_box + k.ndim, item_box + 2 * k.ndim);
-        if (a != kWhole) {
-          c.box.offsets[0] += slices_[a].begin;
-          c.box.sizes[0] = slices_[a].rows;
+        if (a == kWhole) {
+          // The item's own box, left implicit: a Box here would be two heap
+          // allocations per chunk, most of the cost of a plan at 1000+ ranks.
+          c.whole = true;
+          continue;
         }
-        rp.bytes += static_cast<uint64_t>(row_numel(c.box.sizes.data(), k.ndim)) * k.dsize;
+        const Slice& sl = slices_[a];
+        const Group& g = groups_[sl.group];
+        const size_t nd = keys_[g.key].ndim;
+        const int64_t* box = group_boxes_.data() + g.box;
+        c.box.offsets.assign(box, box + nd);
+        c.box.sizes.assign(box + nd, box + 2 * nd);
+        c.box.offsets[0] += sl.begin;
+        c.box.sizes[0] = sl.rows;
       }
       if (rp.files > 1) assign_files(&rp, plans_[r].items);
       gp.total_bytes += rp.bytes;
@@ -793,8 +984,10 @@ class GlobalPlanner {
     order_.resize(n);
     for (size_t i = 0; i < n; ++i) {
       const ChunkAssignment& c = rp->chunks[i];
+      const WriteItem& it = items[c.item];
+      // A whole chunk is its item's bytes (intern() checked nbytes).
       chunk_bytes_[i] =
-          static_cast<uint64_t>(numel_of(c.box.sizes)) * dtype_size(items[c.item].dtype);
+          c.whole ? it.nbytes : static_cast<uint64_t>(numel_of(c.box.sizes)) * dtype_size(it.dtype);
       order_[i] = static_cast<uint32_t>(i);
     }
     std::sort(order_.begin(), order_.end(), [this](uint32_t a, uint32_t b) {
@@ -820,10 +1013,12 @@ class GlobalPlanner {
   std::vector<KeyInfo> keys_;
   std::unordered_map<std::string_view, uint32_t> ids_;
 
-  std::vector<Group> groups_;  // replicated groups, waiting for the policy
-  std::vector<Slot> members_;  // their members
+  std::vector<uint32_t> slow_;        // the keys of layout `other`, for group_key
+  std::vector<Group> groups_;         // replicated groups, waiting for the policy
+  std::vector<int64_t> group_boxes_;  // each replicated group's box, for its slices
+  std::vector<Slot> members_;         // their members
   uint64_t unique_items_ = 0;
-  std::vector<uint64_t> load_;       // bytes per rank (balanced policy only)
+  std::vector<uint64_t> load_;       // bytes given to each rank so far
   std::vector<uint32_t> assign_;     // per flat item: kNone, kWhole or a slice
   std::vector<uint32_t> chunks_of_;  // per rank
   std::vector<Slice> slices_;

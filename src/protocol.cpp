@@ -196,7 +196,12 @@ struct Encoder {
       const ChunkAssignment& c = m.plan.chunks[i];
       auto cb = chunks[i];
       cb.setItem(c.item);
-      set_box(cb.initBox(), c.box);
+      // A whole chunk's box is its item's, which the receiving rank has: most
+      // chunks are whole, so leaving the box unset keeps plans small.
+      if (c.whole)
+        cb.setWhole(true);
+      else
+        set_box(cb.initBox(), c.box);
       cb.setFile(c.file);
     }
     return frame(kPlanProtocol, mb);
@@ -458,7 +463,15 @@ Result<WireMessage> read_plan_reply(proto::PlanReply::Reader r) {
     const std::string where = "PlanReply chunk " + std::to_string(i);
     a.item = c.getItem();
     a.file = c.getFile();
-    FERRY_RETURN_IF_ERROR(read_box(c.getBox(), where, &a.box));
+    a.whole = c.getWhole();
+    if (!a.whole) {
+      FERRY_RETURN_IF_ERROR(read_box(c.getBox(), where, &a.box));
+    } else if (c.hasBox()) {
+      // Tolerated only empty: a box next to `whole` would say two things.
+      auto b = c.getBox();
+      if (b.getOffsets().size() != 0 || b.getSizes().size() != 0)
+        return Status::invalid_argument(where + ": a whole chunk with a box of its own");
+    }
     if (a.file >= m.plan.files)
       return Status::invalid_argument(where + ": file " + std::to_string(a.file) +
                                       " but the rank writes " + std::to_string(m.plan.files) +

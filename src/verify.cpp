@@ -61,6 +61,16 @@ Status check_data_file_header(Filesystem& fs, const std::string& dir, uint32_t f
   return Status();
 }
 
+Result<CheckpointInfo> latest_valid(Filesystem& fs, const std::string& root) {
+  FERRY_ASSIGN_OR_RETURN(auto all, list_checkpoints(fs, root));
+  for (auto it = all.rbegin(); it != all.rend(); ++it) {
+    if (!it->status.ok()) continue;
+    auto rep = verify_checkpoint(fs, it->path);
+    if (rep.ok() && rep->ok()) return *it;
+  }
+  return Status::not_found("no committed checkpoint in " + root + " verifies");
+}
+
 Result<VerifyReport> verify_checkpoint(Filesystem& fs, const std::string& dir) {
   FERRY_ASSIGN_OR_RETURN(Manifest m, read_manifest(fs, dir));
   VerifyReport rep;

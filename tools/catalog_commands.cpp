@@ -4,6 +4,7 @@
 #include <cstdio>
 
 #include "ferry/catalog.hpp"
+#include "ferry/kill_point.hpp"
 #include "ferry/manifest.hpp"
 #include "ferry/options.hpp"
 #include "ferry/verify.hpp"
@@ -39,8 +40,17 @@ std::string dims(const std::vector<int64_t>& v) {
 
 }  // namespace
 
-int cmd_ls(const Args& args) {
-  if (int rc = need_one(args, "ROOT")) return rc;
+int cmd_ls(const Args& all_args) {
+  // --verify re-reads every checkpoint and marks the newest one that verifies.
+  Args args;
+  bool verify = false;
+  for (const auto& a : all_args) {
+    if (a == "--verify")
+      verify = true;
+    else
+      args.push_back(a);
+  }
+  if (int rc = need_one(args, "ROOT [--verify]")) return rc;
   auto fs = posix_filesystem();
   auto list = list_checkpoints(*fs, args[0]);
   if (!list.ok()) {
@@ -50,7 +60,9 @@ int cmd_ls(const Args& args) {
   auto latest = find_latest(*fs, args[0]);
   std::printf("%-16s %12s %10s %12s %8s  %s\n", "CHECKPOINT", "STEP", "SEQ", "SIZE", "TENSORS",
               "");
-  for (const auto& c : *list) {
+  bool valid_marked = false;
+  std::vector<CheckpointInfo> newest_first(list->rbegin(), list->rend());
+  for (const auto& c : newest_first) {
     const std::string name = c.path.substr(c.path.find_last_of('/') + 1);
     if (!c.status.ok()) {
       std::printf("%-16s %12" PRIu64 " %10s %12s %8s  UNREADABLE: %s\n", name.c_str(), c.step, "-",
@@ -60,6 +72,15 @@ int cmd_ls(const Args& args) {
     std::string mark;
     if (latest.ok() && latest->path == c.path) mark = "LATEST";
     if (c.latest_hint && mark.empty()) mark = "(LATEST file points here)";
+    if (verify) {
+      auto rep = verify_checkpoint(*fs, c.path);
+      const bool good = rep.ok() && rep->ok();
+      mark += std::string(mark.empty() ? "" : " ") + (good ? "verified" : "CORRUPT");
+      if (good && !valid_marked) {
+        mark += " (latest valid)";
+        valid_marked = true;
+      }
+    }
     std::printf("%-16s %12" PRIu64 " %10" PRIu64 " %12s %8" PRIu64 "  %s\n", name.c_str(), c.step,
                 c.commit_seq, human_bytes(c.bytes).c_str(), c.tensors, mark.c_str());
   }
@@ -133,6 +154,12 @@ int cmd_gc(const Args& args) {
   for (const auto& p : rep->removed) std::printf("removed %s (lease expired)\n", p.c_str());
   for (const auto& p : rep->kept) std::printf("kept    %s (lease live)\n", p.c_str());
   std::printf("%zu removed, %zu kept\n", rep->removed.size(), rep->kept.size());
+  return 0;
+}
+
+int cmd_kill_points(const Args&) {
+  std::printf("Kill points (FERRY_KILL_AT=<point>[:<nth>][@<rank>] SIGKILLs there):\n");
+  for (const auto& k : kill_points()) std::printf("  %-18s %s\n", k.name, k.where);
   return 0;
 }
 

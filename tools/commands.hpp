@@ -14,6 +14,7 @@ int cmd_inspect(const Args& args);
 int cmd_verify(const Args& args);
 int cmd_gc(const Args& args);
 int cmd_config(const Args& args);
+int cmd_kill_points(const Args& args);
 int cmd_demo(const Args& args);
 int cmd_launch(const Args& args);
 

@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 
 #include "ferry/catalog.hpp"
+#include "ferry/verify.hpp"
 #include "ferry/runtime.hpp"
 #include "test_util.hpp"
 
@@ -153,4 +154,24 @@ TEST_CASE("unknown commands and missing arguments are usage errors", "[cli]") {
   auto r = run(kCli + " ls /nonexistent/ferry/root");
   CHECK(r.code == 1);
   CHECK_THAT(r.out, Catch::Contains("/nonexistent/ferry/root"));
+}
+
+TEST_CASE("ls --verify and latest_valid walk back past a corrupt checkpoint", "[cli][verify]") {
+  TempDir dir;
+  std::vector<float> a;
+  const std::string newest = make_root(dir, a);
+  {
+    std::fstream f(newest + "/rank-00000-0000.safetensors",
+                   std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(5000);
+    f.put('\x01');
+  }
+  auto r = run(kCli + " ls --verify " + dir.path());
+  INFO(r.out);
+  CHECK(r.code == 0);
+  CHECK_THAT(r.out, Catch::Contains("CORRUPT"));
+  CHECK_THAT(r.out, Catch::Contains("latest valid"));
+  auto lv = ferry::latest_valid(*ferry::posix_filesystem(), dir.path());
+  REQUIRE(lv.ok());
+  CHECK(lv->path == dir.path() + "/step-00000100");
 }

@@ -10,6 +10,7 @@
 namespace {
 
 using ferry::Box;
+using ferry::chunk_box;
 using ferry::DType;
 using ferry::GlobalPlan;
 using ferry::GlobalPlanOptions;
@@ -94,7 +95,8 @@ bool inside(const Box& inner, const Box& outer) {
 }
 
 // Checks everything a plan promises: chunks inside their items, in item
-// order, byte totals, and every element of every tensor written exactly once
+// order, whole chunks with no box of their own and split ones with a dim-0
+// slice, byte totals, and every element of every tensor written exactly once
 // (a zero-size tensor: exactly one chunk).
 void verify(const std::vector<LocalPlan>& plans, const GlobalPlan& gp,
             uint32_t files_per_rank = 1) {
@@ -125,20 +127,34 @@ void verify(const std::vector<LocalPlan>& plans, const GlobalPlan& gp,
       CHECK(c.file < rp.files);
       const WriteItem& it = plans[r].items[c.item];
       INFO("rank " << r << " chunk of " << it.key);
-      REQUIRE(inside(c.box, it.box));
-      bytes += static_cast<uint64_t>(numel(c.box.sizes)) * ferry::dtype_size(it.dtype);
+      if (c.whole) {
+        CHECK(c.box.offsets.empty());
+        CHECK(c.box.sizes.empty());
+      } else {
+        // A split: rows of the item, all of it in the other dimensions.
+        REQUIRE(c.box.rank() == it.box.rank());
+        REQUIRE(c.box.rank() >= 1);
+        CHECK(c.box.sizes[0] < it.box.sizes[0]);
+        for (size_t d = 1; d < c.box.rank(); ++d) {
+          CHECK(c.box.offsets[d] == it.box.offsets[d]);
+          CHECK(c.box.sizes[d] == it.box.sizes[d]);
+        }
+      }
+      const Box& box = chunk_box(c, it);
+      REQUIRE(inside(box, it.box));
+      bytes += static_cast<uint64_t>(numel(box.sizes)) * ferry::dtype_size(it.dtype);
       auto& t = tensors[it.key];
       t.chunks++;
       // Row-major walk over the chunk's elements.
-      const size_t nd = c.box.sizes.size();
-      if (numel(c.box.sizes) == 0) continue;
+      const size_t nd = box.sizes.size();
+      if (numel(box.sizes) == 0) continue;
       Dims idx(nd, 0);
       while (true) {
         int64_t lin = 0;
-        for (size_t d = 0; d < nd; ++d) lin = lin * t.global[d] + c.box.offsets[d] + idx[d];
+        for (size_t d = 0; d < nd; ++d) lin = lin * t.global[d] + box.offsets[d] + idx[d];
         t.count[static_cast<size_t>(lin)]++;
         size_t d = nd;
-        while (d > 0 && ++idx[d - 1] == c.box.sizes[d - 1]) idx[--d] = 0;
+        while (d > 0 && ++idx[d - 1] == box.sizes[d - 1]) idx[--d] = 0;
         if (d == 0) break;
       }
     }
@@ -167,8 +183,8 @@ bool same_plan(const GlobalPlan& a, const GlobalPlan& b) {
         x.chunks.size() != y.chunks.size())
       return false;
     for (size_t i = 0; i < x.chunks.size(); ++i)
-      if (x.chunks[i].item != y.chunks[i].item || x.chunks[i].box != y.chunks[i].box ||
-          x.chunks[i].file != y.chunks[i].file)
+      if (x.chunks[i].item != y.chunks[i].item || x.chunks[i].whole != y.chunks[i].whole ||
+          x.chunks[i].box != y.chunks[i].box || x.chunks[i].file != y.chunks[i].file)
         return false;
   }
   return true;
@@ -255,7 +271,8 @@ TEST_CASE("single rank writes everything it has", "[plan]") {
   CHECK(gp.total_bytes == 64 + 14 + 120);
   for (uint32_t i = 0; i < 3; ++i) {
     CHECK(gp.ranks[0].chunks[i].item == i);
-    CHECK(gp.ranks[0].chunks[i].box == plans[0].items[i].box);
+    CHECK(gp.ranks[0].chunks[i].whole);
+    CHECK(chunk_box(gp.ranks[0].chunks[i], plans[0].items[i]) == plans[0].items[i].box);
   }
 }
 
@@ -385,9 +402,10 @@ TEST_CASE("a large replicated item is split across its group", "[plan]") {
     int64_t rows_total = 0;
     for (const auto& rp : gp.ranks) {
       REQUIRE(rp.chunks.size() == 1);
-      const int64_t n = rp.chunks[0].box.sizes[0];
+      const Box& box = chunk_box(rp.chunks[0], plans[rp.rank].items[0]);
+      const int64_t n = box.sizes[0];
       CHECK((n == 2 || n == 3));
-      CHECK(rp.chunks[0].box.sizes[1] == 64);
+      CHECK(box.sizes[1] == 64);
       rows_total += n;
     }
     CHECK(rows_total == 10);
@@ -411,7 +429,7 @@ TEST_CASE("a large replicated item is split across its group", "[plan]") {
     CHECK(gp.unique_items == 2);
     for (const auto& rp : gp.ranks) {
       REQUIRE(rp.chunks.size() == 1);
-      CHECK(rp.chunks[0].box.sizes[0] == 4);
+      CHECK(chunk_box(rp.chunks[0], plans[rp.rank].items[0]).sizes[0] == 4);
     }
   }
   SECTION("not split below the threshold, with lowest_rank or when disabled") {
@@ -440,6 +458,63 @@ TEST_CASE("a large replicated item is split across its group", "[plan]") {
     size_t chunks = 0;
     for (const auto& rp : gp.ranks) chunks += rp.chunks.size();
     CHECK(chunks == 3);
+  }
+}
+
+TEST_CASE("whole chunks leave their box empty, split chunks hold their slice", "[plan]") {
+  auto plans = empty_plans(4);
+  add_row_sharded(&plans, "rows", {10, 8});
+  add_replicated(&plans, "norm", {8});
+  add_replicated(&plans, "emb", {10, 64});  // 2560 bytes: split below
+  // Rows in reverse rank order, so not in the layout the planner recognises
+  // while reading: they take the sorting path.
+  for (int r = 0; r < 4; ++r) plans[r].items.push_back(rows("rev", {8, 4}, 6 - 2 * r, 8 - 2 * r));
+  // Replicated by pairs: rows 0-7 on ranks 0 and 1, rows 8-15 on ranks 2 and 3.
+  for (int r = 0; r < 4; ++r)
+    plans[r].items.push_back(rows("pairs", {16, 64}, 8 * (r / 2), 8 * (r / 2) + 8));
+  GlobalPlanOptions opts;
+  opts.split_bytes = 1024;
+
+  SECTION("balanced") {
+    const auto gp = plan_ok(plans, opts);
+    verify(plans, gp);
+    std::map<std::string, std::vector<Dims>> slices;  // key -> {offset, rows} of split chunks
+    for (const auto& rp : gp.ranks)
+      for (const auto& c : rp.chunks) {
+        const WriteItem& it = plans[rp.rank].items[c.item];
+        INFO("rank " << rp.rank << " chunk of " << it.key);
+        if (it.key == "emb" || it.key == "pairs") {
+          CHECK_FALSE(c.whole);
+          REQUIRE(c.box.rank() == 2);
+          CHECK(c.box.offsets[1] == 0);
+          CHECK(c.box.sizes[1] == 64);
+          CHECK(c.box.offsets[0] >= it.box.offsets[0]);
+          CHECK(c.box.offsets[0] + c.box.sizes[0] <= it.box.offsets[0] + it.box.sizes[0]);
+          slices[it.key].push_back({c.box.offsets[0], c.box.sizes[0]});
+        } else {
+          CHECK(c.whole);
+          CHECK(c.box.offsets.empty());
+          CHECK(c.box.sizes.empty());
+          CHECK(chunk_box(c, it) == it.box);
+        }
+      }
+    for (auto& [key, v] : slices) std::sort(v.begin(), v.end());
+    CHECK(slices["emb"] == std::vector<Dims>{{0, 3}, {3, 3}, {6, 2}, {8, 2}});
+    CHECK(slices["pairs"] == std::vector<Dims>{{0, 4}, {4, 4}, {8, 4}, {12, 4}});
+  }
+  SECTION("lowest_rank never splits") {
+    opts.policy = OwnerPolicy::lowest_rank;
+    const auto gp = plan_ok(plans, opts);
+    verify(plans, gp);
+    size_t chunks = 0;
+    for (const auto& rp : gp.ranks)
+      for (const auto& c : rp.chunks) {
+        CHECK(c.whole);
+        CHECK(c.box.offsets.empty());
+        chunks++;
+      }
+    // rows and rev: one per rank; norm, emb: one each; pairs: one per pair.
+    CHECK(chunks == 4 + 4 + 1 + 1 + 2);
   }
 }
 
@@ -676,7 +751,8 @@ TEST_CASE("files per rank are balanced by bytes", "[plan]") {
   for (const auto& rp : gp.ranks) {
     uint64_t per_file[3] = {0, 0, 0};
     for (const auto& c : rp.chunks)
-      per_file[c.file] += static_cast<uint64_t>(numel(c.box.sizes)) * 4;
+      per_file[c.file] +=
+          static_cast<uint64_t>(numel(chunk_box(c, plans[rp.rank].items[c.item]).sizes)) * 4;
     // 3 items each of 256, 512 and 768 bytes: 1536 per file.
     CHECK(per_file[0] == 1536);
     CHECK(per_file[1] == 1536);
@@ -764,7 +840,7 @@ TEST_CASE("the order in which ranks list their tensors does not change the plan"
       auto chunks = [](const std::vector<LocalPlan>& plans, const GlobalPlan& gp, size_t rank) {
         std::vector<std::pair<std::string, Box>> out;
         for (const auto& c : gp.ranks[rank].chunks)
-          out.emplace_back(plans[rank].items[c.item].key, c.box);
+          out.emplace_back(plans[rank].items[c.item].key, chunk_box(c, plans[rank].items[c.item]));
         std::sort(out.begin(), out.end(), [](const auto& x, const auto& y) {
           return x.first != y.first ? x.first < y.first : x.second.offsets < y.second.offsets;
         });

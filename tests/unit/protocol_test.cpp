@@ -116,9 +116,12 @@ PlanReply sample_plan_reply() {
   m.plan.rank = 2;
   m.plan.files = 2;
   m.plan.bytes = 123456789;
-  m.plan.chunks = {{0, box({4096, 0}, {2048, 4096}), 0},
-                   {0, box({6144, 0}, {2048, 4096}), 1},
-                   {1, box({}, {}), 1}};
+  // Two dim-0 slices of item 0, and whole items (no box on the wire),
+  // one of them 0-d.
+  m.plan.chunks = {{0, false, box({4096, 0}, {2048, 4096}), 0},
+                   {0, false, box({6144, 0}, {2048, 4096}), 1},
+                   {1, true, Box{}, 1},
+                   {2, true, Box{}, 0}};
   return m;
 }
 
@@ -262,6 +265,7 @@ void check_same(const PlanReply& a, const PlanReply& b) {
   for (size_t i = 0; i < a.plan.chunks.size(); ++i) {
     INFO("chunk " << i);
     CHECK(a.plan.chunks[i].item == b.plan.chunks[i].item);
+    CHECK(a.plan.chunks[i].whole == b.plan.chunks[i].whole);
     check_same(a.plan.chunks[i].box, b.plan.chunks[i].box);
     CHECK(a.plan.chunks[i].file == b.plan.chunks[i].file);
   }
@@ -580,6 +584,23 @@ TEST_CASE("content that Cap'n Proto accepts but Ferry cannot use is refused", "[
     CHECK_THAT(error_of(encode_message(m)),
                Catch::Contains("chunk 1") && Catch::Contains("2 offsets but 1 sizes"));
   }
+  SECTION("a whole chunk with a box of its own") {
+    capnp::MallocMessageBuilder mb;
+    auto plan = mb.initRoot<proto::PlanMessage>().initPlanReply().initPlan();
+    plan.setFiles(1);
+    auto c = plan.initChunks(1)[0];
+    c.setWhole(true);
+    auto b = c.initBox();
+    b.initOffsets(1).set(0, 0);
+    b.initSizes(1).set(0, 4);
+    CHECK_THAT(error_of(frame(1, mb)),
+               Catch::Contains("chunk 0") && Catch::Contains("whole chunk with a box"));
+    // An empty box next to `whole` says nothing more: accepted.
+    c.initBox();
+    Result<WireMessage> ok = decode_message(frame(1, mb));
+    REQUIRE(ok.ok());
+    CHECK(std::get<PlanReply>(*ok).plan.chunks[0].whole);
+  }
   SECTION("box rank differs from the global shape's") {
     PlanRequest m = sample_plan_request();
     m.plan.items[0].global_shape = {8192};
@@ -643,16 +664,24 @@ TEST_CASE("4096-rank-sized plans and write results round trip", "[protocol]") {
     PlanReply m = sample_plan_reply();
     m.plan.files = 4;
     m.plan.chunks.resize(kChunks);
-    for (size_t i = 0; i < kChunks; ++i)
-      m.plan.chunks[i] = {static_cast<uint32_t>(i), box({int64_t(i) * 64, 0, 0}, {64, 128, 3}),
+    // Mostly whole chunks, as at scale, with a slice every tenth.
+    for (size_t i = 0; i < kChunks; ++i) {
+      const bool whole = i % 10 != 9;
+      m.plan.chunks[i] = {static_cast<uint32_t>(i), whole,
+                          whole ? Box{} : box({int64_t(i) * 64, 0, 0}, {64, 128, 3}),
                           static_cast<uint32_t>(i % 4)};
+    }
     const std::string bytes = encode_message(m);
     Result<WireMessage> back = decode_message(bytes);
     REQUIRE(back.ok());
     const auto& r = std::get<PlanReply>(*back);
     REQUIRE(r.plan.chunks.size() == kChunks);
     CHECK(r.plan.chunks.back().box == m.plan.chunks.back().box);
+    CHECK_FALSE(r.plan.chunks.back().whole);
     CHECK(r.plan.chunks.back().file == 3);
+    CHECK(r.plan.chunks[kChunks - 2].whole);
+    CHECK(r.plan.chunks[kChunks - 2].box.offsets.empty());
+    CHECK(r.plan.chunks[kChunks - 2].file == 2);
     CHECK(encode_message(*back) == bytes);
   }
 

@@ -84,9 +84,10 @@ std::string join_path(const std::string& a, const std::string& b);
 std::string parent_path(const std::string& p);
 Result<std::string> read_file(Filesystem& fs, const std::string& path);
 // temp file in the same directory, write, fsync (if `sync`), rename over
-// `path`, fsync the directory (if `sync`).
+// `path`, fsync the directory (if `sync`). With `kill_prefix` ("manifest"),
+// passes the kill points <prefix>.write/.fsync/.rename/.dirsync.
 Status write_file_atomic(Filesystem& fs, const std::string& path, const std::string& bytes,
-                         bool sync);
+                         bool sync, const char* kill_prefix = nullptr);
 // Removes a file or a directory tree; not_found is not an error.
 Status remove_all(Filesystem& fs, const std::string& path);
 

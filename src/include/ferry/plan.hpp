@@ -54,10 +54,16 @@ struct GlobalPlanOptions {
 
 // One piece that a rank writes: all of an item, or a dim-0 slice of it.
 struct ChunkAssignment {
-  uint32_t item = 0;  // index into that rank's LocalPlan::items
-  Box box;            // inside the item's box
-  uint32_t file = 0;  // < RankPlan::files
+  uint32_t item = 0;   // index into that rank's LocalPlan::items
+  bool whole = false;  // the whole item: `box` is left empty (no allocation at 1000+ ranks)
+  Box box;             // when !whole: a slice inside the item's box
+  uint32_t file = 0;   // < RankPlan::files
 };
+
+// The region a chunk covers: the item's box when whole, else its slice.
+inline const Box& chunk_box(const ChunkAssignment& a, const WriteItem& item) {
+  return a.whole ? item.box : a.box;
+}
 
 struct RankPlan {
   int32_t rank = 0;

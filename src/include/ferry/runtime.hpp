@@ -105,6 +105,9 @@ class Runtime {
   // Path of the latest committed checkpoint under `root` (default: the
   // configured root); "" when there is none.
   std::string latest(const std::string& root = "") const;
+  // Like latest(), but re-reads and verifies checkpoints from the newest
+  // back, returning the newest one that is intact ("" when none is).
+  std::string latest_valid(const std::string& root = "") const;
 
   const Options& options() const;
   int32_t rank() const;

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "ferry/catalog.hpp"
 #include "ferry/filesystem.hpp"
 #include "ferry/manifest.hpp"
 #include "ferry/status.hpp"
@@ -23,6 +24,10 @@ struct VerifyReport {
 // Reads every byte. Returns an error only when the manifest itself cannot
 // be read; problems in data files are collected in the report.
 Result<VerifyReport> verify_checkpoint(Filesystem& fs, const std::string& dir);
+
+// The newest committed checkpoint (by commit sequence) that verifies
+// completely, walking back past corrupt ones; not_found when none does.
+Result<CheckpointInfo> latest_valid(Filesystem& fs, const std::string& root);
 
 // Checks one data file's safetensors header against what the manifest says
 // it holds (names, dtypes, shapes, offsets) and its size. headers_only

@@ -1,0 +1,36 @@
+// Named kill points: places in the save protocol where a test can make this
+// process SIGKILL itself, to prove that a crash at any step leaves either the
+// new checkpoint complete or the previous one intact.
+//
+//   FERRY_KILL_AT=<point>[:<nth>][@<rank>]
+//
+// kills the process the nth time (default 1st) it passes <point>, only on
+// <rank> when given (every rank of a job inherits the variable). Unset, a
+// kill point costs one relaxed atomic load.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "ferry/status.hpp"
+
+namespace ferry {
+
+// Every kill point, in protocol order, with what happened just before it.
+struct KillPointInfo {
+  const char* name;
+  const char* where;
+};
+const std::vector<KillPointInfo>& kill_points();
+
+// Passes the named point (which must be in kill_points()).
+void kill_point(const char* name);
+
+// The rank that `@rank` selectors compare with (set by the Runtime).
+void set_kill_point_rank(int rank);
+
+// Parses a FERRY_KILL_AT value; errors name the bad part (used at start so a
+// typo fails loudly instead of never firing).
+Status check_kill_spec(const std::string& spec);
+
+}  // namespace ferry

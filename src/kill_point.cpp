@@ -1,0 +1,110 @@
+#include "ferry/kill_point.hpp"
+
+#include <atomic>
+#include <csignal>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+
+namespace ferry {
+
+const std::vector<KillPointInfo>& kill_points() {
+  static const std::vector<KillPointInfo> kPoints = {
+      {"plan.sent", "a rank sent its local plan"},
+      {"plan.received", "a rank received its part of the global plan"},
+      {"pending.created", "rank 0 created the pending directory"},
+      {"writer.open", "a writer created a data file"},
+      {"writer.write", "a writer wrote a block"},
+      {"writer.fsync", "a writer fsynced a data file"},
+      {"writer.close", "a writer closed a data file"},
+      {"dir.fsync", "a rank fsynced the pending directory"},
+      {"writer.report", "a rank is about to send its write result"},
+      {"manifest.write", "rank 0 wrote MANIFEST's temp file"},
+      {"manifest.fsync", "rank 0 fsynced MANIFEST's temp file"},
+      {"manifest.rename", "rank 0 renamed MANIFEST into place"},
+      {"manifest.dirsync", "rank 0 fsynced the pending directory after MANIFEST"},
+      {"commit.rename", "rank 0 renamed the pending directory to step-N (the commit point)"},
+      {"root.fsync", "rank 0 fsynced ROOT after the commit rename"},
+      {"latest.write", "rank 0 wrote LATEST's temp file"},
+      {"latest.fsync", "rank 0 fsynced LATEST's temp file"},
+      {"latest.rename", "rank 0 renamed LATEST into place"},
+      {"latest.dirsync", "rank 0 fsynced ROOT after LATEST"},
+      {"retention.delete", "retention moved an old checkpoint aside to delete it"},
+      {"gc.delete", "gc is about to remove an expired pending directory"},
+  };
+  return kPoints;
+}
+
+namespace {
+
+struct Spec {
+  std::string point;
+  long nth = 1;
+  int rank = -1;  // any
+};
+
+bool parse(const std::string& s, Spec* out, std::string* why) {
+  Spec sp;
+  std::string rest = s;
+  if (auto at = rest.find('@'); at != std::string::npos) {
+    char* end = nullptr;
+    sp.rank = static_cast<int>(std::strtol(rest.c_str() + at + 1, &end, 10));
+    if (at + 1 == rest.size() || *end != '\0' || sp.rank < 0) {
+      *why = "bad rank in '" + s + "'";
+      return false;
+    }
+    rest.resize(at);
+  }
+  if (auto colon = rest.find(':'); colon != std::string::npos) {
+    char* end = nullptr;
+    sp.nth = std::strtol(rest.c_str() + colon + 1, &end, 10);
+    if (colon + 1 == rest.size() || *end != '\0' || sp.nth < 1) {
+      *why = "bad count in '" + s + "'";
+      return false;
+    }
+    rest.resize(colon);
+  }
+  bool known = false;
+  for (const auto& p : kill_points()) known = known || rest == p.name;
+  if (!known) {
+    *why = "unknown kill point '" + rest + "' (ferry kill-points lists them)";
+    return false;
+  }
+  sp.point = rest;
+  *out = sp;
+  return true;
+}
+
+std::atomic<int> g_rank{0};
+std::atomic<bool> g_armed{false};
+std::once_flag g_once;
+Spec g_spec;
+std::atomic<long> g_hits{0};
+
+void arm() {
+  const char* v = std::getenv("FERRY_KILL_AT");
+  if (!v || !*v) return;
+  std::string why;
+  if (parse(v, &g_spec, &why)) g_armed = true;
+}
+
+}  // namespace
+
+void set_kill_point_rank(int rank) { g_rank = rank; }
+
+Status check_kill_spec(const std::string& spec) {
+  Spec sp;
+  std::string why;
+  if (!parse(spec, &sp, &why)) return Status::invalid_argument("FERRY_KILL_AT: " + why);
+  return Status();
+}
+
+void kill_point(const char* name) {
+  std::call_once(g_once, arm);
+  if (!g_armed.load(std::memory_order_relaxed)) return;
+  if (g_spec.point != name) return;
+  if (g_spec.rank >= 0 && g_spec.rank != g_rank.load()) return;
+  if (g_hits.fetch_add(1) + 1 == g_spec.nth) std::raise(SIGKILL);
+}
+
+}  // namespace ferry

@@ -1,0 +1,63 @@
+// Shared by the libFuzzer harnesses in this directory: a per-input time limit
+// finer than libFuzzer's -timeout (whole seconds), and a way to fail loudly.
+#pragma once
+
+#include <time.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+namespace ferry::fuzz {
+
+// One decoder call on one input must finish well within this. CPU time of the
+// calling thread is measured, not wall time, so that a loaded machine (other
+// builds sharing the cores) does not abort a healthy run; a call that blocks
+// instead of computing is caught by the wall-clock limit, then by -timeout.
+constexpr double kInputCpuLimitMs = 100.0;
+constexpr double kInputWallLimitMs = 1000.0;
+
+inline double now_ms(clockid_t clock) {
+  timespec ts{};
+  clock_gettime(clock, &ts);
+  return static_cast<double>(ts.tv_sec) * 1e3 + static_cast<double>(ts.tv_nsec) / 1e6;
+}
+
+// Prints what went wrong and aborts: libFuzzer then saves the input as
+// crash-<sha1> and reports it as a finding.
+[[noreturn]] inline void fail(const char* target, const std::string& what) {
+  std::fprintf(stderr, "\n%s: INVARIANT VIOLATED: %s\n", target, what.c_str());
+  std::fflush(stderr);
+  std::abort();
+}
+
+// Times the harness body for one input; aborts when it ran too long.
+class InputTimer {
+ public:
+  InputTimer(const char* target, size_t size)
+      : target_(target),
+        size_(size),
+        cpu0_(now_ms(CLOCK_THREAD_CPUTIME_ID)),
+        wall0_(now_ms(CLOCK_MONOTONIC)) {}
+  InputTimer(const InputTimer&) = delete;
+  InputTimer& operator=(const InputTimer&) = delete;
+
+  ~InputTimer() {
+    const double cpu = now_ms(CLOCK_THREAD_CPUTIME_ID) - cpu0_;
+    const double wall = now_ms(CLOCK_MONOTONIC) - wall0_;
+    if (cpu > kInputCpuLimitMs || wall > kInputWallLimitMs)
+      fail(target_, "one input of " + std::to_string(size_) + " bytes took " + std::to_string(cpu) +
+                        " ms of CPU (limit " + std::to_string(kInputCpuLimitMs) + "), " +
+                        std::to_string(wall) + " ms of wall time (limit " +
+                        std::to_string(kInputWallLimitMs) + ")");
+  }
+
+ private:
+  const char* target_;
+  size_t size_;
+  double cpu0_;
+  double wall0_;
+};
+
+}  // namespace ferry::fuzz
