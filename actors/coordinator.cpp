@@ -114,7 +114,7 @@ void on_all_plans(coordinator_ptr self) {
   if (!gp.ok()) return abort_active(self, gp.status());
   c.pending_dir = join_path(c.root, pending_dir_name(c.step, st.ctx->job_id, c.id));
   Status s = prepare_pending(*st.ctx->fs, c.root, c.pending_dir, c.step, c.overwrite,
-                             lease_ms(st), st.ctx->job_id + "/" + c.id);
+                             lease_ms(st), st.ctx->job_id + "/" + c.id, st.ctx->opts.fsync);
   if (!s.ok()) {
     remove_all(*st.ctx->fs, c.pending_dir);
     return abort_active(self, s);

@@ -12,6 +12,7 @@
 #include "actors/messages.hpp"
 #include "ferry/catalog.hpp"
 #include "ferry/checksum.hpp"
+#include "ferry/fault_fs.hpp"
 #include "ferry/kill_point.hpp"
 #include "ferry/verify.hpp"
 
@@ -293,7 +294,9 @@ Result<std::unique_ptr<Runtime>> Runtime::create(RuntimeArgs args) {
   ctx->job_id = job_id_from_env(token);
   ctx->run_salt = args.world_size > 1 ? xxh3_64(token.data(), token.size())
                                       : std::random_device{}() ^ (uint64_t{std::random_device{}()} << 32);
-  ctx->fs = args.fs ? args.fs : posix_filesystem();
+  // FERRY_FAULTS wraps the filesystem in the fault injector (tests, crash
+  // drills) without recompiling; unset, this is the plain one.
+  FERRY_ASSIGN_OR_RETURN(ctx->fs, filesystem_from_env(args.fs ? args.fs : posix_filesystem()));
   ctx->device = args.device ? args.device : host_device();
   FERRY_ASSIGN_OR_RETURN(auto pool, StagingPool::create(opts.pool_bytes, opts.chunk_bytes));
   ctx->pool = std::move(pool);

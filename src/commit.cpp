@@ -54,8 +54,14 @@ Result<Manifest> assemble_manifest(const ManifestHeader& header,
 }
 
 Status prepare_pending(Filesystem& fs, const std::string& root, const std::string& pending_dir,
-                       uint64_t step, bool overwrite, int64_t lease_ms, const std::string& owner) {
-  FERRY_RETURN_IF_ERROR(fs.mkdirs(root));
+                       uint64_t step, bool overwrite, int64_t lease_ms, const std::string& owner,
+                       bool fsync) {
+  if (!fs.stat(root).ok()) {
+    FERRY_RETURN_IF_ERROR(fs.mkdirs(root));
+    // Without this a power cut can take the new ROOT, and with it the first
+    // checkpoint committed into it.
+    if (fsync) FERRY_RETURN_IF_ERROR(fs.sync_dir(parent_path(root)));
+  }
   const std::string step_dir = join_path(root, step_dir_name(step));
   if (!overwrite && fs.stat(step_dir).ok())
     return Status::already_exists("checkpoint " + step_dir +

@@ -511,6 +511,9 @@ Status replay_journal(CutModel& model, const std::string& text, const std::strin
     return Status::corruption("fault journal " + path + ": does not start with '" + kJournalHeader +
                               "'");
   for (size_t i = 1; i < lines.size(); ++i) {
+    // Every rank of a job may share one journal: each process that found it
+    // empty wrote the header, so a repeated header is not an event.
+    if (lines[i] == kJournalHeader) continue;
     if (!replay_line(model, lines[i]))
       return Status::corruption("fault journal " + path + " line " + std::to_string(i + 1) +
                                 ": bad event '" + lines[i] + "'");

@@ -920,7 +920,12 @@ class GlobalPlanner {
         const uint64_t la = load[members_[a].rank], lb = load[members_[b].rank];
         return la != lb ? la < lb : members_[a].rank < members_[b].rank;
       };
-      std::partial_sort(pick.begin(), pick.begin() + parts, pick.end(), by_load);
+      // by_load is a total order (members are distinct ranks): either sort
+      // picks the same parts. A full sort, the usual case, is the quicker.
+      if (parts == members)
+        std::sort(pick.begin(), pick.end(), by_load);
+      else
+        std::partial_sort(pick.begin(), pick.begin() + parts, pick.end(), by_load);
       const uint64_t row_bytes = g.nbytes / static_cast<uint64_t>(g.rows);
       const int64_t base = g.rows / parts, extra = g.rows % parts;
       int64_t begin = 0;

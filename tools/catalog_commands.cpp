@@ -4,6 +4,7 @@
 #include <cstdio>
 
 #include "ferry/catalog.hpp"
+#include "ferry/fault_fs.hpp"
 #include "ferry/kill_point.hpp"
 #include "ferry/manifest.hpp"
 #include "ferry/options.hpp"
@@ -160,6 +161,17 @@ int cmd_gc(const Args& args) {
 int cmd_kill_points(const Args&) {
   std::printf("Kill points (FERRY_KILL_AT=<point>[:<nth>][@<rank>] SIGKILLs there):\n");
   for (const auto& k : kill_points()) std::printf("  %-18s %s\n", k.name, k.where);
+  return 0;
+}
+
+int cmd_power_cut(const Args& args) {
+  if (int rc = need_one(args, "JOURNAL (the journal= file of FERRY_FAULTS)")) return rc;
+  Status s = FaultFilesystem::apply_power_cut_from_journal(*posix_filesystem(), args[0]);
+  if (!s.ok()) {
+    std::fprintf(stderr, "ferry power-cut: %s\n", s.to_string().c_str());
+    return 1;
+  }
+  std::printf("applied the power cut recorded in %s\n", args[0].c_str());
   return 0;
 }
 

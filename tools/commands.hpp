@@ -15,6 +15,7 @@ int cmd_verify(const Args& args);
 int cmd_gc(const Args& args);
 int cmd_config(const Args& args);
 int cmd_kill_points(const Args& args);
+int cmd_power_cut(const Args& args);
 int cmd_demo(const Args& args);
 int cmd_launch(const Args& args);
 

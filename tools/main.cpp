@@ -16,6 +16,7 @@ void usage(FILE* out) {
                "  gc ROOT              remove pending directories whose lease expired\n"
                "  config               every [ferry] setting with its default\n"
                "  kill-points          the named kill points of FERRY_KILL_AT (crash tests)\n"
+               "  power-cut JOURNAL    drop what a FERRY_FAULTS journal says was not durable\n"
                "  demo [flags]         a training loop that checkpoints in the background\n"
                "                       (ferry demo --help for its flags)\n");
 }
@@ -35,6 +36,7 @@ int main(int argc, char** argv) {
   if (cmd == "gc") return ferry::cli::cmd_gc(args);
   if (cmd == "config") return ferry::cli::cmd_config(args);
   if (cmd == "kill-points") return ferry::cli::cmd_kill_points(args);
+  if (cmd == "power-cut") return ferry::cli::cmd_power_cut(args);
   if (cmd == "demo") return ferry::cli::cmd_demo(args);
   if (cmd == "launch") return ferry::cli::cmd_launch(args);
   std::fprintf(stderr, "ferry: unknown command '%s'\n", cmd.c_str());

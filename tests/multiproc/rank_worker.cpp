@@ -6,8 +6,8 @@
 //   rank_worker --mode save|load|mismatch|kill --root DIR [--step S] [--seed X]
 //               [--layout save|swap|full] [--many N] [--kill-rank R]
 //               [--kill-after plan|snapshot] [--set key=value]...
-// Exit 0 when the mode's expectation holds (for mismatch/kill: the save
-// failed with an error naming what it must name), 1 otherwise.
+// Exit 0 when the mode's expectation holds (for mismatch: the save failed
+// with an error naming what it must name; kill: 3 then), 1 otherwise.
 
 #include <csignal>
 #include <chrono>
@@ -164,6 +164,8 @@ int main(int argc, char** argv) {
   const int many = std::stoi(arg(argc, argv, "--many", "0"));
   const int kill_rank = std::stoi(arg(argc, argv, "--kill-rank", "1"));
   const std::string kill_after = arg(argc, argv, "--kill-after", "plan");
+  // stop: SIGSTOP instead of SIGKILL, a hung process rather than a dead one.
+  const int kill_signal = arg(argc, argv, "--kill-signal", "kill") == "stop" ? SIGSTOP : SIGKILL;
 
   if (mode == "garbage" && std::getenv("RANK") && std::string(std::getenv("RANK")) == "1")
     return send_garbage();
@@ -229,7 +231,7 @@ int main(int argc, char** argv) {
   auto h = rt.save_async(sd, step);
   if (mode == "kill" && rank == kill_rank) {
     if (kill_after == "snapshot") h.wait_snapshot();
-    std::raise(SIGKILL);
+    std::raise(kill_signal);
   }
   auto st = h.wait_committed();
   const double ms =
@@ -249,8 +251,10 @@ int main(int argc, char** argv) {
   if (st.ok()) return 1;
   if (mode == "mismatch") return st.message().find("layers.0.bias") != std::string::npos ? 0 : 1;
   if (mode == "garbage") return 0;  // rank 0 is alive and reports the failed save
+  // Exit 3, not 0: an expected failure, but a failure, so that `ferry
+  // launch` reaps a rank that was stopped rather than killed.
   return st.message().find("rank " + std::to_string(kill_rank)) != std::string::npos ||
                  st.code() == ferry::StatusCode::outcome_unknown
-             ? 0
+             ? 3
              : 1;
 }

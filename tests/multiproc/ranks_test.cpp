@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "ferry/catalog.hpp"
+#include "ferry/fault_fs.hpp"
 #include "ferry/kill_point.hpp"
 #include "ferry/manifest.hpp"
 #include "test_util.hpp"
@@ -28,10 +29,11 @@ struct Run {
   double seconds = 0;
 };
 
-Run launch(int n, const std::string& worker_args, const std::string& env = "") {
+Run launch(int n, const std::string& worker_args, const std::string& env = "", int grace = 20) {
   const auto t0 = std::chrono::steady_clock::now();
   const std::string cmd = env + " " + FERRY_CLI_PATH + " launch -n " + std::to_string(n) +
-                          " --grace 20 -- " + FERRY_RANK_WORKER_PATH + " " + worker_args + " 2>&1";
+                          " --grace " + std::to_string(grace) + " -- " + FERRY_RANK_WORKER_PATH +
+                          " " + worker_args + " 2>&1";
   Run r;
   FILE* p = popen(cmd.c_str(), "r");
   REQUIRE(p != nullptr);
@@ -151,6 +153,26 @@ TEST_CASE("a rank killed during a save: the others fail fast, nothing is committ
   }
 }
 
+TEST_CASE("a hung (SIGSTOPped) rank: the others fail within the heartbeat timeout", "[ranks]") {
+  TempDir d;
+  auto first = launch(2, save_args(d, 1, 11));
+  REQUIRE(first.code == 0);
+  for (const char* when : {"plan", "snapshot"}) {
+    INFO("stopped after " << when);
+    // heartbeat-timeout is 3 s in the worker; launch reaps the stopped rank
+    // 2 s after the others exit.
+    auto r = launch(3,
+                    "--mode kill --kill-signal stop --step 2 --seed 12 --kill-rank 1 --root " +
+                        d.path() + " --kill-after " + when,
+                    "", 2);
+    INFO(r.out);
+    CHECK(count(r.out, "FAILED as expected") == 2);
+    CHECK_THAT(r.out, Catch::Contains("rank 1"));
+    CHECK(r.seconds < 15);
+    CHECK(manifest_of(d.path()).step == 1);
+  }
+}
+
 TEST_CASE("a process with the wrong job token is refused", "[ranks]") {
   TempDir d;
   // Rank 0 and rank 1 started by hand with different tokens.
@@ -202,43 +224,51 @@ TEST_CASE("a crash at every kill point leaves the old or the new checkpoint, who
     for (int role : {0, 1}) {
       int killed = 0, p_torn = 0, p_lost = 0;
       for (int run = 0; run < runs; ++run) {
-        TempDir d;
-        const std::string opts = " --set keep-last=1 --set lease-seconds=1";
-        auto first = launch(2, save_args(d, 1, 11) + opts);
-        REQUIRE(first.code == 0);
-        const std::string env =
-            "FERRY_KILL_AT=" + std::string(kp.name) + "@" + std::to_string(role);
-        auto r = launch(2, save_args(d, 2, 12) + opts, env);
-        INFO("kill point " << kp.name << " on rank " << role << "\n" << r.out);
-        ++total;
-        killed += r.out.find("killed by signal 9") != std::string::npos;
-        hung += r.seconds >= 30;
-        CHECK(r.seconds < 30);  // nobody hung
-        auto fsys = ferry::posix_filesystem();
-        auto latest = ferry::find_latest(*fsys, d.path());
-        if (!latest.ok()) {
-          ++p_lost;
-          continue;
+        // Plain restart, then a power cut: what was not fsynced is dropped
+        // (the FERRY_FAULTS journal records what was durable).
+        for (bool cut : {false, true}) {
+          TempDir d, side;
+          const std::string journal = side.sub("journal");
+          const std::string faults = cut ? "FERRY_FAULTS=journal=" + journal + " " : "";
+          const std::string opts = " --set keep-last=1 --set lease-seconds=1";
+          auto first = launch(2, save_args(d, 1, 11) + opts, faults);
+          REQUIRE(first.code == 0);
+          const std::string env =
+              faults + "FERRY_KILL_AT=" + std::string(kp.name) + "@" + std::to_string(role);
+          auto r = launch(2, save_args(d, 2, 12) + opts, env);
+          INFO("kill point " << kp.name << " on rank " << role << (cut ? " + power cut" : "")
+                             << "\n" << r.out);
+          ++total;
+          killed += r.out.find("killed by signal 9") != std::string::npos;
+          hung += r.seconds >= 30;
+          CHECK(r.seconds < 30);  // nobody hung
+          auto fsys = ferry::posix_filesystem();
+          if (cut) REQUIRE(ferry::FaultFilesystem::apply_power_cut_from_journal(*fsys, journal).ok());
+          auto latest = ferry::find_latest(*fsys, d.path());
+          if (!latest.ok()) {
+            ++p_lost;
+            continue;
+          }
+          auto m = ferry::read_manifest(*fsys, latest->path);
+          REQUIRE(m.ok());
+          auto l = launch(2, "--mode load --seed " + std::string(m->step == 1 ? "11" : "12") +
+                                 " --root " + d.path());
+          INFO(l.out);
+          if (l.code != 0 || (m->step != 1 && m->step != 2)) ++p_torn;
+          // Leftovers: pending (leased) or moved-aside directories, collectable.
+          std::this_thread::sleep_for(std::chrono::milliseconds(1100));
+          auto gc = ferry::collect_garbage(*fsys, d.path(), ferry::now_unix_ms());
+          REQUIRE(gc.ok());
+          for (auto& e : fs::directory_iterator(d.path()))
+            CHECK_FALSE(ferry::is_pending_dir_name(e.path().filename().string()));
         }
-        auto m = ferry::read_manifest(*fsys, latest->path);
-        REQUIRE(m.ok());
-        auto l = launch(2, "--mode load --seed " + std::string(m->step == 1 ? "11" : "12") +
-                               " --root " + d.path());
-        INFO(l.out);
-        if (l.code != 0 || (m->step != 1 && m->step != 2)) ++p_torn;
-        // Leftovers: pending (leased) or moved-aside directories, collectable.
-        std::this_thread::sleep_for(std::chrono::milliseconds(1100));
-        auto gc = ferry::collect_garbage(*fsys, d.path(), ferry::now_unix_ms());
-        REQUIRE(gc.ok());
-        for (auto& e : fs::directory_iterator(d.path()))
-          CHECK_FALSE(ferry::is_pending_dir_name(e.path().filename().string()));
       }
       torn += p_torn;
       lost += p_lost;
       std::printf("%-18s %5d %5d %6d %5d %5d\n", kp.name, role, runs, killed, p_torn, p_lost);
     }
   }
-  std::printf("crash soak: %zu points x 2 roles x %d runs = %d saves killed or completed; "
+  std::printf("crash soak: %zu points x 2 roles x %d runs x (restart, power cut) = %d saves; "
               "%d torn, %d lost, %d hung\n",
               ferry::kill_points().size(), runs, total, torn, lost, hung);
   CHECK(torn == 0);

@@ -85,7 +85,9 @@ Result<CommitOutcome> commit_checkpoint(Filesystem& fs, const std::string& root,
 // Creates ROOT (if needed) and the pending directory with its lease. Fails
 // with already_exists naming the step directory when the step exists and
 // `overwrite` is false.
+// A ROOT created here is made durable in its parent when `fsync` is set.
 Status prepare_pending(Filesystem& fs, const std::string& root, const std::string& pending_dir,
-                       uint64_t step, bool overwrite, int64_t lease_ms, const std::string& owner);
+                       uint64_t step, bool overwrite, int64_t lease_ms, const std::string& owner,
+                       bool fsync = true);
 
 }  // namespace ferry
