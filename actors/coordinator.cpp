@@ -146,8 +146,17 @@ void on_all_results(coordinator_ptr self) {
   CommitOptions co{st.ctx->opts.fsync, c.overwrite, st.ctx->opts.keep_last};
   auto out = commit_checkpoint(*st.ctx->fs, c.root, c.pending_dir, std::move(m).value(), co);
   if (!out.ok()) return abort_active(self, out.status().with_context("commit: "));
+  // The straggler, from what every rank reported with its write result.
+  int32_t slowest = -1;
+  double slowest_ms = -1;
+  for (const auto& r : results)
+    if (r.ready_ms > slowest_ms) {
+      slowest = r.rank;
+      slowest_ms = r.ready_ms;
+    }
   for (auto& p : c.commit_promises)
-    p.deliver(CommitMsg{st.ctx->job_id, c.id, Status(), out->path, out->commit_seq});
+    p.deliver(CommitMsg{st.ctx->job_id, c.id, Status(), out->path, out->commit_seq, slowest,
+                        slowest_ms});
   st.active.reset();
 }
 

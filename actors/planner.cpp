@@ -130,6 +130,7 @@ void send_result(planner_ptr self) {
     m.write_ms = cur.write_started_ms >= 0 ? now - cur.write_started_ms : 0;
     wr.snapshot_ms = m.snapshot_ms;
     wr.write_ms = m.write_ms;
+    wr.ready_ms = now;
   });
   const uint64_t id = cur.id;
   kill_point("writer.report");
@@ -139,8 +140,11 @@ void send_result(planner_ptr self) {
           [self, id, now](const CommitMsg& r) {
             auto& st = self->state;
             if (st.cur.id != id) return;
-            st.cur.job.state->update_metrics(
-                [&](SaveMetrics& m) { m.commit_ms = st.cur.job.state->ms_since_start() - now; });
+            st.cur.job.state->update_metrics([&](SaveMetrics& m) {
+              m.commit_ms = st.cur.job.state->ms_since_start() - now;
+              m.slowest_rank = r.slowest_rank;
+              m.slowest_rank_ms = r.slowest_ms;
+            });
             if (!r.status.ok()) {
               st.cur.checkpoint_id.clear();  // the coordinator already cleaned up
               fail(self, r.status, false);

@@ -72,6 +72,8 @@ struct Commit {
   status @2 :Status;               # ok: committed; otherwise why not
   path @3 :Text;                   # the step directory (ROOT/step-...)
   commitSeq @4 :UInt64;            # the commit sequence number given to it
+  slowestRank @5 :Int32 = -1;      # the rank whose files were durable last
+  slowestMs @6 :Float64;           # its readyMs: the straggler's time
 }
 
 # What one control frame holds: exactly one of these.

@@ -82,6 +82,7 @@ struct WriteResult {
   snapshotMs @3 :Float64;          # time until its last byte was off the device
   writeMs @4 :Float64;             # time until its files were durable
   bytes @5 :UInt64;                # bytes it wrote
+  readyMs @6 :Float64;             # save_async -> its files and directory durable
 }
 
 # Rank -> rank 0: the rank's local plan for one checkpoint.

@@ -147,6 +147,8 @@ struct Encoder {
     set_status(b.initStatus(), m.status);
     b.setPath(text(m.path));
     b.setCommitSeq(m.commit_seq);
+    b.setSlowestRank(m.slowest_rank);
+    b.setSlowestMs(m.slowest_ms);
     return frame(kControlProtocol, mb);
   }
 
@@ -218,6 +220,7 @@ struct Encoder {
     rb.setSnapshotMs(r.snapshot_ms);
     rb.setWriteMs(r.write_ms);
     rb.setBytes(r.bytes);
+    rb.setReadyMs(r.ready_ms);
     auto files = rb.initFiles(static_cast<unsigned>(r.files.size()));
     for (unsigned i = 0; i < files.size(); ++i) {
       files[i].setName(text(r.files[i].name));
@@ -404,6 +407,8 @@ Result<WireMessage> read_control(proto::ControlMessage::Reader root) {
       FERRY_RETURN_IF_ERROR(read_status(r.getStatus(), "Commit status", &m.status));
       m.path = str(r.getPath());
       m.commit_seq = r.getCommitSeq();
+      m.slowest_rank = r.getSlowestRank();
+      m.slowest_ms = r.getSlowestMs();
       return WireMessage(std::move(m));
     }
   }
@@ -490,6 +495,7 @@ Result<WireMessage> read_commit_request(proto::CommitRequest::Reader r) {
   w.snapshot_ms = res.getSnapshotMs();
   w.write_ms = res.getWriteMs();
   w.bytes = res.getBytes();
+  w.ready_ms = res.getReadyMs();
   FERRY_RETURN_IF_ERROR(read_rank(w.rank, "CommitRequest result"));
   auto files = res.getFiles();
   w.files.resize(files.size());

@@ -256,6 +256,9 @@ int train(const DemoFlags& f) {
                   "persisted %s in %.0f ms (%.2f GB/s) | commit %.1f ms\n",
                   inflight.step(), m.save_async_ms, m.snapshot_ms, human_bytes(m.bytes).c_str(),
                   m.total_ms, m.persist_gbps(), m.commit_ms);
+      if (rank == 0 && world > 1)
+        std::printf("checkpoint step %-4" PRIu64 " slowest rank %d: files durable after %.0f ms\n",
+                    inflight.step(), m.slowest_rank, m.slowest_rank_ms);
     } else {
       std::printf("checkpoint step %" PRIu64 " FAILED: %s\n", inflight.step(),
                   st.to_string().c_str());

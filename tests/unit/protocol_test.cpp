@@ -772,3 +772,20 @@ TEST_CASE("write the protocol fuzz seeds", "[.][write-seeds]") {
     REQUIRE(out.good());
   }
 }
+
+TEST_CASE("Commit carries the slowest rank; write results their ready time", "[protocol]") {
+  ferry::CommitMsg c{"job", "ck", ferry::Status(), "/r/step-00000001", 9, 3, 1234.5};
+  auto back = ferry::decode_message(ferry::encode_message(c));
+  REQUIRE(back.ok());
+  const auto& d = std::get<ferry::CommitMsg>(*back);
+  CHECK(d.slowest_rank == 3);
+  CHECK(d.slowest_ms == 1234.5);
+  ferry::CommitRequest req;
+  req.job_id = "job";
+  req.checkpoint_id = "ck";
+  req.result.rank = 2;
+  req.result.ready_ms = 77.25;
+  auto r = ferry::decode_message(ferry::encode_message(req));
+  REQUIRE(r.ok());
+  CHECK(std::get<ferry::CommitRequest>(*r).result.ready_ms == 77.25);
+}

@@ -43,6 +43,7 @@ struct WriteResult {
   double snapshot_ms = 0;
   double write_ms = 0;
   uint64_t bytes = 0;
+  double ready_ms = 0;  // save_async -> files and directory durable
 };
 
 struct ManifestHeader {

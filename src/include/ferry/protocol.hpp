@@ -59,6 +59,8 @@ struct CommitMsg {
   Status status;
   std::string path;
   uint64_t commit_seq = 0;
+  int32_t slowest_rank = -1;  // whose files were durable last (the straggler)
+  double slowest_ms = 0;      // its time from save_async to durable
 };
 
 // plan.capnp -----------------------------------------------------------------------
