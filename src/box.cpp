@@ -55,53 +55,8 @@ std::optional<Box> intersect(const Box& a, const Box& b) {
 
 void for_each_run(const Box& region, const Box& src, const Box& dst,
                   const std::function<void(int64_t, int64_t, int64_t)>& fn) {
-  const size_t r = region.rank();
-  if (region.empty()) return;
-
-  // Dims [inner, r) form one run: every dim after `inner` spans the full extent
-  // of both src and dst, so stepping through it never leaves either's
-  // contiguous range. Dim `inner` itself may be partial.
-  size_t inner = r == 0 ? 0 : r - 1;
-  while (inner > 0 && region.sizes[inner] == src.sizes[inner] &&
-         region.sizes[inner] == dst.sizes[inner])
-    --inner;
-  int64_t run = 1;
-  for (size_t k = inner; k < r; ++k) run *= region.sizes[k];
-
-  std::vector<int64_t> src_stride(r), dst_stride(r);
-  int64_t s_acc = 1, d_acc = 1;
-  for (size_t k = r; k-- > 0;) {
-    src_stride[k] = s_acc;
-    dst_stride[k] = d_acc;
-    s_acc *= src.sizes[k];
-    d_acc *= dst.sizes[k];
-  }
-  int64_t s_off = 0, d_off = 0;
-  for (size_t k = 0; k < r; ++k) {
-    s_off += (region.offsets[k] - src.offsets[k]) * src_stride[k];
-    d_off += (region.offsets[k] - dst.offsets[k]) * dst_stride[k];
-  }
-
-  // Odometer over the outer dims [0, inner), updating offsets incrementally so
-  // each run costs O(1) amortized.
-  std::vector<int64_t> idx(inner, 0);
-  while (true) {
-    fn(s_off, d_off, run);
-    size_t k = inner;
-    while (k > 0) {
-      --k;
-      if (++idx[k] < region.sizes[k]) {
-        s_off += src_stride[k];
-        d_off += dst_stride[k];
-        break;
-      }
-      s_off -= (region.sizes[k] - 1) * src_stride[k];
-      d_off -= (region.sizes[k] - 1) * dst_stride[k];
-      idx[k] = 0;
-      if (k == 0) return;
-    }
-    if (inner == 0) return;
-  }
+  RunCursor c(region, src, dst);
+  for (c.seek(0); !c.done(); c.next()) fn(c.src(), c.dst(), c.run());
 }
 
 }  // namespace ferry
