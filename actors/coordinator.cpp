@@ -78,7 +78,9 @@ Result<GlobalPlan> global_plan(coordinator_state& st, const std::vector<LocalPla
   return gp;
 }
 
-const char* phase_of(const Checkpoint& c) { return c.writing ? "write" : "plan"; }
+const char* phase_of(const Checkpoint& c) {
+  return c.writing ? "write" : "plan";
+}
 
 std::string missing_ranks(const std::vector<bool>& have) {
   std::string s;
@@ -113,15 +115,16 @@ void on_all_plans(coordinator_ptr self) {
   auto gp = global_plan(st, plans);
   if (!gp.ok()) return abort_active(self, gp.status());
   c.pending_dir = join_path(c.root, pending_dir_name(c.step, st.ctx->job_id, c.id));
-  Status s = prepare_pending(*st.ctx->fs, c.root, c.pending_dir, c.step, c.overwrite,
-                             lease_ms(st), st.ctx->job_id + "/" + c.id, st.ctx->opts.fsync);
+  Status s = prepare_pending(*st.ctx->fs, c.root, c.pending_dir, c.step, c.overwrite, lease_ms(st),
+                             st.ctx->job_id + "/" + c.id, st.ctx->opts.fsync);
   if (!s.ok()) {
     remove_all(*st.ctx->fs, c.pending_dir);
     return abort_active(self, s);
   }
   c.writing = true;
   for (size_t r = 0; r < c.plan_promises.size(); ++r)
-    c.plan_promises[r].deliver(PlanReply{st.ctx->job_id, c.id, Status(), c.pending_dir, gp->ranks[r]});
+    c.plan_promises[r].deliver(
+        PlanReply{st.ctx->job_id, c.id, Status(), c.pending_dir, gp->ranks[r]});
   self->delayed_send(self, seconds(st.ctx->opts.write_timeout_s), atom::deadline_v, c.id,
                      std::string("write"));
   // Refresh the lease a few times per period so gc never takes a live save.
@@ -155,8 +158,8 @@ void on_all_results(coordinator_ptr self) {
       slowest_ms = r.ready_ms;
     }
   for (auto& p : c.commit_promises)
-    p.deliver(CommitMsg{st.ctx->job_id, c.id, Status(), out->path, out->commit_seq, slowest,
-                        slowest_ms});
+    p.deliver(
+        CommitMsg{st.ctx->job_id, c.id, Status(), out->path, out->commit_seq, slowest, slowest_ms});
   st.active.reset();
 }
 
@@ -167,10 +170,12 @@ caf::behavior coordinator_actor(coordinator_ptr self, ContextPtr ctx) {
         auto& st = self->state;
         const auto world = static_cast<size_t>(st.ctx->world_size);
         if (req.rank < 0 || static_cast<size_t>(req.rank) >= world)
-          return PlanReply{st.ctx->job_id, req.checkpoint_id,
+          return PlanReply{st.ctx->job_id,
+                           req.checkpoint_id,
                            Status::invalid_argument("plan from rank " + std::to_string(req.rank) +
                                                     " outside world size " + std::to_string(world)),
-                           "", {}};
+                           "",
+                           {}};
         if (st.active && st.active->id != req.checkpoint_id)
           abort_active(self, Status::aborted("superseded by checkpoint " + req.checkpoint_id));
         if (!st.active) {
@@ -210,8 +215,8 @@ caf::behavior coordinator_actor(coordinator_ptr self, ContextPtr ctx) {
         auto& st = self->state;
         if (!st.active || st.active->id != req.checkpoint_id || !st.active->writing)
           return CommitMsg{st.ctx->job_id, req.checkpoint_id,
-                           Status::aborted("checkpoint " + req.checkpoint_id + " is not active"), "",
-                           0};
+                           Status::aborted("checkpoint " + req.checkpoint_id + " is not active"),
+                           "", 0};
         Checkpoint& c = *st.active;
         const auto r = static_cast<size_t>(req.result.rank);
         if (r >= c.results.size())

@@ -34,9 +34,9 @@ struct link_state {
   Status rank0_failed;
   // Shutdown. Rank 0 serves the others' collective requests (a load, a
   // commit outcome), so it stays until every other rank left or failed.
-  std::vector<bool> gone;                   // rank 0: by rank
+  std::vector<bool> gone;  // rank 0: by rank
   std::vector<caf::response_promise> leave_waiters;
-  bool leaving = false;                     // rank > 0: we said goodbye
+  bool leaving = false;  // rank > 0: we said goodbye
 };
 
 using link_ptr = caf::stateful_actor<link_state>*;
@@ -87,11 +87,11 @@ void deliver_failure(const link_state& st, const std::string& key, Pending& p, c
   } else if (p.phase == "commit") {
     // Our files were durable and rank 0 had everything it needed: it may or
     // may not have reached the commit point. The directory is the truth.
-    p.promise.deliver(CommitMsg{st.ctx->job_id, id,
-                                Status::outcome_unknown(why.message() +
-                                                        "; the checkpoint may or may not be "
-                                                        "committed: check the root"),
-                                "", 0});
+    p.promise.deliver(
+        CommitMsg{st.ctx->job_id, id,
+                  Status::outcome_unknown(why.message() + "; the checkpoint may or may not be "
+                                                          "committed: check the root"),
+                  "", 0});
   } else {
     p.promise.deliver(LoadReplyMsg{st.ctx->job_id, id, why, "", ""});
   }
@@ -132,12 +132,14 @@ void on_remote(link_ptr self, int32_t from, WireMessage m) {
   if (st.ctx->rank == 0) {
     if (auto* req = std::get_if<PlanRequest>(&m)) {
       if (req->rank != from) {
-        send_frame(self, from,
-                   PlanReply{st.ctx->job_id, req->checkpoint_id,
-                             Status::invalid_argument("plan claims rank " +
-                                                      std::to_string(req->rank) +
-                                                      " but came from rank " + std::to_string(from)),
-                             "", {}});
+        send_frame(
+            self, from,
+            PlanReply{st.ctx->job_id,
+                      req->checkpoint_id,
+                      Status::invalid_argument("plan claims rank " + std::to_string(req->rank) +
+                                               " but came from rank " + std::to_string(from)),
+                      "",
+                      {}});
         return;
       }
       self->request(st.coordinator, caf::infinite, atom::plan_v, std::move(*req))

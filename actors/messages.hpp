@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "actors/save_state.hpp"
+#include "actors/transport.hpp"
 #include "ferry/commit.hpp"
 #include "ferry/filesystem.hpp"
 #include "ferry/layout.hpp"
@@ -19,7 +20,6 @@
 #include "ferry/pool.hpp"
 #include "ferry/protocol.hpp"
 #include "ferry/runtime.hpp"
-#include "actors/transport.hpp"
 
 CAF_ADD_ATOM(ferry, ferry::atom, save, "save")
 CAF_ADD_ATOM(ferry, ferry::atom, plan, "plan")
@@ -42,6 +42,7 @@ CAF_ADD_ATOM(ferry, ferry::atom, failed, "failed")
 CAF_ADD_ATOM(ferry, ferry::atom, frame, "frame")
 CAF_ADD_ATOM(ferry, ferry::atom, attach, "attach")
 CAF_ADD_ATOM(ferry, ferry::atom, deadline, "deadline")
+CAF_ADD_ATOM(ferry, ferry::atom, back, "back")
 
 namespace ferry {
 
@@ -85,6 +86,7 @@ struct WriteBlock {
   BlockMsg block;
   std::shared_ptr<File> file;
   uint64_t write_len = 0;  // len rounded up for O_DIRECT
+  caf::actor return_to;    // when set, the written block goes back there, not to the pool
 };
 
 struct FileSet {

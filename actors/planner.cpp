@@ -80,12 +80,16 @@ void end_save(planner_ptr self, const Status& status, const std::string& path) {
 
 const char* phase_name(Phase p) {
   switch (p) {
-    case Phase::idle: return "idle";
-    case Phase::planning: return "plan";
+    case Phase::idle:
+      return "idle";
+    case Phase::planning:
+      return "plan";
     case Phase::opening:
     case Phase::streaming:
-    case Phase::finishing: return "write";
-    case Phase::committing: return "commit";
+    case Phase::finishing:
+      return "write";
+    case Phase::committing:
+      return "commit";
   }
   return "?";
 }
@@ -117,7 +121,8 @@ void send_result(planner_ptr self) {
   wr.rank = st.ctx->rank;
   for (size_t f = 0; f < cur.layouts.size(); ++f) {
     const FileLayout& l = cur.layouts[f];
-    wr.files.push_back({l.name, l.size, l.header.size(), xxh3_64(l.header.data(), l.header.size())});
+    wr.files.push_back(
+        {l.name, l.size, l.header.size(), xxh3_64(l.header.data(), l.header.size())});
     for (size_t c = 0; c < l.chunks.size(); ++c) {
       const LaidOutChunk& lc = l.chunks[c];
       wr.chunks.push_back({lc.chunk.key, lc.chunk.dtype, lc.chunk.global_shape, lc.chunk.box,
@@ -296,17 +301,18 @@ void start_next(planner_ptr self) {
   if (!local.ok()) return end_save(self, local.status(), "");
   cur.local = std::move(local).value();
   cur.checkpoint_id = checkpoint_id(st.ctx->run_salt, cur.job.step, cur.id);
-  PlanRequest req{st.ctx->job_id, cur.checkpoint_id, st.ctx->rank, cur.job.step, cur.job.root,
-                  cur.job.opts.overwrite, cur.job.opts.metadata, cur.local};
+  PlanRequest req{st.ctx->job_id, cur.checkpoint_id,      st.ctx->rank,          cur.job.step,
+                  cur.job.root,   cur.job.opts.overwrite, cur.job.opts.metadata, cur.local};
   const uint64_t id = cur.id;
   self->request(st.coordinator, caf::infinite, atom::plan_v, std::move(req))
-      .then([self, id](const PlanReply& r) {
-              if (self->state.cur.id == id) on_plan(self, r);
-            },
-            [self, id](caf::error& e) {
-              if (self->state.cur.id == id)
-                fail(self, Status::aborted("plan: " + self->system().render(e)));
-            });
+      .then(
+          [self, id](const PlanReply& r) {
+            if (self->state.cur.id == id) on_plan(self, r);
+          },
+          [self, id](caf::error& e) {
+            if (self->state.cur.id == id)
+              fail(self, Status::aborted("plan: " + self->system().render(e)));
+          });
   kill_point("plan.sent");
 }
 
@@ -315,7 +321,8 @@ caf::behavior planner_actor(planner_ptr self, ContextPtr ctx, caf::actor coordin
   st.ctx = ctx;
   st.coordinator = std::move(coordinator);
   caf::actor me = caf::actor_cast<caf::actor>(self);
-  for (uint32_t i = 0; i < ctx->opts.writers; ++i) st.writers.push_back(spawn_writer(self, ctx, me));
+  for (uint32_t i = 0; i < ctx->opts.writers; ++i)
+    st.writers.push_back(spawn_writer(self, ctx, me));
   st.serializer = spawn_serializer(self, ctx, st.writers, me);
   st.snapshot = spawn_snapshot(self, ctx, st.serializer, me);
   caf::actor snap = st.snapshot;

@@ -3,10 +3,10 @@
 
 #include "ferry/runtime.hpp"
 
+#include <unistd.h>
 #include <cstdlib>
 #include <fstream>
 #include <random>
-#include <unistd.h>
 
 #include "actors/actors.hpp"
 #include "actors/messages.hpp"
@@ -53,7 +53,9 @@ bool SaveHandle::done() const {
   return s_->done;
 }
 
-uint64_t SaveHandle::step() const { return s_ ? s_->step : 0; }
+uint64_t SaveHandle::step() const {
+  return s_ ? s_->step : 0;
+}
 
 std::string SaveHandle::path() const {
   if (!s_) return "";
@@ -67,8 +69,12 @@ SaveMetrics SaveHandle::metrics() const {
   return s_->metrics;
 }
 
-uint64_t SaveHandle::bytes_persisted() const { return s_ ? s_->bytes_persisted.load() : 0; }
-uint64_t SaveHandle::bytes_total() const { return s_ ? s_->bytes_total.load() : 0; }
+uint64_t SaveHandle::bytes_persisted() const {
+  return s_ ? s_->bytes_persisted.load() : 0;
+}
+uint64_t SaveHandle::bytes_total() const {
+  return s_ ? s_->bytes_total.load() : 0;
+}
 
 // --- Runtime -----------------------------------------------------------------------
 
@@ -81,9 +87,9 @@ struct Runtime::Impl {
   caf::actor planner;
   caf::actor loader;
   std::shared_ptr<Transport> transport;
-  uint64_t loads = 0;      // collective load counter: the load id every rank agrees on
-  bool joined = false;     // every rank connected: shutdown waits for them to leave
-  std::mutex mu;  // serializes save_async callers
+  uint64_t loads = 0;   // collective load counter: the load id every rank agrees on
+  bool joined = false;  // every rank connected: shutdown waits for them to leave
+  std::mutex mu;        // serializes save_async callers
   std::shared_ptr<detail::SaveState> last;
 };
 
@@ -150,8 +156,9 @@ Status start_transport(Runtime::Impl& impl, const std::string& token) {
   if (port == 0) {
     FERRY_ASSIGN_OR_RETURN(int32_t master, env_int("MASTER_PORT", 0));
     if (master <= 0 || master >= 65535)
-      return Status::invalid_argument("no port for the ranks to meet: set MASTER_PORT or "
-                                      "ferry.port");
+      return Status::invalid_argument(
+          "no port for the ranks to meet: set MASTER_PORT or "
+          "ferry.port");
     port = static_cast<uint32_t>(master) + 1;
   }
   to.port = static_cast<uint16_t>(port);
@@ -232,15 +239,15 @@ Status start_transport(Runtime::Impl& impl, const std::string& token) {
     // The start barrier: no rank starts (and maybe finishes and leaves)
     // before every rank is connected.
     const std::string ready = encode_message(JoinAckMsg{ctx.job_id, Status(), true});
-    for (int32_t r = 1; r < ctx.world_size; ++r) FERRY_RETURN_IF_ERROR(impl.transport->send(r, ready));
+    for (int32_t r = 1; r < ctx.world_size; ++r)
+      FERRY_RETURN_IF_ERROR(impl.transport->send(r, ready));
     return Status();
   }
   std::unique_lock<std::mutex> lock(verdict->mu);
-  verdict->cv.wait_for(lock, std::chrono::milliseconds(static_cast<int64_t>(
-                                 ctx.opts.connect_timeout_s * 1000)),
-                       [&] { return !verdict->status.ok() || verdict->all_joined; });
-  if (!verdict->status.ok())
-    return verdict->status.with_context("rank 0 refused " + me + ": ");
+  verdict->cv.wait_for(
+      lock, std::chrono::milliseconds(static_cast<int64_t>(ctx.opts.connect_timeout_s * 1000)),
+      [&] { return !verdict->status.ok() || verdict->all_joined; });
+  if (!verdict->status.ok()) return verdict->status.with_context("rank 0 refused " + me + ": ");
   if (!s.ok()) return s.with_context(me + " connecting: ");
   if (!verdict->all_joined)
     return Status::timeout(me + ": not every rank joined within " +
@@ -256,7 +263,6 @@ std::string config_file_from(const RuntimeArgs& args) {
   return "";
 }
 
-
 }  // namespace
 
 Runtime::Runtime(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -264,7 +270,8 @@ Runtime::Runtime(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Result<std::unique_ptr<Runtime>> Runtime::create(RuntimeArgs args) {
   const std::string config_file = config_file_from(args);
   FERRY_ASSIGN_OR_RETURN(Options opts, load_options(args.settings, config_file));
-  if (const char* k = std::getenv("FERRY_KILL_AT"); k && *k) FERRY_RETURN_IF_ERROR(check_kill_spec(k));
+  if (const char* k = std::getenv("FERRY_KILL_AT"); k && *k)
+    FERRY_RETURN_IF_ERROR(check_kill_spec(k));
   if (args.world_size < 1 || args.rank < 0 || args.rank >= args.world_size)
     return Status::invalid_argument("rank " + std::to_string(args.rank) + " outside world size " +
                                     std::to_string(args.world_size));
@@ -292,8 +299,9 @@ Result<std::unique_ptr<Runtime>> Runtime::create(RuntimeArgs args) {
   ctx->world_size = args.world_size;
   const std::string token = job_token_from_env();
   ctx->job_id = job_id_from_env(token);
-  ctx->run_salt = args.world_size > 1 ? xxh3_64(token.data(), token.size())
-                                      : std::random_device{}() ^ (uint64_t{std::random_device{}()} << 32);
+  ctx->run_salt = args.world_size > 1
+                      ? xxh3_64(token.data(), token.size())
+                      : std::random_device{}() ^ (uint64_t{std::random_device{}()} << 32);
   // FERRY_FAULTS wraps the filesystem in the fault injector (tests, crash
   // drills) without recompiling; unset, this is the plain one.
   FERRY_ASSIGN_OR_RETURN(ctx->fs, filesystem_from_env(args.fs ? args.fs : posix_filesystem()));
@@ -381,8 +389,8 @@ SaveHandle Runtime::save_async(const StateDict& sd, uint64_t step, const SaveOpt
   }
   std::string root = opts.root.empty() ? impl_->ctx->opts.root : opts.root;
   if (root.empty()) {
-    state->finish(Status::invalid_argument("no checkpoint root: set ferry.root or SaveOptions::root"),
-                  "");
+    state->finish(
+        Status::invalid_argument("no checkpoint root: set ferry.root or SaveOptions::root"), "");
     return SaveHandle(state);
   }
   state->started = t0;
@@ -419,8 +427,9 @@ Status Runtime::load(StateDict& sd, const std::string& path) {
 
   Status result;
   self->request(im.loader, caf::infinite, atom::load_v, std::move(job))
-      .receive([&](const Status& s) { result = s; },
-               [&](caf::error& e) { result = Status::internal("load: " + self->system().render(e)); });
+      .receive(
+          [&](const Status& s) { result = s; },
+          [&](caf::error& e) { result = Status::internal("load: " + self->system().render(e)); });
   return result.with_context(result.ok() ? "" : "load " + reply.dir + ": ");
 }
 
@@ -434,8 +443,14 @@ std::string Runtime::latest_valid(const std::string& root) const {
   return r.ok() ? r->path : "";
 }
 
-const Options& Runtime::options() const { return impl_->ctx->opts; }
-int32_t Runtime::rank() const { return impl_->ctx->rank; }
-int32_t Runtime::world_size() const { return impl_->ctx->world_size; }
+const Options& Runtime::options() const {
+  return impl_->ctx->opts;
+}
+int32_t Runtime::rank() const {
+  return impl_->ctx->rank;
+}
+int32_t Runtime::world_size() const {
+  return impl_->ctx->world_size;
+}
 
 }  // namespace ferry

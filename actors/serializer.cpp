@@ -9,6 +9,7 @@
 #include "ferry/checksum.hpp"
 
 #include <cstring>
+#include <map>
 
 namespace ferry {
 
@@ -31,6 +32,14 @@ struct serializer_state {
   std::vector<FileCursor> cursors;
   ChecksumSet sums;
   uint64_t blocks_left = 0;
+  // When the whole save fits in the pool, hashing waits until every block is
+  // written: the snapshot then copies on a core of its own (the caller waits
+  // for the snapshot, not for the checksums). Written blocks come back here,
+  // by (file, index), and are hashed in file order at the end.
+  bool defer = false;
+  uint64_t blocks_hashed = 0;
+  std::pair<uint32_t, uint64_t> next_hash{0, 0};  // (file, index) hashed next
+  std::map<std::pair<uint32_t, uint64_t>, BlockMsg> written;
 };
 
 using serializer_ptr = caf::stateful_actor<serializer_state>*;
@@ -65,8 +74,36 @@ void hash_block(serializer_state& st, const BlockMsg& b, const uint8_t* data) {
   }
 }
 
-caf::behavior serializer_actor(serializer_ptr self, ContextPtr ctx,
-                               std::vector<caf::actor> writers, caf::actor planner) {
+uint64_t blocks_of(const serializer_state& st, uint32_t file) {
+  return (st.job.files[file].size + st.job.block_bytes - 1) / st.job.block_bytes;
+}
+
+// Deferred hashing: once the snapshot is over (every block came through),
+// hashes the written blocks in file order as they come back, overlapping the
+// remaining writes; ends the job after the last one.
+void drain(serializer_ptr self) {
+  auto& st = self->state;
+  if (!st.defer || st.blocks_left > 0) return;
+  for (auto it = st.written.find(st.next_hash); it != st.written.end();
+       it = st.written.find(st.next_hash)) {
+    auto data = st.ctx->pool->data(it->second.lease);
+    if (data.ok()) hash_block(st, it->second, *data);
+    st.ctx->pool->release(it->second.lease);
+    st.written.erase(it);
+    ++st.blocks_hashed;
+    if (++st.next_hash.second == blocks_of(st, st.next_hash.first))
+      st.next_hash = {st.next_hash.first + 1, 0};
+  }
+  uint64_t total = 0;
+  for (uint32_t f = 0; f < st.job.files.size(); ++f) total += blocks_of(st, f);
+  if (st.blocks_hashed == total) {
+    self->send(st.planner, atom::sums_v, st.sums);
+    st.active = false;
+  }
+}
+
+caf::behavior serializer_actor(serializer_ptr self, ContextPtr ctx, std::vector<caf::actor> writers,
+                               caf::actor planner) {
   self->state.ctx = std::move(ctx);
   self->state.writers = std::move(writers);
   self->state.planner = std::move(planner);
@@ -83,6 +120,10 @@ caf::behavior serializer_actor(serializer_ptr self, ContextPtr ctx,
           st.sums.sums.emplace_back(f.chunks.size());
           st.blocks_left += (f.size + job.block_bytes - 1) / job.block_bytes;
         }
+        st.written.clear();
+        st.blocks_hashed = 0;
+        st.next_hash = {0, 0};
+        st.defer = job.checksum_block_bytes > 0 && st.blocks_left <= st.ctx->pool->blocks();
         if (st.blocks_left == 0) self->send(st.planner, atom::sums_v, st.sums);
       },
       [self](atom::block, const BlockMsg& b) {
@@ -92,7 +133,7 @@ caf::behavior serializer_actor(serializer_ptr self, ContextPtr ctx,
           st.ctx->pool->release(b.lease);  // a block of an abandoned save
           return;
         }
-        if (st.job.checksum_block_bytes > 0) hash_block(st, b, *data);
+        if (st.job.checksum_block_bytes > 0 && !st.defer) hash_block(st, b, *data);
         const auto& file = st.job.handles[b.file];
         uint64_t write_len = b.len;
         if (file->direct()) {
@@ -102,15 +143,29 @@ caf::behavior serializer_actor(serializer_ptr self, ContextPtr ctx,
         // Spread blocks over the writers; each file's blocks go round-robin
         // so one large file is written by all of them.
         const auto& w = st.writers[b.index % st.writers.size()];
-        self->send(w, atom::block_v, WriteBlock{b, file, write_len});
-        if (--st.blocks_left == 0) {
+        caf::actor back = st.defer ? caf::actor_cast<caf::actor>(self) : caf::actor();
+        self->send(w, atom::block_v, WriteBlock{b, file, write_len, back});
+        if (--st.blocks_left == 0 && !st.defer) {
           self->send(st.planner, atom::sums_v, st.sums);
           st.active = false;
         }
+        drain(self);
+      },
+      [self](atom::back, const BlockMsg& b) {
+        auto& st = self->state;
+        if (!st.active || !st.defer || b.save != st.job.save) {
+          st.ctx->pool->release(b.lease);
+          return;
+        }
+        st.written.emplace(std::make_pair(b.file, b.index), b);
+        drain(self);
       },
       [self](atom::abort, uint64_t save) {
         auto& st = self->state;
-        if (st.active && st.job.save == save) st.active = false;
+        if (!st.active || st.job.save != save) return;
+        st.active = false;
+        for (const auto& [key, blk] : st.written) st.ctx->pool->release(blk.lease);
+        st.written.clear();
       },
   };
 }

@@ -143,10 +143,9 @@ void issue_block(snapshot_ptr self) {
   const uint64_t save = st.job.save;
   caf::actor me = caf::actor_cast<caf::actor>(self);
   for (const Copy& c : copies) {
-    st.ctx->device->copy_out(c.src->view, c.src_off, c.len, dst + c.dst_off,
-                             [me, save, seq](Status s) {
-                               caf::anon_send(me, atom::copied_v, save, seq, std::move(s));
-                             });
+    st.ctx->device->copy_out(
+        c.src->view, c.src_off, c.len, dst + c.dst_off,
+        [me, save, seq](Status s) { caf::anon_send(me, atom::copied_v, save, seq, std::move(s)); });
   }
 }
 
@@ -158,7 +157,8 @@ caf::behavior snapshot_actor(snapshot_ptr self, ContextPtr ctx, caf::actor seria
   return {
       [self](atom::snap, const StreamJob& job) {
         auto& st = self->state;
-        if (st.active) finish(self, Status::aborted("superseded by save " + std::to_string(job.save)));
+        if (st.active)
+          finish(self, Status::aborted("superseded by save " + std::to_string(job.save)));
         st.active = true;
         st.job = job;
         st.next_file = 0;

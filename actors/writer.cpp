@@ -32,8 +32,12 @@ caf::behavior writer_actor(caf::stateful_actor<writer_state>* self, ContextPtr c
           if (status.ok()) kill_point("writer.write");
         }
         // Returning the block first lets the snapshot refill it while the
-        // planner handles the report.
-        st.ctx->pool->release(w.block.lease);
+        // planner handles the report (or the serializer hash it, when it
+        // deferred that to keep the snapshot's core free).
+        if (w.return_to)
+          self->send(w.return_to, atom::back_v, w.block);
+        else
+          st.ctx->pool->release(w.block.lease);
         self->send(st.planner, atom::written_v, w.block.save, w.block.file, w.block.len, status);
       },
       [self](atom::open, const std::vector<std::string>& paths, bool direct) -> FileSet {
