@@ -34,3 +34,6 @@ crashtest: build
 
 clean:
 	rm -rf $(BUILD)
+
+# Fuzzing (clang, libFuzzer) and sanitizer builds: see mk/.
+include mk/fuzz.mk mk/sanitize.mk
