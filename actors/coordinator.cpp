@@ -50,7 +50,7 @@ struct coordinator_state {
   std::deque<std::string> load_order;
   std::optional<Checkpoint> active;
   std::vector<uint64_t> cached_digests;
-  std::optional<GlobalPlan> cached_plan;
+  std::shared_ptr<const GlobalPlan> cached_plan;  // shared, not copied, on a cache hit
 };
 
 using coordinator_ptr = caf::stateful_actor<coordinator_state>*;
@@ -63,19 +63,19 @@ int64_t lease_ms(const coordinator_state& st) {
   return static_cast<int64_t>(st.ctx->opts.lease_seconds * 1000);
 }
 
-Result<GlobalPlan> global_plan(coordinator_state& st, const std::vector<LocalPlan>& plans) {
+Result<std::shared_ptr<const GlobalPlan>> global_plan(coordinator_state& st,
+                                                      const std::vector<LocalPlan>& plans) {
   std::vector<uint64_t> digests;
   digests.reserve(plans.size());
   for (const auto& p : plans) digests.push_back(p.digest());
-  if (st.cached_plan && digests == st.cached_digests) return *st.cached_plan;
+  if (st.cached_plan && digests == st.cached_digests) return st.cached_plan;
   GlobalPlanOptions o;
   if (st.ctx->opts.owner_lowest_rank) o.policy = OwnerPolicy::lowest_rank;
   auto gp = make_global_plan(plans, o);
-  if (gp.ok()) {
-    st.cached_plan = *gp;
-    st.cached_digests = std::move(digests);
-  }
-  return gp;
+  if (!gp.ok()) return gp.status();
+  st.cached_plan = std::make_shared<const GlobalPlan>(std::move(gp).value());
+  st.cached_digests = std::move(digests);
+  return st.cached_plan;
 }
 
 const char* phase_of(const Checkpoint& c) {
@@ -124,7 +124,7 @@ void on_all_plans(coordinator_ptr self) {
   c.writing = true;
   for (size_t r = 0; r < c.plan_promises.size(); ++r)
     c.plan_promises[r].deliver(
-        PlanReply{st.ctx->job_id, c.id, Status(), c.pending_dir, gp->ranks[r]});
+        PlanReply{st.ctx->job_id, c.id, Status(), c.pending_dir, (*gp)->ranks[r]});
   self->delayed_send(self, seconds(st.ctx->opts.write_timeout_s), atom::deadline_v, c.id,
                      std::string("write"));
   // Refresh the lease a few times per period so gc never takes a live save.
