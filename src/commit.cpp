@@ -107,8 +107,8 @@ Result<CommitOutcome> commit_checkpoint(Filesystem& fs, const std::string& root,
   CommitOutcome out{step_dir, manifest.commit_seq, {}};
   if (opts.fsync) FERRY_RETURN_IF_ERROR(fs.sync_dir(root));
   kill_point("root.fsync");
-  FERRY_RETURN_IF_ERROR(write_file_atomic(fs, join_path(root, kLatestFileName), name + "\n",
-                                          opts.fsync, "latest"));
+  FERRY_RETURN_IF_ERROR(
+      write_file_atomic(fs, join_path(root, kLatestFileName), name + "\n", opts.fsync, "latest"));
   if (!displaced.empty()) FERRY_RETURN_IF_ERROR(remove_all(fs, displaced));
   FERRY_ASSIGN_OR_RETURN(out.retired, apply_retention(fs, root, opts.keep_last));
   return out;

@@ -90,7 +90,9 @@ void arm() {
 
 }  // namespace
 
-void set_kill_point_rank(int rank) { g_rank = rank; }
+void set_kill_point_rank(int rank) {
+  g_rank = rank;
+}
 
 Status check_kill_spec(const std::string& spec) {
   Spec sp;

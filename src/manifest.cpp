@@ -114,8 +114,8 @@ Status from_proto(proto::Manifest::Reader root, Manifest* out) {
   auto files = root.getFiles();
   m.files.reserve(files.size());
   for (auto f : files)
-    m.files.push_back({str(f.getName()), f.getSize(), f.getRank(), f.getHeaderBytes(),
-                       f.getHeaderChecksum()});
+    m.files.push_back(
+        {str(f.getName()), f.getSize(), f.getRank(), f.getHeaderBytes(), f.getHeaderChecksum()});
 
   auto tensors = root.getTensors();
   m.tensors.reserve(tensors.size());

@@ -6,18 +6,30 @@ namespace ferry {
 
 const char* status_code_name(StatusCode code) {
   switch (code) {
-    case StatusCode::ok: return "ok";
-    case StatusCode::invalid_argument: return "invalid_argument";
-    case StatusCode::not_found: return "not_found";
-    case StatusCode::already_exists: return "already_exists";
-    case StatusCode::io_error: return "io_error";
-    case StatusCode::corruption: return "corruption";
-    case StatusCode::unsupported: return "unsupported";
-    case StatusCode::busy: return "busy";
-    case StatusCode::aborted: return "aborted";
-    case StatusCode::timeout: return "timeout";
-    case StatusCode::outcome_unknown: return "outcome_unknown";
-    case StatusCode::internal: return "internal";
+    case StatusCode::ok:
+      return "ok";
+    case StatusCode::invalid_argument:
+      return "invalid_argument";
+    case StatusCode::not_found:
+      return "not_found";
+    case StatusCode::already_exists:
+      return "already_exists";
+    case StatusCode::io_error:
+      return "io_error";
+    case StatusCode::corruption:
+      return "corruption";
+    case StatusCode::unsupported:
+      return "unsupported";
+    case StatusCode::busy:
+      return "busy";
+    case StatusCode::aborted:
+      return "aborted";
+    case StatusCode::timeout:
+      return "timeout";
+    case StatusCode::outcome_unknown:
+      return "outcome_unknown";
+    case StatusCode::internal:
+      return "internal";
   }
   return "unknown";
 }

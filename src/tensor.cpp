@@ -11,10 +11,10 @@ struct DTypeInfo {
   size_t size;
 };
 constexpr DTypeInfo kDTypes[] = {
-    {DType::boolean, "BOOL", 1}, {DType::u8, "U8", 1},     {DType::i8, "I8", 1},
-    {DType::i16, "I16", 2},      {DType::u16, "U16", 2},   {DType::i32, "I32", 4},
-    {DType::u32, "U32", 4},      {DType::i64, "I64", 8},   {DType::u64, "U64", 8},
-    {DType::f16, "F16", 2},      {DType::bf16, "BF16", 2}, {DType::f32, "F32", 4},
+    {DType::boolean, "BOOL", 1}, {DType::u8, "U8", 1},           {DType::i8, "I8", 1},
+    {DType::i16, "I16", 2},      {DType::u16, "U16", 2},         {DType::i32, "I32", 4},
+    {DType::u32, "U32", 4},      {DType::i64, "I64", 8},         {DType::u64, "U64", 8},
+    {DType::f16, "F16", 2},      {DType::bf16, "BF16", 2},       {DType::f32, "F32", 4},
     {DType::f64, "F64", 8},      {DType::f8_e4m3, "F8_E4M3", 1}, {DType::f8_e5m2, "F8_E5M2", 1},
 };
 const DTypeInfo* info(DType d) {

@@ -15,8 +15,8 @@ Status check_data_file_header(Filesystem& fs, const std::string& dir, uint32_t f
   const std::string path = join_path(dir, mf.name);
   FERRY_ASSIGN_OR_RETURN(FileInfo info, fs.stat(path));
   if (info.size != mf.size)
-    return Status::corruption(path + ": size " + std::to_string(info.size) +
-                              ", manifest says " + std::to_string(mf.size));
+    return Status::corruption(path + ": size " + std::to_string(info.size) + ", manifest says " +
+                              std::to_string(mf.size));
   FERRY_ASSIGN_OR_RETURN(auto f, fs.open(path, OpenOptions{}));
   std::string prefix(8, '\0');
   FERRY_ASSIGN_OR_RETURN(size_t got, f->pread(prefix.data(), 8, 0));
@@ -29,9 +29,10 @@ Status check_data_file_header(Filesystem& fs, const std::string& dir, uint32_t f
   prefix.resize(8 + n);
   FERRY_ASSIGN_OR_RETURN(got, f->pread(prefix.data() + 8, n, 8));
   if (got != n) return Status::corruption(path + ": truncated safetensors header");
-  if (mf.header_bytes != 0 &&
-      (mf.header_bytes != prefix.size() || xxh3_64(prefix.data(), prefix.size()) != mf.header_checksum))
-    return Status::corruption(path + ": safetensors header does not match its checksum in the "
+  if (mf.header_bytes != 0 && (mf.header_bytes != prefix.size() ||
+                               xxh3_64(prefix.data(), prefix.size()) != mf.header_checksum))
+    return Status::corruption(path +
+                              ": safetensors header does not match its checksum in the "
                               "manifest");
   auto h = parse_safetensors_header(prefix, mf.size);
   if (!h.ok()) return h.status().with_context(path + ": ");
@@ -113,9 +114,9 @@ Result<VerifyReport> verify_checkpoint(Filesystem& fs, const std::string& dir) {
         rep.bytes_checked += *got;
         if (*got != n || xxh3_64(buf.data(), n) != c.checksums[b]) {
           rep.problems.push_back(Status::corruption(
-              path + ": checksum mismatch in tensor '" + t.key + "' chunk " + c.entry +
-              " block " + std::to_string(b) + " (bytes " + std::to_string(c.byte_offset + off) +
-              ".." + std::to_string(c.byte_offset + off + n) + ")"));
+              path + ": checksum mismatch in tensor '" + t.key + "' chunk " + c.entry + " block " +
+              std::to_string(b) + " (bytes " + std::to_string(c.byte_offset + off) + ".." +
+              std::to_string(c.byte_offset + off + n) + ")"));
         }
       }
     }

@@ -59,8 +59,7 @@ int cmd_ls(const Args& all_args) {
     return 1;
   }
   auto latest = find_latest(*fs, args[0]);
-  std::printf("%-16s %12s %10s %12s %8s  %s\n", "CHECKPOINT", "STEP", "SEQ", "SIZE", "TENSORS",
-              "");
+  std::printf("%-16s %12s %10s %12s %8s  %s\n", "CHECKPOINT", "STEP", "SEQ", "SIZE", "TENSORS", "");
   bool valid_marked = false;
   std::vector<CheckpointInfo> newest_first(list->rbegin(), list->rend());
   for (const auto& c : newest_first) {
@@ -118,12 +117,14 @@ int cmd_inspect(const Args& args) {
     std::printf("  %s  %s %s  %zu chunk(s)\n", t.key.c_str(), dtype_name(t.dtype),
                 dims(t.global_shape).c_str(), t.chunks.size());
     for (const auto& c : t.chunks) {
-      std::printf("    offsets %s sizes %s  file [%u] %s bytes %" PRIu64 "..%" PRIu64, dims(c.offsets).c_str(),
-                  dims(c.sizes).c_str(), c.file, m->files[c.file].name.c_str(), c.byte_offset,
-                  c.byte_offset + c.byte_length);
+      std::printf("    offsets %s sizes %s  file [%u] %s bytes %" PRIu64 "..%" PRIu64,
+                  dims(c.offsets).c_str(), dims(c.sizes).c_str(), c.file,
+                  m->files[c.file].name.c_str(), c.byte_offset, c.byte_offset + c.byte_length);
       if (!c.checksums.empty())
-        std::printf("  xxh3 %016" PRIx64 "%s", c.checksums[0], c.checksums.size() > 1 ? " ..." : "");
-      std::printf("  (%zu block checksum%s)\n", c.checksums.size(), c.checksums.size() == 1 ? "" : "s");
+        std::printf("  xxh3 %016" PRIx64 "%s", c.checksums[0],
+                    c.checksums.size() > 1 ? " ..." : "");
+      std::printf("  (%zu block checksum%s)\n", c.checksums.size(),
+                  c.checksums.size() == 1 ? "" : "s");
     }
   }
   return rc;

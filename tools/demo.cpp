@@ -35,7 +35,7 @@ struct DemoFlags {
   uint32_t steps = 30;
   uint32_t every = 10;
   std::string root = "ferry-demo-checkpoints";
-  std::string role;            // "", "train", "restore"
+  std::string role;                      // "", "train", "restore"
   std::vector<std::string> passthrough;  // --set / --config-file, for the ranks
   std::vector<Setting> settings;
   std::string config_file;
@@ -252,7 +252,8 @@ int train(const DemoFlags& f) {
     const Status st = inflight.wait_committed();
     const SaveMetrics m = inflight.metrics();
     if (st.ok()) {
-      std::printf("checkpoint step %-4" PRIu64 " save_async %.3f ms | snapshot %.1f ms | "
+      std::printf("checkpoint step %-4" PRIu64
+                  " save_async %.3f ms | snapshot %.1f ms | "
                   "persisted %s in %.0f ms (%.2f GB/s) | commit %.1f ms\n",
                   inflight.step(), m.save_async_ms, m.snapshot_ms, human_bytes(m.bytes).c_str(),
                   m.total_ms, m.persist_gbps(), m.commit_ms);
@@ -366,10 +367,11 @@ int cmd_demo(const Args& args) {
                        " --layers " + std::to_string(f.layers) + " --steps " +
                        std::to_string(f.steps) + " --every " + std::to_string(f.every);
   for (const auto& p : f.passthrough) common += " " + quote(p);
-  std::printf("ferry demo: %s model state over %u ranks (row-, column-sharded and replicated "
-              "tensors), %u steps, checkpoint every %u, root %s\n",
-              human_bytes(static_cast<double>(f.state_mib) * (1 << 20)).c_str(), f.ranks, f.steps,
-              f.every, f.root.c_str());
+  std::printf(
+      "ferry demo: %s model state over %u ranks (row-, column-sharded and replicated "
+      "tensors), %u steps, checkpoint every %u, root %s\n",
+      human_bytes(static_cast<double>(f.state_mib) * (1 << 20)).c_str(), f.ranks, f.steps, f.every,
+      f.root.c_str());
   std::fflush(stdout);
   // Unless told otherwise, size each rank's pool to its share of the state
   // (an instant snapshot) and keep the restoring ranks' pools small: they
@@ -377,7 +379,8 @@ int cmd_demo(const Args& args) {
   bool pool_set = false;
   for (const auto& s : f.settings) pool_set = pool_set || s.key == "pool-bytes";
   const uint64_t share_mib = f.state_mib / f.ranks + f.state_mib / f.ranks / 8 + 16;
-  const std::string train_pool = pool_set ? "" : " --set pool-bytes=" + std::to_string(share_mib) + "MiB";
+  const std::string train_pool =
+      pool_set ? "" : " --set pool-bytes=" + std::to_string(share_mib) + "MiB";
   const std::string restore_pool = pool_set ? "" : " --set pool-bytes=64MiB";
   const std::string train_cmd = quote(exe) + " launch -n " + std::to_string(f.ranks) + " -- " +
                                 quote(exe) + " demo --role train" + common + train_pool;

@@ -2,15 +2,15 @@
 
 #include <catch2/catch.hpp>
 
+#include <sys/wait.h>
 #include <array>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
-#include <sys/wait.h>
 
 #include "ferry/catalog.hpp"
-#include "ferry/verify.hpp"
 #include "ferry/runtime.hpp"
+#include "ferry/verify.hpp"
 #include "test_util.hpp"
 
 namespace fs = std::filesystem;
@@ -143,7 +143,8 @@ TEST_CASE("data files parse as safetensors with an independent checker", "[cli][
   REQUIRE(r.code == 0);
   CHECK_THAT(r.out, Catch::Contains("restored on 3, every byte checked"));
   const std::string checker = std::string(FERRY_SOURCE_DIR) + "/tests/tools/check_safetensors.py";
-  r = run("/usr/bin/python3 " + checker + " --align 4096 " + dir.path() + "/root/step-*/*.safetensors");
+  r = run("/usr/bin/python3 " + checker + " --align 4096 " + dir.path() +
+          "/root/step-*/*.safetensors");
   INFO(r.out);
   CHECK(r.code == 0);
 }

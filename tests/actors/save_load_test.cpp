@@ -18,8 +18,8 @@ using ferry::testing::TempDir;
 
 namespace {
 
-std::unique_ptr<ferry::Runtime> make_runtime(const std::string& root,
-                                             std::vector<std::pair<std::string, std::string>> kv = {}) {
+std::unique_ptr<ferry::Runtime> make_runtime(
+    const std::string& root, std::vector<std::pair<std::string, std::string>> kv = {}) {
   ferry::RuntimeArgs args;
   args.set("root", root).set("pool-bytes", "4MiB").set("chunk-bytes", "256KiB");
   args.set("checksum-block-bytes", "64KiB");
@@ -67,7 +67,7 @@ TEST_CASE("save then load many dtypes and shapes, bytes equal", "[actors][save]"
   std::vector<Buf> bufs;
   bufs.emplace_back(ferry::DType::f32, std::vector<int64_t>{300, 257}, 1);
   bufs.emplace_back(ferry::DType::bf16, std::vector<int64_t>{1000}, 2);
-  bufs.emplace_back(ferry::DType::f64, std::vector<int64_t>{}, 3);  // 0-d scalar
+  bufs.emplace_back(ferry::DType::f64, std::vector<int64_t>{}, 3);     // 0-d scalar
   bufs.emplace_back(ferry::DType::i8, std::vector<int64_t>{0, 5}, 4);  // zero-size
   bufs.emplace_back(ferry::DType::i64, std::vector<int64_t>{7, 3, 5}, 5);
   bufs.emplace_back(ferry::DType::u8, std::vector<int64_t>{1}, 6);
@@ -155,9 +155,8 @@ TEST_CASE("load reshards: column shard, full tensor, three uneven pieces", "[act
   SECTION("column shard") {
     std::vector<int32_t> col(R * 20);
     ferry::StateDict out;
-    REQUIRE(out.add("m", {col.data(), ferry::DType::i32, {R, 20}},
-                    ferry::Shard{{R, C}, {0, 45}})
-                .ok());
+    REQUIRE(
+        out.add("m", {col.data(), ferry::DType::i32, {R, 20}}, ferry::Shard{{R, C}, {0, 45}}).ok());
     REQUIRE(rt->load(out, dir.path()).ok());
     for (int64_t r = 0; r < R; ++r)
       for (int64_t c = 0; c < 20; ++c) REQUIRE(col[r * 20 + c] == elem(r, 45 + c));
@@ -261,9 +260,8 @@ TEST_CASE("a second save waits for the first snapshot, or fails fast", "[actors]
   }
   SECTION("fails fast") {
     // A pool smaller than the state keeps the first snapshot open for a while.
-    auto rt = make_runtime(dir.path(), {{"fail-fast", "true"},
-                                        {"pool-bytes", "256KiB"},
-                                        {"chunk-bytes", "128KiB"}});
+    auto rt = make_runtime(
+        dir.path(), {{"fail-fast", "true"}, {"pool-bytes", "256KiB"}, {"chunk-bytes", "128KiB"}});
     auto h1 = rt->save_async(sd, 1);
     auto h2 = rt->save_async(sd, 2);
     if (!h1.snapshot_done()) {
@@ -356,7 +354,8 @@ TEST_CASE("2,000 small tensors round trip", "[actors][save]") {
   std::vector<Buf> bufs;
   ferry::StateDict sd;
   bufs.reserve(2000);
-  for (int i = 0; i < 2000; ++i) bufs.emplace_back(ferry::DType::f32, std::vector<int64_t>{i % 37 + 1, 3}, i);
+  for (int i = 0; i < 2000; ++i)
+    bufs.emplace_back(ferry::DType::f32, std::vector<int64_t>{i % 37 + 1, 3}, i);
   for (int i = 0; i < 2000; ++i) REQUIRE(sd.add("p." + std::to_string(i), bufs[i].view()).ok());
   auto h = rt->save_async(sd, 1);
   CHECK(h.metrics().save_async_ms < 200);  // generous: shared CI machines
@@ -364,7 +363,8 @@ TEST_CASE("2,000 small tensors round trip", "[actors][save]") {
   std::vector<Buf> back;
   back.reserve(2000);
   ferry::StateDict out;
-  for (int i = 0; i < 2000; ++i) back.emplace_back(ferry::DType::f32, std::vector<int64_t>{i % 37 + 1, 3}, i + 5000);
+  for (int i = 0; i < 2000; ++i)
+    back.emplace_back(ferry::DType::f32, std::vector<int64_t>{i % 37 + 1, 3}, i + 5000);
   for (int i = 0; i < 2000; ++i) REQUIRE(out.add("p." + std::to_string(i), back[i].view()).ok());
   REQUIRE(rt->load(out, dir.path()).ok());
   for (int i = 0; i < 2000; ++i) REQUIRE(back[i].bytes == bufs[i].bytes);

@@ -9,8 +9,8 @@
 // Exit 0 when the mode's expectation holds (for mismatch: the save failed
 // with an error naming what it must name; kill: 3 then), 1 otherwise.
 
-#include <csignal>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -92,7 +92,8 @@ Local piece(const Spec& s, char split, int rank, int world) {
 }
 
 // Element bytes at every local position, from the global index.
-void fill_expected(const Spec& s, size_t k, const Local& l, uint64_t seed, std::vector<uint8_t>& out) {
+void fill_expected(const Spec& s, size_t k, const Local& l, uint64_t seed,
+                   std::vector<uint8_t>& out) {
   out.resize(l.bytes.size());
   const size_t es = ferry::dtype_size(s.dtype);
   const size_t rank = s.shape.size();
@@ -142,7 +143,10 @@ int send_garbage() {
   if (!t.ok() || !(*t)->wait_peers(30).ok()) return 1;
   std::string valid = ferry::encode_message(ferry::HeartbeatMsg{"x", 1, 7});
   const std::vector<std::string> frames = {
-      "", "garbage", std::string(100, '\xff'), valid.substr(0, valid.size() - 3),
+      "",
+      "garbage",
+      std::string(100, '\xff'),
+      valid.substr(0, valid.size() - 3),
       "FRY1" + std::string(12, '\0') + std::string(64, '\x41'),
   };
   for (const auto& f : frames) (*t)->send(0, f);

@@ -3,13 +3,13 @@
 
 #include <catch2/catch.hpp>
 
+#include <sys/wait.h>
+#include <unistd.h>
 #include <array>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
-#include <unistd.h>
-#include <sys/wait.h>
 #include <thread>
 
 #include "ferry/catalog.hpp"
@@ -237,13 +237,15 @@ TEST_CASE("a crash at every kill point leaves the old or the new checkpoint, who
               faults + "FERRY_KILL_AT=" + std::string(kp.name) + "@" + std::to_string(role);
           auto r = launch(2, save_args(d, 2, 12) + opts, env);
           INFO("kill point " << kp.name << " on rank " << role << (cut ? " + power cut" : "")
-                             << "\n" << r.out);
+                             << "\n"
+                             << r.out);
           ++total;
           killed += r.out.find("killed by signal 9") != std::string::npos;
           hung += r.seconds >= 30;
           CHECK(r.seconds < 30);  // nobody hung
           auto fsys = ferry::posix_filesystem();
-          if (cut) REQUIRE(ferry::FaultFilesystem::apply_power_cut_from_journal(*fsys, journal).ok());
+          if (cut)
+            REQUIRE(ferry::FaultFilesystem::apply_power_cut_from_journal(*fsys, journal).ok());
           auto latest = ferry::find_latest(*fsys, d.path());
           if (!latest.ok()) {
             ++p_lost;
@@ -268,9 +270,10 @@ TEST_CASE("a crash at every kill point leaves the old or the new checkpoint, who
       std::printf("%-18s %5d %5d %6d %5d %5d\n", kp.name, role, runs, killed, p_torn, p_lost);
     }
   }
-  std::printf("crash soak: %zu points x 2 roles x %d runs x (restart, power cut) = %d saves; "
-              "%d torn, %d lost, %d hung\n",
-              ferry::kill_points().size(), runs, total, torn, lost, hung);
+  std::printf(
+      "crash soak: %zu points x 2 roles x %d runs x (restart, power cut) = %d saves; "
+      "%d torn, %d lost, %d hung\n",
+      ferry::kill_points().size(), runs, total, torn, lost, hung);
   CHECK(torn == 0);
   CHECK(lost == 0);
 }

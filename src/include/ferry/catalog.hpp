@@ -26,7 +26,7 @@ struct CheckpointInfo {
   std::string path;  // ROOT/step-...
   uint64_t step = 0;
   uint64_t commit_seq = 0;
-  uint64_t bytes = 0;      // data bytes (manifest)
+  uint64_t bytes = 0;  // data bytes (manifest)
   uint64_t tensors = 0;
   bool latest_hint = false;  // LATEST names it
   Status status;             // ok, or why its manifest could not be read

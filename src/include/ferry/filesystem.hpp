@@ -13,11 +13,11 @@
 namespace ferry {
 
 struct OpenOptions {
-  bool write = false;      // read-only otherwise
+  bool write = false;  // read-only otherwise
   bool create = false;
   bool exclusive = false;  // with create: fail if it exists
   bool truncate = false;
-  bool direct = false;     // O_DIRECT; silently dropped where unsupported (tmpfs)
+  bool direct = false;  // O_DIRECT; silently dropped where unsupported (tmpfs)
 };
 
 class File {
@@ -46,14 +46,14 @@ class Filesystem {
  public:
   virtual ~Filesystem() = default;
   virtual Result<std::unique_ptr<File>> open(const std::string& path, const OpenOptions& o) = 0;
-  virtual Status mkdir(const std::string& path) = 0;      // fails if it exists
-  virtual Status mkdirs(const std::string& path) = 0;     // mkdir -p
+  virtual Status mkdir(const std::string& path) = 0;   // fails if it exists
+  virtual Status mkdirs(const std::string& path) = 0;  // mkdir -p
   virtual Status rename(const std::string& from, const std::string& to) = 0;
   virtual Status unlink(const std::string& path) = 0;
   virtual Status rmdir(const std::string& path) = 0;
   virtual Status sync_dir(const std::string& path) = 0;  // open O_DIRECTORY + fsync
   virtual Result<std::vector<std::string>> list(const std::string& dir) = 0;  // names, no . ..
-  virtual Result<FileInfo> stat(const std::string& path) = 0;  // not_found if absent
+  virtual Result<FileInfo> stat(const std::string& path) = 0;                 // not_found if absent
 };
 
 // The default: POSIX calls, errors via Status::from_errno naming op and path.
@@ -68,7 +68,9 @@ class FilesystemWrapper : public Filesystem {
   }
   Status mkdir(const std::string& p) override { return target_->mkdir(p); }
   Status mkdirs(const std::string& p) override { return target_->mkdirs(p); }
-  Status rename(const std::string& f, const std::string& t) override { return target_->rename(f, t); }
+  Status rename(const std::string& f, const std::string& t) override {
+    return target_->rename(f, t);
+  }
   Status unlink(const std::string& p) override { return target_->unlink(p); }
   Status rmdir(const std::string& p) override { return target_->rmdir(p); }
   Status sync_dir(const std::string& p) override { return target_->sync_dir(p); }

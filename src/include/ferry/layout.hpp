@@ -25,8 +25,8 @@ struct ChunkRef {
 
 struct LaidOutChunk {
   ChunkRef chunk;
-  std::string entry;     // safetensors entry name, see entry_name()
-  uint64_t offset = 0;   // absolute byte offset in the file
+  std::string entry;    // safetensors entry name, see entry_name()
+  uint64_t offset = 0;  // absolute byte offset in the file
   uint64_t length = 0;
 };
 
@@ -34,7 +34,7 @@ struct FileLayout {
   std::string name;    // file name inside the checkpoint directory
   std::string header;  // 8-byte LE length + JSON + spaces; size % 4096 == 0
   std::vector<LaidOutChunk> chunks;
-  uint64_t size = 0;   // exact file size: header.size() + all chunk bytes
+  uint64_t size = 0;  // exact file size: header.size() + all chunk bytes
 };
 
 // "key@o0,o1,..." (offsets of the chunk in the global tensor): unique within a

@@ -40,9 +40,9 @@ struct ReadOp {
   uint64_t chunk_offset = 0;  // where the read starts inside the chunk
   uint32_t first_block = 0;   // first checksum block covered (chunk_offset / block bytes)
   uint32_t nblocks = 0;
-  Box region;                 // the part of the tensor both have (global coords)
-  Box chunk_box;              // the saved chunk's box
-  Box target_box;             // the caller's box
+  Box region;      // the part of the tensor both have (global coords)
+  Box chunk_box;   // the saved chunk's box
+  Box target_box;  // the caller's box
 };
 
 struct LoadPlanOptions {

@@ -19,10 +19,10 @@ constexpr char kManifestFileName[] = "MANIFEST";
 struct ManifestChunk {
   std::vector<int64_t> offsets;  // in the global tensor
   std::vector<int64_t> sizes;
-  uint32_t file = 0;             // index into Manifest::files
-  uint64_t byte_offset = 0;      // absolute offset in that file
+  uint32_t file = 0;         // index into Manifest::files
+  uint64_t byte_offset = 0;  // absolute offset in that file
   uint64_t byte_length = 0;
-  std::string entry;             // safetensors entry name
+  std::string entry;  // safetensors entry name
   // xxh3-64 of each checksum_block_bytes piece of the chunk's bytes (the
   // last may be shorter); empty when the checkpoint was saved without them.
   std::vector<uint64_t> checksums;
@@ -55,11 +55,11 @@ struct Manifest {
   uint64_t checksum_block_bytes = 1ull << 20;
   int64_t created_unix_ms = 0;
   std::vector<ManifestFile> files;
-  std::vector<ManifestTensor> tensors;  // sorted by key
+  std::vector<ManifestTensor> tensors;                        // sorted by key
   std::vector<std::pair<std::string, std::string>> metadata;  // user key/values
 
   const ManifestTensor* find(const std::string& key) const;  // binary search
-  uint64_t total_bytes() const;  // sum of chunk byte lengths
+  uint64_t total_bytes() const;                              // sum of chunk byte lengths
 };
 
 // Features this build understands (a manifest naming another is refused).

@@ -15,33 +15,33 @@
 namespace ferry {
 
 struct Options {
-  std::string root;                     // root: checkpoint directory ("" = must be given per call)
-  uint64_t pool_bytes = 1ull << 30;     // pool-bytes: staging pool size
-  uint64_t chunk_bytes = 8ull << 20;    // chunk-bytes: pool block = write size
-  uint32_t writers = 2;                 // writers: writer threads per rank
-  bool direct_io = true;                // direct-io: O_DIRECT data writes
-  bool fsync = true;                    // fsync: data, manifest, directories
-  bool checksum = true;                 // checksum: xxh3-64 per checksum block
+  std::string root;                   // root: checkpoint directory ("" = must be given per call)
+  uint64_t pool_bytes = 1ull << 30;   // pool-bytes: staging pool size
+  uint64_t chunk_bytes = 8ull << 20;  // chunk-bytes: pool block = write size
+  uint32_t writers = 2;               // writers: writer threads per rank
+  bool direct_io = true;              // direct-io: O_DIRECT data writes
+  bool fsync = true;                  // fsync: data, manifest, directories
+  bool checksum = true;               // checksum: xxh3-64 per checksum block
   uint64_t checksum_block_bytes = 1ull << 20;  // checksum-block-bytes
-  uint32_t keep_last = 0;               // keep-last: retention, 0 keeps all
-  bool fail_fast = false;               // fail-fast: 2nd save_async fails instead of waiting
-  double lease_seconds = 30.0;          // lease-seconds: pending directory lease
-  uint32_t readers = 2;                 // readers: reader threads for load
+  uint32_t keep_last = 0;                      // keep-last: retention, 0 keeps all
+  bool fail_fast = false;                      // fail-fast: 2nd save_async fails instead of waiting
+  double lease_seconds = 30.0;                 // lease-seconds: pending directory lease
+  uint32_t readers = 2;                        // readers: reader threads for load
   // Many ranks (torchrun-style environment fills what is left unset).
-  std::string coordinator_address;      // coordinator-address: "" = MASTER_ADDR, else 127.0.0.1
-  uint32_t port = 0;                    // port: rank 0 listens here; 0 = MASTER_PORT + 1
-  double connect_timeout_s = 60;        // connect-timeout: ranks wait this long for each other
-  double heartbeat_interval_s = 1;      // heartbeat-interval
-  double heartbeat_timeout_s = 10;      // heartbeat-timeout: a silent peer is failed after it
-  double plan_timeout_s = 60;           // plan-timeout: all local plans in
-  double write_timeout_s = 600;         // write-timeout: all write results in
-  double commit_timeout_s = 60;         // commit-timeout: manifest, renames, LATEST
-  bool owner_lowest_rank = false;       // owner-policy: "balanced" (default) or "lowest-rank"
+  std::string coordinator_address;  // coordinator-address: "" = MASTER_ADDR, else 127.0.0.1
+  uint32_t port = 0;                // port: rank 0 listens here; 0 = MASTER_PORT + 1
+  double connect_timeout_s = 60;    // connect-timeout: ranks wait this long for each other
+  double heartbeat_interval_s = 1;  // heartbeat-interval
+  double heartbeat_timeout_s = 10;  // heartbeat-timeout: a silent peer is failed after it
+  double plan_timeout_s = 60;       // plan-timeout: all local plans in
+  double write_timeout_s = 600;     // write-timeout: all write results in
+  double commit_timeout_s = 60;     // commit-timeout: manifest, renames, LATEST
+  bool owner_lowest_rank = false;   // owner-policy: "balanced" (default) or "lowest-rank"
 };
 
 // key = value, as read from one source (the value unquoted).
 struct Setting {
-  std::string key;     // without the "ferry." prefix
+  std::string key;  // without the "ferry." prefix
   std::string value;
   std::string origin;  // "code", "FERRY_CONFIG=/x.ini:12", "caf-application.ini:3"
 };

@@ -23,9 +23,9 @@ struct WriteItem {
   std::string key;
   DType dtype = DType::f32;
   std::vector<int64_t> global_shape;
-  Box box;                 // the region of the global tensor this rank holds
-  uint64_t nbytes = 0;     // box.numel() * dtype_size(dtype)
-  uint32_t entry = 0;      // index of the entry in the rank's StateDict
+  Box box;              // the region of the global tensor this rank holds
+  uint64_t nbytes = 0;  // box.numel() * dtype_size(dtype)
+  uint32_t entry = 0;   // index of the entry in the rank's StateDict
 };
 
 struct LocalPlan {

@@ -110,9 +110,9 @@ struct LoadReplyMsg {
   std::string manifest;  // the MANIFEST file's bytes (framed; decode_manifest)
 };
 
-using WireMessage = std::variant<JoinMsg, JoinAckMsg, HeartbeatMsg, AbortMsg, CommitMsg,
-                                 PlanRequest, PlanReply, CommitRequest, LoadRequestMsg,
-                                 LoadReplyMsg>;
+using WireMessage =
+    std::variant<JoinMsg, JoinAckMsg, HeartbeatMsg, AbortMsg, CommitMsg, PlanRequest, PlanReply,
+                 CommitRequest, LoadRequestMsg, LoadReplyMsg>;
 
 // Job id and checkpoint/load id of any message ("" where it has none).
 std::string_view message_job_id(const WireMessage& m);

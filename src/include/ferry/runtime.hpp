@@ -21,7 +21,7 @@ class DeviceBackend;
 struct SaveOptions {
   bool overwrite = false;  // replace an existing step instead of failing
   std::vector<std::pair<std::string, std::string>> metadata;  // stored in the manifest
-  std::string root;        // overrides Options::root for this save
+  std::string root;  // overrides Options::root for this save
 };
 
 // Figures of one save, filled in as it goes.
@@ -58,9 +58,9 @@ class SaveHandle {
   bool snapshot_done() const;
   bool done() const;
   uint64_t step() const;
-  std::string path() const;            // the committed directory (once done)
+  std::string path() const;  // the committed directory (once done)
   SaveMetrics metrics() const;
-  uint64_t bytes_persisted() const;    // written so far (for progress lines)
+  uint64_t bytes_persisted() const;  // written so far (for progress lines)
   uint64_t bytes_total() const;
   bool valid() const { return s_ != nullptr; }
 

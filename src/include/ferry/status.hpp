@@ -15,11 +15,11 @@ enum class StatusCode {
   invalid_argument,  // bad input from the caller: state dict, config, path
   not_found,
   already_exists,
-  io_error,         // an OS call failed (ENOSPC, EIO, ...)
-  corruption,       // bytes on disk disagree with the manifest
-  unsupported,      // a format version or feature this build does not know
-  busy,             // a save is in flight and the config says fail fast
-  aborted,          // the checkpoint was abandoned (peer gone, phase failed)
+  io_error,     // an OS call failed (ENOSPC, EIO, ...)
+  corruption,   // bytes on disk disagree with the manifest
+  unsupported,  // a format version or feature this build does not know
+  busy,         // a save is in flight and the config says fail fast
+  aborted,      // the checkpoint was abandoned (peer gone, phase failed)
   timeout,
   outcome_unknown,  // the coordinator vanished after the commit point
   internal,
@@ -33,7 +33,9 @@ class Status {
   Status(StatusCode code, std::string message) : code_(code), message_(std::move(message)) {}
 
   static Status ok_status() { return Status(); }
-  static Status invalid_argument(std::string m) { return {StatusCode::invalid_argument, std::move(m)}; }
+  static Status invalid_argument(std::string m) {
+    return {StatusCode::invalid_argument, std::move(m)};
+  }
   static Status not_found(std::string m) { return {StatusCode::not_found, std::move(m)}; }
   static Status already_exists(std::string m) { return {StatusCode::already_exists, std::move(m)}; }
   static Status io_error(std::string m) { return {StatusCode::io_error, std::move(m)}; }
@@ -42,7 +44,9 @@ class Status {
   static Status busy(std::string m) { return {StatusCode::busy, std::move(m)}; }
   static Status aborted(std::string m) { return {StatusCode::aborted, std::move(m)}; }
   static Status timeout(std::string m) { return {StatusCode::timeout, std::move(m)}; }
-  static Status outcome_unknown(std::string m) { return {StatusCode::outcome_unknown, std::move(m)}; }
+  static Status outcome_unknown(std::string m) {
+    return {StatusCode::outcome_unknown, std::move(m)};
+  }
   static Status internal(std::string m) { return {StatusCode::internal, std::move(m)}; }
   // An OS failure: names the operation, the path and errno's text.
   static Status from_errno(int err, const std::string& op, const std::string& path);
@@ -91,10 +95,10 @@ class Result {
 #define FERRY_CONCAT(a, b) FERRY_CONCAT_INNER(a, b)
 
 // Returns early from the enclosing function with the Status if it is an error.
-#define FERRY_RETURN_IF_ERROR(expr)           \
-  do {                                        \
-    ::ferry::Status _ferry_st = (expr);       \
-    if (!_ferry_st.ok()) return _ferry_st;    \
+#define FERRY_RETURN_IF_ERROR(expr)        \
+  do {                                     \
+    ::ferry::Status _ferry_st = (expr);    \
+    if (!_ferry_st.ok()) return _ferry_st; \
   } while (0)
 
 // FERRY_ASSIGN_OR_RETURN(auto x, make_x()); returns the error if any.

@@ -12,7 +12,21 @@
 namespace ferry {
 
 enum class DType : uint8_t {
-  boolean, u8, i8, i16, u16, i32, u32, i64, u64, f16, bf16, f32, f64, f8_e4m3, f8_e5m2,
+  boolean,
+  u8,
+  i8,
+  i16,
+  u16,
+  i32,
+  u32,
+  i64,
+  u64,
+  f16,
+  bf16,
+  f32,
+  f64,
+  f8_e4m3,
+  f8_e5m2,
 };
 
 size_t dtype_size(DType d);
