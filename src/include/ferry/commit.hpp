@@ -66,19 +66,30 @@ struct CommitOptions {
   bool fsync = true;
   bool overwrite = false;
   uint32_t keep_last = 0;
+  // The owner written into the pending directory's lease by prepare_pending
+  // and the lease refreshes. The commit refuses a directory whose lease is
+  // another owner's or has expired: a save that could not keep its lease
+  // fresh may have lost its files to gc and must fail, not commit.
+  std::string lease_owner;
 };
 
 struct CommitOutcome {
   std::string path;  // ROOT/step-...
   uint64_t commit_seq = 0;
   std::vector<std::string> retired;  // removed by retention
+  // Failures after the commit point (ROOT fsync, LATEST, retention): the
+  // checkpoint is committed and is what load picks; these are reported to
+  // the caller as warnings, never as a failed save.
+  std::vector<Status> warnings;
 };
 
 // REQUIRES: every rank's data files in `pending_dir` are durable.
 // Writes MANIFEST (temp, fsync, rename, fsync dir), renames the pending
 // directory to its step directory (the commit point), fsyncs ROOT, replaces
-// LATEST, then applies retention. An error before the commit point leaves
-// nothing visible; the caller removes the pending directory.
+// LATEST, then applies retention. An error (returned) means nothing became
+// visible and the commit point was not passed; the caller removes the
+// pending directory. After the commit point the result is always ok, with
+// later failures in CommitOutcome::warnings.
 Result<CommitOutcome> commit_checkpoint(Filesystem& fs, const std::string& root,
                                         const std::string& pending_dir, Manifest manifest,
                                         const CommitOptions& opts);
@@ -86,7 +97,9 @@ Result<CommitOutcome> commit_checkpoint(Filesystem& fs, const std::string& root,
 // Creates ROOT (if needed) and the pending directory with its lease. Fails
 // with already_exists naming the step directory when the step exists and
 // `overwrite` is false.
-// A ROOT created here is made durable in its parent when `fsync` is set.
+// Every directory created here (ROOT and any missing parents) is made durable
+// in its parent when `fsync` is set. On failure it removes only what it
+// created itself: never a directory that existed before the call.
 Status prepare_pending(Filesystem& fs, const std::string& root, const std::string& pending_dir,
                        uint64_t step, bool overwrite, int64_t lease_ms, const std::string& owner,
                        bool fsync = true);
