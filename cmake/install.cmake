@@ -1,0 +1,26 @@
+# `cmake --install`: the public headers, libferry.so (SONAME libferry.so.X.Y),
+# the ferry CLI, and a package config so another project can write
+#   find_package(Ferry 0.1 REQUIRED)
+#   target_link_libraries(app PRIVATE Ferry::ferry)
+include(CMakePackageConfigHelpers)
+
+# What a user includes; everything else under src/include/ferry/ is internal
+# and is not installed.
+set(FERRY_PUBLIC_HEADERS device.hpp filesystem.hpp options.hpp runtime.hpp status.hpp tensor.hpp)
+list(TRANSFORM FERRY_PUBLIC_HEADERS PREPEND "${PROJECT_SOURCE_DIR}/src/include/ferry/")
+install(FILES ${FERRY_PUBLIC_HEADERS} DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}/ferry")
+
+install(TARGETS ferry ferry_cli EXPORT FerryTargets
+        LIBRARY DESTINATION "${CMAKE_INSTALL_LIBDIR}"
+        RUNTIME DESTINATION "${CMAKE_INSTALL_BINDIR}")
+
+set(FERRY_CMAKE_DIR "${CMAKE_INSTALL_LIBDIR}/cmake/Ferry")
+install(EXPORT FerryTargets NAMESPACE Ferry:: DESTINATION "${FERRY_CMAKE_DIR}")
+configure_package_config_file("${PROJECT_SOURCE_DIR}/cmake/FerryConfig.cmake.in"
+                              "${PROJECT_BINARY_DIR}/FerryConfig.cmake"
+                              INSTALL_DESTINATION "${FERRY_CMAKE_DIR}")
+write_basic_package_version_file("${PROJECT_BINARY_DIR}/FerryConfigVersion.cmake"
+                                 COMPATIBILITY SameMinorVersion)
+install(FILES "${PROJECT_BINARY_DIR}/FerryConfig.cmake"
+              "${PROJECT_BINARY_DIR}/FerryConfigVersion.cmake"
+        DESTINATION "${FERRY_CMAKE_DIR}")

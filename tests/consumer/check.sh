@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Builds tests/consumer against Ferry one of two ways and runs it:
+#   check.sh install SOURCE_DIR BUILD_DIR   cmake --install BUILD_DIR, then find_package(Ferry)
+#   check.sh subdir  SOURCE_DIR BUILD_DIR   add_subdirectory(SOURCE_DIR)
+set -euo pipefail
+mode=$1 src=$2 build=$3
+work=$(mktemp -d "${TMPDIR:-/tmp}/ferry-consumer-XXXXXX")
+trap 'rm -rf "$work"' EXIT
+gen=(-DCMAKE_BUILD_TYPE=RelWithDebInfo)
+case "$mode" in
+  install)
+    cmake --install "$build" --prefix "$work/prefix" > "$work/install.log"
+    # Only the public headers are installed, and the library has a SONAME.
+    headers=$(cd "$work/prefix/include/ferry" && ls | sort | tr '\n' ' ')
+    echo "installed headers: $headers"
+    [ "$headers" = "device.hpp filesystem.hpp options.hpp runtime.hpp status.hpp tensor.hpp " ] ||
+      { echo "unexpected public headers"; exit 1; }
+    lib=$(ls "$work"/prefix/lib*/libferry.so)
+    soname=$(readelf -d "$lib" | sed -n 's/.*SONAME.*\[\(.*\)\]/\1/p')
+    echo "SONAME: $soname"
+    [[ "$soname" == libferry.so.* ]] || { echo "libferry.so has no versioned SONAME"; exit 1; }
+    "$work/prefix/bin/ferry" --help > /dev/null
+    cmake -S "$src/tests/consumer" -B "$work/b" "${gen[@]}" -DCMAKE_PREFIX_PATH="$work/prefix" \
+      > "$work/configure.log"
+    ;;
+  subdir)
+    cmake -S "$src/tests/consumer" -B "$work/b" "${gen[@]}" -DFERRY_SOURCE_DIR="$src" \
+      > "$work/configure.log"
+    ;;
+  *) echo "unknown mode $mode"; exit 2 ;;
+esac
+cmake --build "$work/b" -j 2 --target consumer > "$work/build.log" || { cat "$work/build.log"; exit 1; }
+"$work/b/consumer" "$work/root"
