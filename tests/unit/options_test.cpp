@@ -3,8 +3,11 @@
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
+
+#include <sys/stat.h>
 #include <cctype>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <optional>
@@ -574,4 +577,28 @@ TEST_CASE("config/ferry.ini documents every key and parses to the defaults", "[o
   auto r = ferry::resolve_options(*s);
   REQUIRE(r.ok());
   check_defaults(*r);
+}
+
+TEST_CASE("a config path that is a FIFO or huge is refused, never read", "[options]") {
+  char tmpl[] = "/tmp/ferry-ini-XXXXXX";
+  REQUIRE(mkdtemp(tmpl) != nullptr);
+  const std::string dir = tmpl;
+  const std::string fifo = dir + "/fifo.ini";
+  REQUIRE(mkfifo(fifo.c_str(), 0600) == 0);
+  // Opening a FIFO for reading blocks until a writer comes: this returns.
+  auto r = ferry::read_ini_settings(fifo);
+  REQUIRE_FALSE(r.ok());
+  CHECK(contains(r.status().message(), fifo));
+  CHECK(contains(r.status().message(), "not a regular file"));
+
+  const std::string big = dir + "/big.ini";
+  {
+    std::ofstream out(big);
+    out << "[ferry]\n";
+    out << std::string(20 << 20, ';') << "\n";
+  }
+  auto b = ferry::read_ini_settings(big);
+  REQUIRE_FALSE(b.ok());
+  CHECK(contains(b.status().message(), big));
+  std::filesystem::remove_all(dir);
 }
