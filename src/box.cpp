@@ -24,14 +24,32 @@ bool Box::contains(const Box& inner) const {
   return true;
 }
 
-std::string Box::to_string() const {
-  // Half-open [start:end) per dimension, as a Python slice would print it.
+std::string shape_to_string(const std::vector<int64_t>& dims) {
   std::string s = "[";
-  for (size_t i = 0; i < rank(); ++i) {
+  for (size_t i = 0; i < dims.size(); ++i) {
     if (i) s += ", ";
-    s += std::to_string(offsets[i]) + ":" + std::to_string(offsets[i] + sizes[i]);
+    s += std::to_string(dims[i]);
   }
   return s + "]";
+}
+
+std::string box_to_string(const int64_t* offsets, const int64_t* sizes, size_t rank) {
+  // Half-open [start:end) per dimension, as a Python slice would print it.
+  std::string s = "[";
+  for (size_t i = 0; i < rank; ++i) {
+    if (i) s += ", ";
+    int64_t end = 0;
+    if (__builtin_add_overflow(offsets[i], sizes[i], &end))
+      s += std::to_string(offsets[i]) + ":" + std::to_string(offsets[i]) + "+" +
+           std::to_string(sizes[i]);
+    else
+      s += std::to_string(offsets[i]) + ":" + std::to_string(end);
+  }
+  return s + "]";
+}
+
+std::string Box::to_string() const {
+  return box_to_string(offsets.data(), sizes.data(), std::min(offsets.size(), sizes.size()));
 }
 
 Box Box::whole(const std::vector<int64_t>& shape) {

@@ -21,15 +21,6 @@ bool mul_u64(uint64_t a, uint64_t b, uint64_t* out) {
   return !__builtin_mul_overflow(a, b, out);
 }
 
-std::string dims_to_string(const std::vector<int64_t>& v) {
-  std::string s = "[";
-  for (size_t i = 0; i < v.size(); ++i) {
-    if (i) s += ",";
-    s += std::to_string(v[i]);
-  }
-  return s + "]";
-}
-
 // Length of the well-formed UTF-8 sequence at s[i], or 0 if it is not one
 // (overlong forms, surrogates and code points past U+10FFFF are refused, as
 // strict JSON readers do).
@@ -148,16 +139,16 @@ Result<uint64_t> chunk_bytes(const std::string& file, const ChunkRef& c) {
   for (size_t d = 0; d < rank; ++d) {
     const int64_t o = c.box.offsets[d], s = c.box.sizes[d], g = c.global_shape[d];
     if (o < 0 || s < 0 || o > g || s > g - o)
-      return Status::invalid_argument(who + ": box offsets " + dims_to_string(c.box.offsets) +
-                                      " sizes " + dims_to_string(c.box.sizes) +
+      return Status::invalid_argument(who + ": box offsets " + shape_to_string(c.box.offsets) +
+                                      " sizes " + shape_to_string(c.box.sizes) +
                                       " lies outside global shape " +
-                                      dims_to_string(c.global_shape));
+                                      shape_to_string(c.global_shape));
     overflow = overflow || !mul_u64(numel, static_cast<uint64_t>(s), &numel);
   }
   uint64_t bytes = 0;
   if (overflow || !mul_u64(numel, elem, &bytes) ||
       bytes > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
-    return Status::invalid_argument(who + ": chunk " + dims_to_string(c.box.sizes) +
+    return Status::invalid_argument(who + ": chunk " + shape_to_string(c.box.sizes) +
                                     " is too large");
   return bytes;
 }
@@ -571,12 +562,12 @@ Result<SafetensorsHeader> parse_safetensors_header(const std::string& prefix, ui
     for (int64_t d : e.shape)
       overflow = overflow || !mul_u64(bytes, static_cast<uint64_t>(d), &bytes);
     if (overflow)
-      return Status::corruption(who + ": shape " + dims_to_string(e.shape) + " overflows");
+      return Status::corruption(who + ": shape " + shape_to_string(e.shape) + " overflows");
     if (e.begin > e.end)
       return Status::corruption(who + ": data_offsets [" + std::to_string(e.begin) + ", " +
                                 std::to_string(e.end) + "] are reversed");
     if (e.end - e.begin != bytes)
-      return Status::corruption(who + ": shape " + dims_to_string(e.shape) + " of " + e.dtype +
+      return Status::corruption(who + ": shape " + shape_to_string(e.shape) + " of " + e.dtype +
                                 " is " + std::to_string(bytes) + " bytes but data_offsets span " +
                                 std::to_string(e.end - e.begin));
   }

@@ -3,6 +3,8 @@
 
 #include "ferry/manifest.hpp"
 
+#include "ferry/box.hpp"
+
 #include <capnp/message.h>
 #include <capnp/serialize.h>
 #include <kj/array.h>
@@ -155,15 +157,6 @@ bool mul_u64(uint64_t a, uint64_t b, uint64_t* out) {
   return !__builtin_mul_overflow(a, b, out);
 }
 
-std::string dims_to_string(const std::vector<int64_t>& v) {
-  std::string s = "[";
-  for (size_t i = 0; i < v.size(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(v[i]);
-  }
-  return s + "]";
-}
-
 // The loader counts covered elements to decide whether a request is fully
 // covered, which is only sound if a tensor's chunks never overlap. A sweep
 // along the dimension with the most distinct offsets keeps this close to
@@ -210,8 +203,8 @@ Status check_disjoint(const ManifestTensor& t, const std::string& who) {
       if (overlap(a, i))
         return Status::corruption(who + ": chunk " + std::to_string(i) + " overlaps chunk " +
                                   std::to_string(a) + " (offsets " +
-                                  dims_to_string(t.chunks[i].offsets) + " and " +
-                                  dims_to_string(t.chunks[a].offsets) + ")");
+                                  shape_to_string(t.chunks[i].offsets) + " and " +
+                                  shape_to_string(t.chunks[a].offsets) + ")");
     active.push_back(i);
   }
   return Status();
@@ -268,7 +261,7 @@ Status check_semantics(const Manifest& m) {
     for (int64_t d : t.global_shape)
       if (d < 0)
         return Status::corruption(who + ": negative dimension in global shape " +
-                                  dims_to_string(t.global_shape));
+                                  shape_to_string(t.global_shape));
 
     for (size_t ci = 0; ci < t.chunks.size(); ++ci) {
       const auto& c = t.chunks[ci];
@@ -283,14 +276,15 @@ Status check_semantics(const Manifest& m) {
       for (size_t d = 0; d < rank; ++d) {
         const int64_t o = c.offsets[d], s = c.sizes[d], g = t.global_shape[d];
         if (o < 0 || s < 0 || o > g || s > g - o)
-          return Status::corruption(cwho + ": box offsets " + dims_to_string(c.offsets) +
-                                    " sizes " + dims_to_string(c.sizes) +
-                                    " lies outside global shape " + dims_to_string(t.global_shape));
+          return Status::corruption(cwho + ": box offsets " + shape_to_string(c.offsets) +
+                                    " sizes " + shape_to_string(c.sizes) +
+                                    " lies outside global shape " +
+                                    shape_to_string(t.global_shape));
         overflow = overflow || !mul_u64(numel, static_cast<uint64_t>(s), &numel);
       }
       uint64_t expected = 0;
       if (overflow || !mul_u64(numel, elem, &expected))
-        return Status::corruption(cwho + ": byte size of box " + dims_to_string(c.sizes) +
+        return Status::corruption(cwho + ": byte size of box " + shape_to_string(c.sizes) +
                                   " overflows");
       if (c.byte_length != expected)
         return Status::corruption(cwho + ": byte length " + std::to_string(c.byte_length) +

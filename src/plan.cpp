@@ -13,30 +13,6 @@ namespace ferry {
 
 namespace {
 
-std::string dims_str(const std::vector<int64_t>& v) {
-  std::string s = "[";
-  for (size_t i = 0; i < v.size(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(v[i]);
-  }
-  return s + "]";
-}
-
-// Python slice style, "[0:4096, 0:128]": the same spelling Box::to_string
-// uses, kept local so error paths need nothing beyond this file.
-std::string box_str(const int64_t* off, const int64_t* size, size_t rank) {
-  std::string s = "[";
-  for (size_t d = 0; d < rank; ++d) {
-    if (d) s += ", ";
-    s += std::to_string(off[d]) + ":" + std::to_string(off[d] + size[d]);
-  }
-  return s + "]";
-}
-
-std::string box_str(const Box& b) {
-  return box_str(b.offsets.data(), b.sizes.data(), b.rank());
-}
-
 int64_t numel_of(const std::vector<int64_t>& sizes) {
   int64_t n = 1;
   for (int64_t s : sizes) n *= s;
@@ -276,9 +252,10 @@ class GlobalPlanner {
     if (k->dsize == 0) return item_error(rank, it, "unknown dtype");
     int64_t n = 1;
     for (int64_t s : it.global_shape) {
-      if (s < 0) return item_error(rank, it, "negative global shape " + dims_str(it.global_shape));
+      if (s < 0)
+        return item_error(rank, it, "negative global shape " + shape_to_string(it.global_shape));
       if (s != 0 && n > std::numeric_limits<int64_t>::max() / 8 / s)
-        return item_error(rank, it, "global shape too large " + dims_str(it.global_shape));
+        return item_error(rank, it, "global shape too large " + shape_to_string(it.global_shape));
       n *= s;
     }
     k->ndim = static_cast<uint32_t>(it.global_shape.size());
@@ -312,13 +289,13 @@ class GlobalPlanner {
     for (size_t d = 0; d < n; ++d) {
       const int64_t o = it.box.offsets[d], s = it.box.sizes[d], g = it.global_shape[d];
       if (o < 0 || s < 0 || o > g || s > g - o)
-        return item_error(
-            rank, it,
-            "box " + box_str(it.box) + " is outside global shape " + dims_str(it.global_shape));
+        return item_error(rank, it,
+                          "box " + it.box.to_string() + " is outside global shape " +
+                              shape_to_string(it.global_shape));
     }
     const uint64_t want = static_cast<uint64_t>(numel_of(it.box.sizes)) * k.dsize;
     return item_error(rank, it,
-                      "nbytes " + std::to_string(it.nbytes) + " but box " + box_str(it.box) +
+                      "nbytes " + std::to_string(it.nbytes) + " but box " + it.box.to_string() +
                           " of " + dtype_name(it.dtype) + " holds " + std::to_string(want));
   }
 
@@ -458,9 +435,9 @@ class GlobalPlanner {
           if (it.dtype != k.dtype || !same_dims(it.global_shape, k.global, k.ndim))
             return Status::invalid_argument(
                 "tensor '" + it.key + "': rank " + std::to_string(k.first_rank) + " has " +
-                dtype_name(k.first->dtype) + " " + dims_str(k.first->global_shape) + ", rank " +
-                std::to_string(r) + " has " + dtype_name(it.dtype) + " " +
-                dims_str(it.global_shape));
+                dtype_name(k.first->dtype) + " " + shape_to_string(k.first->global_shape) +
+                ", rank " + std::to_string(r) + " has " + dtype_name(it.dtype) + " " +
+                shape_to_string(it.global_shape));
         }
         KeyInfo& k = keys_[id];
         if (!box_ok(it, k)) return box_error(r, it, k);
@@ -733,10 +710,11 @@ class GlobalPlanner {
   }
 
   Status overlap_error(const KeyInfo& k, const KeyItems& v, uint32_t a, uint32_t b) const {
-    return Status::invalid_argument(
-        "tensor '" + std::string(k.key) + "': rank " + std::to_string(v.slots[a].rank) + " box " +
-        box_str(v.box(a), v.box(a) + k.ndim, k.ndim) + " overlaps rank " +
-        std::to_string(v.slots[b].rank) + " box " + box_str(v.box(b), v.box(b) + k.ndim, k.ndim));
+    return Status::invalid_argument("tensor '" + std::string(k.key) + "': rank " +
+                                    std::to_string(v.slots[a].rank) + " box " +
+                                    box_to_string(v.box(a), v.box(a) + k.ndim, k.ndim) +
+                                    " overlaps rank " + std::to_string(v.slots[b].rank) + " box " +
+                                    box_to_string(v.box(b), v.box(b) + k.ndim, k.ndim));
   }
 
   // The distinct non-empty boxes of a key (distinct_, sorted by offsets) must
@@ -837,7 +815,7 @@ class GlobalPlanner {
       }
       return Status::invalid_argument("tensor '" + std::string(k.key) +
                                       "': no rank holds elements " + where + "] of global shape " +
-                                      dims_str(k.first->global_shape));
+                                      shape_to_string(k.first->global_shape));
     }
     return Status();
   }
@@ -872,7 +850,7 @@ class GlobalPlanner {
       return Status::invalid_argument("tensor '" + std::string(k.key) + "': ranks hold " +
                                       std::to_string(covered) + " of its " +
                                       std::to_string(k.global_numel) + " elements (global shape " +
-                                      dims_str(k.first->global_shape) + ")");
+                                      shape_to_string(k.first->global_shape) + ")");
     return Status();
   }
 

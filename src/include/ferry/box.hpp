@@ -26,6 +26,13 @@ struct Box {
   static Box whole(const std::vector<int64_t>& shape);
 };
 
+// How every message spells a shape, "[4096, 128]".
+std::string shape_to_string(const std::vector<int64_t>& dims);
+// How every message spells a box, "[0:4096, 0:128]" (Python slices), from
+// flat arrays as the planner keeps them. Safe on hostile input: an end that
+// would overflow is printed as "offset+size".
+std::string box_to_string(const int64_t* offsets, const int64_t* sizes, size_t rank);
+
 // The common part of two boxes of the same rank, or nullopt when it is empty.
 std::optional<Box> intersect(const Box& a, const Box& b);
 
