@@ -71,3 +71,19 @@ TEST_CASE("a checksum mismatch on one rank fails the load on every rank, naming 
                               Catch::Contains(file) && Catch::Contains("checksum mismatch"));
   }
 }
+
+TEST_CASE("a rank that dies before its load fails the load on the others, naming it",
+          "[ranks][load]") {
+  TempDir d;
+  auto saved = launch(2, "--mode save --root " + d.path() + " --step 1 --seed 7");
+  INFO(saved.out);
+  REQUIRE(saved.code == 0);
+  auto l = launch(2, "--mode load --seed 7 --kill-rank 1 --kill-after load --root " + d.path());
+  INFO(l.out);
+  CHECK(l.code != 0);
+  CHECK(count(l.out, "every byte equal") == 0);
+  const auto errors = lines_with(l.out, "[rank 0] ERROR load:");
+  REQUIRE(errors.size() == 1);
+  CHECK_THAT(errors[0], Catch::Contains("rank 1"));
+  CHECK(l.seconds < 15);  // the failure ends the wait, not write-timeout (30 s)
+}
