@@ -37,6 +37,14 @@ struct Checkpoint {
   size_t results_in = 0;
 };
 
+// One collective load's outcomes as the ranks report them, until rank 0
+// answers them all.
+struct LoadOutcomes {
+  std::vector<std::optional<Status>> status;  // by rank
+  std::vector<caf::response_promise> promises;
+  size_t in = 0;
+};
+
 struct coordinator_state {
   static inline const char* name = "ferry.coordinator";
   ContextPtr ctx;
@@ -51,6 +59,11 @@ struct coordinator_state {
   std::optional<Checkpoint> active;
   std::vector<uint64_t> cached_digests;
   std::shared_ptr<const GlobalPlan> cached_plan;  // shared, not copied, on a cache hit
+  // Loads whose outcome is being gathered, and the last few answered (a
+  // report that comes late gets the answer the others got).
+  std::map<std::string, LoadOutcomes> load_outcomes;
+  std::map<std::string, LoadOutcomeMsg> load_verdicts;
+  std::deque<std::string> verdict_order;
 };
 
 using coordinator_ptr = caf::stateful_actor<coordinator_state>*;
@@ -163,6 +176,129 @@ void on_all_results(coordinator_ptr self) {
   st.active.reset();
 }
 
+// --- load outcomes -----------------------------------------------------------------
+//
+// A load is collective in its outcome: each rank reports how its part went,
+// and rank 0 answers every rank once all reported, a rank failed, or
+// write-timeout passed since the first report. Reads take about as long as
+// the writes of a save, hence that timeout.
+
+// The load's outcome from what the ranks reported: the error of the lowest
+// failing rank, prefixed with that rank, or ok. An error every rank reported
+// alike (the path resolved to nothing, say) is no one rank's: it goes
+// unprefixed.
+LoadOutcomeMsg reported_outcome(const coordinator_state& st, const std::string& id,
+                                const LoadOutcomes& lo) {
+  LoadOutcomeMsg v{st.ctx->job_id, id, st.ctx->rank, Status(), -1};
+  for (size_t r = 0; r < lo.status.size(); ++r) {
+    if (!lo.status[r] || lo.status[r]->ok()) continue;
+    const Status& first = *lo.status[r];
+    bool alike = lo.in == lo.status.size();
+    for (const auto& s : lo.status)
+      alike = alike && s->code() == first.code() && s->message() == first.message();
+    v.failed_rank = static_cast<int32_t>(r);
+    v.status = alike ? first : first.with_context("rank " + std::to_string(r) + ": ");
+    break;
+  }
+  return v;
+}
+
+void answer_load(coordinator_ptr self, const std::string& id, const LoadOutcomeMsg& verdict) {
+  auto& st = self->state;
+  auto it = st.load_outcomes.find(id);
+  if (it == st.load_outcomes.end()) return;
+  for (auto& p : it->second.promises)
+    if (p.pending()) p.deliver(verdict);
+  st.load_outcomes.erase(it);
+  st.load_verdicts[id] = verdict;
+  st.verdict_order.push_back(id);
+  if (st.verdict_order.size() > 8) {  // late reports come within a timeout; keep a few
+    st.load_verdicts.erase(st.verdict_order.front());
+    st.verdict_order.pop_front();
+  }
+}
+
+// Ends a load before every rank reported: `why` (from `rank`) unless a rank
+// already reported an error, which is what went wrong first.
+void end_load(coordinator_ptr self, const std::string& id, int32_t rank, const Status& why) {
+  auto& st = self->state;
+  auto it = st.load_outcomes.find(id);
+  if (it == st.load_outcomes.end()) return;
+  LoadOutcomeMsg v = reported_outcome(st, id, it->second);
+  if (v.status.ok()) {
+    v.status = why;
+    v.failed_rank = rank;
+  }
+  answer_load(self, id, v);
+}
+
+caf::result<LoadOutcomeMsg> on_load_outcome(coordinator_ptr self, LoadOutcomeMsg& report) {
+  auto& st = self->state;
+  const std::string id = report.load_id;
+  if (auto v = st.load_verdicts.find(id); v != st.load_verdicts.end()) return v->second;
+  const auto world = static_cast<size_t>(st.ctx->world_size);
+  if (report.rank < 0 || static_cast<size_t>(report.rank) >= world)
+    return LoadOutcomeMsg{
+        st.ctx->job_id, id, st.ctx->rank,
+        Status::invalid_argument("load outcome from rank " + std::to_string(report.rank) +
+                                 " outside world size " + std::to_string(world)),
+        report.rank};
+  auto [it, fresh] = st.load_outcomes.try_emplace(id);
+  LoadOutcomes& lo = it->second;
+  if (fresh) {
+    lo.status.resize(world);
+    lo.promises.resize(world);
+    self->delayed_send(self, seconds(st.ctx->opts.write_timeout_s), atom::load_due_v, id);
+  }
+  const auto r = static_cast<size_t>(report.rank);
+  auto rp = self->make_response_promise();
+  if (!lo.status[r]) ++lo.in;
+  lo.status[r] = std::move(report.status);
+  lo.promises[r] = rp;
+  if (lo.in == world) {
+    answer_load(self, id, reported_outcome(st, id, lo));
+    return rp;
+  }
+  // A rank that failed earlier never reports: no need to wait for it.
+  for (const auto& [rank, why] : st.failed)
+    if (static_cast<size_t>(rank) < world && !lo.status[rank]) {
+      end_load(self, id, rank,
+               Status::aborted("rank " + std::to_string(rank) +
+                               " failed before it reported its load outcome: " + why.message()));
+      break;
+    }
+  return rp;
+}
+
+void on_load_due(coordinator_ptr self, const std::string& id) {
+  auto& st = self->state;
+  auto it = st.load_outcomes.find(id);
+  if (it == st.load_outcomes.end()) return;
+  std::vector<bool> have;
+  int32_t first_missing = -1;
+  for (size_t r = 0; r < it->second.status.size(); ++r) {
+    have.push_back(it->second.status[r].has_value());
+    if (!have.back() && first_missing < 0) first_missing = static_cast<int32_t>(r);
+  }
+  end_load(self, id, first_missing,
+           Status::timeout("load " + id + ": no outcome from rank(s) " + missing_ranks(have) +
+                           " within write-timeout (" +
+                           std::to_string(st.ctx->opts.write_timeout_s) + " s)"));
+}
+
+// A rank failed: every load still waiting for its outcome ends, naming it.
+void fail_loads(coordinator_ptr self, int32_t rank, const Status& why) {
+  auto& st = self->state;
+  std::vector<std::string> waiting;
+  for (const auto& [id, lo] : st.load_outcomes)
+    if (rank >= 0 && static_cast<size_t>(rank) < lo.status.size() && !lo.status[rank])
+      waiting.push_back(id);
+  for (const auto& id : waiting)
+    end_load(self, id, rank,
+             Status::aborted("rank " + std::to_string(rank) +
+                             " failed during the load: " + why.message()));
+}
+
 caf::behavior coordinator_actor(coordinator_ptr self, ContextPtr ctx) {
   self->state.ctx = std::move(ctx);
   return {
@@ -237,6 +373,7 @@ caf::behavior coordinator_actor(coordinator_ptr self, ContextPtr ctx) {
       [self](atom::failed, int32_t rank, const Status& why) {
         auto& st = self->state;
         st.failed.emplace(rank, why);
+        fail_loads(self, rank, why);
         if (!st.active) return;
         abort_active(self,
                      Status::aborted("rank " + std::to_string(rank) + " failed during the " +
@@ -281,6 +418,10 @@ caf::behavior coordinator_actor(coordinator_ptr self, ContextPtr ctx) {
         }
         return r;
       },
+      [self](atom::outcome, LoadOutcomeMsg& report) -> caf::result<LoadOutcomeMsg> {
+        return on_load_outcome(self, report);
+      },
+      [self](atom::load_due, const std::string& id) { on_load_due(self, id); },
       [self](atom::lease, const std::string& id) {
         auto& st = self->state;
         if (!st.active || st.active->id != id || !st.active->writing) return;

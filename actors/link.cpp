@@ -4,8 +4,9 @@
 // an Abort naming the problem; a message for another job is logged and
 // dropped.
 //
-// rank 0:   remote PlanRequest/CommitRequest/Abort/LoadRequest -> coordinator,
-//           its answers -> the requesting rank; coordinator aborts -> all ranks.
+// rank 0:   remote PlanRequest/CommitRequest/Abort/LoadRequest/LoadOutcome ->
+//           coordinator, its answers -> the requesting rank; coordinator
+//           aborts -> all ranks.
 // rank > 0: planner/runtime requests -> rank 0, answers -> their promises;
 //           rank 0 failing fails every pending request.
 
@@ -21,7 +22,7 @@ namespace {
 
 struct Pending {
   caf::response_promise promise;
-  std::string phase;  // "plan", "commit", "load"
+  std::string phase;  // "plan", "commit", "load", "outcome"
 };
 
 struct link_state {
@@ -92,6 +93,9 @@ void deliver_failure(const link_state& st, const std::string& key, Pending& p, c
                   Status::outcome_unknown(why.message() + "; the checkpoint may or may not be "
                                                           "committed: check the root"),
                   "", 0});
+  } else if (p.phase == "outcome") {
+    // Without rank 0 no rank can know how the others' reads went.
+    p.promise.deliver(LoadOutcomeMsg{st.ctx->job_id, id, st.ctx->rank, why, 0});
   } else {
     p.promise.deliver(LoadReplyMsg{st.ctx->job_id, id, why, "", ""});
   }
@@ -153,6 +157,19 @@ void on_remote(link_ptr self, int32_t from, WireMessage m) {
     } else if (auto* req = std::get_if<LoadRequestMsg>(&m)) {
       self->request(st.coordinator, caf::infinite, atom::load_v, std::move(*req))
           .then([self, from](const LoadReplyMsg& r) { send_frame(self, from, r); });
+    } else if (auto* o = std::get_if<LoadOutcomeMsg>(&m)) {
+      o->rank = from;  // the transport knows who sent it
+      const std::string id = o->load_id;
+      self->request(st.coordinator, caf::infinite, atom::outcome_v, std::move(*o))
+          .then([self, from](const LoadOutcomeMsg& r) { send_frame(self, from, r); },
+                [self, from, id](caf::error& e) {
+                  auto& st = self->state;
+                  send_frame(
+                      self, from,
+                      LoadOutcomeMsg{
+                          st.ctx->job_id, id, st.ctx->rank,
+                          Status::internal("rank 0 coordinator: " + self->system().render(e)), 0});
+                });
     } else {
       log(st, std::string("unexpected ") + message_name(m) + " from rank " + std::to_string(from));
     }
@@ -164,6 +181,8 @@ void on_remote(link_ptr self, int32_t from, WireMessage m) {
     complete(self, "commit/" + r->checkpoint_id, *r);
   } else if (auto* r = std::get_if<LoadReplyMsg>(&m)) {
     complete(self, "load/" + r->load_id, *r);
+  } else if (auto* r = std::get_if<LoadOutcomeMsg>(&m)) {
+    complete(self, "outcome/" + r->load_id, *r);
   } else if (auto* a = std::get_if<AbortMsg>(&m)) {
     if (a->checkpoint_id.empty()) return log(st, "rank 0 reports: " + a->reason.to_string());
     self->send(st.planner, atom::abort_v, a->checkpoint_id, a->reason);
@@ -271,6 +290,14 @@ caf::behavior link_actor(link_ptr self, ContextPtr ctx, caf::actor coordinator) 
         LoadReplyMsg failure{st.ctx->job_id, id, st.rank0_failed, "", ""};
         return forward(self, "load", id, WireMessage(std::move(req)), failure,
                        st.ctx->opts.commit_timeout_s + st.ctx->opts.heartbeat_timeout_s + 5);
+      },
+      // After its reads: this rank's outcome goes to rank 0, the load's comes back.
+      [self](atom::outcome, LoadOutcomeMsg& report) -> caf::result<LoadOutcomeMsg> {
+        auto& st = self->state;
+        const std::string id = report.load_id;
+        LoadOutcomeMsg failure{st.ctx->job_id, id, st.ctx->rank, st.rank0_failed, 0};
+        return forward(self, "outcome", id, WireMessage(std::move(report)), failure,
+                       st.ctx->opts.write_timeout_s + st.ctx->opts.heartbeat_timeout_s + 5);
       },
       [self](atom::deadline, const std::string& key) {
         auto& st = self->state;

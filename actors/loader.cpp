@@ -1,5 +1,6 @@
 // Loader and readers. The loader splits a load plan over the readers and
-// gathers their outcomes; readers do the blocking preads on their own
+// gathers their outcomes (a reader that dies fails its part, it never hangs
+// the load); readers do the blocking preads on their own
 // threads, verify each checksum block they read and copy the requested bytes
 // into the caller's tensors through the device.
 
@@ -93,44 +94,106 @@ caf::behavior reader_actor(caf::stateful_actor<reader_state>* self, ContextPtr c
   };
 }
 
+// One load in flight: its promise and how many reader tasks are still out.
+struct LoadInFlight {
+  caf::response_promise rp;
+  size_t left = 0;
+  Status first_error;
+};
+
+// A read task handed to a reader and not yet answered.
+struct ReaderTask {
+  size_t reader = 0;
+  std::shared_ptr<LoadInFlight> load;
+};
+
+using ReaderTasks = std::map<uint64_t, ReaderTask>;
+
+// Every load is answered exactly once, whatever dies: a reader's reply, its
+// death and the loader's own end each finish a task at most once.
+//
+//   idle --load--> reading --every task answered, or its reader died--> idle
 struct loader_state {
   static inline const char* name = "ferry.loader";
   ContextPtr ctx;
   std::vector<caf::actor> readers;
+  uint64_t next_task = 0;
+  // Shared with the functor that answers what is left when the loader ends.
+  std::shared_ptr<ReaderTasks> tasks = std::make_shared<ReaderTasks>();
 };
 
-caf::behavior loader_actor(caf::stateful_actor<loader_state>* self, ContextPtr ctx) {
+using loader_ptr = caf::stateful_actor<loader_state>*;
+
+void finish_task(ReaderTasks& tasks, uint64_t id, Status s) {
+  auto it = tasks.find(id);
+  if (it == tasks.end()) return;
+  auto load = std::move(it->second.load);
+  tasks.erase(it);
+  if (!s.ok() && load->first_error.ok()) load->first_error = std::move(s);
+  if (--load->left == 0) load->rp.deliver(load->first_error);
+}
+
+caf::actor spawn_reader(loader_ptr self) {
+  // Linked: readers end with the loader. Detached: preads block.
+  return self->spawn<caf::detached + caf::linked>(reader_actor, self->state.ctx);
+}
+
+// A reader that died (an exception in a copy, say) no longer touches the
+// caller's tensors: its tasks fail, and a new reader takes its place.
+bool on_reader_exit(loader_ptr self, const caf::exit_msg& msg) {
+  auto& st = self->state;
+  for (size_t i = 0; i < st.readers.size(); ++i) {
+    if (st.readers[i].address() != msg.source) continue;
+    const Status why = Status::internal("reader " + std::to_string(i) +
+                                        " died: " + self->system().render(msg.reason));
+    std::vector<uint64_t> lost;
+    for (const auto& [id, t] : *st.tasks)
+      if (t.reader == i) lost.push_back(id);
+    for (uint64_t id : lost) finish_task(*st.tasks, id, why);
+    st.readers[i] = spawn_reader(self);
+    return true;
+  }
+  return false;
+}
+
+caf::behavior loader_actor(loader_ptr self, ContextPtr ctx) {
   self->state.ctx = ctx;
   for (uint32_t i = 0; i < ctx->opts.readers; ++i)
-    self->state.readers.push_back(self->spawn<caf::detached + caf::linked>(reader_actor, ctx));
+    self->state.readers.push_back(spawn_reader(self));
+  self->set_exit_handler([self](caf::exit_msg& msg) {
+    if (!on_reader_exit(self, msg)) self->quit(msg.reason);  // the runtime shuts down
+  });
+  self->attach_functor([tasks = self->state.tasks](const caf::error& reason) {
+    const Status why = Status::internal("the loader stopped (" + caf::to_string(reason) + ")");
+    while (!tasks->empty()) finish_task(*tasks, tasks->begin()->first, why);
+  });
   return {
       [self](atom::load, const LoadJob& job) -> caf::result<Status> {
-        auto& readers = self->state.readers;
+        auto& st = self->state;
         // Contiguous runs of the plan per reader keep each reader on few files.
-        std::vector<ReadTask> tasks(std::min<size_t>(readers.size(), job.ops.size()));
+        std::vector<ReadTask> tasks(std::min<size_t>(st.readers.size(), job.ops.size()));
         if (tasks.empty()) return Status();
         const size_t per = (job.ops.size() + tasks.size() - 1) / tasks.size();
         for (size_t i = 0; i < job.ops.size(); ++i) tasks[i / per].ops.push_back(job.ops[i]);
-        auto rp = self->make_response_promise();
-        auto left = std::make_shared<size_t>(0);
-        auto first_error = std::make_shared<Status>();
+        auto load = std::make_shared<LoadInFlight>();
+        load->rp = self->make_response_promise();
+        for (const auto& t : tasks) load->left += t.ops.empty() ? 0 : 1;
         for (size_t i = 0; i < tasks.size(); ++i) {
           if (tasks[i].ops.empty()) continue;
-          ++*left;
           tasks[i].dir = job.dir;
           tasks[i].manifest = job.manifest;
           tasks[i].targets = job.targets;
-          auto done = [rp, left, first_error](Status s) mutable {
-            if (!s.ok() && first_error->ok()) *first_error = std::move(s);
-            if (--*left == 0) rp.deliver(*first_error);
-          };
-          self->request(readers[i], caf::infinite, atom::read_v, std::move(tasks[i]))
-              .then([done](const Status& s) mutable { done(s); },
-                    [self, done](caf::error& e) mutable {
-                      done(Status::internal("reader: " + self->system().render(e)));
+          const uint64_t id = st.next_task++;
+          st.tasks->emplace(id, ReaderTask{i, load});
+          self->request(st.readers[i], caf::infinite, atom::read_v, std::move(tasks[i]))
+              .then([self, id](const Status& s) { finish_task(*self->state.tasks, id, s); },
+                    [self, id, i](caf::error& e) {
+                      finish_task(*self->state.tasks, id,
+                                  Status::internal("reader " + std::to_string(i) + ": " +
+                                                   self->system().render(e)));
                     });
         }
-        return rp;
+        return load->rp;
       },
   };
 }

@@ -401,20 +401,21 @@ SaveHandle Runtime::save_async(const StateDict& sd, uint64_t step, const SaveOpt
   return SaveHandle(state);
 }
 
-Status Runtime::load(StateDict& sd, const std::string& path) {
-  Impl& im = *impl_;
-  // Rank 0 decides which checkpoint and reads its manifest once, for every
-  // rank: all ranks load the same step even while another save commits.
-  LoadRequestMsg req{im.ctx->job_id, "load-" + std::to_string(++im.loads), im.ctx->rank, path};
-  caf::actor resolver = im.ctx->rank == 0 ? im.coordinator : im.link;
-  caf::scoped_actor self{*im.sys};
-  LoadReplyMsg reply;
-  self->request(resolver, caf::infinite, atom::load_v, std::move(req))
-      .receive([&](const LoadReplyMsg& r) { reply = r; },
-               [&](caf::error& e) {
-                 reply.status = Status::internal("load: " + self->system().render(e));
-               });
-  if (!reply.status.ok()) return reply.status;
+namespace {
+
+std::chrono::milliseconds millis(double seconds) {
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
+Status from_caf(caf::scoped_actor& self, const caf::error& e, const std::string& what) {
+  if (e == caf::sec::request_timeout) return Status::timeout(what + ": no answer in time");
+  return Status::internal(what + ": " + self->system().render(e));
+}
+
+// This rank's part of a load: plan against the manifest rank 0 read, then
+// read, verify and copy into the caller's tensors.
+Status load_local(Runtime::Impl& im, caf::scoped_actor& self, StateDict& sd,
+                  const LoadReplyMsg& reply, LoadReport* report) {
   auto m = decode_manifest(reply.manifest);
   if (!m.ok()) return m.status().with_context(join_path(reply.dir, kManifestFileName) + ": ");
   auto manifest = std::make_shared<const Manifest>(std::move(m).value());
@@ -422,15 +423,91 @@ Status Runtime::load(StateDict& sd, const std::string& path) {
   LoadPlanOptions lo;
   lo.max_read_bytes = im.ctx->opts.chunk_bytes;
   FERRY_ASSIGN_OR_RETURN(auto ops, make_load_plan(*manifest, requests, lo));
+  report->path = reply.dir;
+  report->step = manifest->step;
+  report->tensors_restored = requests.size();
+  report->not_restored = tensors_not_requested(*manifest, requests);
+  for (const auto& op : ops) report->bytes_read += op.length;
   LoadJob job{reply.dir, manifest, std::move(ops), {}};
   for (const auto& e : sd.entries()) job.targets.push_back(e.view);
 
+  // No deadline: reads take as long as the checkpoint is large, and the
+  // loader answers even when a reader dies (an error comes back at once if
+  // the loader itself is gone).
   Status result;
   self->request(im.loader, caf::infinite, atom::load_v, std::move(job))
-      .receive(
-          [&](const Status& s) { result = s; },
-          [&](caf::error& e) { result = Status::internal("load: " + self->system().render(e)); });
+      .receive([&](const Status& s) { result = s; },
+               [&](caf::error& e) { result = from_caf(self, e, "load: the loader"); });
   return result.with_context(result.ok() ? "" : "load " + reply.dir + ": ");
+}
+
+// Ranks > 1: this rank's outcome goes to rank 0, the load's comes back.
+Status collective_outcome(Runtime::Impl& im, caf::scoped_actor& self, const std::string& id,
+                          const Status& mine) {
+  const Options& o = im.ctx->opts;
+  const int32_t rank = im.ctx->rank;
+  caf::actor to = rank == 0 ? im.coordinator : im.link;
+  Status out;
+  // Rank 0 answers within write-timeout of the first report and the link has
+  // its own deadline; this one is the last resort against a lost answer.
+  self->request(to, millis(o.write_timeout_s + o.heartbeat_timeout_s + 10), atom::outcome_v,
+                LoadOutcomeMsg{im.ctx->job_id, id, rank, mine, -1})
+      .receive([&](const LoadOutcomeMsg& v) { out = v.status; },
+               [&](caf::error& e) {
+                 out = from_caf(
+                     self, e, "rank " + std::to_string(rank) + " waiting for the outcome of " + id);
+               });
+  return out;
+}
+
+// One line, capped, so a big model's log stays readable.
+void log_not_restored(const Runtime::Impl& im, const LoadReport& r) {
+  if (r.not_restored.empty()) return;
+  constexpr size_t kShown = 8;
+  std::string keys;
+  for (size_t i = 0; i < r.not_restored.size() && i < kShown; ++i)
+    keys += (i ? ", " : "") + r.not_restored[i];
+  if (r.not_restored.size() > kShown)
+    keys += " and " + std::to_string(r.not_restored.size() - kShown) + " more";
+  std::fprintf(stderr,
+               "ferry[rank %d]: loaded %llu tensors of step %llu from %s; %zu checkpoint "
+               "tensors not restored: %s\n",
+               im.ctx->rank, static_cast<unsigned long long>(r.tensors_restored),
+               static_cast<unsigned long long>(r.step), r.path.c_str(), r.not_restored.size(),
+               keys.c_str());
+}
+
+}  // namespace
+
+Result<LoadReport> Runtime::load_report(StateDict& sd, const std::string& path) {
+  Impl& im = *impl_;
+  const Options& o = im.ctx->opts;
+  // Rank 0 decides which checkpoint and reads its manifest once, for every
+  // rank: all ranks load the same step even while another save commits.
+  const std::string id = "load-" + std::to_string(++im.loads);
+  LoadRequestMsg req{im.ctx->job_id, id, im.ctx->rank, path};
+  caf::actor resolver = im.ctx->rank == 0 ? im.coordinator : im.link;
+  caf::scoped_actor self{*im.sys};
+  LoadReplyMsg reply;
+  // Rank 0 only reads a manifest and the link has its own deadline: this
+  // bound is the last resort against an answer that never comes.
+  self->request(resolver, millis(o.commit_timeout_s + o.heartbeat_timeout_s + 10), atom::load_v,
+                std::move(req))
+      .receive([&](const LoadReplyMsg& r) { reply = r; },
+               [&](caf::error& e) { reply.status = from_caf(self, e, "load: resolving " + path); });
+  LoadReport report;
+  Status s = reply.status.ok() ? load_local(im, self, sd, reply, &report) : reply.status;
+  // Every rank reports, failed or not: a rank that skipped the round trip
+  // would leave the others waiting for it.
+  if (im.ctx->world_size > 1) s = collective_outcome(im, self, id, s);
+  if (!s.ok()) return s;
+  log_not_restored(im, report);
+  return report;
+}
+
+Status Runtime::load(StateDict& sd, const std::string& path) {
+  auto r = load_report(sd, path);
+  return r.ok() ? Status() : r.status();
 }
 
 std::string Runtime::latest(const std::string& root) const {

@@ -76,6 +76,17 @@ struct Commit {
   slowestMs @6 :Float64;           # its readyMs: the straggler's time
 }
 
+# A load ends the same way on every rank. After its local reads each rank
+# reports its own outcome to rank 0; once every rank reported (or one failed,
+# or write-timeout passed) rank 0 answers each with the load's outcome.
+struct LoadOutcome {
+  jobId @0 :Text;                  # the sender's job
+  loadId @1 :Text;                 # the load, as in plan.capnp's LoadRequest
+  rank @2 :Int32;                  # the sender's rank
+  status @3 :Status;               # from a rank: its own outcome; from rank 0: the load's
+  failedRank @4 :Int32 = -1;       # from rank 0: the rank the error comes from; -1 when ok
+}
+
 # What one control frame holds: exactly one of these.
 struct ControlMessage {
   union {
@@ -84,5 +95,6 @@ struct ControlMessage {
     heartbeat @2 :Heartbeat;       # either direction
     abort @3 :Abort;               # rank 0 -> every rank, or rank -> rank 0
     commit @4 :Commit;             # rank 0 -> every rank
+    loadOutcome @5 :LoadOutcome;   # rank -> rank 0, then rank 0 -> every rank
   }
 }

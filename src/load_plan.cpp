@@ -241,4 +241,20 @@ void for_each_copy(const ReadOp& op, size_t elem_size,
   }
 }
 
+std::vector<std::string> tensors_not_requested(const Manifest& m,
+                                               const std::vector<LoadRequest>& requests) {
+  std::vector<const std::string*> asked;
+  asked.reserve(requests.size());
+  for (const auto& r : requests) asked.push_back(&r.key);
+  std::sort(asked.begin(), asked.end(),
+            [](const std::string* a, const std::string* b) { return *a < *b; });
+  std::vector<std::string> left;
+  for (const auto& t : m.tensors) {
+    auto it = std::lower_bound(asked.begin(), asked.end(), &t.key,
+                               [](const std::string* a, const std::string* b) { return *a < *b; });
+    if (it == asked.end() || **it != t.key) left.push_back(t.key);
+  }
+  return left;
+}
+
 }  // namespace ferry

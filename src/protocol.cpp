@@ -264,6 +264,17 @@ struct Encoder {
         kj::arrayPtr(reinterpret_cast<const kj::byte*>(m.manifest.data()), m.manifest.size()));
     return frame(kPlanProtocol, mb);
   }
+
+  std::string operator()(const LoadOutcomeMsg& m) const {
+    capnp::MallocMessageBuilder mb;
+    auto b = mb.initRoot<proto::ControlMessage>().initLoadOutcome();
+    b.setJobId(text(m.job_id));
+    b.setLoadId(text(m.load_id));
+    b.setRank(m.rank);
+    set_status(b.initStatus(), m.status);
+    b.setFailedRank(m.failed_rank);
+    return frame(kControlProtocol, mb);
+  }
 };
 
 // --- decoding ---------------------------------------------------------------------
@@ -409,6 +420,20 @@ Result<WireMessage> read_control(proto::ControlMessage::Reader root) {
       m.commit_seq = r.getCommitSeq();
       m.slowest_rank = r.getSlowestRank();
       m.slowest_ms = r.getSlowestMs();
+      return WireMessage(std::move(m));
+    }
+    case proto::ControlMessage::LOAD_OUTCOME: {
+      auto r = root.getLoadOutcome();
+      LoadOutcomeMsg m;
+      m.job_id = str(r.getJobId());
+      m.load_id = str(r.getLoadId());
+      m.rank = r.getRank();
+      m.failed_rank = r.getFailedRank();
+      FERRY_RETURN_IF_ERROR(read_rank(m.rank, "LoadOutcome"));
+      if (m.failed_rank < -1)
+        return Status::invalid_argument("LoadOutcome: failed rank " +
+                                        std::to_string(m.failed_rank));
+      FERRY_RETURN_IF_ERROR(read_status(r.getStatus(), "LoadOutcome status", &m.status));
       return WireMessage(std::move(m));
     }
   }
@@ -604,7 +629,8 @@ constexpr bool kHasCheckpointId =
     std::is_same_v<T, AbortMsg> || std::is_same_v<T, CommitMsg> || std::is_same_v<T, PlanRequest> ||
     std::is_same_v<T, PlanReply> || std::is_same_v<T, CommitRequest>;
 template <class T>
-constexpr bool kHasLoadId = std::is_same_v<T, LoadRequestMsg> || std::is_same_v<T, LoadReplyMsg>;
+constexpr bool kHasLoadId = std::is_same_v<T, LoadRequestMsg> || std::is_same_v<T, LoadReplyMsg> ||
+                            std::is_same_v<T, LoadOutcomeMsg>;
 
 }  // namespace
 
@@ -628,9 +654,9 @@ std::string_view message_checkpoint_id(const WireMessage& m) {
 }
 
 const char* message_name(const WireMessage& m) {
-  static const char* const kNames[] = {"Join",        "JoinAck",     "Heartbeat", "Abort",
-                                       "Commit",      "PlanRequest", "PlanReply", "CommitRequest",
-                                       "LoadRequest", "LoadReply"};
+  static const char* const kNames[] = {"Join",        "JoinAck",     "Heartbeat",  "Abort",
+                                       "Commit",      "PlanRequest", "PlanReply",  "CommitRequest",
+                                       "LoadRequest", "LoadReply",   "LoadOutcome"};
   static_assert(sizeof(kNames) / sizeof(kNames[0]) == std::variant_size_v<WireMessage>);
   return kNames[m.index()];
 }

@@ -5,7 +5,7 @@
 //
 //   rank_worker --mode save|load|mismatch|kill --root DIR [--step S] [--seed X]
 //               [--layout save|swap|full] [--many N] [--kill-rank R]
-//               [--kill-after plan|snapshot] [--set key=value]...
+//               [--kill-after plan|snapshot|load] [--set key=value]...
 // Exit 0 when the mode's expectation holds (for mismatch: the save failed
 // with an error naming what it must name; kill: 3 then), 1 otherwise.
 
@@ -214,6 +214,8 @@ int main(int argc, char** argv) {
   }
 
   if (mode == "load") {
+    // --kill-after load: this rank dies before it loads; the others must fail.
+    if (kill_after == "load" && rank == kill_rank) std::raise(kill_signal);
     auto st = rt.load(sd, root);
     if (!st.ok()) {
       std::printf("ERROR load: %s\n", st.to_string().c_str());

@@ -543,3 +543,24 @@ TEST_CASE("2,000 small tensors plan quickly", "[load_plan]") {
   // Generous for a Debug build on a loaded machine; the work is tiny.
   CHECK(std::chrono::duration_cast<std::chrono::milliseconds>(dt).count() < 1000);
 }
+
+TEST_CASE("tensors_not_requested lists the checkpoint keys no request asks for", "[load_plan]") {
+  ferry::Manifest m;
+  for (const char* k : {"emb", "layers.0.b", "layers.0.w", "opt.step"}) {
+    ferry::ManifestTensor t;
+    t.key = k;
+    m.tensors.push_back(t);
+  }
+  auto req = [](const std::string& key) {
+    ferry::LoadRequest r;
+    r.key = key;
+    return r;
+  };
+  CHECK(ferry::tensors_not_requested(m, {req("opt.step"), req("emb")}) ==
+        std::vector<std::string>{"layers.0.b", "layers.0.w"});
+  CHECK(ferry::tensors_not_requested(m, {}) ==
+        std::vector<std::string>{"emb", "layers.0.b", "layers.0.w", "opt.step"});
+  CHECK(ferry::tensors_not_requested(
+            m, {req("layers.0.w"), req("opt.step"), req("emb"), req("layers.0.b")})
+            .empty());
+}

@@ -175,11 +175,23 @@ LoadReplyMsg sample_load_reply() {
   return m;
 }
 
+// Rank 0's answer after rank 1 found a corrupt block: the error names them.
+LoadOutcomeMsg sample_load_outcome() {
+  LoadOutcomeMsg m;
+  m.job_id = "job-7f3a";
+  m.load_id = "load-0007";
+  m.rank = 0;
+  m.status = Status::corruption(
+      "rank 1: checksum mismatch in tensor 'layers.0.w' of file rank-00001-0000.safetensors");
+  m.failed_rank = 1;
+  return m;
+}
+
 std::vector<WireMessage> all_samples() {
   return {sample_join(),       sample_join_ack(),       sample_heartbeat(),
           sample_abort(),      sample_commit(),         sample_plan_request(),
           sample_plan_reply(), sample_commit_request(), sample_load_request(),
-          sample_load_reply()};
+          sample_load_reply(), sample_load_outcome()};
 }
 
 // --- field-by-field comparison, so that a dropped field names itself ---------------
@@ -317,6 +329,14 @@ void check_same(const LoadReplyMsg& a, const LoadReplyMsg& b) {
   CHECK(a.manifest == b.manifest);
 }
 
+void check_same(const LoadOutcomeMsg& a, const LoadOutcomeMsg& b) {
+  CHECK(a.job_id == b.job_id);
+  CHECK(a.load_id == b.load_id);
+  CHECK(a.rank == b.rank);
+  check_same(a.status, b.status);
+  CHECK(a.failed_rank == b.failed_rank);
+}
+
 void check_same(const WireMessage& a, const WireMessage& b) {
   REQUIRE(a.index() == b.index());
   std::visit(
@@ -359,7 +379,7 @@ const char* seed_name(const WireMessage& m) {
   static const char* const kFiles[] = {"join.bin",       "join_ack.bin",       "heartbeat.bin",
                                        "abort.bin",      "commit.bin",         "plan_request.bin",
                                        "plan_reply.bin", "commit_request.bin", "load_request.bin",
-                                       "load_reply.bin"};
+                                       "load_reply.bin", "load_outcome.bin"};
   return kFiles[m.index()];
 }
 
@@ -394,7 +414,7 @@ TEST_CASE("error statuses of every code round trip", "[protocol]") {
 TEST_CASE("empty and default messages round trip", "[protocol]") {
   for (const WireMessage& m : std::vector<WireMessage>{
            JoinMsg{}, JoinAckMsg{}, HeartbeatMsg{}, AbortMsg{}, CommitMsg{}, PlanRequest{},
-           PlanReply{}, CommitRequest{}, LoadRequestMsg{}, LoadReplyMsg{}}) {
+           PlanReply{}, CommitRequest{}, LoadRequestMsg{}, LoadReplyMsg{}, LoadOutcomeMsg{}}) {
     INFO(message_name(m));
     Result<WireMessage> back = decode_message(encode_message(m));
     REQUIRE(back.ok());
@@ -720,9 +740,9 @@ TEST_CASE("4096-rank-sized plans and write results round trip", "[protocol]") {
 
 TEST_CASE("job id, checkpoint id and name of every message", "[protocol]") {
   const std::vector<WireMessage> all = all_samples();
-  const char* const names[] = {"Join",        "JoinAck",     "Heartbeat", "Abort",
-                               "Commit",      "PlanRequest", "PlanReply", "CommitRequest",
-                               "LoadRequest", "LoadReply"};
+  const char* const names[] = {"Join",        "JoinAck",     "Heartbeat",  "Abort",
+                               "Commit",      "PlanRequest", "PlanReply",  "CommitRequest",
+                               "LoadRequest", "LoadReply",   "LoadOutcome"};
   const char* const ids[] = {"",
                              "",
                              "",
@@ -732,8 +752,9 @@ TEST_CASE("job id, checkpoint id and name of every message", "[protocol]") {
                              "ckpt-000042",
                              "ckpt-000042",
                              "load-0007",
+                             "load-0007",
                              "load-0007"};
-  REQUIRE(all.size() == 10);
+  REQUIRE(all.size() == 11);
   for (size_t i = 0; i < all.size(); ++i) {
     CHECK(std::string(message_name(all[i])) == names[i]);
     CHECK(message_job_id(all[i]) == "job-7f3a");
@@ -788,4 +809,44 @@ TEST_CASE("Commit carries the slowest rank; write results their ready time", "[p
   auto r = ferry::decode_message(ferry::encode_message(req));
   REQUIRE(r.ok());
   CHECK(std::get<ferry::CommitRequest>(*r).result.ready_ms == 77.25);
+}
+
+TEST_CASE("LoadOutcome: reports and answers round trip, bad ranks are refused", "[protocol]") {
+  const LoadOutcomeMsg report{"job", "load-3", 2, Status::ok_status(), -1};
+  auto back = decode_message(encode_message(report));
+  REQUIRE(back.ok());
+  REQUIRE(std::holds_alternative<LoadOutcomeMsg>(*back));
+  check_same(std::get<LoadOutcomeMsg>(*back), report);
+  CHECK(message_checkpoint_id(*back) == "load-3");
+
+  SECTION("a negative sender rank") {
+    capnp::MallocMessageBuilder mb;
+    auto o = mb.initRoot<proto::ControlMessage>().initLoadOutcome();
+    o.setJobId("j");
+    o.setRank(-4);
+    CHECK_THAT(error_of(frame(0, mb)),
+               Catch::Contains("LoadOutcome") && Catch::Contains("negative rank -4"));
+  }
+  SECTION("a failed rank below -1") {
+    capnp::MallocMessageBuilder mb;
+    auto o = mb.initRoot<proto::ControlMessage>().initLoadOutcome();
+    o.setFailedRank(-2);
+    CHECK_THAT(error_of(frame(0, mb)),
+               Catch::Contains("LoadOutcome") && Catch::Contains("failed rank -2"));
+  }
+  SECTION("an unknown status code") {
+    capnp::MallocMessageBuilder mb;
+    mb.initRoot<proto::ControlMessage>().initLoadOutcome().initStatus().setCode(
+        static_cast<proto::Status::Code>(40));
+    CHECK_THAT(error_of(frame(0, mb)),
+               Catch::Contains("LoadOutcome status") && Catch::Contains("unknown status code 40"));
+  }
+  SECTION("an absent status reads as ok, as in every other message") {
+    capnp::MallocMessageBuilder mb;
+    mb.initRoot<proto::ControlMessage>().initLoadOutcome().setLoadId("load-9");
+    auto r = decode_message(frame(0, mb));
+    REQUIRE(r.ok());
+    CHECK(std::get<LoadOutcomeMsg>(*r).status.ok());
+    CHECK(std::get<LoadOutcomeMsg>(*r).failed_rank == -1);
+  }
 }

@@ -57,6 +57,12 @@ Result<std::vector<ReadOp>> make_load_plan(const Manifest& m,
                                            const std::vector<LoadRequest>& requests,
                                            const LoadPlanOptions& opts = {});
 
+// The keys of the checkpoint's tensors that no request asks for, in the
+// manifest's (sorted) order: a load may restore fewer tensors than the
+// checkpoint holds, but it says which it left out.
+std::vector<std::string> tensors_not_requested(const Manifest& m,
+                                               const std::vector<LoadRequest>& requests);
+
 // For every contiguous run of op.region whose bytes lie in this read, calls
 // fn(offset in the read buffer, byte offset in the target's row-major
 // linearization, bytes). Together the ops of a plan cover every requested

@@ -110,9 +110,20 @@ struct LoadReplyMsg {
   std::string manifest;  // the MANIFEST file's bytes (framed; decode_manifest)
 };
 
+// Load (control.capnp): a rank's own outcome of its reads (rank -> rank 0),
+// and the load's outcome (rank 0 -> every rank), so every rank ends a load
+// the same way.
+struct LoadOutcomeMsg {
+  std::string job_id;
+  std::string load_id;
+  int32_t rank = 0;          // the sender
+  Status status;             // from a rank: its own outcome; from rank 0: the load's
+  int32_t failed_rank = -1;  // from rank 0: whose error `status` is; -1 when ok
+};
+
 using WireMessage =
     std::variant<JoinMsg, JoinAckMsg, HeartbeatMsg, AbortMsg, CommitMsg, PlanRequest, PlanReply,
-                 CommitRequest, LoadRequestMsg, LoadReplyMsg>;
+                 CommitRequest, LoadRequestMsg, LoadReplyMsg, LoadOutcomeMsg>;
 
 // Job id and checkpoint/load id of any message ("" where it has none).
 std::string_view message_job_id(const WireMessage& m);

@@ -68,6 +68,15 @@ class SaveHandle {
   std::shared_ptr<detail::SaveState> s_;
 };
 
+// What one load restored on this rank (Runtime::load_report).
+struct LoadReport {
+  std::string path;                       // the checkpoint directory loaded (ROOT/step-...)
+  uint64_t step = 0;                      // its step
+  uint64_t tensors_restored = 0;          // the state dict's entries: every one was filled
+  std::vector<std::string> not_restored;  // checkpoint tensors the state dict did not ask for
+  uint64_t bytes_read = 0;                // bytes this rank read from the data files
+};
+
 struct RuntimeArgs {
   std::vector<Setting> settings;  // code options: highest precedence
   std::string config_file;        // explicit actor config file, "" = caf-application.ini if present
@@ -101,8 +110,15 @@ class Runtime {
   SaveHandle save_async(const StateDict& sd, uint64_t step, const SaveOptions& opts = {});
 
   // Fills `sd`'s tensors from the checkpoint at `path` (a step directory, or
-  // a root: then its latest). Shards may differ from the saved ones.
+  // a root: then its latest). Shards may differ from the saved ones. A key
+  // the checkpoint lacks is an error naming it; a checkpoint tensor the state
+  // dict does not ask for is left out (load_report() says which, and one line
+  // on stderr lists them). With several ranks every rank calls load with the
+  // same path and every rank ends with the same outcome: the first error,
+  // naming the rank it came from, or success once every rank succeeded.
   Status load(StateDict& sd, const std::string& path);
+  // load(), and on success what it restored.
+  Result<LoadReport> load_report(StateDict& sd, const std::string& path);
 
   // Path of the latest committed checkpoint under `root` (default: the
   // configured root); "" when there is none.

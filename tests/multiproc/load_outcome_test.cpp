@@ -1,0 +1,89 @@
+// A multi-rank load ends the same way on every rank: a corrupt block that
+// only one rank reads fails the load everywhere, naming that rank, the tensor
+// and the file.
+
+#include <catch2/catch.hpp>
+
+#include <filesystem>
+#include <fstream>
+
+#include "ferry/catalog.hpp"
+#include "ferry/manifest.hpp"
+#include "multiproc/launch.hpp"
+#include "test_util.hpp"
+
+using ferry::testing::count;
+using ferry::testing::launch;
+using ferry::testing::lines_with;
+using ferry::testing::TempDir;
+
+namespace {
+
+void flip_byte(const std::string& path, uint64_t offset) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  REQUIRE(f.good());
+  f.seekg(static_cast<std::streamoff>(offset));
+  char c = 0;
+  f.read(&c, 1);
+  c ^= 0x5a;
+  f.seekp(static_cast<std::streamoff>(offset));
+  f.write(&c, 1);
+  REQUIRE(f.good());
+}
+
+// Where rank 1's rows of `key` (row-split by rank_worker, rows [32, 96) of 96
+// with 2 ranks) lie on disk: the file name and the chunk's first byte.
+std::pair<std::string, uint64_t> rank1_rows(const std::string& step_dir, const std::string& key) {
+  auto m = ferry::read_manifest(*ferry::posix_filesystem(), step_dir);
+  REQUIRE(m.ok());
+  const ferry::ManifestTensor* t = m->find(key);
+  REQUIRE(t != nullptr);
+  for (const auto& c : t->chunks)
+    if (!c.offsets.empty() && c.offsets[0] == 32) return {m->files[c.file].name, c.byte_offset};
+  FAIL("no chunk of " << key << " starts at row 32");
+  return {};
+}
+
+}  // namespace
+
+TEST_CASE("a checksum mismatch on one rank fails the load on every rank, naming it",
+          "[ranks][load]") {
+  TempDir d;
+  auto saved = launch(2, "--mode save --root " + d.path() + " --step 1 --seed 7");
+  INFO(saved.out);
+  REQUIRE(saved.code == 0);
+  auto latest = ferry::find_latest(*ferry::posix_filesystem(), d.path());
+  REQUIRE(latest.ok());
+  const std::string key = "layers.0.w_row";
+  const auto [file, offset] = rank1_rows(latest->path, key);
+  flip_byte(latest->path + "/" + file, offset + 100);
+
+  // The saved sharding: rank 0 reads rows [0, 32) only, which are intact.
+  auto l = launch(2, "--mode load --layout save --seed 7 --root " + d.path());
+  INFO(l.out);
+  CHECK(l.code != 0);
+  CHECK(count(l.out, "every byte equal") == 0);
+  for (int rank : {0, 1}) {
+    INFO("rank " << rank);
+    const auto errors = lines_with(l.out, "[rank " + std::to_string(rank) + "] ERROR load:");
+    REQUIRE(errors.size() == 1);
+    CHECK_THAT(errors[0], Catch::Contains("rank 1:") && Catch::Contains(key) &&
+                              Catch::Contains(file) && Catch::Contains("checksum mismatch"));
+  }
+}
+
+TEST_CASE("a rank that dies before its load fails the load on the others, naming it",
+          "[ranks][load]") {
+  TempDir d;
+  auto saved = launch(2, "--mode save --root " + d.path() + " --step 1 --seed 7");
+  INFO(saved.out);
+  REQUIRE(saved.code == 0);
+  auto l = launch(2, "--mode load --seed 7 --kill-rank 1 --kill-after load --root " + d.path());
+  INFO(l.out);
+  CHECK(l.code != 0);
+  CHECK(count(l.out, "every byte equal") == 0);
+  const auto errors = lines_with(l.out, "[rank 0] ERROR load:");
+  REQUIRE(errors.size() == 1);
+  CHECK_THAT(errors[0], Catch::Contains("rank 1"));
+  CHECK(l.seconds < 15);  // the failure ends the wait, not write-timeout (30 s)
+}
