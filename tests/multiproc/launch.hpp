@@ -1,6 +1,6 @@
 // Starting a multi-rank job the way a user does (`ferry launch` running
-// ferry_rank_worker) and reading what its ranks printed. For new multiproc
-// test files; ranks_test.cpp still has its own copy of these.
+// ferry_rank_worker) and reading what its ranks printed; shared by the
+// multiproc test files.
 #pragma once
 
 #include <catch2/catch.hpp>

@@ -16,6 +16,7 @@
 #include "ferry/fault_fs.hpp"
 #include "ferry/kill_point.hpp"
 #include "ferry/manifest.hpp"
+#include "launch.hpp"
 #include "test_util.hpp"
 
 namespace fs = std::filesystem;
@@ -23,34 +24,9 @@ using ferry::testing::TempDir;
 
 namespace {
 
-struct Run {
-  int code = -1;
-  std::string out;
-  double seconds = 0;
-};
-
-Run launch(int n, const std::string& worker_args, const std::string& env = "", int grace = 20) {
-  const auto t0 = std::chrono::steady_clock::now();
-  const std::string cmd = env + " " + FERRY_CLI_PATH + " launch -n " + std::to_string(n) +
-                          " --grace " + std::to_string(grace) + " -- " + FERRY_RANK_WORKER_PATH +
-                          " " + worker_args + " 2>&1";
-  Run r;
-  FILE* p = popen(cmd.c_str(), "r");
-  REQUIRE(p != nullptr);
-  std::array<char, 4096> buf;
-  size_t got;
-  while ((got = fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), got);
-  const int status = pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return r;
-}
-
-size_t count(const std::string& s, const std::string& what) {
-  size_t n = 0;
-  for (size_t p = s.find(what); p != std::string::npos; p = s.find(what, p + 1)) ++n;
-  return n;
-}
+using Run = ferry::testing::LaunchRun;
+using ferry::testing::count;
+using ferry::testing::launch;
 
 ferry::Manifest manifest_of(const std::string& root) {
   auto fsys = ferry::posix_filesystem();
