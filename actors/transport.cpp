@@ -428,6 +428,7 @@ class Transport::Impl {
   int foreign_logged_ = 0;
   size_t foreign_suppressed_ = 0;
   size_t stray_messages_ = 0;
+  Clock::time_point next_stray_log_;
 };
 
 // --- setup ------------------------------------------------------------------------
@@ -924,9 +925,11 @@ void Transport::Impl::on_tick(Clock::time_point now) {
     }
   }
 
-  if (stray_messages_ > 0) {
+  // A peer failed by us keeps sending until it notices: count, log seldom.
+  if (stray_messages_ > 0 && now >= next_stray_log_) {
     log_foreign("dropped %zu UCX message(s) without a valid session", stray_messages_);
     stray_messages_ = 0;
+    next_stray_log_ = now + std::chrono::seconds(5);
   }
 
   const auto limit = from_seconds(opts_.heartbeat_timeout_s);
