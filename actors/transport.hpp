@@ -11,22 +11,23 @@
 // address. UCX frames without that session number are dropped unread.
 // docs/protocol.md ("Joining") has the wire format.
 //
+// clang-format off
 // Connection life, seen from rank 0:
 //
-//   tcp accepted --whole hello--> accept() ok --> joining --first UCX message--> up
-//     |  (at most kMaxHandshakes at once,    |      (frames to it are queued)      |
-//     |   handshake_timeout_s each)          +--error: reply sent, closed          error/silence
-//     +--malformed, oversized, slow: closed, one log line                          v
-//                                                                   failed (on_peer_failed once)
+//   tcp accepted --whole hello, accept() ok--> joining --first UCX message--> up
+//     |   (at most kMaxHandshakes at once,        (frames to it held)          |
+//     |    handshake_timeout_s each)                                 error/silence
+//     +--malformed, oversized, slow: closed, one log line                      v
+//     +--accept() error: reply sent, closed                 failed (on_peer_failed once)
 //
 // and from a rank R > 0:
 //
-//   tcp connecting --> hello sent --reply--> up (the reply is the first frame) --error/silence-->
-//   failed
-//     |   ^                            | (on_peer_failed(0) once)
-//     +---+ refused, closed early:     +--refusal: the reply is delivered as the first frame,
-//           retry until                   sends fail; nothing else happens.
-//           connect_timeout_s, then failed (on_peer_failed(0, timeout)).
+//   tcp connecting --hello sent, reply--> up --error/silence--> failed
+//     |   ^             |  (the reply is the first frame)      (on_peer_failed(0) once)
+//     |   |             +--refused: the reply is the first frame; sends fail.
+//     +---+ no answer, closed early: retry until connect_timeout_s, then failed
+//           (on_peer_failed(0, timeout)).
+// clang-format on
 //
 // Threading: one progress thread owns the UCX worker and the sockets. send()
 // and wait_peers() may be called from any thread; callbacks run on the
