@@ -1,15 +1,26 @@
-// Transport over UCX active messages; see transport.hpp for the contract.
+// Transport over UCX active messages, joined through a TCP handshake of our
+// own; see transport.hpp for the contract and docs/protocol.md for the wire
+// format.
 //
-// All UCX calls after start() happen on the progress thread, the worker runs
-// in single-thread mode. UCX callbacks (connection requests, endpoint errors,
-// arriving frames) only record events; the loop acts on them after
+// All UCX calls and all socket I/O after start() happen on the progress
+// thread, the worker runs in single-thread mode. UCX callbacks (endpoint
+// errors, arriving frames) only record events; the loop acts on them after
 // ucp_worker_progress returns, so endpoints are never created or closed from
 // inside a UCX callback and user callbacks never run inside UCX.
+//
+// What a process outside the job can reach: rank 0's handshake socket and
+// the sockets UCX's tcp transport listens on (for endpoints by worker
+// address; UCX's own short, fixed-size wire-up). On the handshake socket every
+// length is checked against a cap before anything is buffered, every
+// connection has a deadline, and only kMaxHandshakes are served at once.
+// UCX messages carry the session number rank 0 handed out with its worker
+// address; without it a message is dropped before its length is looked at.
 
 #include "actors/transport.hpp"
 
 #include <arpa/inet.h>
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -34,6 +45,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <random>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
@@ -46,9 +58,38 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Both ends register and send on this active-message id. Small, because UCP
-// keeps its handlers in an array indexed by id.
+// Both ends register and send on these active-message ids. Small, because UCP
+// keeps its handlers in an array indexed by id. A frame carries the layer
+// above's bytes; "ready" (no payload) is a rank's first message on its new
+// endpoint: rank 0 holds frames to it until then, because a frame that
+// overtook the handshake reply would find no session to match.
 constexpr unsigned kFrameAmId = 1;
+constexpr unsigned kReadyAmId = 2;
+
+// The handshake on rank 0's TCP socket (docs/protocol.md, "Joining").
+constexpr char kHelloMagic[4] = {'F', 'R', 'Y', 'H'};
+constexpr char kReplyMagic[4] = {'F', 'R', 'Y', 'A'};
+constexpr uint8_t kHandshakeVersion = 1;
+// magic, version, 3 reserved, hello length (u32 LE), address length (u32 LE)
+constexpr size_t kHelloHeaderBytes = 16;
+// magic, version, verdict, 2 reserved, reply length, address length, session (u64 LE)
+constexpr size_t kReplyHeaderBytes = 24;
+constexpr uint8_t kVerdictAccepted = 0;
+constexpr uint8_t kVerdictRefused = 1;
+// A Join is a few hundred bytes, a tcp-only worker address under 200: the
+// caps leave room and keep the memory one connection can pin small.
+constexpr uint32_t kMaxHelloBytes = 16 << 10;
+constexpr uint32_t kMaxReplyBytes = 16 << 10;
+constexpr uint32_t kMaxAddressBytes = 4 << 10;
+// Unauthenticated connections served at once; more are closed at once, and
+// their ranks retry. Bounds rank 0's memory and descriptors under a flood.
+constexpr size_t kMaxHandshakes = 32;
+constexpr int kListenBacklog = 128;
+// Fairness of one loop turn against a flood or a firehose.
+constexpr int kMaxAcceptsPerTurn = 64;
+constexpr size_t kMaxDiscardPerTurn = 64 << 10;
+// Log lines about foreign connections, per second; the rest are counted.
+constexpr int kForeignLogsPerSecond = 10;
 
 // The longest the loop sleeps in epoll_wait: the resolution of heartbeats,
 // silence checks and connect retries.
@@ -169,6 +210,26 @@ std::string ucx_error(const char* what, ucs_status_t status) {
   return std::string(what) + ": " + ucs_status_string(status);
 }
 
+void put_le(std::string* out, uint64_t v, int bytes) {
+  for (int i = 0; i < bytes; ++i) out->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+
+uint64_t get_le(const char* p, int bytes) {
+  uint64_t v = 0;
+  for (int i = 0; i < bytes; ++i) v |= uint64_t{static_cast<unsigned char>(p[i])} << (8 * i);
+  return v;
+}
+
+std::string describe(const sockaddr_storage& s) {
+  char host[INET6_ADDRSTRLEN] = "?";
+  if (s.ss_family == AF_INET) {
+    inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in&>(s).sin_addr, host, sizeof(host));
+  } else if (s.ss_family == AF_INET6) {
+    inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6&>(s).sin6_addr, host, sizeof(host));
+  }
+  return std::string(host) + ":" + std::to_string(port_of(s));
+}
+
 }  // namespace
 
 class Transport::Impl {
@@ -180,12 +241,13 @@ class Transport::Impl {
         cb_(std::move(cb)),
         peers_(static_cast<size_t>(opts_.world_size)),
         by_rank_(static_cast<size_t>(opts_.world_size), nullptr),
-        reported_(static_cast<size_t>(opts_.world_size), false) {}
+        reported_(static_cast<size_t>(opts_.world_size), false),
+        rng_(std::random_device{}()) {}
 
   ~Impl() {
     stop();
     // Only reached without a thread when start() failed half way.
-    teardown_ucx();
+    teardown();
   }
 
   Status init();
@@ -199,10 +261,8 @@ class Transport::Impl {
 
  private:
   enum class Phase {
-    awaiting_hello,  // rank 0: connected, no frame yet
-    connecting,      // rank > 0: endpoint created, no frame from rank 0 yet
+    joining,  // rank 0: accepted, endpoint created, no message from the peer on it yet
     up,
-    refused,  // rank 0: hello refused, reply sent, waiting for the client to hang up
   };
 
   // One endpoint. Owned by conns_ until its close request completed, because
@@ -210,25 +270,48 @@ class Transport::Impl {
   struct Conn {
     Impl* owner = nullptr;
     uint64_t id = 0;
+    uint64_t session = 0;  // in every message both ways; rank 0 chose it
     ucp_ep_h ep = nullptr;
-    Phase phase = Phase::awaiting_hello;
+    Phase phase = Phase::up;
     int32_t rank = -1;
     Clock::time_point last_rx;
     bool closing = false;
     void* close_request = nullptr;
+    std::deque<std::string> held;  // frames sent while joining
+  };
+
+  // One connection on the handshake socket: rank 0's side of a rank joining,
+  // or a rank's side of its attempt.
+  struct Handshake {
+    enum Stage {
+      connecting,  // rank > 0: non-blocking connect in progress
+      sending,     // writing `out`
+      receiving,   // reading a header, then the lengths it announced
+      lingering,   // rank 0: reply written and our side shut; wait for the peer to hang up
+    } stage = receiving;
+    int fd = -1;
+    std::string from;  // the peer's address, for logs
+    std::string in;
+    size_t want = 0;  // in.size() when the current part is complete
+    bool header_checked = false;
+    std::string out;
+    size_t sent = 0;
+    Clock::time_point deadline;
   };
 
   struct Event {
-    enum Kind { frame, error } kind;
+    enum Kind { frame, ready, error, oversize } kind;
     uint64_t conn_id;
-    std::string bytes;    // frame
-    ucs_status_t status;  // error
+    std::string bytes;     // frame
+    ucs_status_t status;   // error
+    size_t announced = 0;  // oversize
   };
 
-  // A frame in UCX's hands; freed by its completion callback (or after the
-  // worker is destroyed, if UCX never completed it).
+  // A message in UCX's hands; freed by its completion callback (or after the
+  // worker is destroyed, if UCX never completed it). The header points into it.
   struct SendOp {
     Impl* owner;
+    uint64_t session;
     std::string bytes;
   };
   struct RecvOp {
@@ -248,32 +331,49 @@ class Transport::Impl {
   };
 
   // UCX callbacks (progress thread, inside ucp_worker_progress).
-  static void on_conn_request(ucp_conn_request_h request, void* arg);
   static void on_ep_error(void* arg, ucp_ep_h ep, ucs_status_t status);
-  static ucs_status_t on_am(void* arg, const void* header, size_t header_length, void* data,
-                            size_t length, const ucp_am_recv_param_t* param);
+  static ucs_status_t on_frame_am(void* arg, const void* header, size_t header_length, void* data,
+                                  size_t length, const ucp_am_recv_param_t* param);
+  static ucs_status_t on_ready_am(void* arg, const void* header, size_t header_length, void* data,
+                                  size_t length, const ucp_am_recv_param_t* param);
   static void on_send_done(void* request, ucs_status_t status, void* user_data);
   static void on_recv_done(void* request, ucs_status_t status, size_t length, void* user_data);
+  Conn* conn_for_session(const void* header, size_t header_length);
 
-  // Progress thread.
+  // Progress thread: UCX.
   void run();
   void dispatch_events();
-  void accept_pending_connections();
   void handle_frame(Conn* conn, std::string bytes);
-  void handle_hello(Conn* conn, const std::string& hello);
+  void mark_ready(Conn* conn);
   void run_commands();
   void on_tick(Clock::time_point now);
-  void connect_attempt(Clock::time_point now);
   void fail_peer(int32_t rank, Status why);
+  Result<Conn*> connect_to(int32_t rank, const std::string& address, uint64_t session);
   void drop_conn(Conn* conn, bool force);
   void reap_closed();
   void erase_conn(Conn* conn);
-  void send_frame(Conn* conn, std::string bytes);
+  void send_am(Conn* conn, unsigned am_id, std::string bytes);
   void shutdown_endpoints();
-  void teardown_ucx();
-  Conn* new_conn(Phase phase, int32_t rank);
-  Conn* find(uint64_t id);
+  void teardown();
+
+  // Progress thread: the handshake socket.
+  Status open_listener();
+  void service_sockets();
+  void accept_connections();
+  void service_handshake(uint64_t id);
+  bool pump_out(Handshake& h);
+  int pump_in(Handshake& h, size_t limit);
+  void on_hello(uint64_t id);
+  void on_reply(uint64_t id);
+  void connect_attempt(Clock::time_point now);
+  void retry_connect(const std::string& why);
+  void watch(uint64_t id, const Handshake& h);
+  void close_handshake(uint64_t id);
+  Conn* find_conn(uint64_t id);
+
   void log(const char* fmt, ...) __attribute__((format(printf, 2, 3)));
+  void log_foreign(const char* fmt, ...) __attribute__((format(printf, 2, 3)));
+  void vlog(const char* fmt, va_list args);
 
   bool all_peers_up_locked() const;
   std::string missing_peers_locked() const;
@@ -287,42 +387,51 @@ class Transport::Impl {
 
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
-  ucp_listener_h listener_ = nullptr;
-  int epoll_fd_ = -1;
+  std::string my_address_;  // this worker's UCX address
+  int epoll_fd_ = -1;       // the loop sleeps on it: the worker's fd and sock_epoll_
+  int sock_epoll_ = -1;     // the handshake sockets; polled without sleeping every turn
+  int listen_fd_ = -1;      // rank 0
   std::thread thread_;
 
   // Shared with callers; guarded by mu_.
   std::mutex mu_;
   std::condition_variable cv_;
+  bool stopped_ = false;
   std::vector<PeerInfo> peers_;
   std::deque<Command> commands_;
-  bool stopped_ = false;
-  bool ack_delivered_ = false;  // rank > 0: rank 0's first frame went through on_frame
+  bool ack_delivered_ = false;  // rank > 0: rank 0's reply went to on_frame
+  bool refused_ = false;        // rank > 0: rank 0 refused us
 
-  // Progress thread only (and teardown after it is joined).
-  bool stopping_ = false;  // no user callbacks from here on
-  uint64_t next_conn_id_ = 1;
+  // Progress thread only.
   std::map<uint64_t, std::unique_ptr<Conn>> conns_;
-  std::unordered_map<ucp_ep_h, Conn*> by_ep_;
+  std::unordered_map<uint64_t, Conn*> by_session_;
   std::vector<Conn*> by_rank_;
   std::vector<bool> reported_;
   std::vector<Event> events_;
-  std::vector<ucp_conn_request_h> conn_requests_;
   std::unordered_set<SendOp*> sends_;
   std::unordered_set<RecvOp*> recvs_;
-  Clock::time_point last_tick_;
-  Clock::time_point next_heartbeat_;
-  std::map<uint64_t, Clock::time_point> refused_at_;
-  // Rank > 0: connecting to rank 0.
-  Clock::time_point connect_deadline_;
-  Clock::time_point next_attempt_;
-  Clock::duration retry_delay_ = kFirstRetryDelay;
+  std::map<uint64_t, Handshake> handshakes_;
+  uint64_t client_handshake_ = 0;  // rank > 0: the attempt in progress, 0 when none
+  uint64_t next_conn_id_ = 1;
+  uint64_t next_handshake_id_ = 1;  // 0 is the listening socket in sock_epoll_
+  std::mt19937_64 rng_;
+  bool stopping_ = false;
+  bool connected_once_ = false;
   int attempts_ = 0;
   std::string last_connect_error_;
-  bool connected_once_ = false;
+  Clock::duration retry_delay_ = kFirstRetryDelay;
+  Clock::time_point next_attempt_;
+  Clock::time_point connect_deadline_;
+  Clock::time_point next_heartbeat_;
+  Clock::time_point last_tick_;
+  Clock::time_point foreign_window_;
+  int foreign_logged_ = 0;
+  size_t foreign_suppressed_ = 0;
+  size_t stray_messages_ = 0;
+  Clock::time_point next_stray_log_;
 };
 
-// --- start / stop ---------------------------------------------------------------
+// --- setup ------------------------------------------------------------------------
 
 Status Transport::Impl::init() {
   make_ucx_a_good_guest();
@@ -331,9 +440,8 @@ Status Transport::Impl::init() {
   ucp_config_t* config = nullptr;
   ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
   if (st != UCS_OK) return Status::internal(ucx_error("transport: ucp_config_read", st));
-  // Peer-failure detection on client-server endpoints needs tcp (shared
-  // memory lanes do not report a dead peer), and the control plane needs
-  // nothing else.
+  // Peer-failure detection needs tcp (shared memory lanes do not report a
+  // dead peer), and the control plane needs nothing else.
   std::vector<std::pair<const char*, const char*>> settings;
   if (!user_set("TLS")) settings.emplace_back("TLS", "tcp");
   if (address_.loopback && !user_set("NET_DEVICES")) settings.emplace_back("NET_DEVICES", "lo");
@@ -369,16 +477,33 @@ Status Transport::Impl::init() {
     return Status::internal(ucx_error("transport: ucp_worker_create", st));
   }
 
-  ucp_am_handler_param_t am{};
-  am.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
-                  UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
-  am.id = kFrameAmId;
-  am.flags = UCP_AM_FLAG_WHOLE_MSG;
-  am.cb = &Impl::on_am;
-  am.arg = this;
-  st = ucp_worker_set_am_recv_handler(worker_, &am);
-  if (st != UCS_OK) {
-    return Status::internal(ucx_error("transport: ucp_worker_set_am_recv_handler", st));
+  using Handler =
+      ucs_status_t (*)(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
+  for (auto [id, cb] : {std::pair<unsigned, Handler>{kFrameAmId, &Impl::on_frame_am},
+                        std::pair<unsigned, Handler>{kReadyAmId, &Impl::on_ready_am}}) {
+    ucp_am_handler_param_t am{};
+    am.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
+                    UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    am.id = id;
+    am.flags = UCP_AM_FLAG_WHOLE_MSG;
+    am.cb = cb;
+    am.arg = this;
+    st = ucp_worker_set_am_recv_handler(worker_, &am);
+    if (st != UCS_OK) {
+      return Status::internal(ucx_error("transport: ucp_worker_set_am_recv_handler", st));
+    }
+  }
+
+  ucp_address_t* addr = nullptr;
+  size_t addr_len = 0;
+  st = ucp_worker_get_address(worker_, &addr, &addr_len);
+  if (st != UCS_OK) return Status::internal(ucx_error("transport: ucp_worker_get_address", st));
+  my_address_.assign(reinterpret_cast<const char*>(addr), addr_len);
+  ucp_worker_release_address(worker_, addr);
+  if (my_address_.empty() || my_address_.size() > kMaxAddressBytes) {
+    return Status::internal("transport: this worker's UCX address has " +
+                            std::to_string(my_address_.size()) + " bytes; the limit is " +
+                            std::to_string(kMaxAddressBytes));
   }
 
   int efd = -1;
@@ -386,37 +511,51 @@ Status Transport::Impl::init() {
   if (st != UCS_OK) return Status::internal(ucx_error("transport: ucp_worker_get_efd", st));
   epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
   if (epoll_fd_ < 0) return Status::from_errno(errno, "epoll_create1", "transport");
-  epoll_event ev{};
-  ev.events = EPOLLIN;
-  if (epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, efd, &ev) != 0) {
-    return Status::from_errno(errno, "epoll_ctl", "transport worker fd");
+  sock_epoll_ = epoll_create1(EPOLL_CLOEXEC);
+  if (sock_epoll_ < 0) return Status::from_errno(errno, "epoll_create1", "transport");
+  for (int fd : {efd, sock_epoll_}) {
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    if (epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &ev) != 0) {
+      return Status::from_errno(errno, "epoll_ctl", "transport wake-up fd");
+    }
   }
 
-  const std::string where = opts_.host + ":" + std::to_string(opts_.port);
-  if (opts_.rank == 0 && opts_.world_size > 1) {
-    ucp_listener_params_t lp{};
-    lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
-    lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(&address_.storage);
-    lp.sockaddr.addrlen = address_.length;
-    lp.conn_handler.cb = &Impl::on_conn_request;
-    lp.conn_handler.arg = this;
-    st = ucp_listener_create(worker_, &lp, &listener_);
-    if (st != UCS_OK) {
-      listener_ = nullptr;
-      return Status::io_error(ucx_error(("rank 0: cannot listen on " + where).c_str(), st));
-    }
-    ucp_listener_attr_t attr{};
-    attr.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
-    st = ucp_listener_query(listener_, &attr);
-    if (st != UCS_OK) return Status::internal(ucx_error("transport: ucp_listener_query", st));
-    port_ = port_of(attr.sockaddr);
-  }
+  if (opts_.rank == 0 && opts_.world_size > 1) FERRY_RETURN_IF_ERROR(open_listener());
 
   auto now = Clock::now();
   last_tick_ = now;
+  foreign_window_ = now;
   next_heartbeat_ = now + from_seconds(opts_.heartbeat_interval_s);
   connect_deadline_ = now + from_seconds(opts_.connect_timeout_s);
   next_attempt_ = now;
+  return Status::ok_status();
+}
+
+Status Transport::Impl::open_listener() {
+  const std::string where = opts_.host + ":" + std::to_string(opts_.port);
+  listen_fd_ = socket(address_.storage.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (listen_fd_ < 0) return Status::from_errno(errno, "socket", "rank 0 listening on " + where);
+  // A restarted job reuses its port while the last run's connections sit in TIME_WAIT.
+  int one = 1;
+  setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  if (bind(listen_fd_, reinterpret_cast<const sockaddr*>(&address_.storage), address_.length) !=
+          0 ||
+      listen(listen_fd_, kListenBacklog) != 0) {
+    return Status::io_error("rank 0: cannot listen on " + where + ": " + std::strerror(errno));
+  }
+  sockaddr_storage bound{};
+  socklen_t len = sizeof(bound);
+  if (getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&bound), &len) != 0) {
+    return Status::from_errno(errno, "getsockname", "rank 0 listening on " + where);
+  }
+  port_ = port_of(bound);
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.u64 = 0;
+  if (epoll_ctl(sock_epoll_, EPOLL_CTL_ADD, listen_fd_, &ev) != 0) {
+    return Status::from_errno(errno, "epoll_ctl", "rank 0 listening socket");
+  }
   return Status::ok_status();
 }
 
@@ -431,10 +570,13 @@ void Transport::Impl::stop() {
   if (thread_.joinable()) thread_.join();
 }
 
-void Transport::Impl::teardown_ucx() {
-  if (listener_ != nullptr) {
-    ucp_listener_destroy(listener_);
-    listener_ = nullptr;
+void Transport::Impl::teardown() {
+  for (auto& [id, h] : handshakes_) close(h.fd);
+  handshakes_.clear();
+  client_handshake_ = 0;
+  if (listen_fd_ >= 0) {
+    close(listen_fd_);
+    listen_fd_ = -1;
   }
   if (worker_ != nullptr) {
     ucp_worker_destroy(worker_);
@@ -446,14 +588,14 @@ void Transport::Impl::teardown_ucx() {
   for (RecvOp* op : recvs_) delete op;
   recvs_.clear();
   conns_.clear();
-  by_ep_.clear();
+  by_session_.clear();
   if (context_ != nullptr) {
     ucp_cleanup(context_);
     context_ = nullptr;
   }
-  if (epoll_fd_ >= 0) {
-    close(epoll_fd_);
-    epoll_fd_ = -1;
+  for (int* fd : {&sock_epoll_, &epoll_fd_}) {
+    if (*fd >= 0) close(*fd);
+    *fd = -1;
   }
 }
 
@@ -514,8 +656,14 @@ Status Transport::Impl::send(int32_t to_rank, std::string frame) {
     return Status::invalid_argument(me + ": send to rank " + std::to_string(to_rank) +
                                     ": ranks other than 0 only talk to rank 0");
   }
+  if (frame.size() > opts_.max_frame_bytes) {
+    return Status::invalid_argument(me + ": send to rank " + std::to_string(to_rank) + ": " +
+                                    std::to_string(frame.size()) + "-byte frame, the limit is " +
+                                    std::to_string(opts_.max_frame_bytes));
+  }
   std::lock_guard<std::mutex> lock(mu_);
   if (stopped_) return Status::aborted(me + ": send: transport stopped");
+  if (refused_) return Status::aborted(me + ": send: rank 0 refused this rank");
   const PeerInfo& peer = peers_[to_rank];
   if (peer.state == PeerInfo::failed) {
     return Status::aborted(me + ": send to failed peer: " + peer.why.message());
@@ -532,29 +680,47 @@ Status Transport::Impl::send(int32_t to_rank, std::string frame) {
 
 // --- UCX callbacks ----------------------------------------------------------------
 
-void Transport::Impl::on_conn_request(ucp_conn_request_h request, void* arg) {
-  static_cast<Impl*>(arg)->conn_requests_.push_back(request);
-}
-
 void Transport::Impl::on_ep_error(void* arg, ucp_ep_h, ucs_status_t status) {
   auto* conn = static_cast<Conn*>(arg);
   conn->owner->events_.push_back(Event{Event::error, conn->id, {}, status});
 }
 
-ucs_status_t Transport::Impl::on_am(void* arg, const void*, size_t, void* data, size_t length,
-                                    const ucp_am_recv_param_t* param) {
+Transport::Impl::Conn* Transport::Impl::conn_for_session(const void* header, size_t header_length) {
+  if (header == nullptr || header_length != sizeof(uint64_t)) return nullptr;
+  uint64_t session = get_le(static_cast<const char*>(header), sizeof(uint64_t));
+  auto it = by_session_.find(session);
+  if (it == by_session_.end() || it->second->closing) return nullptr;
+  return it->second;
+}
+
+ucs_status_t Transport::Impl::on_ready_am(void* arg, const void* header, size_t header_length,
+                                          void*, size_t, const ucp_am_recv_param_t*) {
   auto* self = static_cast<Impl*>(arg);
-  Conn* conn = nullptr;
-  if (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) {
-    auto it = self->by_ep_.find(param->reply_ep);
-    if (it != self->by_ep_.end()) conn = it->second;
-  }
-  // Returning UCS_OK drops a rendezvous descriptor too.
+  Conn* conn = self->conn_for_session(header, header_length);
   if (conn == nullptr) {
-    self->log("dropped a %zu-byte frame from an unknown endpoint", length);
+    ++self->stray_messages_;
     return UCS_OK;
   }
-  if (conn->closing) return UCS_OK;
+  self->events_.push_back(Event{Event::ready, conn->id, {}, UCS_OK});
+  return UCS_OK;
+}
+
+ucs_status_t Transport::Impl::on_frame_am(void* arg, const void* header, size_t header_length,
+                                          void* data, size_t length,
+                                          const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<Impl*>(arg);
+  // Who it is comes first, how long second: nothing is allocated for a
+  // message that is not from a joined peer, or that is over the cap.
+  // Returning UCS_OK drops a rendezvous descriptor too.
+  Conn* conn = self->conn_for_session(header, header_length);
+  if (conn == nullptr) {
+    ++self->stray_messages_;
+    return UCS_OK;
+  }
+  if (length > self->opts_.max_frame_bytes) {
+    self->events_.push_back(Event{Event::oversize, conn->id, {}, UCS_OK, length});
+    return UCS_OK;
+  }
   if (!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
     self->events_.push_back(
         Event{Event::frame, conn->id, std::string(static_cast<const char*>(data), length), UCS_OK});
@@ -595,7 +761,8 @@ void Transport::Impl::on_recv_done(void* request, ucs_status_t status, size_t le
   auto* op = static_cast<RecvOp*>(user_data);
   Impl* self = op->owner;
   if (status == UCS_OK) {
-    op->bytes.resize(length);
+    // Never more than was allocated: UCX copies at most the announced length.
+    op->bytes.resize(std::min(length, op->bytes.size()));
     self->events_.push_back(Event{Event::frame, op->conn_id, std::move(op->bytes), UCS_OK});
   } else if (!self->stopping_ && status != UCS_ERR_CANCELED) {
     self->log("lost a %zu-byte frame: %s", op->bytes.size(), ucs_status_string(status));
@@ -615,13 +782,13 @@ void Transport::Impl::run() {
       if (stopped_) break;
     }
     unsigned progressed = ucp_worker_progress(worker_);
-    accept_pending_connections();
     dispatch_events();
+    service_sockets();
     run_commands();
     auto now = Clock::now();
     on_tick(now);
     reap_closed();
-    if (progressed != 0 || !events_.empty() || !conn_requests_.empty()) continue;
+    if (progressed != 0 || !events_.empty()) continue;
 
     ucs_status_t st = ucp_worker_arm(worker_);
     if (st == UCS_ERR_BUSY) continue;
@@ -641,29 +808,7 @@ void Transport::Impl::run() {
     }
   }
   shutdown_endpoints();
-  teardown_ucx();
-}
-
-void Transport::Impl::accept_pending_connections() {
-  std::vector<ucp_conn_request_h> requests;
-  requests.swap(conn_requests_);
-  for (ucp_conn_request_h request : requests) {
-    Conn* conn = new_conn(Phase::awaiting_hello, -1);
-    ucp_ep_params_t p{};
-    p.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                   UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    p.conn_request = request;
-    p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-    p.err_handler.cb = &Impl::on_ep_error;
-    p.err_handler.arg = conn;
-    ucs_status_t st = ucp_ep_create(worker_, &p, &conn->ep);
-    if (st != UCS_OK) {
-      log("cannot accept a connection: %s", ucs_status_string(st));
-      conns_.erase(conn->id);
-      continue;
-    }
-    by_ep_[conn->ep] = conn;
-  }
+  teardown();
 }
 
 void Transport::Impl::dispatch_events() {
@@ -671,91 +816,48 @@ void Transport::Impl::dispatch_events() {
     std::vector<Event> batch;
     batch.swap(events_);
     for (Event& e : batch) {
-      Conn* conn = find(e.conn_id);
+      Conn* conn = find_conn(e.conn_id);
       if (conn == nullptr || conn->closing) continue;
-      if (e.kind == Event::frame) {
-        handle_frame(conn, std::move(e.bytes));
-        continue;
-      }
-      // An endpoint error.
-      if (conn->phase == Phase::up) {
-        fail_peer(conn->rank, Status::aborted("rank " + std::to_string(conn->rank) +
-                                              ": connection lost: " + ucs_status_string(e.status)));
-      } else if (conn->phase == Phase::connecting) {
-        // Usually rank 0 is not listening yet: retry until the deadline.
-        last_connect_error_ = ucs_status_string(e.status);
-        next_attempt_ = Clock::now() + retry_delay_;
-        retry_delay_ = std::min<Clock::duration>(retry_delay_ * 2, kMaxRetryDelay);
-      } else if (conn->phase == Phase::awaiting_hello) {
-        log("a connection closed before its hello: %s", ucs_status_string(e.status));
+      switch (e.kind) {
+        case Event::frame:
+          handle_frame(conn, std::move(e.bytes));
+          continue;
+        case Event::ready:
+          conn->last_rx = Clock::now();
+          mark_ready(conn);
+          continue;
+        case Event::oversize:
+          fail_peer(conn->rank, Status::invalid_argument(
+                                    "rank " + std::to_string(conn->rank) + " announced a " +
+                                    std::to_string(e.announced) + "-byte frame; the limit is " +
+                                    std::to_string(opts_.max_frame_bytes)));
+          break;
+        case Event::error:
+          fail_peer(conn->rank,
+                    Status::aborted("rank " + std::to_string(conn->rank) +
+                                    ": connection lost: " + ucs_status_string(e.status)));
+          break;
       }
       drop_conn(conn, /*force=*/true);
     }
   }
 }
 
-void Transport::Impl::handle_frame(Conn* conn, std::string bytes) {
-  conn->last_rx = Clock::now();
-  switch (conn->phase) {
-    case Phase::awaiting_hello:
-      handle_hello(conn, bytes);
-      return;
-    case Phase::refused:
-      return;
-    case Phase::connecting: {
-      // The first frame from rank 0 is its answer to our hello. Rank 0 is up
-      // before on_frame runs (so it may answer with send()), but wait_peers()
-      // returns only after it, so the layer above has seen the ack by then.
-      conn->phase = Phase::up;
-      connected_once_ = true;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        peers_[0].state = PeerInfo::up;
-      }
-      if (!stopping_ && cb_.on_frame) cb_.on_frame(0, std::move(bytes));
-      std::lock_guard<std::mutex> lock(mu_);
-      ack_delivered_ = true;
-      cv_.notify_all();
-      return;
-    }
-    case Phase::up:
-      if (!stopping_ && cb_.on_frame) cb_.on_frame(conn->rank, std::move(bytes));
-      return;
+void Transport::Impl::mark_ready(Conn* conn) {
+  if (conn->phase == Phase::up) return;
+  conn->phase = Phase::up;
+  while (!conn->held.empty()) {
+    send_am(conn, kFrameAmId, std::move(conn->held.front()));
+    conn->held.pop_front();
   }
 }
 
-void Transport::Impl::handle_hello(Conn* conn, const std::string& hello) {
-  std::string reply;
-  Result<int32_t> verdict = cb_.accept(hello, &reply);
-  if (!verdict.ok()) {
-    log("refused a connection: %s", verdict.status().to_string().c_str());
-    conn->phase = Phase::refused;
-    refused_at_[conn->id] = Clock::now();
-    // Kept open: closing now could overtake the reply, which travels on
-    // another socket than the disconnect. The client hangs up after reading
-    // it, or the silence check closes it.
-    if (!reply.empty()) send_frame(conn, std::move(reply));
-    return;
-  }
-  int32_t rank = *verdict;
-  bool valid = rank >= 1 && rank < opts_.world_size;
-  if (valid) {
-    std::lock_guard<std::mutex> lock(mu_);
-    valid = peers_[rank].state == PeerInfo::absent;
-  }
-  if (!valid) {
-    log("refused a connection: accept() gave rank %d, which is out of range or already joined",
-        rank);
-    drop_conn(conn, /*force=*/true);
-    return;
-  }
-  conn->rank = rank;
-  conn->phase = Phase::up;
-  by_rank_[rank] = conn;
-  if (!reply.empty()) send_frame(conn, std::move(reply));
-  std::lock_guard<std::mutex> lock(mu_);
-  peers_[rank].state = PeerInfo::up;
-  cv_.notify_all();
+void Transport::Impl::handle_frame(Conn* conn, std::string bytes) {
+  conn->last_rx = Clock::now();
+  // The peer's own ready message normally comes first; a frame from it
+  // proves the same.
+  mark_ready(conn);
+  if (!stopping_ && cb_.on_frame) cb_.on_frame(conn->rank, std::move(bytes));
 }
 
 void Transport::Impl::run_commands() {
@@ -767,28 +869,50 @@ void Transport::Impl::run_commands() {
   for (Command& c : batch) {
     Conn* conn = by_rank_[c.rank];
     // A peer that failed since send() returned: on_peer_failed says so.
-    if (conn == nullptr || conn->closing || conn->phase != Phase::up) continue;
-    send_frame(conn, std::move(c.frame));
+    if (conn == nullptr || conn->closing) continue;
+    if (conn->phase == Phase::joining) {
+      conn->held.push_back(std::move(c.frame));
+    } else {
+      send_am(conn, kFrameAmId, std::move(c.frame));
+    }
   }
 }
 
 void Transport::Impl::on_tick(Clock::time_point now) {
   if (now - last_tick_ > kStallThreshold) {
     for (auto& [id, conn] : conns_) conn->last_rx += now - last_tick_;
+    for (auto& [id, h] : handshakes_) h.deadline += now - last_tick_;
   }
   last_tick_ = now;
 
   if (opts_.rank != 0 && !connected_once_ && !reported_[0]) {
     if (now >= connect_deadline_) {
-      if (by_rank_[0] != nullptr) drop_conn(by_rank_[0], /*force=*/true);
+      if (client_handshake_ != 0) close_handshake(client_handshake_);
       std::string why = "rank " + std::to_string(opts_.rank) + ": could not connect to rank 0 at " +
                         opts_.host + ":" + std::to_string(opts_.port) + " within " +
                         format_seconds(opts_.connect_timeout_s) + " (" + std::to_string(attempts_) +
                         " attempts";
       if (!last_connect_error_.empty()) why += "; last error: " + last_connect_error_;
       fail_peer(0, Status::timeout(why + ")"));
-    } else if (by_rank_[0] == nullptr && now >= next_attempt_) {
+    } else if (client_handshake_ == 0 && now >= next_attempt_) {
       connect_attempt(now);
+    }
+  }
+
+  // Rank 0's deadline per connection; a rank's attempt is bounded by its
+  // connect deadline above.
+  if (opts_.rank == 0) {
+    std::vector<uint64_t> late;
+    for (auto& [id, h] : handshakes_) {
+      if (now >= h.deadline) late.push_back(id);
+    }
+    for (uint64_t id : late) {
+      Handshake& h = handshakes_.at(id);
+      if (h.stage != Handshake::lingering) {
+        log_foreign("closed a connection from %s: no complete hello within %s (%zu bytes came)",
+                    h.from.c_str(), format_seconds(opts_.handshake_timeout_s).c_str(), h.in.size());
+      }
+      close_handshake(id);
     }
   }
 
@@ -796,60 +920,31 @@ void Transport::Impl::on_tick(Clock::time_point now) {
     next_heartbeat_ = now + from_seconds(opts_.heartbeat_interval_s);
     for (Conn* conn : by_rank_) {
       if (conn != nullptr && !conn->closing && conn->phase == Phase::up) {
-        send_frame(conn, heartbeat_);
+        send_am(conn, kFrameAmId, heartbeat_);
       }
     }
+  }
+
+  // A peer failed by us keeps sending until it notices: count, log seldom.
+  if (stray_messages_ > 0 && now >= next_stray_log_) {
+    log_foreign("dropped %zu UCX message(s) without a valid session", stray_messages_);
+    stray_messages_ = 0;
+    next_stray_log_ = now + std::chrono::seconds(5);
   }
 
   const auto limit = from_seconds(opts_.heartbeat_timeout_s);
   std::vector<Conn*> silent;
   for (auto& [id, conn] : conns_) {
-    if (conn->closing) continue;
-    if (conn->phase == Phase::up || conn->phase == Phase::awaiting_hello) {
-      if (now - conn->last_rx > limit) silent.push_back(conn.get());
-    } else if (conn->phase == Phase::refused) {
-      if (now - refused_at_[conn->id] > limit) silent.push_back(conn.get());
-    }
+    if (!conn->closing && now - conn->last_rx > limit) silent.push_back(conn.get());
   }
   for (Conn* conn : silent) {
-    if (conn->phase == Phase::up) {
-      fail_peer(conn->rank, Status::timeout("rank " + std::to_string(conn->rank) + " silent for " +
-                                            format_seconds(seconds(now - conn->last_rx)) +
-                                            " (heartbeat timeout " +
-                                            format_seconds(opts_.heartbeat_timeout_s) + ")"));
-    } else if (conn->phase == Phase::awaiting_hello) {
-      log("closed a connection that sent no hello within %s",
-          format_seconds(opts_.heartbeat_timeout_s).c_str());
-    }
+    const char* what = conn->phase == Phase::up ? " silent for " : " joined but not connected for ";
+    fail_peer(conn->rank, Status::timeout("rank " + std::to_string(conn->rank) + what +
+                                          format_seconds(seconds(now - conn->last_rx)) +
+                                          " (heartbeat timeout " +
+                                          format_seconds(opts_.heartbeat_timeout_s) + ")"));
     drop_conn(conn, /*force=*/true);
   }
-}
-
-void Transport::Impl::connect_attempt(Clock::time_point now) {
-  ++attempts_;
-  Conn* conn = new_conn(Phase::connecting, 0);
-  conn->last_rx = now;
-  ucp_ep_params_t p{};
-  p.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
-                 UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
-  p.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
-  p.sockaddr.addr = reinterpret_cast<const sockaddr*>(&address_.storage);
-  p.sockaddr.addrlen = address_.length;
-  p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-  p.err_handler.cb = &Impl::on_ep_error;
-  p.err_handler.arg = conn;
-  ucs_status_t st = ucp_ep_create(worker_, &p, &conn->ep);
-  if (st != UCS_OK) {
-    last_connect_error_ = ucs_status_string(st);
-    conns_.erase(conn->id);
-    next_attempt_ = now + retry_delay_;
-    retry_delay_ = std::min<Clock::duration>(retry_delay_ * 2, kMaxRetryDelay);
-    return;
-  }
-  by_ep_[conn->ep] = conn;
-  by_rank_[0] = conn;
-  // Queued by UCX until the connection is wired up.
-  send_frame(conn, hello_);
 }
 
 void Transport::Impl::fail_peer(int32_t rank, Status why) {
@@ -864,10 +959,44 @@ void Transport::Impl::fail_peer(int32_t rank, Status why) {
   if (!stopping_ && cb_.on_peer_failed) cb_.on_peer_failed(rank, std::move(why));
 }
 
+Result<Transport::Impl::Conn*> Transport::Impl::connect_to(int32_t rank, const std::string& address,
+                                                           uint64_t session) {
+  auto owned = std::make_unique<Conn>();
+  Conn* conn = owned.get();
+  conn->owner = this;
+  conn->id = next_conn_id_++;
+  conn->session = session;
+  conn->rank = rank;
+  conn->phase = opts_.rank == 0 ? Phase::joining : Phase::up;
+  conn->last_rx = Clock::now();
+  ucp_ep_params_t p{};
+  p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                 UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  p.address = reinterpret_cast<const ucp_address_t*>(address.data());
+  p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  p.err_handler.cb = &Impl::on_ep_error;
+  p.err_handler.arg = conn;
+  ucs_status_t st = ucp_ep_create(worker_, &p, &conn->ep);
+  if (st != UCS_OK) {
+    return Status::io_error(
+        ucx_error(("rank " + std::to_string(opts_.rank) + ": cannot connect to rank " +
+                   std::to_string(rank) + " by worker address")
+                      .c_str(),
+                  st));
+  }
+  conns_.emplace(conn->id, std::move(owned));
+  by_session_[session] = conn;
+  by_rank_[rank] = conn;
+  return conn;
+}
+
 void Transport::Impl::drop_conn(Conn* conn, bool force) {
   if (conn->closing) return;
   conn->closing = true;
+  conn->held.clear();
   if (conn->rank >= 0 && by_rank_[conn->rank] == conn) by_rank_[conn->rank] = nullptr;
+  auto s = by_session_.find(conn->session);
+  if (s != by_session_.end() && s->second == conn) by_session_.erase(s);
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
   p.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
@@ -883,37 +1012,32 @@ void Transport::Impl::drop_conn(Conn* conn, bool force) {
 void Transport::Impl::reap_closed() {
   for (auto it = conns_.begin(); it != conns_.end();) {
     Conn* conn = it->second.get();
+    ++it;
     if (conn->close_request != nullptr &&
         ucp_request_check_status(conn->close_request) != UCS_INPROGRESS) {
       ucp_request_free(conn->close_request);
-      ++it;
       erase_conn(conn);
-    } else {
-      ++it;
     }
   }
 }
 
 void Transport::Impl::erase_conn(Conn* conn) {
-  auto ep = by_ep_.find(conn->ep);
-  if (ep != by_ep_.end() && ep->second == conn) by_ep_.erase(ep);
-  refused_at_.erase(conn->id);
   conns_.erase(conn->id);
 }
 
-void Transport::Impl::send_frame(Conn* conn, std::string bytes) {
-  auto* op = new SendOp{this, std::move(bytes)};
+void Transport::Impl::send_am(Conn* conn, unsigned am_id, std::string bytes) {
+  auto* op = new SendOp{this, 0, std::move(bytes)};
   sends_.insert(op);
+  // Little endian on the wire whatever this host is.
+  std::string header;
+  put_le(&header, conn->session, sizeof(uint64_t));
+  std::memcpy(&op->session, header.data(), sizeof(uint64_t));
   ucp_request_param_t p{};
-  p.op_attr_mask =
-      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-  // The receiver learns which endpoint (hence which rank) a frame came from
-  // through the reply endpoint.
-  p.flags = UCP_AM_SEND_FLAG_REPLY;
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   p.cb.send = &Impl::on_send_done;
   p.user_data = op;
-  ucs_status_ptr_t req =
-      ucp_am_send_nbx(conn->ep, kFrameAmId, nullptr, 0, op->bytes.data(), op->bytes.size(), &p);
+  ucs_status_ptr_t req = ucp_am_send_nbx(conn->ep, am_id, &op->session, sizeof(op->session),
+                                         op->bytes.data(), op->bytes.size(), &p);
   if (req == nullptr || UCS_PTR_IS_ERR(req)) {
     sends_.erase(op);
     delete op;
@@ -924,11 +1048,10 @@ void Transport::Impl::shutdown_endpoints() {
   // Frames queued before stop() still go out: the flush below waits for them.
   run_commands();
   stopping_ = true;
-  if (listener_ != nullptr) {
-    for (ucp_conn_request_h request : conn_requests_) ucp_listener_reject(listener_, request);
-    conn_requests_.clear();
-    ucp_listener_destroy(listener_);
-    listener_ = nullptr;
+  while (!handshakes_.empty()) close_handshake(handshakes_.begin()->first);
+  if (listen_fd_ >= 0) {
+    close(listen_fd_);
+    listen_fd_ = -1;
   }
   std::vector<Conn*> open;
   for (auto& [id, conn] : conns_) {
@@ -948,30 +1071,346 @@ void Transport::Impl::shutdown_endpoints() {
   }
 }
 
-Transport::Impl::Conn* Transport::Impl::new_conn(Phase phase, int32_t rank) {
-  auto conn = std::make_unique<Conn>();
-  conn->owner = this;
-  conn->id = next_conn_id_++;
-  conn->phase = phase;
-  conn->rank = rank;
-  conn->last_rx = Clock::now();
-  Conn* raw = conn.get();
-  conns_.emplace(raw->id, std::move(conn));
-  return raw;
+// --- the handshake socket -------------------------------------------------------------
+
+void Transport::Impl::service_sockets() {
+  epoll_event evs[64];
+  int n = epoll_wait(sock_epoll_, evs, 64, 0);
+  for (int i = 0; i < n; ++i) {
+    if (evs[i].data.u64 == 0) {
+      accept_connections();
+    } else {
+      service_handshake(evs[i].data.u64);
+    }
+  }
 }
 
-Transport::Impl::Conn* Transport::Impl::find(uint64_t id) {
+void Transport::Impl::watch(uint64_t id, const Handshake& h) {
+  epoll_event ev{};
+  ev.events =
+      (h.stage == Handshake::connecting || h.stage == Handshake::sending) ? EPOLLOUT : EPOLLIN;
+  ev.data.u64 = id;
+  if (epoll_ctl(sock_epoll_, EPOLL_CTL_MOD, h.fd, &ev) != 0 &&
+      epoll_ctl(sock_epoll_, EPOLL_CTL_ADD, h.fd, &ev) != 0) {
+    log("epoll_ctl on a handshake socket: %s", std::strerror(errno));
+  }
+}
+
+void Transport::Impl::close_handshake(uint64_t id) {
+  auto it = handshakes_.find(id);
+  if (it == handshakes_.end()) return;
+  // Closing removes it from the epoll set: nobody else holds the descriptor.
+  close(it->second.fd);
+  handshakes_.erase(it);
+  if (client_handshake_ == id) client_handshake_ = 0;
+}
+
+void Transport::Impl::accept_connections() {
+  for (int i = 0; i < kMaxAcceptsPerTurn; ++i) {
+    sockaddr_storage from{};
+    socklen_t len = sizeof(from);
+    int fd =
+        accept4(listen_fd_, reinterpret_cast<sockaddr*>(&from), &len, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR && errno != ECONNABORTED) {
+        log_foreign("accept on port %u: %s", static_cast<unsigned>(port_), std::strerror(errno));
+      }
+      return;
+    }
+    if (handshakes_.size() >= kMaxHandshakes) {
+      close(fd);
+      log_foreign("closed a connection from %s: %zu handshakes already in progress",
+                  describe(from).c_str(), handshakes_.size());
+      continue;
+    }
+    uint64_t id = next_handshake_id_++;
+    Handshake& h = handshakes_[id];
+    h.fd = fd;
+    h.from = describe(from);
+    h.stage = Handshake::receiving;
+    h.want = kHelloHeaderBytes;
+    h.deadline = Clock::now() + from_seconds(opts_.handshake_timeout_s);
+    watch(id, h);
+  }
+}
+
+bool Transport::Impl::pump_out(Handshake& h) {
+  while (h.sent < h.out.size()) {
+    ssize_t n = ::send(h.fd, h.out.data() + h.sent, h.out.size() - h.sent, MSG_NOSIGNAL);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return errno == EAGAIN || errno == EWOULDBLOCK;
+    }
+    h.sent += static_cast<size_t>(n);
+  }
+  return true;
+}
+
+// Reads at most up to h.want (or, lingering, discards up to `limit` bytes).
+// Returns 1 on progress or nothing to read yet, 0 at end of stream, -1 on error.
+int Transport::Impl::pump_in(Handshake& h, size_t limit) {
+  char buf[4096];
+  size_t budget = limit;
+  for (;;) {
+    size_t room = h.stage == Handshake::lingering ? sizeof(buf) : h.want - h.in.size();
+    room = std::min({room, sizeof(buf), budget});
+    if (room == 0) return 1;
+    ssize_t n = recv(h.fd, buf, room, 0);
+    if (n == 0) return 0;
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return (errno == EAGAIN || errno == EWOULDBLOCK) ? 1 : -1;
+    }
+    budget -= static_cast<size_t>(n);
+    if (h.stage != Handshake::lingering) h.in.append(buf, static_cast<size_t>(n));
+  }
+}
+
+void Transport::Impl::service_handshake(uint64_t id) {
+  auto it = handshakes_.find(id);
+  if (it == handshakes_.end()) return;
+  Handshake& h = it->second;
+  const bool client = id == client_handshake_;
+  if (h.stage == Handshake::connecting) {
+    int err = 0;
+    socklen_t len = sizeof(err);
+    if (getsockopt(h.fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0) err = errno;
+    if (err != 0) return retry_connect(std::strerror(err));
+    h.stage = Handshake::sending;
+  }
+  if (h.stage == Handshake::sending) {
+    if (!pump_out(h)) {
+      if (client) return retry_connect(std::string("sending the hello: ") + std::strerror(errno));
+      log_foreign("closed a connection from %s: the reply could not be sent: %s", h.from.c_str(),
+                  std::strerror(errno));
+      return close_handshake(id);
+    }
+    if (h.sent < h.out.size()) return watch(id, h);
+    if (client) {
+      h.stage = Handshake::receiving;
+      h.want = kReplyHeaderBytes;
+    } else {
+      // Our half closed, theirs read until they hang up: closing with their
+      // bytes unread would reset the connection and could destroy the reply.
+      shutdown(h.fd, SHUT_WR);
+      h.stage = Handshake::lingering;
+    }
+    watch(id, h);
+  }
+  if (h.stage == Handshake::lingering) {
+    if (pump_in(h, kMaxDiscardPerTurn) <= 0) close_handshake(id);
+    return;
+  }
+  // receiving
+  const size_t header = client ? kReplyHeaderBytes : kHelloHeaderBytes;
+  int r = pump_in(h, SIZE_MAX);
+  if (!h.header_checked && h.in.size() == header) {
+    h.header_checked = true;
+    // Every length is checked here, before a byte of what it announces is read.
+    const char* magic = client ? kReplyMagic : kHelloMagic;
+    uint32_t body = static_cast<uint32_t>(get_le(&h.in[8], 4));
+    uint32_t addr = static_cast<uint32_t>(get_le(&h.in[12], 4));
+    const uint32_t max_body = client ? kMaxReplyBytes : kMaxHelloBytes;
+    std::string bad;
+    if (std::memcmp(h.in.data(), magic, 4) != 0) {
+      bad = "not a Ferry handshake";
+    } else if (static_cast<uint8_t>(h.in[4]) != kHandshakeVersion) {
+      bad = "handshake version " + std::to_string(static_cast<uint8_t>(h.in[4])) + ", expected " +
+            std::to_string(kHandshakeVersion);
+    } else if (body > max_body) {
+      bad = "announced " + std::to_string(body) + " bytes of hello, the limit is " +
+            std::to_string(max_body);
+    } else if (addr > kMaxAddressBytes || (!client && addr == 0)) {
+      bad = "announced a " + std::to_string(addr) + "-byte worker address, the limit is " +
+            std::to_string(kMaxAddressBytes);
+    }
+    if (!bad.empty()) {
+      if (client) return retry_connect("rank 0's reply: " + bad);
+      log_foreign("closed a connection from %s: %s", h.from.c_str(), bad.c_str());
+      return close_handshake(id);
+    }
+    h.want = header + body + addr;
+    if (r > 0) r = pump_in(h, SIZE_MAX);
+  }
+  if (h.header_checked && h.in.size() == h.want) {
+    return client ? on_reply(id) : on_hello(id);
+  }
+  if (r <= 0) {
+    std::string why = r == 0 ? "closed" : std::strerror(errno);
+    if (client) return retry_connect("rank 0 " + why + " the connection before its reply");
+    log_foreign("closed a connection from %s: it went away after %zu bytes of its hello (%s)",
+                h.from.c_str(), h.in.size(), why.c_str());
+    close_handshake(id);
+  }
+}
+
+void Transport::Impl::on_hello(uint64_t id) {
+  Handshake& h = handshakes_.at(id);
+  const uint32_t body = static_cast<uint32_t>(get_le(&h.in[8], 4));
+  const std::string hello = h.in.substr(kHelloHeaderBytes, body);
+  const std::string address = h.in.substr(kHelloHeaderBytes + body);
+  std::string reply;
+  Result<int32_t> verdict = cb_.accept(hello, &reply);
+  if (reply.size() > kMaxReplyBytes) reply.resize(kMaxReplyBytes);
+  std::string out(kReplyMagic, 4);
+  out.push_back(static_cast<char>(kHandshakeVersion));
+  if (!verdict.ok()) {
+    log_foreign("refused a connection from %s: %s", h.from.c_str(),
+                verdict.status().to_string().c_str());
+    if (reply.empty()) return close_handshake(id);
+    out.push_back(static_cast<char>(kVerdictRefused));
+    out.append(2, '\0');
+    put_le(&out, reply.size(), 4);
+    put_le(&out, 0, 4);
+    put_le(&out, 0, 8);
+    out += reply;
+  } else {
+    int32_t rank = *verdict;
+    bool valid = rank >= 1 && rank < opts_.world_size;
+    if (valid) {
+      std::lock_guard<std::mutex> lock(mu_);
+      valid = peers_[rank].state == PeerInfo::absent;
+    }
+    if (!valid) {
+      log_foreign(
+          "refused a connection from %s: accept() gave rank %d, which is out of range or "
+          "already joined",
+          h.from.c_str(), rank);
+      return close_handshake(id);
+    }
+    uint64_t session = 0;
+    while (session == 0 || by_session_.count(session) != 0) session = rng_();
+    Result<Conn*> conn = connect_to(rank, address, session);
+    if (!conn.ok()) {
+      log("refused rank %d from %s: %s", rank, h.from.c_str(), conn.status().to_string().c_str());
+      return close_handshake(id);
+    }
+    out.push_back(static_cast<char>(kVerdictAccepted));
+    out.append(2, '\0');
+    put_le(&out, reply.size(), 4);
+    put_le(&out, my_address_.size(), 4);
+    put_le(&out, session, 8);
+    out += reply;
+    out += my_address_;
+    std::lock_guard<std::mutex> lock(mu_);
+    peers_[rank].state = PeerInfo::up;
+    cv_.notify_all();
+  }
+  h.in.clear();
+  h.in.shrink_to_fit();
+  h.out = std::move(out);
+  h.sent = 0;
+  h.stage = Handshake::sending;
+  service_handshake(id);
+}
+
+void Transport::Impl::on_reply(uint64_t id) {
+  Handshake& h = handshakes_.at(id);
+  const uint8_t verdict = static_cast<uint8_t>(h.in[5]);
+  const uint32_t body = static_cast<uint32_t>(get_le(&h.in[8], 4));
+  const uint64_t session = get_le(&h.in[16], 8);
+  std::string reply = h.in.substr(kReplyHeaderBytes, body);
+  const std::string address = h.in.substr(kReplyHeaderBytes + body);
+  if (verdict == kVerdictAccepted && (address.empty() || session == 0)) {
+    return retry_connect("rank 0's reply: accepted without a worker address or session");
+  }
+  if (verdict != kVerdictAccepted && verdict != kVerdictRefused) {
+    return retry_connect("rank 0's reply: unknown verdict " + std::to_string(verdict));
+  }
+  close_handshake(id);
+  connected_once_ = true;
+  if (verdict == kVerdictAccepted) {
+    Result<Conn*> conn = connect_to(0, address, session);
+    if (!conn.ok()) return fail_peer(0, conn.status());
+    send_am(*conn, kReadyAmId, std::string());
+  }
+  {
+    // Rank 0 is up before on_frame runs (so it may answer with send()), but
+    // wait_peers() returns only after it, so the layer above has seen the
+    // ack by then.
+    std::lock_guard<std::mutex> lock(mu_);
+    peers_[0].state = PeerInfo::up;
+    refused_ = verdict == kVerdictRefused;
+  }
+  if (!stopping_ && cb_.on_frame && !reply.empty()) cb_.on_frame(0, std::move(reply));
+  std::lock_guard<std::mutex> lock(mu_);
+  ack_delivered_ = true;
+  cv_.notify_all();
+}
+
+void Transport::Impl::connect_attempt(Clock::time_point now) {
+  ++attempts_;
+  int fd = socket(address_.storage.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) {
+    last_connect_error_ = std::string("socket: ") + std::strerror(errno);
+    next_attempt_ = now + retry_delay_;
+    retry_delay_ = std::min<Clock::duration>(retry_delay_ * 2, kMaxRetryDelay);
+    return;
+  }
+  uint64_t id = next_handshake_id_++;
+  Handshake& h = handshakes_[id];
+  h.fd = fd;
+  h.from = describe(address_.storage);
+  h.deadline = connect_deadline_;
+  h.out.assign(kHelloMagic, 4);
+  h.out.push_back(static_cast<char>(kHandshakeVersion));
+  h.out.append(3, '\0');
+  put_le(&h.out, hello_.size(), 4);
+  put_le(&h.out, my_address_.size(), 4);
+  h.out += hello_;
+  h.out += my_address_;
+  client_handshake_ = id;
+  int rc = connect(fd, reinterpret_cast<const sockaddr*>(&address_.storage), address_.length);
+  if (rc != 0 && errno != EINPROGRESS) return retry_connect(std::strerror(errno));
+  h.stage = rc == 0 ? Handshake::sending : Handshake::connecting;
+  watch(id, h);
+}
+
+void Transport::Impl::retry_connect(const std::string& why) {
+  if (client_handshake_ != 0) close_handshake(client_handshake_);
+  last_connect_error_ = why;
+  next_attempt_ = Clock::now() + retry_delay_;
+  retry_delay_ = std::min<Clock::duration>(retry_delay_ * 2, kMaxRetryDelay);
+}
+
+Transport::Impl::Conn* Transport::Impl::find_conn(uint64_t id) {
   auto it = conns_.find(id);
   return it == conns_.end() ? nullptr : it->second.get();
 }
 
-void Transport::Impl::log(const char* fmt, ...) {
+void Transport::Impl::vlog(const char* fmt, va_list args) {
   char buf[512];
+  std::vsnprintf(buf, sizeof(buf), fmt, args);
+  std::fprintf(stderr, "ferry transport (rank %d): %s\n", opts_.rank, buf);
+}
+
+void Transport::Impl::log(const char* fmt, ...) {
   va_list args;
   va_start(args, fmt);
-  std::vsnprintf(buf, sizeof(buf), fmt, args);
+  vlog(fmt, args);
   va_end(args);
-  std::fprintf(stderr, "ferry transport (rank %d): %s\n", opts_.rank, buf);
+}
+
+// One line per foreign connection, but a flood must not turn into a flood of
+// log lines: past kForeignLogsPerSecond the lines are only counted.
+void Transport::Impl::log_foreign(const char* fmt, ...) {
+  auto now = Clock::now();
+  if (now - foreign_window_ >= std::chrono::seconds(1)) {
+    if (foreign_suppressed_ > 0) {
+      log("%zu more line(s) about foreign connections suppressed", foreign_suppressed_);
+    }
+    foreign_window_ = now;
+    foreign_logged_ = 0;
+    foreign_suppressed_ = 0;
+  }
+  if (++foreign_logged_ > kForeignLogsPerSecond) {
+    ++foreign_suppressed_;
+    return;
+  }
+  va_list args;
+  va_start(args, fmt);
+  vlog(fmt, args);
+  va_end(args);
 }
 
 // --- Transport --------------------------------------------------------------------
@@ -1000,6 +1439,13 @@ Result<std::unique_ptr<Transport>> Transport::start(const TransportOptions& opti
   if (!(o.connect_timeout_s > 0)) {
     return Status::invalid_argument("transport: connect_timeout_s must be > 0, got " +
                                     std::to_string(o.connect_timeout_s));
+  }
+  if (!(o.handshake_timeout_s > 0)) {
+    return Status::invalid_argument("transport: handshake_timeout_s must be > 0, got " +
+                                    std::to_string(o.handshake_timeout_s));
+  }
+  if (o.max_frame_bytes == 0) {
+    return Status::invalid_argument("transport: max_frame_bytes must be > 0");
   }
   if (o.rank == 0 && o.world_size > 1 && !callbacks.accept) {
     return Status::invalid_argument("transport: rank 0 needs an accept callback");

@@ -3,24 +3,35 @@
 // Ferry that knows UCX; it knows nothing about the bytes it carries (the layer
 // above hands it pre-encoded Cap'n Proto messages).
 //
+// Rank 0 exposes no UCX listener: UCX 1.13's socket connection manager aborts
+// the process on a few crafted bytes. It listens on a small TCP socket of its
+// own instead, where a rank presents its hello (the Join) and its UCX worker
+// address; only a rank that accept() lets in learns rank 0's worker address
+// and a session number, and both sides then connect UCX endpoints by worker
+// address. UCX frames without that session number are dropped unread.
+// docs/protocol.md ("Joining") has the wire format.
+//
+// clang-format off
 // Connection life, seen from rank 0:
 //
-//   conn request --> awaiting hello --accept() ok--> up --error/silence--> failed
-//                          |                                  (on_peer_failed once)
-//                          +--accept() error--> refused (reply sent; closed when the
-//                                               client hangs up or after the heartbeat
-//                                               timeout)
+//   tcp accepted --whole hello, accept() ok--> joining --first UCX message--> up
+//     |   (at most kMaxHandshakes at once,        (frames to it held)          |
+//     |    handshake_timeout_s each)                                 error/silence
+//     +--malformed, oversized, slow: closed, one log line                      v
+//     +--accept() error: reply sent, closed                 failed (on_peer_failed once)
 //
 // and from a rank R > 0:
 //
-//   connecting --first frame from rank 0--> up --error/silence--> failed
-//     |   ^                                        (on_peer_failed(0) once)
-//     +---+ endpoint error before the first frame: retry until connect_timeout_s,
-//           then failed (on_peer_failed(0, timeout)).
+//   tcp connecting --hello sent, reply--> up --error/silence--> failed
+//     |   ^             |  (the reply is the first frame)      (on_peer_failed(0) once)
+//     |   |             +--refused: the reply is the first frame; sends fail.
+//     +---+ no answer, closed early: retry until connect_timeout_s, then failed
+//           (on_peer_failed(0, timeout)).
+// clang-format on
 //
-// Threading: one progress thread owns the UCX worker. send() and
-// wait_peers() may be called from any thread; callbacks run on the progress
-// thread and must be quick. No callback runs once stop() has begun.
+// Threading: one progress thread owns the UCX worker and the sockets. send()
+// and wait_peers() may be called from any thread; callbacks run on the
+// progress thread and must be quick. No callback runs once stop() has begun.
 #pragma once
 
 #include <cstdint>
@@ -40,14 +51,21 @@ struct TransportOptions {
   double connect_timeout_s = 30;    // non-zero ranks retry connecting until this deadline
   double heartbeat_interval_s = 1;  // send `heartbeat` bytes to every peer this often
   double heartbeat_timeout_s = 10;  // a peer silent (no frame at all) this long is failed
+  // Rank 0 closes a connection that has not delivered its whole hello (or
+  // taken its whole reply) this long after it was accepted.
+  double handshake_timeout_s = 5;
+  // The largest frame either way: send() refuses a larger one, and a peer
+  // that announces one is failed before anything is allocated for it.
+  uint64_t max_frame_bytes = uint64_t{1} << 30;
 };
 
 struct TransportCallbacks {
-  // Rank 0 only (REQUIRED there): the first frame of a new connection (the
-  // Join). Return the peer's rank, or an error; on error the transport sends
-  // *reply (if non-empty) and closes the connection. On success *reply (if
-  // non-empty) is sent back as the first frame (the JoinAck). A rank outside
-  // [1, world_size) or one already joined is refused without a reply.
+  // Rank 0 only (REQUIRED there): the hello of a new connection (the Join),
+  // before anything else of that process is accepted. Return the peer's rank,
+  // or an error; on error the transport sends *reply (if non-empty) and closes
+  // the connection. On success *reply (if non-empty) reaches the peer as its
+  // first frame (the JoinAck). A rank outside [1, world_size) or one already
+  // joined is refused without a reply. *reply is capped at 16 KiB.
   std::function<Result<int32_t>(const std::string& hello, std::string* reply)> accept;
   // Every frame after the hello, heartbeats included. On ranks > 0 the first
   // frame from rank 0 (the JoinAck) arrives here before wait_peers() returns.
@@ -60,9 +78,10 @@ struct TransportCallbacks {
 
 class Transport {
  public:
-  // Creates the UCX context and worker (and on rank 0 the listener, so a port
-  // already in use is an error here), then starts the progress thread. Ranks
-  // > 0 send `hello` as the first frame of every connection attempt.
+  // Creates the UCX context and worker (and on rank 0 the listening socket, so
+  // a port already in use is an error here), then starts the progress thread.
+  // Ranks > 0 present `hello` on every connection attempt; rank 0 hands it to
+  // accept() (capped at 16 KiB).
   // Callbacks run on the progress thread: they must be quick, may call send(),
   // and must not call wait_peers() or stop().
   static Result<std::unique_ptr<Transport>> start(const TransportOptions& options,
@@ -81,13 +100,13 @@ class Transport {
 
   // Queues `frame` for `to_rank` and returns at once; frames to one peer
   // arrive in order. Errors: a rank out of range, this rank, a rank other
-  // than 0 from a rank > 0, a peer not (yet) connected or failed, or a
-  // stopped transport. A peer that fails after this returns is reported
-  // through on_peer_failed only. Thread-safe.
+  // than 0 from a rank > 0, a frame over max_frame_bytes, a peer not (yet)
+  // connected, failed or that refused this rank, or a stopped transport. A peer that fails after
+  // this returns is reported through on_peer_failed only. Thread-safe.
   Status send(int32_t to_rank, std::string frame);
 
   // Sends what is already queued, closes the endpoints (flushing to live
-  // peers, bounded to a couple of seconds), destroys the listener, the worker
+  // peers, bounded to a couple of seconds), closes the sockets, destroys the worker
   // and the context, and joins the thread. Idempotent; also run by the
   // destructor. REQUIRES: not called from a callback.
   void stop();

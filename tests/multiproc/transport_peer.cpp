@@ -1,18 +1,27 @@
-// ferry_transport_peer: a rank > 0 in its own process, driven by
+// ferry_transport_peer: one rank in its own process, driven by
 // transport_test.cpp.
 //
 //   ferry_transport_peer --rank R --world W --port P [--host H]
-//                        [--mode echo|kill-self|stop-self|bad-hello]
+//                        [--mode echo|kill-self|stop-self|bad-hello|serve]
 //                        [--connect-timeout S] [--hb-interval S] [--hb-timeout S]
+//                        [--handshake-timeout S] [--max-frame BYTES]
 //
-// Every mode joins with the hello "hello R" (bad-hello: a hello rank 0 must
-// refuse) and sends "hb" as heartbeat. After rank 0's first frame (the ack),
-// each frame except "hb" is echoed back; kill-self SIGKILLs itself on "die",
-// stop-self SIGSTOPs itself on "freeze" (a hung process, not a dead one).
-// The process ends when rank 0 goes away or sends "bye".
+// Ranks > 0: every mode joins with the hello "hello R" (bad-hello: a hello
+// rank 0 must refuse) and sends "hb" as heartbeat. After rank 0's first frame
+// (the ack), each frame except "hb" is echoed back, except "send N", answered
+// with N bytes of 'x'; kill-self SIGKILLs itself on "die", stop-self SIGSTOPs
+// itself on "freeze" (a hung process, not a dead one). The process ends when
+// rank 0 goes away or sends "bye".
+//
+// serve (rank 0, so that a test can watch it from outside: its listening
+// sockets, its memory, whether it is alive): accepts "hello N" as rank N,
+// prints "port P" once listening and "joined" once every rank is in; then
+// reads commands on stdin: "exchange" pings every rank, waits for the echoes
+// and prints "exchanged"; "quit" (or end of input) says bye and exits.
 //
 // Exit codes: 0 done; 1 bad arguments; 2 wait_peers failed; 3 start failed;
-// 4 bad-hello got no "refused" reply; 5 ran longer than its safety limit.
+// 4 bad-hello got no "refused" reply; 5 ran longer than its safety limit;
+// 6 serve: an echo did not come back.
 
 #include <signal.h>
 #include <unistd.h>
@@ -22,6 +31,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iostream>
+#include <map>
 #include <mutex>
 #include <string>
 
@@ -54,13 +65,78 @@ bool parse(int argc, char** argv, Args* a) {
       a->opts.heartbeat_interval_s = std::atof(v);
     } else if (key == "--hb-timeout") {
       a->opts.heartbeat_timeout_s = std::atof(v);
+    } else if (key == "--handshake-timeout") {
+      a->opts.handshake_timeout_s = std::atof(v);
+    } else if (key == "--max-frame") {
+      a->opts.max_frame_bytes = std::strtoull(v, nullptr, 10);
     } else {
       std::fprintf(stderr, "transport_peer: unknown argument %s\n", key.c_str());
       return false;
     }
   }
   return a->mode == "echo" || a->mode == "kill-self" || a->mode == "stop-self" ||
-         a->mode == "bad-hello";
+         a->mode == "bad-hello" || a->mode == "serve";
+}
+
+int serve(const ferry::TransportOptions& opts) {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::map<int32_t, std::string> echoed;
+  ferry::TransportCallbacks cb;
+  cb.accept = [](const std::string& hello, std::string* reply) -> ferry::Result<int32_t> {
+    if (hello.rfind("hello ", 0) != 0) {
+      *reply = "refused";
+      return ferry::Status::invalid_argument("bad hello");
+    }
+    *reply = "ack";
+    return std::atoi(hello.c_str() + 6);
+  };
+  cb.on_frame = [&](int32_t from, std::string frame) {
+    if (frame == "hb") return;
+    std::lock_guard<std::mutex> lock(mu);
+    echoed[from] = std::move(frame);
+    cv.notify_all();
+  };
+  cb.on_peer_failed = [](int32_t rank, ferry::Status why) {
+    std::fprintf(stderr, "serve: rank %d failed: %s\n", rank, why.to_string().c_str());
+  };
+  auto started = ferry::Transport::start(opts, "", "hb", cb);
+  if (!started.ok()) {
+    std::fprintf(stderr, "serve: %s\n", started.status().to_string().c_str());
+    return 3;
+  }
+  std::unique_ptr<ferry::Transport> t = std::move(started).value();
+  std::printf("port %u\n", static_cast<unsigned>(t->port()));
+  std::fflush(stdout);
+  ferry::Status st = t->wait_peers(opts.connect_timeout_s);
+  if (!st.ok()) {
+    std::fprintf(stderr, "serve: wait_peers: %s\n", st.to_string().c_str());
+    return 2;
+  }
+  std::printf("joined\n");
+  std::fflush(stdout);
+  int round = 0;
+  std::string line;
+  while (std::getline(std::cin, line) && line != "quit") {
+    if (line != "exchange") continue;
+    const std::string ping = "ping " + std::to_string(++round);
+    for (int32_t r = 1; r < opts.world_size; ++r) {
+      if (!t->send(r, ping).ok()) return 6;
+    }
+    std::unique_lock<std::mutex> lock(mu);
+    bool all = cv.wait_for(lock, std::chrono::seconds(60), [&] {
+      for (int32_t r = 1; r < opts.world_size; ++r) {
+        if (echoed[r] != ping) return false;
+      }
+      return true;
+    });
+    if (!all) return 6;
+    std::printf("exchanged\n");
+    std::fflush(stdout);
+  }
+  for (int32_t r = 1; r < opts.world_size; ++r) (void)t->send(r, "bye");
+  t->stop();
+  return 0;
 }
 
 }  // namespace
@@ -73,6 +149,7 @@ int main(int argc, char** argv) {
   }
   const int32_t rank = args.opts.rank;
   const std::string mode = args.mode;
+  if (mode == "serve") return serve(args.opts);
 
   std::mutex mu;
   std::condition_variable cv;
@@ -104,6 +181,8 @@ int main(int argc, char** argv) {
       return;
     }
     if (tp == nullptr) return;
+    if (frame.rfind("send ", 0) == 0)
+      frame.assign(std::strtoull(frame.c_str() + 5, nullptr, 10), 'x');
     ferry::Status st = tp->send(from, std::move(frame));
     if (!st.ok()) std::fprintf(stderr, "peer %d: echo: %s\n", rank, st.to_string().c_str());
   };

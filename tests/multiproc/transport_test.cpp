@@ -2,7 +2,10 @@
 // the other ranks are ferry_transport_peer processes (fork + exec).
 
 #include <arpa/inet.h>
+#include <dirent.h>
+#include <fcntl.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
@@ -13,11 +16,14 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <random>
+#include <set>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -42,10 +48,12 @@ double since(Clock::time_point t) {
 }
 
 // A peer process; SIGKILLed and reaped on destruction if still running.
+// With `piped`, the test writes lines to its stdin and reads lines from its
+// stdout.
 class PeerProcess {
  public:
   PeerProcess(int rank, int world, uint16_t port, const std::string& mode,
-              std::vector<std::string> extra = {}) {
+              std::vector<std::string> extra = {}, bool piped = false) {
     std::vector<std::string> args = {FERRY_TRANSPORT_PEER_PATH,
                                      "--rank",
                                      std::to_string(rank),
@@ -59,13 +67,29 @@ class PeerProcess {
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
+    int to_child[2] = {-1, -1};
+    int from_child[2] = {-1, -1};
+    if (piped) {
+      REQUIRE(pipe2(to_child, O_CLOEXEC) == 0);
+      REQUIRE(pipe2(from_child, O_CLOEXEC) == 0);
+    }
     pid_ = fork();
     if (pid_ == 0) {
       // Only async-signal-safe calls between fork and exec; a peer never
       // outlives a crashed test.
       prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (piped) {
+        dup2(to_child[0], 0);
+        dup2(from_child[1], 1);
+      }
       execv(argv[0], argv.data());
       _exit(127);
+    }
+    if (piped) {
+      close(to_child[0]);
+      close(from_child[1]);
+      stdin_ = to_child[1];
+      stdout_ = from_child[0];
     }
   }
   ~PeerProcess() {
@@ -73,6 +97,36 @@ class PeerProcess {
       kill(pid_, SIGKILL);
       int status = 0;
       waitpid(pid_, &status, 0);
+    }
+    if (stdin_ >= 0) close(stdin_);
+    if (stdout_ >= 0) close(stdout_);
+  }
+
+  bool alive() { return !wait_exit(0).has_value(); }
+
+  void say(const std::string& line) {
+    std::string l = line + "\n";
+    REQUIRE(write(stdin_, l.data(), l.size()) == static_cast<ssize_t>(l.size()));
+  }
+
+  // The next line the process printed, or nullopt at its end or after timeout_s.
+  std::optional<std::string> read_line(double timeout_s) {
+    auto start = Clock::now();
+    for (;;) {
+      size_t nl = out_.find('\n');
+      if (nl != std::string::npos) {
+        std::string line = out_.substr(0, nl);
+        out_.erase(0, nl + 1);
+        return line;
+      }
+      double left = timeout_s - since(start);
+      if (left <= 0) return std::nullopt;
+      pollfd p{stdout_, POLLIN, 0};
+      if (poll(&p, 1, static_cast<int>(left * 1000) + 1) <= 0) continue;
+      char buf[256];
+      ssize_t n = read(stdout_, buf, sizeof(buf));
+      if (n <= 0) return std::nullopt;
+      out_.append(buf, static_cast<size_t>(n));
     }
   }
   PeerProcess(const PeerProcess&) = delete;
@@ -100,6 +154,9 @@ class PeerProcess {
  private:
   pid_t pid_ = -1;
   std::optional<int> exit_code_;
+  int stdin_ = -1;
+  int stdout_ = -1;
+  std::string out_;
 };
 
 // Rank 0's side: accepts "hello N" as rank N, refuses anything else with the
@@ -228,6 +285,201 @@ class ReservedPort {
   int fd_ = -1;
   uint16_t port_ = 0;
 };
+
+// --- a process outside the job ---------------------------------------------------
+
+// The TCP sockets `pid` listens on, found from the process itself (its socket
+// descriptors matched against the kernel's socket tables), not from what it
+// announces. Wildcard addresses are reached through loopback.
+std::vector<sockaddr_storage> listening_sockets(pid_t pid) {
+  std::set<std::string> inodes;
+  const std::string fd_dir = "/proc/" + std::to_string(pid) + "/fd";
+  if (DIR* d = opendir(fd_dir.c_str())) {
+    while (dirent* e = readdir(d)) {
+      char target[64] = {0};
+      std::string link = fd_dir + "/" + e->d_name;
+      if (readlink(link.c_str(), target, sizeof(target) - 1) <= 0) continue;
+      std::string t = target;
+      if (t.rfind("socket:[", 0) == 0) inodes.insert(t.substr(8, t.size() - 9));
+    }
+    closedir(d);
+  }
+  std::vector<sockaddr_storage> out;
+  for (const char* table : {"tcp", "tcp6"}) {
+    std::ifstream in("/proc/" + std::to_string(pid) + "/net/" + table);
+    std::string line;
+    std::getline(in, line);  // the column names
+    while (std::getline(in, line)) {
+      std::istringstream f(line);
+      std::string sl, local, remote, state, queues, timer, retrans, uid, timeout, inode;
+      f >> sl >> local >> remote >> state >> queues >> timer >> retrans >> uid >> timeout >> inode;
+      if (state != "0A" || inodes.count(inode) == 0) continue;  // 0A: LISTEN
+      size_t colon = local.find(':');
+      std::string host = local.substr(0, colon);
+      uint16_t port = static_cast<uint16_t>(std::stoul(local.substr(colon + 1), nullptr, 16));
+      sockaddr_storage a{};
+      if (host.size() == 8) {
+        auto* in4 = reinterpret_cast<sockaddr_in*>(&a);
+        in4->sin_family = AF_INET;
+        in4->sin_port = htons(port);
+        // The kernel prints the address as the 32-bit word it stores.
+        in4->sin_addr.s_addr = static_cast<uint32_t>(std::stoul(host, nullptr, 16));
+        if (in4->sin_addr.s_addr == htonl(INADDR_ANY))
+          in4->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      } else {
+        auto* in6 = reinterpret_cast<sockaddr_in6*>(&a);
+        in6->sin6_family = AF_INET6;
+        in6->sin6_port = htons(port);
+        for (int w = 0; w < 4; ++w) {
+          uint32_t word = static_cast<uint32_t>(std::stoul(host.substr(8 * w, 8), nullptr, 16));
+          std::memcpy(&in6->sin6_addr.s6_addr[4 * w], &word, 4);
+        }
+        if (IN6_IS_ADDR_UNSPECIFIED(&in6->sin6_addr)) in6->sin6_addr = in6addr_loopback;
+      }
+      out.push_back(a);
+    }
+  }
+  return out;
+}
+
+uint16_t port_of(const sockaddr_storage& a) {
+  return ntohs(a.ss_family == AF_INET ? reinterpret_cast<const sockaddr_in&>(a).sin_port
+                                      : reinterpret_cast<const sockaddr_in6&>(a).sin6_port);
+}
+
+std::string ports_text(const std::vector<sockaddr_storage>& all) {
+  std::string out;
+  for (const auto& a : all) out += (out.empty() ? "" : ", ") + std::to_string(port_of(a));
+  return out;
+}
+
+long rss_kib(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  std::string key;
+  long value = -1;
+  while (in >> key) {
+    if (key == "VmRSS:") {
+      in >> value;
+      return value;
+    }
+    in.ignore(1 << 20, '\n');
+  }
+  return value;
+}
+
+// A connected socket; closed on destruction. CLOEXEC, so that a peer started
+// while it is open does not keep the connection alive.
+class Connection {
+ public:
+  explicit Connection(const sockaddr_storage& to) {
+    fd_ = socket(to.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    socklen_t len = to.ss_family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6);
+    if (fd_ >= 0 && connect(fd_, reinterpret_cast<const sockaddr*>(&to), len) != 0) {
+      close(fd_);
+      fd_ = -1;
+    }
+    if (fd_ >= 0) {
+      // A listener that stops reading must not hang the test.
+      timeval tv{2, 0};
+      setsockopt(fd_, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+    }
+  }
+  ~Connection() {
+    if (fd_ >= 0) close(fd_);
+  }
+  Connection(Connection&& o) noexcept : fd_(o.fd_) { o.fd_ = -1; }
+  Connection(const Connection&) = delete;
+
+  bool ok() const { return fd_ >= 0; }
+  // Errors are expected: the other side may close as soon as it has seen enough.
+  void write_all(const std::string& bytes) {
+    size_t off = 0;
+    while (fd_ >= 0 && off < bytes.size()) {
+      ssize_t n = ::send(fd_, bytes.data() + off, bytes.size() - off, MSG_NOSIGNAL);
+      if (n <= 0) return;
+      off += static_cast<size_t>(n);
+    }
+  }
+  // Whether the other side closed (end of stream or reset) within timeout_s;
+  // whatever it sent before is read and ignored.
+  bool closed_by_peer(double timeout_s) {
+    auto start = Clock::now();
+    while (since(start) < timeout_s) {
+      pollfd p{fd_, POLLIN, 0};
+      if (poll(&p, 1, 100) <= 0) continue;
+      char buf[512];
+      if (recv(fd_, buf, sizeof(buf), 0) <= 0) return true;
+    }
+    return false;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+std::string le32(uint32_t v) {
+  std::string out;
+  for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+  return out;
+}
+
+// What a port scanner, a confused client or an attacker might send.
+std::vector<std::pair<std::string, std::string>> hostile_payloads() {
+  std::vector<std::pair<std::string, std::string>> out;
+  out.emplace_back("nothing", "");
+  // Trips UCX 1.13's socket connection manager (PLATFORM.md).
+  out.emplace_back("0x10 + 40 zeros", std::string(1, '\x10') + std::string(40, '\0'));
+  out.emplace_back("4096 zeros", std::string(4096, '\0'));
+  out.emplace_back("an HTTP request",
+                   "GET / HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
+  out.emplace_back("64 x 'A'", std::string(64, 'A'));
+  out.emplace_back("a huge length prefix", std::string(8, '\xff') + std::string(56, '\x7f'));
+  out.emplace_back("a UCX tcp header announcing 4 GiB",
+                   std::string(1, '\x20') + std::string(4, '\xff') + std::string(64, '\0'));
+  // Ferry's own handshake, but lying about its lengths or its token.
+  const std::string hello_head = std::string("FRYH\x01\0\0\0", 8);
+  out.emplace_back("a Ferry hello announcing 4 GiB",
+                   hello_head + le32(0xffffffffu) + le32(0xffffffffu) + std::string(64, 'h'));
+  out.emplace_back("a Ferry hello with a bad version",
+                   std::string("FRYH\x07\0\0\0", 8) + le32(4) + le32(4) + "abcdwxyz");
+  out.emplace_back("a Ferry hello, truncated", hello_head + le32(1000) + le32(100) + "hello 1");
+  out.emplace_back("a Ferry hello with a wrong token",
+                   hello_head + le32(10) + le32(8) + "not a join" + std::string(8, '\x01'));
+  for (uint32_t seed = 1; seed <= 6; ++seed) {
+    std::mt19937 rng(seed);
+    for (size_t n : {size_t{1}, size_t{7}, size_t{16}, size_t{41}, size_t{1000}, size_t{65536}}) {
+      std::string bytes(n, '\0');
+      for (char& c : bytes) c = static_cast<char>(rng());
+      out.emplace_back("seed " + std::to_string(seed) + ", " + std::to_string(n) + " random bytes",
+                       std::move(bytes));
+    }
+  }
+  return out;
+}
+
+// Throws every hostile payload at every socket `victim` listens on, each on
+// its own connection, then leaves a slow connection (one byte, then nothing)
+// and a crowd of idle ones on each, which the caller keeps open.
+std::vector<Connection> assault(PeerProcess& victim, const std::vector<sockaddr_storage>& ports,
+                                size_t crowd_per_port) {
+  std::vector<Connection> held;
+  for (const auto& port : ports) {
+    for (const auto& [what, bytes] : hostile_payloads()) {
+      Connection c(port);
+      c.write_all(bytes);
+    }
+    INFO("after the payloads on port " << port_of(port));
+    CHECK(victim.alive());
+    Connection slow(port);
+    slow.write_all("F");
+    held.push_back(std::move(slow));
+    for (size_t i = 0; i < crowd_per_port; ++i) {
+      held.emplace_back(port);
+      if (i % 2 == 1) held.back().write_all(std::string(1, static_cast<char>(i)));
+    }
+  }
+  return held;
+}
 
 }  // namespace
 
@@ -442,4 +694,108 @@ TEST_CASE("transport options are checked", "[transport]") {
   REQUIRE_FALSE(second.ok());
   CHECK(second.status().code() == StatusCode::io_error);
   CHECK_THAT(second.status().message(), Catch::Contains(std::to_string(first->port())));
+}
+
+TEST_CASE("bytes from outside the job on any port neither crash, stall nor grow a rank",
+          "[transport][hostile]") {
+  // Rank 0 in its own process, so that this test can watch it from outside.
+  PeerProcess rank0(0, 2, 0, "serve",
+                    {"--handshake-timeout", "1", "--connect-timeout", "120", "--hb-interval", "0.1",
+                     "--hb-timeout", "5"},
+                    /*piped=*/true);
+  auto line = rank0.read_line(30);
+  REQUIRE(line);
+  REQUIRE(line->rfind("port ", 0) == 0);
+  const uint16_t port = static_cast<uint16_t>(std::stoul(line->substr(5)));
+
+  // Before any rank joined: everything rank 0 listens on, not only its port.
+  auto ports = listening_sockets(rank0.pid());
+  INFO("rank 0 listens on " << ports_text(ports) << "; its handshake port is " << port);
+  bool found = false;
+  for (const auto& a : ports) found = found || port_of(a) == port;
+  REQUIRE(found);
+  const long rss_before = rss_kib(rank0.pid());
+  std::vector<Connection> held = assault(rank0, ports, /*crowd_per_port=*/100);
+  REQUIRE(rank0.alive());
+
+  // The slow connection on the handshake port is closed by rank 0 (its
+  // deadline is 1 s), not left to the client; by then rank 0 has also seen
+  // everything else that was sent to it.
+  Connection slow([&] {
+    for (const auto& a : ports) {
+      if (port_of(a) == port) return a;
+    }
+    return ports.front();
+  }());
+  slow.write_all("F");
+  CHECK(slow.closed_by_peer(60));
+  REQUIRE(rank0.alive());
+  const long rss_after = rss_kib(rank0.pid());
+  WARN("rank 0 RSS before " << rss_before << " KiB, after " << rss_after << " KiB");
+  CHECK(rss_after - rss_before < 4096);
+
+  // A real rank still joins, while the crowd is still connected, and frames flow.
+  PeerProcess peer(1, 2, port, "echo", peer_timing(0.1, 5, /*connect_timeout=*/90));
+  CHECK(rank0.read_line(120) == std::optional<std::string>("joined"));
+  rank0.say("exchange");
+  REQUIRE(rank0.read_line(60) == std::optional<std::string>("exchanged"));
+  held.clear();
+
+  // Once the job runs: every port of every rank, again.
+  std::vector<sockaddr_storage> job_ports = listening_sockets(rank0.pid());
+  auto peer_ports = listening_sockets(peer.pid());
+  INFO("rank 1 listens on " << ports_text(peer_ports));
+  CHECK_FALSE(peer_ports.empty());
+  const long rss0_before = rss_kib(rank0.pid());
+  const long rss1_before = rss_kib(peer.pid());
+  held = assault(rank0, job_ports, /*crowd_per_port=*/20);
+  auto more = assault(peer, peer_ports, /*crowd_per_port=*/20);
+  rank0.say("exchange");
+  CHECK(rank0.read_line(60) == std::optional<std::string>("exchanged"));
+  CHECK(rank0.alive());
+  CHECK(peer.alive());
+  const long rss0_after = rss_kib(rank0.pid());
+  const long rss1_after = rss_kib(peer.pid());
+  WARN("while joined: rank 0 RSS " << rss0_before << " -> " << rss0_after << " KiB, rank 1 "
+                                   << rss1_before << " -> " << rss1_after << " KiB");
+  CHECK(rss0_after - rss0_before < 4096);
+  CHECK(rss1_after - rss1_before < 4096);
+
+  held.clear();
+  more.clear();
+  rank0.say("quit");
+  CHECK(rank0.wait_exit(30) == std::optional<int>(0));
+  CHECK(peer.wait_exit(30) == std::optional<int>(0));
+}
+
+TEST_CASE("a frame over the size limit fails its sender and is never allocated", "[transport]") {
+  Recorder rec;
+  TransportOptions o;
+  o.world_size = 2;
+  o.heartbeat_interval_s = 0.1;
+  o.heartbeat_timeout_s = 5;
+  o.max_frame_bytes = 1 << 20;
+  auto started = Transport::start(o, "", "hb", rec.callbacks());
+  REQUIRE(started.ok());
+  auto t = std::move(started).value();
+  // The peer learns it was failed from rank 0's silence (closing an endpoint
+  // made by worker address tells the other side nothing): a short timeout.
+  PeerProcess peer(1, 2, t->port(), "echo", peer_timing(0.1, 2));
+  REQUIRE(t->wait_peers(30).ok());
+
+  // Our own limit holds for what we send, too.
+  CHECK(t->send(1, std::string((1 << 20) + 1, 'y')).code() == StatusCode::invalid_argument);
+  // Up to the limit, frames flow.
+  REQUIRE(t->send(1, "send 1048576").ok());
+  CHECK(rec.wait_frame(1, std::string(1 << 20, 'x'), 30));
+  CHECK(rec.failures() == 0);
+
+  // Over it: the peer is failed on the announcement.
+  REQUIRE(t->send(1, "send 67108864").ok());
+  auto failed = rec.wait_failed(1, 30);
+  REQUIRE(failed);
+  INFO(failed->second.to_string());
+  CHECK(failed->second.code() == StatusCode::invalid_argument);
+  CHECK_THAT(failed->second.message(), Catch::Contains("67108864"));
+  CHECK(peer.wait_exit(30) == std::optional<int>(0));
 }
