@@ -31,7 +31,7 @@ const std::vector<KillPointInfo>& kill_points() {
       {"latest.rename", "rank 0 renamed LATEST into place"},
       {"latest.dirsync", "rank 0 fsynced ROOT after LATEST"},
       {"retention.delete", "retention moved an old checkpoint aside to delete it"},
-      {"gc.delete", "gc is about to remove an expired pending directory"},
+      {"gc.delete", "gc took a directory out of sight and is about to delete it"},
   };
   return kPoints;
 }
