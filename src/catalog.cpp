@@ -3,7 +3,10 @@
 #include "ferry/catalog.hpp"
 #include "ferry/kill_point.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
@@ -14,7 +17,14 @@ namespace {
 
 constexpr char kStepPrefix[] = "step-";
 constexpr char kPendingPrefix[] = ".pending-";
+constexpr char kDisplacedPrefix[] = ".displaced-";
+constexpr char kTrashPrefix[] = ".trash-";
+// What older versions named a step moved aside by an overwrite.
+constexpr char kOldReplacedInfix[] = "-replaced-";
+constexpr char kLatestTempInfix[] = ".tmp-";
 constexpr size_t kStepDigits = 8;
+// A lease or LATEST is a line of text: anything bigger is not one.
+constexpr uint64_t kMaxSmallFileBytes = 4096;
 
 bool starts_with(const std::string& s, const char* prefix) {
   return s.compare(0, std::char_traits<char>::length(prefix), prefix) == 0;
@@ -27,20 +37,42 @@ std::string padded_step(uint64_t step) {
 }
 
 // Parses "<expires_unix_ms> <owner>\n"; false when the text is not a lease.
-bool parse_lease(const std::string& text, int64_t* expires) {
+bool parse_lease(const std::string& text, PendingLease* lease) {
   size_t end = text.find_first_of(" \n");
   std::string number = text.substr(0, end);
-  if (number.empty() || number.size() > 19) return false;
+  if (number.empty() || number.size() > 18) return false;
   for (char c : number) {
     if (c < '0' || c > '9') return false;
   }
-  *expires = std::stoll(number);
+  lease->expires_unix_ms = std::stoll(number);
+  lease->owner.clear();
+  if (end != std::string::npos && text[end] == ' ') {
+    size_t nl = text.find('\n', end + 1);
+    lease->owner = text.substr(end + 1, nl == std::string::npos ? std::string::npos : nl - end - 1);
+  }
+  return true;
+}
+
+// Parses the digits of a step that start at `pos` and end at '-'.
+bool parse_step_digits(const std::string& name, size_t pos, uint64_t* step, size_t* end) {
+  size_t dash = name.find('-', pos);
+  if (dash == std::string::npos || dash - pos < kStepDigits) return false;
+  uint64_t value = 0;
+  for (size_t i = pos; i < dash; ++i) {
+    char c = name[i];
+    if (c < '0' || c > '9') return false;
+    uint64_t d = static_cast<uint64_t>(c - '0');
+    if (value > (std::numeric_limits<uint64_t>::max() - d) / 10) return false;
+    value = value * 10 + d;
+  }
+  *step = value;
+  *end = dash;
   return true;
 }
 
 // The name LATEST holds, without the trailing newline; empty when absent.
 std::string read_latest_hint(Filesystem& fs, const std::string& root) {
-  Result<std::string> text = read_file(fs, join_path(root, kLatestFileName));
+  Result<std::string> text = read_file(fs, join_path(root, kLatestFileName), kMaxSmallFileBytes);
   if (!text.ok()) return "";
   std::string name = *text;
   while (!name.empty() && (name.back() == '\n' || name.back() == '\r' || name.back() == ' ')) {
@@ -61,6 +93,47 @@ std::string pending_dir_name(uint64_t step, const std::string& job, const std::s
 
 bool is_pending_dir_name(const std::string& name) {
   return starts_with(name, kPendingPrefix);
+}
+
+std::string displaced_dir_name(uint64_t step, const std::string& tag) {
+  return kDisplacedPrefix + padded_step(step) + "-" + tag;
+}
+
+bool parse_displaced_dir_name(const std::string& name, uint64_t* step) {
+  uint64_t value = 0;
+  size_t end = 0;
+  if (starts_with(name, kDisplacedPrefix)) {
+    if (!parse_step_digits(name, std::char_traits<char>::length(kDisplacedPrefix), &value, &end))
+      return false;
+  } else if (starts_with(name, kPendingPrefix)) {
+    if (!parse_step_digits(name, std::char_traits<char>::length(kPendingPrefix), &value, &end) ||
+        name.compare(end, std::char_traits<char>::length(kOldReplacedInfix), kOldReplacedInfix) !=
+            0)
+      return false;
+  } else {
+    return false;
+  }
+  if (step != nullptr) *step = value;
+  return true;
+}
+
+std::string trash_dir_name() {
+  static std::atomic<uint64_t> counter{0};
+  return kTrashPrefix + std::to_string(now_unix_ms()) + "-" + std::to_string(::getpid()) + "-" +
+         std::to_string(counter.fetch_add(1, std::memory_order_relaxed));
+}
+
+bool is_trash_dir_name(const std::string& name) {
+  return starts_with(name, kTrashPrefix);
+}
+
+Result<std::unique_ptr<FileLock>> lock_root(Filesystem& fs, const std::string& root,
+                                            int64_t wait_ms) {
+  Result<std::unique_ptr<FileLock>> lock = fs.lock(join_path(root, kRootLockFileName), wait_ms);
+  if (!lock.ok())
+    return lock.status().with_context("checkpoint root " + root +
+                                      " (another job commits into it?): ");
+  return lock;
 }
 
 bool parse_step_dir_name(const std::string& name, uint64_t* step) {
@@ -134,70 +207,187 @@ Status write_lease(Filesystem& fs, const std::string& pending_dir, int64_t expir
                            /*sync=*/false);
 }
 
-Result<GcReport> collect_garbage(Filesystem& fs, const std::string& root, int64_t now_unix_ms,
-                                 int64_t grace_ms) {
+Result<PendingLease> read_lease(Filesystem& fs, const std::string& pending_dir) {
+  const std::string path = join_path(pending_dir, kLeaseFileName);
+  FERRY_ASSIGN_OR_RETURN(std::string text, read_file(fs, path, kMaxSmallFileBytes));
+  PendingLease lease;
+  if (!parse_lease(text, &lease)) return Status::corruption(path + ": not a lease");
+  return lease;
+}
+
+Result<std::vector<PendingInfo>> list_pending(Filesystem& fs, const std::string& root) {
   FERRY_ASSIGN_OR_RETURN(std::vector<std::string> names, fs.list(root));
-  GcReport report;
+  std::vector<PendingInfo> out;
   for (const std::string& name : names) {
     if (!is_pending_dir_name(name)) continue;
-    std::string path = join_path(root, name);
-    bool expired;
-    int64_t expires = 0;
-    Result<std::string> lease = read_file(fs, join_path(path, kLeaseFileName));
-    // Checkpoints moved aside by retention or by an overwrite are garbage by
-    // construction: no save owns them.
-    if (name.find("-retired-") != std::string::npos ||
-        name.find("-replaced-") != std::string::npos) {
-      expired = true;
-    } else if (lease.ok() && parse_lease(*lease, &expires)) {
-      expired = expires < now_unix_ms;
-    } else {
-      // No lease yet (a save that just made its directory) or a torn one:
-      // only the directory's age says whether anyone still owns it.
+    PendingInfo info;
+    info.path = join_path(root, name);
+    Result<FileInfo> st = fs.stat(info.path);
+    if (!st.ok() || !st->is_dir) continue;
+    info.mtime_unix_ms = st->mtime_unix_ms;
+    Result<PendingLease> lease = read_lease(fs, info.path);
+    if (lease.ok()) {
+      info.has_lease = true;
+      info.lease = *lease;
+    }
+    out.push_back(std::move(info));
+  }
+  return out;
+}
+
+Status recover_displaced(Filesystem& fs, const std::string& root,
+                         std::vector<std::string>* restored, std::vector<std::string>* replaced) {
+  FERRY_ASSIGN_OR_RETURN(std::vector<std::string> names, fs.list(root));
+  bool renamed = false;
+  for (const std::string& name : names) {
+    uint64_t step = 0;
+    if (!parse_displaced_dir_name(name, &step)) continue;
+    const std::string path = join_path(root, name);
+    if (is_pending_dir_name(name)) {
+      // The old form ".pending-<step>-replaced-<id>" is also what a live
+      // save of a job named "replaced" is called. A moved-aside step was
+      // committed, so it holds a MANIFEST and (its lease removed at the
+      // commit) no LEASE; a pending save has a LEASE from its first moment
+      // that is not a crash's leftover.
+      if (fs.stat(join_path(path, kLeaseFileName)).ok()) continue;
+      if (!fs.stat(join_path(path, kManifestFileName)).ok()) continue;
+    }
+    const std::string step_dir = join_path(root, step_dir_name(step));
+    Result<FileInfo> in_place = fs.stat(step_dir);
+    if (in_place.ok()) {
+      if (replaced) replaced->push_back(path);
+      continue;
+    }
+    if (in_place.status().code() != StatusCode::not_found) return in_place.status();
+    // The overwrite that moved it aside never put a new step in its place
+    // (its rename failed, or the process died in between): it is still the
+    // checkpoint of that step.
+    FERRY_RETURN_IF_ERROR(fs.rename(path, step_dir));
+    renamed = true;
+    if (restored) restored->push_back(step_dir);
+  }
+  if (renamed) FERRY_RETURN_IF_ERROR(fs.sync_dir(root));
+  return Status::ok_status();
+}
+
+Result<GcReport> collect_garbage(Filesystem& fs, const std::string& root, int64_t now_unix_ms,
+                                 int64_t grace_ms, int64_t lock_wait_ms) {
+  GcReport report;
+  std::vector<std::string> trash;  // out of sight, to delete once unlocked
+  {
+    // Under the lock no commit is between moving a step aside and putting
+    // the new one in place, and none is writing LATEST: what looks
+    // abandoned here is.
+    FERRY_ASSIGN_OR_RETURN(std::unique_ptr<FileLock> lock, lock_root(fs, root, lock_wait_ms));
+    std::vector<std::string> replaced;
+    FERRY_RETURN_IF_ERROR(recover_displaced(fs, root, &report.restored, &replaced));
+    FERRY_ASSIGN_OR_RETURN(std::vector<std::string> names, fs.list(root));
+    bool moved = false;
+    auto take_out_of_sight = [&](const std::string& path) -> Status {
+      const std::string to = join_path(root, trash_dir_name());
+      FERRY_RETURN_IF_ERROR(fs.rename(path, to));
+      moved = true;
+      trash.push_back(to);
+      return Status::ok_status();
+    };
+    for (const std::string& path : replaced) {
+      FERRY_RETURN_IF_ERROR(take_out_of_sight(path));
+      report.discarded.push_back(path);
+    }
+    for (const std::string& name : names) {
+      const std::string path = join_path(root, name);
+      if (is_trash_dir_name(name)) {
+        trash.push_back(path);  // a gc or retention that died before deleting
+        report.discarded.push_back(path);
+        continue;
+      }
+      if (starts_with(name, kLatestFileName) &&
+          name.compare(std::char_traits<char>::length(kLatestFileName),
+                       std::char_traits<char>::length(kLatestTempInfix), kLatestTempInfix) == 0) {
+        // Every LATEST write happens under the lock: this one's writer died.
+        Status st = fs.unlink(path);
+        if (!st.ok() && st.code() != StatusCode::not_found) return st;
+        report.discarded.push_back(path);
+        continue;
+      }
+      if (!is_pending_dir_name(name)) continue;
+      if (std::find(replaced.begin(), replaced.end(), path) != replaced.end()) continue;
       Result<FileInfo> st = fs.stat(path);
       if (!st.ok()) {
-        if (st.status().code() == StatusCode::not_found) continue;  // committed or gone
+        if (st.status().code() == StatusCode::not_found) continue;  // restored or gone
         return st.status();
       }
-      expired = st->mtime_unix_ms < now_unix_ms - grace_ms;
+      bool expired;
+      Result<PendingLease> lease = read_lease(fs, path);
+      if (lease.ok()) {
+        expired = lease->expires_unix_ms < now_unix_ms;
+      } else {
+        // No lease yet (a save that just made its directory), a torn one,
+        // or a directory older versions moved aside: only the directory's
+        // age says whether anyone still owns it.
+        expired = st->mtime_unix_ms < now_unix_ms - grace_ms;
+      }
+      if (expired) {
+        // One rename takes it out of sight whole: a saver that wakes up
+        // after its lease lapsed finds no directory, never a half-deleted
+        // one that it could still commit.
+        FERRY_RETURN_IF_ERROR(take_out_of_sight(path));
+        report.removed.push_back(path);
+      } else {
+        report.kept.push_back(path);
+      }
     }
-    if (expired) {
-      kill_point("gc.delete");
-      FERRY_RETURN_IF_ERROR(remove_all(fs, path));
-      report.removed.push_back(path);
-    } else {
-      report.kept.push_back(path);
-    }
+    if (moved) FERRY_RETURN_IF_ERROR(fs.sync_dir(root));
+  }
+  for (const std::string& path : trash) {
+    kill_point("gc.delete");
+    FERRY_RETURN_IF_ERROR(remove_all(fs, path));
   }
   return report;
 }
 
+namespace {
+
+// The manifest reads and every file it names is a regular file of its size.
+bool loadable(Filesystem& fs, const CheckpointInfo& c) {
+  if (!c.status.ok()) return false;
+  Result<Manifest> m = read_manifest(fs, c.path);
+  if (!m.ok()) return false;
+  for (const ManifestFile& f : m->files) {
+    Result<FileInfo> st = fs.stat(join_path(c.path, f.name));
+    if (!st.ok() || !st->is_regular || st->size != f.size) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
 Result<std::vector<std::string>> apply_retention(Filesystem& fs, const std::string& root,
-                                                 uint32_t keep_last) {
+                                                 uint32_t keep_last, const std::string& keep_path) {
   std::vector<std::string> removed;
   if (keep_last == 0) return removed;
   FERRY_ASSIGN_OR_RETURN(std::vector<CheckpointInfo> all, list_checkpoints(fs, root));
+  // Only loadable checkpoints count toward keep_last: one whose files are
+  // gone must not push out the last one that can still be loaded.
   std::vector<CheckpointInfo> committed;
   for (CheckpointInfo& c : all) {
-    if (c.status.ok()) committed.push_back(std::move(c));
+    if (loadable(fs, c)) committed.push_back(std::move(c));
   }
   if (committed.size() <= keep_last) return removed;
   size_t drop = committed.size() - keep_last;
   for (size_t i = 0; i < drop; ++i) {
     const CheckpointInfo& c = committed[i];
+    if (!keep_path.empty() && c.path == keep_path) continue;
     // Rename out of sight first, durably: a crash halfway through deleting
     // must not leave a step-* directory whose manifest names missing files.
-    // The pending name makes a leftover collectable by collect_garbage.
-    std::string trash =
-        join_path(root, pending_dir_name(c.step, "retired", std::to_string(c.commit_seq)));
-    FERRY_RETURN_IF_ERROR(remove_all(fs, trash));
+    // The trash name makes a leftover collectable by collect_garbage.
+    std::string trash = join_path(root, trash_dir_name());
     FERRY_RETURN_IF_ERROR(fs.rename(c.path, trash));
     FERRY_RETURN_IF_ERROR(fs.sync_dir(root));
     removed.push_back(c.path);
     kill_point("retention.delete");
     FERRY_RETURN_IF_ERROR(remove_all(fs, trash));
   }
-  FERRY_RETURN_IF_ERROR(fs.sync_dir(root));
   return removed;
 }
 
@@ -216,6 +406,8 @@ Result<std::string> resolve_checkpoint(Filesystem& fs, const std::string& path) 
   // complete-looking pending directory: never load one.
   if (is_pending_dir_name(base))
     return Status::invalid_argument(path + " is a pending (uncommitted) checkpoint");
+  if (is_trash_dir_name(base) || parse_displaced_dir_name(base, nullptr))
+    return Status::invalid_argument(path + " is a checkpoint on its way to deletion");
   if (fs.stat(join_path(path, kManifestFileName)).ok()) return path;
   auto latest = find_latest(fs, path);
   if (!latest.ok()) return Status::not_found("no committed checkpoint at " + path);

@@ -53,21 +53,111 @@ Result<Manifest> assemble_manifest(const ManifestHeader& header,
   return m;
 }
 
+namespace {
+
+// Creates `dir` and its missing parents, each made durable in its parent
+// when `fsync` is set (a power cut must not take a level, and with it every
+// checkpoint below). *created lists what this call made, outermost first.
+Status make_dirs_durable(Filesystem& fs, const std::string& dir, bool fsync,
+                         std::vector<std::string>* created) {
+  std::vector<std::string> missing;
+  for (std::string p = dir;; p = parent_path(p)) {
+    Result<FileInfo> st = fs.stat(p);
+    if (st.ok()) {
+      if (!st->is_dir) return Status::invalid_argument(p + " exists and is not a directory");
+      break;
+    }
+    if (st.status().code() != StatusCode::not_found) return st.status();
+    missing.push_back(p);
+    if (parent_path(p) == p) break;
+  }
+  for (auto it = missing.rbegin(); it != missing.rend(); ++it) {
+    Status st = fs.mkdir(*it);
+    if (st.ok()) {
+      created->push_back(*it);
+    } else if (st.code() != StatusCode::already_exists) {
+      return st;  // made by someone else meanwhile is fine; it is theirs
+    }
+    if (fsync) FERRY_RETURN_IF_ERROR(fs.sync_dir(parent_path(*it)));
+  }
+  return Status::ok_status();
+}
+
+// Empty directories this call made; never one with something in it, which
+// another process may have put there meanwhile. A root this call made holds
+// the lock file its own gc created: that goes too.
+void remove_created(Filesystem& fs, const std::string& root,
+                    const std::vector<std::string>& created) {
+  if (std::find(created.begin(), created.end(), root) != created.end())
+    (void)fs.unlink(join_path(root, kRootLockFileName));
+  for (auto it = created.rbegin(); it != created.rend(); ++it) (void)fs.rmdir(*it);
+}
+
+// What must hold just before the commit rename: the files the manifest names
+// are all there, whole, and the save still owns its directory.
+Status check_pending(Filesystem& fs, const std::string& pending_dir, const Manifest& m,
+                     const CommitOptions& opts) {
+  for (const ManifestFile& f : m.files) {
+    const std::string path = join_path(pending_dir, f.name);
+    Result<FileInfo> st = fs.stat(path);
+    if (!st.ok())
+      return Status::aborted("commit refused: data file " + path + " is missing (" +
+                             st.status().to_string() + ")");
+    if (!st->is_regular)
+      return Status::aborted("commit refused: data file " + path + " is not a regular file");
+    if (st->size != f.size)
+      return Status::aborted("commit refused: data file " + path + " holds " +
+                             std::to_string(st->size) + " bytes, the manifest says " +
+                             std::to_string(f.size));
+  }
+  Result<PendingLease> lease = read_lease(fs, pending_dir);
+  if (!lease.ok())
+    return Status::aborted("commit refused: the lease of " + pending_dir +
+                           " is unreadable (gc may have taken it): " + lease.status().to_string());
+  if (!opts.lease_owner.empty() && lease->owner != opts.lease_owner)
+    return Status::aborted("commit refused: " + pending_dir + " is leased by '" + lease->owner +
+                           "', not by this save ('" + opts.lease_owner + "')");
+  const int64_t now = opts.now_unix_ms != 0 ? opts.now_unix_ms : now_unix_ms();
+  if (lease->expires_unix_ms < now)
+    return Status::aborted("commit refused: the lease of " + pending_dir + " expired " +
+                           std::to_string(now - lease->expires_unix_ms) +
+                           " ms ago (the save could not keep it fresh; gc may take its files)");
+  return Status::ok_status();
+}
+
+}  // namespace
+
 Status prepare_pending(Filesystem& fs, const std::string& root, const std::string& pending_dir,
                        uint64_t step, bool overwrite, int64_t lease_ms, const std::string& owner,
                        bool fsync) {
-  if (!fs.stat(root).ok()) {
-    FERRY_RETURN_IF_ERROR(fs.mkdirs(root));
-    // Without this a power cut can take the new ROOT, and with it the first
-    // checkpoint committed into it.
-    if (fsync) FERRY_RETURN_IF_ERROR(fs.sync_dir(parent_path(root)));
+  std::vector<std::string> created;
+  Status st = make_dirs_durable(fs, root, fsync, &created);
+  if (!st.ok()) {
+    remove_created(fs, root, created);
+    return st;
   }
+  // Crashed saves leave pending directories (and an overwrite its old step
+  // aside): each save tidies its root rather than waiting for `ferry gc`.
+  // Best effort, and without waiting: another job holding the lock is
+  // committing, and this save's own commit recovers a displaced step anyway.
+  (void)collect_garbage(fs, root, now_unix_ms(), 60'000, /*lock_wait_ms=*/0);
   const std::string step_dir = join_path(root, step_dir_name(step));
   if (!overwrite && fs.stat(step_dir).ok())
     return Status::already_exists("checkpoint " + step_dir +
                                   " already exists (save with overwrite to replace it)");
-  FERRY_RETURN_IF_ERROR(fs.mkdir(pending_dir));
-  FERRY_RETURN_IF_ERROR(write_lease(fs, pending_dir, now_unix_ms() + lease_ms, owner));
+  // A directory already there is someone else's (a restarted job with the
+  // same token): fail without touching it.
+  st = fs.mkdir(pending_dir);
+  if (!st.ok()) {
+    remove_created(fs, root, created);
+    return st;
+  }
+  st = write_lease(fs, pending_dir, now_unix_ms() + lease_ms, owner);
+  if (!st.ok()) {
+    (void)remove_all(fs, pending_dir);  // made just above, by this call
+    remove_created(fs, root, created);
+    return st;
+  }
   kill_point("pending.created");
   return Status();
 }
@@ -75,6 +165,14 @@ Status prepare_pending(Filesystem& fs, const std::string& root, const std::strin
 Result<CommitOutcome> commit_checkpoint(Filesystem& fs, const std::string& root,
                                         const std::string& pending_dir, Manifest manifest,
                                         const CommitOptions& opts) {
+  // Everything up to retention under ROOT's lock: another job committing
+  // into this root would otherwise pick the same sequence number, and its
+  // retention could remove this commit.
+  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<FileLock> lock, lock_root(fs, root, opts.lock_wait_ms));
+  // A step an earlier overwrite left aside when it died belongs back in
+  // place before anything looks at what is committed.
+  FERRY_RETURN_IF_ERROR(recover_displaced(fs, root, nullptr, nullptr));
+
   // The sequence must exceed every committed one, so "latest" is well defined
   // even when steps go backwards (a job restarted from an older checkpoint).
   uint64_t seq = 0;
@@ -85,6 +183,7 @@ Result<CommitOutcome> commit_checkpoint(Filesystem& fs, const std::string& root,
 
   FERRY_RETURN_IF_ERROR(write_file_atomic(fs, join_path(pending_dir, kManifestFileName),
                                           encode_manifest(manifest), opts.fsync, "manifest"));
+  FERRY_RETURN_IF_ERROR(check_pending(fs, pending_dir, manifest, opts));
 
   const std::string name = step_dir_name(manifest.step);
   const std::string step_dir = join_path(root, name);
@@ -92,25 +191,64 @@ Result<CommitOutcome> commit_checkpoint(Filesystem& fs, const std::string& root,
   if (fs.stat(step_dir).ok()) {
     if (!opts.overwrite)
       return Status::already_exists("checkpoint " + step_dir + " was committed by another save");
-    // rename(2) cannot replace a non-empty directory: move the old one aside
-    // first; it stays a pending-style name so it is never listed or loaded.
-    displaced =
-        join_path(root, pending_dir_name(manifest.step, "replaced", manifest.checkpoint_id));
+    // rename(2) cannot replace a non-empty directory: move the old one
+    // aside first, under a name that says what it is, so that whoever finds
+    // it without a step in its place (a crash right here) puts it back.
+    displaced = join_path(root, displaced_dir_name(manifest.step, std::to_string(seq + 1)));
     FERRY_RETURN_IF_ERROR(fs.rename(step_dir, displaced));
+    kill_point("overwrite.aside");
   }
-  FERRY_RETURN_IF_ERROR(fs.rename(pending_dir, step_dir));  // the commit point
+  Status committed = fs.rename(pending_dir, step_dir);  // the commit point
+  if (!committed.ok()) {
+    if (!displaced.empty()) {
+      Status back = fs.rename(displaced, step_dir);
+      if (!back.ok())
+        committed = committed.with_context(
+            "(the old " + step_dir + " is kept as " + displaced +
+            "; the next save or gc puts it back: " + back.to_string() + ") ");
+    }
+    return committed;
+  }
   kill_point("commit.rename");
+  // From here the checkpoint is committed and is what load picks: whatever
+  // fails now is a warning, never a failed save (a retry would only meet
+  // already_exists).
+  CommitOutcome out{step_dir, manifest.commit_seq, {}, {}};
   // The lease protected the save while it was pending (a crash before the
   // rename leaves a directory gc may take once it expires); a committed
   // directory needs none. Not in the manifest, so a leftover is harmless.
   (void)fs.unlink(join_path(step_dir, kLeaseFileName));
-  CommitOutcome out{step_dir, manifest.commit_seq, {}};
-  if (opts.fsync) FERRY_RETURN_IF_ERROR(fs.sync_dir(root));
+  bool durable = true;
+  if (opts.fsync) {
+    Status st = fs.sync_dir(root);
+    if (!st.ok()) {
+      durable = false;
+      out.warnings.push_back(st.with_context("committed " + step_dir + ", but fsync of ROOT: "));
+    }
+  }
   kill_point("root.fsync");
-  FERRY_RETURN_IF_ERROR(
-      write_file_atomic(fs, join_path(root, kLatestFileName), name + "\n", opts.fsync, "latest"));
-  if (!displaced.empty()) FERRY_RETURN_IF_ERROR(remove_all(fs, displaced));
-  FERRY_ASSIGN_OR_RETURN(out.retired, apply_retention(fs, root, opts.keep_last));
+  Status latest =
+      write_file_atomic(fs, join_path(root, kLatestFileName), name + "\n", opts.fsync, "latest");
+  if (!latest.ok())
+    out.warnings.push_back(latest.with_context("committed " + step_dir + ", but LATEST: "));
+  // Until ROOT is durable a power cut may undo the commit rename; the old
+  // step must then still be there to come back.
+  if (!displaced.empty() && durable) {
+    const std::string trash = join_path(root, trash_dir_name());
+    Status st = fs.rename(displaced, trash);
+    if (st.ok()) st = remove_all(fs, trash);
+    if (!st.ok())
+      out.warnings.push_back(
+          st.with_context("committed " + step_dir + ", but removing the old one: "));
+  }
+  if (durable) {
+    Result<std::vector<std::string>> retired = apply_retention(fs, root, opts.keep_last, step_dir);
+    if (retired.ok())
+      out.retired = std::move(*retired);
+    else
+      out.warnings.push_back(
+          retired.status().with_context("committed " + step_dir + ", but retention: "));
+  }
   return out;
 }
 

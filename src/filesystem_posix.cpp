@@ -1,6 +1,7 @@
 // The POSIX Filesystem and the helpers built on the Filesystem interface.
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/types.h>
 #include <unistd.h>
@@ -8,7 +9,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <mutex>
+#include <thread>
 
 #include "ferry/filesystem.hpp"
 #include "ferry/kill_point.hpp"
@@ -95,6 +98,16 @@ class PosixFile : public File {
   bool direct_;
 };
 
+class PosixLock : public FileLock {
+ public:
+  explicit PosixLock(int fd) : fd_(fd) {}
+  // Closing the descriptor releases the flock.
+  ~PosixLock() override { ::close(fd_); }
+
+ private:
+  int fd_;
+};
+
 Status check_errno(int rc, const char* op, const std::string& path) {
   if (rc == 0) return Status::ok_status();
   return Status::from_errno(errno, op, path);
@@ -107,6 +120,9 @@ class PosixFilesystem : public Filesystem {
     if (o.create) flags |= O_CREAT;
     if (o.create && o.exclusive) flags |= O_EXCL;
     if (o.truncate) flags |= O_TRUNC;
+    // A FIFO opened for reading blocks until a writer comes, forever if none
+    // does: never block in open, and refuse anything but a regular file.
+    if (!o.write) flags |= O_NONBLOCK;
     bool direct = o.direct;
     int fd = open_retrying(path, flags | (direct ? O_DIRECT : 0));
     if (fd < 0 && direct && errno == EINVAL) {
@@ -116,6 +132,16 @@ class PosixFilesystem : public Filesystem {
       fd = open_retrying(path, flags);
     }
     if (fd < 0) return Status::from_errno(errno, "open", path);
+    struct stat st;
+    if (::fstat(fd, &st) != 0) {
+      int err = errno;
+      ::close(fd);
+      return Status::from_errno(err, "fstat", path);
+    }
+    if (!S_ISREG(st.st_mode)) {
+      ::close(fd);
+      return Status::invalid_argument("open " + path + ": not a regular file");
+    }
     return std::unique_ptr<File>(new PosixFile(fd, path, direct));
   }
 
@@ -189,18 +215,61 @@ class PosixFilesystem : public Filesystem {
     return names;
   }
 
+  Result<std::unique_ptr<FileLock>> lock(const std::string& path, int64_t wait_ms) override {
+    int fd = open_retrying(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0) return Status::from_errno(errno, "open lock file", path);
+    struct stat st;
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+      ::close(fd);
+      return Status::invalid_argument("lock " + path + ": not a regular file");
+    }
+    // flock has no timed wait: poll, so that a stuck holder becomes an
+    // error after wait_ms instead of a hang.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(wait_ms);
+    while (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      int err = errno;
+      if (err == EINTR) continue;
+      if (err != EWOULDBLOCK || std::chrono::steady_clock::now() >= deadline) {
+        std::string holder = read_holder(fd);
+        ::close(fd);
+        if (err != EWOULDBLOCK) return Status::from_errno(err, "flock", path);
+        return Status::busy("lock " + path + " is held by another process (" +
+                            (holder.empty() ? std::string("holder unknown") : holder) +
+                            "); gave up after " + std::to_string(wait_ms) + " ms");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    // Who holds it, for the error another waiter reports. Advisory only: a
+    // failure here does not make the lock less held.
+    char host[256] = {0};
+    (void)::gethostname(host, sizeof(host) - 1);
+    std::string who = "pid " + std::to_string(::getpid()) + " on " + host + "\n";
+    if (::ftruncate(fd, 0) == 0) (void)!::pwrite(fd, who.data(), who.size(), 0);
+    return std::unique_ptr<FileLock>(new PosixLock(fd));
+  }
+
   Result<FileInfo> stat(const std::string& path) override {
     struct stat st;
     if (::stat(path.c_str(), &st) != 0) return Status::from_errno(errno, "stat", path);
     FileInfo info;
     info.size = static_cast<uint64_t>(st.st_size);
     info.is_dir = S_ISDIR(st.st_mode);
+    info.is_regular = S_ISREG(st.st_mode);
     info.mtime_unix_ms =
         static_cast<int64_t>(st.st_mtim.tv_sec) * 1000 + st.st_mtim.tv_nsec / 1'000'000;
     return info;
   }
 
  private:
+  static std::string read_holder(int fd) {
+    char buf[512];
+    ssize_t n = ::pread(fd, buf, sizeof(buf) - 1, 0);
+    if (n <= 0) return "";
+    std::string s(buf, static_cast<size_t>(n));
+    while (!s.empty() && (s.back() == '\n' || s.back() == '\0')) s.pop_back();
+    return s;
+  }
+
   static int open_retrying(const std::string& path, int flags) {
     int fd;
     do {
@@ -236,9 +305,15 @@ std::string parent_path(const std::string& p) {
   return p.substr(0, last + 1);
 }
 
-Result<std::string> read_file(Filesystem& fs, const std::string& path) {
+Result<std::string> read_file(Filesystem& fs, const std::string& path, uint64_t max_bytes) {
   FERRY_ASSIGN_OR_RETURN(FileInfo info, fs.stat(path));
   if (info.is_dir) return Status::invalid_argument("read_file " + path + ": is a directory");
+  if (!info.is_regular)
+    return Status::invalid_argument("read_file " + path + ": not a regular file");
+  if (info.size > max_bytes)
+    return Status::invalid_argument("read_file " + path + ": " + std::to_string(info.size) +
+                                    " bytes, more than the " + std::to_string(max_bytes) +
+                                    " this file may hold");
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<File> f, fs.open(path, OpenOptions{}));
   // The size is a hint: the file may have grown since stat, so read to EOF
   // through a small probe instead of doubling a possibly large buffer.
@@ -255,6 +330,9 @@ Result<std::string> read_file(Filesystem& fs, const std::string& path) {
       if (n == 0) break;
       out.append(probe, n);
       have += n;
+      if (have > max_bytes)
+        return Status::invalid_argument("read_file " + path + ": grew past " +
+                                        std::to_string(max_bytes) + " bytes while read");
     }
   }
   out.resize(have);

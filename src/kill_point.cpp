@@ -23,6 +23,7 @@ const std::vector<KillPointInfo>& kill_points() {
       {"manifest.fsync", "rank 0 fsynced MANIFEST's temp file"},
       {"manifest.rename", "rank 0 renamed MANIFEST into place"},
       {"manifest.dirsync", "rank 0 fsynced the pending directory after MANIFEST"},
+      {"overwrite.aside", "rank 0 moved the old step-N aside to overwrite it"},
       {"commit.rename", "rank 0 renamed the pending directory to step-N (the commit point)"},
       {"root.fsync", "rank 0 fsynced ROOT after the commit rename"},
       {"latest.write", "rank 0 wrote LATEST's temp file"},
@@ -30,7 +31,7 @@ const std::vector<KillPointInfo>& kill_points() {
       {"latest.rename", "rank 0 renamed LATEST into place"},
       {"latest.dirsync", "rank 0 fsynced ROOT after LATEST"},
       {"retention.delete", "retention moved an old checkpoint aside to delete it"},
-      {"gc.delete", "gc is about to remove an expired pending directory"},
+      {"gc.delete", "gc took a directory out of sight and is about to delete it"},
   };
   return kPoints;
 }
@@ -98,6 +99,17 @@ Status check_kill_spec(const std::string& spec) {
   Spec sp;
   std::string why;
   if (!parse(spec, &sp, &why)) return Status::invalid_argument("FERRY_KILL_AT: " + why);
+  return Status();
+}
+
+Status arm_kill_point(const std::string& spec) {
+  std::call_once(g_once, arm);  // so that a later first pass does not re-arm from the env
+  Spec sp;
+  std::string why;
+  if (!parse(spec, &sp, &why)) return Status::invalid_argument("kill point: " + why);
+  g_spec = sp;
+  g_hits = 0;
+  g_armed = true;
   return Status();
 }
 

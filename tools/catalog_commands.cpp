@@ -61,6 +61,7 @@ int cmd_ls(const Args& all_args) {
   auto latest = find_latest(*fs, args[0]);
   std::printf("%-16s %12s %10s %12s %8s  %s\n", "CHECKPOINT", "STEP", "SEQ", "SIZE", "TENSORS", "");
   bool valid_marked = false;
+  bool latest_corrupt = false;
   std::vector<CheckpointInfo> newest_first(list->rbegin(), list->rend());
   for (const auto& c : newest_first) {
     const std::string name = c.path.substr(c.path.find_last_of('/') + 1);
@@ -76,6 +77,7 @@ int cmd_ls(const Args& all_args) {
       auto rep = verify_checkpoint(*fs, c.path);
       const bool good = rep.ok() && rep->ok();
       mark += std::string(mark.empty() ? "" : " ") + (good ? "verified" : "CORRUPT");
+      if (!good && latest.ok() && latest->path == c.path) latest_corrupt = true;
       if (good && !valid_marked) {
         mark += " (latest valid)";
         valid_marked = true;
@@ -85,20 +87,60 @@ int cmd_ls(const Args& all_args) {
                 c.commit_seq, human_bytes(c.bytes).c_str(), c.tensors, mark.c_str());
   }
   if (list->empty()) std::printf("(no committed checkpoints in %s)\n", args[0].c_str());
+  // Pending saves, so that a crashed one is visible before gc takes it.
+  auto pending = list_pending(*fs, args[0]);
+  if (!pending.ok()) {
+    std::fprintf(stderr, "ferry ls: %s\n", pending.status().to_string().c_str());
+    return 1;
+  }
+  const int64_t now = now_unix_ms();
+  for (const auto& p : *pending) {
+    const std::string name = p.path.substr(p.path.find_last_of('/') + 1);
+    std::string state;
+    if (!p.has_lease) {
+      state = "no readable lease, " + std::to_string((now - p.mtime_unix_ms) / 1000) +
+              " s old (gc takes it after a grace period)";
+    } else if (p.lease.expires_unix_ms < now) {
+      state = "lease expired " + std::to_string((now - p.lease.expires_unix_ms) / 1000) +
+              " s ago, owner " + p.lease.owner + " (gc takes it)";
+    } else {
+      state = "lease live for " + std::to_string((p.lease.expires_unix_ms - now) / 1000) +
+              " s, owner " + p.lease.owner;
+    }
+    std::printf("pending %s  %s\n", name.c_str(), state.c_str());
+  }
+  if (latest_corrupt) {
+    std::fprintf(stderr, "ferry ls: the latest checkpoint %s is CORRUPT\n", latest->path.c_str());
+    return 1;
+  }
   return 0;
 }
 
+namespace {
+
+// A checkpoint directory, or a root meaning its latest checkpoint.
+Result<std::string> checkpoint_arg(Filesystem& fs, const std::string& arg) {
+  return resolve_checkpoint(fs, arg);
+}
+
+}  // namespace
+
 int cmd_inspect(const Args& args) {
-  if (int rc = need_one(args, "CKPT (a step directory)")) return rc;
+  if (int rc = need_one(args, "CKPT|ROOT (a step directory, or a root: its latest)")) return rc;
   auto fs = posix_filesystem();
-  auto m = read_manifest(*fs, args[0]);
+  auto dir = checkpoint_arg(*fs, args[0]);
+  if (!dir.ok()) {
+    std::fprintf(stderr, "ferry inspect: %s\n", dir.status().to_string().c_str());
+    return 1;
+  }
+  auto m = read_manifest(*fs, *dir);
   if (!m.ok()) {
     std::fprintf(stderr, "ferry inspect: %s\n", m.status().to_string().c_str());
     return 1;
   }
   std::printf("checkpoint %s\n  step %" PRIu64 ", commit seq %" PRIu64
               ", world size %d, job %s, id %s\n  fsynced %s, checksum block %s, %zu files, %s\n",
-              args[0].c_str(), m->step, m->commit_seq, m->world_size, m->job_id.c_str(),
+              dir->c_str(), m->step, m->commit_seq, m->world_size, m->job_id.c_str(),
               m->checkpoint_id.c_str(), m->fsynced ? "yes" : "no",
               human_bytes(m->checksum_block_bytes).c_str(), m->files.size(),
               human_bytes(m->total_bytes()).c_str());
@@ -106,7 +148,7 @@ int cmd_inspect(const Args& args) {
   int rc = 0;
   std::printf("files:\n");
   for (uint32_t i = 0; i < m->files.size(); ++i) {
-    Status s = check_data_file_header(*fs, args[0], i, *m);
+    Status s = check_data_file_header(*fs, *dir, i, *m);
     std::printf("  [%u] %s  %s  rank %d  header %s\n", i, m->files[i].name.c_str(),
                 human_bytes(m->files[i].size).c_str(), m->files[i].rank,
                 s.ok() ? "ok" : s.to_string().c_str());
@@ -131,17 +173,22 @@ int cmd_inspect(const Args& args) {
 }
 
 int cmd_verify(const Args& args) {
-  if (int rc = need_one(args, "CKPT (a step directory)")) return rc;
+  if (int rc = need_one(args, "CKPT|ROOT (a step directory, or a root: its latest)")) return rc;
   auto fs = posix_filesystem();
-  auto rep = verify_checkpoint(*fs, args[0]);
+  auto dir = checkpoint_arg(*fs, args[0]);
+  if (!dir.ok()) {
+    std::fprintf(stderr, "ferry verify: %s\n", dir.status().to_string().c_str());
+    return 1;
+  }
+  auto rep = verify_checkpoint(*fs, *dir);
   if (!rep.ok()) {
     std::fprintf(stderr, "ferry verify: %s\n", rep.status().to_string().c_str());
     return 1;
   }
   for (const auto& p : rep->problems) std::printf("PROBLEM %s\n", p.to_string().c_str());
-  std::printf("%s: %" PRIu64 " files, %" PRIu64 " chunks, %s checked, %zu problem(s)\n",
+  std::printf("%s: %" PRIu64 " files, %" PRIu64 " chunks, %s checked, %zu problem(s) in %s\n",
               rep->ok() ? "OK" : "CORRUPT", rep->files, rep->chunks,
-              human_bytes(rep->bytes_checked).c_str(), rep->problems.size());
+              human_bytes(rep->bytes_checked).c_str(), rep->problems.size(), dir->c_str());
   return rep->ok() ? 0 : 1;
 }
 
@@ -153,7 +200,10 @@ int cmd_gc(const Args& args) {
     std::fprintf(stderr, "ferry gc: %s\n", rep.status().to_string().c_str());
     return 1;
   }
+  for (const auto& p : rep->restored)
+    std::printf("restored %s (a crashed overwrite had moved it aside)\n", p.c_str());
   for (const auto& p : rep->removed) std::printf("removed %s (lease expired)\n", p.c_str());
+  for (const auto& p : rep->discarded) std::printf("removed %s (leftover)\n", p.c_str());
   for (const auto& p : rep->kept) std::printf("kept    %s (lease live)\n", p.c_str());
   std::printf("%zu removed, %zu kept\n", rep->removed.size(), rep->kept.size());
   return 0;

@@ -12,6 +12,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
@@ -19,6 +20,7 @@
 #include <cstring>
 #include <thread>
 
+#include "ferry/catalog.hpp"
 #include "ferry/filesystem.hpp"
 #include "ferry/runtime.hpp"
 #include "tools/commands.hpp"
@@ -53,7 +55,8 @@ void demo_usage() {
       "                   replicated tensor (default 8)\n"
       "  --steps          training steps (default 30)\n"
       "  --every          checkpoint every N steps (default 10)\n"
-      "  --root           checkpoint root (default ./ferry-demo-checkpoints, emptied first)\n"
+      "  --root           checkpoint root (default ./ferry-demo-checkpoints); a rerun\n"
+      "                   removes the checkpoints an earlier demo left there, nothing else\n"
       "  --set            a [ferry] setting for every rank, e.g. --set pool-bytes=512MiB\n");
 }
 
@@ -351,6 +354,70 @@ std::string quote(const std::string& s) {
   return q + "'";
 }
 
+// Marks a root the demo made or adopted, so that a rerun knows the
+// checkpoints in it are the demo's to remove.
+constexpr char kDemoMarker[] = ".ferry-demo";
+
+bool is_ferry_entry(const std::string& name) {
+  uint64_t step = 0;
+  return parse_step_dir_name(name, &step) || is_pending_dir_name(name) || is_trash_dir_name(name) ||
+         parse_displaced_dir_name(name, &step) || name == kLatestFileName ||
+         name.rfind(std::string(kLatestFileName) + ".tmp-", 0) == 0;
+}
+
+// Makes `root` ready for a fresh run without touching what the demo did not
+// create: a user's files stay, and a root holding checkpoints that are not
+// the demo's is refused. Returns an exit code, or -1 to go on.
+int prepare_demo_root(const std::string& root) {
+  auto fs = posix_filesystem();
+  Result<FileInfo> st = fs->stat(root);
+  if (!st.ok() && st.status().code() != StatusCode::not_found) {
+    std::fprintf(stderr, "ferry demo: %s\n", st.status().to_string().c_str());
+    return 1;
+  }
+  if (st.ok() && !st->is_dir) {
+    std::fprintf(stderr, "ferry demo: --root %s is not a directory\n", root.c_str());
+    return 2;
+  }
+  if (!st.ok()) {
+    if (Status s = fs->mkdirs(root); !s.ok()) {
+      std::fprintf(stderr, "ferry demo: %s\n", s.to_string().c_str());
+      return 1;
+    }
+  }
+  auto names = fs->list(root);
+  if (!names.ok()) {
+    std::fprintf(stderr, "ferry demo: %s\n", names.status().to_string().c_str());
+    return 1;
+  }
+  const bool ours = std::find(names->begin(), names->end(), kDemoMarker) != names->end();
+  std::vector<std::string> leftovers;
+  for (const auto& n : *names)
+    if (is_ferry_entry(n)) leftovers.push_back(n);
+  if (!ours && !leftovers.empty()) {
+    std::fprintf(stderr,
+                 "ferry demo: %s holds checkpoints the demo did not make (%s, ...); "
+                 "pick another --root\n",
+                 root.c_str(), leftovers[0].c_str());
+    return 2;
+  }
+  for (const auto& n : leftovers) {
+    if (Status s = remove_all(*fs, join_path(root, n)); !s.ok()) {
+      std::fprintf(stderr, "ferry demo: %s\n", s.to_string().c_str());
+      return 1;
+    }
+  }
+  if (!ours) {
+    Status s = write_file_atomic(*fs, join_path(root, kDemoMarker),
+                                 "checkpoints here were made by ferry demo\n", false);
+    if (!s.ok()) {
+      std::fprintf(stderr, "ferry demo: %s\n", s.to_string().c_str());
+      return 1;
+    }
+  }
+  return -1;
+}
+
 }  // namespace
 
 int cmd_demo(const Args& args) {
@@ -361,7 +428,7 @@ int cmd_demo(const Args& args) {
 
   // The driver: train with N ranks, restore with M.
   if (f.restore_ranks == 0) f.restore_ranks = f.ranks + 1;
-  remove_all(*posix_filesystem(), f.root);
+  if (int rc = prepare_demo_root(f.root); rc >= 0) return rc;
   const std::string exe = self_exe();
   std::string common = " --root " + quote(f.root) + " --state-mib " + std::to_string(f.state_mib) +
                        " --layers " + std::to_string(f.layers) + " --steps " +

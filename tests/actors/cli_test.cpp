@@ -2,6 +2,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <array>
 #include <cstdio>
@@ -57,14 +58,107 @@ TEST_CASE("ferry ls lists committed checkpoints and marks LATEST", "[cli]") {
   TempDir dir;
   std::vector<float> a;
   make_root(dir, a);
-  fs::create_directory(dir.path() + "/" + ferry::pending_dir_name(300, "j", "x"));
+  auto fsys = ferry::posix_filesystem();
+  const std::string live = dir.path() + "/" + ferry::pending_dir_name(300, "j", "live");
+  const std::string old = dir.path() + "/" + ferry::pending_dir_name(250, "j", "old");
+  fs::create_directory(live);
+  fs::create_directory(old);
+  REQUIRE(ferry::write_lease(*fsys, live, ferry::now_unix_ms() + 600000, "j/live").ok());
+  REQUIRE(ferry::write_lease(*fsys, old, ferry::now_unix_ms() - 5000, "j/old").ok());
   auto r = run(kCli + " ls " + dir.path());
   INFO(r.out);
   CHECK(r.code == 0);
   CHECK_THAT(r.out, Catch::Contains("step-00000100"));
   CHECK_THAT(r.out, Catch::Contains("step-00000200"));
   CHECK_THAT(r.out, Catch::Contains("LATEST"));
-  CHECK_THAT(r.out, !Catch::Contains("pending"));
+  // Pending saves are shown as such, with their lease, never as checkpoints.
+  CHECK_THAT(r.out, Catch::Contains("pending .pending-00000300-j-live  lease live for"));
+  CHECK_THAT(r.out, Catch::Contains("owner j/live"));
+  CHECK_THAT(r.out, Catch::Contains("pending .pending-00000250-j-old  lease expired"));
+  CHECK_THAT(r.out, Catch::Contains("owner j/old (gc takes it)"));
+}
+
+TEST_CASE("ferry --help lists every command; CMD --help prints that command's help", "[cli]") {
+  auto r = run(kCli + " --help");
+  INFO(r.out);
+  CHECK(r.code == 0);
+  for (const char* cmd :
+       {"ls", "inspect", "verify", "gc", "config", "kill-points", "power-cut", "demo", "launch"}) {
+    INFO(cmd);
+    CHECK_THAT(r.out, Catch::Contains(std::string("\n  ") + cmd + " "));
+    auto h = run(kCli + " " + cmd + " --help");
+    INFO(h.out);
+    CHECK(h.code == 0);
+    CHECK_THAT(h.out, Catch::Contains(std::string("usage: ferry ") + cmd));
+    CHECK_THAT(h.out, !Catch::Contains("--help:"));  // never taken for a path
+  }
+  auto i = run(kCli + " inspect -h");
+  CHECK(i.code == 0);
+  CHECK_THAT(i.out, Catch::Contains("usage: ferry inspect"));
+}
+
+TEST_CASE("ferry verify and inspect accept a root, meaning its latest", "[cli]") {
+  TempDir dir;
+  std::vector<float> a;
+  const std::string newest = make_root(dir, a);
+  auto v = run(kCli + " verify " + dir.path());
+  INFO(v.out);
+  CHECK(v.code == 0);
+  CHECK_THAT(v.out, Catch::Contains("OK"));
+  CHECK_THAT(v.out, Catch::Contains(newest));
+  auto i = run(kCli + " inspect " + dir.path());
+  INFO(i.out);
+  CHECK(i.code == 0);
+  CHECK_THAT(i.out, Catch::Contains("checkpoint " + newest));
+  CHECK_THAT(i.out, Catch::Contains("encoder.weight"));
+  TempDir empty;
+  auto none = run(kCli + " verify " + empty.path());
+  CHECK(none.code == 1);
+  CHECK_THAT(none.out, Catch::Contains("no committed checkpoint"));
+}
+
+TEST_CASE("ferry ls, inspect and verify never block on a FIFO", "[cli][fifo]") {
+  TempDir dir;
+  std::vector<float> a;
+  make_root(dir, a);
+  const std::string bad = dir.path() + "/step-00000300";
+  fs::create_directory(bad);
+  REQUIRE(mkfifo((bad + "/MANIFEST").c_str(), 0644) == 0);
+  auto r = run(kCli + " ls " + dir.path());
+  INFO(r.out);
+  CHECK(r.code == 0);
+  CHECK_THAT(r.out, Catch::Contains("not a regular file"));
+  r = run(kCli + " inspect " + bad);
+  CHECK(r.code == 1);
+  CHECK_THAT(r.out, Catch::Contains(bad + "/MANIFEST"));
+  r = run(kCli + " verify " + bad);
+  CHECK(r.code == 1);
+}
+
+TEST_CASE("ferry demo --root deletes only what the demo created", "[cli][demo]") {
+  TempDir dir;
+  const std::string root = dir.path() + "/root";
+  fs::create_directory(root);
+  std::ofstream(root + "/notes.txt") << "mine";
+  const std::string flags =
+      " --ranks 2 --restore-ranks 1 --state-mib 4 --layers 1 --steps 2 --every 2"
+      " --set pool-bytes=8MiB --set chunk-bytes=1MiB --root " +
+      root;
+  for (int pass = 0; pass < 2; ++pass) {  // the second run removes the first's checkpoints
+    auto r = run(kCli + " demo" + flags);
+    INFO(r.out);
+    REQUIRE(r.code == 0);
+    CHECK(fs::exists(root + "/notes.txt"));
+    CHECK(fs::exists(root + "/step-00000002"));
+  }
+  // Checkpoints the demo did not make are refused, not deleted.
+  const std::string other = dir.path() + "/other";
+  fs::create_directories(other + "/step-00000001");
+  auto r = run(kCli + " demo" + flags.substr(0, flags.find(" --root")) + " --root " + other);
+  INFO(r.out);
+  CHECK(r.code == 2);
+  CHECK_THAT(r.out, Catch::Contains("did not make"));
+  CHECK(fs::exists(other + "/step-00000001"));
 }
 
 TEST_CASE("ferry inspect shows tensors, chunks, files and checksums", "[cli]") {
@@ -169,7 +263,7 @@ TEST_CASE("ls --verify and latest_valid walk back past a corrupt checkpoint", "[
   }
   auto r = run(kCli + " ls --verify " + dir.path());
   INFO(r.out);
-  CHECK(r.code == 0);
+  CHECK(r.code == 1);  // the latest checkpoint is corrupt
   CHECK_THAT(r.out, Catch::Contains("CORRUPT"));
   CHECK_THAT(r.out, Catch::Contains("latest valid"));
   auto lv = ferry::latest_valid(*ferry::posix_filesystem(), dir.path());

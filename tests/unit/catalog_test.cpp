@@ -203,7 +203,7 @@ TEST_CASE("catalog gc removes expired pending directories only", "[catalog]") {
   REQUIRE(later.ok());
   CHECK(later->removed == std::vector<std::string>{live, fresh, torn});
   CHECK(later->kept.empty());
-  CHECK(*fs->list(root) == std::vector<std::string>{step_dir_name(1)});
+  CHECK(*fs->list(root) == std::vector<std::string>{kRootLockFileName, step_dir_name(1)});
 }
 
 TEST_CASE("catalog retention keeps the newest N by commit sequence", "[catalog]") {

@@ -279,6 +279,39 @@ void filesystem_conformance(Filesystem& fs, const std::string& dir) {
     REQUIRE(file->close().ok());
   }
 
+  SECTION("lock: exclusive, bounded wait, names path and holder, released on destruction") {
+    const std::string path = join_path(dir, ".lock");
+    auto a = fs.lock(path, 0);
+    REQUIRE(a.ok());
+    // A second holder in the same process is excluded too (one per open).
+    auto b = fs.lock(path, 10);
+    REQUIRE_FALSE(b.ok());
+    CHECK(b.status().code() == StatusCode::busy);
+    CHECK(contains(b.status().message(), path));
+    CHECK(contains(b.status().message(), "pid " + std::to_string(::getpid())));
+    a->reset();
+    auto c = fs.lock(path, 0);
+    CHECK(c.ok());
+  }
+
+  SECTION("a FIFO is never opened for reading, and stat tells it apart") {
+    const std::string fifo = join_path(dir, "fifo");
+    REQUIRE(::mkfifo(fifo.c_str(), 0644) == 0);
+    auto st = fs.stat(fifo);
+    REQUIRE(st.ok());
+    CHECK_FALSE(st->is_regular);
+    CHECK_FALSE(st->is_dir);
+    auto f = fs.open(fifo, OpenOptions{});
+    REQUIRE_FALSE(f.ok());
+    CHECK(contains(f.status().message(), fifo));
+    CHECK(contains(f.status().message(), "not a regular file"));
+    auto r = read_file(fs, fifo);
+    REQUIRE_FALSE(r.ok());
+    CHECK(contains(r.status().message(), fifo));
+    REQUIRE(write_file_atomic(fs, join_path(dir, "plain"), "x", false).ok());
+    CHECK(fs.stat(join_path(dir, "plain"))->is_regular);
+  }
+
   SECTION("O_DIRECT writes of aligned blocks from pool memory") {
     auto pool = StagingPool::create(3 * 4096, 4096);
     REQUIRE(pool.ok());

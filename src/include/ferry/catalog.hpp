@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -14,6 +15,11 @@ namespace ferry {
 
 constexpr char kLatestFileName[] = "LATEST";
 constexpr char kLeaseFileName[] = "LEASE";
+// ROOT/.ferry-lock: the advisory lock that serializes commits, retention
+// and gc of one root across jobs (docs/format.md).
+constexpr char kRootLockFileName[] = ".ferry-lock";
+// How long a commit waits for another job's commit before it fails.
+constexpr int64_t kDefaultLockWaitMs = 30'000;
 
 std::string step_dir_name(uint64_t step);  // "step-00001000"
 // The pending directory of a save: ".pending-00001000-<job>-<id>"
@@ -21,6 +27,22 @@ std::string pending_dir_name(uint64_t step, const std::string& job, const std::s
 bool is_pending_dir_name(const std::string& name);
 // Parses "step-<digits>"; false for anything else.
 bool parse_step_dir_name(const std::string& name, uint64_t* step);
+// A step moved aside by an overwrite: ".displaced-00001000-<tag>". Each of
+// Ferry's own kinds of directory has its own prefix, so no job id (which
+// only ever appears after ".pending-") can make one look like another.
+std::string displaced_dir_name(uint64_t step, const std::string& tag);
+// True for ".displaced-<digits>-..." (setting *step) and for the names of
+// older versions (".pending-<digits>-replaced-..."); see collect_garbage for
+// how the old form is told apart from a job named "replaced".
+bool parse_displaced_dir_name(const std::string& name, uint64_t* step);
+// Directories on their way to deletion: ".trash-<unique>". Never read.
+std::string trash_dir_name();
+bool is_trash_dir_name(const std::string& name);
+
+// Takes ROOT's lock (kRootLockFileName), waiting up to wait_ms; busy names
+// the root and the holder. Released when the returned object is destroyed.
+Result<std::unique_ptr<FileLock>> lock_root(Filesystem& fs, const std::string& root,
+                                            int64_t wait_ms = kDefaultLockWaitMs);
 
 struct CheckpointInfo {
   std::string path;  // ROOT/step-...
@@ -53,20 +75,57 @@ Result<Manifest> read_manifest(Filesystem& fs, const std::string& checkpoint_dir
 Status write_lease(Filesystem& fs, const std::string& pending_dir, int64_t expires_unix_ms,
                    const std::string& owner);
 
-struct GcReport {
-  std::vector<std::string> removed;  // pending dirs whose lease expired
-  std::vector<std::string> kept;     // pending dirs still leased
+struct PendingLease {
+  int64_t expires_unix_ms = 0;
+  std::string owner;
 };
-// Removes pending directories whose lease expired before now_unix_ms (a
-// pending directory without a readable lease counts as expired only when its
-// mtime is older than grace_ms).
-Result<GcReport> collect_garbage(Filesystem& fs, const std::string& root, int64_t now_unix_ms,
-                                 int64_t grace_ms = 60'000);
+// not_found when there is no LEASE; corruption when it is not a lease.
+Result<PendingLease> read_lease(Filesystem& fs, const std::string& pending_dir);
 
-// Keeps the `keep_last` newest committed checkpoints (by commit sequence),
-// deleting older ones; 0 keeps all. Returns the removed paths.
+// A pending directory as `ferry ls` shows it.
+struct PendingInfo {
+  std::string path;
+  bool has_lease = false;  // a readable LEASE
+  PendingLease lease;
+  int64_t mtime_unix_ms = 0;
+};
+Result<std::vector<PendingInfo>> list_pending(Filesystem& fs, const std::string& root);
+
+struct GcReport {
+  std::vector<std::string> removed;   // pending dirs whose lease expired
+  std::vector<std::string> kept;      // pending dirs still leased
+  std::vector<std::string> restored;  // displaced steps put back (nothing replaced them)
+  // Leftovers nobody owns: trash, displaced steps that were replaced, and
+  // LATEST temp files of a killed write.
+  std::vector<std::string> discarded;
+};
+// Under ROOT's lock (waiting up to lock_wait_ms): puts back every displaced
+// step that nothing replaced, and takes out of sight (renamed to a trash
+// name, then ROOT fsynced) every pending directory whose lease expired
+// before now_unix_ms (one without a readable lease counts as expired only
+// when its mtime is older than grace_ms), every replaced displaced step and
+// LATEST temp file. The lock released, deletes the trash.
+Result<GcReport> collect_garbage(Filesystem& fs, const std::string& root, int64_t now_unix_ms,
+                                 int64_t grace_ms = 60'000,
+                                 int64_t lock_wait_ms = kDefaultLockWaitMs);
+
+// Renames each displaced step whose step directory is absent back into
+// place (fsyncing ROOT after), and reports the others (replaced, so
+// garbage) in *replaced. REQUIRES: ROOT's lock is held (an overwrite in
+// flight has its old step aside on purpose).
+Status recover_displaced(Filesystem& fs, const std::string& root,
+                         std::vector<std::string>* restored, std::vector<std::string>* replaced);
+
+// Keeps the `keep_last` newest loadable committed checkpoints (by commit
+// sequence; loadable: the manifest reads and every file it names is there
+// with its size), deleting older loadable ones; 0 keeps all. `keep_path`
+// (the checkpoint just committed) is never removed. Checkpoints that are
+// not loadable are left for the user to see. Each removal renames out of
+// sight first. Returns the removed paths. REQUIRES: ROOT's lock is held
+// when other jobs may commit into ROOT.
 Result<std::vector<std::string>> apply_retention(Filesystem& fs, const std::string& root,
-                                                 uint32_t keep_last);
+                                                 uint32_t keep_last,
+                                                 const std::string& keep_path = "");
 
 int64_t now_unix_ms();
 

@@ -71,6 +71,11 @@ struct CommitOptions {
   // another owner's or has expired: a save that could not keep its lease
   // fresh may have lost its files to gc and must fail, not commit.
   std::string lease_owner;
+  // The clock the lease is checked against; 0 reads the system clock.
+  int64_t now_unix_ms = 0;
+  // How long to wait for another job's commit in the same root (ROOT's
+  // lock) before failing with busy.
+  int64_t lock_wait_ms = 30'000;
 };
 
 struct CommitOutcome {
@@ -84,9 +89,15 @@ struct CommitOutcome {
 };
 
 // REQUIRES: every rank's data files in `pending_dir` are durable.
-// Writes MANIFEST (temp, fsync, rename, fsync dir), renames the pending
-// directory to its step directory (the commit point), fsyncs ROOT, replaces
-// LATEST, then applies retention. An error (returned) means nothing became
+// Under ROOT's lock (kRootLockFileName; so the sequence number is unique and
+// increasing across jobs): puts back a step a crashed overwrite left aside,
+// picks the sequence number, writes MANIFEST (temp, fsync, rename, fsync
+// dir), checks that every file the manifest names is a regular file of its
+// recorded size and that the LEASE is opts.lease_owner's (when set) and
+// unexpired, moves an overwritten step aside, renames the pending directory
+// to its step directory (the commit point; on failure the old step is put
+// back), fsyncs ROOT, replaces LATEST, deletes the old step, then applies
+// retention (which never removes the new checkpoint). An error (returned) means nothing became
 // visible and the commit point was not passed; the caller removes the
 // pending directory. After the commit point the result is always ok, with
 // later failures in CommitOutcome::warnings.

@@ -39,7 +39,15 @@ class File {
 struct FileInfo {
   uint64_t size = 0;
   bool is_dir = false;
+  bool is_regular = false;  // a plain file (not a FIFO, socket or device)
   int64_t mtime_unix_ms = 0;
+};
+
+// An advisory lock held until this object is destroyed. Not shared between
+// threads: each holder has its own.
+class FileLock {
+ public:
+  virtual ~FileLock() = default;
 };
 
 class Filesystem {
@@ -54,6 +62,12 @@ class Filesystem {
   virtual Status sync_dir(const std::string& path) = 0;  // open O_DIRECTORY + fsync
   virtual Result<std::vector<std::string>> list(const std::string& dir) = 0;  // names, no . ..
   virtual Result<FileInfo> stat(const std::string& path) = 0;                 // not_found if absent
+  // An exclusive advisory lock on the file at `path` (created if absent),
+  // excluding other processes and other holders in this process alike.
+  // Waits up to `wait_ms` for a holder to let go, then fails with
+  // `busy` naming the path and the holder (who
+  // wrote "pid ... host ..." into the file when it took the lock).
+  virtual Result<std::unique_ptr<FileLock>> lock(const std::string& path, int64_t wait_ms) = 0;
 };
 
 // The default: POSIX calls, errors via Status::from_errno naming op and path.
@@ -76,6 +90,9 @@ class FilesystemWrapper : public Filesystem {
   Status sync_dir(const std::string& p) override { return target_->sync_dir(p); }
   Result<std::vector<std::string>> list(const std::string& d) override { return target_->list(d); }
   Result<FileInfo> stat(const std::string& p) override { return target_->stat(p); }
+  Result<std::unique_ptr<FileLock>> lock(const std::string& p, int64_t wait_ms) override {
+    return target_->lock(p, wait_ms);
+  }
 
  protected:
   std::shared_ptr<Filesystem> target_;
@@ -84,7 +101,12 @@ class FilesystemWrapper : public Filesystem {
 // Helpers built on the interface (so they see injected faults too).
 std::string join_path(const std::string& a, const std::string& b);
 std::string parent_path(const std::string& p);
-Result<std::string> read_file(Filesystem& fs, const std::string& path);
+// Reads a whole regular file. Anything else (a FIFO, a device) is refused
+// without blocking, and so is a file larger than `max_bytes`: the error
+// names the path (and the size). The default cap is far above any manifest.
+constexpr uint64_t kMaxReadFileBytes = 1ull << 30;
+Result<std::string> read_file(Filesystem& fs, const std::string& path,
+                              uint64_t max_bytes = kMaxReadFileBytes);
 // temp file in the same directory, write, fsync (if `sync`), rename over
 // `path`, fsync the directory (if `sync`). With `kill_prefix` ("manifest"),
 // passes the kill points <prefix>.write/.fsync/.rename/.dirsync.

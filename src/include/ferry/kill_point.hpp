@@ -29,6 +29,12 @@ void kill_point(const char* name);
 // The rank that `@rank` selectors compare with (set by the Runtime).
 void set_kill_point_rank(int rank);
 
+// Arms this process as FERRY_KILL_AT=`spec` would, replacing what the
+// variable said (which is read once per process, so a forked child cannot
+// arm itself through setenv). For tests that fork a child to crash in it.
+// REQUIRES: no other thread is passing kill points.
+Status arm_kill_point(const std::string& spec);
+
 // Parses a FERRY_KILL_AT value; errors name the bad part (used at start so a
 // typo fails loudly instead of never firing).
 Status check_kill_spec(const std::string& spec);

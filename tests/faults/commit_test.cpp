@@ -1,0 +1,641 @@
+// The commit protocol and garbage collection under adversity: gc racing a
+// save whose lease lapsed, an overwrite that fails or dies half-way, a nested
+// root under a power cut, two jobs committing into one root, pending
+// directories that are not ours, errors after the commit point, files that
+// are FIFOs, and job ids that look like Ferry's own name parts.
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ferry/catalog.hpp"
+#include "ferry/commit.hpp"
+#include "ferry/fault_fs.hpp"
+#include "ferry/filesystem.hpp"
+#include "ferry/kill_point.hpp"
+#include "test_util.hpp"
+
+namespace ferry {
+namespace {
+
+using ferry::testing::TempDir;
+constexpr int64_t kMinute = 60'000;
+
+bool contains(const std::string& haystack, const std::string& needle) {
+  return haystack.find(needle) != std::string::npos;
+}
+
+bool exists(const std::string& path) {
+  return std::filesystem::exists(std::filesystem::symlink_status(path));
+}
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::vector<std::string> names_in(const std::string& dir) {
+  std::vector<std::string> out;
+  for (const auto& e : std::filesystem::directory_iterator(dir))
+    out.push_back(e.path().filename().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+void put(Filesystem& fs, const std::string& path, const std::string& bytes) {
+  OpenOptions o;
+  o.write = true;
+  o.create = true;
+  o.truncate = true;
+  auto f = fs.open(path, o);
+  REQUIRE(f.ok());
+  REQUIRE((*f)->pwrite(bytes.data(), bytes.size(), 0).ok());
+  REQUIRE((*f)->sync().ok());
+  REQUIRE((*f)->close().ok());
+}
+
+std::string data_of(uint64_t step, const std::string& tag) {
+  return "tensor bytes of step " + std::to_string(step) + " " + tag;
+}
+
+// What the ranks do before the coordinator commits: the pending directory
+// with its lease, a data file, everything durable. Returns the pending dir.
+std::string stage(Filesystem& fs, const std::string& root, uint64_t step, Manifest* m,
+                  const std::string& tag = "new", bool overwrite = false,
+                  const std::string& owner = "job/ckpt") {
+  static int counter = 0;
+  const std::string id = "c" + std::to_string(++counter);
+  const std::string pending = join_path(root, pending_dir_name(step, "job", id));
+  Status st = prepare_pending(fs, root, pending, step, overwrite, kMinute, owner);
+  INFO(st.to_string());
+  REQUIRE(st.ok());
+  const std::string data = data_of(step, tag);
+  put(fs, join_path(pending, "rank-00000-0000.safetensors"), data);
+  REQUIRE(fs.sync_dir(pending).ok());
+  *m = Manifest();
+  m->step = step;
+  m->job_id = "job";
+  m->checkpoint_id = id;
+  m->files = {{"rank-00000-0000.safetensors", data.size(), 0}};
+  return pending;
+}
+
+CommitOutcome commit_ok(Filesystem& fs, const std::string& root, uint64_t step,
+                        const std::string& tag = "new", CommitOptions opts = {}) {
+  Manifest m;
+  std::string pending = stage(fs, root, step, &m, tag, opts.overwrite);
+  auto out = commit_checkpoint(fs, root, pending, m, opts);
+  INFO(out.status().to_string());
+  REQUIRE(out.ok());
+  return *out;
+}
+
+std::string data_file(const std::string& root, uint64_t step) {
+  return join_path(join_path(root, step_dir_name(step)), "rank-00000-0000.safetensors");
+}
+
+// The latest checkpoint is `step` and holds the bytes saved with `tag`.
+void require_latest(Filesystem& fs, const std::string& root, uint64_t step,
+                    const std::string& tag) {
+  auto latest = find_latest(fs, root);
+  INFO(latest.status().to_string());
+  REQUIRE(latest.ok());
+  CHECK(latest->step == step);
+  CHECK(slurp(data_file(root, step)) == data_of(step, tag));
+}
+
+// ---- 1. gc racing a save whose lease lapsed -----------------------------------------------
+
+TEST_CASE("commit refuses a pending directory that is not whole or not ours", "[commit]") {
+  TempDir tmp;
+  auto fs = posix_filesystem();
+  const std::string root = tmp.sub("root");
+  CommitOptions opts;
+  opts.keep_last = 1;
+  commit_ok(*fs, root, 1, "old", opts);
+
+  Manifest m;
+  std::string pending = stage(*fs, root, 2, &m);
+  const std::string file = join_path(pending, "rank-00000-0000.safetensors");
+  std::string expect;
+  SECTION("a data file was deleted (a gc that deleted file by file)") {
+    REQUIRE(fs->unlink(file).ok());
+    expect = "is missing";
+  }
+  SECTION("a data file is short") {
+    REQUIRE(::truncate(file.c_str(), 3) == 0);
+    expect = "holds 3 bytes";
+  }
+  SECTION("a data file is not a regular file") {
+    REQUIRE(fs->unlink(file).ok());
+    REQUIRE(::mkfifo(file.c_str(), 0644) == 0);
+    expect = "not a regular file";
+  }
+  SECTION("the lease expired: the saver was paused past it") {
+    opts.now_unix_ms = now_unix_ms() + 10 * kMinute;
+    expect = "expired";
+  }
+  SECTION("the lease is another owner's") {
+    REQUIRE(write_lease(*fs, pending, now_unix_ms() + kMinute, "other/job").ok());
+    opts.lease_owner = "job/ckpt";
+    expect = "leased by 'other/job'";
+  }
+  SECTION("gc took the directory away") {
+    auto gc = collect_garbage(*fs, root, now_unix_ms() + 10 * kMinute);
+    REQUIRE(gc.ok());
+    REQUIRE(gc->removed == std::vector<std::string>{pending});
+    expect = pending;
+  }
+  auto out = commit_checkpoint(*fs, root, pending, m, opts);
+  REQUIRE_FALSE(out.ok());
+  CHECK(contains(out.status().message(), expect));
+  // Nothing committed, and retention never ran: the old one is still latest.
+  CHECK_FALSE(exists(join_path(root, step_dir_name(2))));
+  require_latest(*fs, root, 1, "old");
+  CHECK(slurp(join_path(root, kLatestFileName)) == "step-00000001\n");
+}
+
+TEST_CASE("commit checks the lease owner it is given and accepts its own", "[commit]") {
+  TempDir tmp;
+  auto fs = posix_filesystem();
+  Manifest m;
+  std::string pending = stage(*fs, tmp.path(), 3, &m, "new", false, "jobA/ck1");
+  CommitOptions opts;
+  opts.lease_owner = "jobA/ck1";
+  auto out = commit_checkpoint(*fs, tmp.path(), pending, m, opts);
+  INFO(out.status().to_string());
+  REQUIRE(out.ok());
+  CHECK(out->warnings.empty());
+  CHECK_FALSE(exists(join_path(out->path, kLeaseFileName)));
+}
+
+TEST_CASE("gc takes a pending directory out of sight whole, never file by file", "[commit][gc]") {
+  TempDir tmp;
+  auto fs = std::make_shared<FaultFilesystem>(posix_filesystem());
+  const std::string root = tmp.path();
+  const std::string pending = join_path(root, pending_dir_name(4, "job", "x"));
+  REQUIRE(fs->mkdir(pending).ok());
+  for (int i = 0; i < 3; ++i)
+    put(*fs, join_path(pending, "rank-0000" + std::to_string(i) + "-0000.safetensors"), "bytes");
+  REQUIRE(write_lease(*fs, pending, 1000, "gone/save").ok());
+
+  // Deletion fails half-way: whatever is left must not be a pending
+  // directory with some of its files gone, which a late saver could commit.
+  FaultRule r;
+  r.op = FaultOp::unlink;
+  r.nth = 2;
+  r.error = EIO;
+  fs->add_rule(r);
+  auto gc = collect_garbage(*fs, root, now_unix_ms());
+  CHECK_FALSE(gc.ok());
+  CHECK_FALSE(exists(pending));
+  fs->clear_rules();
+  // The next gc finishes the job.
+  auto again = collect_garbage(*fs, root, now_unix_ms());
+  REQUIRE(again.ok());
+  CHECK(again->discarded.size() == 1);
+  CHECK(names_in(root) == std::vector<std::string>{kRootLockFileName});
+}
+
+TEST_CASE("retention never removes the new checkpoint nor the last loadable one",
+          "[commit][retention]") {
+  TempDir tmp;
+  auto fs = posix_filesystem();
+  const std::string root = tmp.path();
+  commit_ok(*fs, root, 1, "good");
+  commit_ok(*fs, root, 2, "broken");
+  // Step 2 lost a data file after its commit: its manifest reads, but it
+  // cannot be loaded, so it must not count as one of the kept.
+  REQUIRE(fs->unlink(data_file(root, 2)).ok());
+  CommitOptions opts;
+  opts.keep_last = 2;
+  CommitOutcome out = commit_ok(*fs, root, 3, "new", opts);
+  CHECK(out.retired.empty());
+  CHECK(exists(data_file(root, 1)));
+  CHECK(exists(join_path(root, step_dir_name(2))));  // left for the user to see
+
+  opts.keep_last = 1;
+  out = commit_ok(*fs, root, 4, "new", opts);
+  CHECK(out.retired == std::vector<std::string>{join_path(root, step_dir_name(1)),
+                                                join_path(root, step_dir_name(3))});
+  require_latest(*fs, root, 4, "new");
+
+  // keep_path protects the new checkpoint even when a higher sequence
+  // number (a commit of another job) would push it out.
+  auto kept = apply_retention(*fs, root, 1, join_path(root, step_dir_name(4)));
+  REQUIRE(kept.ok());
+  CHECK(kept->empty());
+}
+
+// ---- 2. failed overwrite ------------------------------------------------------------------
+
+TEST_CASE("an overwrite whose commit rename fails puts the old step back", "[commit][overwrite]") {
+  TempDir tmp;
+  auto fs = std::make_shared<FaultFilesystem>(posix_filesystem());
+  const std::string root = tmp.path();
+  commit_ok(*fs, root, 5, "old");
+  CommitOptions opts;
+  opts.overwrite = true;
+  Manifest m;
+  std::string pending = stage(*fs, root, 5, &m, "new", true);
+
+  // Renames that touch step-5: moving it aside (1st), the commit (2nd),
+  // putting it back (3rd).
+  FaultRule r;
+  r.op = FaultOp::rename;
+  r.nth = 2;
+  r.error = EIO;
+  r.path_contains = "/step-00000005$";
+  SECTION("the old step comes back at once") {
+    fs->add_rule(r);
+    auto out = commit_checkpoint(*fs, root, pending, m, opts);
+    REQUIRE_FALSE(out.ok());
+    CHECK(contains(out.status().message(), "(injected)"));
+    require_latest(*fs, root, 5, "old");
+  }
+  SECTION("putting it back fails too: gc puts it back later, never deletes it") {
+    r.sticky = true;
+    fs->add_rule(r);
+    auto out = commit_checkpoint(*fs, root, pending, m, opts);
+    REQUIRE_FALSE(out.ok());
+    CHECK(contains(out.status().message(), "the next save or gc puts it back"));
+    CHECK_FALSE(exists(join_path(root, step_dir_name(5))));
+    fs->clear_rules();
+    auto gc = collect_garbage(*fs, root, now_unix_ms() + 10 * kMinute);
+    REQUIRE(gc.ok());
+    CHECK(gc->restored == std::vector<std::string>{join_path(root, step_dir_name(5))});
+    require_latest(*fs, root, 5, "old");
+  }
+  SECTION("after a good overwrite, nothing of the old step is left") {
+    auto out = commit_checkpoint(*fs, root, pending, m, opts);
+    REQUIRE(out.ok());
+    require_latest(*fs, root, 5, "new");
+    CHECK(names_in(root) ==
+          std::vector<std::string>{kRootLockFileName, kLatestFileName, step_dir_name(5)});
+  }
+}
+
+// Runs `commit` in a child process armed to SIGKILL itself at `point`.
+template <typename Fn>
+void run_killed_at(const char* point, Fn commit) {
+  pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    if (!arm_kill_point(point).ok()) ::_exit(3);
+    commit();
+    ::_exit(0);  // not killed: the point was never reached
+  }
+  int status = 0;
+  REQUIRE(::waitpid(pid, &status, 0) == pid);
+  REQUIRE(WIFSIGNALED(status));
+  CHECK(WTERMSIG(status) == SIGKILL);
+}
+
+TEST_CASE("an overwrite killed with the old step aside: the old step comes back",
+          "[commit][overwrite]") {
+  TempDir tmp;
+  auto fs = posix_filesystem();
+  const std::string root = tmp.path();
+  commit_ok(*fs, root, 5, "old");
+  commit_ok(*fs, root, 6, "later");
+  CommitOptions opts;
+  opts.overwrite = true;
+  Manifest m;
+  std::string pending = stage(*fs, root, 5, &m, "new", true);
+  run_killed_at("overwrite.aside", [&] { (void)commit_checkpoint(*fs, root, pending, m, opts); });
+  // Killed between the two renames: no step-5 in place, the old one aside.
+  CHECK_FALSE(exists(join_path(root, step_dir_name(5))));
+
+  SECTION("gc puts it back") {
+    auto gc = collect_garbage(*fs, root, now_unix_ms());
+    REQUIRE(gc.ok());
+    CHECK(gc->restored == std::vector<std::string>{join_path(root, step_dir_name(5))});
+  }
+  SECTION("the next save's prepare puts it back, and refuses to overwrite by accident") {
+    const std::string next = join_path(root, pending_dir_name(5, "job", "again"));
+    Status st = prepare_pending(*fs, root, next, 5, false, kMinute, "job/again");
+    CHECK(st.code() == StatusCode::already_exists);
+    CHECK_FALSE(exists(next));
+  }
+  SECTION("the next save's commit puts it back") {
+    commit_ok(*fs, root, 7, "newest");
+  }
+  CHECK(slurp(data_file(root, 5)) == data_of(5, "old"));
+  auto list = list_checkpoints(*fs, root);
+  REQUIRE(list.ok());
+  std::set<uint64_t> steps;
+  for (const auto& c : *list) steps.insert(c.step);
+  CHECK(steps.count(5) == 1);
+  CHECK(steps.count(6) == 1);
+}
+
+TEST_CASE("an overwrite killed after its commit rename leaves the new step whole",
+          "[commit][overwrite]") {
+  TempDir tmp;
+  auto fs = posix_filesystem();
+  const std::string root = tmp.path();
+  commit_ok(*fs, root, 5, "old");
+  CommitOptions opts;
+  opts.overwrite = true;
+  Manifest m;
+  std::string pending = stage(*fs, root, 5, &m, "new", true);
+  run_killed_at("commit.rename", [&] { (void)commit_checkpoint(*fs, root, pending, m, opts); });
+  require_latest(*fs, root, 5, "new");
+  // The replaced step is garbage; gc removes it and leaves the new one.
+  auto gc = collect_garbage(*fs, root, now_unix_ms());
+  REQUIRE(gc.ok());
+  CHECK(gc->restored.empty());
+  CHECK(gc->discarded.size() == 1);
+  require_latest(*fs, root, 5, "new");
+}
+
+// ---- 3. nested root -----------------------------------------------------------------------
+
+TEST_CASE("the first checkpoint in a fresh nested root survives a power cut", "[commit][power]") {
+  TempDir tmp;
+  auto fs = std::make_shared<FaultFilesystem>(posix_filesystem());
+  const std::string root = tmp.sub("a/b/c");
+  commit_ok(*fs, root, 1, "first");
+  REQUIRE(fs->power_cut().ok());
+  require_latest(*posix_filesystem(), root, 1, "first");
+}
+
+// ---- 4. two jobs on one root --------------------------------------------------------------
+
+TEST_CASE("two jobs committing into one root get unique sequence numbers", "[commit][lock]") {
+  TempDir tmp;
+  auto fs = posix_filesystem();
+  const std::string root = tmp.path();
+  REQUIRE(fs->mkdirs(root).ok());
+  constexpr int kPerJob = 25;
+  std::vector<uint64_t> seqs[2];
+  std::vector<std::string> errors[2];
+  auto job = [&](int j) {
+    for (int i = 0; i < kPerJob; ++i) {
+      const uint64_t step = static_cast<uint64_t>(j * 1000 + i);
+      const std::string id = "j" + std::to_string(j) + "-" + std::to_string(i);
+      const std::string pending =
+          join_path(root, pending_dir_name(step, "job" + std::to_string(j), id));
+      Status st = prepare_pending(*fs, root, pending, step, false, kMinute, id);
+      if (!st.ok()) {
+        errors[j].push_back(st.to_string());
+        continue;
+      }
+      Manifest m;
+      m.step = step;
+      m.checkpoint_id = id;
+      CommitOptions opts;
+      opts.keep_last = 3;
+      opts.lease_owner = id;
+      auto out = commit_checkpoint(*fs, root, pending, m, opts);
+      if (!out.ok()) {
+        errors[j].push_back(out.status().to_string());
+        continue;
+      }
+      for (const Status& w : out->warnings) errors[j].push_back(w.to_string());
+      seqs[j].push_back(out->commit_seq);
+    }
+  };
+  std::thread a(job, 0), b(job, 1);
+  a.join();
+  b.join();
+  for (int j = 0; j < 2; ++j) {
+    INFO("job " << j << ": " << (errors[j].empty() ? "" : errors[j][0]));
+    CHECK(errors[j].empty());
+  }
+  std::set<uint64_t> all(seqs[0].begin(), seqs[0].end());
+  all.insert(seqs[1].begin(), seqs[1].end());
+  CHECK(all.size() == 2 * kPerJob);
+  CHECK(*all.rbegin() == 2 * kPerJob);
+  for (int j = 0; j < 2; ++j) CHECK(std::is_sorted(seqs[j].begin(), seqs[j].end()));
+  auto list = list_checkpoints(*fs, root);
+  REQUIRE(list.ok());
+  CHECK(list->size() == 3);
+  auto latest = find_latest(*fs, root);
+  REQUIRE(latest.ok());
+  CHECK(latest->commit_seq == 2 * kPerJob);
+  CHECK(latest->latest_hint);  // LATEST and the listing agree
+}
+
+TEST_CASE("a commit waits a bounded time for the root lock, then names root and holder",
+          "[commit][lock]") {
+  TempDir tmp;
+  auto fs = posix_filesystem();
+  const std::string root = tmp.path();
+  Manifest m;
+  std::string pending = stage(*fs, root, 1, &m);
+  auto held = lock_root(*fs, root);
+  REQUIRE(held.ok());
+  CommitOptions opts;
+  opts.lock_wait_ms = 20;
+  auto out = commit_checkpoint(*fs, root, pending, m, opts);
+  REQUIRE_FALSE(out.ok());
+  CHECK(out.status().code() == StatusCode::busy);
+  CHECK(contains(out.status().message(), root));
+  CHECK(contains(out.status().message(), "pid " + std::to_string(::getpid())));
+  held->reset();
+  REQUIRE(commit_checkpoint(*fs, root, pending, m, opts).ok());
+}
+
+// ---- 5. prepare_pending cleans up only what it created, and collects ------------------------
+
+TEST_CASE("prepare_pending never removes a pending directory it did not create",
+          "[commit][pending]") {
+  TempDir tmp;
+  auto fs = std::make_shared<FaultFilesystem>(posix_filesystem());
+  const std::string root = tmp.path();
+  Manifest m;
+  std::string theirs = stage(*fs, root, 1, &m);
+  // A restarted job with the same token picks the same name.
+  Status st = prepare_pending(*fs, root, theirs, 1, false, kMinute, "job/restarted");
+  CHECK_FALSE(st.ok());
+  CHECK(slurp(join_path(theirs, "rank-00000-0000.safetensors")) == data_of(1, "new"));
+  CHECK(read_lease(*fs, theirs)->owner == "job/ckpt");
+}
+
+TEST_CASE("prepare_pending removes what it created when it fails", "[commit][pending]") {
+  TempDir tmp;
+  auto fs = std::make_shared<FaultFilesystem>(posix_filesystem());
+  const std::string root = tmp.sub("x/y");
+  const std::string pending = join_path(root, pending_dir_name(1, "job", "a"));
+  fs->add_rule([] {
+    FaultRule r;
+    r.op = FaultOp::rename;  // the lease's rename into place
+    r.nth = 1;
+    r.error = ENOSPC;
+    return r;
+  }());
+  Status st = prepare_pending(*fs, root, pending, 1, false, kMinute, "job/a");
+  REQUIRE_FALSE(st.ok());
+  CHECK(contains(st.message(), "(injected)"));
+  CHECK_FALSE(exists(pending));
+  CHECK_FALSE(exists(tmp.sub("x")));  // the levels it made, and only those
+  CHECK(exists(tmp.path()));
+}
+
+TEST_CASE("prepare_pending collects expired pending directories and LATEST temp files",
+          "[commit][pending][gc]") {
+  TempDir tmp;
+  auto fs = posix_filesystem();
+  const std::string root = tmp.path();
+  const std::string crashed = join_path(root, pending_dir_name(1, "job", "crashed"));
+  REQUIRE(fs->mkdir(crashed).ok());
+  put(*fs, join_path(crashed, "rank-00000-0000.safetensors"), "bytes");
+  REQUIRE(write_lease(*fs, crashed, 1000, "job/crashed").ok());
+  const std::string live = join_path(root, pending_dir_name(2, "other", "live"));
+  REQUIRE(fs->mkdir(live).ok());
+  REQUIRE(write_lease(*fs, live, now_unix_ms() + 10 * kMinute, "other/live").ok());
+  put(*fs, join_path(root, "LATEST.tmp-12345-0"), "step-00000001");
+
+  const std::string mine = join_path(root, pending_dir_name(3, "job", "next"));
+  REQUIRE(prepare_pending(*fs, root, mine, 3, false, kMinute, "job/next").ok());
+  CHECK(names_in(root) == std::vector<std::string>{kRootLockFileName,
+                                                   ".pending-00000002-other-live",
+                                                   ".pending-00000003-job-next"});
+}
+
+// ---- 6. errors after the commit point -------------------------------------------------------
+
+TEST_CASE("a failed LATEST write after the commit point is a warning", "[commit][warnings]") {
+  TempDir tmp;
+  auto fs = std::make_shared<FaultFilesystem>(posix_filesystem());
+  const std::string root = tmp.path();
+  commit_ok(*fs, root, 1, "old");
+  FaultRule r;
+  r.op = FaultOp::open;
+  r.nth = 1;
+  r.error = ENOSPC;
+  r.path_contains = "/LATEST.tmp-";
+  fs->add_rule(r);
+  CommitOptions opts;
+  opts.keep_last = 1;
+  CommitOutcome out = commit_ok(*fs, root, 2, "new", opts);
+  REQUIRE(out.warnings.size() == 1);
+  CHECK(contains(out.warnings[0].message(), "LATEST"));
+  CHECK(contains(out.warnings[0].message(), "(injected)"));
+  require_latest(*fs, root, 2, "new");
+  CHECK(out.retired == std::vector<std::string>{join_path(root, step_dir_name(1))});
+  CHECK(slurp(join_path(root, kLatestFileName)) == "step-00000001\n");  // only a hint
+}
+
+// ---- 7. no hangs ----------------------------------------------------------------------------
+
+TEST_CASE("FIFOs named MANIFEST, LATEST or LEASE never block", "[commit][fifo]") {
+  TempDir tmp;
+  auto fs = posix_filesystem();
+  const std::string root = tmp.path();
+  commit_ok(*fs, root, 1, "good");
+  const std::string bad = join_path(root, step_dir_name(2));
+  REQUIRE(fs->mkdir(bad).ok());
+  REQUIRE(::mkfifo(join_path(bad, kManifestFileName).c_str(), 0644) == 0);
+  REQUIRE(fs->unlink(join_path(root, kLatestFileName)).ok());
+  REQUIRE(::mkfifo(join_path(root, kLatestFileName).c_str(), 0644) == 0);
+  const std::string pending = join_path(root, pending_dir_name(3, "job", "fifo"));
+  REQUIRE(fs->mkdir(pending).ok());
+  REQUIRE(::mkfifo(join_path(pending, kLeaseFileName).c_str(), 0644) == 0);
+
+  auto m = read_manifest(*fs, bad);
+  REQUIRE_FALSE(m.ok());
+  CHECK(contains(m.status().message(), join_path(bad, kManifestFileName)));
+  CHECK(contains(m.status().message(), "not a regular file"));
+  auto list = list_checkpoints(*fs, root);
+  REQUIRE(list.ok());
+  REQUIRE(list->size() == 2);
+  auto latest = find_latest(*fs, root);
+  REQUIRE(latest.ok());
+  CHECK(latest->step == 1);
+  auto lease = read_lease(*fs, pending);
+  CHECK_FALSE(lease.ok());
+  auto pend = list_pending(*fs, root);
+  REQUIRE(pend.ok());
+  REQUIRE(pend->size() == 1);
+  CHECK_FALSE((*pend)[0].has_lease);
+  auto gc = collect_garbage(*fs, root, now_unix_ms() + 10 * kMinute);
+  REQUIRE(gc.ok());
+  CHECK(gc->removed == std::vector<std::string>{pending});
+  // The next save lists the root during its commit.
+  commit_ok(*fs, root, 4, "next");
+  require_latest(*fs, root, 4, "next");
+
+  auto data = fs->open(join_path(bad, kManifestFileName), OpenOptions{});
+  REQUIRE_FALSE(data.ok());
+  CHECK(contains(data.status().message(), "not a regular file"));
+}
+
+TEST_CASE("read_file refuses a file over its cap, naming path and size", "[commit][fifo]") {
+  TempDir tmp;
+  auto fs = posix_filesystem();
+  const std::string path = tmp.sub("big");
+  put(*fs, path, std::string(100, 'x'));
+  auto r = read_file(*fs, path, 10);
+  REQUIRE_FALSE(r.ok());
+  CHECK(contains(r.status().message(), path));
+  CHECK(contains(r.status().message(), "100 bytes"));
+  CHECK(read_file(*fs, path, 100).ok());
+}
+
+// ---- 8. unambiguous names -------------------------------------------------------------------
+
+TEST_CASE("job ids like 'retired' or 'replaced' never make gc remove a live save",
+          "[commit][gc][names]") {
+  TempDir tmp;
+  auto fs = posix_filesystem();
+  const std::string root = tmp.path();
+  std::vector<std::string> live;
+  for (const char* job : {"retired", "replaced", "a-replaced-b", "trash"}) {
+    const std::string p = join_path(root, pending_dir_name(9, job, "x-1"));
+    REQUIRE(fs->mkdir(p).ok());
+    REQUIRE(write_lease(*fs, p, now_unix_ms() + 10 * kMinute, job).ok());
+    live.push_back(p);
+  }
+  std::sort(live.begin(), live.end());
+  auto gc = collect_garbage(*fs, root, now_unix_ms());
+  REQUIRE(gc.ok());
+  CHECK(gc->removed.empty());
+  CHECK(gc->restored.empty());
+  CHECK(gc->kept == live);
+  for (const std::string& p : live) CHECK(exists(p));
+}
+
+TEST_CASE("a step moved aside by an older version is put back, or collected once replaced",
+          "[commit][gc][names]") {
+  TempDir tmp;
+  auto fs = posix_filesystem();
+  const std::string root = tmp.path();
+  commit_ok(*fs, root, 7, "old");
+  commit_ok(*fs, root, 8, "other");
+  // What older versions left after a failed overwrite of step 7 (no LEASE:
+  // it was committed) and a leftover of their retention.
+  const std::string old_aside = join_path(root, ".pending-00000007-replaced-c1");
+  REQUIRE(fs->rename(join_path(root, step_dir_name(7)), old_aside).ok());
+  const std::string old_retired = join_path(root, ".pending-00000003-retired-2");
+  REQUIRE(fs->mkdir(old_retired).ok());
+  auto gc = collect_garbage(*fs, root, now_unix_ms() + 10 * kMinute);
+  REQUIRE(gc.ok());
+  CHECK(gc->restored == std::vector<std::string>{join_path(root, step_dir_name(7))});
+  CHECK(gc->removed == std::vector<std::string>{old_retired});
+  CHECK(slurp(data_file(root, 7)) == data_of(7, "old"));
+
+  // Once a step-7 is in place, an aside copy is garbage.
+  REQUIRE(fs->mkdir(old_aside).ok());
+  put(*fs, join_path(old_aside, kManifestFileName), "m");
+  gc = collect_garbage(*fs, root, now_unix_ms());
+  REQUIRE(gc.ok());
+  CHECK(gc->discarded == std::vector<std::string>{old_aside});
+  CHECK_FALSE(exists(old_aside));
+  CHECK(slurp(data_file(root, 7)) == data_of(7, "old"));
+}
+
+}  // namespace
+}  // namespace ferry
