@@ -326,6 +326,43 @@ class Shards(Base):
         self.assertTrue(torch.equal(got.tensor, full[4:]))
 
 
+class ShardedTensorMapping(Base):
+    """torch's ShardedTensor (1.13; also in 2.x) is saved and loaded as its
+    local shard of the global tensor. One process, so one shard covers it."""
+
+    @classmethod
+    def setUpClass(cls):
+        import ferry.torch_compat
+
+        ferry.torch_compat.enable()  # torch 1.13's module on Python 3.11
+        import torch.distributed as dist
+
+        cls.store_file = tempfile.mktemp(prefix="ferry_py_store_")
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", store=dist.FileStore(cls.store_file, 1), rank=0,
+                                    world_size=1)
+
+    def sharded(self, t):
+        from torch.distributed._shard.metadata import ShardMetadata
+        from torch.distributed._shard.sharded_tensor import Shard as TShard
+        from torch.distributed._shard.sharded_tensor import init_from_local_shards
+
+        md = ShardMetadata([0] * t.dim(), list(t.shape), "rank:0/cpu")
+        return init_from_local_shards([TShard(t, md)], *t.shape)
+
+    def test_round_trip_and_cross_load(self):
+        w = filled((6, 4), torch.float32)
+        ferry.save({"st": self.sharded(w.clone()), "plain": w}, self.root, 1)
+        man = ferry.read_manifest(self.root)
+        self.assertEqual(man.tensors["st"].shape, (6, 4))
+        # A ShardedTensor target filled from a plain save, and the reverse.
+        target_st = self.sharded(torch.zeros(6, 4))
+        plain = torch.zeros(6, 4)
+        ferry.load({"st": plain, "plain": target_st}, self.root)
+        self.assertTrue(torch.equal(plain, w))
+        self.assertTrue(torch.equal(target_st.local_shards()[0].tensor, w))
+
+
 class Manager(Base):
     def test_interval_retention_restore(self):
         w = torch.zeros(3)
