@@ -62,9 +62,4 @@ __all__ = [
 ]
 
 
-def export(checkpoint, out_dir, max_shard_bytes=5 << 30, runtime=None):
-    """Writes a consolidated copy of a checkpoint as safetensors files plus a
-    Hugging Face style model.safetensors.index.json. See ferry.export_."""
-    from .export_ import export as _export
-
-    return _export(checkpoint, out_dir, max_shard_bytes=max_shard_bytes, runtime=runtime)
+from .export_ import export  # noqa: E402
