@@ -389,6 +389,28 @@ class Manager(Base):
             ferry.CheckpointManager(os.path.join(self.root, "none")).restore()
 
 
+class Lifecycle(Base):
+    def test_exit_waits_for_inflight_save(self):
+        # The interpreter exits right after save_async: atexit waits for the
+        # commit instead of leaving a pending directory behind.
+        code = (
+            "import torch, ferry, sys\n"
+            "ferry.configure(pool_bytes='16MiB')\n"
+            "h = ferry.save_async({'w': torch.arange(1 << 20, dtype=torch.float32)}, sys.argv[1], 5)\n"
+            "del h\n"
+        )
+        import subprocess
+
+        p = subprocess.run([sys.executable, "-c", code, self.root], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, timeout=120)
+        self.assertEqual(p.returncode, 0, p.stdout)
+        self.assertEqual(ferry.list_steps(self.root), [5])
+        self.assertEqual([n for n in os.listdir(self.root) if n.startswith(".pending")], [])
+        out = {"w": torch.zeros(1 << 20)}
+        ferry.load(out, self.root)
+        self.assertTrue(torch.equal(out["w"], torch.arange(1 << 20, dtype=torch.float32)))
+
+
 class Fork(Base):
     def test_forked_child_does_not_break_parent(self):
         ferry.save({"w": torch.ones(2)}, self.root, 1)
