@@ -2,11 +2,11 @@
 
 import atexit
 import ctypes
-import json
 import os
 import sys
 import threading
 import time
+import weakref
 from collections import namedtuple
 
 from . import _lib, _tree
@@ -270,6 +270,7 @@ class Runtime:
         self._pid = os.getpid()
         self._last = None  # the latest SaveHandle: keeps its tensors alive
         self._lock = threading.Lock()
+        _runtimes.add(self)
 
     @property
     def rank(self):
@@ -694,6 +695,9 @@ def _prefix_depth(path, prefix):
 
 # --- the process's default runtime -----------------------------------------------
 
+# Every runtime of this process, so that exit stops each one cleanly (its
+# actor threads must not outlive the interpreter's teardown).
+_runtimes = weakref.WeakSet()
 _default = None
 _default_lock = threading.Lock()
 _default_options = {}
@@ -726,8 +730,7 @@ def _forget_in_child():
 
 
 def _at_exit():
-    rt = _default
-    if rt is not None:
+    for rt in list(_runtimes):
         rt.close(timeout_s=_EXIT_WAIT_S)
 
 

@@ -79,7 +79,10 @@ def export(checkpoint, out_dir, max_shard_bytes=5 << 30, block_bytes=256 << 20, 
     max_shard_bytes each (a larger tensor gets a file of its own) and
     model.safetensors.index.json. Returns the index's path."""
     man = _core.Manifest(checkpoint)
-    rt = runtime or _core.Runtime(dict(_core._default_options), rank=0, world_size=1)
+    # A runtime of its own, one process: the export reads a tensor (or a
+    # block of rows) at a time, so a small staging pool is enough.
+    opts = dict(_core._default_options) or {"pool_bytes": "64MiB"}
+    rt = runtime or _core.Runtime(opts, rank=0, world_size=1)
     try:
         os.makedirs(out_dir, exist_ok=True)
         groups = _plan_files(man, max_shard_bytes)

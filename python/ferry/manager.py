@@ -34,7 +34,7 @@ class CheckpointManager:
         self.save_interval_steps = int(save_interval_steps)
         self.keep_last = keep_last
         self._rt = runtime
-        self._pending = None  # the save not yet known committed
+        self._pending = []  # saves not yet known committed, oldest first
         self._last_saved = None
 
     @property
@@ -54,20 +54,19 @@ class CheckpointManager:
             return False
         self._finish_previous(block=False)
         h = _core.save_async(state, self.root, step, metadata=metadata, runtime=self.runtime)
-        self._pending = h
+        self._pending.append(h)
         self._last_saved = step
         h.wait_snapshot()
         return True
 
     def _finish_previous(self, block):
-        h = self._pending
-        if h is None:
-            return
-        if not block and not h.done():
-            return
-        self._pending = None
-        h.wait()  # raises the failure of that save, if any
-        self._retain()
+        while self._pending:
+            h = self._pending[0]
+            if not block and not h.done():
+                return
+            self._pending.pop(0)
+            h.wait()  # raises the failure of that save, if any
+            self._retain()
 
     def _retain(self):
         # Rank 0 alone deletes: it is the one that commits.
