@@ -131,7 +131,7 @@ def run_dcp(sd, d, args):
     path = os.path.join(d, "dcp")
     t0 = time.perf_counter()
     writer = dcp.FileSystemWriter(path)
-    if hasattr(dcp, "save") and "no_dist" not in dcp.save_state_dict.__code__.co_varnames:
+    if hasattr(dcp, "save"):  # torch >= 2.2: no process group means one process
         dcp.save(sd, storage_writer=writer)
     else:
         dcp.save_state_dict(sd, writer, no_dist=True)
@@ -142,7 +142,7 @@ def run_dcp(sd, d, args):
     evict(path)
     t0 = time.perf_counter()
     reader = dcp.FileSystemReader(path)
-    if hasattr(dcp, "load") and "no_dist" not in dcp.load_state_dict.__code__.co_varnames:
+    if hasattr(dcp, "load"):
         dcp.load(target, storage_reader=reader)
     else:
         dcp.load_state_dict(target, reader, no_dist=True)
