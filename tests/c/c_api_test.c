@@ -2,6 +2,7 @@
  * two tensors (one saved as two row shards), reloaded whole and as a
  * different shard, compared byte for byte; then the errors a C caller must
  * see as status + message, and the manifest reader. */
+#define _POSIX_C_SOURCE 200809L /* mkdtemp */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
