@@ -54,9 +54,9 @@ class CheckpointManager:
             return False
         self._finish_previous(block=False)
         h = _core.save_async(state, self.root, step, metadata=metadata, runtime=self.runtime)
+        h.wait_snapshot()  # a save that failed this early is raised here, once
         self._pending.append(h)
         self._last_saved = step
-        h.wait_snapshot()
         return True
 
     def _finish_previous(self, block):

@@ -326,6 +326,19 @@ class Shards(Base):
         self.assertTrue(torch.equal(got.tensor, full[4:]))
 
 
+class ManagerErrors(Base):
+    def test_failed_save_is_raised_once(self):
+        with ferry.CheckpointManager(self.root) as mgr:
+            mgr.save(1, {"w": torch.zeros(1)})
+        mgr2 = ferry.CheckpointManager(self.root)
+        with self.assertRaises(ferry.FerryError) as cm:
+            mgr2.save(1, {"w": torch.ones(1)})  # step 1 exists
+            mgr2.wait_until_finished()
+        self.assertIn("step-00000001", str(cm.exception))
+        mgr2.wait_until_finished()  # reported already: not again
+        self.assertEqual(mgr2.restore(step=1)["w"].item(), 0.0)
+
+
 class ShardedTensorMapping(Base):
     """torch's ShardedTensor (1.13; also in 2.x) is saved and loaded as its
     local shard of the global tensor. One process, so one shard covers it."""
