@@ -298,7 +298,8 @@ class Runtime:
         for key, v in flat.tensors.items():
             shard = _as_shard(key, v)
             t = shard.tensor if shard is not None else v
-            t = t.detach()
+            if t.requires_grad:  # detach() costs a new tensor object; only when needed
+                t = t.detach()
             if not t.is_contiguous():
                 # Staged: Ferry reads the copy, which the handle keeps alive.
                 t = t.contiguous()
