@@ -193,6 +193,11 @@ def lib():
         with _lib_lock:
             if _lib is None:
                 path = library_path()
+                # A bundle (python/make_bundle.py) carries UCX's transport
+                # modules beside the library; UCX reads this when it starts.
+                ucx = path.parent / "ucx"
+                if ucx.is_dir() and "UCX_MODULE_DIR" not in os.environ:
+                    os.environ["UCX_MODULE_DIR"] = str(ucx)
                 L = ctypes.CDLL(str(path))
                 _declare(L)
                 v = L.ferry_abi_version()
