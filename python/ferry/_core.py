@@ -365,8 +365,7 @@ class Runtime:
             # Stopping the actors now would wait for the stuck save again.
             self._ptr = None
             return
-        if self._last is not None:
-            self._last._release()
+        # Save handles stay usable: they share the save's state, not the runtime.
         ptr, self._ptr = self._ptr, None
         lib().ferry_runtime_destroy(ptr)
 
@@ -638,7 +637,7 @@ def _load(rt, state_dict, path, strict, cast, key_map):
         ck = _map_key(key_map, key)
         if ck in man.leaves:
             slot = flat.slots.get(key)
-            if slot is not None:
+            if slot is not None and not isinstance(slot[0], tuple):  # a tuple cannot take it
                 slot[0][slot[1]] = man.leaves[ck]
 
     # Objects get their state dict back through their own load_state_dict.
