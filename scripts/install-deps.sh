@@ -7,7 +7,7 @@ packages=(
   build-essential cmake pkg-config ccache clang-format
   libcaf-dev libucx-dev ucx-utils
   capnproto libcapnp-dev
-  catch2 libxxhash-dev libzstd-dev python3
+  catch2 libxxhash-dev libzstd-dev python3 python3-torch
 )
 
 missing=()

@@ -1,0 +1,353 @@
+#!/usr/bin/env python3
+"""Side by side on one disk, in one run: torch.save + fsync, DCP
+save_state_dict with FileSystemWriter (and async_save where torch has it),
+ferry.save_async, and a raw O_DIRECT writer / reader of the same bytes as
+the ceiling.
+
+For each saver: how long the training loop is blocked, the time until the
+checkpoint is durable, and the peak RSS it added; then each one's load time
+after its files were evicted from the page cache (posix_fadvise DONTNEED).
+Every tool runs in a child process of its own (so peak RSS is its own),
+building the same state dict. The last line is one JSON object with every
+figure and the ratios.
+
+    PYTHONPATH=python python3 bench/torch_compare.py --gib 2 --dir /data/bench
+    ... --small            # 2,000 small tensors instead of ~120 large ones
+"""
+
+import argparse
+import ctypes
+import json
+import mmap
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ALIGN = 4096
+RAW_BLOCK = 8 << 20
+
+
+def build_state(gib, small, seed=0):
+    import torch
+
+    total = int(gib * (1 << 30))
+    n = 2000 if small else 120
+    per = max(1, total // (4 * n))
+    torch.manual_seed(seed)
+    sd = {}
+    for i in range(n):
+        cols = 1024 if per >= 4096 else 1
+        rows = max(1, per // cols)
+        t = torch.empty(rows, cols, dtype=torch.float32)
+        t.uniform_(-1, 1)
+        sd["layers.%04d.weight" % i] = t
+    return sd
+
+
+def state_bytes(sd):
+    return sum(t.numel() * t.element_size() for t in sd.values())
+
+
+def rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def evict(path):
+    """Drops a file's (or a directory's files') pages from the page cache."""
+    paths = []
+    if os.path.isdir(path):
+        for d, _, files in os.walk(path):
+            paths += [os.path.join(d, f) for f in files]
+    else:
+        paths = [path]
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def fsync_path(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def tensor_view(t):
+    n = t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+# --- the tools, each run in a child process ----------------------------------------
+
+
+def run_torch(sd, d, args):
+    import torch
+
+    path = os.path.join(d, "model.pt")
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        torch.save(sd, f)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_path(d)
+    t1 = time.perf_counter()
+    out = {"blocked_s": t1 - t0, "durable_s": t1 - t0, "peak_rss_after_save": peak_rss_bytes()}
+    evict(path)
+    t0 = time.perf_counter()
+    loaded = torch.load(path, map_location="cpu")
+    out["load_s"] = time.perf_counter() - t0
+    assert torch.equal(loaded["layers.0000.weight"], sd["layers.0000.weight"])
+    return out
+
+
+def _dcp():
+    import ferry.torch_compat
+
+    ferry.torch_compat.enable()
+    try:
+        import torch.distributed.checkpoint as dcp  # torch >= 2.0
+    except ImportError:
+        import torch.distributed._shard.checkpoint as dcp  # torch 1.13
+    return dcp
+
+
+def run_dcp(sd, d, args):
+    import torch
+
+    dcp = _dcp()
+    path = os.path.join(d, "dcp")
+    t0 = time.perf_counter()
+    writer = dcp.FileSystemWriter(path)
+    if hasattr(dcp, "save"):  # torch >= 2.2: no process group means one process
+        dcp.save(sd, storage_writer=writer)
+    else:
+        dcp.save_state_dict(sd, writer, no_dist=True)
+    fsync_path(path)
+    t1 = time.perf_counter()
+    out = {"blocked_s": t1 - t0, "durable_s": t1 - t0, "peak_rss_after_save": peak_rss_bytes()}
+    target = {k: torch.empty_like(v) for k, v in sd.items()}
+    evict(path)
+    t0 = time.perf_counter()
+    reader = dcp.FileSystemReader(path)
+    if hasattr(dcp, "load"):
+        dcp.load(target, storage_reader=reader)
+    else:
+        dcp.load_state_dict(target, reader, no_dist=True)
+    out["load_s"] = time.perf_counter() - t0
+    assert torch.equal(target["layers.0000.weight"], sd["layers.0000.weight"])
+    return out
+
+
+def run_dcp_async(sd, d, args):
+    dcp = _dcp()
+    if not hasattr(dcp, "async_save"):
+        return {"skipped": "this torch has no DCP async_save"}
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        store = dist.FileStore(os.path.join(d, "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    path = os.path.join(d, "dcp_async")
+    t0 = time.perf_counter()
+    fut = dcp.async_save(sd, storage_writer=dcp.FileSystemWriter(path))
+    t1 = time.perf_counter()
+    fut.result()
+    fsync_path(path)
+    t2 = time.perf_counter()
+    return {"blocked_s": t1 - t0, "durable_s": t2 - t0, "peak_rss_after_save": peak_rss_bytes()}
+
+
+def run_ferry(sd, d, args):
+    import torch
+
+    import ferry
+
+    opts = {"pool_bytes": str(args.pool_bytes or _round_up(state_bytes(sd), 8 << 20))}
+    rt = ferry.Runtime(opts, rank=0, world_size=1)
+    try:
+        root = os.path.join(d, "ferry")
+        t0 = time.perf_counter()
+        h = rt.save_async(sd, root, 1)
+        t1 = time.perf_counter()
+        h.wait_snapshot()
+        t2 = time.perf_counter()
+        path = h.wait()
+        t3 = time.perf_counter()
+        out = {
+            "blocked_s": t1 - t0,
+            "blocked_snapshot_s": t2 - t0,
+            "durable_s": t3 - t0,
+            "peak_rss_after_save": peak_rss_bytes(),
+            "metrics": h.metrics(),
+        }
+        target = {k: torch.empty_like(v) for k, v in sd.items()}
+        evict(path)
+        t0 = time.perf_counter()
+        rt.load(target, path)
+        out["load_s"] = time.perf_counter() - t0
+        assert torch.equal(target["layers.0000.weight"], sd["layers.0000.weight"])
+    finally:
+        rt.close()
+    return out
+
+
+def _round_up(n, a):
+    return (n + a - 1) // a * a
+
+
+def run_raw(sd, d, args):
+    """O_DIRECT writes of the same bytes from an aligned staging buffer (the
+    copy into it included, as any saver must read the tensors), one fsync;
+    then O_DIRECT reads back into aligned memory."""
+    path = os.path.join(d, "raw.bin")
+    buf = mmap.mmap(-1, RAW_BLOCK)
+    view = memoryview(buf)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    t0 = time.perf_counter()
+    fill = 0
+    total = 0
+    for t in sd.values():
+        src = tensor_view(t)
+        pos = 0
+        while pos < len(src):
+            n = min(RAW_BLOCK - fill, len(src) - pos)
+            view[fill:fill + n] = src[pos:pos + n]
+            fill += n
+            pos += n
+            if fill == RAW_BLOCK:
+                os.write(fd, view)
+                total += fill
+                fill = 0
+    if fill:
+        padded = _round_up(fill, ALIGN)
+        view[fill:padded] = bytes(padded - fill)
+        os.write(fd, view[:padded])
+        total += fill
+    os.fsync(fd)
+    os.close(fd)
+    os.truncate(path, total)
+    fsync_path(d)
+    t1 = time.perf_counter()
+    out = {"durable_s": t1 - t0, "blocked_s": t1 - t0, "peak_rss_after_save": peak_rss_bytes()}
+    evict(path)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    dst = mmap.mmap(-1, _round_up(total, ALIGN))
+    dview = memoryview(dst)
+    t0 = time.perf_counter()
+    off = 0
+    while off < total:
+        n = os.readv(fd, [dview[off:off + RAW_BLOCK]])
+        if n <= 0:
+            break
+        off += n
+    out["load_s"] = time.perf_counter() - t0
+    os.close(fd)
+    return out
+
+
+TOOLS = {
+    "torch_save": run_torch,
+    "dcp": run_dcp,
+    "dcp_async": run_dcp_async,
+    "ferry": run_ferry,
+    "raw_odirect": run_raw,
+}
+
+
+def worker(args):
+    sd = build_state(args.gib, args.small)
+    base = rss_bytes()
+    d = os.path.join(args.dir, args.worker)
+    shutil.rmtree(d, ignore_errors=True)
+    os.makedirs(d)
+    try:
+        out = TOOLS[args.worker](sd, d, args)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    if "peak_rss_after_save" in out:
+        out["added_rss_bytes"] = max(0, out.pop("peak_rss_after_save") - base)
+    out["state_bytes"] = state_bytes(sd)
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def ratio(a, b):
+    return round(a / b, 2) if a and b else None
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", default="/tmp/ferry_torch_compare", help="on the disk to measure")
+    ap.add_argument("--gib", type=float, default=2.0, help="state dict size")
+    ap.add_argument("--small", action="store_true", help="2,000 small tensors")
+    ap.add_argument("--tools", default=",".join(TOOLS))
+    ap.add_argument("--pool-bytes", default=None, help="Ferry's pool (default: the state's size)")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+
+    os.makedirs(args.dir, exist_ok=True)
+    results = {}
+    for tool in args.tools.split(","):
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", tool, "--dir", args.dir,
+               "--gib", str(args.gib)] + (["--small"] if args.small else [])
+        if args.pool_bytes:
+            cmd += ["--pool-bytes", args.pool_bytes]
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
+        if p.returncode != 0 or line is None:
+            results[tool] = {"error": p.stdout.strip().splitlines()[-1] if p.stdout.strip() else
+                             "exit %d" % p.returncode}
+        else:
+            results[tool] = json.loads(line[len("RESULT "):])
+        r = results[tool]
+        print("%-12s %s" % (tool, "  ".join(
+            "%s=%s" % (k, ("%.3f" % v) if isinstance(v, float) else v)
+            for k, v in r.items() if k not in ("metrics",))), flush=True)
+
+    def get(tool, key):
+        return results.get(tool, {}).get(key)
+
+    gb = (get("ferry", "state_bytes") or get("torch_save", "state_bytes") or 0) / 1e9
+    summary = {
+        "bench": "torch_compare",
+        "state_gb": round(gb, 3),
+        "tensors": 2000 if args.small else 120,
+        "results": results,
+        "ratios": {
+            "durable_torch_save_over_ferry": ratio(get("torch_save", "durable_s"), get("ferry", "durable_s")),
+            "durable_dcp_over_ferry": ratio(get("dcp", "durable_s"), get("ferry", "durable_s")),
+            "blocked_torch_save_over_ferry_return": ratio(get("torch_save", "blocked_s"), get("ferry", "blocked_s")),
+            "blocked_torch_save_over_ferry_snapshot": ratio(get("torch_save", "blocked_s"), get("ferry", "blocked_snapshot_s")),
+            "load_torch_over_ferry": ratio(get("torch_save", "load_s"), get("ferry", "load_s")),
+            "load_dcp_over_ferry": ratio(get("dcp", "load_s"), get("ferry", "load_s")),
+            "ferry_durable_over_raw_odirect": ratio(get("ferry", "durable_s"), get("raw_odirect", "durable_s")),
+            "ferry_load_over_raw_odirect": ratio(get("ferry", "load_s"), get("raw_odirect", "load_s")),
+        },
+        "targets": {
+            "durable_torch_save_over_ferry": ">= 2.5",
+            "durable_dcp_over_ferry": ">= 4",
+            "blocked_torch_save_over_ferry_snapshot": ">= 8",
+            "load_torch_over_ferry": ">= 1.5",
+            "load_dcp_over_ferry": ">= 1.5",
+        },
+    }
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Ferry for PyTorch: asynchronous, resharding checkpoints of state dicts.
+
+    import ferry
+    h = ferry.save_async(model.state_dict(), "/ckpt", step)   # returns at once
+    h.wait_snapshot()                                         # before optimizer.step()
+    ferry.load(model.state_dict(), "/ckpt")                   # latest, in place
+
+Pure Python over Ferry's C ABI (libferry_c.so, loaded with ctypes), so the
+same package works on any CPython 3 and any torch version. See README.md.
+"""
+
+from ._lib import FerryError, library_path
+from ._core import (
+    LoadResult,
+    Manifest,
+    Runtime,
+    SaveHandle,
+    Shard,
+    apply_retention,
+    col_shard,
+    configure,
+    default_runtime,
+    flat_shard,
+    latest,
+    list_steps,
+    load,
+    load_state_dict,
+    read_manifest,
+    row_shard,
+    save,
+    save_async,
+    split_range,
+)
+from .manager import CheckpointManager
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointManager",
+    "FerryError",
+    "LoadResult",
+    "Manifest",
+    "Runtime",
+    "SaveHandle",
+    "Shard",
+    "apply_retention",
+    "col_shard",
+    "configure",
+    "default_runtime",
+    "export",
+    "flat_shard",
+    "latest",
+    "library_path",
+    "list_steps",
+    "load",
+    "load_state_dict",
+    "read_manifest",
+    "row_shard",
+    "save",
+    "save_async",
+    "split_range",
+]
+
+
+from .export_ import export  # noqa: E402

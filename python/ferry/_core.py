@@ -1,0 +1,770 @@
+"""Runtime, save_async, load and the manifest reader over the C ABI."""
+
+import atexit
+import ctypes
+import os
+import sys
+import threading
+import time
+import weakref
+from collections import namedtuple
+
+from . import _lib, _tree
+from ._lib import FerryError, check, lib
+
+# ferry_dtype codes (ferry.h) of the torch dtypes safetensors names.
+_DTYPE_CODES = None
+_CODE_DTYPES = None
+
+
+def _dtype_tables():
+    global _DTYPE_CODES, _CODE_DTYPES
+    if _DTYPE_CODES is None:
+        import torch
+
+        codes = {
+            torch.bool: 0,
+            torch.uint8: 1,
+            torch.int8: 2,
+            torch.int16: 3,
+            torch.int32: 5,
+            torch.int64: 7,
+            torch.float16: 9,
+            torch.bfloat16: 10,
+            torch.float32: 11,
+            torch.float64: 12,
+        }
+        # Newer torch has more of what safetensors names.
+        for name, code in (
+            ("uint16", 4),
+            ("uint32", 6),
+            ("uint64", 8),
+            ("float8_e4m3fn", 13),
+            ("float8_e5m2", 14),
+        ):
+            dt = getattr(torch, name, None)
+            if dt is not None:
+                codes[dt] = code
+        _DTYPE_CODES = codes
+        _CODE_DTYPES = {c: d for d, c in codes.items()}
+    return _DTYPE_CODES, _CODE_DTYPES
+
+
+def _dtype_code(key, dtype):
+    codes, _ = _dtype_tables()
+    if dtype not in codes:
+        raise FerryError("tensor '%s': dtype %s has no Ferry equivalent" % (key, dtype))
+    return codes[dtype]
+
+
+def torch_dtype(code):
+    _, back = _dtype_tables()
+    if code not in back:
+        raise FerryError("dtype %s is not available in this torch" % lib().ferry_dtype_name(code))
+    return back[code]
+
+
+class Shard:
+    """A tensor that is one box of a larger global tensor: `tensor` holds the
+    elements [offsets[d], offsets[d] + tensor.shape[d]) of every dimension d
+    of a tensor of `global_shape`. Saved shards of one key from all ranks
+    form the global tensor; a load fills any box from whatever was saved."""
+
+    __slots__ = ("tensor", "global_shape", "offsets")
+
+    def __init__(self, tensor, global_shape, offsets):
+        self.tensor = tensor
+        self.global_shape = tuple(int(x) for x in global_shape)
+        self.offsets = tuple(int(x) for x in offsets)
+        if len(self.global_shape) != tensor.dim() or len(self.offsets) != tensor.dim():
+            raise ValueError(
+                "ferry.Shard: tensor has %d dims, global_shape %s and offsets %s"
+                % (tensor.dim(), self.global_shape, self.offsets)
+            )
+
+    def __repr__(self):
+        return "Shard(%s %s of %s at %s)" % (
+            self.tensor.dtype,
+            tuple(self.tensor.shape),
+            self.global_shape,
+            self.offsets,
+        )
+
+
+def split_range(n, rank, world):
+    """[start, stop) of `rank`'s part when n items are split over `world`
+    ranks as evenly as possible (the first n % world ranks get one more)."""
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError("rank %d outside world size %d" % (rank, world))
+    base, extra = divmod(int(n), world)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+def _dim_shard(full, rank, world, dim, dtype, device):
+    import torch
+
+    if isinstance(full, torch.Tensor):
+        shape = tuple(full.shape)
+    else:
+        shape = tuple(int(x) for x in full)
+    if not shape:
+        raise ValueError("cannot split a scalar")
+    start, stop = split_range(shape[dim], rank, world)
+    offsets = [0] * len(shape)
+    offsets[dim] = start
+    if isinstance(full, torch.Tensor):
+        local = full.narrow(dim, start, stop - start)
+    else:
+        local_shape = list(shape)
+        local_shape[dim] = stop - start
+        local = torch.empty(local_shape, dtype=dtype or torch.float32, device=device)
+    return Shard(local, shape, offsets)
+
+
+def row_shard(full, rank, world, dtype=None, device="cpu"):
+    """`rank`'s rows of a tensor split along dim 0 over `world` ranks.
+    `full` is the whole tensor (the shard is a view of it) or its shape (the
+    shard is allocated with `dtype`, to be filled by a load)."""
+    return _dim_shard(full, rank, world, 0, dtype, device)
+
+
+def col_shard(full, rank, world, dtype=None, device="cpu"):
+    """Like row_shard, split along the last dim (a column block of a matrix)."""
+    import torch
+
+    ndim = full.dim() if isinstance(full, torch.Tensor) else len(tuple(full))
+    return _dim_shard(full, rank, world, ndim - 1, dtype, device)
+
+
+def flat_shard(tensor, numel, offset):
+    """A 1-D slice [offset, offset + tensor.numel()) of a flattened tensor of
+    `numel` elements (ZeRO / FSDP flat parameters)."""
+    return Shard(tensor.view(-1), (int(numel),), (int(offset),))
+
+
+def _sharded_tensor_shard(key, v):
+    """torch 1.13 ShardedTensor -> Shard: this rank's one local shard."""
+    shards = v.local_shards()
+    if len(shards) != 1:
+        raise FerryError(
+            "tensor '%s': ShardedTensor with %d local shards on this rank; Ferry takes one per key"
+            % (key, len(shards))
+        )
+    s = shards[0]
+    return Shard(s.tensor, tuple(v.size()), tuple(s.metadata.shard_offsets))
+
+
+def _dtensor_shard(key, v):
+    """torch 2.x DTensor -> Shard, from its mesh and placements."""
+    local = v.to_local()
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:  # older 2.x
+        from torch.distributed._tensor._utils import compute_local_shape_and_global_offset
+    _, offsets = compute_local_shape_and_global_offset(v.shape, v.device_mesh, v.placements)
+    return Shard(local, tuple(v.shape), tuple(offsets))
+
+
+def _as_shard(key, v):
+    if isinstance(v, Shard):
+        return v
+    name = type(v).__name__
+    if name == "ShardedTensor":
+        return _sharded_tensor_shard(key, v)
+    if name == "DTensor":
+        return _dtensor_shard(key, v)
+    return None
+
+
+class _Entries:
+    """ctypes ferry_tensor records for a list of (key, tensor, shard); keeps
+    every buffer they point at alive for as long as it lives."""
+
+    def __init__(self, items):
+        n = len(items)
+        self.array = (_lib.Tensor * n)()
+        self.keep = []
+        for i, (key, t, gshape, offsets) in enumerate(items):
+            rec = self.array[i]
+            kb = key.encode("utf-8")
+            self.keep.append(kb)
+            rec.key = kb
+            rec.data = t.data_ptr() if t.numel() > 0 else None
+            rec.dtype = _dtype_code(key, t.dtype)
+            rec.ndim = t.dim()
+            shape = (ctypes.c_int64 * max(t.dim(), 1))(*t.shape)
+            self.keep.append(shape)
+            rec.shape = ctypes.cast(shape, _lib.c_int64_p)
+            if t.is_contiguous():
+                rec.strides = None
+            else:
+                st = (ctypes.c_int64 * max(t.dim(), 1))(*t.stride())
+                self.keep.append(st)
+                rec.strides = ctypes.cast(st, _lib.c_int64_p)
+            if t.device.type == "cuda":
+                rec.device_type = 1
+                rec.device_index = t.device.index or 0
+            elif t.device.type == "cpu":
+                rec.device_type = 0
+                rec.device_index = 0
+            else:
+                raise FerryError("tensor '%s': device %s is not supported" % (key, t.device))
+            if gshape is None:
+                rec.global_shape = None
+                rec.offsets = None
+            else:
+                g = (ctypes.c_int64 * max(len(gshape), 1))(*gshape)
+                o = (ctypes.c_int64 * max(len(offsets), 1))(*offsets)
+                self.keep += [g, o]
+                rec.global_shape = ctypes.cast(g, _lib.c_int64_p)
+                rec.offsets = ctypes.cast(o, _lib.c_int64_p)
+
+
+def _kvs(pairs):
+    arr = (_lib.KV * max(len(pairs), 1))()
+    keep = []
+    for i, (k, v) in enumerate(pairs):
+        kb, vb = str(k).encode("utf-8"), str(v).encode("utf-8")
+        keep += [kb, vb]
+        arr[i].key = kb
+        arr[i].value = vb
+    return arr, keep
+
+
+def _settings(options):
+    return [(k.replace("_", "-"), _setting_value(v)) for k, v in (options or {}).items()]
+
+
+def _setting_value(v):
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)
+
+
+class Runtime:
+    """One Ferry runtime (its actors, its staging pool) in this process.
+
+    options: the keys of the [ferry] config section, as a dict (underscores
+    or dashes: {"pool_bytes": "256MiB", "writers": 4}); they override
+    FERRY_CONFIG and the config file. rank / world_size default to the
+    torchrun environment (RANK, WORLD_SIZE), else 0 of 1. Several ranks
+    connect to each other when the runtime starts (MASTER_ADDR,
+    MASTER_PORT, FERRY_JOB_TOKEN)."""
+
+    def __init__(self, options=None, rank=None, world_size=None):
+        L = lib()
+        arr, keep = _kvs(_settings(options))
+        n = len(options or {})
+        out = ctypes.c_void_p()
+        if rank is None and world_size is None:
+            check(L.ferry_runtime_from_env(arr, n, ctypes.byref(out)))
+        else:
+            check(
+                L.ferry_runtime_create(
+                    arr, n, int(rank or 0), int(world_size or 1), ctypes.byref(out)
+                )
+            )
+        del keep
+        self._ptr = out
+        self._pid = os.getpid()
+        self._last = None  # the latest SaveHandle: keeps its tensors alive
+        self._lock = threading.Lock()
+        _runtimes.add(self)
+
+    @property
+    def rank(self):
+        return lib().ferry_runtime_rank(self._ptr)
+
+    @property
+    def world_size(self):
+        return lib().ferry_runtime_world_size(self._ptr)
+
+    def _alive(self):
+        if self._ptr is None:
+            raise FerryError("this ferry.Runtime is closed")
+        if os.getpid() != self._pid:
+            raise FerryError(
+                "a ferry.Runtime cannot be used in a forked child process "
+                "(create a new one in the child)"
+            )
+        return self._ptr
+
+    def save_async(self, state_dict, root, step, overwrite=False, metadata=None):
+        """See ferry.save_async."""
+        ptr = self._alive()
+        flat = _tree.flatten(state_dict)
+        items, staged = [], []
+        for key, v in flat.tensors.items():
+            shard = _as_shard(key, v)
+            t = shard.tensor if shard is not None else v
+            if t.requires_grad:  # detach() costs a new tensor object; only when needed
+                t = t.detach()
+            if not t.is_contiguous():
+                # Staged: Ferry reads the copy, which the handle keeps alive.
+                t = t.contiguous()
+                staged.append(key)
+            if shard is None:
+                items.append((key, t, None, None))
+            else:
+                items.append((key, t, shard.global_shape, shard.offsets))
+        entries = _Entries(items)
+        pairs = [(k, v) for k, v in (metadata or {}).items()]
+        pairs += _tree.encode_meta(flat)
+        kv, kv_keep = _kvs(pairs)
+        out = ctypes.c_void_p()
+        root_b = os.fspath(root).encode("utf-8") if root else None
+        with self._lock:
+            check(
+                lib().ferry_save_async(
+                    ptr,
+                    entries.array,
+                    len(items),
+                    int(step),
+                    root_b,
+                    1 if overwrite else 0,
+                    kv,
+                    len(pairs),
+                    ctypes.byref(out),
+                )
+            )
+            h = SaveHandle(out, entries, [t for _, t, _, _ in items], staged)
+            # The C++ runtime waited for the previous save's snapshot before
+            # it started this one, so the previous tensors may go now.
+            self._last = h
+        del kv_keep
+        return h
+
+    def load(self, state_dict, path, strict=True, cast=False, key_map=None):
+        """See ferry.load."""
+        return _load(self, state_dict, path, strict, cast, key_map)
+
+    def wait_for_inflight(self, timeout_s=None):
+        """Waits for the latest save to end; False if still running after timeout_s."""
+        h = self._last
+        if h is None:
+            return True
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not h.done():
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def close(self, timeout_s=60.0):
+        """Waits (bounded) for an in-flight save, then stops the runtime."""
+        if self._ptr is None or os.getpid() != self._pid:
+            return
+        if not self.wait_for_inflight(timeout_s):
+            h = self._last
+            sys.stderr.write(
+                "ferry: the save of step %d is still in flight after %.0f s at shutdown; "
+                "it is abandoned (its pending directory is left for `ferry gc`)\n"
+                % (h.step, timeout_s)
+            )
+            # Stopping the actors now would wait for the stuck save again.
+            self._ptr = None
+            return
+        # Save handles stay usable: they share the save's state, not the runtime.
+        ptr, self._ptr = self._ptr, None
+        lib().ferry_runtime_destroy(ptr)
+
+
+class SaveHandle:
+    """An asynchronous save, returned by save_async at once.
+
+    wait_snapshot(): the tensors may be mutated afterwards.
+    wait(): the checkpoint is committed; raises FerryError if it failed.
+    The handle holds the tensors (and staged copies) until the snapshot is
+    done, even if the caller drops it, since the runtime keeps the latest."""
+
+    def __init__(self, ptr, entries, tensors, staged):
+        self._ptr = ptr
+        self._entries = entries
+        self._tensors = tensors
+        self.staged = staged  # keys of non-contiguous tensors copied before the save
+        self._lock = threading.Lock()
+        self.step = lib().ferry_save_step(ptr)
+
+    def _p(self):
+        if self._ptr is None:
+            raise FerryError("this SaveHandle was released")
+        return self._ptr
+
+    def wait_snapshot(self):
+        check(lib().ferry_save_wait_snapshot(self._p()))
+        self._drop_tensors()
+
+    def wait(self):
+        """Blocks until committed; returns the checkpoint's path."""
+        check(lib().ferry_save_wait(self._p()))
+        self._drop_tensors()
+        return self.path
+
+    def snapshot_done(self):
+        done = bool(lib().ferry_save_snapshot_done(self._p()))
+        if done:
+            self._drop_tensors()
+        return done
+
+    def done(self):
+        if self._ptr is None:
+            return True
+        return bool(lib().ferry_save_done(self._ptr))
+
+    @property
+    def path(self):
+        return lib().ferry_save_path(self._p()).decode("utf-8")
+
+    def metrics(self):
+        m = _lib.SaveMetrics()
+        lib().ferry_save_metrics_get(self._p(), ctypes.byref(m))
+        d = {name: getattr(m, name) for name, _ in _lib.SaveMetrics._fields_}
+        d["bytes_persisted"] = lib().ferry_save_bytes_persisted(self._ptr)
+        d["bytes_total"] = lib().ferry_save_bytes_total(self._ptr)
+        return d
+
+    def _drop_tensors(self):
+        with self._lock:
+            self._tensors = None
+            self._entries = None
+
+    def _release(self):
+        ptr, self._ptr = self._ptr, None
+        if ptr is not None:
+            lib().ferry_save_release(ptr)
+
+    def __del__(self):
+        try:
+            self._release()
+        except Exception:
+            pass
+
+    def __repr__(self):
+        return "<ferry.SaveHandle step=%d done=%s>" % (self.step, self.done())
+
+
+# --- the manifest ----------------------------------------------------------------
+
+TensorInfo = namedtuple("TensorInfo", "key dtype shape nbytes")
+
+
+class Manifest:
+    """What a committed checkpoint holds: path, step, world_size, tensors
+    (key -> TensorInfo with the torch dtype and global shape), metadata (the
+    user's key/values, and the package's own)."""
+
+    def __init__(self, path):
+        L = lib()
+        m = ctypes.c_void_p()
+        check(L.ferry_manifest_open(os.fspath(path).encode("utf-8"), ctypes.byref(m)))
+        try:
+            self.path = L.ferry_manifest_path(m).decode("utf-8")
+            self.step = L.ferry_manifest_step(m)
+            self.commit_seq = L.ferry_manifest_commit_seq(m)
+            self.world_size = L.ferry_manifest_world_size(m)
+            self.tensors = {}
+            info = _lib.TensorInfo()
+            for i in range(L.ferry_manifest_num_tensors(m)):
+                check(L.ferry_manifest_tensor(m, i, ctypes.byref(info)))
+                key = info.key.decode("utf-8")
+                shape = tuple(info.global_shape[d] for d in range(info.ndim))
+                self.tensors[key] = TensorInfo(key, info.dtype, shape, info.bytes)
+            self.metadata = {}
+            k = ctypes.c_char_p()
+            v = ctypes.c_void_p()
+            n = ctypes.c_size_t()
+            for i in range(L.ferry_manifest_num_metadata(m)):
+                check(L.ferry_manifest_metadata(m, i, ctypes.byref(k), ctypes.byref(v), ctypes.byref(n)))
+                raw = ctypes.string_at(v, n.value) if n.value else b""
+                self.metadata[k.value.decode("utf-8")] = raw.decode("utf-8", "replace")
+        finally:
+            L.ferry_manifest_close(m)
+        self.paths, self.leaves = _tree.decode_meta(self.metadata)
+
+    def torch_dtype(self, key):
+        return torch_dtype(self.tensors[key].dtype)
+
+    @property
+    def user_metadata(self):
+        return {k: v for k, v in self.metadata.items() if not k.startswith("ferry.python.")}
+
+
+def read_manifest(path):
+    return Manifest(path)
+
+
+def latest(root):
+    """Path of the latest committed checkpoint under root, or None."""
+    out = ctypes.c_char_p()
+    st = lib().ferry_latest(os.fspath(root).encode("utf-8"), ctypes.byref(out))
+    if st == 2:  # not_found
+        return None
+    check(st)
+    return out.value.decode("utf-8")
+
+
+def list_steps(root):
+    """Steps of the committed checkpoints under root, in commit order."""
+    L = lib()
+    n = ctypes.c_size_t()
+    rb = os.fspath(root).encode("utf-8")
+    st = L.ferry_list_steps(rb, None, 0, ctypes.byref(n))
+    if st == 2:
+        return []
+    check(st)
+    while True:
+        cap = n.value
+        arr = (ctypes.c_uint64 * max(cap, 1))()
+        check(L.ferry_list_steps(rb, arr, cap, ctypes.byref(n)))
+        if n.value <= cap:
+            return [int(arr[i]) for i in range(n.value)]
+
+
+def apply_retention(root, keep_last):
+    check(lib().ferry_apply_retention(os.fspath(root).encode("utf-8"), int(keep_last)))
+
+
+# --- load --------------------------------------------------------------------------
+
+LoadResult = namedtuple("LoadResult", "missing_keys unexpected_keys")
+
+
+def _map_key(key_map, key):
+    if key_map is None:
+        return key
+    if callable(key_map):
+        return key_map(key)
+    return key_map.get(key, key)
+
+
+def _under(key, prefix):
+    return prefix == "" or key == prefix or key.startswith(prefix + ".")
+
+
+def _load(rt, state_dict, path, strict, cast, key_map):
+    import torch
+
+    ptr = rt._alive()
+    man = Manifest(path)
+    flat = _tree.flatten(state_dict)
+
+    # Checkpoint key -> target key for everything the target names.
+    claims = {}
+    for key in list(flat.tensors) + list(flat.leaves):
+        claims.setdefault(_map_key(key_map, key), key)
+    ckpt_keys = set(man.tensors) | set(man.leaves)
+    stateful_prefixes = {
+        _map_key(key_map, p) if p else p: p for p in flat.stateful
+    }
+
+    def in_stateful(ck):
+        return any(_under(ck, p) for p in stateful_prefixes)
+
+    missing = []
+    for ck, key in claims.items():
+        if ck in ckpt_keys:
+            continue
+        # Inside an object's state dict, the checkpoint decides what is there
+        # (a fresh optimizer has no state yet): its load_state_dict judges.
+        owner = next((p for p in stateful_prefixes if _under(ck, p)), None)
+        if owner is not None and any(_under(k, owner) for k in ckpt_keys):
+            continue
+        missing.append(key)
+    unexpected = sorted(k for k in ckpt_keys if k not in claims and not in_stateful(k))
+    missing.sort()
+    if strict and (missing or unexpected):
+        parts = []
+        if missing:
+            parts.append("missing from the checkpoint: " + ", ".join(missing))
+        if unexpected:
+            parts.append("in the checkpoint but not in the state dict: " + ", ".join(unexpected))
+        raise FerryError(
+            "load %s: state dict and checkpoint disagree (strict=True); %s"
+            % (man.path, "; ".join(parts)),
+            "invalid_argument",
+        )
+
+    items = []  # (ckpt key, buffer to load into, global shape, offsets)
+    copy_back = []  # (destination tensor, loaded buffer)
+    adopted = {}  # ckpt key -> tensor allocated for a stateful object's state dict
+    mismatched = []
+    for key, v in flat.tensors.items():
+        ck = _map_key(key_map, key)
+        if ck not in man.tensors:
+            continue
+        shard = _as_shard(key, v)
+        dest = shard.tensor if shard is not None else v
+        info = man.tensors[ck]
+        saved = torch_dtype(info.dtype)
+        buf = dest
+        if dest.dtype != saved:
+            if not cast:
+                mismatched.append("'%s' is %s here, %s in the checkpoint" % (key, dest.dtype, saved))
+                continue
+            buf = torch.empty(dest.shape, dtype=saved, device=dest.device)
+        elif not dest.is_contiguous():
+            buf = torch.empty(dest.shape, dtype=saved, device=dest.device)
+        if buf is not dest:
+            copy_back.append((dest, buf))
+        if shard is None:
+            items.append((ck, buf.detach(), None, None))
+        else:
+            items.append((ck, buf.detach(), shard.global_shape, shard.offsets))
+    if mismatched:
+        raise FerryError(
+            "load %s: dtype mismatch (pass cast=True to convert): %s"
+            % (man.path, "; ".join(mismatched)),
+            "invalid_argument",
+        )
+    # Tensors of an object's state dict that the target does not hold yet.
+    claimed = {it[0] for it in items}
+    for ck, info in man.tensors.items():
+        if ck in claimed or ck in claims or not in_stateful(ck):
+            continue
+        t = torch.empty(info.shape, dtype=torch_dtype(info.dtype))
+        adopted[ck] = t
+        items.append((ck, t, None, None))
+
+    entries = _Entries(items)
+    check(lib().ferry_load(ptr, entries.array, len(items), man.path.encode("utf-8")))
+    with torch.no_grad():
+        for dest, buf in copy_back:
+            dest.copy_(buf)
+
+    # Leaves go back into their containers.
+    for key in flat.leaves:
+        ck = _map_key(key_map, key)
+        if ck in man.leaves:
+            slot = flat.slots.get(key)
+            if slot is not None and not isinstance(slot[0], tuple):  # a tuple cannot take it
+                slot[0][slot[1]] = man.leaves[ck]
+
+    # Objects get their state dict back through their own load_state_dict.
+    inv = {}
+    for key in flat.tensors:
+        inv[_map_key(key_map, key)] = flat.tensors[key]
+    for prefix, (obj, sd, opath) in flat.stateful.items():
+        cp = _map_key(key_map, prefix) if prefix else prefix
+        values = {}
+        for ck in list(man.tensors) + list(man.leaves):
+            if not _under(ck, cp):
+                continue
+            if ck in adopted:
+                values[ck] = adopted[ck]
+            elif ck in inv:
+                values[ck] = inv[ck]
+            else:
+                values[ck] = man.leaves.get(ck)
+        depth = len(man.paths[cp]) if cp in man.paths else len(opath)
+        paths = {ck: man.paths.get(ck) or flat.paths.get(claims.get(ck, ""), [ck]) for ck in values}
+        sub = _tree.build(values, paths, strip=depth)
+        obj.load_state_dict(sub)
+    return LoadResult(missing, unexpected)
+
+
+def load_state_dict(path, runtime=None, prefix=None):
+    """A new state dict with everything in the checkpoint (tensors allocated
+    on the CPU with their saved dtypes and global shapes, leaves restored),
+    nested as it was saved. `prefix` selects one subtree ("optim")."""
+    import torch
+
+    rt = runtime or default_runtime()
+    man = Manifest(path)
+    keys = [k for k in man.tensors if prefix is None or _under(k, prefix)]
+    tensors = {k: torch.empty(man.tensors[k].shape, dtype=man.torch_dtype(k)) for k in keys}
+    entries = _Entries([(k, t, None, None) for k, t in tensors.items()])
+    check(lib().ferry_load(rt._alive(), entries.array, len(keys), man.path.encode("utf-8")))
+    values = dict(tensors)
+    for k, v in man.leaves.items():
+        if prefix is None or _under(k, prefix):
+            values[k] = v
+    strip = 0
+    if prefix:
+        some = next((man.paths[k] for k in values if k in man.paths), None)
+        strip = len(prefix.split(".")) if some is None else _prefix_depth(some, prefix)
+    return _tree.build(values, man.paths, strip=strip)
+
+
+def _prefix_depth(path, prefix):
+    for i in range(len(path) + 1):
+        if _tree.join(path[:i]) == prefix:
+            return i
+    return len(prefix.split("."))
+
+
+# --- the process's default runtime -----------------------------------------------
+
+# Every runtime of this process, so that exit stops each one cleanly (its
+# actor threads must not outlive the interpreter's teardown).
+_runtimes = weakref.WeakSet()
+_default = None
+_default_lock = threading.Lock()
+_default_options = {}
+_EXIT_WAIT_S = float(os.environ.get("FERRY_EXIT_WAIT_S", "60"))
+
+
+def configure(**options):
+    """Options for the default runtime (before its first use): the keys of
+    the [ferry] config section, e.g. configure(pool_bytes="256MiB")."""
+    global _default_options
+    if _default is not None:
+        raise FerryError("ferry.configure() must come before the first save or load")
+    _default_options = dict(options)
+
+
+def default_runtime():
+    global _default
+    if _default is None or _default._pid != os.getpid():
+        with _default_lock:
+            if _default is None or _default._pid != os.getpid():
+                _default = Runtime(_default_options)
+    return _default
+
+
+def _forget_in_child():
+    # A forked child (a DataLoader worker) must not touch the parent's
+    # runtime, nor stop it at exit: it builds its own if it saves.
+    global _default
+    _default = None
+
+
+def _at_exit():
+    for rt in list(_runtimes):
+        rt.close(timeout_s=_EXIT_WAIT_S)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+atexit.register(_at_exit)
+
+
+def save_async(state_dict, root, step, overwrite=False, metadata=None, runtime=None):
+    """Starts a checkpoint of `state_dict` at `step` under `root` and returns
+    a SaveHandle at once. Tensors must not change until
+    handle.wait_snapshot(); non-contiguous ones are copied first."""
+    rt = runtime or default_runtime()
+    return rt.save_async(state_dict, root, step, overwrite=overwrite, metadata=metadata)
+
+
+def save(state_dict, root, step, overwrite=False, metadata=None, runtime=None):
+    """save_async + wait: returns the committed checkpoint's path."""
+    return save_async(state_dict, root, step, overwrite, metadata, runtime).wait()
+
+
+def load(state_dict, path, strict=True, cast=False, key_map=None, runtime=None):
+    """Fills `state_dict` in place from the checkpoint at `path` (a step
+    directory, or a root: its latest).
+
+    Tensors are filled in place; ferry.Shard entries (and torch sharded
+    tensors) get their box of the global tensor, whatever sharding saved it;
+    JSON leaves are put back; objects with load_state_dict() (modules,
+    optimizers) get their state dict through it.
+    strict: keys missing from the checkpoint, or in the checkpoint but not in
+    the state dict, raise one FerryError naming them all. strict=False loads
+    what matches and returns LoadResult(missing_keys, unexpected_keys).
+    cast: a dtype that differs from the saved one is an error unless True
+    (then the saved values are converted).
+    key_map: {state dict key: checkpoint key} or a function of the key."""
+    rt = runtime or default_runtime()
+    return rt.load(state_dict, path, strict=strict, cast=cast, key_map=key_map)

@@ -1,0 +1,218 @@
+"""Loads libferry_c.so and declares its C ABI (src/include/ferry/ferry.h).
+
+The library is looked up, first found wins:
+  1. the file named by the FERRY_LIB environment variable;
+  2. libferry_c.so next to this file (the package as assembled in
+     build/python/ferry/, or a pip-installed copy that had it placed there);
+  3. the build tree of a source checkout: <repo>/build/lib/libferry_c.so.
+
+ctypes.CDLL releases the GIL for the duration of every call, so Ferry's
+waits and loads never block other Python threads.
+"""
+
+import ctypes
+import os
+import pathlib
+import threading
+
+__all__ = ["FerryError", "lib", "check", "library_path"]
+
+ABI_VERSION = 1
+
+_STATUS_NAMES = {
+    0: "ok",
+    1: "invalid_argument",
+    2: "not_found",
+    3: "already_exists",
+    4: "io_error",
+    5: "corruption",
+    6: "unsupported",
+    7: "busy",
+    8: "aborted",
+    9: "timeout",
+    10: "outcome_unknown",
+    11: "internal",
+}
+
+
+class FerryError(RuntimeError):
+    """A Ferry failure. str(e) is Ferry's message; e.code names its kind
+    ("not_found", "io_error", "invalid_argument", ...)."""
+
+    def __init__(self, message, code="invalid_argument"):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+c_int64_p = ctypes.POINTER(ctypes.c_int64)
+
+
+class Tensor(ctypes.Structure):
+    _fields_ = [
+        ("key", ctypes.c_char_p),
+        ("data", ctypes.c_void_p),
+        ("dtype", ctypes.c_int32),
+        ("ndim", ctypes.c_int32),
+        ("shape", c_int64_p),
+        ("strides", c_int64_p),
+        ("device_type", ctypes.c_int32),
+        ("device_index", ctypes.c_int32),
+        ("global_shape", c_int64_p),
+        ("offsets", c_int64_p),
+    ]
+
+
+class KV(ctypes.Structure):
+    _fields_ = [("key", ctypes.c_char_p), ("value", ctypes.c_char_p)]
+
+
+class SaveMetrics(ctypes.Structure):
+    _fields_ = [
+        ("save_async_ms", ctypes.c_double),
+        ("plan_ms", ctypes.c_double),
+        ("snapshot_ms", ctypes.c_double),
+        ("write_ms", ctypes.c_double),
+        ("commit_ms", ctypes.c_double),
+        ("total_ms", ctypes.c_double),
+        ("bytes", ctypes.c_uint64),
+        ("files", ctypes.c_uint64),
+        ("slowest_rank", ctypes.c_int32),
+        ("slowest_rank_ms", ctypes.c_double),
+    ]
+
+
+class TensorInfo(ctypes.Structure):
+    _fields_ = [
+        ("key", ctypes.c_char_p),
+        ("dtype", ctypes.c_int32),
+        ("ndim", ctypes.c_int32),
+        ("global_shape", c_int64_p),
+        ("bytes", ctypes.c_uint64),
+        ("num_chunks", ctypes.c_uint64),
+    ]
+
+
+def _candidates():
+    env = os.environ.get("FERRY_LIB")
+    if env:
+        yield pathlib.Path(env)
+        return
+    here = pathlib.Path(__file__).resolve().parent
+    yield here / "libferry_c.so"
+    # python/ferry/ in a source checkout, or build/python/ferry/.
+    yield here.parent.parent / "build" / "lib" / "libferry_c.so"
+    yield here.parent.parent / "lib" / "libferry_c.so"
+
+
+def library_path():
+    """The path of the libferry_c.so this package uses (or would use)."""
+    tried = []
+    for p in _candidates():
+        if p.is_file():
+            return p
+        tried.append(str(p))
+    raise ImportError(
+        "ferry: libferry_c.so not found (tried: %s). Build it with "
+        "`cmake --build build --target ferry_c`, or set FERRY_LIB to its path." % ", ".join(tried)
+    )
+
+
+_lib = None
+_lib_lock = threading.Lock()
+
+
+def _declare(L):
+    vp = ctypes.c_void_p
+    sz = ctypes.c_size_t
+    st = ctypes.c_int
+    kvp = ctypes.POINTER(KV)
+    tp = ctypes.POINTER(Tensor)
+    sig = {
+        "ferry_last_error": (ctypes.c_char_p, []),
+        "ferry_status_name": (ctypes.c_char_p, [st]),
+        "ferry_abi_version": (ctypes.c_int, []),
+        "ferry_dtype_name": (ctypes.c_char_p, [ctypes.c_int32]),
+        "ferry_dtype_size": (sz, [ctypes.c_int32]),
+        "ferry_runtime_create": (st, [kvp, sz, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(vp)]),
+        "ferry_runtime_from_env": (st, [kvp, sz, ctypes.POINTER(vp)]),
+        "ferry_runtime_destroy": (None, [vp]),
+        "ferry_runtime_rank": (ctypes.c_int32, [vp]),
+        "ferry_runtime_world_size": (ctypes.c_int32, [vp]),
+        "ferry_save_async": (
+            st,
+            [vp, tp, sz, ctypes.c_uint64, ctypes.c_char_p, ctypes.c_int, kvp, sz, ctypes.POINTER(vp)],
+        ),
+        "ferry_save_wait_snapshot": (st, [vp]),
+        "ferry_save_wait": (st, [vp]),
+        "ferry_save_snapshot_done": (ctypes.c_int, [vp]),
+        "ferry_save_done": (ctypes.c_int, [vp]),
+        "ferry_save_step": (ctypes.c_uint64, [vp]),
+        "ferry_save_path": (ctypes.c_char_p, [vp]),
+        "ferry_save_bytes_persisted": (ctypes.c_uint64, [vp]),
+        "ferry_save_bytes_total": (ctypes.c_uint64, [vp]),
+        "ferry_save_metrics_get": (None, [vp, ctypes.POINTER(SaveMetrics)]),
+        "ferry_save_release": (None, [vp]),
+        "ferry_load": (st, [vp, tp, sz, ctypes.c_char_p]),
+        "ferry_latest": (st, [ctypes.c_char_p, ctypes.POINTER(ctypes.c_char_p)]),
+        "ferry_list_steps": (
+            st,
+            [ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint64), sz, ctypes.POINTER(sz)],
+        ),
+        "ferry_apply_retention": (st, [ctypes.c_char_p, ctypes.c_uint32]),
+        "ferry_manifest_open": (st, [ctypes.c_char_p, ctypes.POINTER(vp)]),
+        "ferry_manifest_close": (None, [vp]),
+        "ferry_manifest_path": (ctypes.c_char_p, [vp]),
+        "ferry_manifest_step": (ctypes.c_uint64, [vp]),
+        "ferry_manifest_commit_seq": (ctypes.c_uint64, [vp]),
+        "ferry_manifest_world_size": (ctypes.c_int32, [vp]),
+        "ferry_manifest_num_tensors": (sz, [vp]),
+        "ferry_manifest_tensor": (st, [vp, sz, ctypes.POINTER(TensorInfo)]),
+        "ferry_manifest_num_metadata": (sz, [vp]),
+        "ferry_manifest_metadata": (
+            st,
+            [
+                vp,
+                sz,
+                ctypes.POINTER(ctypes.c_char_p),
+                ctypes.POINTER(ctypes.c_void_p),
+                ctypes.POINTER(sz),
+            ],
+        ),
+    }
+    for name, (res, args) in sig.items():
+        f = getattr(L, name)
+        f.restype = res
+        f.argtypes = args
+
+
+def lib():
+    """The loaded library (loaded on first use)."""
+    global _lib
+    if _lib is None:
+        with _lib_lock:
+            if _lib is None:
+                path = library_path()
+                # A bundle (python/make_bundle.py) carries UCX's transport
+                # modules beside the library; UCX reads this when it starts.
+                ucx = path.parent / "ucx"
+                if ucx.is_dir() and "UCX_MODULE_DIR" not in os.environ:
+                    os.environ["UCX_MODULE_DIR"] = str(ucx)
+                L = ctypes.CDLL(str(path))
+                _declare(L)
+                v = L.ferry_abi_version()
+                if v != ABI_VERSION:
+                    raise ImportError(
+                        "ferry: %s has C ABI version %d, this package expects %d"
+                        % (path, v, ABI_VERSION)
+                    )
+                _lib = L
+    return _lib
+
+
+def check(status):
+    """Raises FerryError with this thread's last message when status != 0."""
+    if status != 0:
+        L = lib()
+        msg = L.ferry_last_error().decode("utf-8", "replace")
+        raise FerryError(msg or "ferry call failed", _STATUS_NAMES.get(status, "unknown"))

@@ -1,0 +1,204 @@
+"""Nested state dicts <-> flat keys.
+
+A state dict is a tree of dicts (str or int keys), lists and tuples, whose
+leaves are tensors (saved as tensors), ferry.Shard / torch sharded tensors
+(saved as shards of a global tensor), objects with state_dict() and
+load_state_dict() (an nn.Module, an optimizer: their state dict is saved in
+their place) and small JSON values (int, float, str, bool, None, lists and
+dicts of them: kept in the manifest's metadata).
+
+Flat keys join the path with "." ("model.layer0.weight", "optim.state.0.exp_avg").
+The path itself is kept too (a list per key, ints as ints, list positions as
+[i]) so a state dict can be rebuilt with its original key types.
+"""
+
+import json
+
+TREE_META_KEY = "ferry.python.tree"
+LEAVES_META_KEY = "ferry.python.leaves"
+
+# A JSON leaf larger than this is refused: the manifest is read whole on
+# every load, and big values belong in tensors.
+MAX_LEAF_JSON_BYTES = 1 << 20
+
+
+def _is_tensor(v):
+    import torch
+
+    return isinstance(v, torch.Tensor) and type(v).__name__ != "DTensor"
+
+
+def is_tensor_like(v):
+    from ._core import Shard
+
+    if isinstance(v, Shard) or _is_tensor(v):
+        return True
+    name = type(v).__name__
+    return name in ("ShardedTensor", "DTensor")
+
+
+def is_stateful(v):
+    return (
+        not is_tensor_like(v)
+        and not isinstance(v, (dict, list, tuple))
+        and callable(getattr(v, "state_dict", None))
+        and callable(getattr(v, "load_state_dict", None))
+    )
+
+
+def _has_tensor(v):
+    if is_tensor_like(v) or is_stateful(v):
+        return True
+    if isinstance(v, dict):
+        return any(_has_tensor(x) for x in v.values())
+    if isinstance(v, (list, tuple)):
+        return any(_has_tensor(x) for x in v)
+    return False
+
+
+def _component_str(c):
+    return str(c[0]) if isinstance(c, list) else str(c)
+
+
+def join(path):
+    return ".".join(_component_str(c) for c in path)
+
+
+class Flat:
+    """One walk of a state dict.
+
+    tensors:   flat key -> tensor-like value
+    leaves:    flat key -> JSON value
+    paths:     flat key -> path (list of components)
+    slots:     flat key -> (container, key or index) holding the value, so a
+               load can put a restored leaf back in its place
+    stateful:  flat key prefix -> (object, its state dict)
+    """
+
+    def __init__(self):
+        self.tensors = {}
+        self.leaves = {}
+        self.paths = {}
+        self.slots = {}
+        self.stateful = {}
+
+    def _add(self, path, kind, value, slot):
+        key = join(path)
+        if key in self.paths:
+            raise ValueError("ferry: two entries flatten to the same key %r" % key)
+        self.paths[key] = list(path)
+        self.slots[key] = slot
+        if kind == "tensor":
+            self.tensors[key] = value
+        else:
+            self.leaves[key] = value
+
+
+def flatten(state_dict):
+    if not isinstance(state_dict, dict):
+        raise TypeError("ferry: a state dict must be a dict, got %s" % type(state_dict).__name__)
+    flat = Flat()
+    _walk(state_dict, [], flat, None)
+    return flat
+
+
+def _walk(v, path, flat, slot):
+    if is_tensor_like(v):
+        if not path:
+            raise TypeError("ferry: a state dict must be a dict")
+        flat._add(path, "tensor", v, slot)
+        return
+    if is_stateful(v):
+        sd = v.state_dict()
+        flat.stateful[join(path)] = (v, sd, list(path))
+        _walk(sd, path, flat, None)
+        return
+    if isinstance(v, dict) and (v or not path):
+        for k, x in v.items():
+            if not isinstance(k, (str, int)) or isinstance(k, bool):
+                raise TypeError(
+                    "ferry: key %r under %r is a %s; keys must be str or int"
+                    % (k, join(path), type(k).__name__)
+                )
+            if isinstance(k, str) and "." in k and not path:
+                pass  # "layer.weight" style keys of module state dicts are fine
+            _walk(x, path + [k], flat, (v, k))
+        return
+    if isinstance(v, (list, tuple)) and _has_tensor(v):
+        for i, x in enumerate(v):
+            _walk(x, path + [[i]], flat, (v, i))
+        return
+    # A JSON leaf.
+    try:
+        text = json.dumps(v, allow_nan=True)
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            "ferry: value at %r (a %s) is neither a tensor nor JSON-serializable: %s"
+            % (join(path), type(v).__name__, e)
+        ) from None
+    if len(text) > MAX_LEAF_JSON_BYTES:
+        raise ValueError(
+            "ferry: value at %r is %d bytes as JSON (limit %d): store it as a tensor"
+            % (join(path), len(text), MAX_LEAF_JSON_BYTES)
+        )
+    flat._add(path, "leaf", v, slot)
+
+
+def encode_meta(flat):
+    """The metadata pairs that let a load restore leaves and rebuild the tree."""
+    return [
+        (TREE_META_KEY, json.dumps(flat.paths, allow_nan=True)),
+        (LEAVES_META_KEY, json.dumps(flat.leaves, allow_nan=True)),
+    ]
+
+
+def decode_meta(metadata):
+    paths = json.loads(metadata[TREE_META_KEY]) if TREE_META_KEY in metadata else {}
+    leaves = json.loads(metadata[LEAVES_META_KEY]) if LEAVES_META_KEY in metadata else {}
+    return paths, leaves
+
+
+def build(items, paths, strip=0):
+    """A nested dict from flat key -> value, using the saved paths (minus
+    their first `strip` components) where known, else the flat key."""
+    root = {}
+    for key, value in items.items():
+        path = paths.get(key, [key])[strip:]
+        if not path:
+            continue
+        node = root
+        for c, nxt in zip(path[:-1], path[1:]):
+            node = _child(node, c, [] if isinstance(nxt, list) else {})
+        _put(node, path[-1], value)
+    return _lists(root)
+
+
+def _child(node, c, empty):
+    if isinstance(c, list):
+        i = c[0]
+        while len(node) <= i:
+            node.append(None)
+        if node[i] is None:
+            node[i] = empty
+        return node[i]
+    if c not in node:
+        node[c] = empty
+    return node[c]
+
+
+def _put(node, c, value):
+    if isinstance(c, list):
+        i = c[0]
+        while len(node) <= i:
+            node.append(None)
+        node[i] = value
+    else:
+        node[c] = value
+
+
+def _lists(v):
+    if isinstance(v, dict):
+        return {k: _lists(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_lists(x) for x in v]
+    return v

@@ -1,0 +1,122 @@
+"""CheckpointManager: periodic asynchronous checkpoints with retention, in
+the manner of Orbax's CheckpointManager."""
+
+import os
+
+from . import _core
+from ._lib import FerryError
+
+
+class CheckpointManager:
+    """Saves a state every `save_interval_steps` steps under `root`, keeps the
+    `keep_last` newest checkpoints (None keeps all), restores the latest.
+
+        with ferry.CheckpointManager("/ckpt", save_interval_steps=100, keep_last=3) as mgr:
+            start = (mgr.latest_step() or 0)
+            if start:
+                mgr.restore(state={"model": model, "optim": opt})
+            for step in range(start + 1, steps + 1):
+                train_step()
+                mgr.save(step, {"model": model, "optim": opt})
+
+    save() returns once the state's bytes are copied off the tensors (the
+    snapshot), so training may go on mutating them; the write and commit
+    run in the background. The state may hold tensors, nested dicts, JSON
+    values, ferry.Shard entries and objects with state_dict() /
+    load_state_dict() (modules, optimizers)."""
+
+    def __init__(self, root, save_interval_steps=1, keep_last=None, runtime=None):
+        if save_interval_steps < 1:
+            raise ValueError("save_interval_steps must be >= 1")
+        if keep_last is not None and keep_last < 1:
+            raise ValueError("keep_last must be None or >= 1")
+        self.root = os.fspath(root)
+        self.save_interval_steps = int(save_interval_steps)
+        self.keep_last = keep_last
+        self._rt = runtime
+        self._pending = []  # saves not yet known committed, oldest first
+        self._last_saved = None
+
+    @property
+    def runtime(self):
+        return self._rt or _core.default_runtime()
+
+    def should_save(self, step):
+        if step == self._last_saved:
+            return False
+        return step % self.save_interval_steps == 0
+
+    def save(self, step, state, force=False, metadata=None):
+        """Starts a checkpoint of `state` at `step` when should_save(step) (or
+        force). Returns whether a save was started. A failure of the previous
+        save is raised here."""
+        if not force and not self.should_save(step):
+            return False
+        self._finish_previous(block=False)
+        h = _core.save_async(state, self.root, step, metadata=metadata, runtime=self.runtime)
+        h.wait_snapshot()  # a save that failed this early is raised here, once
+        self._pending.append(h)
+        self._last_saved = step
+        return True
+
+    def _finish_previous(self, block):
+        while self._pending:
+            h = self._pending[0]
+            if not block and not h.done():
+                return
+            self._pending.pop(0)
+            h.wait()  # raises the failure of that save, if any
+            self._retain()
+
+    def _retain(self):
+        # Rank 0 alone deletes: it is the one that commits.
+        if self.keep_last and self.runtime.rank == 0:
+            _core.apply_retention(self.root, self.keep_last)
+
+    def wait_until_finished(self):
+        """Blocks until the save in flight is committed (raises its error)."""
+        self._finish_previous(block=True)
+
+    def all_steps(self):
+        return sorted(_core.list_steps(self.root)) if os.path.isdir(self.root) else []
+
+    def latest_step(self):
+        if not os.path.isdir(self.root):
+            return None
+        path = _core.latest(self.root)
+        return None if path is None else _core.read_manifest(path).step
+
+    def step_path(self, step):
+        return os.path.join(self.root, "step-%08d" % int(step))
+
+    def restore(self, step=None, state=None, strict=True, cast=False, key_map=None):
+        """Loads step (default: the latest). With `state`, fills it in place
+        (see ferry.load) and returns it; without, returns a new state dict."""
+        self.wait_until_finished()
+        if step is None:
+            path = _core.latest(self.root) if os.path.isdir(self.root) else None
+            if path is None:
+                raise FerryError("no committed checkpoint under %s" % self.root, "not_found")
+        else:
+            path = self.step_path(step)
+        if state is None:
+            return _core.load_state_dict(path, runtime=self.runtime)
+        _core.load(state, path, strict=strict, cast=cast, key_map=key_map, runtime=self.runtime)
+        return state
+
+    def close(self):
+        self.wait_until_finished()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+        else:
+            # Do not hide the original error behind a save's failure.
+            try:
+                self.close()
+            except FerryError:
+                pass
+        return False

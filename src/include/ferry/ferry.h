@@ -1,0 +1,225 @@
+/* Ferry's C ABI: a plain C interface over ferry::Runtime, for callers that
+ * cannot (or should not) link C++: the `ferry` Python package loads it with
+ * ctypes, so one build of libferry_c.so serves every CPython and every torch.
+ *
+ * Conventions
+ * - Every fallible function returns a ferry_status (FERRY_OK = 0). On an
+ *   error, ferry_last_error() returns Ferry's message ("tensor 'w': dtype F16
+ *   requested, checkpoint has F32"). The message is thread-local: it belongs
+ *   to the thread that made the failing call and stays valid until that
+ *   thread's next call into this library.
+ * - Handles are opaque. Each *_create / *_open / ferry_save_async has a
+ *   matching release function; releasing NULL is a no-op.
+ * - No function throws or aborts: C++ exceptions are caught at this boundary
+ *   and returned as FERRY_INTERNAL.
+ * - Strings passed in are NUL-terminated UTF-8 and only read during the call.
+ *   Strings returned are owned by the handle they came from and live as long
+ *   as it, unless said otherwise.
+ * - Thread safety: a runtime may be used from several threads, as
+ *   ferry::Runtime may; a save handle may be waited on from any thread.
+ */
+#ifndef FERRY_FERRY_H_
+#define FERRY_FERRY_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(__GNUC__)
+#define FERRY_API __attribute__((visibility("default")))
+#else
+#define FERRY_API
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Bumped when a struct layout or a function signature changes. */
+#define FERRY_C_ABI_VERSION 1
+
+/* Mirrors ferry::StatusCode. */
+typedef enum ferry_status {
+  FERRY_OK = 0,
+  FERRY_INVALID_ARGUMENT = 1,
+  FERRY_NOT_FOUND = 2,
+  FERRY_ALREADY_EXISTS = 3,
+  FERRY_IO_ERROR = 4,
+  FERRY_CORRUPTION = 5,
+  FERRY_UNSUPPORTED = 6,
+  FERRY_BUSY = 7,
+  FERRY_ABORTED = 8,
+  FERRY_TIMEOUT = 9,
+  FERRY_OUTCOME_UNKNOWN = 10,
+  FERRY_INTERNAL = 11
+} ferry_status;
+
+/* Mirrors ferry::DType (safetensors names in comments). */
+typedef enum ferry_dtype {
+  FERRY_DTYPE_BOOL = 0, /* BOOL */
+  FERRY_DTYPE_U8 = 1,
+  FERRY_DTYPE_I8 = 2,
+  FERRY_DTYPE_I16 = 3,
+  FERRY_DTYPE_U16 = 4,
+  FERRY_DTYPE_I32 = 5,
+  FERRY_DTYPE_U32 = 6,
+  FERRY_DTYPE_I64 = 7,
+  FERRY_DTYPE_U64 = 8,
+  FERRY_DTYPE_F16 = 9,
+  FERRY_DTYPE_BF16 = 10,
+  FERRY_DTYPE_F32 = 11,
+  FERRY_DTYPE_F64 = 12,
+  FERRY_DTYPE_F8_E4M3 = 13,
+  FERRY_DTYPE_F8_E5M2 = 14
+} ferry_dtype;
+
+typedef enum ferry_device_type { FERRY_DEVICE_HOST = 0, FERRY_DEVICE_CUDA = 1 } ferry_device_type;
+
+/* One tensor of a state dict: a non-owning view of the caller's memory.
+ * For a save the memory must stay valid and unchanged until the save's
+ * snapshot is done (ferry_save_wait_snapshot); for a load, during the call. */
+typedef struct ferry_tensor {
+  const char* key;        /* unique in the state dict, e.g. "layer0.weight" */
+  void* data;             /* first element (NULL only when the tensor is empty) */
+  int32_t dtype;          /* a ferry_dtype */
+  int32_t ndim;           /* 0 for a scalar */
+  const int64_t* shape;   /* ndim sizes (of this view, i.e. of the local shard) */
+  const int64_t* strides; /* ndim strides in elements, or NULL for row-major contiguous */
+  int32_t device_type;    /* a ferry_device_type */
+  int32_t device_index;   /* CUDA ordinal; 0 for host */
+  /* When this view is a shard of a larger tensor: the global shape and this
+   * view's offsets in every dimension (ndim each). Both NULL: the view is
+   * the whole tensor. */
+  const int64_t* global_shape;
+  const int64_t* offsets;
+} ferry_tensor;
+
+/* A key/value pair: settings (the keys of the [ferry] config section, e.g.
+ * "pool-bytes" = "64MiB") or manifest metadata. */
+typedef struct ferry_kv {
+  const char* key;
+  const char* value;
+} ferry_kv;
+
+typedef struct ferry_runtime ferry_runtime;
+typedef struct ferry_save ferry_save;
+typedef struct ferry_manifest ferry_manifest;
+
+/* --- errors and versions ------------------------------------------------- */
+
+/* The message of this thread's last failed call ("" if none). */
+FERRY_API const char* ferry_last_error(void);
+/* "invalid_argument", "io_error", ... */
+FERRY_API const char* ferry_status_name(ferry_status code);
+FERRY_API int ferry_abi_version(void);
+/* Safetensors name of a dtype ("F32"), or NULL for an unknown one. */
+FERRY_API const char* ferry_dtype_name(int32_t dtype);
+/* Bytes per element, 0 for an unknown dtype. */
+FERRY_API size_t ferry_dtype_size(int32_t dtype);
+
+/* --- runtime ------------------------------------------------------------- */
+
+/* Starts a runtime for `rank` of `world_size` (1 process: 0 of 1). Settings
+ * have the highest precedence, above FERRY_CONFIG and the config file. A
+ * runtime with world_size > 1 connects to its peers before it returns. */
+FERRY_API ferry_status ferry_runtime_create(const ferry_kv* settings, size_t num_settings,
+                                            int32_t rank, int32_t world_size, ferry_runtime** out);
+/* The same, with rank and world size from RANK / WORLD_SIZE (torchrun). */
+FERRY_API ferry_status ferry_runtime_from_env(const ferry_kv* settings, size_t num_settings,
+                                              ferry_runtime** out);
+/* Waits (bounded) for an in-flight save, then stops the runtime. */
+FERRY_API void ferry_runtime_destroy(ferry_runtime* rt);
+FERRY_API int32_t ferry_runtime_rank(const ferry_runtime* rt);
+FERRY_API int32_t ferry_runtime_world_size(const ferry_runtime* rt);
+
+/* --- save ---------------------------------------------------------------- */
+
+/* Starts a checkpoint of the tensors at `step` under `root` (NULL or "" =
+ * the configured root) and returns at once with a handle in *out. Metadata
+ * is stored in the manifest. An invalid state dict (duplicate key, bad
+ * dtype, shard outside its global shape) fails here, with no handle; any
+ * later failure is reported by the waits. */
+FERRY_API ferry_status ferry_save_async(ferry_runtime* rt, const ferry_tensor* tensors,
+                                        size_t num_tensors, uint64_t step, const char* root,
+                                        int overwrite, const ferry_kv* metadata,
+                                        size_t num_metadata, ferry_save** out);
+/* Blocks until every byte is off the caller's tensors (or the save failed). */
+FERRY_API ferry_status ferry_save_wait_snapshot(ferry_save* s);
+/* Blocks until the checkpoint is committed (or failed). */
+FERRY_API ferry_status ferry_save_wait(ferry_save* s);
+FERRY_API int ferry_save_snapshot_done(const ferry_save* s);
+FERRY_API int ferry_save_done(const ferry_save* s);
+FERRY_API uint64_t ferry_save_step(const ferry_save* s);
+/* The committed directory once done, else "". Valid until the next call of
+ * this function on the same handle, or its release. */
+FERRY_API const char* ferry_save_path(ferry_save* s);
+FERRY_API uint64_t ferry_save_bytes_persisted(const ferry_save* s);
+FERRY_API uint64_t ferry_save_bytes_total(const ferry_save* s);
+
+typedef struct ferry_save_metrics {
+  double save_async_ms;
+  double plan_ms;
+  double snapshot_ms;
+  double write_ms;
+  double commit_ms;
+  double total_ms;
+  uint64_t bytes;
+  uint64_t files;
+  int32_t slowest_rank;
+  double slowest_rank_ms;
+} ferry_save_metrics;
+FERRY_API void ferry_save_metrics_get(const ferry_save* s, ferry_save_metrics* out);
+/* Drops the handle; the save itself goes on (the runtime keeps it). */
+FERRY_API void ferry_save_release(ferry_save* s);
+
+/* --- load ---------------------------------------------------------------- */
+
+/* Fills the tensors from the checkpoint at `path` (a step directory, or a
+ * root: then its latest), resharding as their shards ask. Every tensor must
+ * be in the checkpoint with the same dtype and global shape. In a job of
+ * several ranks every rank calls it (rank 0 picks the checkpoint). */
+FERRY_API ferry_status ferry_load(ferry_runtime* rt, const ferry_tensor* tensors,
+                                  size_t num_tensors, const char* path);
+
+/* --- catalog (no runtime needed) ---------------------------------------- */
+
+/* The latest committed checkpoint under root in *out (owned by this thread,
+ * valid until its next call into this library); FERRY_NOT_FOUND if none. */
+FERRY_API ferry_status ferry_latest(const char* root, const char** out);
+/* Steps of the committed, readable checkpoints under root, by commit order.
+ * Writes at most `capacity` steps and sets *count to how many there are. */
+FERRY_API ferry_status ferry_list_steps(const char* root, uint64_t* steps, size_t capacity,
+                                        size_t* count);
+/* Keeps the keep_last newest committed checkpoints, deleting older ones. */
+FERRY_API ferry_status ferry_apply_retention(const char* root, uint32_t keep_last);
+
+/* Reads the manifest of `path` (a checkpoint, or a root: its latest). */
+FERRY_API ferry_status ferry_manifest_open(const char* path, ferry_manifest** out);
+FERRY_API void ferry_manifest_close(ferry_manifest* m);
+FERRY_API const char* ferry_manifest_path(const ferry_manifest* m); /* the checkpoint dir */
+FERRY_API uint64_t ferry_manifest_step(const ferry_manifest* m);
+FERRY_API uint64_t ferry_manifest_commit_seq(const ferry_manifest* m);
+FERRY_API int32_t ferry_manifest_world_size(const ferry_manifest* m);
+FERRY_API size_t ferry_manifest_num_tensors(const ferry_manifest* m);
+
+/* Tensor i (sorted by key) of a manifest; pointers owned by the manifest. */
+typedef struct ferry_tensor_info {
+  const char* key;
+  int32_t dtype;
+  int32_t ndim;
+  const int64_t* global_shape;
+  uint64_t bytes; /* stored bytes of all its chunks */
+  uint64_t num_chunks;
+} ferry_tensor_info;
+FERRY_API ferry_status ferry_manifest_tensor(const ferry_manifest* m, size_t i,
+                                             ferry_tensor_info* out);
+
+FERRY_API size_t ferry_manifest_num_metadata(const ferry_manifest* m);
+/* Metadata pair i; values may hold any bytes, so their length is returned. */
+FERRY_API ferry_status ferry_manifest_metadata(const ferry_manifest* m, size_t i, const char** key,
+                                               const char** value, size_t* value_len);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* FERRY_FERRY_H_ */
