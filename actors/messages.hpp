@@ -43,6 +43,8 @@ CAF_ADD_ATOM(ferry, ferry::atom, frame, "frame")
 CAF_ADD_ATOM(ferry, ferry::atom, attach, "attach")
 CAF_ADD_ATOM(ferry, ferry::atom, deadline, "deadline")
 CAF_ADD_ATOM(ferry, ferry::atom, back, "back")
+CAF_ADD_ATOM(ferry, ferry::atom, drain, "drain")
+CAF_ADD_ATOM(ferry, ferry::atom, close, "close")
 
 namespace ferry {
 
@@ -134,3 +136,4 @@ CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<ferry::Transport>)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::LoadJob)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::ReadTask)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<ferry::File>)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::vector<std::shared_ptr<ferry::File>>)
