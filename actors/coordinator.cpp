@@ -63,7 +63,8 @@ struct Checkpoint {
 struct coordinator_state {
   static inline const char* name = "ferry.coordinator";
   ContextPtr ctx;
-  caf::actor link;  // world size > 1: broadcasts aborts to every rank
+  caf::actor link;     // world size > 1: broadcasts aborts to every rank
+  caf::actor planner;  // world size 1: the only rank's planner, told of aborts directly
   // Ranks that failed, with why: every later checkpoint fails at once
   // instead of waiting for them to the plan timeout.
   std::map<int32_t, Status> failed;
@@ -125,6 +126,8 @@ void abort_active(coordinator_ptr self, const Status& status, int32_t failed_ran
   if (st.link)
     self->send(st.link, atom::abort_v,
                AbortMsg{st.ctx->job_id, c.id, failed_rank, phase_of(c), status});
+  else if (st.planner)  // a rank busy writing has no request open to answer
+    self->send(st.planner, atom::abort_v, c.id, status);
   if (st.aborted.emplace(c.id, status).second) st.aborted_order.push_back(c.id);
   if (st.aborted_order.size() > 16) {
     st.aborted.erase(st.aborted_order.front());
@@ -259,6 +262,8 @@ caf::behavior coordinator_actor(coordinator_ptr self, ContextPtr ctx) {
         }
         Checkpoint& c = *st.active;
         if (req.rank == 0) c.metadata = req.metadata;
+        if (!st.link && !st.planner)
+          st.planner = caf::actor_cast<caf::actor>(self->current_sender());
         if (Status d = disagreement(c, req); !d.ok()) {
           auto rp = self->make_response_promise();
           c.plan_promises[req.rank] = rp;

@@ -17,10 +17,10 @@
 //                no more blocks to the writers (both answer `abort`);
 //             2. every writer has drained what was queued before (`drain`);
 //             3. one writer closes the files (`close`).
-// Each phase has a deadline on every rank (plan, write, and commit: the
-// write time left plus commit-timeout, since committing waits for the
-// slowest rank's write too). A commit that times out ends "outcome unknown":
-// rank 0 may still commit.
+// Each phase has a deadline on every rank: plan-timeout, write-timeout, and
+// commit-timeout (plus, with other ranks, the write time left: committing
+// waits for the slowest rank's write too). A commit that times out ends
+// "outcome unknown": rank 0 may still commit.
 // Saves queue here: one runs at a time.
 
 #include <deque>
@@ -179,10 +179,13 @@ void send_result(planner_ptr self) {
   auto& st = self->state;
   auto& cur = st.cur;
   cur.phase = Phase::committing;
-  arm_deadline(self, "commit",
-               std::chrono::duration_cast<std::chrono::milliseconds>(
-                   cur.write_deadline - std::chrono::steady_clock::now()) +
-                   seconds(st.ctx->opts.commit_timeout_s));
+  // With other ranks, committing includes waiting for the slowest one's
+  // write, which the write deadline bounds; alone, the commit starts now.
+  auto commit_after = seconds(st.ctx->opts.commit_timeout_s);
+  if (st.ctx->world_size > 1)
+    commit_after += std::chrono::duration_cast<std::chrono::milliseconds>(
+        cur.write_deadline - std::chrono::steady_clock::now());
+  arm_deadline(self, "commit", commit_after);
   const double now = cur.job.state->ms_since_start();
   WriteResult wr;
   wr.rank = st.ctx->rank;
@@ -441,7 +444,7 @@ caf::behavior planner_actor(planner_ptr self, ContextPtr ctx, caf::actor coordin
         if (phase == "commit") {
           // Rank 0 had everything it needed and may still commit.
           fail(self, Status::outcome_unknown(
-                         "no commit outcome within the write time left plus commit-timeout (" +
+                         "the commit phase timed out (commit-timeout " +
                          std::to_string(o.commit_timeout_s) +
                          " s); the checkpoint may or may not be committed: check the root"));
           return;
