@@ -205,8 +205,19 @@ void on_all_results(coordinator_ptr self) {
   auto m = assemble_manifest(h, results);
   if (!m.ok()) return abort_active(self, m.status());
   CommitOptions co{st.ctx->opts.fsync, c.overwrite, st.ctx->opts.keep_last, c.lease_owner};
+  const auto commit_started = std::chrono::steady_clock::now();
   auto out = commit_checkpoint(*st.ctx->fs, c.root, c.pending_dir, std::move(m).value(), co);
-  if (!out.ok()) return abort_active(self, out.status().with_context("commit: "));
+  const double commit_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - commit_started).count();
+  if (!out.ok())
+    return abort_active(self, out.status().with_context("rank 0 (commit phase): commit: "));
+  // The ranks stopped waiting at commit-timeout and reported the outcome as
+  // unknown; the log says what it was.
+  if (commit_s > st.ctx->opts.commit_timeout_s)
+    std::fprintf(stderr,
+                 "ferry[rank 0]: checkpoint %s committed after %.1f s, past commit-timeout "
+                 "(%.1f s): the ranks may have reported its outcome as unknown\n",
+                 out->path.c_str(), commit_s, st.ctx->opts.commit_timeout_s);
   // Committed: what failed after the commit point does not undo that.
   std::vector<std::string> warnings;
   for (const Status& w : out->warnings) {
