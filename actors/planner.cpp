@@ -105,6 +105,12 @@ std::chrono::milliseconds seconds(double s) {
   return std::chrono::milliseconds(static_cast<int64_t>(s * 1000));
 }
 
+std::string seconds_text(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g s", s);
+  return buf;
+}
+
 void arm_deadline(planner_ptr self, const char* phase, std::chrono::milliseconds after) {
   self->delayed_send(self, std::max(after, std::chrono::milliseconds(0)), atom::deadline_v,
                      self->state.cur.id, std::string(phase));
@@ -445,13 +451,13 @@ caf::behavior planner_actor(planner_ptr self, ContextPtr ctx, caf::actor coordin
           // Rank 0 had everything it needed and may still commit.
           fail(self, Status::outcome_unknown(
                          "the commit phase timed out (commit-timeout " +
-                         std::to_string(o.commit_timeout_s) +
-                         " s); the checkpoint may or may not be committed: check the root"));
+                         seconds_text(o.commit_timeout_s) +
+                         "); the checkpoint may or may not be committed: check the root"));
           return;
         }
         const double limit = phase == "plan" ? o.plan_timeout_s : o.write_timeout_s;
-        fail(self, Status::timeout("the " + phase + " phase timed out after " +
-                                   std::to_string(limit) + " s"));
+        fail(self,
+             Status::timeout("the " + phase + " phase timed out after " + seconds_text(limit)));
       },
       [self](atom::sums, ChecksumSet& sums) {
         auto& cur = self->state.cur;
