@@ -124,7 +124,9 @@ struct SaveRegistry {
     saves.erase(std::remove_if(saves.begin(), saves.end(),
                                [](const std::weak_ptr<detail::SaveState>& w) {
                                  auto p = w.lock();
-                                 return !p || p->done;
+                                 if (!p) return true;
+                                 std::lock_guard<std::mutex> done_lock(p->mu);
+                                 return p->done;
                                }),
                 saves.end());
     saves.push_back(s);
