@@ -73,6 +73,23 @@ TEST_CASE("ranks that pass different steps are refused at once, naming step and 
   CHECK(ferry::list_checkpoints(*ferry::posix_filesystem(), d.path())->empty());
 }
 
+TEST_CASE("ranks that pass different roots are refused at once, naming root and ranks",
+          "[ranks][agreement]") {
+  TempDir d, other;
+  auto r = launch_ranks(2, "--mode disagree --root " + d.path() +
+                               " --root-for-rank 1=" + other.path() + " --set plan-timeout=20s");
+  INFO(r.out);
+  CHECK(r.code == 0);
+  CHECK(count(r.out, "FAILED as expected") == 2);
+  CHECK(count(r.out, "disagree on the root") >= 2);
+  CHECK_THAT(r.out, Catch::Contains(d.path()) && Catch::Contains(other.path()));
+  CHECK(r.seconds < 10);
+  for (const auto& root : {d.path(), other.path()}) {
+    CHECK(pending_dirs(root).empty());
+    CHECK(ferry::list_checkpoints(*ferry::posix_filesystem(), root)->empty());
+  }
+}
+
 TEST_CASE("a job restarted with the same token leaves its predecessor's pending directory alone",
           "[ranks][agreement]") {
   TempDir d;
