@@ -21,7 +21,9 @@ caf::actor spawn_coordinator(caf::actor_system& sys, ContextPtr ctx);
 // and writers.
 caf::actor spawn_planner(caf::actor_system& sys, ContextPtr ctx, caf::actor coordinator);
 
-// Spawned by the planner.
+// Spawned by the planner. After a failure the planner ends the save only
+// once the snapshot has no copy running (it answers `abort` then) and the
+// writers, which own the save's descriptors, have drained and closed them.
 caf::actor spawn_snapshot(caf::local_actor* parent, ContextPtr ctx, caf::actor serializer,
                           caf::actor planner);
 caf::actor spawn_serializer(caf::local_actor* parent, ContextPtr ctx,

@@ -2,16 +2,37 @@
 // checkpoint. Detached, because creating the pending directory and the
 // commit protocol are blocking I/O.
 //
-//   idle --all local plans--> writing --all write results--> commit --> idle
-//     ^                          |
-//     +-------- abort -----------+   (pending directory removed)
+//   idle --first plan--> planning --all local plans--> writing --all write results--> commit -->
+//   idle
+//                           |                             |                             |
+//                           +------- abort ---------------+-----------------------------+--> idle
+//                                   (pending directory removed once created)
+//
+// planning: every later PlanRequest of the checkpoint must agree with the
+//           first on root, step and overwrite; a rank that disagrees aborts
+//           the checkpoint at once, naming the field, the values and the ranks.
+// writing:  the lease of the pending directory is refreshed; a refresh that
+//           fails aborts (gc may take a directory whose lease lapsed).
+// commit:   commit_checkpoint, which refuses a lease that is not ours any
+//           more; failures after the commit point are warnings of a
+//           committed save, logged here once and sent to every rank.
+// Each phase has its deadline (plan-timeout, write-timeout; the commit is
+// one blocking call here, so commit-timeout is enforced where the ranks wait
+// for it, by their planners). An aborted checkpoint's error is kept for a
+// while, so a rank whose plan comes late gets it at once.
+//
+// The pending directory's name carries a nonce drawn here: a job restarted
+// with the same token has the same checkpoint ids, and must never meet (let
+// alone remove) a pending directory of its predecessor.
 //
 // The global plan is cached and reused while the ranks' local plans have the
 // same digests.
 
+#include <cstdio>
 #include <deque>
 #include <map>
 #include <optional>
+#include <random>
 
 #include "actors/actors.hpp"
 #include "actors/messages.hpp"
@@ -23,9 +44,11 @@ namespace {
 
 struct Checkpoint {
   std::string id;
+  int32_t first_rank = 0;  // whose PlanRequest set step, root and overwrite
   uint64_t step = 0;
   std::string root;
   std::string pending_dir;
+  std::string lease_owner;
   bool overwrite = false;
   std::vector<std::pair<std::string, std::string>> metadata;
   std::vector<std::optional<LocalPlan>> plans;
@@ -48,7 +71,8 @@ struct LoadOutcomes {
 struct coordinator_state {
   static inline const char* name = "ferry.coordinator";
   ContextPtr ctx;
-  caf::actor link;  // world size > 1: broadcasts aborts to every rank
+  caf::actor link;     // world size > 1: broadcasts aborts to every rank
+  caf::actor planner;  // world size 1: the only rank's planner, told of aborts directly
   // Ranks that failed, with why: every later checkpoint fails at once
   // instead of waiting for them to the plan timeout.
   std::map<int32_t, Status> failed;
@@ -57,6 +81,10 @@ struct coordinator_state {
   std::map<std::string, LoadReplyMsg> loads;
   std::deque<std::string> load_order;
   std::optional<Checkpoint> active;
+  // Recently aborted checkpoints and why, for ranks whose plan comes later.
+  std::map<std::string, Status> aborted;
+  std::deque<std::string> aborted_order;
+  std::mt19937_64 nonces{std::random_device{}()};
   std::vector<uint64_t> cached_digests;
   std::shared_ptr<const GlobalPlan> cached_plan;  // shared, not copied, on a cache hit
   // Loads whose outcome is being gathered, and the last few answered (a
@@ -111,12 +139,35 @@ void abort_active(coordinator_ptr self, const Status& status, int32_t failed_ran
   if (st.link)
     self->send(st.link, atom::abort_v,
                AbortMsg{st.ctx->job_id, c.id, failed_rank, phase_of(c), status});
+  else if (st.planner)  // a rank busy writing has no request open to answer
+    self->send(st.planner, atom::abort_v, c.id, status);
+  if (st.aborted.emplace(c.id, status).second) st.aborted_order.push_back(c.id);
+  if (st.aborted_order.size() > 16) {
+    st.aborted.erase(st.aborted_order.front());
+    st.aborted_order.pop_front();
+  }
   if (c.writing) remove_all(*st.ctx->fs, c.pending_dir);
   for (auto& p : c.plan_promises)
     if (p.pending()) p.deliver(PlanReply{st.ctx->job_id, c.id, status, "", {}});
   for (auto& p : c.commit_promises)
     if (p.pending()) p.deliver(CommitMsg{st.ctx->job_id, c.id, status, "", 0});
   st.active.reset();
+}
+
+// A save is collective: every rank must ask for the same checkpoint.
+Status disagreement(const Checkpoint& c, const PlanRequest& req) {
+  auto differ = [&](const char* field, const std::string& first, const std::string& theirs) {
+    return Status::invalid_argument(std::string("the ranks disagree on the ") + field +
+                                    " of checkpoint " + c.id + ": rank " +
+                                    std::to_string(c.first_rank) + " has " + first + ", rank " +
+                                    std::to_string(req.rank) + " has " + theirs);
+  };
+  if (req.step != c.step) return differ("step", std::to_string(c.step), std::to_string(req.step));
+  if (req.root != c.root) return differ("root", "'" + c.root + "'", "'" + req.root + "'");
+  if (req.overwrite != c.overwrite)
+    return differ("overwrite flag", c.overwrite ? "true" : "false",
+                  req.overwrite ? "true" : "false");
+  return Status();
 }
 
 void on_all_plans(coordinator_ptr self) {
@@ -127,13 +178,15 @@ void on_all_plans(coordinator_ptr self) {
   for (auto& p : c.plans) plans.push_back(std::move(*p));
   auto gp = global_plan(st, plans);
   if (!gp.ok()) return abort_active(self, gp.status());
-  c.pending_dir = join_path(c.root, pending_dir_name(c.step, st.ctx->job_id, c.id));
+  char nonce[17];
+  std::snprintf(nonce, sizeof(nonce), "%016llx", static_cast<unsigned long long>(st.nonces()));
+  c.pending_dir =
+      join_path(c.root, pending_dir_name(c.step, st.ctx->job_id, c.id + "-" + std::string(nonce)));
+  c.lease_owner = st.ctx->job_id + "/" + c.id + "/" + nonce;
+  // On failure prepare_pending removes what it created, and only that.
   Status s = prepare_pending(*st.ctx->fs, c.root, c.pending_dir, c.step, c.overwrite, lease_ms(st),
-                             st.ctx->job_id + "/" + c.id, st.ctx->opts.fsync);
-  if (!s.ok()) {
-    remove_all(*st.ctx->fs, c.pending_dir);
-    return abort_active(self, s);
-  }
+                             c.lease_owner, st.ctx->opts.fsync);
+  if (!s.ok()) return abort_active(self, s);
   c.writing = true;
   for (size_t r = 0; r < c.plan_promises.size(); ++r)
     c.plan_promises[r].deliver(
@@ -159,9 +212,27 @@ void on_all_results(coordinator_ptr self) {
   h.metadata = c.metadata;
   auto m = assemble_manifest(h, results);
   if (!m.ok()) return abort_active(self, m.status());
-  CommitOptions co{st.ctx->opts.fsync, c.overwrite, st.ctx->opts.keep_last};
+  CommitOptions co{st.ctx->opts.fsync, c.overwrite, st.ctx->opts.keep_last, c.lease_owner};
+  const auto commit_started = std::chrono::steady_clock::now();
   auto out = commit_checkpoint(*st.ctx->fs, c.root, c.pending_dir, std::move(m).value(), co);
-  if (!out.ok()) return abort_active(self, out.status().with_context("commit: "));
+  const double commit_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - commit_started).count();
+  if (!out.ok())
+    return abort_active(self, out.status().with_context("rank 0 (commit phase): commit: "));
+  // The ranks stopped waiting at commit-timeout and reported the outcome as
+  // unknown; the log says what it was.
+  if (commit_s > st.ctx->opts.commit_timeout_s)
+    std::fprintf(stderr,
+                 "ferry[rank 0]: checkpoint %s committed after %.1f s, past commit-timeout "
+                 "(%.1f s): the ranks may have reported its outcome as unknown\n",
+                 out->path.c_str(), commit_s, st.ctx->opts.commit_timeout_s);
+  // Committed: what failed after the commit point does not undo that.
+  std::vector<std::string> warnings;
+  for (const Status& w : out->warnings) {
+    warnings.push_back(w.to_string());
+    std::fprintf(stderr, "ferry[rank 0]: warning: checkpoint %s is committed, but: %s\n",
+                 out->path.c_str(), warnings.back().c_str());
+  }
   // The straggler, from what every rank reported with its write result.
   int32_t slowest = -1;
   double slowest_ms = -1;
@@ -171,8 +242,8 @@ void on_all_results(coordinator_ptr self) {
       slowest_ms = r.ready_ms;
     }
   for (auto& p : c.commit_promises)
-    p.deliver(
-        CommitMsg{st.ctx->job_id, c.id, Status(), out->path, out->commit_seq, slowest, slowest_ms});
+    p.deliver(CommitMsg{st.ctx->job_id, c.id, Status(), out->path, out->commit_seq, slowest,
+                        slowest_ms, warnings});
   st.active.reset();
 }
 
@@ -312,11 +383,14 @@ caf::behavior coordinator_actor(coordinator_ptr self, ContextPtr ctx) {
                                                     " outside world size " + std::to_string(world)),
                            "",
                            {}};
+        if (auto it = st.aborted.find(req.checkpoint_id); it != st.aborted.end())
+          return PlanReply{st.ctx->job_id, req.checkpoint_id, it->second, "", {}};
         if (st.active && st.active->id != req.checkpoint_id)
           abort_active(self, Status::aborted("superseded by checkpoint " + req.checkpoint_id));
         if (!st.active) {
           Checkpoint c;
           c.id = req.checkpoint_id;
+          c.first_rank = req.rank;
           c.step = req.step;
           c.root = req.root;
           c.overwrite = req.overwrite;
@@ -330,6 +404,14 @@ caf::behavior coordinator_actor(coordinator_ptr self, ContextPtr ctx) {
         }
         Checkpoint& c = *st.active;
         if (req.rank == 0) c.metadata = req.metadata;
+        if (!st.link && !st.planner)
+          st.planner = caf::actor_cast<caf::actor>(self->current_sender());
+        if (Status d = disagreement(c, req); !d.ok()) {
+          auto rp = self->make_response_promise();
+          c.plan_promises[req.rank] = rp;
+          abort_active(self, d, req.rank);
+          return rp;
+        }
         if (!st.failed.empty()) {
           const auto& [rank, why] = *st.failed.begin();
           auto rp = self->make_response_promise();
@@ -425,8 +507,14 @@ caf::behavior coordinator_actor(coordinator_ptr self, ContextPtr ctx) {
       [self](atom::lease, const std::string& id) {
         auto& st = self->state;
         if (!st.active || st.active->id != id || !st.active->writing) return;
-        write_lease(*st.ctx->fs, st.active->pending_dir, now_unix_ms() + lease_ms(st),
-                    st.ctx->job_id + "/" + id);
+        // A lease we cannot keep fresh may lapse, and gc may then take the
+        // files: the save must fail rather than commit what may be gone.
+        Status s = write_lease(*st.ctx->fs, st.active->pending_dir, now_unix_ms() + lease_ms(st),
+                               st.active->lease_owner);
+        if (!s.ok())
+          return abort_active(self,
+                              s.with_context("rank 0 (write phase): refreshing the lease of " +
+                                             st.active->pending_dir + ": "));
         self->delayed_send(self, std::chrono::milliseconds(lease_ms(st) / 3), atom::lease_v, id);
       },
   };

@@ -45,6 +45,8 @@ CAF_ADD_ATOM(ferry, ferry::atom, deadline, "deadline")
 CAF_ADD_ATOM(ferry, ferry::atom, back, "back")
 CAF_ADD_ATOM(ferry, ferry::atom, outcome, "outcome")
 CAF_ADD_ATOM(ferry, ferry::atom, load_due, "loaddue")
+CAF_ADD_ATOM(ferry, ferry::atom, drain, "drain")
+CAF_ADD_ATOM(ferry, ferry::atom, close, "close")
 
 namespace ferry {
 
@@ -137,3 +139,4 @@ CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::LoadJob)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::ReadTask)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<ferry::File>)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::LoadOutcomeMsg)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::vector<std::shared_ptr<ferry::File>>)

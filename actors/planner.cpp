@@ -2,7 +2,7 @@
 //
 //   idle -> planning -> opening -> streaming -> finishing -> committing -> idle
 //             |            |          |            |             |
-//             +------------+----------+------------+-------------+--> failed -> idle
+//             +------------+----------+------------+-------------+--> draining -> idle
 //
 // planning:   local plan, sent to the coordinator; its reply is this rank's
 //             part of the global plan and the pending directory.
@@ -11,6 +11,16 @@
 // finishing:  each file is truncated, fsynced and closed, then the pending
 //             directory is fsynced; checksums arrive from the serializer.
 // committing: the write result goes to the coordinator, which commits.
+// draining:   the save failed. The handle hears it only once nothing touches
+//             the caller's tensors or the save's descriptors any more:
+//             1. the snapshot has no copy running and the serializer hands
+//                no more blocks to the writers (both answer `abort`);
+//             2. every writer has drained what was queued before (`drain`);
+//             3. one writer closes the files (`close`).
+// Each phase has a deadline on every rank: plan-timeout, write-timeout, and
+// commit-timeout (plus, with other ranks, the write time left: committing
+// waits for the slowest rank's write too). A commit that times out ends
+// "outcome unknown": rank 0 may still commit.
 // Saves queue here: one runs at a time.
 
 #include <deque>
@@ -24,7 +34,7 @@ namespace ferry {
 
 namespace {
 
-enum class Phase { idle, planning, opening, streaming, finishing, committing };
+enum class Phase { idle, planning, opening, streaming, finishing, committing, draining };
 
 struct Current {
   uint64_t id = 0;
@@ -43,6 +53,11 @@ struct Current {
   bool snapshot_done = false;
   ChecksumSet sums;
   double write_started_ms = -1;
+  std::chrono::steady_clock::time_point write_deadline;
+  // draining: the status the save ends with, and answers still awaited.
+  Status failure;
+  int drain_stage = 0;
+  size_t drain_left = 0;
 };
 
 struct planner_state {
@@ -62,20 +77,43 @@ using planner_ptr = caf::stateful_actor<planner_state>*;
 void start_next(planner_ptr self);
 
 // Every rank calls save_async the same number of times (saves are
-// collective), so (salt, step, sequence) names one checkpoint on all ranks.
-std::string checkpoint_id(uint64_t salt, uint64_t step, uint64_t seq) {
-  const uint64_t parts[] = {salt, step, seq};
+// collective), so (salt, sequence) names one checkpoint on all ranks. The
+// step is not part of it: ranks that pass different steps then meet in one
+// checkpoint, where the coordinator sees that they disagree.
+std::string checkpoint_id(uint64_t salt, uint64_t seq) {
+  const uint64_t parts[] = {salt, seq};
   char buf[17];
   std::snprintf(buf, sizeof(buf), "%016llx",
                 static_cast<unsigned long long>(xxh3_64(parts, sizeof(parts))));
   return buf;
 }
 
-void end_save(planner_ptr self, const Status& status, const std::string& path) {
+void end_save(planner_ptr self, const Status& status, const std::string& path,
+              std::vector<std::string> warnings = {}) {
   auto& st = self->state;
-  st.cur.job.state->finish(status, path);
+  st.cur.job.state->finish(status, path, std::move(warnings));
   st.cur = Current{};
   start_next(self);
+}
+
+// True while `id` is the save being driven (not failed, not over).
+bool live(const planner_state& st, uint64_t id) {
+  return st.cur.id == id && st.cur.phase != Phase::idle && st.cur.phase != Phase::draining;
+}
+
+std::chrono::milliseconds seconds(double s) {
+  return std::chrono::milliseconds(static_cast<int64_t>(s * 1000));
+}
+
+std::string seconds_text(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g s", s);
+  return buf;
+}
+
+void arm_deadline(planner_ptr self, const char* phase, std::chrono::milliseconds after) {
+  self->delayed_send(self, std::max(after, std::chrono::milliseconds(0)), atom::deadline_v,
+                     self->state.cur.id, std::string(phase));
 }
 
 const char* phase_name(Phase p) {
@@ -90,8 +128,32 @@ const char* phase_name(Phase p) {
       return "write";
     case Phase::committing:
       return "commit";
+    case Phase::draining:
+      return "abort";
   }
   return "?";
+}
+
+// One more drain answer is in; the next stage starts when a stage is done.
+void drain_step(planner_ptr self, uint64_t id) {
+  auto& st = self->state;
+  auto& cur = st.cur;
+  if (cur.id != id || cur.phase != Phase::draining || --cur.drain_left > 0) return;
+  auto next = [self, id](bool) { drain_step(self, id); };
+  auto next_err = [self, id](caf::error&) { drain_step(self, id); };
+  switch (cur.drain_stage++) {
+    case 0:  // every block of the save is queued at a writer: let them run dry
+      cur.drain_left = st.writers.size();
+      for (const auto& w : st.writers)
+        self->request(w, caf::infinite, atom::drain_v).then(next, next_err);
+      return;
+    case 1:  // no writer will touch the files again
+      cur.drain_left = 1;
+      self->request(st.writers[0], caf::infinite, atom::close_v, cur.files).then(next, next_err);
+      return;
+    default:
+      end_save(self, cur.failure, "");
+  }
 }
 
 // Abandons the current save. `local` failures are named after this rank and
@@ -99,23 +161,37 @@ const char* phase_name(Phase p) {
 // sent back.
 void fail(planner_ptr self, Status status, bool local = true) {
   auto& st = self->state;
-  if (st.cur.phase == Phase::idle) return;
-  const uint64_t id = st.cur.id;
-  self->send(st.snapshot, atom::abort_v, id);
-  self->send(st.serializer, atom::abort_v, id);
+  auto& cur = st.cur;
+  if (cur.phase == Phase::idle || cur.phase == Phase::draining) return;
+  const uint64_t id = cur.id;
   if (local)
     status = status.with_context("rank " + std::to_string(st.ctx->rank) + " (" +
-                                 phase_name(st.cur.phase) + " phase): ");
-  if (local && !st.cur.checkpoint_id.empty())
-    self->send(st.coordinator, atom::abort_v, st.cur.checkpoint_id, status);
-  for (auto& f : st.cur.files) f->close();
-  end_save(self, status, "");
+                                 phase_name(cur.phase) + " phase): ");
+  // The other ranks hear it now; this rank's handle once it has drained.
+  if (local && !cur.checkpoint_id.empty())
+    self->send(st.coordinator, atom::abort_v, cur.checkpoint_id, status);
+  cur.phase = Phase::draining;
+  cur.failure = std::move(status);
+  cur.drain_stage = 0;
+  cur.drain_left = 3;  // the snapshot, the serializer, and this call's own step
+  auto next = [self, id](bool) { drain_step(self, id); };
+  auto next_err = [self, id](caf::error&) { drain_step(self, id); };
+  self->request(st.snapshot, caf::infinite, atom::abort_v, id).then(next, next_err);
+  self->request(st.serializer, caf::infinite, atom::abort_v, id).then(next, next_err);
+  drain_step(self, id);
 }
 
 void send_result(planner_ptr self) {
   auto& st = self->state;
   auto& cur = st.cur;
   cur.phase = Phase::committing;
+  // With other ranks, committing includes waiting for the slowest one's
+  // write, which the write deadline bounds; alone, the commit starts now.
+  auto commit_after = seconds(st.ctx->opts.commit_timeout_s);
+  if (st.ctx->world_size > 1)
+    commit_after += std::chrono::duration_cast<std::chrono::milliseconds>(
+        cur.write_deadline - std::chrono::steady_clock::now());
+  arm_deadline(self, "commit", commit_after);
   const double now = cur.job.state->ms_since_start();
   WriteResult wr;
   wr.rank = st.ctx->rank;
@@ -144,7 +220,7 @@ void send_result(planner_ptr self) {
       .then(
           [self, id, now](const CommitMsg& r) {
             auto& st = self->state;
-            if (st.cur.id != id) return;
+            if (!live(st, id)) return;
             st.cur.job.state->update_metrics([&](SaveMetrics& m) {
               m.commit_ms = st.cur.job.state->ms_since_start() - now;
               m.slowest_rank = r.slowest_rank;
@@ -155,10 +231,10 @@ void send_result(planner_ptr self) {
               fail(self, r.status, false);
               return;
             }
-            end_save(self, Status(), r.path);
+            end_save(self, Status(), r.path, r.warnings);
           },
           [self, id](caf::error& e) {
-            if (self->state.cur.id == id)
+            if (live(self->state, id))
               fail(self, Status::aborted("commit: " + self->system().render(e)));
           });
 }
@@ -176,7 +252,7 @@ void maybe_finish(planner_ptr self) {
   const uint64_t id = cur.id;
   self->request(self->state.writers[0], caf::infinite, atom::syncdir_v, cur.pending_dir)
       .then([self, id](const Status& s) {
-        if (self->state.cur.id != id) return;
+        if (!live(self->state, id)) return;
         if (!s.ok()) return fail(self, s);
         send_result(self);
       });
@@ -189,7 +265,7 @@ void finish_file(planner_ptr self, uint32_t f) {
   self->request(w, caf::infinite, atom::finish_v, st.cur.files[f], st.cur.layouts[f].size)
       .then([self, id](const Status& s) {
         auto& cur = self->state.cur;
-        if (cur.id != id) return;
+        if (!live(self->state, id)) return;
         if (!s.ok()) return fail(self, s);
         --cur.files_left;
         maybe_finish(self);
@@ -258,6 +334,8 @@ void on_plan(planner_ptr self, const PlanReply& r) {
   }
   cur.plan = r.plan;
   cur.pending_dir = r.pending_dir;
+  cur.write_deadline = std::chrono::steady_clock::now() + seconds(st.ctx->opts.write_timeout_s);
+  arm_deadline(self, "write", seconds(st.ctx->opts.write_timeout_s));
   if (Status s = make_layouts(st); !s.ok()) return fail(self, s);
   uint64_t total = 0;
   for (const auto& l : cur.layouts) total += l.size;
@@ -282,6 +360,11 @@ void on_plan(planner_ptr self, const PlanReply& r) {
       .then([self, id](const FileSet& fs) {
         auto& cur = self->state.cur;
         if (cur.id != id) return;
+        if (cur.phase == Phase::draining) {
+          // Failed while they were opened: they are closed with the others.
+          cur.files.insert(cur.files.end(), fs.files.begin(), fs.files.end());
+          return;
+        }
         if (!fs.status.ok()) return fail(self, fs.status);
         cur.files = fs.files;
         start_streaming(self);
@@ -300,17 +383,18 @@ void start_next(planner_ptr self) {
   auto local = make_local_plan(cur.job.sd, st.ctx->rank);
   if (!local.ok()) return end_save(self, local.status(), "");
   cur.local = std::move(local).value();
-  cur.checkpoint_id = checkpoint_id(st.ctx->run_salt, cur.job.step, cur.id);
+  cur.checkpoint_id = checkpoint_id(st.ctx->run_salt, cur.id);
+  arm_deadline(self, "plan", seconds(st.ctx->opts.plan_timeout_s));
   PlanRequest req{st.ctx->job_id, cur.checkpoint_id,      st.ctx->rank,          cur.job.step,
                   cur.job.root,   cur.job.opts.overwrite, cur.job.opts.metadata, cur.local};
   const uint64_t id = cur.id;
   self->request(st.coordinator, caf::infinite, atom::plan_v, std::move(req))
       .then(
           [self, id](const PlanReply& r) {
-            if (self->state.cur.id == id) on_plan(self, r);
+            if (live(self->state, id)) on_plan(self, r);
           },
           [self, id](caf::error& e) {
-            if (self->state.cur.id == id)
+            if (live(self->state, id))
               fail(self, Status::aborted("plan: " + self->system().render(e)));
           });
   kill_point("plan.sent");
@@ -334,7 +418,7 @@ caf::behavior planner_actor(planner_ptr self, ContextPtr ctx, caf::actor coordin
       },
       [self](atom::snap, uint64_t id, const Status& s) {
         auto& cur = self->state.cur;
-        if (cur.id != id) return;
+        if (!live(self->state, id)) return;
         if (!s.ok()) return fail(self, s);
         cur.snapshot_done = true;
         cur.job.state->finish_snapshot(Status());
@@ -359,9 +443,25 @@ caf::behavior planner_actor(planner_ptr self, ContextPtr ctx, caf::actor coordin
         if (cur.phase == Phase::idle) return;
         if (checkpoint_id == "*" || checkpoint_id == cur.checkpoint_id) fail(self, why, false);
       },
+      [self](atom::deadline, uint64_t id, const std::string& phase) {
+        auto& st = self->state;
+        if (!live(st, id) || phase != phase_name(st.cur.phase)) return;
+        const Options& o = st.ctx->opts;
+        if (phase == "commit") {
+          // Rank 0 had everything it needed and may still commit.
+          fail(self, Status::outcome_unknown(
+                         "the commit phase timed out (commit-timeout " +
+                         seconds_text(o.commit_timeout_s) +
+                         "); the checkpoint may or may not be committed: check the root"));
+          return;
+        }
+        const double limit = phase == "plan" ? o.plan_timeout_s : o.write_timeout_s;
+        fail(self,
+             Status::timeout("the " + phase + " phase timed out after " + seconds_text(limit)));
+      },
       [self](atom::sums, ChecksumSet& sums) {
         auto& cur = self->state.cur;
-        if (cur.id != sums.save) return;
+        if (!live(self->state, sums.save)) return;
         cur.sums = std::move(sums);
         cur.have_sums = true;
         maybe_finish(self);

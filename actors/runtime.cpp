@@ -4,6 +4,7 @@
 #include "ferry/runtime.hpp"
 
 #include <unistd.h>
+#include <algorithm>
 #include <cstdlib>
 #include <fstream>
 #include <random>
@@ -39,6 +40,30 @@ Status SaveHandle::wait_committed() const {
   std::unique_lock<std::mutex> lock(s_->mu);
   s_->cv.wait(lock, [this] { return s_->done; });
   return s_->status;
+}
+
+Status SaveHandle::wait_snapshot(std::chrono::milliseconds timeout) const {
+  if (!s_) return no_save();
+  std::unique_lock<std::mutex> lock(s_->mu);
+  if (!s_->cv.wait_for(lock, timeout, [this] { return s_->snapshot_done; }))
+    return Status::timeout("the snapshot of step " + std::to_string(s_->step) +
+                           " is not done after " + std::to_string(timeout.count()) + " ms");
+  return s_->snapshot_status;
+}
+
+Status SaveHandle::wait_committed(std::chrono::milliseconds timeout) const {
+  if (!s_) return no_save();
+  std::unique_lock<std::mutex> lock(s_->mu);
+  if (!s_->cv.wait_for(lock, timeout, [this] { return s_->done; }))
+    return Status::timeout("the save of step " + std::to_string(s_->step) + " is not over after " +
+                           std::to_string(timeout.count()) + " ms");
+  return s_->status;
+}
+
+std::vector<std::string> SaveHandle::warnings() const {
+  if (!s_) return {};
+  std::lock_guard<std::mutex> lock(s_->mu);
+  return s_->warnings;
 }
 
 bool SaveHandle::snapshot_done() const {
@@ -78,6 +103,50 @@ uint64_t SaveHandle::bytes_total() const {
 
 // --- Runtime -----------------------------------------------------------------------
 
+namespace {
+
+// The saves not yet over, so that the planner's death (an exception, an exit)
+// ends their waits instead of leaving them blocked forever.
+struct SaveRegistry {
+  std::mutex mu;
+  Status dead;  // not ok once the planner is gone
+  std::vector<std::weak_ptr<detail::SaveState>> saves;
+
+  // False (and the save finished) when there is no planner to run it.
+  bool add(const std::shared_ptr<detail::SaveState>& s) {
+    std::unique_lock<std::mutex> lock(mu);
+    if (!dead.ok()) {
+      Status why = dead;
+      lock.unlock();
+      s->finish(why, "");
+      return false;
+    }
+    saves.erase(std::remove_if(saves.begin(), saves.end(),
+                               [](const std::weak_ptr<detail::SaveState>& w) {
+                                 auto p = w.lock();
+                                 if (!p) return true;
+                                 std::lock_guard<std::mutex> done_lock(p->mu);
+                                 return p->done;
+                               }),
+                saves.end());
+    saves.push_back(s);
+    return true;
+  }
+
+  void planner_gone(Status why) {
+    std::vector<std::weak_ptr<detail::SaveState>> left;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      dead = why;
+      left.swap(saves);
+    }
+    for (auto& w : left)
+      if (auto s = w.lock()) s->finish(why, "");
+  }
+};
+
+}  // namespace
+
 struct Runtime::Impl {
   caf::actor_system_config cfg;
   std::unique_ptr<caf::actor_system> sys;
@@ -91,6 +160,7 @@ struct Runtime::Impl {
   bool joined = false;  // every rank connected: shutdown waits for them to leave
   std::mutex mu;        // serializes save_async callers
   std::shared_ptr<detail::SaveState> last;
+  std::shared_ptr<SaveRegistry> saves = std::make_shared<SaveRegistry>();
 };
 
 namespace {
@@ -318,6 +388,13 @@ Result<std::unique_ptr<Runtime>> Runtime::create(RuntimeArgs args) {
   }
   // On ranks > 0 the link stands in for the coordinator.
   impl->planner = spawn_planner(*impl->sys, ctx, args.rank == 0 ? impl->coordinator : impl->link);
+  impl->planner->attach_functor([saves = impl->saves](const caf::error& reason) {
+    saves->planner_gone(
+        reason == caf::exit_reason::user_shutdown
+            ? Status::aborted("the runtime shut down before the save ended")
+            : Status::internal("Ferry's planner actor died (" + caf::to_string(reason) +
+                               "): the save is abandoned; its pending directory is left to gc"));
+  });
   impl->loader = spawn_loader(*impl->sys, ctx);
   std::unique_ptr<Runtime> rt(new Runtime(std::move(impl)));
   if (args.world_size > 1) {
@@ -369,6 +446,12 @@ SaveHandle Runtime::save_async(const StateDict& sd, uint64_t step, const SaveOpt
   const auto t0 = detail::SaveState::clock::now();
   auto state = std::make_shared<detail::SaveState>();
   state->step = step;
+  if (sd.entries().empty()) {
+    state->finish(Status::invalid_argument("save of step " + std::to_string(step) +
+                                           ": the state dict is empty (nothing to save)"),
+                  "");
+    return SaveHandle(state);
+  }
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
     if (auto prev = impl_->last) {
@@ -394,6 +477,7 @@ SaveHandle Runtime::save_async(const StateDict& sd, uint64_t step, const SaveOpt
     return SaveHandle(state);
   }
   state->started = t0;
+  if (!impl_->saves->add(state)) return SaveHandle(state);
   caf::anon_send(impl_->planner, atom::save_v, SaveJob{sd, step, opts, root, state});
   const double ms =
       std::chrono::duration<double, std::milli>(detail::SaveState::clock::now() - t0).count();

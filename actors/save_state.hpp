@@ -8,6 +8,7 @@
 #include <condition_variable>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "ferry/runtime.hpp"
 
@@ -29,6 +30,7 @@ struct SaveState {
   Status snapshot_status;
   Status status;
   std::string path;
+  std::vector<std::string> warnings;  // after the commit point: the save still succeeded
   SaveMetrics metrics;
 
   double ms_since_start() const {
@@ -46,7 +48,10 @@ struct SaveState {
   }
 
   // Ends the save; an unfinished snapshot ends with the same status.
-  void finish(const Status& st, const std::string& committed_path) {
+  // REQUIRES: nothing of Ferry touches the caller's tensors or this save's
+  // files any more (the waits return here, and the caller may free them).
+  void finish(const Status& st, const std::string& committed_path,
+              std::vector<std::string> post_commit_warnings = {}) {
     std::lock_guard<std::mutex> lock(mu);
     if (done) return;
     if (!snapshot_done) {
@@ -57,6 +62,7 @@ struct SaveState {
     done = true;
     status = st;
     path = committed_path;
+    warnings = std::move(post_commit_warnings);
     metrics.total_ms = ms_since_start();
     cv.notify_all();
   }

@@ -3,6 +3,10 @@
 // enough), pads the last block of a file for O_DIRECT, and hands each block
 // to a writer. When the last block has gone by, the checksums go to the
 // planner for its write result.
+//
+//   idle --snap--> active --(last block handed on)--> idle
+//                    +--abort (answered)--> idle: later blocks of the save
+//                                           go back to the pool, not on
 
 #include "actors/actors.hpp"
 #include "actors/messages.hpp"
@@ -160,12 +164,15 @@ caf::behavior serializer_actor(serializer_ptr self, ContextPtr ctx, std::vector<
         st.written.emplace(std::make_pair(b.file, b.index), b);
         drain(self);
       },
+      // Answered once no block of `save` will go to a writer any more:
+      // everything sent before is already in the writers' mailboxes.
       [self](atom::abort, uint64_t save) {
         auto& st = self->state;
-        if (!st.active || st.job.save != save) return;
+        if (!st.active || st.job.save != save) return true;
         st.active = false;
         for (const auto& [key, blk] : st.written) st.ctx->pool->release(blk.lease);
         st.written.clear();
+        return true;
       },
   };
 }

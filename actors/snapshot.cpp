@@ -7,6 +7,11 @@
 //   idle --snap--> filling --(all blocks forwarded)--> idle
 //                     |  no free block: waits for `freed`
 //                     +--abort--> idle (blocks it holds go back to the pool)
+//
+// A copy that was issued cannot be recalled: the blocks of an abandoned save
+// whose copies still run become orphans. `abort` is answered only once no
+// copy of that save runs any more, so the planner reports a failed save only
+// when the caller may free its tensors.
 
 #include <cstring>
 #include <deque>
@@ -42,6 +47,8 @@ struct snapshot_state {
   // Blocks of an abandoned job whose copies are still running: their leases
   // go back to the pool when the last copy completes. By sequence number.
   std::unordered_map<uint64_t, InFlight> orphans;
+  // Aborts waiting for the orphans of their save, by save.
+  std::unordered_map<uint64_t, std::vector<caf::response_promise>> quiet_waiters;
   bool waiting_for_block = false;
   bool fill_pending = false;
 
@@ -49,6 +56,20 @@ struct snapshot_state {
 };
 
 using snapshot_ptr = caf::stateful_actor<snapshot_state>*;
+
+bool copies_running(const snapshot_state& st, uint64_t save) {
+  for (const auto& [seq, b] : st.orphans)
+    if (b.msg.save == save) return true;
+  return st.active && st.job.save == save && !st.inflight.empty();
+}
+
+void answer_quiet(snapshot_ptr self, uint64_t save) {
+  auto& st = self->state;
+  auto it = st.quiet_waiters.find(save);
+  if (it == st.quiet_waiters.end() || copies_running(st, save)) return;
+  for (auto& rp : it->second) rp.deliver(true);
+  st.quiet_waiters.erase(it);
+}
 
 void release_all(snapshot_ptr self) {
   auto& st = self->state;
@@ -184,8 +205,10 @@ caf::behavior snapshot_actor(snapshot_ptr self, ContextPtr ctx, caf::actor seria
         auto& st = self->state;
         if (auto it = st.orphans.find(seq); it != st.orphans.end()) {
           if (--it->second.outstanding == 0) {
+            const uint64_t orphan_save = it->second.msg.save;
             st.ctx->pool->release(it->second.msg.lease);
             st.orphans.erase(it);
+            answer_quiet(self, orphan_save);
           }
           return;
         }
@@ -201,12 +224,18 @@ caf::behavior snapshot_actor(snapshot_ptr self, ContextPtr ctx, caf::actor seria
         st.waiting_for_block = false;
         schedule_fill(self);
       },
-      [self](atom::abort, uint64_t save) {
+      // Answered (true) once no copy of `save` runs any more.
+      [self](atom::abort, uint64_t save) -> caf::result<bool> {
         auto& st = self->state;
-        if (!st.active || save != st.job.save) return;
-        release_all(self);
-        st.active = false;
-        st.job = StreamJob{};
+        if (st.active && save == st.job.save) {
+          release_all(self);
+          st.active = false;
+          st.job = StreamJob{};
+        }
+        if (!copies_running(st, save)) return true;
+        auto rp = self->make_response_promise();
+        st.quiet_waiters[save].push_back(rp);
+        return rp;
       },
   };
 }

@@ -1,6 +1,12 @@
 // Writer: blocking file I/O on its own thread (a detached actor), so the
 // scheduler's threads never wait on the disk. It returns each block's lease
 // as soon as its pwrite is done and fsyncs once per file, at the end.
+//
+// The writers own the descriptors of a save: a file is opened, truncated,
+// fsynced and closed here only. A file's blocks are spread over all writers,
+// so after a failure the planner first has every writer drain its mailbox
+// (`drain`), then has one of them close the files (`close`): no descriptor
+// is closed while another writer may still be inside a call on it.
 
 #include "actors/actors.hpp"
 #include "actors/messages.hpp"
@@ -67,6 +73,14 @@ caf::behavior writer_actor(caf::stateful_actor<writer_state>* self, ContextPtr c
         FERRY_RETURN_IF_ERROR(f->close());
         kill_point("writer.close");
         return Status();
+      },
+      // A barrier: answered after every block queued here before it.
+      [](atom::drain) { return true; },
+      // The end of a failed save (after every writer drained): its errors
+      // are moot, the save already has one.
+      [](atom::close, const std::vector<std::shared_ptr<File>>& files) {
+        for (const auto& f : files) (void)f->close();
+        return true;
       },
       [self](atom::syncdir, const std::string& dir) -> Status {
         FERRY_RETURN_IF_ERROR(self->state.ctx->fs->sync_dir(dir));

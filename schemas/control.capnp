@@ -74,6 +74,7 @@ struct Commit {
   commitSeq @4 :UInt64;            # the commit sequence number given to it
   slowestRank @5 :Int32 = -1;      # the rank whose files were durable last
   slowestMs @6 :Float64;           # its readyMs: the straggler's time
+  warnings @7 :List(Text);         # committed, but these failed after the commit point
 }
 
 # A load ends the same way on every rank. After its local reads each rank

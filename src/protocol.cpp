@@ -149,6 +149,8 @@ struct Encoder {
     b.setCommitSeq(m.commit_seq);
     b.setSlowestRank(m.slowest_rank);
     b.setSlowestMs(m.slowest_ms);
+    auto warnings = b.initWarnings(static_cast<unsigned>(m.warnings.size()));
+    for (unsigned i = 0; i < m.warnings.size(); ++i) warnings.set(i, text(m.warnings[i]));
     return frame(kControlProtocol, mb);
   }
 
@@ -420,6 +422,7 @@ Result<WireMessage> read_control(proto::ControlMessage::Reader root) {
       m.commit_seq = r.getCommitSeq();
       m.slowest_rank = r.getSlowestRank();
       m.slowest_ms = r.getSlowestMs();
+      for (auto w : r.getWarnings()) m.warnings.push_back(str(w));
       return WireMessage(std::move(m));
     }
     case proto::ControlMessage::LOAD_OUTCOME: {

@@ -6,8 +6,10 @@
 //   rank_worker --mode save|load|mismatch|kill --root DIR [--step S] [--seed X]
 //               [--layout save|swap|full] [--many N] [--kill-rank R]
 //               [--kill-after plan|snapshot|load] [--set key=value]...
+//               [--step-for-rank R=S] [--root-for-rank R=DIR]   (ranks that disagree)
 // Exit 0 when the mode's expectation holds (for mismatch: the save failed
-// with an error naming what it must name; kill: 3 then), 1 otherwise.
+// with an error naming what it must name; kill: 3 then; disagree: the save
+// failed saying the ranks disagree), 1 otherwise.
 
 #include <chrono>
 #include <csignal>
@@ -233,8 +235,16 @@ int main(int argc, char** argv) {
     return 0;
   }
 
+  uint64_t my_step = step;
+  ferry::SaveOptions so;
+  const std::string step_for = arg(argc, argv, "--step-for-rank", "");
+  if (auto eq = step_for.find('='); eq != std::string::npos && std::stoi(step_for) == rank)
+    my_step = std::stoull(step_for.substr(eq + 1));
+  const std::string root_for = arg(argc, argv, "--root-for-rank", "");
+  if (auto eq = root_for.find('='); eq != std::string::npos && std::stoi(root_for) == rank)
+    so.root = root_for.substr(eq + 1);
   const auto t0 = std::chrono::steady_clock::now();
-  auto h = rt.save_async(sd, step);
+  auto h = rt.save_async(sd, my_step, so);
   if (mode == "kill" && rank == kill_rank) {
     if (kill_after == "snapshot") h.wait_snapshot();
     std::raise(kill_signal);
@@ -257,6 +267,7 @@ int main(int argc, char** argv) {
   if (st.ok()) return 1;
   if (mode == "mismatch") return st.message().find("layers.0.bias") != std::string::npos ? 0 : 1;
   if (mode == "garbage") return 0;  // rank 0 is alive and reports the failed save
+  if (mode == "disagree") return st.message().find("disagree") != std::string::npos ? 0 : 1;
   // Exit 3, not 0: an expected failure, but a failure, so that `ferry
   // launch` reaps a rank that was stopped rather than killed.
   return st.message().find("rank " + std::to_string(kill_rank)) != std::string::npos ||

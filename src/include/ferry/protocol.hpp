@@ -59,8 +59,9 @@ struct CommitMsg {
   Status status;
   std::string path;
   uint64_t commit_seq = 0;
-  int32_t slowest_rank = -1;  // whose files were durable last (the straggler)
-  double slowest_ms = 0;      // its time from save_async to durable
+  int32_t slowest_rank = -1;               // whose files were durable last (the straggler)
+  double slowest_ms = 0;                   // its time from save_async to durable
+  std::vector<std::string> warnings = {};  // committed, but these failed after the commit point
 };
 
 // plan.capnp -----------------------------------------------------------------------

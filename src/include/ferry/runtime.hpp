@@ -3,6 +3,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -44,7 +45,10 @@ struct SaveState;
 }
 
 // Returned by save_async at once. Copyable; all copies see the same save.
-// Waits never throw: errors come back as a Status.
+// Waits never throw: errors come back as a Status. A failed save is reported
+// only once nothing of Ferry touches the caller's tensors again: after a
+// wait returned an error, the caller may free them. If Ferry's actors die,
+// every wait ends with an error.
 class SaveHandle {
  public:
   SaveHandle() = default;
@@ -55,10 +59,18 @@ class SaveHandle {
   Status wait_snapshot() const;
   // Blocks until the checkpoint is committed (or failed).
   Status wait_committed() const;
+  // The same, for at most `timeout`: Status::timeout when it passed first
+  // (the save goes on; wait again or poll).
+  Status wait_snapshot(std::chrono::milliseconds timeout) const;
+  Status wait_committed(std::chrono::milliseconds timeout) const;
   bool snapshot_done() const;
   bool done() const;
   uint64_t step() const;
   std::string path() const;  // the committed directory (once done)
+  // Failures after the commit point (ROOT fsync, LATEST, retention), once
+  // done: the save is committed all the same (wait_committed is ok). Also
+  // logged once to stderr by rank 0.
+  std::vector<std::string> warnings() const;
   SaveMetrics metrics() const;
   uint64_t bytes_persisted() const;  // written so far (for progress lines)
   uint64_t bytes_total() const;
@@ -106,7 +118,9 @@ class Runtime {
   // Starts a checkpoint of `sd` at `step` and returns at once. The views'
   // memory must not change until wait_snapshot(). One save is in flight at a
   // time: a second call waits for the first's snapshot, or fails fast
-  // (busy) when configured.
+  // (busy) when configured. An empty `sd` is invalid_argument. Saves are
+  // collective: every rank passes the same step, root and overwrite flag (a
+  // rank that differs fails the save on every rank).
   SaveHandle save_async(const StateDict& sd, uint64_t step, const SaveOptions& opts = {});
 
   // Fills `sd`'s tensors from the checkpoint at `path` (a step directory, or

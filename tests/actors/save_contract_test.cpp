@@ -1,0 +1,161 @@
+// What a SaveHandle promises whatever happens underneath: every phase ends
+// within its deadline, waits end when the actors die, a save that cannot
+// keep its lease fails, an empty state dict is refused, and failures after
+// the commit point leave a committed save with warnings.
+
+#include <catch2/catch.hpp>
+
+#include <chrono>
+#include <stdexcept>
+
+#include "ferry/catalog.hpp"
+#include "ferry/device.hpp"
+#include "ferry/fault_fs.hpp"
+#include "ferry/runtime.hpp"
+#include "test_util.hpp"
+
+using ferry::testing::TempDir;
+using namespace std::chrono_literals;
+
+namespace {
+
+struct Model {
+  std::vector<float> w;
+  ferry::StateDict sd;
+  Model() : w(1 << 20) {  // 4 MiB: 16 blocks of 256 KiB
+    for (size_t i = 0; i < w.size(); ++i) w[i] = static_cast<float>(i);
+    REQUIRE(sd.add("w", {w.data(), ferry::DType::f32, {1024, 1024}}).ok());
+  }
+};
+
+std::unique_ptr<ferry::Runtime> runtime(const std::string& root, const std::string& faults,
+                                        std::vector<std::pair<std::string, std::string>> kv = {},
+                                        std::shared_ptr<ferry::DeviceBackend> device = nullptr) {
+  ferry::RuntimeArgs args;
+  args.set("root", root).set("pool-bytes", "4MiB").set("chunk-bytes", "256KiB");
+  args.set("direct-io", "false");
+  for (auto& [k, v] : kv) args.set(k, v);
+  auto fsys = ferry::filesystem_from_spec(ferry::posix_filesystem(), faults);
+  REQUIRE(fsys.ok());
+  args.fs = *fsys;
+  args.device = std::move(device);
+  auto rt = ferry::Runtime::create(args);
+  REQUIRE(rt.ok());
+  return std::move(rt).value();
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// A device whose copies throw: a bug in a backend must not hang the caller.
+class ThrowingDevice : public ferry::DeviceBackend {
+ public:
+  bool handles(const ferry::Device& d) const override { return d.is_host(); }
+  void copy_out(const ferry::TensorView&, uint64_t, uint64_t, void*, Done) override {
+    throw std::runtime_error("device lost");
+  }
+  void copy_in(const void*, const ferry::TensorView&, uint64_t, uint64_t, Done) override {
+    throw std::runtime_error("device lost");
+  }
+};
+
+}  // namespace
+
+TEST_CASE("saving an empty state dict is an error", "[actors][save][contract]") {
+  TempDir dir;
+  auto rt = runtime(dir.path(), "");
+  ferry::StateDict empty;
+  auto h = rt->save_async(empty, 1);
+  const ferry::Status st = h.wait_committed();
+  CHECK(st.code() == ferry::StatusCode::invalid_argument);
+  CHECK_THAT(st.message(), Catch::Contains("state dict is empty"));
+  CHECK(rt->latest().empty());
+}
+
+TEST_CASE("waits take a deadline", "[actors][save][contract]") {
+  TempDir dir;
+  // 16 writes of 40 ms over 2 writers: the save takes a few hundred ms.
+  auto rt = runtime(dir.path(), "latency:write:40ms");
+  Model m;
+  auto h = rt->save_async(m.sd, 1);
+  const ferry::Status early = h.wait_committed(1ms);
+  CHECK(early.code() == ferry::StatusCode::timeout);
+  CHECK_THAT(early.message(), Catch::Contains("step 1"));
+  CHECK_FALSE(h.done());
+  REQUIRE(h.wait_snapshot(60s).ok());
+  REQUIRE(h.wait_committed(60s).ok());
+  CHECK_FALSE(h.path().empty());
+  CHECK(h.warnings().empty());
+}
+
+TEST_CASE("if the planner dies, every wait ends with an error", "[actors][save][contract]") {
+  TempDir dir;
+  auto rt = runtime(dir.path(), "", {}, std::make_shared<ThrowingDevice>());
+  Model m;
+  auto h = rt->save_async(m.sd, 1);
+  const ferry::Status st = h.wait_committed(30s);
+  CHECK(st.code() != ferry::StatusCode::timeout);
+  CHECK_FALSE(st.ok());
+  CHECK_THAT(st.message(), Catch::Contains("planner"));
+  CHECK_FALSE(h.wait_snapshot(1s).ok());
+  // Nothing is left to run a save: the next one fails at once.
+  auto next = rt->save_async(m.sd, 2);
+  CHECK(next.done());
+  CHECK_FALSE(next.wait_committed(30s).ok());
+  CHECK(rt->latest().empty());
+}
+
+TEST_CASE("rank 0 enforces the plan timeout", "[actors][save][contract][timeout]") {
+  TempDir dir;
+  // The pending directory takes 1.5 s to create: longer than the plan phase may.
+  auto rt = runtime(dir.path(), "latency:mkdir:1500ms:path=.pending", {{"plan-timeout", "200ms"}});
+  Model m;
+  const auto t0 = std::chrono::steady_clock::now();
+  const ferry::Status st = rt->save_async(m.sd, 1).wait_committed(30s);
+  CHECK(seconds_since(t0) < 1.4);
+  CHECK(st.code() == ferry::StatusCode::timeout);
+  CHECK_THAT(st.message(), Catch::Contains("rank 0") && Catch::Contains("plan phase timed out"));
+}
+
+TEST_CASE("rank 0 enforces the commit timeout: outcome unknown",
+          "[actors][save][contract][timeout]") {
+  TempDir dir;
+  // The commit rename takes 1.5 s: longer than the commit phase may.
+  auto rt = runtime(dir.path(), "latency:rename:1500ms:path=step-", {{"commit-timeout", "200ms"}});
+  Model m;
+  const auto t0 = std::chrono::steady_clock::now();
+  const ferry::Status st = rt->save_async(m.sd, 1).wait_committed(30s);
+  CHECK(seconds_since(t0) < 1.4);
+  CHECK(st.code() == ferry::StatusCode::outcome_unknown);
+  CHECK_THAT(st.message(), Catch::Contains("rank 0") && Catch::Contains("commit phase timed out"));
+}
+
+TEST_CASE("a save that cannot refresh its lease fails instead of committing",
+          "[actors][save][contract][lease]") {
+  TempDir dir;
+  // The first lease (at creation) is written; every refresh fails. The
+  // writes take longer than a refresh period (lease / 3 = 100 ms).
+  auto rt = runtime(dir.path(), "latency:write:40ms,enospc:open:2+:path=LEASE.tmp",
+                    {{"lease-seconds", "300ms"}});
+  Model m;
+  const ferry::Status st = rt->save_async(m.sd, 1).wait_committed(30s);
+  CHECK(st.code() == ferry::StatusCode::io_error);
+  CHECK_THAT(st.message(), Catch::Contains("lease") && Catch::Contains("(injected)"));
+  CHECK(rt->latest().empty());
+}
+
+TEST_CASE("a failure after the commit point is a warning of a committed save",
+          "[actors][save][contract]") {
+  TempDir dir;
+  auto rt = runtime(dir.path(), "eio:rename:1:path=/LATEST$");
+  Model m;
+  auto h = rt->save_async(m.sd, 1);
+  const ferry::Status st = h.wait_committed(30s);
+  INFO(st.to_string());
+  REQUIRE(st.ok());
+  CHECK_FALSE(h.path().empty());
+  REQUIRE(h.warnings().size() == 1);
+  CHECK_THAT(h.warnings()[0], Catch::Contains("LATEST"));
+  CHECK(rt->latest() == h.path());
+}

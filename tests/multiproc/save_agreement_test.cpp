@@ -1,0 +1,114 @@
+// Saves are collective: ranks that ask for different checkpoints are refused
+// at once on every rank, and a job restarted with the same token never meets
+// the pending directories of its predecessor.
+
+#include <catch2/catch.hpp>
+
+#include <sys/wait.h>
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <set>
+
+#include "ferry/catalog.hpp"
+#include "test_util.hpp"
+
+namespace fs = std::filesystem;
+using ferry::testing::TempDir;
+
+namespace {
+
+struct Launched {
+  int code = -1;
+  std::string out;
+  double seconds = 0;
+};
+
+Launched launch_ranks(int n, const std::string& worker_args, const std::string& env = "") {
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string cmd = env + " " + FERRY_CLI_PATH + " launch -n " + std::to_string(n) +
+                          " --grace 20 -- " + FERRY_RANK_WORKER_PATH + " " + worker_args + " 2>&1";
+  Launched r;
+  FILE* p = popen(cmd.c_str(), "r");
+  REQUIRE(p != nullptr);
+  std::array<char, 4096> buf;
+  size_t got;
+  while ((got = fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), got);
+  const int status = pclose(p);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return r;
+}
+
+size_t count(const std::string& s, const std::string& what) {
+  size_t n = 0;
+  for (size_t p = s.find(what); p != std::string::npos; p = s.find(what, p + 1)) ++n;
+  return n;
+}
+
+std::set<std::string> pending_dirs(const std::string& root) {
+  std::set<std::string> out;
+  for (auto& e : fs::directory_iterator(root))
+    if (ferry::is_pending_dir_name(e.path().filename().string()))
+      out.insert(e.path().filename().string());
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("ranks that pass different steps are refused at once, naming step and ranks",
+          "[ranks][agreement]") {
+  TempDir d;
+  auto r = launch_ranks(2, "--mode disagree --root " + d.path() +
+                               " --step 5 --step-for-rank 1=6 --set plan-timeout=20s");
+  INFO(r.out);
+  CHECK(r.code == 0);
+  CHECK(count(r.out, "FAILED as expected") == 2);
+  CHECK(count(r.out, "disagree on the step") >= 2);  // both ranks say so
+  CHECK_THAT(r.out, Catch::Contains("has 5") && Catch::Contains("has 6"));
+  CHECK_THAT(r.out, Catch::Contains("rank 0 has") || Catch::Contains("rank 1 has"));
+  CHECK(r.seconds < 10);  // not the 20 s plan timeout
+  CHECK(pending_dirs(d.path()).empty());
+  CHECK(ferry::list_checkpoints(*ferry::posix_filesystem(), d.path())->empty());
+}
+
+TEST_CASE("ranks that pass different roots are refused at once, naming root and ranks",
+          "[ranks][agreement]") {
+  TempDir d, other;
+  auto r = launch_ranks(2, "--mode disagree --root " + d.path() +
+                               " --root-for-rank 1=" + other.path() + " --set plan-timeout=20s");
+  INFO(r.out);
+  CHECK(r.code == 0);
+  CHECK(count(r.out, "FAILED as expected") == 2);
+  CHECK(count(r.out, "disagree on the root") >= 2);
+  CHECK_THAT(r.out, Catch::Contains(d.path()) && Catch::Contains(other.path()));
+  CHECK(r.seconds < 10);
+  for (const auto& root : {d.path(), other.path()}) {
+    CHECK(pending_dirs(root).empty());
+    CHECK(ferry::list_checkpoints(*ferry::posix_filesystem(), root)->empty());
+  }
+}
+
+TEST_CASE("a job restarted with the same token leaves its predecessor's pending directory alone",
+          "[ranks][agreement]") {
+  TempDir d;
+  const std::string token = "FERRY_JOB_TOKEN=restart-" + std::to_string(::getpid());
+  // The first run dies after its files are durable, leaving its pending
+  // directory behind with a lease that has not expired yet.
+  auto first = launch_ranks(2, "--mode save --step 1 --seed 3 --root " + d.path(),
+                            token + " FERRY_KILL_AT=writer.report@0");
+  INFO(first.out);
+  REQUIRE(first.code != 0);
+  const auto left = pending_dirs(d.path());
+  REQUIRE(left.size() == 1);
+  // The restart has the same checkpoint ids; its save must still work, in a
+  // directory of its own.
+  auto second = launch_ranks(2, "--mode save --step 1 --seed 3 --root " + d.path(), token);
+  INFO(second.out);
+  CHECK(second.code == 0);
+  CHECK(count(second.out, "SAVED") == 2);
+  const auto after = pending_dirs(d.path());
+  CHECK(after == left);  // untouched: its lease is still live
+  for (const auto& name : left) CHECK(fs::exists(fs::path(d.path()) / name / "LEASE"));
+}
