@@ -460,11 +460,16 @@ HostRegistrar CudaDevice::host_registrar() {
   r.name = "CUDA (cudaHostRegister)";
   r.max_segment_bytes = kMaxRegisterSegment;
   // Portable registration: device 0's context does it for every device.
-  r.pin = [this](void* p, uint64_t n) {
-    DeviceScope scope(*api_, 0);
-    if (scope.error() != cuda::kSuccess) return cuda_error(0, "cudaSetDevice", scope.error());
-    int err = api_->host_register(p, static_cast<size_t>(n));
-    return err == cuda::kSuccess ? Status() : cuda_error(0, "cudaHostRegister", err);
+  // Captures the API, not this backend: the pool may outlive it.
+  r.pin = [api = api_](void* p, uint64_t n) {
+    auto fail = [&api](const char* call, int err) {
+      return Status::io_error(std::string("cuda:0: ") + call + " failed: " + api->error_name(err) +
+                              " (" + api->error_string(err) + ")");
+    };
+    DeviceScope scope(*api, 0);
+    if (scope.error() != cuda::kSuccess) return fail("cudaSetDevice", scope.error());
+    int err = api->host_register(p, static_cast<size_t>(n));
+    return err == cuda::kSuccess ? Status() : fail("cudaHostRegister", err);
   };
   r.unpin = [api = api_](void* p) {
     DeviceScope scope(*api, 0);

@@ -106,7 +106,7 @@ std::vector<std::vector<uint8_t>> load_host(
 
 }  // namespace
 
-TEST_CASE("GPU save: the write queued on the caller's stream before save_async is saved",
+TEST_CASE("cuda save: the write queued on the caller's stream before save_async is saved",
           "[actors][cuda]") {
   TempDir dir;
   GpuRig rig(dir.path());
@@ -129,7 +129,7 @@ TEST_CASE("GPU save: the write queued on the caller's stream before save_async i
   CHECK(got[0] == written);
 }
 
-TEST_CASE("GPU save: mutating after wait_snapshot leaves the checkpoint unchanged",
+TEST_CASE("cuda save: mutating after wait_snapshot leaves the checkpoint unchanged",
           "[actors][cuda]") {
   TempDir dir;
   GpuRig rig(dir.path(), {{"pool-bytes", "8MiB"}});
@@ -148,7 +148,7 @@ TEST_CASE("GPU save: mutating after wait_snapshot leaves the checkpoint unchange
   CHECK(got[0] == orig);
 }
 
-TEST_CASE("GPU save: a state larger than the pool streams through it", "[actors][cuda]") {
+TEST_CASE("cuda save: a state larger than the pool streams through it", "[actors][cuda]") {
   TempDir dir;
   GpuRig rig(dir.path(), {{"pool-bytes", "1MiB"}, {"chunk-bytes", "128KiB"}});
   const auto a = random_bytes(3 << 20, 3), b = random_bytes((2 << 20) + 12345, 4);
@@ -166,7 +166,7 @@ TEST_CASE("GPU save: a state larger than the pool streams through it", "[actors]
   CHECK(got[1] == b);
 }
 
-TEST_CASE("GPU save: host and device tensors in one save, loaded back into both",
+TEST_CASE("cuda save: host and device tensors in one save, loaded back into both",
           "[actors][cuda]") {
   TempDir dir;
   GpuRig rig(dir.path());
@@ -195,7 +195,7 @@ TEST_CASE("GPU save: host and device tensors in one save, loaded back into both"
   CHECK(bytes_of(tiny_out) == tiny);
 }
 
-TEST_CASE("GPU save: an error reported at a later query ends the save; the last checkpoint stays",
+TEST_CASE("cuda save: an error reported at a later query ends the save; the last checkpoint stays",
           "[actors][cuda]") {
   TempDir dir;
   GpuRig rig(dir.path(), {{"chunk-bytes", "64KiB"}, {"pool-bytes", "1MiB"}});
@@ -229,7 +229,7 @@ TEST_CASE("GPU save: an error reported at a later query ends the save; the last 
         std::vector<uint8_t>(first.size(), 0x11));
 }
 
-TEST_CASE("GPU load: device tensors get the checkpoint's bytes, after the caller's stream",
+TEST_CASE("cuda load: device tensors get the checkpoint's bytes, after the caller's stream",
           "[actors][cuda]") {
   TempDir dir;
   GpuRig rig(dir.path());
@@ -250,7 +250,7 @@ TEST_CASE("GPU load: device tensors get the checkpoint's bytes, after the caller
   REQUIRE(rig.dev->order_stream_after(Device::cuda(1), nullptr).ok());
 }
 
-TEST_CASE("GPU save: order_stream_after makes the training stream wait, not the host",
+TEST_CASE("cuda save: order_stream_after makes the training stream wait, not the host",
           "[actors][cuda]") {
   TempDir dir;
   GpuRig rig(dir.path(), {{"pool-bytes", "8MiB"}});

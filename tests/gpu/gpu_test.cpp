@@ -84,7 +84,7 @@ std::shared_ptr<ferry::CudaDevice> make_device() {
 
 }  // namespace
 
-TEST_CASE("GPU: D2H copies into the registered pool, bytes equal", "[gpu]") {
+TEST_CASE("gpu: D2H copies into the registered pool, bytes equal", "[gpu]") {
   auto dev = make_device();
   auto pool = ferry::StagingPool::create(64 << 20, 8 << 20);
   REQUIRE(pool.ok());
@@ -98,7 +98,7 @@ TEST_CASE("GPU: D2H copies into the registered pool, bytes equal", "[gpu]") {
   CHECK(std::memcmp((*pool)->base(), bytes.data(), bytes.size()) == 0);
 }
 
-TEST_CASE("GPU: a write queued on the caller's stream before the order point is copied", "[gpu]") {
+TEST_CASE("gpu: a write queued on the caller's stream before the order point is copied", "[gpu]") {
   auto dev = make_device();
   cudaStream_t s;
   REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
@@ -118,7 +118,7 @@ TEST_CASE("GPU: a write queued on the caller's stream before the order point is 
   cudaStreamDestroy(s);
 }
 
-TEST_CASE("GPU: order_stream_after orders the caller's stream after the copies", "[gpu]") {
+TEST_CASE("gpu: order_stream_after orders the caller's stream after the copies", "[gpu]") {
   auto dev = make_device();
   cudaStream_t s;
   REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
@@ -145,7 +145,7 @@ TEST_CASE("GPU: order_stream_after orders the caller's stream after the copies",
   cudaStreamDestroy(s);
 }
 
-TEST_CASE("GPU: refused copies name the device; the device stays usable", "[gpu]") {
+TEST_CASE("gpu: refused copies name the device; the device stays usable", "[gpu]") {
   auto dev = make_device();
   DevBuf t(4096);
   t.upload(random_bytes(4096, 4));
@@ -161,7 +161,7 @@ TEST_CASE("GPU: refused copies name the device; the device stays usable", "[gpu]
   CHECK(copy_out_wait(*dev, t.view(), 0, 4096, host.data()).ok());
 }
 
-TEST_CASE("GPU: Runtime save larger than the pool, mixed host and device, loaded back", "[gpu]") {
+TEST_CASE("gpu: Runtime save larger than the pool, mixed host and device, loaded back", "[gpu]") {
   TempDir dir;
   auto dev = make_device();
   ferry::RuntimeArgs args;

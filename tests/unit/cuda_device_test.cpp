@@ -80,7 +80,7 @@ struct Rig {
 
 }  // namespace
 
-TEST_CASE("CudaDevice: a device-to-host copy completes later, when the device ran it", "[cuda]") {
+TEST_CASE("cuda device: a device-to-host copy completes later, when the device ran it", "[cuda]") {
   Rig rig;
   const auto bytes = pattern(1000, 3);
   TensorView v(rig.upload(0, bytes), DType::u8, {1000}, Device::cuda(0));
@@ -97,7 +97,7 @@ TEST_CASE("CudaDevice: a device-to-host copy completes later, when the device ra
   CHECK(host == bytes);
 }
 
-TEST_CASE("CudaDevice: copies start after the caller's work queued before the order point",
+TEST_CASE("cuda device: copies start after the caller's work queued before the order point",
           "[cuda]") {
   Rig rig;
   auto* p = rig.fake->device_alloc(0, 4096);
@@ -121,7 +121,8 @@ TEST_CASE("CudaDevice: copies start after the caller's work queued before the or
   CHECK(host == written);
 }
 
-TEST_CASE("CudaDevice: without an order point, copies follow the legacy default stream", "[cuda]") {
+TEST_CASE("cuda device: without an order point, copies follow the legacy default stream",
+          "[cuda]") {
   Rig rig;
   auto* p = rig.fake->device_alloc(0, 256);
   TensorView v(p, DType::u8, {256}, Device::cuda(0));
@@ -139,7 +140,7 @@ TEST_CASE("CudaDevice: without an order point, copies follow the legacy default 
   CHECK(host == written);
 }
 
-TEST_CASE("CudaDevice: order_stream_after makes the stream wait for the copies, not the host",
+TEST_CASE("cuda device: order_stream_after makes the stream wait for the copies, not the host",
           "[cuda]") {
   Rig rig;
   const auto before = pattern(8192, 1);
@@ -178,7 +179,7 @@ TEST_CASE("CudaDevice: order_stream_after makes the stream wait for the copies, 
   CHECK(static_cast<uint8_t*>(p)[0] == 0xff);
 }
 
-TEST_CASE("CudaDevice: at most max_inflight requests per device are on the GPU", "[cuda]") {
+TEST_CASE("cuda device: at most max_inflight requests per device are on the GPU", "[cuda]") {
   ferry::CudaDeviceOptions o;
   o.max_inflight = 2;
   Rig rig(1, o);
@@ -198,7 +199,8 @@ TEST_CASE("CudaDevice: at most max_inflight requests per device are on the GPU",
   CHECK(host == bytes);
 }
 
-TEST_CASE("CudaDevice: an error at the call ends the copy naming device and CUDA error", "[cuda]") {
+TEST_CASE("cuda device: an error at the call ends the copy naming device and CUDA error",
+          "[cuda]") {
   Rig rig;
   const auto bytes = pattern(64, 8);
   TensorView v(rig.upload(0, bytes), DType::u8, {64}, Device::cuda(0));
@@ -217,7 +219,7 @@ TEST_CASE("CudaDevice: an error at the call ends the copy naming device and CUDA
   CHECK(host == bytes);
 }
 
-TEST_CASE("CudaDevice: an asynchronous error reported at a later query ends the copy", "[cuda]") {
+TEST_CASE("cuda device: an asynchronous error reported at a later query ends the copy", "[cuda]") {
   Rig rig;
   const auto bytes = pattern(64, 8);
   TensorView v(rig.upload(0, bytes), DType::u8, {64}, Device::cuda(0));
@@ -236,7 +238,7 @@ TEST_CASE("CudaDevice: an asynchronous error reported at a later query ends the 
   CHECK(host == bytes);
 }
 
-TEST_CASE("CudaDevice: rows with a pitch go through cudaMemcpy2DAsync; other strides refuse",
+TEST_CASE("cuda device: rows with a pitch go through cudaMemcpy2DAsync; other strides refuse",
           "[cuda]") {
   Rig rig;
   // A 5 x 6 f32 slice of a 5 x 8 buffer (padded rows).
@@ -272,7 +274,7 @@ TEST_CASE("CudaDevice: rows with a pitch go through cudaMemcpy2DAsync; other str
   CHECK_THAT(s.message(), Catch::Contains("cuda:0") && Catch::Contains("contiguous"));
 }
 
-TEST_CASE("CudaDevice: copy_in lands in device memory after the caller's work", "[cuda]") {
+TEST_CASE("cuda device: copy_in lands in device memory after the caller's work", "[cuda]") {
   Rig rig;
   auto* p = rig.fake->device_alloc(0, 3000);
   TensorView v(p, DType::u8, {3000}, Device::cuda(0));
@@ -292,7 +294,7 @@ TEST_CASE("CudaDevice: copy_in lands in device memory after the caller's work", 
   CHECK(std::memcmp(p, bytes.data(), 3000) == 0);
 }
 
-TEST_CASE("CudaDevice: host tensors take the host path; several devices each get a stream",
+TEST_CASE("cuda device: host tensors take the host path; several devices each get a stream",
           "[cuda]") {
   Rig rig(2);
   std::vector<uint8_t> src = pattern(100, 1), host(100, 0);
@@ -321,7 +323,7 @@ TEST_CASE("CudaDevice: host tensors take the host path; several devices each get
   CHECK_THAT(bad.get().message(), Catch::Contains("cuda:2"));
 }
 
-TEST_CASE("CudaDevice: streams and events are released at destruction", "[cuda]") {
+TEST_CASE("cuda device: streams and events are released at destruction", "[cuda]") {
   auto fake = std::make_shared<FakeCuda>(1);
   {
     auto d = CudaDevice::create(fake);
@@ -339,7 +341,7 @@ TEST_CASE("CudaDevice: streams and events are released at destruction", "[cuda]"
   CHECK(fake->events_alive() == 0);
 }
 
-TEST_CASE("CudaDevice: create fails with CUDA's reason when there is no device", "[cuda]") {
+TEST_CASE("cuda device: create fails with CUDA's reason when there is no device", "[cuda]") {
   auto none = std::make_shared<FakeCuda>(0);
   auto d = CudaDevice::create(none);
   REQUIRE_FALSE(d.ok());
@@ -359,8 +361,10 @@ TEST_CASE("CudaDevice: create fails with CUDA's reason when there is no device",
   }
 }
 
-TEST_CASE("StagingPool: registers in segments, unregisters at the end, names its size on failure",
-          "[cuda][pool]") {
+TEST_CASE(
+    "cuda pool: StagingPool registers in segments, unregisters at the end, names its size on "
+    "failure",
+    "[cuda][pool]") {
   auto fake = std::make_shared<FakeCuda>(1);
   auto counted = [&fake](uint64_t seg) {
     ferry::HostRegistrar r;
@@ -402,8 +406,10 @@ TEST_CASE("StagingPool: registers in segments, unregisters at the end, names its
   CHECK_FALSE((*pool)->registered());
 }
 
-TEST_CASE("register_pool_for_device pins through CUDA unless ferry.cuda-register-pool is false",
-          "[cuda][pool]") {
+TEST_CASE(
+    "cuda pool: register_pool_for_device pins through CUDA unless ferry.cuda-register-pool is "
+    "false",
+    "[cuda][pool]") {
   Rig rig;
   ferry::Options opts;
   {
