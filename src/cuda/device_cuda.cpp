@@ -493,6 +493,39 @@ std::shared_ptr<DeviceBackend> make_default_device(const Options& opts, Status* 
   return std::move(dev).value();
 }
 
+namespace {
+
+template <class Fn>
+Status for_each_cuda_device(DeviceBackend& device, const StateDict& sd, Fn fn) {
+  auto* cuda_dev = dynamic_cast<CudaDevice*>(&device);
+  if (cuda_dev == nullptr) return Status();
+  std::vector<int> seen;
+  for (const StateEntry& e : sd.entries()) {
+    const Device& d = e.view.device;
+    if (d.is_host() || std::find(seen.begin(), seen.end(), d.index) != seen.end()) continue;
+    seen.push_back(d.index);
+    Status st = fn(*cuda_dev, d);
+    if (!st.ok()) return st.with_context("tensor '" + e.key + "'");
+  }
+  return Status();
+}
+
+}  // namespace
+
+Status order_copies_after(DeviceBackend& device, const StateDict& sd, const Device& stream_device,
+                          void* stream) {
+  return for_each_cuda_device(device, sd, [&](CudaDevice& c, const Device& d) {
+    return c.order_copies_after(d, d == stream_device ? stream : nullptr);
+  });
+}
+
+Status order_stream_after(DeviceBackend& device, const StateDict& sd, const Device& stream_device,
+                          void* stream) {
+  return for_each_cuda_device(device, sd, [&](CudaDevice& c, const Device& d) {
+    return c.order_stream_after(d, d == stream_device ? stream : nullptr);
+  });
+}
+
 Status register_pool_for_device(StagingPool& pool, DeviceBackend& device, const Options& opts) {
   auto* cuda_dev = dynamic_cast<CudaDevice*>(&device);
   if (cuda_dev == nullptr || !opts.cuda_register_pool) return Status();

@@ -42,6 +42,7 @@
 #include "ferry/device.hpp"
 #include "ferry/options.hpp"
 #include "ferry/pool.hpp"
+#include "ferry/tensor.hpp"
 
 namespace ferry {
 
@@ -112,6 +113,17 @@ class CudaDevice final : public DeviceBackend {
 // build has CUDA and the machine has a device, else the host device, with
 // `note` (if given) saying why no CUDA.
 std::shared_ptr<DeviceBackend> make_default_device(const Options& opts, Status* note = nullptr);
+
+// The Runtime's hooks, one call each: for every CUDA device among `sd`'s
+// tensors (once per device), CudaDevice::order_copies_after /
+// order_stream_after with the caller's `stream` for `stream_device` (the
+// device the stream belongs to) and the legacy default stream for any other
+// device. A no-op when `device` is not a CudaDevice or `sd` holds host
+// tensors only. An error names the tensor that brought the device in.
+Status order_copies_after(DeviceBackend& device, const StateDict& sd, const Device& stream_device,
+                          void* stream);
+Status order_stream_after(DeviceBackend& device, const StateDict& sd, const Device& stream_device,
+                          void* stream);
 
 // Pins the staging pool for `device` when it is a CudaDevice and
 // ferry.cuda-register-pool is true; an error names the pool size and the key

@@ -77,7 +77,7 @@ struct GpuRig {
   }
   // What save_async will do for each GPU of the state dict.
   ferry::SaveHandle save(const ferry::StateDict& sd, uint64_t step) {
-    REQUIRE(dev->order_copies_after(Device::cuda(0), stream).ok());
+    REQUIRE(ferry::order_copies_after(*dev, sd, Device::cuda(0), stream).ok());
     return rt->save_async(sd, step);
   }
 };

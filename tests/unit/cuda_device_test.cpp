@@ -442,3 +442,38 @@ TEST_CASE(
   opts.cuda_register_pool = true;
   CHECK(ferry::register_pool_for_device(**pool, *ferry::host_device(), opts).ok());
 }
+
+TEST_CASE("cuda device: the state dict hooks order every CUDA device of the dict once", "[cuda]") {
+  Rig rig(2);
+  std::vector<uint8_t> h(16);
+  ferry::StateDict sd;
+  REQUIRE(sd.add("h", TensorView(h.data(), DType::u8, {16})).ok());
+  REQUIRE(sd.add("a", TensorView(rig.fake->device_alloc(1, 16), DType::u8, {16}, Device::cuda(1)))
+              .ok());
+  REQUIRE(sd.add("b", TensorView(rig.fake->device_alloc(1, 16), DType::u8, {16}, Device::cuda(1)))
+              .ok());
+  auto stream = rig.fake->user_stream(1);
+  REQUIRE(ferry::order_copies_after(*rig.dev, sd, Device::cuda(1), stream).ok());
+  // cuda:1 is marked: its copies wait for that stream.
+  rig.fake->hold(stream);
+  rig.fake->write_on_stream(stream, sd.entries()[1].view.data, std::vector<uint8_t>(16, 9));
+  REQUIRE(ferry::order_copies_after(*rig.dev, sd, Device::cuda(1), stream).ok());
+  std::vector<uint8_t> out(16);
+  Outcome o;
+  rig.dev->copy_out(sd.entries()[1].view, 0, 16, out.data(), o.cb());
+  REQUIRE(eventually([&] { return rig.fake->copies_enqueued() == 1; }));
+  rig.fake->drain();
+  CHECK_FALSE(o.ready());
+  rig.fake->release(stream);
+  REQUIRE(o.get().ok());
+  CHECK(out == std::vector<uint8_t>(16, 9));
+  const auto waits = rig.fake->stream_waits();
+  REQUIRE(ferry::order_stream_after(*rig.dev, sd, Device::cuda(1), stream).ok());
+  CHECK(rig.fake->stream_waits() == waits + 1);  // one device, one wait
+  // Host-only backends and dicts: nothing to do.
+  CHECK(ferry::order_copies_after(*ferry::host_device(), sd, Device::cuda(1), stream).ok());
+  // A failing record names the tensor that brought the device in.
+  rig.fake->fail_next_call("cudaEventRecord", 1);
+  Status s = ferry::order_copies_after(*rig.dev, sd, Device::cuda(1), stream);
+  CHECK_THAT(s.message(), Catch::Contains("tensor 'a'") && Catch::Contains("cuda:1"));
+}
