@@ -37,3 +37,4 @@ clean:
 
 # Fuzzing (clang, libFuzzer) and sanitizer builds: see mk/.
 include mk/fuzz.mk mk/sanitize.mk
+include mk/gpu.mk

@@ -11,6 +11,7 @@
 
 #include "actors/actors.hpp"
 #include "actors/messages.hpp"
+#include "cuda/device_cuda.hpp"
 #include "ferry/catalog.hpp"
 #include "ferry/checksum.hpp"
 #include "ferry/fault_fs.hpp"
@@ -375,8 +376,13 @@ Result<std::unique_ptr<Runtime>> Runtime::create(RuntimeArgs args) {
   // FERRY_FAULTS wraps the filesystem in the fault injector (tests, crash
   // drills) without recompiling; unset, this is the plain one.
   FERRY_ASSIGN_OR_RETURN(ctx->fs, filesystem_from_env(args.fs ? args.fs : posix_filesystem()));
-  ctx->device = args.device ? args.device : host_device();
+  // The CUDA backend when this machine has a GPU (host tensors still take
+  // the host path through it), else the host device alone.
+  ctx->device = args.device ? args.device : make_default_device(opts);
   FERRY_ASSIGN_OR_RETURN(auto pool, StagingPool::create(opts.pool_bytes, opts.chunk_bytes));
+  // Pinned once, so device copies run at full speed and O_DIRECT writes go
+  // straight from the same blocks; an error names the size and the opt-out.
+  FERRY_RETURN_IF_ERROR(register_pool_for_device(*pool, *ctx->device, opts));
   ctx->pool = std::move(pool);
   impl->ctx = ctx;
 
@@ -477,6 +483,14 @@ SaveHandle Runtime::save_async(const StateDict& sd, uint64_t step, const SaveOpt
     return SaveHandle(state);
   }
   state->started = t0;
+  // Here, not in the snapshot actor: the copies must come after what the
+  // caller queued on its stream before this call, and before what it queues
+  // after it returns.
+  if (Status s = order_copies_after(*impl_->ctx->device, sd, opts.stream_device, opts.stream);
+      !s.ok()) {
+    state->finish(s.with_context("save of step " + std::to_string(step) + ": "), "");
+    return SaveHandle(state);
+  }
   if (!impl_->saves->add(state)) return SaveHandle(state);
   caf::anon_send(impl_->planner, atom::save_v, SaveJob{sd, step, opts, root, state});
   const double ms =
@@ -504,6 +518,9 @@ Status load_local(Runtime::Impl& im, caf::scoped_actor& self, StateDict& sd,
   if (!m.ok()) return m.status().with_context(join_path(reply.dir, kManifestFileName) + ": ");
   auto manifest = std::make_shared<const Manifest>(std::move(m).value());
   FERRY_ASSIGN_OR_RETURN(auto requests, make_load_requests(sd));
+  // Device copies into the caller's tensors come after its queued work on
+  // them (the legacy default stream); load returns once they have landed.
+  FERRY_RETURN_IF_ERROR(order_copies_after(*im.ctx->device, sd, Device::cuda(0), nullptr));
   LoadPlanOptions lo;
   lo.max_read_bytes = im.ctx->opts.chunk_bytes;
   FERRY_ASSIGN_OR_RETURN(auto ops, make_load_plan(*manifest, requests, lo));

@@ -304,6 +304,12 @@ const std::vector<KeySpec>& key_table() {
          }
          return true;
        }},
+      {{"cuda-register-pool", "true",
+        "pin the staging pool with cudaHostRegister when a GPU is used; false allows pageable "
+        "(slower) device copies where pinning is refused"},
+       [](const std::string& v, Options& o, std::string& why) {
+         return parse_bool(v, o.cuda_register_pool, why);
+       }},
   };
   return kTable;
 }

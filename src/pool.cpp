@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <limits>
@@ -73,6 +74,9 @@ StagingPool::StagingPool(uint8_t* base, uint64_t block_bytes, uint32_t blocks)
 }
 
 StagingPool::~StagingPool() {
+  // Unpinned before the unmap: the device must not keep a mapping of pages
+  // that go back to the kernel.
+  for (auto it = pinned_.rbegin(); it != pinned_.rend(); ++it) registrar_.unpin(*it);
   ::munmap(base_, static_cast<size_t>(bytes()));
 }
 
@@ -109,6 +113,35 @@ Status StagingPool::release(const Lease& l) {
   }
   // Outside the lock: the hook typically wakes an actor that acquires again.
   if (hook) hook();
+  return Status::ok_status();
+}
+
+Status StagingPool::register_memory(HostRegistrar r) {
+  if (!pinned_.empty())
+    return Status::invalid_argument("staging pool: already registered with " + registrar_.name);
+  if (!r.pin || !r.unpin)
+    return Status::invalid_argument("staging pool: registrar " + r.name + " lacks pin/unpin");
+  const uint64_t total = bytes();
+  // A segment boundary on a block boundary keeps every block in one segment.
+  uint64_t seg = r.max_segment_bytes == 0 ? total : r.max_segment_bytes;
+  seg = std::max<uint64_t>(block_bytes_, seg / block_bytes_ * block_bytes_);
+  std::vector<uint8_t*> done;
+  for (uint64_t off = 0; off < total; off += seg) {
+    const uint64_t n = std::min(seg, total - off);
+    Status st = r.pin(base_ + off, n);
+    if (!st.ok()) {
+      for (auto it = done.rbegin(); it != done.rend(); ++it) r.unpin(*it);
+      return Status(st.code(), "staging pool of " + std::to_string(total) + " bytes (" +
+                                   std::to_string(blocks()) + " blocks of " +
+                                   std::to_string(block_bytes_) +
+                                   ") could not be registered with " + r.name + ": segment at +" +
+                                   std::to_string(off) + " of " + std::to_string(n) +
+                                   " bytes: " + st.message());
+    }
+    done.push_back(base_ + off);
+  }
+  registrar_ = std::move(r);
+  pinned_ = std::move(done);
   return Status::ok_status();
 }
 

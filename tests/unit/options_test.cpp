@@ -135,7 +135,8 @@ TEST_CASE("option_infos lists every key once, and its defaults resolve to Option
                                              "plan-timeout",
                                              "write-timeout",
                                              "commit-timeout",
-                                             "owner-policy"};
+                                             "owner-policy",
+                                             "cuda-register-pool"};
   std::vector<std::string> keys;
   std::vector<Setting> defaults;
   for (const auto& info : ferry::option_infos()) {

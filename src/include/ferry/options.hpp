@@ -37,6 +37,8 @@ struct Options {
   double write_timeout_s = 600;     // write-timeout: all write results in
   double commit_timeout_s = 60;     // commit-timeout: manifest, renames, LATEST
   bool owner_lowest_rank = false;   // owner-policy: "balanced" (default) or "lowest-rank"
+  // GPU: an unpinnable pool is an error at start unless this is false.
+  bool cuda_register_pool = true;  // cuda-register-pool
 };
 
 // key = value, as read from one source (the value unquoted).

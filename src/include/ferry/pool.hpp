@@ -9,11 +9,21 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "ferry/status.hpp"
 
 namespace ferry {
+
+// How a device pins host memory for its copy engines (cudaHostRegister):
+// given by the device backend, applied once by StagingPool::register_memory.
+struct HostRegistrar {
+  std::string name;                // for messages: "CUDA"
+  uint64_t max_segment_bytes = 0;  // one pin call covers at most this; 0 = no limit
+  std::function<Status(void* ptr, uint64_t bytes)> pin;
+  std::function<void(void* ptr)> unpin;
+};
 
 struct Lease {
   uint32_t index = 0;
@@ -40,7 +50,15 @@ class StagingPool {
   uint32_t blocks() const { return static_cast<uint32_t>(generation_.size()); }
   uint32_t free_blocks() const;
   uint64_t bytes() const { return block_bytes_ * blocks(); }
-  uint8_t* base() const { return base_; }  // for device registration (cudaHostRegister)
+  uint8_t* base() const { return base_; }
+
+  // Pins the whole pool with `r`, in segments of at most r.max_segment_bytes,
+  // so device copies go straight into it (and O_DIRECT writes straight out).
+  // Call once, at start, before any block is used. On failure the segments
+  // already pinned are unpinned and the error names the pool size. The pool
+  // unpins itself when destroyed. REQUIRES: not registered yet.
+  Status register_memory(HostRegistrar r);
+  bool registered() const { return !pinned_.empty(); }
 
  private:
   StagingPool(uint8_t* base, uint64_t block_bytes, uint32_t blocks);
@@ -51,6 +69,8 @@ class StagingPool {
   std::vector<bool> in_use_;
   std::vector<uint32_t> free_;
   std::function<void()> hook_;
+  HostRegistrar registrar_;
+  std::vector<uint8_t*> pinned_;  // segment starts, in pin order
 };
 
 }  // namespace ferry

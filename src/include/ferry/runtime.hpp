@@ -23,6 +23,11 @@ struct SaveOptions {
   bool overwrite = false;  // replace an existing step instead of failing
   std::vector<std::pair<std::string, std::string>> metadata;  // stored in the manifest
   std::string root;  // overrides Options::root for this save
+  // The caller's CUDA stream (a cudaStream_t) and the device it belongs to:
+  // device copies are ordered after the work queued on it before
+  // save_async. nullptr: the legacy default stream.
+  void* stream = nullptr;
+  Device stream_device = Device::cuda(0);
 };
 
 // Figures of one save, filled in as it goes.

@@ -1,0 +1,282 @@
+// GPU saves and loads end to end through the Runtime, with the CUDA backend
+// running over the fake CUDA runtime (RuntimeArgs::device). The Runtime orders
+// its copies itself (save_async after SaveOptions::stream, load after the
+// legacy default stream); order_stream_after, the basis of a stream-ordered
+// wait_snapshot, is called by the tests directly.
+
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <future>
+#include <random>
+#include <thread>
+
+#include "cuda/device_cuda.hpp"
+#include "fake_cuda.hpp"
+#include "ferry/runtime.hpp"
+#include "test_util.hpp"
+
+using ferry::Device;
+using ferry::DType;
+using ferry::TensorView;
+using ferry::testing::FakeCuda;
+using ferry::testing::TempDir;
+
+namespace {
+
+template <class Pred>
+bool eventually(Pred p) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (!p()) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::yield();
+  }
+  return true;
+}
+
+std::vector<uint8_t> random_bytes(size_t n, uint64_t seed) {
+  std::vector<uint8_t> v(n);
+  std::mt19937_64 rng(seed);
+  for (auto& b : v) b = static_cast<uint8_t>(rng());
+  return v;
+}
+
+struct GpuRig {
+  std::shared_ptr<FakeCuda> fake = std::make_shared<FakeCuda>(2);
+  std::shared_ptr<ferry::CudaDevice> dev;
+  std::unique_ptr<ferry::Runtime> rt;
+  ferry::cuda::StreamHandle stream = nullptr;
+
+  GpuRig(const std::string& root, std::vector<std::pair<std::string, std::string>> kv = {}) {
+    auto d = ferry::CudaDevice::create(fake);
+    REQUIRE(d.ok());
+    dev = *d;
+    fake->set_device(0);
+    stream = fake->user_stream(0);
+    ferry::RuntimeArgs args;
+    args.set("root", root).set("pool-bytes", "4MiB").set("chunk-bytes", "256KiB");
+    args.set("checksum-block-bytes", "64KiB");
+    for (auto& [k, v] : kv) args.set(k, v);
+    args.device = dev;
+    auto r = ferry::Runtime::create(args);
+    REQUIRE(r.ok());
+    rt = std::move(r).value();
+  }
+  ~GpuRig() {
+    rt.reset();
+    dev.reset();
+    CHECK(fake->unset_device_calls() == 0);
+  }
+  // A "GPU tensor" holding `bytes`.
+  TensorView upload(int device, const std::vector<uint8_t>& bytes) {
+    void* p = fake->device_alloc(device, bytes.size());
+    std::memcpy(p, bytes.data(), bytes.size());
+    return TensorView(p, DType::u8, {static_cast<int64_t>(bytes.size())}, Device::cuda(device));
+  }
+  // A save ordered after the training stream, as a training loop asks for it.
+  ferry::SaveHandle save(const ferry::StateDict& sd, uint64_t step) {
+    ferry::SaveOptions o;
+    o.stream = stream;
+    o.stream_device = Device::cuda(0);
+    return rt->save_async(sd, step, o);
+  }
+};
+
+std::vector<uint8_t> bytes_of(const TensorView& v) {
+  const auto* p = static_cast<const uint8_t*>(v.data);
+  return {p, p + v.nbytes()};
+}
+
+// Loads `keys` of the checkpoint at `path` into fresh host buffers.
+std::vector<std::vector<uint8_t>> load_host(
+    ferry::Runtime& rt, const std::string& path,
+    const std::vector<std::pair<std::string, size_t>>& keys) {
+  std::vector<std::vector<uint8_t>> out;
+  for (auto& [k, n] : keys) out.emplace_back(n, 0);
+  ferry::StateDict sd;
+  for (size_t i = 0; i < keys.size(); ++i)
+    REQUIRE(sd.add(keys[i].first,
+                   TensorView(out[i].data(), DType::u8, {static_cast<int64_t>(keys[i].second)}))
+                .ok());
+  auto st = rt.load(sd, path);
+  INFO(st.to_string());
+  REQUIRE(st.ok());
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("cuda save: the write queued on the caller's stream before save_async is saved",
+          "[actors][cuda]") {
+  TempDir dir;
+  GpuRig rig(dir.path());
+  auto t = rig.upload(0, std::vector<uint8_t>(300000, 0));
+  const auto written = random_bytes(300000, 1);
+  rig.fake->hold(rig.stream);  // the training step is still running
+  rig.fake->write_on_stream(rig.stream, t.data, written);
+  ferry::StateDict sd;
+  REQUIRE(sd.add("w", t).ok());
+  auto h = rig.save(sd, 1);
+  REQUIRE(eventually([&] { return rig.fake->copies_enqueued() >= 1; }));
+  rig.fake->drain();
+  CHECK_FALSE(h.snapshot_done());  // the copies wait for the training step
+  rig.fake->release(rig.stream);
+  REQUIRE(h.wait_snapshot().ok());
+  auto st = h.wait_committed();
+  INFO(st.to_string());
+  REQUIRE(st.ok());
+  auto got = load_host(*rig.rt, h.path(), {{"w", written.size()}});
+  CHECK(got[0] == written);
+}
+
+TEST_CASE("cuda save: mutating after wait_snapshot leaves the checkpoint unchanged",
+          "[actors][cuda]") {
+  TempDir dir;
+  GpuRig rig(dir.path(), {{"pool-bytes", "8MiB"}});
+  const auto orig = random_bytes(3 << 20, 2);
+  auto t = rig.upload(0, orig);
+  ferry::StateDict sd;
+  REQUIRE(sd.add("p", t).ok());
+  auto h = rig.save(sd, 5);
+  REQUIRE(h.wait_snapshot().ok());
+  // The optimizer step, on the GPU, right after the snapshot.
+  rig.fake->launch(rig.stream, [&t] { std::memset(t.data, 0x5a, t.nbytes()); });
+  REQUIRE(h.wait_committed().ok());
+  REQUIRE(rig.fake->drain());
+  CHECK(static_cast<uint8_t*>(t.data)[7] == 0x5a);
+  auto got = load_host(*rig.rt, h.path(), {{"p", orig.size()}});
+  CHECK(got[0] == orig);
+}
+
+TEST_CASE("cuda save: a state larger than the pool streams through it", "[actors][cuda]") {
+  TempDir dir;
+  GpuRig rig(dir.path(), {{"pool-bytes", "1MiB"}, {"chunk-bytes", "128KiB"}});
+  const auto a = random_bytes(3 << 20, 3), b = random_bytes((2 << 20) + 12345, 4);
+  ferry::StateDict sd;
+  REQUIRE(sd.add("a", rig.upload(0, a)).ok());
+  REQUIRE(sd.add("b", rig.upload(1, b)).ok());  // a second GPU
+  auto h = rig.save(sd, 2);
+  auto st = h.wait_committed();
+  INFO(st.to_string());
+  REQUIRE(st.ok());
+  CHECK(h.bytes_persisted() == h.bytes_total());
+  CHECK(rig.fake->copies_enqueued() >= (a.size() + b.size()) / (128 << 10));
+  auto got = load_host(*rig.rt, h.path(), {{"a", a.size()}, {"b", b.size()}});
+  CHECK(got[0] == a);
+  CHECK(got[1] == b);
+}
+
+TEST_CASE("cuda save: host and device tensors in one save, loaded back into both",
+          "[actors][cuda]") {
+  TempDir dir;
+  GpuRig rig(dir.path());
+  auto host_bytes = random_bytes(100000, 5);
+  const auto dev_bytes = random_bytes(200000, 6);
+  // Small tensors pack into one block with the others.
+  const auto tiny = random_bytes(10, 7);
+  ferry::StateDict sd;
+  REQUIRE(sd.add("h", TensorView(host_bytes.data(), DType::u8, {100000})).ok());
+  REQUIRE(sd.add("d", rig.upload(0, dev_bytes)).ok());
+  REQUIRE(sd.add("tiny", rig.upload(0, tiny)).ok());
+  auto h = rig.save(sd, 3);
+  REQUIRE(h.wait_committed().ok());
+
+  std::vector<uint8_t> host_out(100000, 0);
+  auto dev_out = rig.upload(0, std::vector<uint8_t>(200000, 0));
+  auto tiny_out = rig.upload(1, std::vector<uint8_t>(10, 0));
+  ferry::StateDict out;
+  REQUIRE(out.add("h", TensorView(host_out.data(), DType::u8, {100000})).ok());
+  REQUIRE(out.add("d", dev_out).ok());
+  REQUIRE(out.add("tiny", tiny_out).ok());
+  REQUIRE(rig.rt->load(out, h.path()).ok());
+  CHECK(host_out == host_bytes);
+  CHECK(bytes_of(dev_out) == dev_bytes);
+  CHECK(bytes_of(tiny_out) == tiny);
+}
+
+TEST_CASE("cuda save: an error reported at a later query ends the save; the last checkpoint stays",
+          "[actors][cuda]") {
+  TempDir dir;
+  GpuRig rig(dir.path(), {{"chunk-bytes", "64KiB"}, {"pool-bytes", "1MiB"}});
+  const auto first = random_bytes(500000, 8);
+  auto t = rig.upload(0, first);
+  ferry::StateDict sd;
+  REQUIRE(sd.add("w", t).ok());
+  auto h1 = rig.save(sd, 1);
+  REQUIRE(h1.wait_committed().ok());
+  const std::string good = rig.rt->latest();
+  REQUIRE(good == h1.path());
+
+  std::memset(t.data, 0x11, t.nbytes());
+  rig.fake->fail_async_copy(ferry::cuda::kErrorIllegalAddress, 3);
+  auto h2 = rig.save(sd, 2);
+  auto st = h2.wait_committed();
+  REQUIRE_FALSE(st.ok());
+  CHECK_THAT(st.message(), Catch::Contains("cuda:0") &&
+                               Catch::Contains("cudaErrorIllegalAddress") &&
+                               Catch::Contains("an illegal memory access was encountered"));
+  CHECK(rig.rt->latest() == good);
+  CHECK(load_host(*rig.rt, rig.rt->latest(), {{"w", first.size()}})[0] == first);
+
+  // The device is healthy again: the next save works.
+  auto h3 = rig.save(sd, 3);
+  auto st3 = h3.wait_committed();
+  INFO(st3.to_string());
+  REQUIRE(st3.ok());
+  CHECK(rig.rt->latest() == h3.path());
+  CHECK(load_host(*rig.rt, h3.path(), {{"w", first.size()}})[0] ==
+        std::vector<uint8_t>(first.size(), 0x11));
+}
+
+TEST_CASE("cuda load: device tensors get the checkpoint's bytes, after the caller's stream",
+          "[actors][cuda]") {
+  TempDir dir;
+  GpuRig rig(dir.path());
+  const auto a = random_bytes(777777, 9);
+  ferry::StateDict sd;
+  auto src = a;
+  REQUIRE(sd.add("a", TensorView(src.data(), DType::u8, {777777})).ok());
+  auto h = rig.rt->save_async(sd, 4);
+  REQUIRE(h.wait_committed().ok());
+
+  auto target = rig.upload(1, std::vector<uint8_t>(a.size(), 0));
+  ferry::StateDict out;
+  REQUIRE(out.add("a", target).ok());
+  REQUIRE(rig.rt->load(out, h.path()).ok());
+  CHECK(bytes_of(target) == a);
+  // The load's last copy is ordered before the caller's stream continues.
+  REQUIRE(rig.dev->order_stream_after(Device::cuda(1), nullptr).ok());
+}
+
+TEST_CASE("cuda save: order_stream_after makes the training stream wait, not the host",
+          "[actors][cuda]") {
+  TempDir dir;
+  GpuRig rig(dir.path(), {{"pool-bytes", "8MiB"}});
+  const auto orig = random_bytes(1 << 20, 10);
+  auto t = rig.upload(0, orig);
+  ferry::StateDict sd;
+  REQUIRE(sd.add("p", t).ok());
+  rig.fake->pause();
+  auto h = rig.save(sd, 6);
+  // The pool holds the state: every copy is issued while none has run.
+  REQUIRE(eventually([&] { return rig.fake->copies_enqueued() >= (1u << 20) / (256u << 10); }));
+  auto ordered = std::async(std::launch::async, [&] {
+    rig.fake->set_device(0);
+    return rig.dev->order_stream_after(Device::cuda(0), rig.stream);
+  });
+  REQUIRE(ordered.wait_for(std::chrono::seconds(20)) == std::future_status::ready);
+  REQUIRE(ordered.get().ok());
+  CHECK_FALSE(h.snapshot_done());  // the host went on; the GPU has not copied yet
+  std::atomic<bool> after_snapshot{false};
+  rig.fake->launch(rig.stream, [&] {
+    after_snapshot = true;
+    std::memset(t.data, 0, t.nbytes());
+  });
+  rig.fake->resume();
+  REQUIRE(h.wait_committed().ok());
+  REQUIRE(rig.fake->drain());
+  CHECK(after_snapshot);
+  CHECK(load_host(*rig.rt, h.path(), {{"p", orig.size()}})[0] == orig);
+}
