@@ -11,11 +11,8 @@ import sys
 import tempfile
 import unittest
 
-try:
-    import torch
-except ImportError:
-    print("SKIP: torch is not importable from %s" % sys.executable)
-    sys.exit(77)
+import _support  # noqa: F401 (exits 77, skipped, without torch)
+import torch  # noqa: E402
 
 import ferry
 

@@ -7,11 +7,8 @@ import shutil
 import sys
 import tempfile
 
-try:
-    import torch
-except ImportError:
-    print("SKIP: torch is not importable from %s" % sys.executable)
-    sys.exit(77)
+import _support  # noqa: F401 (exits 77, skipped, without torch)
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     if os.environ.get("FERRY_REQUIRE_GPU") == "1":

@@ -8,11 +8,7 @@ import subprocess
 import sys
 import tempfile
 
-try:
-    import torch  # noqa: F401
-except ImportError:
-    print("SKIP: torch is not importable from %s" % sys.executable)
-    sys.exit(77)
+import _support  # noqa: F401 (exits 77, skipped, without torch)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

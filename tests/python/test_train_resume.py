@@ -9,14 +9,8 @@ import subprocess
 import sys
 import tempfile
 
-try:
-    import torch  # noqa: F401
-except ImportError:
-    print("SKIP: torch is not importable from %s" % sys.executable)
-    sys.exit(77)
+from _support import SRC  # noqa: E402 (exits 77, skipped, without torch)
 
-SRC = os.environ.get("FERRY_SOURCE_DIR") or os.path.dirname(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(SRC, "examples", "train_resume.py")
 STEPS, CRASH, EVERY = 120, 75, 20
 
