@@ -25,22 +25,13 @@ FUZZ_CXX_FLAGS ?= -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined \
   -fno-sanitize-recover=undefined -fsanitize=fuzzer-no-link
 FUZZ_RUN_FLAGS ?= -timeout=5 -rss_limit_mb=2048 -print_final_stats=1
 
-# Until the top-level CMakeLists.txt adds tests/fuzz itself, a project
-# include (written into the build tree, not the sources) adds it.
-FUZZ_HOOK = $(FUZZ_BUILD)/ferry-fuzz-subdir.cmake
-FUZZ_SUBDIR_RE := add_subdirectory[(] *"?([$$][{][A-Z_]+[}]/)?(tests/)?fuzz\b
-FUZZ_SUBDIR_ADDED := $(shell grep -Eqs '$(FUZZ_SUBDIR_RE)' CMakeLists.txt tests/CMakeLists.txt && echo yes)
-
 .PHONY: fuzz fuzz-build
 
 fuzz-build:
 	@command -v clang++ >/dev/null || { echo "fuzz: clang++ missing (apt-get install clang libclang-rt-14-dev)"; exit 1; }
-	@mkdir -p $(FUZZ_BUILD)
-	@echo 'add_subdirectory("$${CMAKE_SOURCE_DIR}/tests/fuzz" "$${CMAKE_BINARY_DIR}/tests-fuzz")' > $(FUZZ_HOOK)
 	cmake -S . -B $(FUZZ_BUILD) -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
-	  -DCMAKE_BUILD_TYPE= -DFERRY_FUZZ=ON -DFERRY_BUILD_BENCH=OFF \
-	  -DCMAKE_CXX_FLAGS="$(FUZZ_CXX_FLAGS)" \
-	  -DCMAKE_PROJECT_ferry_INCLUDE="$(if $(FUZZ_SUBDIR_ADDED),,$(CURDIR)/$(FUZZ_HOOK))"
+	  -DCMAKE_BUILD_TYPE= -DFERRY_FUZZ=ON -DFERRY_BUILD_BENCH=OFF -DFERRY_CUDA=OFF \
+	  -DCMAKE_CXX_FLAGS="$(FUZZ_CXX_FLAGS)"
 	cmake --build $(FUZZ_BUILD) --target ferry_fuzzers -j $(FUZZ_JOBS)
 
 fuzz: fuzz-build
