@@ -30,8 +30,7 @@ void expect_message(const ferry::Result<T>& r, const char* what) {
 
 }  // namespace
 
-extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  ferry::fuzz::InputTimer timer(kTarget, size);
+static int one_input(const uint8_t* data, size_t size) {
   const std::string text(reinterpret_cast<const char*>(data), size);
 
   ferry::Result<std::vector<ferry::Setting>> settings = ferry::parse_ini_settings(text, "fuzz.ini");
@@ -49,4 +48,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     expect_message(ferry::resolve_options(one), "resolve_options (code)");
   }
   return 0;
+}
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  return ferry::fuzz::timed(kTarget, data, size, one_input);
 }

@@ -79,11 +79,14 @@ bool fix_frame(std::string_view in, std::string* out) {
 
 }  // namespace
 
-extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+static int one_input(const uint8_t* data, size_t size) {
   const std::string_view input(reinterpret_cast<const char*>(data), size);
-  ferry::fuzz::InputTimer timer(kTarget, size);
   check_round_trip(input);
   std::string fixed;
   if (fix_frame(input, &fixed)) check_round_trip(fixed);
   return 0;
+}
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  return ferry::fuzz::timed(kTarget, data, size, one_input);
 }

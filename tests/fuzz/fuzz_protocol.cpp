@@ -23,9 +23,8 @@ constexpr const char* kTarget = "fuzz_protocol";
 
 }  // namespace
 
-extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+static int one_input(const uint8_t* data, size_t size) {
   const std::string_view input(reinterpret_cast<const char*>(data), size);
-  ferry::fuzz::InputTimer timer(kTarget, size);
 
   ferry::Result<ferry::WireMessage> first = ferry::decode_message(input);
   if (!first.ok()) {
@@ -57,4 +56,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                      ": " + std::to_string(e1.size()) + " vs " + std::to_string(e2.size()) +
                      " bytes");
   return 0;
+}
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  return ferry::fuzz::timed(kTarget, data, size, one_input);
 }

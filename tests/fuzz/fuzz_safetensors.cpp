@@ -45,12 +45,15 @@ void parse(const std::string& prefix, uint64_t file_size) {
 
 }  // namespace
 
-extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  ferry::fuzz::InputTimer timer(kTarget, size);
+static int one_input(const uint8_t* data, size_t size) {
   const std::string file(reinterpret_cast<const char*>(data), size);
   parse(file, size);
   parse(file, static_cast<uint64_t>(size) + 4096);
   parse(file, std::numeric_limits<uint64_t>::max());
   parse(file, size > 8 ? size - 1 : 0);
   return 0;
+}
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  return ferry::fuzz::timed(kTarget, data, size, one_input);
 }
