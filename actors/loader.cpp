@@ -159,16 +159,28 @@ class RunReader {
       if (inflight_.empty()) {
         // The pool is empty (a save, or the other readers, hold every block)
         // and this reader holds none to wait on. The pool's one release hook
-        // belongs to the save path, so poll: a block frees within a write.
+        // belongs to the save path, so poll: a block frees within a write,
+        // and a save's writes end within write-timeout.
+        const auto now = std::chrono::steady_clock::now();
+        if (!waiting_since_) waiting_since_ = now;
+        if (now - *waiting_since_ > std::chrono::duration<double>(ctx_.opts.write_timeout_s))
+          return Status::timeout("rank " + std::to_string(ctx_.rank) +
+                                 ": no staging pool block came free within write-timeout (" +
+                                 std::to_string(ctx_.opts.write_timeout_s) + " s) for a load");
         std::this_thread::sleep_for(std::chrono::microseconds(200));
         continue;
       }
+      waiting_since_.reset();
       InFlight f = std::move(inflight_.front());
       inflight_.pop_front();
       Status s = finish(f);
       release(f);
       FERRY_RETURN_IF_ERROR(s);
     }
+    // Readahead runs past the last run of this reader (into another reader's
+    // stretch, which may have dropped it already): drop what is left.
+    for (auto& [index, f] : files_)
+      if (f->cache_fd >= 0) ::posix_fadvise(f->cache_fd, 0, 0, POSIX_FADV_DONTNEED);
     return Status();
   }
 
@@ -267,6 +279,7 @@ class RunReader {
   std::vector<ReadRun> runs_;
   std::map<uint32_t, std::unique_ptr<OpenFile>> files_;
   std::deque<InFlight> inflight_;
+  std::optional<std::chrono::steady_clock::time_point> waiting_since_;
 };
 
 Status run_reads(reader_state& st, const ReadTask& task) {
