@@ -1,11 +1,26 @@
 // Loader and readers. The loader splits a load plan over the readers and
 // gathers their outcomes (a reader that dies fails its part, it never hangs
-// the load); readers do the blocking preads on their own
-// threads, verify each checksum block they read and copy the requested bytes
-// into the caller's tensors through the device.
+// the load). A reader packs its ops into aligned runs (make_read_runs), reads
+// each run with one pread into a staging pool block (O_DIRECT where the
+// filesystem takes it), keeps several reads in flight on helper threads
+// while it verifies the checksum blocks of the run that landed and copies the
+// requested bytes into the caller's tensors through the device. The pool is
+// bounded: a load larger than it streams through the same few blocks.
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <deque>
 #include <future>
 #include <map>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <tuple>
 
 #include "actors/actors.hpp"
 #include "actors/messages.hpp"
@@ -15,13 +30,21 @@ namespace ferry {
 
 namespace {
 
+// O_DIRECT wants buffers, offsets and lengths aligned to the logical block
+// size; 4096 covers every device we run on (the writer assumes the same).
+constexpr uint64_t kAlign = 4096;
+// Reads in flight per reader: enough to keep a virtual disk's queue busy
+// while the reader verifies and copies the run that landed before.
+constexpr size_t kReadsInFlight = 4;
+
 struct reader_state {
   static inline const char* name = "ferry.reader";
   ContextPtr ctx;
 };
 
-// Verifies the checksum blocks of one read; the error names tensor and file.
-Status verify(const Manifest& m, const ReadOp& op, const std::string& path, const uint8_t* buf) {
+// Verifies the checksum blocks of one read; the error names rank, tensor and file.
+Status verify(const RankContext& ctx, const Manifest& m, const ReadOp& op, const std::string& path,
+              const uint8_t* buf) {
   const ManifestChunk& c = m.tensors[op.tensor].chunks[op.chunk];
   if (c.checksums.empty()) return Status();
   const uint64_t cb = m.checksum_block_bytes;
@@ -30,61 +53,238 @@ Status verify(const Manifest& m, const ReadOp& op, const std::string& path, cons
     const uint64_t n = std::min<uint64_t>(cb, op.length - begin);
     const uint32_t block = op.first_block + i;
     if (block >= c.checksums.size() || xxh3_64(buf + begin, n) != c.checksums[block])
-      return Status::corruption("checksum mismatch in tensor '" + m.tensors[op.tensor].key +
+      return Status::corruption("rank " + std::to_string(ctx.rank) +
+                                ": checksum mismatch in tensor '" + m.tensors[op.tensor].key +
                                 "' (chunk " + c.entry + ", block " + std::to_string(block) +
                                 ") of file " + path);
   }
   return Status();
 }
 
+// Heap memory aligned for O_DIRECT, for what is not a pool block (the
+// header, a checksum block larger than a pool block).
+struct AlignedBuffer {
+  explicit AlignedBuffer(uint64_t n)
+      : p(static_cast<uint8_t*>(std::aligned_alloc(kAlign, std::max(kAlign, n)))) {}
+  ~AlignedBuffer() { std::free(p); }
+  AlignedBuffer(const AlignedBuffer&) = delete;
+  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
+  uint8_t* p;
+};
+
 // The header is not covered by the chunk checksums; its own checksum makes
 // the data file as trustworthy as the chunks read from it.
-Status verify_header(File& f, const ManifestFile& mf, const std::string& path,
-                     std::vector<uint8_t>& buf) {
+Status verify_header(File& f, const ManifestFile& mf, const std::string& path) {
   if (mf.header_bytes == 0) return Status();
-  buf.resize(mf.header_bytes);
-  FERRY_ASSIGN_OR_RETURN(size_t got, f.pread(buf.data(), buf.size(), 0));
-  if (got != buf.size() || xxh3_64(buf.data(), buf.size()) != mf.header_checksum)
+  const uint64_t len = (mf.header_bytes + kAlign - 1) / kAlign * kAlign;
+  AlignedBuffer buf(len);
+  if (!buf.p) return Status::internal("no memory for the header of file " + path);
+  FERRY_ASSIGN_OR_RETURN(size_t got, f.pread(buf.p, len, 0));
+  if (got < mf.header_bytes || xxh3_64(buf.p, mf.header_bytes) != mf.header_checksum)
     return Status::corruption("safetensors header of file " + path +
                               " does not match its checksum in the manifest");
   return Status();
 }
 
-Status run_reads(reader_state& st, const ReadTask& task) {
-  const Manifest& m = *task.manifest;
-  std::map<uint32_t, std::unique_ptr<File>> open_files;
-  std::vector<uint8_t> buf;
-  for (const ReadOp& op : task.ops) {
-    const std::string path = join_path(task.dir, m.files[op.file].name);
-    auto& f = open_files[op.file];
-    if (!f) {
-      auto r = st.ctx->fs->open(path, OpenOptions{});
-      if (!r.ok()) return r.status();
-      f = std::move(r).value();
-      FERRY_RETURN_IF_ERROR(verify_header(*f, m.files[op.file], path, buf));
-    }
-    buf.resize(op.length);
-    FERRY_ASSIGN_OR_RETURN(size_t got, f->pread(buf.data(), op.length, op.file_offset));
-    if (got != op.length)
-      return Status::corruption("file " + path + " is truncated: tensor '" +
-                                m.tensors[op.tensor].key + "' needs bytes up to " +
-                                std::to_string(op.file_offset + op.length));
-    FERRY_RETURN_IF_ERROR(verify(m, op, path, buf.data()));
-    const TensorView& target = task.targets[op.entry];
-    const size_t elem = dtype_size(target.dtype);
-    Status copy_status;
-    for_each_copy(op, elem, [&](uint64_t src, uint64_t dst, uint64_t n) {
-      if (!copy_status.ok()) return;
-      // The buffer is reused by the next read: wait for the copy to land.
-      std::promise<Status> done;
-      auto fut = done.get_future();
-      st.ctx->device->copy_in(buf.data() + src, target, dst, n,
-                              [&done](Status s) { done.set_value(std::move(s)); });
-      copy_status = fut.get();
-    });
-    FERRY_RETURN_IF_ERROR(copy_status);
+// Waits for the copies of one run: the staging block is reused only after
+// every copy out of it has landed (a device copies asynchronously).
+class CopyLatch {
+ public:
+  void add() {
+    std::lock_guard<std::mutex> l(mu_);
+    ++issued_;
   }
-  return Status();
+  void arrive(Status s) {
+    std::lock_guard<std::mutex> l(mu_);
+    if (!s.ok() && first_.ok()) first_ = std::move(s);
+    ++done_;
+    cv_.notify_all();
+  }
+  Status wait() {
+    std::unique_lock<std::mutex> l(mu_);
+    cv_.wait(l, [this] { return done_ == issued_; });
+    return first_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  uint64_t issued_ = 0, done_ = 0;
+  Status first_;
+};
+
+// A data file as one reader uses it. `cache_fd` is a plain descriptor kept
+// only to drop the pages a buffered read left in the page cache.
+struct OpenFile {
+  std::unique_ptr<File> file;
+  std::string path;
+  int cache_fd = -1;
+  ~OpenFile() {
+    if (cache_fd >= 0) ::close(cache_fd);
+  }
+};
+
+// One pread in flight: the block it reads into and its outcome.
+struct InFlight {
+  const ReadRun* run = nullptr;
+  OpenFile* file = nullptr;
+  std::optional<Lease> lease;
+  std::unique_ptr<AlignedBuffer> heap;  // only for a run larger than a pool block
+  uint8_t* buf = nullptr;
+  std::future<Result<size_t>> got;
+};
+
+class RunReader {
+ public:
+  RunReader(const RankContext& ctx, const ReadTask& task) : ctx_(ctx), task_(task) {}
+  // Every read started is waited for and every block released, whatever failed.
+  ~RunReader() {
+    while (!inflight_.empty()) {
+      if (inflight_.front().got.valid()) inflight_.front().got.wait();
+      release(inflight_.front());
+      inflight_.pop_front();
+    }
+  }
+
+  Status run() {
+    const uint64_t block = ctx_.pool->block_bytes();
+    runs_ = make_read_runs(task_.ops, *task_.manifest, block, kAlign);
+    size_t next = 0;
+    while (next < runs_.size() || !inflight_.empty()) {
+      while (next < runs_.size() && inflight_.size() < kReadsInFlight) {
+        FERRY_ASSIGN_OR_RETURN(bool started, start(runs_[next], block));
+        if (!started) break;
+        ++next;
+      }
+      if (inflight_.empty()) {
+        // The pool is empty (a save, or the other readers, hold every block)
+        // and this reader holds none to wait on. The pool's one release hook
+        // belongs to the save path, so poll: a block frees within a write,
+        // and a save's writes end within write-timeout.
+        const auto now = std::chrono::steady_clock::now();
+        if (!waiting_since_) waiting_since_ = now;
+        if (now - *waiting_since_ > std::chrono::duration<double>(ctx_.opts.write_timeout_s))
+          return Status::timeout("rank " + std::to_string(ctx_.rank) +
+                                 ": no staging pool block came free within write-timeout (" +
+                                 std::to_string(ctx_.opts.write_timeout_s) + " s) for a load");
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+        continue;
+      }
+      waiting_since_.reset();
+      InFlight f = std::move(inflight_.front());
+      inflight_.pop_front();
+      Status s = finish(f);
+      release(f);
+      FERRY_RETURN_IF_ERROR(s);
+    }
+    // Readahead runs past the last run of this reader (into another reader's
+    // stretch, which may have dropped it already): drop what is left.
+    for (auto& [index, f] : files_)
+      if (f->cache_fd >= 0) ::posix_fadvise(f->cache_fd, 0, 0, POSIX_FADV_DONTNEED);
+    return Status();
+  }
+
+ private:
+  Result<OpenFile*> open(uint32_t index) {
+    auto& slot = files_[index];
+    if (slot) return slot.get();
+    auto f = std::make_unique<OpenFile>();
+    f->path = join_path(task_.dir, task_.manifest->files[index].name);
+    OpenOptions o;
+    o.direct = ctx_.opts.direct_io;
+    FERRY_ASSIGN_OR_RETURN(f->file, ctx_.fs->open(f->path, o));
+    FERRY_RETURN_IF_ERROR(verify_header(*f->file, task_.manifest->files[index], f->path));
+    if (!f->file->direct()) f->cache_fd = ::open(f->path.c_str(), O_RDONLY | O_CLOEXEC);
+    slot = std::move(f);
+    return slot.get();
+  }
+
+  // Starts the read of `run`; false when no staging block is free now.
+  Result<bool> start(const ReadRun& run, uint64_t block) {
+    InFlight f;
+    f.run = &run;
+    if (run.length <= block) {
+      f.lease = ctx_.pool->try_acquire();
+      if (!f.lease) return false;
+      auto data = ctx_.pool->data(*f.lease);
+      if (!data.ok()) {
+        release(f);
+        return data.status();
+      }
+      f.buf = data.value();
+    } else {
+      f.heap = std::make_unique<AlignedBuffer>(run.length);
+      if (!f.heap->p)
+        return Status::internal("no memory for a read of " + std::to_string(run.length) + " bytes");
+      f.buf = f.heap->p;
+    }
+    auto file = open(run.file);
+    if (!file.ok()) {
+      release(f);
+      return file.status();
+    }
+    f.file = file.value();
+    File* fp = f.file->file.get();
+    f.got = std::async(std::launch::async,
+                       [fp, buf = f.buf, &run] { return fp->pread(buf, run.length, run.offset); });
+    inflight_.push_back(std::move(f));
+    return true;
+  }
+
+  Status finish(InFlight& f) {
+    const ReadRun& run = *f.run;
+    const Manifest& m = *task_.manifest;
+    const std::string& path = f.file->path;
+    Result<size_t> got = f.got.get();
+    if (!got.ok()) return got.status();
+    CopyLatch latch;
+    Status s;
+    for (const ReadOp& op : run.ops) {
+      const uint64_t at = op.file_offset - run.offset;
+      if (got.value() < at + op.length) {
+        s = Status::corruption("rank " + std::to_string(ctx_.rank) + ": file " + path +
+                               " is truncated: tensor '" + m.tensors[op.tensor].key +
+                               "' needs bytes up to " + std::to_string(op.file_offset + op.length));
+        break;
+      }
+      s = verify(ctx_, m, op, path, f.buf + at);
+      if (!s.ok()) break;
+      const TensorView& target = task_.targets[op.entry];
+      for_each_copy(op, dtype_size(target.dtype), [&](uint64_t src, uint64_t dst, uint64_t n) {
+        latch.add();
+        ctx_.device->copy_in(f.buf + at + src, target, dst, n,
+                             [&latch](Status st) { latch.arrive(std::move(st)); });
+      });
+    }
+    // Copies already started read from the block and report to the latch:
+    // wait for them even when a later op failed.
+    Status copied = latch.wait();
+    FERRY_RETURN_IF_ERROR(s);
+    FERRY_RETURN_IF_ERROR(copied);
+    // A buffered read leaves the checkpoint in the page cache, where it would
+    // push out what the job needs: drop the pages of this run.
+    if (f.file->cache_fd >= 0)
+      ::posix_fadvise(f.file->cache_fd, static_cast<off_t>(run.offset),
+                      static_cast<off_t>(run.length), POSIX_FADV_DONTNEED);
+    return Status();
+  }
+
+  void release(InFlight& f) {
+    if (f.lease) ctx_.pool->release(*f.lease);
+    f.lease.reset();
+  }
+
+  const RankContext& ctx_;
+  const ReadTask& task_;
+  std::vector<ReadRun> runs_;
+  std::map<uint32_t, std::unique_ptr<OpenFile>> files_;
+  std::deque<InFlight> inflight_;
+  std::optional<std::chrono::steady_clock::time_point> waiting_since_;
+};
+
+Status run_reads(reader_state& st, const ReadTask& task) {
+  RunReader reader(*st.ctx, task);
+  return reader.run();
 }
 
 caf::behavior reader_actor(caf::stateful_actor<reader_state>* self, ContextPtr ctx) {
@@ -170,11 +370,23 @@ caf::behavior loader_actor(loader_ptr self, ContextPtr ctx) {
   return {
       [self](atom::load, const LoadJob& job) -> caf::result<Status> {
         auto& st = self->state;
-        // Contiguous runs of the plan per reader keep each reader on few files.
+        // Each reader takes a contiguous stretch of the files, equal in bytes:
+        // a few long sequential streams, and runs coalesce inside each.
         std::vector<ReadTask> tasks(std::min<size_t>(st.readers.size(), job.ops.size()));
         if (tasks.empty()) return Status();
-        const size_t per = (job.ops.size() + tasks.size() - 1) / tasks.size();
-        for (size_t i = 0; i < job.ops.size(); ++i) tasks[i / per].ops.push_back(job.ops[i]);
+        std::vector<ReadOp> ops = job.ops;
+        std::sort(ops.begin(), ops.end(), [](const ReadOp& a, const ReadOp& b) {
+          return std::tie(a.file, a.file_offset) < std::tie(b.file, b.file_offset);
+        });
+        uint64_t total = 0;
+        for (const auto& op : ops) total += op.length;
+        uint64_t seen = 0;
+        for (auto& op : ops) {
+          const size_t k =
+              total ? std::min<size_t>(tasks.size() - 1, seen * tasks.size() / total) : 0;
+          seen += op.length;
+          tasks[k].ops.push_back(std::move(op));
+        }
         auto load = std::make_shared<LoadInFlight>();
         load->rp = self->make_response_promise();
         for (const auto& t : tasks) load->left += t.ops.empty() ? 0 : 1;

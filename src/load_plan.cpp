@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <tuple>
 #include <unordered_map>
 
 namespace ferry {
@@ -239,6 +240,60 @@ void for_each_copy(const ReadOp& op, size_t elem_size,
     const uint64_t to = std::min(s + run_bytes, hi);
     fn(from - lo, static_cast<uint64_t>(cur.dst()) * es + (from - s), to - from);
   }
+}
+
+std::vector<ReadRun> make_read_runs(std::vector<ReadOp> ops, const Manifest& m,
+                                    uint64_t max_run_bytes, uint64_t align) {
+  std::sort(ops.begin(), ops.end(), [](const ReadOp& a, const ReadOp& b) {
+    return std::tie(a.file, a.file_offset, a.entry) < std::tie(b.file, b.file_offset, b.entry);
+  });
+  auto down = [align](uint64_t v) { return v / align * align; };
+  auto up = [align](uint64_t v) { return (v + align - 1) / align * align; };
+  max_run_bytes = std::max(align, down(max_run_bytes));
+
+  std::vector<ReadRun> runs;
+  for (ReadOp& op : ops) {
+    const ManifestChunk& c = m.tensors[op.tensor].chunks[op.chunk];
+    const bool blocks = !c.checksums.empty() && m.checksum_block_bytes > 0;
+    const uint64_t grain = blocks ? m.checksum_block_bytes : align;
+    bool fresh = false;  // the op's rest must start a run of its own
+    while (op.length > 0) {
+      const bool joins = !fresh && !runs.empty() && runs.back().file == op.file &&
+                         down(op.file_offset) <= runs.back().offset + runs.back().length;
+      if (!joins) runs.push_back(ReadRun{op.file, down(op.file_offset), 0, {}});
+      ReadRun& run = runs.back();
+      const uint64_t room_end = run.offset + max_run_bytes;
+      const uint64_t end = op.file_offset + op.length;
+      if (up(end) <= room_end) {
+        run.length = std::max(run.length, up(end) - run.offset);
+        run.ops.push_back(op);
+        break;
+      }
+      uint64_t take = room_end > op.file_offset ? (room_end - op.file_offset) / grain * grain : 0;
+      if (take == 0) {
+        if (joins) {
+          fresh = true;  // this run is full: the op starts the next
+          continue;
+        }
+        take = std::min(grain, op.length);  // one block bigger than a run: an oversized run
+      }
+      ReadOp piece = op;
+      piece.length = take;
+      const auto piece_blocks = static_cast<uint32_t>(blocks ? (take + grain - 1) / grain : 0);
+      if (blocks) piece.nblocks = piece_blocks;
+      run.length = std::max(run.length, up(piece.file_offset + take) - run.offset);
+      run.ops.push_back(piece);
+      op.file_offset += take;
+      op.chunk_offset += take;
+      op.length -= take;
+      if (blocks) {
+        op.first_block += piece_blocks;
+        op.nblocks -= piece_blocks;
+      }
+      fresh = true;
+    }
+  }
+  return runs;
 }
 
 std::vector<std::string> tensors_not_requested(const Manifest& m,

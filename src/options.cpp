@@ -207,7 +207,9 @@ const std::vector<KeySpec>& key_table() {
        [](const std::string& v, Options& o, std::string& why) {
          return parse_threads(v, o.writers, why);
        }},
-      {{"direct-io", "true", "write data with O_DIRECT, bypassing the page cache"},
+      {{"direct-io", "true",
+        "write and load data with O_DIRECT, bypassing the page cache, where the filesystem takes "
+        "it"},
        [](const std::string& v, Options& o, std::string& why) {
          return parse_bool(v, o.direct_io, why);
        }},

@@ -57,6 +57,27 @@ Result<std::vector<ReadOp>> make_load_plan(const Manifest& m,
                                            const std::vector<LoadRequest>& requests,
                                            const LoadPlanOptions& opts = {});
 
+// One read of an aligned range of a file that holds whole ops: what a reader
+// hands to one pread into one staging block. Ops are pieces of the plan's
+// ops, cut only at checksum-block boundaries, so each piece is verified from
+// this read alone.
+struct ReadRun {
+  uint32_t file = 0;
+  uint64_t offset = 0;      // a multiple of the alignment
+  uint64_t length = 0;      // a multiple of the alignment; may run past the file's end
+  std::vector<ReadOp> ops;  // sorted by file_offset, all inside [offset, offset + length)
+};
+
+// Sorts `ops` by file and offset and packs them into runs of at most
+// `max_run_bytes` (a multiple of `align`): neighbours in a file share a run,
+// an op that does not fit is cut at a checksum block boundary (at any
+// `align` multiple when its chunk has no checksums). Bytes no op needs are
+// read only as alignment padding at a run's two ends, so a resharded load
+// reads the blocks it needs and little else. A run is longer than
+// `max_run_bytes` only when one checksum block plus its padding is.
+std::vector<ReadRun> make_read_runs(std::vector<ReadOp> ops, const Manifest& m,
+                                    uint64_t max_run_bytes, uint64_t align = 4096);
+
 // The keys of the checkpoint's tensors that no request asks for, in the
 // manifest's (sorted) order: a load may restore fewer tensors than the
 // checkpoint holds, but it says which it left out.

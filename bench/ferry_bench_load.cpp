@@ -1,0 +1,338 @@
+// Loads a saved state through Ferry from a cold cache and compares it, in
+// the same run, with the limit it can at best reach on this machine: a plain
+// sequential O_DIRECT reader (8 MiB aligned preads of the same files into one
+// warm buffer, one thread).
+//
+//   ferry_bench_load [--bytes SIZE] [--tensors N] [--reshard] [--pool-mib N]
+//                    [--dir DIR] [--set K=V]...
+//
+// Order: allocate and touch the state and the tensors to load into, save
+// (not timed), evict the data files (posix_fadvise DONTNEED, then
+// drop_caches when root), load, check the bytes, evict again, raw read.
+// --reshard loads 1 -> 2: two Runtime instances in this process, each a
+// one-rank runtime loading half the rows of every tensor, at the same time;
+// the figures are their aggregate. Targets are reported as PASS/MISS and
+// never change the exit code; a load that fails or loads wrong bytes does.
+// The last line is one JSON object.
+#include <fcntl.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ferry/runtime.hpp"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr uint64_t kMiB = 1ull << 20;
+constexpr uint64_t kRawBlock = 8 * kMiB;
+constexpr uint64_t kAlign = 4096;
+constexpr int64_t kCols = 1024;  // f32 columns: a row is 4 KiB
+
+struct Flags {
+  uint64_t bytes = 2048 * kMiB;
+  uint32_t tensors = 120;
+  bool reshard = false;
+  uint64_t pool_mib = 256;
+  std::string dir = "/var/tmp";
+  std::vector<std::pair<std::string, std::string>> settings;
+};
+
+[[noreturn]] void usage(const std::string& why) {
+  std::fprintf(stderr,
+               "ferry_bench_load: %s\n"
+               "usage: ferry_bench_load [--bytes SIZE] [--tensors N] [--reshard] [--pool-mib N]\n"
+               "                        [--dir DIR] [--set KEY=VALUE]...\n"
+               "  --bytes     state size (default 2GiB; suffixes KiB MiB GiB)\n"
+               "  --tensors   number of f32 tensors (default 120; try 2000)\n"
+               "  --reshard   load 1 -> 2 ranks: two runtimes each load half the rows\n"
+               "  --pool-mib  staging pool per runtime (default 256)\n"
+               "  --dir DIR   where to save (a fresh directory inside DIR, removed at the\n"
+               "              end; default /var/tmp: a disk, not tmpfs)\n"
+               "  --set K=V   any other [ferry] setting, e.g. --set direct-io=false\n",
+               why.c_str());
+  std::exit(2);
+}
+
+uint64_t parse_size(const std::string& s, const std::string& flag) {
+  char* end = nullptr;
+  const double v = std::strtod(s.c_str(), &end);
+  const std::string unit = end;
+  uint64_t mult = 1;
+  if (unit == "KiB" || unit == "K")
+    mult = 1ull << 10;
+  else if (unit == "MiB" || unit == "M")
+    mult = 1ull << 20;
+  else if (unit == "GiB" || unit == "G")
+    mult = 1ull << 30;
+  else if (!unit.empty())
+    usage("bad size for " + flag + ": '" + s + "'");
+  if (!(v > 0)) usage("bad size for " + flag + ": '" + s + "'");
+  return static_cast<uint64_t>(v * static_cast<double>(mult));
+}
+
+Flags parse(int argc, char** argv) {
+  Flags f;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (flag == "-h" || flag == "--help") usage("help");
+    if (flag == "--reshard") {
+      f.reshard = true;
+      continue;
+    }
+    if (i + 1 >= argc) usage("missing value for " + flag);
+    const std::string v = argv[++i];
+    if (flag == "--bytes") {
+      f.bytes = parse_size(v, flag);
+    } else if (flag == "--tensors") {
+      f.tensors = static_cast<uint32_t>(parse_size(v, flag));
+    } else if (flag == "--pool-mib") {
+      f.pool_mib = parse_size(v, flag);
+    } else if (flag == "--dir") {
+      f.dir = v;
+    } else if (flag == "--set") {
+      const auto eq = v.find('=');
+      if (eq == std::string::npos) usage("--set wants KEY=VALUE, got '" + v + "'");
+      f.settings.emplace_back(v.substr(0, eq), v.substr(eq + 1));
+    } else {
+      usage("unknown flag " + flag);
+    }
+  }
+  return f;
+}
+
+[[noreturn]] void die(const std::string& what) {
+  std::fprintf(stderr, "ferry_bench_load: %s\n", what.c_str());
+  std::exit(1);
+}
+
+// What the kernel says this process did: bytes it read from storage
+// (/proc/self/io read_bytes) and kernel CPU time of all its threads.
+struct Usage {
+  uint64_t disk_read = 0;
+  double kernel_s = 0;
+  static Usage now() {
+    Usage u;
+    std::ifstream io("/proc/self/io");
+    std::string key;
+    uint64_t v = 0;
+    while (io >> key >> v)
+      if (key == "read_bytes:") u.disk_read = v;
+    rusage ru{};
+    ::getrusage(RUSAGE_SELF, &ru);
+    u.kernel_s = static_cast<double>(ru.ru_stime.tv_sec) + ru.ru_stime.tv_usec / 1e6;
+    return u;
+  }
+};
+
+double peak_rss_mib() {
+  rusage ru{};
+  ::getrusage(RUSAGE_SELF, &ru);
+  return static_cast<double>(ru.ru_maxrss) / 1024.0;
+}
+
+std::vector<std::string> data_files(const std::string& ckpt) {
+  std::vector<std::string> out;
+  for (const auto& e : std::filesystem::directory_iterator(ckpt))
+    if (e.path().extension() == ".safetensors") out.push_back(e.path().string());
+  return out;
+}
+
+// Drops the files from the page cache; drop_caches too when allowed (root).
+bool evict(const std::vector<std::string>& files) {
+  for (const auto& p : files) {
+    const int fd = ::open(p.c_str(), O_RDONLY);
+    if (fd < 0) die("cannot open " + p + ": " + std::strerror(errno));
+    ::fdatasync(fd);
+    ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+    ::close(fd);
+  }
+  ::sync();
+  std::ofstream dc("/proc/sys/vm/drop_caches");
+  if (!dc) return false;
+  dc << "3\n";
+  dc.flush();
+  return static_cast<bool>(dc);
+}
+
+// The reference: each file read front to back with one O_DIRECT pread of
+// 8 MiB at a time into the same aligned buffer.
+uint64_t raw_read(const std::vector<std::string>& files) {
+  void* mem = nullptr;
+  if (::posix_memalign(&mem, kAlign, kRawBlock) != 0) die("no memory for the raw reader");
+  std::memset(mem, 0, kRawBlock);
+  uint64_t total = 0;
+  for (const auto& p : files) {
+    const int fd = ::open(p.c_str(), O_RDONLY | O_DIRECT);
+    if (fd < 0) die("raw reader: cannot open " + p + " with O_DIRECT: " + std::strerror(errno));
+    for (uint64_t off = 0;; off += kRawBlock) {
+      const ssize_t n = ::pread(fd, mem, kRawBlock, static_cast<off_t>(off));
+      if (n < 0) die("raw reader: pread " + p + ": " + std::strerror(errno));
+      total += static_cast<uint64_t>(n);
+      if (static_cast<uint64_t>(n) < kRawBlock) break;
+    }
+    ::close(fd);
+  }
+  std::free(mem);
+  return total;
+}
+
+struct Tensor {
+  std::vector<float> data;
+  int64_t rows = 0;
+};
+
+const char* verdict(bool ok) {
+  return ok ? "PASS" : "MISS";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Flags f = parse(argc, argv);
+  const int64_t rows =
+      std::max<int64_t>(2, static_cast<int64_t>(f.bytes / f.tensors / (kCols * sizeof(float))));
+  const uint64_t state_bytes = static_cast<uint64_t>(rows) * kCols * 4 * f.tensors;
+
+  std::string tmpl = f.dir + "/ferry-bench-load-XXXXXX";
+  if (!mkdtemp(tmpl.data())) die("cannot create a directory in " + f.dir);
+  const std::string root = tmpl;
+  struct Cleanup {
+    std::string p;
+    ~Cleanup() {
+      std::error_code ec;
+      std::filesystem::remove_all(p, ec);
+    }
+  } cleanup{root};
+
+  // The state, and the tensors a load fills (touched, as a training job's
+  // parameters are, so page faults are not what is measured).
+  std::vector<Tensor> state(f.tensors), out(f.tensors);
+  for (uint32_t t = 0; t < f.tensors; ++t) {
+    state[t].rows = rows;
+    state[t].data.resize(static_cast<size_t>(rows * kCols));
+    for (size_t i = 0; i < state[t].data.size(); ++i)
+      state[t].data[i] = static_cast<float>((i * 2654435761u + t) % 1000003);
+    out[t].rows = rows;
+    out[t].data.assign(state[t].data.size(), -1.0f);
+  }
+
+  auto make = [&]() {
+    ferry::RuntimeArgs args;
+    args.set("root", root).set("pool-bytes", std::to_string(f.pool_mib) + "MiB");
+    for (const auto& [k, v] : f.settings) args.set(k, v);
+    auto rt = ferry::Runtime::create(args);
+    if (!rt.ok()) die("runtime: " + rt.status().to_string());
+    return std::move(rt).value();
+  };
+  auto rt = make();
+  std::string ckpt;
+  {
+    ferry::StateDict sd;
+    for (uint32_t t = 0; t < f.tensors; ++t)
+      if (!sd.add("layer." + std::to_string(t),
+                  {state[t].data.data(), ferry::DType::f32, {rows, kCols}})
+               .ok())
+        die("state dict");
+    auto h = rt->save_async(sd, 1);
+    const ferry::Status st = h.wait_committed();
+    if (!st.ok()) die("save: " + st.to_string());
+    ckpt = h.path();
+  }
+  const auto files = data_files(ckpt);
+  uint64_t file_bytes = 0;
+  for (const auto& p : files) file_bytes += std::filesystem::file_size(p);
+
+  // Ranks: one runtime loading everything, or two each loading half the rows.
+  const int ranks = f.reshard ? 2 : 1;
+  std::vector<std::unique_ptr<ferry::Runtime>> rts;
+  rts.push_back(std::move(rt));
+  if (f.reshard) rts.push_back(make());
+  std::vector<ferry::StateDict> sds(ranks);
+  const int64_t half = rows / 2;
+  for (int r = 0; r < ranks; ++r) {
+    const int64_t r0 = f.reshard ? r * half : 0;
+    const int64_t n = f.reshard ? (r == 0 ? half : rows - half) : rows;
+    for (uint32_t t = 0; t < f.tensors; ++t) {
+      ferry::TensorView v{out[t].data.data() + r0 * kCols, ferry::DType::f32, {n, kCols}};
+      const ferry::Status st = f.reshard ? sds[r].add("layer." + std::to_string(t), v,
+                                                      ferry::Shard{{rows, kCols}, {r0, 0}})
+                                         : sds[r].add("layer." + std::to_string(t), v);
+      if (!st.ok()) die("state dict: " + st.to_string());
+    }
+  }
+
+  const bool dropped = evict(files);
+  const Usage u0 = Usage::now();
+  const auto t0 = Clock::now();
+  std::vector<ferry::Status> results(ranks);
+  {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < ranks; ++r)
+      threads.emplace_back([&, r] { results[r] = rts[r]->load(sds[r], ckpt); });
+    for (auto& th : threads) th.join();
+  }
+  const double load_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  const Usage u1 = Usage::now();
+  for (int r = 0; r < ranks; ++r)
+    if (!results[r].ok()) die("load (rank " + std::to_string(r) + "): " + results[r].to_string());
+  for (uint32_t t = 0; t < f.tensors; ++t)
+    if (std::memcmp(out[t].data.data(), state[t].data.data(), state[t].data.size() * 4) != 0)
+      die("tensor layer." + std::to_string(t) + " loaded wrong bytes");
+
+  evict(files);
+  const Usage u2 = Usage::now();
+  const auto t1 = Clock::now();
+  const uint64_t raw_bytes = raw_read(files);
+  const double raw_s = std::chrono::duration<double>(Clock::now() - t1).count();
+  const Usage u3 = Usage::now();
+
+  const double load_gbps = static_cast<double>(state_bytes) / load_s / 1e9;
+  const double raw_gbps = static_cast<double>(raw_bytes) / raw_s / 1e9;
+  const double ratio = load_gbps / raw_gbps;
+  const double load_kernel = u1.kernel_s - u0.kernel_s;
+  const double raw_kernel = u3.kernel_s - u2.kernel_s;
+  const double kernel_ratio = raw_kernel > 0 ? load_kernel / raw_kernel : 0;
+  const uint64_t load_disk = u1.disk_read - u0.disk_read;
+  const uint64_t raw_disk = u3.disk_read - u2.disk_read;
+  const double target = f.reshard ? 0.85 : 0.9;
+  const double rss = peak_rss_mib();
+
+  std::printf("state: %.1f MiB in %u tensors of [%lld, %lld] f32, %zu data file(s) of %.1f MiB\n",
+              state_bytes / double(kMiB), f.tensors, static_cast<long long>(rows),
+              static_cast<long long>(kCols), files.size(), file_bytes / double(kMiB));
+  std::printf("cache: evicted with posix_fadvise DONTNEED%s\n",
+              dropped ? " and drop_caches" : " (drop_caches not allowed: not root?)");
+  std::printf("load (%s): %.3f s, %.2f GB/s, %.1f MiB read from disk, kernel CPU %.2f s\n",
+              f.reshard ? "1 -> 2 ranks, aggregate" : "same sharding", load_s, load_gbps,
+              load_disk / double(kMiB), load_kernel);
+  std::printf(
+      "raw O_DIRECT reader: %.3f s, %.2f GB/s, %.1f MiB read from disk, kernel CPU %.2f s\n", raw_s,
+      raw_gbps, raw_disk / double(kMiB), raw_kernel);
+  std::printf("load / raw: %.2f (target >= %.2f: %s)\n", ratio, target, verdict(ratio >= target));
+  std::printf("kernel CPU load / raw: %.2f (target <= 2: %s)\n", kernel_ratio,
+              verdict(kernel_ratio <= 2.0));
+  std::printf("peak RSS: %.0f MiB (state and load targets %.0f MiB, pool %llu MiB x %d)\n", rss,
+              2 * state_bytes / double(kMiB), static_cast<unsigned long long>(f.pool_mib), ranks);
+  std::printf(
+      "{\"bench\":\"load\",\"state_bytes\":%llu,\"tensors\":%u,\"ranks\":%d,\"reshard\":%s,"
+      "\"load_s\":%.4f,\"load_gbps\":%.3f,\"raw_s\":%.4f,\"raw_gbps\":%.3f,\"ratio\":%.3f,"
+      "\"ratio_target\":%.2f,\"load_disk_read_bytes\":%llu,\"raw_disk_read_bytes\":%llu,"
+      "\"load_kernel_s\":%.3f,\"raw_kernel_s\":%.3f,\"kernel_ratio\":%.2f,\"peak_rss_mib\":%.0f,"
+      "\"drop_caches\":%s}\n",
+      static_cast<unsigned long long>(state_bytes), f.tensors, ranks, f.reshard ? "true" : "false",
+      load_s, load_gbps, raw_s, raw_gbps, ratio, target, static_cast<unsigned long long>(load_disk),
+      static_cast<unsigned long long>(raw_disk), load_kernel, raw_kernel, kernel_ratio, rss,
+      dropped ? "true" : "false");
+  return 0;
+}
