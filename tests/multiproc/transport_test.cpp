@@ -1,5 +1,5 @@
 // The transport between real processes: rank 0 runs in the test process,
-// the other ranks are ferry_transport_peer processes (fork + exec).
+// the other ranks are ferry_transport_peer processes (tests/process.hpp).
 
 #include <arpa/inet.h>
 #include <dirent.h>
@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "actors/transport.hpp"
+#include "process.hpp"
 
 #ifndef FERRY_TRANSPORT_PEER_PATH
 #error "FERRY_TRANSPORT_PEER_PATH must name the ferry_transport_peer binary"
@@ -41,19 +42,25 @@ using ferry::StatusCode;
 using ferry::Transport;
 using ferry::TransportCallbacks;
 using ferry::TransportOptions;
-using Clock = std::chrono::steady_clock;
+using ferry::testing::Clock;
 
 double since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
+  return ferry::testing::seconds_since(t);
 }
 
 // A peer process; SIGKILLed and reaped on destruction if still running.
 // With `piped`, the test writes lines to its stdin and reads lines from its
 // stdout.
-class PeerProcess {
+class PeerProcess : public ferry::testing::Process {
  public:
   PeerProcess(int rank, int world, uint16_t port, const std::string& mode,
-              std::vector<std::string> extra = {}, bool piped = false) {
+              std::vector<std::string> extra = {}, bool piped = false)
+      : Process(peer_argv(rank, world, port, mode, std::move(extra)), options(piped)) {}
+
+ private:
+  static std::vector<std::string> peer_argv(int rank, int world, uint16_t port,
+                                            const std::string& mode,
+                                            std::vector<std::string> extra) {
     std::vector<std::string> args = {FERRY_TRANSPORT_PEER_PATH,
                                      "--rank",
                                      std::to_string(rank),
@@ -64,99 +71,14 @@ class PeerProcess {
                                      "--mode",
                                      mode};
     args.insert(args.end(), extra.begin(), extra.end());
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    int to_child[2] = {-1, -1};
-    int from_child[2] = {-1, -1};
-    if (piped) {
-      REQUIRE(pipe2(to_child, O_CLOEXEC) == 0);
-      REQUIRE(pipe2(from_child, O_CLOEXEC) == 0);
-    }
-    pid_ = fork();
-    if (pid_ == 0) {
-      // Only async-signal-safe calls between fork and exec; a peer never
-      // outlives a crashed test.
-      prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (piped) {
-        dup2(to_child[0], 0);
-        dup2(from_child[1], 1);
-      }
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
-    if (piped) {
-      close(to_child[0]);
-      close(from_child[1]);
-      stdin_ = to_child[1];
-      stdout_ = from_child[0];
-    }
+    return args;
   }
-  ~PeerProcess() {
-    if (pid_ > 0 && !exit_code_) {
-      kill(pid_, SIGKILL);
-      int status = 0;
-      waitpid(pid_, &status, 0);
-    }
-    if (stdin_ >= 0) close(stdin_);
-    if (stdout_ >= 0) close(stdout_);
+  static ferry::testing::ProcessOptions options(bool piped) {
+    ferry::testing::ProcessOptions o;
+    o.pipe_stdin = piped;
+    o.capture_stdout = piped;
+    return o;
   }
-
-  bool alive() { return !wait_exit(0).has_value(); }
-
-  void say(const std::string& line) {
-    std::string l = line + "\n";
-    REQUIRE(write(stdin_, l.data(), l.size()) == static_cast<ssize_t>(l.size()));
-  }
-
-  // The next line the process printed, or nullopt at its end or after timeout_s.
-  std::optional<std::string> read_line(double timeout_s) {
-    auto start = Clock::now();
-    for (;;) {
-      size_t nl = out_.find('\n');
-      if (nl != std::string::npos) {
-        std::string line = out_.substr(0, nl);
-        out_.erase(0, nl + 1);
-        return line;
-      }
-      double left = timeout_s - since(start);
-      if (left <= 0) return std::nullopt;
-      pollfd p{stdout_, POLLIN, 0};
-      if (poll(&p, 1, static_cast<int>(left * 1000) + 1) <= 0) continue;
-      char buf[256];
-      ssize_t n = read(stdout_, buf, sizeof(buf));
-      if (n <= 0) return std::nullopt;
-      out_.append(buf, static_cast<size_t>(n));
-    }
-  }
-  PeerProcess(const PeerProcess&) = delete;
-  PeerProcess& operator=(const PeerProcess&) = delete;
-
-  pid_t pid() const { return pid_; }
-  void signal(int sig) { kill(pid_, sig); }
-
-  // The exit code (128 + signal if killed), or nullopt if still running after timeout_s.
-  std::optional<int> wait_exit(double timeout_s) {
-    auto start = Clock::now();
-    while (!exit_code_) {
-      int status = 0;
-      pid_t r = waitpid(pid_, &status, WNOHANG);
-      if (r == pid_) {
-        exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-        break;
-      }
-      if (since(start) > timeout_s) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    return exit_code_;
-  }
-
- private:
-  pid_t pid_ = -1;
-  std::optional<int> exit_code_;
-  int stdin_ = -1;
-  int stdout_ = -1;
-  std::string out_;
 };
 
 // Rank 0's side: accepts "hello N" as rank N, refuses anything else with the
