@@ -44,6 +44,13 @@ using ferry::TransportCallbacks;
 using ferry::TransportOptions;
 using ferry::testing::Clock;
 
+// Deadlines for what normally takes milliseconds. They are generous because
+// the tests share a loaded 2-core machine; a passing run never waits them out.
+constexpr double kDeadline = 30;
+// Bounds on how late a failure may be detected: well below the deadlines,
+// far above what an idle machine needs.
+constexpr double kDetectBound = 10;
+
 double since(Clock::time_point t) {
   return ferry::testing::seconds_since(t);
 }
@@ -144,6 +151,13 @@ class Recorder {
                         [&] { return refused_ >= n; });
   }
 
+  // Waits until at least `n` heartbeats from `from` arrived.
+  bool wait_heartbeats(int32_t from, int n, double timeout_s) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, std::chrono::duration<double>(timeout_s),
+                        [&] { return heartbeats_[from] >= n; });
+  }
+
   int heartbeats(int32_t from) {
     std::lock_guard<std::mutex> lock(mu_);
     return heartbeats_[from];
@@ -163,7 +177,7 @@ class Recorder {
 };
 
 std::unique_ptr<Transport> start_rank0(int world, Recorder& rec, uint16_t port = 0,
-                                       double hb_interval = 0.1, double hb_timeout = 2) {
+                                       double hb_interval = 0.1, double hb_timeout = 5) {
   TransportOptions o;
   o.rank = 0;
   o.world_size = world;
@@ -175,8 +189,8 @@ std::unique_ptr<Transport> start_rank0(int world, Recorder& rec, uint16_t port =
   return std::move(t).value();
 }
 
-std::vector<std::string> peer_timing(double hb_interval = 0.1, double hb_timeout = 2,
-                                     double connect_timeout = 10) {
+std::vector<std::string> peer_timing(double hb_interval = 0.1, double hb_timeout = 5,
+                                     double connect_timeout = 30) {
   return {"--hb-interval",     std::to_string(hb_interval),
           "--hb-timeout",      std::to_string(hb_timeout),
           "--connect-timeout", std::to_string(connect_timeout)};
@@ -414,12 +428,12 @@ TEST_CASE("rank 0 accepts three peers and exchanges frames both ways, 32 MiB inc
   for (int r = 1; r <= 3; ++r) {
     peers.push_back(std::make_unique<PeerProcess>(r, 4, t->port(), "echo", peer_timing()));
   }
-  Status st = t->wait_peers(10);
+  Status st = t->wait_peers(kDeadline);
   INFO(st.to_string());
   REQUIRE(st.ok());
 
   for (int r = 1; r <= 3; ++r) REQUIRE(t->send(r, "ping " + std::to_string(r)).ok());
-  for (int r = 1; r <= 3; ++r) CHECK(rec.wait_frame(r, "ping " + std::to_string(r), 5));
+  for (int r = 1; r <= 3; ++r) CHECK(rec.wait_frame(r, "ping " + std::to_string(r), kDeadline));
 
   std::string big(32u << 20, '\0');
   std::mt19937_64 rng(42);
@@ -429,12 +443,11 @@ TEST_CASE("rank 0 accepts three peers and exchanges frames both ways, 32 MiB inc
   }
   auto sent_at = Clock::now();
   REQUIRE(t->send(2, big).ok());
-  CHECK(rec.wait_frame(2, big, 20));
+  CHECK(rec.wait_frame(2, big, kDeadline));
   WARN("32 MiB round trip took " << since(sent_at) << " s");
 
   // Heartbeats flow from every peer (interval 0.1 s).
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  for (int r = 1; r <= 3; ++r) CHECK(rec.heartbeats(r) > 0);
+  for (int r = 1; r <= 3; ++r) CHECK(rec.wait_heartbeats(r, 1, kDeadline));
   CHECK(rec.failures() == 0);
 
   // Not part of the star, or no such rank.
@@ -445,16 +458,16 @@ TEST_CASE("rank 0 accepts three peers and exchanges frames both ways, 32 MiB inc
   t->stop();
   t->stop();  // idempotent
   CHECK(t->send(1, "x").code() == StatusCode::aborted);
-  for (auto& p : peers) CHECK(p->wait_exit(5) == std::optional<int>(0));
+  for (auto& p : peers) CHECK(p->wait_exit(kDeadline) == std::optional<int>(0));
 }
 
 TEST_CASE("a peer with a bad hello is refused and does not count", "[transport]") {
   Recorder rec;
   auto t = start_rank0(3, rec);
   PeerProcess bad(2, 3, t->port(), "bad-hello", peer_timing());
-  REQUIRE(rec.wait_refused(1, 10));
+  REQUIRE(rec.wait_refused(1, kDeadline));
   // The refused peer got the reply and hung up.
-  CHECK(bad.wait_exit(5) == std::optional<int>(0));
+  CHECK(bad.wait_exit(kDeadline) == std::optional<int>(0));
   Status st = t->wait_peers(0.3);
   CHECK(st.code() == StatusCode::timeout);
   CHECK_THAT(st.message(), Catch::Contains("ranks 1, 2"));
@@ -462,7 +475,7 @@ TEST_CASE("a peer with a bad hello is refused and does not count", "[transport]"
 
   PeerProcess p1(1, 3, t->port(), "echo", peer_timing());
   PeerProcess p2(2, 3, t->port(), "echo", peer_timing());
-  st = t->wait_peers(10);
+  st = t->wait_peers(kDeadline);
   INFO(st.to_string());
   CHECK(st.ok());
   CHECK(rec.failures() == 0);
@@ -472,23 +485,24 @@ TEST_CASE("a SIGKILLed peer is reported through on_peer_failed", "[transport]") 
   Recorder rec;
   auto t = start_rank0(2, rec);
   PeerProcess peer(1, 2, t->port(), "kill-self", peer_timing());
-  REQUIRE(t->wait_peers(10).ok());
+  REQUIRE(t->wait_peers(kDeadline).ok());
   REQUIRE(t->send(1, "ping").ok());
-  REQUIRE(rec.wait_frame(1, "ping", 5));
+  REQUIRE(rec.wait_frame(1, "ping", kDeadline));
 
   auto killed_at = Clock::now();
   peer.signal(SIGKILL);
-  auto failed = rec.wait_failed(1, 5);
+  auto failed = rec.wait_failed(1, kDeadline);
   REQUIRE(failed);
   double latency = std::chrono::duration<double>(failed->first - killed_at).count();
   INFO("detected after " << latency << " s: " << failed->second.to_string());
-  CHECK(latency < 2.0);
+  CHECK(latency < kDetectBound);
   CHECK(failed->second.code() == StatusCode::aborted);
   CHECK_THAT(failed->second.message(), Catch::Contains("rank 1"));
   CHECK(t->send(1, "x").code() == StatusCode::aborted);
   CHECK(t->wait_peers(1).code() == StatusCode::aborted);
-  CHECK(peer.wait_exit(2) == std::optional<int>(128 + SIGKILL));
-  // Reported once, even though heartbeats keep coming due.
+  CHECK(peer.wait_exit(kDeadline) == std::optional<int>(128 + SIGKILL));
+  // Reported once, even though heartbeats keep coming due: a second report
+  // would come within a few heartbeat intervals (0.1 s).
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   CHECK(rec.failures() == 1);
 }
@@ -497,33 +511,39 @@ TEST_CASE("a peer killed by its own hand mid-stream is reported", "[transport]")
   Recorder rec;
   auto t = start_rank0(2, rec);
   PeerProcess peer(1, 2, t->port(), "kill-self", peer_timing());
-  REQUIRE(t->wait_peers(10).ok());
+  REQUIRE(t->wait_peers(kDeadline).ok());
   auto sent_at = Clock::now();
   REQUIRE(t->send(1, "die").ok());
-  auto failed = rec.wait_failed(1, 5);
+  auto failed = rec.wait_failed(1, kDeadline);
   REQUIRE(failed);
-  CHECK(std::chrono::duration<double>(failed->first - sent_at).count() < 2.0);
+  CHECK(std::chrono::duration<double>(failed->first - sent_at).count() < kDetectBound);
 }
 
 TEST_CASE("a SIGSTOPped peer is reported by heartbeat timeout", "[transport]") {
   Recorder rec;
-  auto t = start_rank0(2, rec, 0, /*hb_interval=*/0.1, /*hb_timeout=*/1);
-  PeerProcess peer(1, 2, t->port(), "stop-self", peer_timing(0.1, 1));
-  REQUIRE(t->wait_peers(10).ok());
-  // Alive and well past the timeout first: heartbeats keep it up.
-  std::this_thread::sleep_for(std::chrono::milliseconds(1300));
+  // 2 s: short enough to test, long enough that a busy scheduler alone
+  // does not trip it.
+  auto t = start_rank0(2, rec, 0, /*hb_interval=*/0.1, /*hb_timeout=*/2);
+  PeerProcess peer(1, 2, t->port(), "stop-self", peer_timing(0.1, 2));
+  REQUIRE(t->wait_peers(kDeadline).ok());
+  // Alive and well past the timeout first: heartbeats keep it up. Counted
+  // in heartbeats rather than slept, so a slow machine waits longer instead
+  // of checking too early.
+  const auto joined_at = Clock::now();
+  REQUIRE(rec.wait_heartbeats(1, 25, kDeadline));
+  REQUIRE(since(joined_at) > 2.0);
   REQUIRE(rec.failures() == 0);
 
   auto frozen_at = Clock::now();
   REQUIRE(t->send(1, "freeze").ok());
-  auto failed = rec.wait_failed(1, 5);
+  auto failed = rec.wait_failed(1, kDeadline);
   REQUIRE(failed);
   double latency = std::chrono::duration<double>(failed->first - frozen_at).count();
   INFO("detected after " << latency << " s: " << failed->second.to_string());
   CHECK(failed->second.code() == StatusCode::timeout);
   CHECK_THAT(failed->second.message(), Catch::Contains("rank 1 silent"));
-  CHECK(latency > 0.8);
-  CHECK(latency < 2.5);
+  CHECK(latency > 1.6);
+  CHECK(latency < kDetectBound);
   peer.signal(SIGKILL);
 }
 
@@ -531,19 +551,20 @@ TEST_CASE("a peer started before rank 0 listens connects within its deadline", "
   ReservedPort reserved;
   uint16_t port = reserved.port();
   reserved.release();
-  PeerProcess peer(1, 2, port, "echo", peer_timing(0.1, 2, /*connect_timeout=*/10));
+  PeerProcess peer(1, 2, port, "echo", peer_timing(0.1, 5, /*connect_timeout=*/kDeadline));
+  // Gives the peer time to try and be refused; how long does not matter.
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
 
   Recorder rec;
   auto t = start_rank0(2, rec, port);
   CHECK(t->port() == port);
-  Status st = t->wait_peers(10);
+  Status st = t->wait_peers(kDeadline);
   INFO(st.to_string());
   REQUIRE(st.ok());
   REQUIRE(t->send(1, "late ping").ok());
-  CHECK(rec.wait_frame(1, "late ping", 5));
+  CHECK(rec.wait_frame(1, "late ping", kDeadline));
   REQUIRE(t->send(1, "bye").ok());
-  CHECK(peer.wait_exit(5) == std::optional<int>(0));
+  CHECK(peer.wait_exit(kDeadline) == std::optional<int>(0));
 }
 
 TEST_CASE("a rank whose rank 0 never appears fails wait_peers with a timeout", "[transport]") {
@@ -573,15 +594,16 @@ TEST_CASE("a rank whose rank 0 never appears fails wait_peers with a timeout", "
   CHECK((*t)->send(0, "x").code() == StatusCode::not_found);
 
   // After it: the connect failure itself.
-  Status late = (*t)->wait_peers(10);
+  Status late = (*t)->wait_peers(kDeadline);
   double waited = since(start);
   INFO(late.to_string());
   CHECK(late.code() == StatusCode::timeout);
   CHECK_THAT(late.message(), Catch::Contains("could not connect to rank 0"));
   CHECK(waited > 0.9);
-  CHECK(waited < 3);
+  CHECK(waited < kDetectBound);
   std::unique_lock<std::mutex> lock(mu);
-  CHECK(cv.wait_for(lock, std::chrono::seconds(1), [&] { return failure.has_value(); }));
+  CHECK(cv.wait_for(lock, std::chrono::duration<double>(kDeadline),
+                    [&] { return failure.has_value(); }));
 }
 
 TEST_CASE("transport options are checked", "[transport]") {
