@@ -47,14 +47,8 @@ Status restore(Filesystem& fs, const std::string& path, const Saved& saved,
   if (saved.kind == Saved::Kind::none) return Status::ok_status();
   if (saved.kind == Saved::Kind::dir) return fs.mkdir(path);
   FERRY_ASSIGN_OR_RETURN(std::string bytes, load(saved));
-  OpenOptions o;
-  o.write = true;
-  o.create = true;
-  o.truncate = true;
-  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<File> f, fs.open(path, o));
-  Status st = f->pwrite(bytes.data(), bytes.size(), 0);
-  Status closed = f->close();
-  return st.ok() ? closed : st;
+  // Not synced: the cut models what survived, it is not itself at risk.
+  return write_file_atomic(fs, path, bytes, /*sync=*/false);
 }
 
 }  // namespace

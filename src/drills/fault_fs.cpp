@@ -115,6 +115,18 @@ struct FaultFilesystem::Impl {
       if (!op.saved.side_file.empty()) ::unlink(op.saved.side_file.c_str());
   }
 
+  // unlink or rmdir (`op`, done by the target's `how`): both are durable at
+  // once in the model.
+  Status remove(FaultOp op, const char* label, const std::string& path,
+                Status (Filesystem::*how)(const std::string&)) {
+    const std::string np = normalize_path(path);
+    FERRY_RETURN_IF_ERROR(check(op, label, path, np));
+    std::lock_guard<std::mutex> lock(mu);
+    FERRY_RETURN_IF_ERROR(((*target).*how)(path));
+    forget_side_files(model.removed(np));
+    return journal(drills::journal_removed(np));
+  }
+
   Status open_journal(const std::string& path) {
     std::lock_guard<std::mutex> lock(mu);
     return journal_file.open(path, model);
@@ -181,11 +193,7 @@ class FaultFile : public File {
   Status truncate(uint64_t size) override {
     FERRY_RETURN_IF_ERROR(impl_->check(FaultOp::truncate, "truncate", path(), norm_path_));
     FERRY_RETURN_IF_ERROR(base_->truncate(size));
-    if (!node_) return Status::ok_status();
-    std::lock_guard<std::mutex> lock(impl_->mu);
-    if (node_->removed) return Status::ok_status();
-    impl_->model.truncated(node_->path, size);
-    return impl_->journal(drills::journal_truncated(node_->path, size));
+    return note(size, &CutModel::truncated, drills::journal_truncated);
   }
 
   Status sync() override {
@@ -197,11 +205,7 @@ class FaultFile : public File {
       size = node_->size;
     }
     FERRY_RETURN_IF_ERROR(base_->sync());
-    if (!node_) return Status::ok_status();
-    std::lock_guard<std::mutex> lock(impl_->mu);
-    if (node_->removed) return Status::ok_status();
-    impl_->model.synced(node_->path, size);
-    return impl_->journal(drills::journal_synced(node_->path, size));
+    return note(size, &CutModel::synced, drills::journal_synced);
   }
 
   Status close() override {
@@ -214,6 +218,18 @@ class FaultFile : public File {
   }
 
  private:
+  // Tells the model and the journal what a truncate or sync of this file
+  // did, unless it was opened read-only or has left the model (unlinked or
+  // replaced) meanwhile.
+  Status note(uint64_t size, void (CutModel::*apply)(const std::string&, uint64_t),
+              std::string (*event)(const std::string&, uint64_t)) {
+    if (!node_) return Status::ok_status();
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    if (node_->removed) return Status::ok_status();
+    (impl_->model.*apply)(node_->path, size);
+    return impl_->journal(event(node_->path, size));
+  }
+
   void note_write(bool ok, uint64_t end) {
     if (!node_) return;
     uint64_t size = end;
@@ -366,21 +382,11 @@ Status FaultFilesystem::rename(const std::string& from, const std::string& to) {
 }
 
 Status FaultFilesystem::unlink(const std::string& path) {
-  const std::string np = normalize_path(path);
-  FERRY_RETURN_IF_ERROR(impl_->check(FaultOp::unlink, "unlink", path, np));
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  FERRY_RETURN_IF_ERROR(target_->unlink(path));
-  impl_->forget_side_files(impl_->model.removed(np));
-  return impl_->journal(drills::journal_removed(np));
+  return impl_->remove(FaultOp::unlink, "unlink", path, &Filesystem::unlink);
 }
 
 Status FaultFilesystem::rmdir(const std::string& path) {
-  const std::string np = normalize_path(path);
-  FERRY_RETURN_IF_ERROR(impl_->check(FaultOp::rmdir, "rmdir", path, np));
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  FERRY_RETURN_IF_ERROR(target_->rmdir(path));
-  impl_->forget_side_files(impl_->model.removed(np));
-  return impl_->journal(drills::journal_removed(np));
+  return impl_->remove(FaultOp::rmdir, "rmdir", path, &Filesystem::rmdir);
 }
 
 Status FaultFilesystem::sync_dir(const std::string& path) {
