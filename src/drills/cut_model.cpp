@@ -26,13 +26,13 @@ std::string normalize_path(const std::string& p) {
   return out.empty() ? "/" : out;
 }
 
+namespace {
+
 bool is_at_or_under(const std::string& p, const std::string& dir) {
   if (dir == "/") return !p.empty() && p[0] == '/';
   if (p.compare(0, dir.size(), dir) != 0) return false;
   return p.size() == dir.size() || p[dir.size()] == '/';
 }
-
-namespace {
 
 // Moves `p` along with a rename of `from` to `to` when it lies at or under
 // `from`.

@@ -23,8 +23,6 @@ namespace ferry::drills {
 // written: resolving it lexically is wrong through symlinks.
 std::string normalize_path(const std::string& p);
 
-bool is_at_or_under(const std::string& p, const std::string& dir);
-
 // A file written through the wrapper, followed across renames.
 struct Node {
   std::string path;      // where it is now (normalised)
@@ -56,6 +54,8 @@ struct PendingOp {
 // Not thread-safe: the owner locks.
 class CutModel {
  public:
+  // The bytes a rename replaced: kept in memory by the live process, read
+  // from a side file when a journal is replayed.
   using Loader = std::function<Result<std::string>(const Saved&)>;
 
   std::shared_ptr<Node> find(const std::string& path) const;
