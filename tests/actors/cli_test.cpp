@@ -3,38 +3,21 @@
 #include <catch2/catch.hpp>
 
 #include <sys/stat.h>
-#include <sys/wait.h>
-#include <array>
-#include <cstdio>
+
 #include <filesystem>
 #include <fstream>
 
 #include "ferry/catalog.hpp"
 #include "ferry/runtime.hpp"
 #include "ferry/verify.hpp"
+#include "process.hpp"
 #include "test_util.hpp"
 
 namespace fs = std::filesystem;
+using ferry::testing::run_shell;
 using ferry::testing::TempDir;
 
 namespace {
-
-struct Run {
-  int code = -1;
-  std::string out;
-};
-
-Run run(const std::string& cmd) {
-  Run r;
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  REQUIRE(p != nullptr);
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
-  int status = pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
 
 const std::string kCli = FERRY_CLI_PATH;
 
@@ -65,7 +48,7 @@ TEST_CASE("ferry ls lists committed checkpoints and marks LATEST", "[cli]") {
   fs::create_directory(old);
   REQUIRE(ferry::write_lease(*fsys, live, ferry::now_unix_ms() + 600000, "j/live").ok());
   REQUIRE(ferry::write_lease(*fsys, old, ferry::now_unix_ms() - 5000, "j/old").ok());
-  auto r = run(kCli + " ls " + dir.path());
+  auto r = run_shell(kCli + " ls " + dir.path());
   INFO(r.out);
   CHECK(r.code == 0);
   CHECK_THAT(r.out, Catch::Contains("step-00000100"));
@@ -79,20 +62,20 @@ TEST_CASE("ferry ls lists committed checkpoints and marks LATEST", "[cli]") {
 }
 
 TEST_CASE("ferry --help lists every command; CMD --help prints that command's help", "[cli]") {
-  auto r = run(kCli + " --help");
+  auto r = run_shell(kCli + " --help");
   INFO(r.out);
   CHECK(r.code == 0);
   for (const char* cmd :
        {"ls", "inspect", "verify", "gc", "config", "kill-points", "power-cut", "demo", "launch"}) {
     INFO(cmd);
     CHECK_THAT(r.out, Catch::Contains(std::string("\n  ") + cmd + " "));
-    auto h = run(kCli + " " + cmd + " --help");
+    auto h = run_shell(kCli + " " + cmd + " --help");
     INFO(h.out);
     CHECK(h.code == 0);
     CHECK_THAT(h.out, Catch::Contains(std::string("usage: ferry ") + cmd));
     CHECK_THAT(h.out, !Catch::Contains("--help:"));  // never taken for a path
   }
-  auto i = run(kCli + " inspect -h");
+  auto i = run_shell(kCli + " inspect -h");
   CHECK(i.code == 0);
   CHECK_THAT(i.out, Catch::Contains("usage: ferry inspect"));
 }
@@ -101,18 +84,18 @@ TEST_CASE("ferry verify and inspect accept a root, meaning its latest", "[cli]")
   TempDir dir;
   std::vector<float> a;
   const std::string newest = make_root(dir, a);
-  auto v = run(kCli + " verify " + dir.path());
+  auto v = run_shell(kCli + " verify " + dir.path());
   INFO(v.out);
   CHECK(v.code == 0);
   CHECK_THAT(v.out, Catch::Contains("OK"));
   CHECK_THAT(v.out, Catch::Contains(newest));
-  auto i = run(kCli + " inspect " + dir.path());
+  auto i = run_shell(kCli + " inspect " + dir.path());
   INFO(i.out);
   CHECK(i.code == 0);
   CHECK_THAT(i.out, Catch::Contains("checkpoint " + newest));
   CHECK_THAT(i.out, Catch::Contains("encoder.weight"));
   TempDir empty;
-  auto none = run(kCli + " verify " + empty.path());
+  auto none = run_shell(kCli + " verify " + empty.path());
   CHECK(none.code == 1);
   CHECK_THAT(none.out, Catch::Contains("no committed checkpoint"));
 }
@@ -124,14 +107,14 @@ TEST_CASE("ferry ls, inspect and verify never block on a FIFO", "[cli][fifo]") {
   const std::string bad = dir.path() + "/step-00000300";
   fs::create_directory(bad);
   REQUIRE(mkfifo((bad + "/MANIFEST").c_str(), 0644) == 0);
-  auto r = run(kCli + " ls " + dir.path());
+  auto r = run_shell(kCli + " ls " + dir.path());
   INFO(r.out);
   CHECK(r.code == 0);
   CHECK_THAT(r.out, Catch::Contains("not a regular file"));
-  r = run(kCli + " inspect " + bad);
+  r = run_shell(kCli + " inspect " + bad);
   CHECK(r.code == 1);
   CHECK_THAT(r.out, Catch::Contains(bad + "/MANIFEST"));
-  r = run(kCli + " verify " + bad);
+  r = run_shell(kCli + " verify " + bad);
   CHECK(r.code == 1);
 }
 
@@ -145,7 +128,7 @@ TEST_CASE("ferry demo --root deletes only what the demo created", "[cli][demo]")
       " --set pool-bytes=8MiB --set chunk-bytes=1MiB --root " +
       root;
   for (int pass = 0; pass < 2; ++pass) {  // the second run removes the first's checkpoints
-    auto r = run(kCli + " demo" + flags);
+    auto r = run_shell(kCli + " demo" + flags);
     INFO(r.out);
     REQUIRE(r.code == 0);
     CHECK(fs::exists(root + "/notes.txt"));
@@ -154,7 +137,7 @@ TEST_CASE("ferry demo --root deletes only what the demo created", "[cli][demo]")
   // Checkpoints the demo did not make are refused, not deleted.
   const std::string other = dir.path() + "/other";
   fs::create_directories(other + "/step-00000001");
-  auto r = run(kCli + " demo" + flags.substr(0, flags.find(" --root")) + " --root " + other);
+  auto r = run_shell(kCli + " demo" + flags.substr(0, flags.find(" --root")) + " --root " + other);
   INFO(r.out);
   CHECK(r.code == 2);
   CHECK_THAT(r.out, Catch::Contains("did not make"));
@@ -165,7 +148,7 @@ TEST_CASE("ferry inspect shows tensors, chunks, files and checksums", "[cli]") {
   TempDir dir;
   std::vector<float> a;
   const std::string ckpt = make_root(dir, a);
-  auto r = run(kCli + " inspect " + ckpt);
+  auto r = run_shell(kCli + " inspect " + ckpt);
   INFO(r.out);
   CHECK(r.code == 0);
   CHECK_THAT(r.out, Catch::Contains("encoder.weight"));
@@ -181,7 +164,7 @@ TEST_CASE("ferry inspect shows tensors, chunks, files and checksums", "[cli]") {
     f.seekp(12);
     f.put('#');
   }
-  r = run(kCli + " inspect " + ckpt);
+  r = run_shell(kCli + " inspect " + ckpt);
   INFO(r.out);
   CHECK(r.code != 0);
   CHECK_THAT(r.out, Catch::Contains("corruption"));
@@ -191,7 +174,7 @@ TEST_CASE("ferry verify reads every byte and reports corruption", "[cli]") {
   TempDir dir;
   std::vector<float> a;
   const std::string ckpt = make_root(dir, a);
-  auto r = run(kCli + " verify " + ckpt);
+  auto r = run_shell(kCli + " verify " + ckpt);
   INFO(r.out);
   CHECK(r.code == 0);
   CHECK_THAT(r.out, Catch::Contains("OK"));
@@ -202,7 +185,7 @@ TEST_CASE("ferry verify reads every byte and reports corruption", "[cli]") {
     f.seekp(static_cast<std::streamoff>(fs::file_size(data) - 7));
     f.put('\x7f');
   }
-  r = run(kCli + " verify " + ckpt);
+  r = run_shell(kCli + " verify " + ckpt);
   INFO(r.out);
   CHECK(r.code == 1);
   CHECK_THAT(r.out, Catch::Contains("encoder.weight"));
@@ -218,7 +201,7 @@ TEST_CASE("ferry gc removes expired pending directories only", "[cli]") {
   fs::create_directory(live_dir);
   REQUIRE(ferry::write_lease(*fsys, old_dir, ferry::now_unix_ms() - 1000, "j/old").ok());
   REQUIRE(ferry::write_lease(*fsys, live_dir, ferry::now_unix_ms() + 600000, "j/live").ok());
-  auto r = run(kCli + " gc " + dir.path());
+  auto r = run_shell(kCli + " gc " + dir.path());
   INFO(r.out);
   CHECK(r.code == 0);
   CHECK_FALSE(fs::exists(old_dir));
@@ -226,27 +209,26 @@ TEST_CASE("ferry gc removes expired pending directories only", "[cli]") {
 }
 
 TEST_CASE("data files parse as safetensors with an independent checker", "[cli][safetensors]") {
-  if (run("/usr/bin/python3 -c 'import json, struct'").code != 0) {
-    WARN("skipped: /usr/bin/python3 is not available");
-    return;
+  if (run_shell("/usr/bin/python3 -c 'import json, struct'").code != 0) {
+    FERRY_SKIP("/usr/bin/python3 is not available to run the independent checker");
   }
   TempDir dir;
-  auto r = run(kCli + " demo --ranks 2 --state-mib 8 --layers 2 --steps 4 --every 2 --root " +
-               dir.path() + "/root --set pool-bytes=16MiB --set chunk-bytes=1MiB");
+  auto r = run_shell(kCli + " demo --ranks 2 --state-mib 8 --layers 2 --steps 4 --every 2 --root " +
+                     dir.path() + "/root --set pool-bytes=16MiB --set chunk-bytes=1MiB");
   INFO(r.out);
   REQUIRE(r.code == 0);
   CHECK_THAT(r.out, Catch::Contains("restored on 3, every byte checked"));
   const std::string checker = std::string(FERRY_SOURCE_DIR) + "/tests/tools/check_safetensors.py";
-  r = run("/usr/bin/python3 " + checker + " --align 4096 " + dir.path() +
-          "/root/step-*/*.safetensors");
+  r = run_shell("/usr/bin/python3 " + checker + " --align 4096 " + dir.path() +
+                "/root/step-*/*.safetensors");
   INFO(r.out);
   CHECK(r.code == 0);
 }
 
 TEST_CASE("unknown commands and missing arguments are usage errors", "[cli]") {
-  CHECK(run(kCli + " frobnicate").code == 2);
-  CHECK(run(kCli + " ls").code == 2);
-  auto r = run(kCli + " ls /nonexistent/ferry/root");
+  CHECK(run_shell(kCli + " frobnicate").code == 2);
+  CHECK(run_shell(kCli + " ls").code == 2);
+  auto r = run_shell(kCli + " ls /nonexistent/ferry/root");
   CHECK(r.code == 1);
   CHECK_THAT(r.out, Catch::Contains("/nonexistent/ferry/root"));
 }
@@ -261,7 +243,7 @@ TEST_CASE("ls --verify and latest_valid walk back past a corrupt checkpoint", "[
     f.seekp(5000);
     f.put('\x01');
   }
-  auto r = run(kCli + " ls --verify " + dir.path());
+  auto r = run_shell(kCli + " ls --verify " + dir.path());
   INFO(r.out);
   CHECK(r.code == 1);  // the latest checkpoint is corrupt
   CHECK_THAT(r.out, Catch::Contains("CORRUPT"));

@@ -1,48 +1,28 @@
-// `ferry launch` as a user runs it: real processes, output through popen.
+// `ferry launch` as a user runs it: real processes, output through a pipe.
 
 #include <catch2/catch.hpp>
 
-#include <sys/wait.h>
-
-#include <chrono>
-#include <cstdio>
 #include <fstream>
 #include <set>
 #include <string>
 #include <vector>
 
+#include "process.hpp"
 #include "test_util.hpp"
 
 namespace {
 
 struct Run {
-  int code = -1;  // the launcher's exit code, -1 when it did not exit normally
+  int code = -1;  // the launcher's exit code, 128 + signal when it was killed
   std::vector<std::string> lines;
   double seconds = 0;
 };
 
 // Runs `ferry launch ARGS` through the shell, stderr merged into stdout.
 Run launch(const std::string& args) {
-  const std::string cmd = std::string(FERRY_CLI_PATH) + " launch " + args + " 2>&1";
-  const auto t0 = std::chrono::steady_clock::now();
-  FILE* p = popen(cmd.c_str(), "r");
-  REQUIRE(p != nullptr);
-  Run r;
-  std::string line;
-  char buf[4096];
-  while (fgets(buf, sizeof(buf), p)) {
-    line += buf;
-    if (!line.empty() && line.back() == '\n') {
-      line.pop_back();
-      r.lines.push_back(line);
-      line.clear();
-    }
-  }
-  if (!line.empty()) r.lines.push_back(line);
-  const int status = pclose(p);
-  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  if (WIFEXITED(status)) r.code = WEXITSTATUS(status);
-  return r;
+  const ferry::testing::RunResult r =
+      ferry::testing::run_shell(std::string(FERRY_CLI_PATH) + " launch " + args);
+  return Run{r.code, ferry::testing::lines_of(r.out), r.seconds};
 }
 
 bool has(const Run& r, const std::string& line) {
@@ -101,14 +81,13 @@ TEST_CASE("launch gives every rank the same MASTER_PORT and address", "[launch]"
     CHECK(a.code == 0);
     CHECK(has(a, "[rank 0] port=29511"));
     CHECK(has(a, "[rank 1] port=29511"));
-    const std::string cmd = std::string("MASTER_PORT=29512 FERRY_JOB_TOKEN=abc ") + FERRY_CLI_PATH +
-                            " launch -n 2 -- sh -c 'echo $MASTER_PORT $FERRY_JOB_TOKEN'";
-    FILE* p = popen(cmd.c_str(), "r");
-    REQUIRE(p != nullptr);
-    std::string out;
-    char buf[256];
-    while (fgets(buf, sizeof(buf), p)) out += buf;
-    CHECK(pclose(p) == 0);
+    const ferry::testing::RunResult preset =
+        ferry::testing::run({FERRY_CLI_PATH, "launch", "-n", "2", "--", "sh", "-c",
+                             "echo $MASTER_PORT $FERRY_JOB_TOKEN"},
+                            {"MASTER_PORT=29512", "FERRY_JOB_TOKEN=abc"});
+    const std::string& out = preset.out;
+    INFO(out);
+    CHECK(preset.code == 0);
     CHECK(out.find("[rank 0] 29512 abc\n") != std::string::npos);
     CHECK(out.find("[rank 1] 29512 abc\n") != std::string::npos);
   }
@@ -179,12 +158,7 @@ TEST_CASE("SIGTERM to the launcher reaches every rank", "[launch]") {
                           " 2>&1 & pid=$!; " + "for i in $(seq 200); do " + "[ $(grep -c ready- " +
                           ready + ") = 2 ] && break; sleep 0.05; done; " +
                           "kill -TERM $pid; wait $pid; echo rc=$?; cat " + ready + "'";
-  FILE* p = popen(cmd.c_str(), "r");
-  REQUIRE(p != nullptr);
-  std::string out;
-  char buf[256];
-  while (fgets(buf, sizeof(buf), p)) out += buf;
-  pclose(p);
+  const std::string out = ferry::testing::run_shell(cmd).out;
   INFO(out);
   CHECK(out.find("rc=0\n") != std::string::npos);
   CHECK(out.find("[rank 0] term-0\n") != std::string::npos);

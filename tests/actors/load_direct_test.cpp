@@ -339,11 +339,7 @@ TEST_CASE("a load from disk leaves the checkpoint out of the page cache", "[acto
   ScratchDir dir(disk_base());
   REQUIRE(!dir.path().empty());
   if (!takes_direct(dir.path())) {
-    // ctest reports this test as skipped on this marker (SKIP_REGULAR_EXPRESSION).
-    std::printf("FERRY-SKIP: %s does not take O_DIRECT; set FERRY_TEST_DISK_DIR to a disk\n",
-                dir.path().c_str());
-    WARN("FERRY-SKIP: " << dir.path() << " does not take O_DIRECT");
-    return;
+    FERRY_SKIP(dir.path() << " does not take O_DIRECT; set FERRY_TEST_DISK_DIR to a disk");
   }
   const std::string direct_io = GENERATE(std::string("true"), std::string("false"));
   INFO("direct-io = " << direct_io);

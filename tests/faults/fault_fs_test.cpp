@@ -22,6 +22,7 @@
 #include "ferry/commit.hpp"
 #include "ferry/fault_fs.hpp"
 #include "ferry/filesystem.hpp"
+#include "process.hpp"
 #include "test_util.hpp"
 
 namespace ferry {
@@ -801,30 +802,20 @@ TEST_CASE("real ENOSPC on a 1 MiB tmpfs in a user namespace", "[faults]") {
   TempDir tmp;
   const std::string mnt = tmp.sub("mnt");
   std::filesystem::create_directory(mnt);
-  const std::string probe =
-      "unshare --user --map-root-user --mount sh -c 'mount -t tmpfs -o "
-      "size=1m tmpfs " +
-      mnt + "' >/dev/null 2>&1";
-  if (std::system(probe.c_str()) != 0) {
-    WARN(
-        "skipped: cannot mount a tmpfs in a user namespace here (unshare unavailable or "
-        "not permitted)");
-    return;
-  }
+  const std::string ns =
+      "unshare --user --map-root-user --mount sh -c 'mount -t tmpfs -o size=1m tmpfs " + mnt;
+  if (ferry::testing::run_shell(ns + "'").code != 0)
+    FERRY_SKIP(
+        "cannot mount a tmpfs in a user namespace here (unshare unavailable or not permitted)");
   char exe[4096];
   ssize_t n = ::readlink("/proc/self/exe", exe, sizeof(exe) - 1);
   REQUIRE(n > 0);
   exe[n] = '\0';
-  const std::string log = tmp.sub("inner.log");
-  const std::string cmd =
-      "unshare --user --map-root-user --mount sh -c 'mount -t tmpfs -o "
-      "size=1m tmpfs " +
-      mnt + " && FERRY_TEST_TINY_TMPFS=" + mnt + " \"" + exe +
-      "\" \"real ENOSPC on a full tmpfs (inner)\"' >" + log + " 2>&1";
-  int rc = std::system(cmd.c_str());
-  INFO(slurp(log));
-  CHECK(rc == 0);
-  CHECK(contains(slurp(log), "All tests passed"));
+  const auto inner = ferry::testing::run_shell(ns + " && FERRY_TEST_TINY_TMPFS=" + mnt + " \"" +
+                                               exe + "\" \"real ENOSPC on a full tmpfs (inner)\"'");
+  INFO(inner.out);
+  CHECK(inner.code == 0);
+  CHECK(contains(inner.out, "All tests passed"));
 }
 
 }  // namespace

@@ -1,5 +1,5 @@
 // The transport between real processes: rank 0 runs in the test process,
-// the other ranks are ferry_transport_peer processes (fork + exec).
+// the other ranks are ferry_transport_peer processes (tests/process.hpp).
 
 #include <arpa/inet.h>
 #include <dirent.h>
@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "actors/transport.hpp"
+#include "process.hpp"
 
 #ifndef FERRY_TRANSPORT_PEER_PATH
 #error "FERRY_TRANSPORT_PEER_PATH must name the ferry_transport_peer binary"
@@ -41,19 +42,32 @@ using ferry::StatusCode;
 using ferry::Transport;
 using ferry::TransportCallbacks;
 using ferry::TransportOptions;
-using Clock = std::chrono::steady_clock;
+using ferry::testing::Clock;
+
+// Deadlines for what normally takes milliseconds. They are generous because
+// the tests share a loaded 2-core machine; a passing run never waits them out.
+constexpr double kDeadline = 30;
+// Bounds on how late a failure may be detected: well below the deadlines,
+// far above what an idle machine needs.
+constexpr double kDetectBound = 10;
 
 double since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
+  return ferry::testing::seconds_since(t);
 }
 
 // A peer process; SIGKILLed and reaped on destruction if still running.
 // With `piped`, the test writes lines to its stdin and reads lines from its
 // stdout.
-class PeerProcess {
+class PeerProcess : public ferry::testing::Process {
  public:
   PeerProcess(int rank, int world, uint16_t port, const std::string& mode,
-              std::vector<std::string> extra = {}, bool piped = false) {
+              std::vector<std::string> extra = {}, bool piped = false)
+      : Process(peer_argv(rank, world, port, mode, std::move(extra)), options(piped)) {}
+
+ private:
+  static std::vector<std::string> peer_argv(int rank, int world, uint16_t port,
+                                            const std::string& mode,
+                                            std::vector<std::string> extra) {
     std::vector<std::string> args = {FERRY_TRANSPORT_PEER_PATH,
                                      "--rank",
                                      std::to_string(rank),
@@ -64,99 +78,14 @@ class PeerProcess {
                                      "--mode",
                                      mode};
     args.insert(args.end(), extra.begin(), extra.end());
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    int to_child[2] = {-1, -1};
-    int from_child[2] = {-1, -1};
-    if (piped) {
-      REQUIRE(pipe2(to_child, O_CLOEXEC) == 0);
-      REQUIRE(pipe2(from_child, O_CLOEXEC) == 0);
-    }
-    pid_ = fork();
-    if (pid_ == 0) {
-      // Only async-signal-safe calls between fork and exec; a peer never
-      // outlives a crashed test.
-      prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (piped) {
-        dup2(to_child[0], 0);
-        dup2(from_child[1], 1);
-      }
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
-    if (piped) {
-      close(to_child[0]);
-      close(from_child[1]);
-      stdin_ = to_child[1];
-      stdout_ = from_child[0];
-    }
+    return args;
   }
-  ~PeerProcess() {
-    if (pid_ > 0 && !exit_code_) {
-      kill(pid_, SIGKILL);
-      int status = 0;
-      waitpid(pid_, &status, 0);
-    }
-    if (stdin_ >= 0) close(stdin_);
-    if (stdout_ >= 0) close(stdout_);
+  static ferry::testing::ProcessOptions options(bool piped) {
+    ferry::testing::ProcessOptions o;
+    o.pipe_stdin = piped;
+    o.capture_stdout = piped;
+    return o;
   }
-
-  bool alive() { return !wait_exit(0).has_value(); }
-
-  void say(const std::string& line) {
-    std::string l = line + "\n";
-    REQUIRE(write(stdin_, l.data(), l.size()) == static_cast<ssize_t>(l.size()));
-  }
-
-  // The next line the process printed, or nullopt at its end or after timeout_s.
-  std::optional<std::string> read_line(double timeout_s) {
-    auto start = Clock::now();
-    for (;;) {
-      size_t nl = out_.find('\n');
-      if (nl != std::string::npos) {
-        std::string line = out_.substr(0, nl);
-        out_.erase(0, nl + 1);
-        return line;
-      }
-      double left = timeout_s - since(start);
-      if (left <= 0) return std::nullopt;
-      pollfd p{stdout_, POLLIN, 0};
-      if (poll(&p, 1, static_cast<int>(left * 1000) + 1) <= 0) continue;
-      char buf[256];
-      ssize_t n = read(stdout_, buf, sizeof(buf));
-      if (n <= 0) return std::nullopt;
-      out_.append(buf, static_cast<size_t>(n));
-    }
-  }
-  PeerProcess(const PeerProcess&) = delete;
-  PeerProcess& operator=(const PeerProcess&) = delete;
-
-  pid_t pid() const { return pid_; }
-  void signal(int sig) { kill(pid_, sig); }
-
-  // The exit code (128 + signal if killed), or nullopt if still running after timeout_s.
-  std::optional<int> wait_exit(double timeout_s) {
-    auto start = Clock::now();
-    while (!exit_code_) {
-      int status = 0;
-      pid_t r = waitpid(pid_, &status, WNOHANG);
-      if (r == pid_) {
-        exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-        break;
-      }
-      if (since(start) > timeout_s) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    return exit_code_;
-  }
-
- private:
-  pid_t pid_ = -1;
-  std::optional<int> exit_code_;
-  int stdin_ = -1;
-  int stdout_ = -1;
-  std::string out_;
 };
 
 // Rank 0's side: accepts "hello N" as rank N, refuses anything else with the
@@ -222,6 +151,13 @@ class Recorder {
                         [&] { return refused_ >= n; });
   }
 
+  // Waits until at least `n` heartbeats from `from` arrived.
+  bool wait_heartbeats(int32_t from, int n, double timeout_s) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, std::chrono::duration<double>(timeout_s),
+                        [&] { return heartbeats_[from] >= n; });
+  }
+
   int heartbeats(int32_t from) {
     std::lock_guard<std::mutex> lock(mu_);
     return heartbeats_[from];
@@ -241,7 +177,7 @@ class Recorder {
 };
 
 std::unique_ptr<Transport> start_rank0(int world, Recorder& rec, uint16_t port = 0,
-                                       double hb_interval = 0.1, double hb_timeout = 2) {
+                                       double hb_interval = 0.1, double hb_timeout = 5) {
   TransportOptions o;
   o.rank = 0;
   o.world_size = world;
@@ -253,8 +189,8 @@ std::unique_ptr<Transport> start_rank0(int world, Recorder& rec, uint16_t port =
   return std::move(t).value();
 }
 
-std::vector<std::string> peer_timing(double hb_interval = 0.1, double hb_timeout = 2,
-                                     double connect_timeout = 10) {
+std::vector<std::string> peer_timing(double hb_interval = 0.1, double hb_timeout = 5,
+                                     double connect_timeout = 30) {
   return {"--hb-interval",     std::to_string(hb_interval),
           "--hb-timeout",      std::to_string(hb_timeout),
           "--connect-timeout", std::to_string(connect_timeout)};
@@ -492,12 +428,12 @@ TEST_CASE("rank 0 accepts three peers and exchanges frames both ways, 32 MiB inc
   for (int r = 1; r <= 3; ++r) {
     peers.push_back(std::make_unique<PeerProcess>(r, 4, t->port(), "echo", peer_timing()));
   }
-  Status st = t->wait_peers(10);
+  Status st = t->wait_peers(kDeadline);
   INFO(st.to_string());
   REQUIRE(st.ok());
 
   for (int r = 1; r <= 3; ++r) REQUIRE(t->send(r, "ping " + std::to_string(r)).ok());
-  for (int r = 1; r <= 3; ++r) CHECK(rec.wait_frame(r, "ping " + std::to_string(r), 5));
+  for (int r = 1; r <= 3; ++r) CHECK(rec.wait_frame(r, "ping " + std::to_string(r), kDeadline));
 
   std::string big(32u << 20, '\0');
   std::mt19937_64 rng(42);
@@ -507,12 +443,11 @@ TEST_CASE("rank 0 accepts three peers and exchanges frames both ways, 32 MiB inc
   }
   auto sent_at = Clock::now();
   REQUIRE(t->send(2, big).ok());
-  CHECK(rec.wait_frame(2, big, 20));
+  CHECK(rec.wait_frame(2, big, kDeadline));
   WARN("32 MiB round trip took " << since(sent_at) << " s");
 
   // Heartbeats flow from every peer (interval 0.1 s).
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  for (int r = 1; r <= 3; ++r) CHECK(rec.heartbeats(r) > 0);
+  for (int r = 1; r <= 3; ++r) CHECK(rec.wait_heartbeats(r, 1, kDeadline));
   CHECK(rec.failures() == 0);
 
   // Not part of the star, or no such rank.
@@ -523,16 +458,16 @@ TEST_CASE("rank 0 accepts three peers and exchanges frames both ways, 32 MiB inc
   t->stop();
   t->stop();  // idempotent
   CHECK(t->send(1, "x").code() == StatusCode::aborted);
-  for (auto& p : peers) CHECK(p->wait_exit(5) == std::optional<int>(0));
+  for (auto& p : peers) CHECK(p->wait_exit(kDeadline) == std::optional<int>(0));
 }
 
 TEST_CASE("a peer with a bad hello is refused and does not count", "[transport]") {
   Recorder rec;
   auto t = start_rank0(3, rec);
   PeerProcess bad(2, 3, t->port(), "bad-hello", peer_timing());
-  REQUIRE(rec.wait_refused(1, 10));
+  REQUIRE(rec.wait_refused(1, kDeadline));
   // The refused peer got the reply and hung up.
-  CHECK(bad.wait_exit(5) == std::optional<int>(0));
+  CHECK(bad.wait_exit(kDeadline) == std::optional<int>(0));
   Status st = t->wait_peers(0.3);
   CHECK(st.code() == StatusCode::timeout);
   CHECK_THAT(st.message(), Catch::Contains("ranks 1, 2"));
@@ -540,7 +475,7 @@ TEST_CASE("a peer with a bad hello is refused and does not count", "[transport]"
 
   PeerProcess p1(1, 3, t->port(), "echo", peer_timing());
   PeerProcess p2(2, 3, t->port(), "echo", peer_timing());
-  st = t->wait_peers(10);
+  st = t->wait_peers(kDeadline);
   INFO(st.to_string());
   CHECK(st.ok());
   CHECK(rec.failures() == 0);
@@ -550,23 +485,24 @@ TEST_CASE("a SIGKILLed peer is reported through on_peer_failed", "[transport]") 
   Recorder rec;
   auto t = start_rank0(2, rec);
   PeerProcess peer(1, 2, t->port(), "kill-self", peer_timing());
-  REQUIRE(t->wait_peers(10).ok());
+  REQUIRE(t->wait_peers(kDeadline).ok());
   REQUIRE(t->send(1, "ping").ok());
-  REQUIRE(rec.wait_frame(1, "ping", 5));
+  REQUIRE(rec.wait_frame(1, "ping", kDeadline));
 
   auto killed_at = Clock::now();
   peer.signal(SIGKILL);
-  auto failed = rec.wait_failed(1, 5);
+  auto failed = rec.wait_failed(1, kDeadline);
   REQUIRE(failed);
   double latency = std::chrono::duration<double>(failed->first - killed_at).count();
   INFO("detected after " << latency << " s: " << failed->second.to_string());
-  CHECK(latency < 2.0);
+  CHECK(latency < kDetectBound);
   CHECK(failed->second.code() == StatusCode::aborted);
   CHECK_THAT(failed->second.message(), Catch::Contains("rank 1"));
   CHECK(t->send(1, "x").code() == StatusCode::aborted);
   CHECK(t->wait_peers(1).code() == StatusCode::aborted);
-  CHECK(peer.wait_exit(2) == std::optional<int>(128 + SIGKILL));
-  // Reported once, even though heartbeats keep coming due.
+  CHECK(peer.wait_exit(kDeadline) == std::optional<int>(128 + SIGKILL));
+  // Reported once, even though heartbeats keep coming due: a second report
+  // would come within a few heartbeat intervals (0.1 s).
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   CHECK(rec.failures() == 1);
 }
@@ -575,33 +511,39 @@ TEST_CASE("a peer killed by its own hand mid-stream is reported", "[transport]")
   Recorder rec;
   auto t = start_rank0(2, rec);
   PeerProcess peer(1, 2, t->port(), "kill-self", peer_timing());
-  REQUIRE(t->wait_peers(10).ok());
+  REQUIRE(t->wait_peers(kDeadline).ok());
   auto sent_at = Clock::now();
   REQUIRE(t->send(1, "die").ok());
-  auto failed = rec.wait_failed(1, 5);
+  auto failed = rec.wait_failed(1, kDeadline);
   REQUIRE(failed);
-  CHECK(std::chrono::duration<double>(failed->first - sent_at).count() < 2.0);
+  CHECK(std::chrono::duration<double>(failed->first - sent_at).count() < kDetectBound);
 }
 
 TEST_CASE("a SIGSTOPped peer is reported by heartbeat timeout", "[transport]") {
   Recorder rec;
-  auto t = start_rank0(2, rec, 0, /*hb_interval=*/0.1, /*hb_timeout=*/1);
-  PeerProcess peer(1, 2, t->port(), "stop-self", peer_timing(0.1, 1));
-  REQUIRE(t->wait_peers(10).ok());
-  // Alive and well past the timeout first: heartbeats keep it up.
-  std::this_thread::sleep_for(std::chrono::milliseconds(1300));
+  // 2 s: short enough to test, long enough that a busy scheduler alone
+  // does not trip it.
+  auto t = start_rank0(2, rec, 0, /*hb_interval=*/0.1, /*hb_timeout=*/2);
+  PeerProcess peer(1, 2, t->port(), "stop-self", peer_timing(0.1, 2));
+  REQUIRE(t->wait_peers(kDeadline).ok());
+  // Alive and well past the timeout first: heartbeats keep it up. Counted
+  // in heartbeats rather than slept, so a slow machine waits longer instead
+  // of checking too early.
+  const auto joined_at = Clock::now();
+  REQUIRE(rec.wait_heartbeats(1, 25, kDeadline));
+  REQUIRE(since(joined_at) > 2.0);
   REQUIRE(rec.failures() == 0);
 
   auto frozen_at = Clock::now();
   REQUIRE(t->send(1, "freeze").ok());
-  auto failed = rec.wait_failed(1, 5);
+  auto failed = rec.wait_failed(1, kDeadline);
   REQUIRE(failed);
   double latency = std::chrono::duration<double>(failed->first - frozen_at).count();
   INFO("detected after " << latency << " s: " << failed->second.to_string());
   CHECK(failed->second.code() == StatusCode::timeout);
   CHECK_THAT(failed->second.message(), Catch::Contains("rank 1 silent"));
-  CHECK(latency > 0.8);
-  CHECK(latency < 2.5);
+  CHECK(latency > 1.6);
+  CHECK(latency < kDetectBound);
   peer.signal(SIGKILL);
 }
 
@@ -609,19 +551,20 @@ TEST_CASE("a peer started before rank 0 listens connects within its deadline", "
   ReservedPort reserved;
   uint16_t port = reserved.port();
   reserved.release();
-  PeerProcess peer(1, 2, port, "echo", peer_timing(0.1, 2, /*connect_timeout=*/10));
+  PeerProcess peer(1, 2, port, "echo", peer_timing(0.1, 5, /*connect_timeout=*/kDeadline));
+  // Gives the peer time to try and be refused; how long does not matter.
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
 
   Recorder rec;
   auto t = start_rank0(2, rec, port);
   CHECK(t->port() == port);
-  Status st = t->wait_peers(10);
+  Status st = t->wait_peers(kDeadline);
   INFO(st.to_string());
   REQUIRE(st.ok());
   REQUIRE(t->send(1, "late ping").ok());
-  CHECK(rec.wait_frame(1, "late ping", 5));
+  CHECK(rec.wait_frame(1, "late ping", kDeadline));
   REQUIRE(t->send(1, "bye").ok());
-  CHECK(peer.wait_exit(5) == std::optional<int>(0));
+  CHECK(peer.wait_exit(kDeadline) == std::optional<int>(0));
 }
 
 TEST_CASE("a rank whose rank 0 never appears fails wait_peers with a timeout", "[transport]") {
@@ -651,15 +594,16 @@ TEST_CASE("a rank whose rank 0 never appears fails wait_peers with a timeout", "
   CHECK((*t)->send(0, "x").code() == StatusCode::not_found);
 
   // After it: the connect failure itself.
-  Status late = (*t)->wait_peers(10);
+  Status late = (*t)->wait_peers(kDeadline);
   double waited = since(start);
   INFO(late.to_string());
   CHECK(late.code() == StatusCode::timeout);
   CHECK_THAT(late.message(), Catch::Contains("could not connect to rank 0"));
   CHECK(waited > 0.9);
-  CHECK(waited < 3);
+  CHECK(waited < kDetectBound);
   std::unique_lock<std::mutex> lock(mu);
-  CHECK(cv.wait_for(lock, std::chrono::seconds(1), [&] { return failure.has_value(); }));
+  CHECK(cv.wait_for(lock, std::chrono::duration<double>(kDeadline),
+                    [&] { return failure.has_value(); }));
 }
 
 TEST_CASE("transport options are checked", "[transport]") {

@@ -6,6 +6,11 @@
 // to a side file, so the cut can be applied by another process after the
 // writer was SIGKILLed. Selected without recompiling through a spec string
 // (FERRY_FAULTS). See DESIGN.md "Interfaces that keep it testable".
+//
+// Part of the drills library (src/drills/, target ferry_drills), which ships
+// in release builds because users run these drills: the wrapper is
+// fault_fs.cpp, the power-cut model cut_model.*, its journal
+// fault_journal.*, and the spec parser fault_spec.cpp.
 #pragma once
 
 #include <cerrno>

@@ -6,7 +6,8 @@
 //
 // kills the process the nth time (default 1st) it passes <point>, only on
 // <rank> when given (every rank of a job inherits the variable). Unset, a
-// kill point costs one relaxed atomic load.
+// kill point costs one relaxed atomic load. Part of the drills library
+// (src/drills/kill_point.cpp), which the core's commit code calls into.
 #pragma once
 
 #include <string>
