@@ -5,7 +5,7 @@
 //   idle --first plan--> planning --all local plans--> writing --all write results--> commit -->
 //   idle
 //                           |                             |                             |
-//                           +------- abort ---------------+-----------------------------+--> idle
+//                           +------- abort_ckpt ----------+-----------------------------+--> idle
 //                                   (pending directory removed once created)
 //
 // planning: every later PlanRequest of the checkpoint must agree with the
@@ -34,8 +34,9 @@
 #include <optional>
 #include <random>
 
-#include "actors/actors.hpp"
+#include "actors/coordinator_actor.hpp"
 #include "actors/messages.hpp"
+#include "actors/planner_actor.hpp"
 #include "ferry/catalog.hpp"
 
 namespace ferry {
@@ -71,8 +72,8 @@ struct LoadOutcomes {
 struct coordinator_state {
   static inline const char* name = "ferry.coordinator";
   ContextPtr ctx;
-  caf::actor link;     // world size > 1: broadcasts aborts to every rank
-  caf::actor planner;  // world size 1: the only rank's planner, told of aborts directly
+  abort_broadcast_actor link;  // world size > 1: broadcasts aborts to every rank
+  planner_actor planner;       // world size 1: the only rank's planner, told of aborts directly
   // Ranks that failed, with why: every later checkpoint fails at once
   // instead of waiting for them to the plan timeout.
   std::map<int32_t, Status> failed;
@@ -94,7 +95,12 @@ struct coordinator_state {
   std::deque<std::string> verdict_order;
 };
 
-using coordinator_ptr = caf::stateful_actor<coordinator_state>*;
+using coordinator_ptr = coordinator_actor::stateful_pointer<coordinator_state>;
+
+// Timers are messages to this actor itself.
+coordinator_actor me(coordinator_ptr self) {
+  return self;
+}
 
 std::chrono::milliseconds seconds(double s) {
   return std::chrono::milliseconds(static_cast<int64_t>(s * 1000));
@@ -137,10 +143,10 @@ void abort_active(coordinator_ptr self, const Status& status, int32_t failed_ran
   if (!st.active) return;
   Checkpoint& c = *st.active;
   if (st.link)
-    self->send(st.link, atom::abort_v,
+    self->send(st.link, atom::broadcast_v,
                AbortMsg{st.ctx->job_id, c.id, failed_rank, phase_of(c), status});
   else if (st.planner)  // a rank busy writing has no request open to answer
-    self->send(st.planner, atom::abort_v, c.id, status);
+    self->send(st.planner, atom::aborted_v, c.id, status);
   if (st.aborted.emplace(c.id, status).second) st.aborted_order.push_back(c.id);
   if (st.aborted_order.size() > 16) {
     st.aborted.erase(st.aborted_order.front());
@@ -191,10 +197,10 @@ void on_all_plans(coordinator_ptr self) {
   for (size_t r = 0; r < c.plan_promises.size(); ++r)
     c.plan_promises[r].deliver(
         PlanReply{st.ctx->job_id, c.id, Status(), c.pending_dir, (*gp)->ranks[r]});
-  self->delayed_send(self, seconds(st.ctx->opts.write_timeout_s), atom::deadline_v, c.id,
+  self->delayed_send(me(self), seconds(st.ctx->opts.write_timeout_s), atom::ckpt_due_v, c.id,
                      std::string("write"));
   // Refresh the lease a few times per period so gc never takes a live save.
-  self->delayed_send(self, std::chrono::milliseconds(lease_ms(st) / 3), atom::lease_v, c.id);
+  self->delayed_send(me(self), std::chrono::milliseconds(lease_ms(st) / 3), atom::lease_v, c.id);
 }
 
 void on_all_results(coordinator_ptr self) {
@@ -319,7 +325,7 @@ caf::result<LoadOutcomeMsg> on_load_outcome(coordinator_ptr self, LoadOutcomeMsg
   if (fresh) {
     lo.status.resize(world);
     lo.promises.resize(world);
-    self->delayed_send(self, seconds(st.ctx->opts.write_timeout_s), atom::load_due_v, id);
+    self->delayed_send(me(self), seconds(st.ctx->opts.write_timeout_s), atom::load_due_v, id);
   }
   const auto r = static_cast<size_t>(report.rank);
   auto rp = self->make_response_promise();
@@ -370,7 +376,7 @@ void fail_loads(coordinator_ptr self, int32_t rank, const Status& why) {
                              " failed during the load: " + why.message()));
 }
 
-caf::behavior coordinator_actor(coordinator_ptr self, ContextPtr ctx) {
+coordinator_actor::behavior_type coordinator_fun(coordinator_ptr self, ContextPtr ctx) {
   self->state.ctx = std::move(ctx);
   return {
       [self](atom::plan, PlanRequest& req) -> caf::result<PlanReply> {
@@ -399,13 +405,13 @@ caf::behavior coordinator_actor(coordinator_ptr self, ContextPtr ctx) {
           c.results.resize(world);
           c.commit_promises.resize(world);
           st.active = std::move(c);
-          self->delayed_send(self, seconds(st.ctx->opts.plan_timeout_s), atom::deadline_v,
+          self->delayed_send(me(self), seconds(st.ctx->opts.plan_timeout_s), atom::ckpt_due_v,
                              req.checkpoint_id, std::string("plan"));
         }
         Checkpoint& c = *st.active;
         if (req.rank == 0) c.metadata = req.metadata;
         if (!st.link && !st.planner)
-          st.planner = caf::actor_cast<caf::actor>(self->current_sender());
+          st.planner = caf::actor_cast<planner_actor>(self->current_sender());
         if (Status d = disagreement(c, req); !d.ok()) {
           auto rp = self->make_response_promise();
           c.plan_promises[req.rank] = rp;
@@ -447,12 +453,12 @@ caf::behavior coordinator_actor(coordinator_ptr self, ContextPtr ctx) {
         if (c.results_in == c.results.size()) on_all_results(self);
         return rp;
       },
-      [self](atom::abort, const std::string& id, const Status& why) {
+      [self](atom::abort_ckpt, const std::string& id, const Status& why) {
         auto& st = self->state;
         if (st.active && st.active->id == id) abort_active(self, why);
       },
-      [self](atom::attach, caf::actor link) { self->state.link = std::move(link); },
-      [self](atom::failed, int32_t rank, const Status& why) {
+      [self](atom::attach_link, abort_broadcast_actor link) { self->state.link = std::move(link); },
+      [self](atom::rank_failed, int32_t rank, const Status& why) {
         auto& st = self->state;
         st.failed.emplace(rank, why);
         fail_loads(self, rank, why);
@@ -462,7 +468,7 @@ caf::behavior coordinator_actor(coordinator_ptr self, ContextPtr ctx) {
                                      phase_of(*st.active) + " phase: " + why.message()),
                      rank);
       },
-      [self](atom::deadline, const std::string& id, const std::string& phase) {
+      [self](atom::ckpt_due, const std::string& id, const std::string& phase) {
         auto& st = self->state;
         if (!st.active || st.active->id != id || phase != phase_of(*st.active)) return;
         const Checkpoint& c = *st.active;
@@ -476,7 +482,7 @@ caf::behavior coordinator_actor(coordinator_ptr self, ContextPtr ctx) {
                                            std::to_string(limit) + " s waiting for rank(s) " +
                                            missing_ranks(have)));
       },
-      [self](atom::load, const LoadRequestMsg& req) -> LoadReplyMsg {
+      [self](atom::resolve, const LoadRequestMsg& req) -> LoadReplyMsg {
         auto& st = self->state;
         auto it = st.loads.find(req.load_id);
         if (it != st.loads.end()) return it->second;
@@ -515,15 +521,16 @@ caf::behavior coordinator_actor(coordinator_ptr self, ContextPtr ctx) {
           return abort_active(self,
                               s.with_context("rank 0 (write phase): refreshing the lease of " +
                                              st.active->pending_dir + ": "));
-        self->delayed_send(self, std::chrono::milliseconds(lease_ms(st) / 3), atom::lease_v, id);
+        self->delayed_send(me(self), std::chrono::milliseconds(lease_ms(st) / 3), atom::lease_v,
+                           id);
       },
   };
 }
 
 }  // namespace
 
-caf::actor spawn_coordinator(caf::actor_system& sys, ContextPtr ctx) {
-  return sys.spawn<caf::detached>(coordinator_actor, std::move(ctx));
+coordinator_actor spawn_coordinator(caf::actor_system& sys, ContextPtr ctx) {
+  return sys.spawn<caf::detached>(coordinator_fun, std::move(ctx));
 }
 
 }  // namespace ferry
