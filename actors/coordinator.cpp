@@ -43,6 +43,9 @@ namespace ferry {
 
 namespace {
 
+// idle is no active checkpoint; the commit is one blocking call, no phase.
+enum class Phase { planning, writing };
+
 struct Checkpoint {
   std::string id;
   int32_t first_rank = 0;  // whose PlanRequest set step, root and overwrite
@@ -53,11 +56,11 @@ struct Checkpoint {
   bool overwrite = false;
   std::vector<std::pair<std::string, std::string>> metadata;
   std::vector<std::optional<LocalPlan>> plans;
-  std::vector<caf::response_promise> plan_promises;
+  std::vector<caf::typed_response_promise<PlanReply>> plan_promises;
   size_t plans_in = 0;
-  bool writing = false;
+  Phase phase = Phase::planning;
   std::vector<std::optional<WriteResult>> results;
-  std::vector<caf::response_promise> commit_promises;
+  std::vector<caf::typed_response_promise<CommitMsg>> commit_promises;
   size_t results_in = 0;
 };
 
@@ -65,7 +68,7 @@ struct Checkpoint {
 // answers them all.
 struct LoadOutcomes {
   std::vector<std::optional<Status>> status;  // by rank
-  std::vector<caf::response_promise> promises;
+  std::vector<caf::typed_response_promise<LoadOutcomeMsg>> promises;
   size_t in = 0;
 };
 
@@ -126,7 +129,7 @@ Result<std::shared_ptr<const GlobalPlan>> global_plan(coordinator_state& st,
 }
 
 const char* phase_of(const Checkpoint& c) {
-  return c.writing ? "write" : "plan";
+  return c.phase == Phase::writing ? "write" : "plan";
 }
 
 std::string missing_ranks(const std::vector<bool>& have) {
@@ -152,7 +155,7 @@ void abort_active(coordinator_ptr self, const Status& status, int32_t failed_ran
     st.aborted.erase(st.aborted_order.front());
     st.aborted_order.pop_front();
   }
-  if (c.writing) remove_all(*st.ctx->fs, c.pending_dir);
+  if (c.phase == Phase::writing) remove_all(*st.ctx->fs, c.pending_dir);
   for (auto& p : c.plan_promises)
     if (p.pending()) p.deliver(PlanReply{st.ctx->job_id, c.id, status, "", {}});
   for (auto& p : c.commit_promises)
@@ -193,7 +196,7 @@ void on_all_plans(coordinator_ptr self) {
   Status s = prepare_pending(*st.ctx->fs, c.root, c.pending_dir, c.step, c.overwrite, lease_ms(st),
                              c.lease_owner, st.ctx->opts.fsync);
   if (!s.ok()) return abort_active(self, s);
-  c.writing = true;
+  c.phase = Phase::writing;
   for (size_t r = 0; r < c.plan_promises.size(); ++r)
     c.plan_promises[r].deliver(
         PlanReply{st.ctx->job_id, c.id, Status(), c.pending_dir, (*gp)->ranks[r]});
@@ -328,7 +331,7 @@ caf::result<LoadOutcomeMsg> on_load_outcome(coordinator_ptr self, LoadOutcomeMsg
     self->delayed_send(me(self), seconds(st.ctx->opts.write_timeout_s), atom::load_due_v, id);
   }
   const auto r = static_cast<size_t>(report.rank);
-  auto rp = self->make_response_promise();
+  auto rp = self->make_response_promise<LoadOutcomeMsg>();
   if (!lo.status[r]) ++lo.in;
   lo.status[r] = std::move(report.status);
   lo.promises[r] = rp;
@@ -413,14 +416,14 @@ coordinator_actor::behavior_type coordinator_fun(coordinator_ptr self, ContextPt
         if (!st.link && !st.planner)
           st.planner = caf::actor_cast<planner_actor>(self->current_sender());
         if (Status d = disagreement(c, req); !d.ok()) {
-          auto rp = self->make_response_promise();
+          auto rp = self->make_response_promise<PlanReply>();
           c.plan_promises[req.rank] = rp;
           abort_active(self, d, req.rank);
           return rp;
         }
         if (!st.failed.empty()) {
           const auto& [rank, why] = *st.failed.begin();
-          auto rp = self->make_response_promise();
+          auto rp = self->make_response_promise<PlanReply>();
           c.plan_promises[req.rank] = rp;
           abort_active(self,
                        Status::aborted("rank " + std::to_string(rank) +
@@ -428,7 +431,7 @@ coordinator_actor::behavior_type coordinator_fun(coordinator_ptr self, ContextPt
                        rank);
           return rp;
         }
-        auto rp = self->make_response_promise();
+        auto rp = self->make_response_promise<PlanReply>();
         if (!c.plans[req.rank]) ++c.plans_in;
         c.plans[req.rank] = std::move(req.plan);
         c.plan_promises[req.rank] = rp;
@@ -437,7 +440,7 @@ coordinator_actor::behavior_type coordinator_fun(coordinator_ptr self, ContextPt
       },
       [self](atom::commit, CommitRequest& req) -> caf::result<CommitMsg> {
         auto& st = self->state;
-        if (!st.active || st.active->id != req.checkpoint_id || !st.active->writing)
+        if (!st.active || st.active->id != req.checkpoint_id || st.active->phase != Phase::writing)
           return CommitMsg{st.ctx->job_id, req.checkpoint_id,
                            Status::aborted("checkpoint " + req.checkpoint_id + " is not active"),
                            "", 0};
@@ -446,7 +449,7 @@ coordinator_actor::behavior_type coordinator_fun(coordinator_ptr self, ContextPt
         if (r >= c.results.size())
           return CommitMsg{st.ctx->job_id, req.checkpoint_id,
                            Status::invalid_argument("write result from unknown rank"), "", 0};
-        auto rp = self->make_response_promise();
+        auto rp = self->make_response_promise<CommitMsg>();
         if (!c.results[r]) ++c.results_in;
         c.results[r] = std::move(req.result);
         c.commit_promises[r] = rp;
@@ -473,11 +476,12 @@ coordinator_actor::behavior_type coordinator_fun(coordinator_ptr self, ContextPt
         if (!st.active || st.active->id != id || phase != phase_of(*st.active)) return;
         const Checkpoint& c = *st.active;
         std::vector<bool> have;
-        if (c.writing)
+        if (c.phase == Phase::writing)
           for (const auto& r : c.results) have.push_back(r.has_value());
         else
           for (const auto& p : c.plans) have.push_back(p.has_value());
-        const double limit = c.writing ? st.ctx->opts.write_timeout_s : st.ctx->opts.plan_timeout_s;
+        const double limit =
+            c.phase == Phase::writing ? st.ctx->opts.write_timeout_s : st.ctx->opts.plan_timeout_s;
         abort_active(self, Status::timeout("the " + phase + " phase timed out after " +
                                            std::to_string(limit) + " s waiting for rank(s) " +
                                            missing_ranks(have)));
@@ -512,7 +516,7 @@ coordinator_actor::behavior_type coordinator_fun(coordinator_ptr self, ContextPt
       [self](atom::load_due, const std::string& id) { on_load_due(self, id); },
       [self](atom::lease, const std::string& id) {
         auto& st = self->state;
-        if (!st.active || st.active->id != id || !st.active->writing) return;
+        if (!st.active || st.active->id != id || st.active->phase != Phase::writing) return;
         // A lease we cannot keep fresh may lapse, and gc may then take the
         // files: the save must fail rather than commit what may be gone.
         Status s = write_lease(*st.ctx->fs, st.active->pending_dir, now_unix_ms() + lease_ms(st),
