@@ -5,7 +5,7 @@
 //   idle --first plan--> planning --all local plans--> writing --all write results--> commit -->
 //   idle
 //                           |                             |                             |
-//                           +------- abort ---------------+-----------------------------+--> idle
+//                           +------- abort_ckpt ----------+-----------------------------+--> idle
 //                                   (pending directory removed once created)
 //
 // planning: every later PlanRequest of the checkpoint must agree with the
@@ -34,13 +34,17 @@
 #include <optional>
 #include <random>
 
-#include "actors/actors.hpp"
+#include "actors/coordinator_actor.hpp"
 #include "actors/messages.hpp"
+#include "actors/planner_actor.hpp"
 #include "ferry/catalog.hpp"
 
 namespace ferry {
 
 namespace {
+
+// idle is no active checkpoint; the commit is one blocking call, no phase.
+enum class Phase { planning, writing };
 
 struct Checkpoint {
   std::string id;
@@ -52,11 +56,11 @@ struct Checkpoint {
   bool overwrite = false;
   std::vector<std::pair<std::string, std::string>> metadata;
   std::vector<std::optional<LocalPlan>> plans;
-  std::vector<caf::response_promise> plan_promises;
+  std::vector<caf::typed_response_promise<PlanReply>> plan_promises;
   size_t plans_in = 0;
-  bool writing = false;
+  Phase phase = Phase::planning;
   std::vector<std::optional<WriteResult>> results;
-  std::vector<caf::response_promise> commit_promises;
+  std::vector<caf::typed_response_promise<CommitMsg>> commit_promises;
   size_t results_in = 0;
 };
 
@@ -64,15 +68,15 @@ struct Checkpoint {
 // answers them all.
 struct LoadOutcomes {
   std::vector<std::optional<Status>> status;  // by rank
-  std::vector<caf::response_promise> promises;
+  std::vector<caf::typed_response_promise<LoadOutcomeMsg>> promises;
   size_t in = 0;
 };
 
 struct coordinator_state {
   static inline const char* name = "ferry.coordinator";
   ContextPtr ctx;
-  caf::actor link;     // world size > 1: broadcasts aborts to every rank
-  caf::actor planner;  // world size 1: the only rank's planner, told of aborts directly
+  abort_broadcast_actor link;  // world size > 1: broadcasts aborts to every rank
+  planner_actor planner;       // world size 1: the only rank's planner, told of aborts directly
   // Ranks that failed, with why: every later checkpoint fails at once
   // instead of waiting for them to the plan timeout.
   std::map<int32_t, Status> failed;
@@ -94,7 +98,12 @@ struct coordinator_state {
   std::deque<std::string> verdict_order;
 };
 
-using coordinator_ptr = caf::stateful_actor<coordinator_state>*;
+using coordinator_ptr = coordinator_actor::stateful_pointer<coordinator_state>;
+
+// Timers are messages to this actor itself.
+coordinator_actor me(coordinator_ptr self) {
+  return self;
+}
 
 std::chrono::milliseconds seconds(double s) {
   return std::chrono::milliseconds(static_cast<int64_t>(s * 1000));
@@ -120,7 +129,7 @@ Result<std::shared_ptr<const GlobalPlan>> global_plan(coordinator_state& st,
 }
 
 const char* phase_of(const Checkpoint& c) {
-  return c.writing ? "write" : "plan";
+  return c.phase == Phase::writing ? "write" : "plan";
 }
 
 std::string missing_ranks(const std::vector<bool>& have) {
@@ -137,16 +146,16 @@ void abort_active(coordinator_ptr self, const Status& status, int32_t failed_ran
   if (!st.active) return;
   Checkpoint& c = *st.active;
   if (st.link)
-    self->send(st.link, atom::abort_v,
+    self->send(st.link, atom::broadcast_v,
                AbortMsg{st.ctx->job_id, c.id, failed_rank, phase_of(c), status});
   else if (st.planner)  // a rank busy writing has no request open to answer
-    self->send(st.planner, atom::abort_v, c.id, status);
+    self->send(st.planner, atom::aborted_v, c.id, status);
   if (st.aborted.emplace(c.id, status).second) st.aborted_order.push_back(c.id);
   if (st.aborted_order.size() > 16) {
     st.aborted.erase(st.aborted_order.front());
     st.aborted_order.pop_front();
   }
-  if (c.writing) remove_all(*st.ctx->fs, c.pending_dir);
+  if (c.phase == Phase::writing) remove_all(*st.ctx->fs, c.pending_dir);
   for (auto& p : c.plan_promises)
     if (p.pending()) p.deliver(PlanReply{st.ctx->job_id, c.id, status, "", {}});
   for (auto& p : c.commit_promises)
@@ -187,14 +196,14 @@ void on_all_plans(coordinator_ptr self) {
   Status s = prepare_pending(*st.ctx->fs, c.root, c.pending_dir, c.step, c.overwrite, lease_ms(st),
                              c.lease_owner, st.ctx->opts.fsync);
   if (!s.ok()) return abort_active(self, s);
-  c.writing = true;
+  c.phase = Phase::writing;
   for (size_t r = 0; r < c.plan_promises.size(); ++r)
     c.plan_promises[r].deliver(
         PlanReply{st.ctx->job_id, c.id, Status(), c.pending_dir, (*gp)->ranks[r]});
-  self->delayed_send(self, seconds(st.ctx->opts.write_timeout_s), atom::deadline_v, c.id,
+  self->delayed_send(me(self), seconds(st.ctx->opts.write_timeout_s), atom::ckpt_due_v, c.id,
                      std::string("write"));
   // Refresh the lease a few times per period so gc never takes a live save.
-  self->delayed_send(self, std::chrono::milliseconds(lease_ms(st) / 3), atom::lease_v, c.id);
+  self->delayed_send(me(self), std::chrono::milliseconds(lease_ms(st) / 3), atom::lease_v, c.id);
 }
 
 void on_all_results(coordinator_ptr self) {
@@ -319,10 +328,10 @@ caf::result<LoadOutcomeMsg> on_load_outcome(coordinator_ptr self, LoadOutcomeMsg
   if (fresh) {
     lo.status.resize(world);
     lo.promises.resize(world);
-    self->delayed_send(self, seconds(st.ctx->opts.write_timeout_s), atom::load_due_v, id);
+    self->delayed_send(me(self), seconds(st.ctx->opts.write_timeout_s), atom::load_due_v, id);
   }
   const auto r = static_cast<size_t>(report.rank);
-  auto rp = self->make_response_promise();
+  auto rp = self->make_response_promise<LoadOutcomeMsg>();
   if (!lo.status[r]) ++lo.in;
   lo.status[r] = std::move(report.status);
   lo.promises[r] = rp;
@@ -370,7 +379,7 @@ void fail_loads(coordinator_ptr self, int32_t rank, const Status& why) {
                              " failed during the load: " + why.message()));
 }
 
-caf::behavior coordinator_actor(coordinator_ptr self, ContextPtr ctx) {
+coordinator_actor::behavior_type coordinator_fun(coordinator_ptr self, ContextPtr ctx) {
   self->state.ctx = std::move(ctx);
   return {
       [self](atom::plan, PlanRequest& req) -> caf::result<PlanReply> {
@@ -399,22 +408,22 @@ caf::behavior coordinator_actor(coordinator_ptr self, ContextPtr ctx) {
           c.results.resize(world);
           c.commit_promises.resize(world);
           st.active = std::move(c);
-          self->delayed_send(self, seconds(st.ctx->opts.plan_timeout_s), atom::deadline_v,
+          self->delayed_send(me(self), seconds(st.ctx->opts.plan_timeout_s), atom::ckpt_due_v,
                              req.checkpoint_id, std::string("plan"));
         }
         Checkpoint& c = *st.active;
         if (req.rank == 0) c.metadata = req.metadata;
         if (!st.link && !st.planner)
-          st.planner = caf::actor_cast<caf::actor>(self->current_sender());
+          st.planner = caf::actor_cast<planner_actor>(self->current_sender());
         if (Status d = disagreement(c, req); !d.ok()) {
-          auto rp = self->make_response_promise();
+          auto rp = self->make_response_promise<PlanReply>();
           c.plan_promises[req.rank] = rp;
           abort_active(self, d, req.rank);
           return rp;
         }
         if (!st.failed.empty()) {
           const auto& [rank, why] = *st.failed.begin();
-          auto rp = self->make_response_promise();
+          auto rp = self->make_response_promise<PlanReply>();
           c.plan_promises[req.rank] = rp;
           abort_active(self,
                        Status::aborted("rank " + std::to_string(rank) +
@@ -422,7 +431,7 @@ caf::behavior coordinator_actor(coordinator_ptr self, ContextPtr ctx) {
                        rank);
           return rp;
         }
-        auto rp = self->make_response_promise();
+        auto rp = self->make_response_promise<PlanReply>();
         if (!c.plans[req.rank]) ++c.plans_in;
         c.plans[req.rank] = std::move(req.plan);
         c.plan_promises[req.rank] = rp;
@@ -431,7 +440,7 @@ caf::behavior coordinator_actor(coordinator_ptr self, ContextPtr ctx) {
       },
       [self](atom::commit, CommitRequest& req) -> caf::result<CommitMsg> {
         auto& st = self->state;
-        if (!st.active || st.active->id != req.checkpoint_id || !st.active->writing)
+        if (!st.active || st.active->id != req.checkpoint_id || st.active->phase != Phase::writing)
           return CommitMsg{st.ctx->job_id, req.checkpoint_id,
                            Status::aborted("checkpoint " + req.checkpoint_id + " is not active"),
                            "", 0};
@@ -440,19 +449,19 @@ caf::behavior coordinator_actor(coordinator_ptr self, ContextPtr ctx) {
         if (r >= c.results.size())
           return CommitMsg{st.ctx->job_id, req.checkpoint_id,
                            Status::invalid_argument("write result from unknown rank"), "", 0};
-        auto rp = self->make_response_promise();
+        auto rp = self->make_response_promise<CommitMsg>();
         if (!c.results[r]) ++c.results_in;
         c.results[r] = std::move(req.result);
         c.commit_promises[r] = rp;
         if (c.results_in == c.results.size()) on_all_results(self);
         return rp;
       },
-      [self](atom::abort, const std::string& id, const Status& why) {
+      [self](atom::abort_ckpt, const std::string& id, const Status& why) {
         auto& st = self->state;
         if (st.active && st.active->id == id) abort_active(self, why);
       },
-      [self](atom::attach, caf::actor link) { self->state.link = std::move(link); },
-      [self](atom::failed, int32_t rank, const Status& why) {
+      [self](atom::attach_link, abort_broadcast_actor link) { self->state.link = std::move(link); },
+      [self](atom::rank_failed, int32_t rank, const Status& why) {
         auto& st = self->state;
         st.failed.emplace(rank, why);
         fail_loads(self, rank, why);
@@ -462,21 +471,22 @@ caf::behavior coordinator_actor(coordinator_ptr self, ContextPtr ctx) {
                                      phase_of(*st.active) + " phase: " + why.message()),
                      rank);
       },
-      [self](atom::deadline, const std::string& id, const std::string& phase) {
+      [self](atom::ckpt_due, const std::string& id, const std::string& phase) {
         auto& st = self->state;
         if (!st.active || st.active->id != id || phase != phase_of(*st.active)) return;
         const Checkpoint& c = *st.active;
         std::vector<bool> have;
-        if (c.writing)
+        if (c.phase == Phase::writing)
           for (const auto& r : c.results) have.push_back(r.has_value());
         else
           for (const auto& p : c.plans) have.push_back(p.has_value());
-        const double limit = c.writing ? st.ctx->opts.write_timeout_s : st.ctx->opts.plan_timeout_s;
+        const double limit =
+            c.phase == Phase::writing ? st.ctx->opts.write_timeout_s : st.ctx->opts.plan_timeout_s;
         abort_active(self, Status::timeout("the " + phase + " phase timed out after " +
                                            std::to_string(limit) + " s waiting for rank(s) " +
                                            missing_ranks(have)));
       },
-      [self](atom::load, const LoadRequestMsg& req) -> LoadReplyMsg {
+      [self](atom::resolve, const LoadRequestMsg& req) -> LoadReplyMsg {
         auto& st = self->state;
         auto it = st.loads.find(req.load_id);
         if (it != st.loads.end()) return it->second;
@@ -506,7 +516,7 @@ caf::behavior coordinator_actor(coordinator_ptr self, ContextPtr ctx) {
       [self](atom::load_due, const std::string& id) { on_load_due(self, id); },
       [self](atom::lease, const std::string& id) {
         auto& st = self->state;
-        if (!st.active || st.active->id != id || !st.active->writing) return;
+        if (!st.active || st.active->id != id || st.active->phase != Phase::writing) return;
         // A lease we cannot keep fresh may lapse, and gc may then take the
         // files: the save must fail rather than commit what may be gone.
         Status s = write_lease(*st.ctx->fs, st.active->pending_dir, now_unix_ms() + lease_ms(st),
@@ -515,15 +525,16 @@ caf::behavior coordinator_actor(coordinator_ptr self, ContextPtr ctx) {
           return abort_active(self,
                               s.with_context("rank 0 (write phase): refreshing the lease of " +
                                              st.active->pending_dir + ": "));
-        self->delayed_send(self, std::chrono::milliseconds(lease_ms(st) / 3), atom::lease_v, id);
+        self->delayed_send(me(self), std::chrono::milliseconds(lease_ms(st) / 3), atom::lease_v,
+                           id);
       },
   };
 }
 
 }  // namespace
 
-caf::actor spawn_coordinator(caf::actor_system& sys, ContextPtr ctx) {
-  return sys.spawn<caf::detached>(coordinator_actor, std::move(ctx));
+coordinator_actor spawn_coordinator(caf::actor_system& sys, ContextPtr ctx) {
+  return sys.spawn<caf::detached>(coordinator_fun, std::move(ctx));
 }
 
 }  // namespace ferry

@@ -9,41 +9,66 @@
 //           aborts -> all ranks.
 // rank > 0: planner/runtime requests -> rank 0, answers -> their promises;
 //           rank 0 failing fails every pending request.
+//
+//   rank > 0: up --peer_failed(0)--> rank 0 failed (requests fail at once, naming rank 0)
+//              +---leave---> leaving (a failure of rank 0 is expected now, not reported)
+//   rank 0:   serving --leave--> waiting until every other rank left or failed --> done
+//
+// Toward the planner and the runtime the link is a coordinator_api: on
+// ranks > 0 it answers the coordinator's requests with rank 0's answers.
 
 #include <cstdio>
 #include <map>
 
-#include "actors/actors.hpp"
+#include "actors/link_actor.hpp"
 #include "actors/messages.hpp"
 
 namespace ferry {
 
 namespace {
 
-struct Pending {
-  caf::response_promise promise;
-  std::string phase;  // "plan", "commit", "load", "outcome"
-};
+// rank > 0: requests forwarded to rank 0 and not yet answered, one map per
+// kind of request, by checkpoint or load id.
+template <class Reply>
+using Waiting = std::map<std::string, caf::typed_response_promise<Reply>>;
 
 struct link_state {
   static inline const char* name = "ferry.link";
   ContextPtr ctx;
-  caf::actor coordinator;  // rank 0
-  caf::actor planner;      // this rank's, for aborts
+  coordinator_actor coordinator;  // rank 0
+  planner_actor planner;          // this rank's, for aborts
   std::shared_ptr<Transport> transport;
-  std::map<std::string, Pending> pending;  // rank > 0: by "<phase>/<id>"
+  Waiting<PlanReply> plans;
+  Waiting<CommitMsg> commits;
+  Waiting<LoadReplyMsg> resolves;
+  Waiting<LoadOutcomeMsg> outcomes;
   Status rank0_failed;
   // Shutdown. Rank 0 serves the others' collective requests (a load, a
   // commit outcome), so it stays until every other rank left or failed.
   std::vector<bool> gone;  // rank 0: by rank
-  std::vector<caf::response_promise> leave_waiters;
+  std::vector<caf::typed_response_promise<bool>> leave_waiters;
   bool leaving = false;  // rank > 0: we said goodbye
 };
 
-using link_ptr = caf::stateful_actor<link_state>*;
+using link_ptr = link_actor::stateful_pointer<link_state>;
 
 void log(const link_state& st, const std::string& what) {
   std::fprintf(stderr, "ferry[rank %d]: %s\n", st.ctx->rank, what.c_str());
+}
+
+// The name a request has in logs and errors.
+const char* request_name(RemoteRequest r) {
+  switch (r) {
+    case RemoteRequest::plan:
+      return "plan";
+    case RemoteRequest::commit:
+      return "commit";
+    case RemoteRequest::resolve:
+      return "load";
+    case RemoteRequest::outcome:
+      return "outcome";
+  }
+  return "?";
 }
 
 void send_frame(link_ptr self, int32_t to, const WireMessage& m) {
@@ -57,54 +82,96 @@ void send_frame(link_ptr self, int32_t to, const WireMessage& m) {
 
 // rank > 0: forwards a request to rank 0 and parks its promise.
 template <class Reply>
-caf::result<Reply> forward(link_ptr self, const std::string& phase, const std::string& id,
-                           const WireMessage& m, Reply on_failure, double timeout_s) {
+caf::result<Reply> forward(link_ptr self, Waiting<Reply>& waiting, RemoteRequest kind,
+                           const std::string& id, const WireMessage& m, Reply on_failure,
+                           double timeout_s) {
   auto& st = self->state;
   if (!st.rank0_failed.ok()) return on_failure;
-  auto rp = self->make_response_promise();
-  st.pending[phase + "/" + id] = Pending{rp, phase};
+  auto rp = self->make_response_promise<Reply>();
+  waiting[id] = rp;
   send_frame(self, 0, m);
   // A last resort: rank 0 enforces the phase timeouts and heartbeats catch a
   // hung rank 0, so this fires only if both failed to.
-  self->delayed_send(self, std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)),
-                     atom::deadline_v, phase + "/" + id);
+  self->delayed_send(link_actor{self},
+                     std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)),
+                     atom::reply_due_v, kind, id);
   return rp;
 }
 
 template <class Reply>
-void complete(link_ptr self, const std::string& key, const Reply& r) {
-  auto& st = self->state;
-  auto it = st.pending.find(key);
-  if (it == st.pending.end()) return log(st, "unexpected reply " + key);
-  it->second.promise.deliver(r);
-  st.pending.erase(it);
+void complete(link_ptr self, Waiting<Reply>& waiting, RemoteRequest kind, const std::string& id,
+              const Reply& r) {
+  auto it = waiting.find(id);
+  if (it == waiting.end())
+    return log(self->state, std::string("unexpected reply ") + request_name(kind) + "/" + id);
+  it->second.deliver(r);
+  waiting.erase(it);
 }
 
 // rank > 0: what a pending request turns into when rank 0 is gone or silent.
-void deliver_failure(const link_state& st, const std::string& key, Pending& p, const Status& why) {
-  const std::string id = key.substr(key.find('/') + 1);
-  if (p.phase == "plan") {
-    p.promise.deliver(PlanReply{st.ctx->job_id, id, why, "", {}});
-  } else if (p.phase == "commit") {
-    // Our files were durable and rank 0 had everything it needed: it may or
-    // may not have reached the commit point. The directory is the truth.
-    p.promise.deliver(
-        CommitMsg{st.ctx->job_id, id,
-                  Status::outcome_unknown(why.message() + "; the checkpoint may or may not be "
-                                                          "committed: check the root"),
-                  "", 0});
-  } else if (p.phase == "outcome") {
-    // Without rank 0 no rank can know how the others' reads went.
-    p.promise.deliver(LoadOutcomeMsg{st.ctx->job_id, id, st.ctx->rank, why, 0});
-  } else {
-    p.promise.deliver(LoadReplyMsg{st.ctx->job_id, id, why, "", ""});
-  }
+void deliver_failure(const link_state& st, const std::string& id,
+                     caf::typed_response_promise<PlanReply>& p, const Status& why) {
+  p.deliver(PlanReply{st.ctx->job_id, id, why, "", {}});
+}
+
+void deliver_failure(const link_state& st, const std::string& id,
+                     caf::typed_response_promise<CommitMsg>& p, const Status& why) {
+  // Our files were durable and rank 0 had everything it needed: it may or
+  // may not have reached the commit point. The directory is the truth.
+  p.deliver(CommitMsg{st.ctx->job_id, id,
+                      Status::outcome_unknown(why.message() + "; the checkpoint may or may not be "
+                                                              "committed: check the root"),
+                      "", 0});
+}
+
+void deliver_failure(const link_state& st, const std::string& id,
+                     caf::typed_response_promise<LoadReplyMsg>& p, const Status& why) {
+  p.deliver(LoadReplyMsg{st.ctx->job_id, id, why, "", ""});
+}
+
+void deliver_failure(const link_state& st, const std::string& id,
+                     caf::typed_response_promise<LoadOutcomeMsg>& p, const Status& why) {
+  // Without rank 0 no rank can know how the others' reads went.
+  p.deliver(LoadOutcomeMsg{st.ctx->job_id, id, st.ctx->rank, why, 0});
+}
+
+template <class Reply>
+void fail_all(const link_state& st, Waiting<Reply>& waiting, const Status& why) {
+  for (auto& [id, p] : waiting) deliver_failure(st, id, p, why);
+  waiting.clear();
 }
 
 void fail_pending(link_ptr self, const Status& why) {
   auto& st = self->state;
-  for (auto& [key, p] : st.pending) deliver_failure(st, key, p, why);
-  st.pending.clear();
+  fail_all(st, st.plans, why);
+  fail_all(st, st.commits, why);
+  fail_all(st, st.resolves, why);
+  fail_all(st, st.outcomes, why);
+}
+
+// rank > 0: the last-resort deadline of one forwarded request passed.
+template <class Reply>
+void expire(link_state& st, Waiting<Reply>& waiting, RemoteRequest kind, const std::string& id) {
+  auto it = waiting.find(id);
+  if (it == waiting.end()) return;
+  auto p = std::move(it->second);
+  waiting.erase(it);
+  deliver_failure(st, id, p,
+                  Status::timeout(std::string("no answer from rank 0 to the ") +
+                                  request_name(kind) + " request"));
+}
+
+// rank 0: a remote rank's request, answered by the coordinator; an error of
+// the coordinator itself reaches the rank as the request's failure.
+template <class Reply, class Request, class Atom>
+void ask_coordinator(link_ptr self, int32_t from, Atom what, Request req, Reply on_error) {
+  auto& st = self->state;
+  self->request(st.coordinator, caf::infinite, what, std::move(req))
+      .then([self, from](const Reply& r) { send_frame(self, from, r); },
+            [self, from, on_error](caf::error& e) mutable {
+              on_error.status = Status::internal("rank 0 coordinator: " + self->system().render(e));
+              send_frame(self, from, on_error);
+            });
 }
 
 bool all_gone(const link_state& st) {
@@ -146,61 +213,55 @@ void on_remote(link_ptr self, int32_t from, WireMessage m) {
                       {}});
         return;
       }
-      self->request(st.coordinator, caf::infinite, atom::plan_v, std::move(*req))
-          .then([self, from](const PlanReply& r) { send_frame(self, from, r); });
+      const std::string id = req->checkpoint_id;
+      ask_coordinator(self, from, atom::plan_v, std::move(*req),
+                      PlanReply{st.ctx->job_id, id, Status(), "", {}});
     } else if (auto* req = std::get_if<CommitRequest>(&m)) {
       req->result.rank = from;
-      self->request(st.coordinator, caf::infinite, atom::commit_v, std::move(*req))
-          .then([self, from](const CommitMsg& r) { send_frame(self, from, r); });
+      const std::string id = req->checkpoint_id;
+      ask_coordinator(self, from, atom::commit_v, std::move(*req),
+                      CommitMsg{st.ctx->job_id, id, Status(), "", 0});
     } else if (auto* a = std::get_if<AbortMsg>(&m)) {
-      self->send(st.coordinator, atom::abort_v, a->checkpoint_id, a->reason);
+      self->send(st.coordinator, atom::abort_ckpt_v, a->checkpoint_id, a->reason);
     } else if (auto* req = std::get_if<LoadRequestMsg>(&m)) {
-      self->request(st.coordinator, caf::infinite, atom::load_v, std::move(*req))
-          .then([self, from](const LoadReplyMsg& r) { send_frame(self, from, r); });
+      const std::string id = req->load_id;
+      ask_coordinator(self, from, atom::resolve_v, std::move(*req),
+                      LoadReplyMsg{st.ctx->job_id, id, Status(), "", ""});
     } else if (auto* o = std::get_if<LoadOutcomeMsg>(&m)) {
       o->rank = from;  // the transport knows who sent it
       const std::string id = o->load_id;
-      self->request(st.coordinator, caf::infinite, atom::outcome_v, std::move(*o))
-          .then([self, from](const LoadOutcomeMsg& r) { send_frame(self, from, r); },
-                [self, from, id](caf::error& e) {
-                  auto& st = self->state;
-                  send_frame(
-                      self, from,
-                      LoadOutcomeMsg{
-                          st.ctx->job_id, id, st.ctx->rank,
-                          Status::internal("rank 0 coordinator: " + self->system().render(e)), 0});
-                });
+      ask_coordinator(self, from, atom::outcome_v, std::move(*o),
+                      LoadOutcomeMsg{st.ctx->job_id, id, st.ctx->rank, Status(), 0});
     } else {
       log(st, std::string("unexpected ") + message_name(m) + " from rank " + std::to_string(from));
     }
     return;
   }
   if (auto* r = std::get_if<PlanReply>(&m)) {
-    complete(self, "plan/" + r->checkpoint_id, *r);
+    complete(self, st.plans, RemoteRequest::plan, r->checkpoint_id, *r);
   } else if (auto* r = std::get_if<CommitMsg>(&m)) {
-    complete(self, "commit/" + r->checkpoint_id, *r);
+    complete(self, st.commits, RemoteRequest::commit, r->checkpoint_id, *r);
   } else if (auto* r = std::get_if<LoadReplyMsg>(&m)) {
-    complete(self, "load/" + r->load_id, *r);
+    complete(self, st.resolves, RemoteRequest::resolve, r->load_id, *r);
   } else if (auto* r = std::get_if<LoadOutcomeMsg>(&m)) {
-    complete(self, "outcome/" + r->load_id, *r);
+    complete(self, st.outcomes, RemoteRequest::outcome, r->load_id, *r);
   } else if (auto* a = std::get_if<AbortMsg>(&m)) {
     if (a->checkpoint_id.empty()) return log(st, "rank 0 reports: " + a->reason.to_string());
-    self->send(st.planner, atom::abort_v, a->checkpoint_id, a->reason);
-    for (const char* phase : {"plan/", "commit/"}) {
-      auto it = st.pending.find(phase + a->checkpoint_id);
-      if (it == st.pending.end()) continue;
-      if (it->second.phase == "plan")
-        it->second.promise.deliver(PlanReply{st.ctx->job_id, a->checkpoint_id, a->reason, "", {}});
-      else
-        it->second.promise.deliver(CommitMsg{st.ctx->job_id, a->checkpoint_id, a->reason, "", 0});
-      st.pending.erase(it);
+    self->send(st.planner, atom::aborted_v, a->checkpoint_id, a->reason);
+    if (auto it = st.plans.find(a->checkpoint_id); it != st.plans.end()) {
+      it->second.deliver(PlanReply{st.ctx->job_id, a->checkpoint_id, a->reason, "", {}});
+      st.plans.erase(it);
+    }
+    if (auto it = st.commits.find(a->checkpoint_id); it != st.commits.end()) {
+      it->second.deliver(CommitMsg{st.ctx->job_id, a->checkpoint_id, a->reason, "", 0});
+      st.commits.erase(it);
     }
   } else {
     log(st, std::string("unexpected ") + message_name(m) + " from rank " + std::to_string(from));
   }
 }
 
-caf::behavior link_actor(link_ptr self, ContextPtr ctx, caf::actor coordinator) {
+link_actor::behavior_type link_fun(link_ptr self, ContextPtr ctx, coordinator_actor coordinator) {
   self->state.ctx = std::move(ctx);
   self->state.coordinator = std::move(coordinator);
   self->state.gone.assign(static_cast<size_t>(self->state.ctx->world_size), false);
@@ -209,7 +270,7 @@ caf::behavior link_actor(link_ptr self, ContextPtr ctx, caf::actor coordinator) 
       // other ranks say goodbye first. Either way the answer comes after every
       // message already in the mailbox, so frames queued for other ranks reach
       // the transport before it stops.
-      [self](atom::finish) -> caf::result<bool> {
+      [self](atom::leave) -> caf::result<bool> {
         auto& st = self->state;
         if (st.ctx->rank != 0) {
           st.leaving = true;
@@ -218,11 +279,11 @@ caf::behavior link_actor(link_ptr self, ContextPtr ctx, caf::actor coordinator) 
           return true;
         }
         if (all_gone(st)) return true;
-        auto rp = self->make_response_promise();
+        auto rp = self->make_response_promise<bool>();
         st.leave_waiters.push_back(rp);
         return rp;
       },
-      [self](atom::attach, std::shared_ptr<Transport> t, caf::actor planner) {
+      [self](atom::attach_net, std::shared_ptr<Transport> t, planner_actor planner) {
         self->state.transport = std::move(t);
         self->state.planner = std::move(planner);
       },
@@ -241,13 +302,13 @@ caf::behavior link_actor(link_ptr self, ContextPtr ctx, caf::actor coordinator) 
         }
         on_remote(self, from, std::move(m).value());
       },
-      [self](atom::failed, int32_t rank, const Status& why) {
+      [self](atom::peer_failed, int32_t rank, const Status& why) {
         auto& st = self->state;
         if (st.ctx->rank == 0) {
           const bool expected = static_cast<size_t>(rank) < st.gone.size() && st.gone[rank];
           if (expected) return;  // it said goodbye: closing is what it does next
           log(st, "rank " + std::to_string(rank) + " failed: " + why.to_string());
-          self->send(st.coordinator, atom::failed_v, rank, why);
+          self->send(st.coordinator, atom::rank_failed_v, rank, why);
           mark_gone(self, rank);
           return;
         }
@@ -255,40 +316,42 @@ caf::behavior link_actor(link_ptr self, ContextPtr ctx, caf::actor coordinator) 
         log(st, "rank " + std::to_string(rank) + " failed: " + why.to_string());
         st.rank0_failed = Status::aborted("rank 0 (coordinator) failed: " + why.message());
         fail_pending(self, st.rank0_failed);
-        self->send(st.planner, atom::abort_v, std::string("*"), st.rank0_failed);
+        self->send(st.planner, atom::aborted_v, std::string("*"), st.rank0_failed);
       },
       // rank 0: the coordinator abandons a checkpoint; every rank hears it.
-      [self](atom::abort, const AbortMsg& a) {
+      [self](atom::broadcast, const AbortMsg& a) {
         auto& st = self->state;
         for (int32_t r = 1; r < st.ctx->world_size; ++r) send_frame(self, r, a);
-        self->send(st.planner, atom::abort_v, a.checkpoint_id, a.reason);
+        self->send(st.planner, atom::aborted_v, a.checkpoint_id, a.reason);
       },
       // rank > 0: the coordinator's interface, over the wire.
       [self](atom::plan, PlanRequest& req) -> caf::result<PlanReply> {
         auto& st = self->state;
         const std::string id = req.checkpoint_id;
         PlanReply failure{st.ctx->job_id, id, st.rank0_failed, "", {}};
-        return forward(self, "plan", id, WireMessage(std::move(req)), failure,
-                       st.ctx->opts.plan_timeout_s + st.ctx->opts.heartbeat_timeout_s + 5);
+        return forward(self, st.plans, RemoteRequest::plan, id, WireMessage(std::move(req)),
+                       failure, st.ctx->opts.plan_timeout_s + st.ctx->opts.heartbeat_timeout_s + 5);
       },
       [self](atom::commit, CommitRequest& req) -> caf::result<CommitMsg> {
         auto& st = self->state;
         const std::string id = req.checkpoint_id;
         CommitMsg failure{st.ctx->job_id, id, st.rank0_failed, "", 0};
-        return forward(self, "commit", id, WireMessage(std::move(req)), failure,
+        return forward(self, st.commits, RemoteRequest::commit, id, WireMessage(std::move(req)),
+                       failure,
                        st.ctx->opts.write_timeout_s + st.ctx->opts.commit_timeout_s +
                            st.ctx->opts.heartbeat_timeout_s + 5);
       },
-      [self](atom::abort, const std::string& id, const Status& why) {
+      [self](atom::abort_ckpt, const std::string& id, const Status& why) {
         auto& st = self->state;
         if (st.rank0_failed.ok())
           send_frame(self, 0, AbortMsg{st.ctx->job_id, id, st.ctx->rank, "", why});
       },
-      [self](atom::load, LoadRequestMsg& req) -> caf::result<LoadReplyMsg> {
+      [self](atom::resolve, LoadRequestMsg& req) -> caf::result<LoadReplyMsg> {
         auto& st = self->state;
         const std::string id = req.load_id;
         LoadReplyMsg failure{st.ctx->job_id, id, st.rank0_failed, "", ""};
-        return forward(self, "load", id, WireMessage(std::move(req)), failure,
+        return forward(self, st.resolves, RemoteRequest::resolve, id, WireMessage(std::move(req)),
+                       failure,
                        st.ctx->opts.commit_timeout_s + st.ctx->opts.heartbeat_timeout_s + 5);
       },
       // After its reads: this rank's outcome goes to rank 0, the load's comes back.
@@ -296,25 +359,30 @@ caf::behavior link_actor(link_ptr self, ContextPtr ctx, caf::actor coordinator) 
         auto& st = self->state;
         const std::string id = report.load_id;
         LoadOutcomeMsg failure{st.ctx->job_id, id, st.ctx->rank, st.rank0_failed, 0};
-        return forward(self, "outcome", id, WireMessage(std::move(report)), failure,
+        return forward(self, st.outcomes, RemoteRequest::outcome, id,
+                       WireMessage(std::move(report)), failure,
                        st.ctx->opts.write_timeout_s + st.ctx->opts.heartbeat_timeout_s + 5);
       },
-      [self](atom::deadline, const std::string& key) {
+      [self](atom::reply_due, RemoteRequest kind, const std::string& id) {
         auto& st = self->state;
-        auto it = st.pending.find(key);
-        if (it == st.pending.end()) return;
-        Pending p = std::move(it->second);
-        st.pending.erase(it);
-        deliver_failure(st, key, p,
-                        Status::timeout("no answer from rank 0 to the " + p.phase + " request"));
+        switch (kind) {
+          case RemoteRequest::plan:
+            return expire(st, st.plans, kind, id);
+          case RemoteRequest::commit:
+            return expire(st, st.commits, kind, id);
+          case RemoteRequest::resolve:
+            return expire(st, st.resolves, kind, id);
+          case RemoteRequest::outcome:
+            return expire(st, st.outcomes, kind, id);
+        }
       },
   };
 }
 
 }  // namespace
 
-caf::actor spawn_link(caf::actor_system& sys, ContextPtr ctx, caf::actor coordinator) {
-  return sys.spawn(link_actor, std::move(ctx), std::move(coordinator));
+link_actor spawn_link(caf::actor_system& sys, ContextPtr ctx, coordinator_actor coordinator) {
+  return sys.spawn(link_fun, std::move(ctx), std::move(coordinator));
 }
 
 }  // namespace ferry

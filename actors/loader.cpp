@@ -22,7 +22,7 @@
 #include <thread>
 #include <tuple>
 
-#include "actors/actors.hpp"
+#include "actors/loader_actor.hpp"
 #include "actors/messages.hpp"
 #include "ferry/checksum.hpp"
 
@@ -287,7 +287,8 @@ Status run_reads(reader_state& st, const ReadTask& task) {
   return reader.run();
 }
 
-caf::behavior reader_actor(caf::stateful_actor<reader_state>* self, ContextPtr ctx) {
+reader_actor::behavior_type reader_fun(reader_actor::stateful_pointer<reader_state> self,
+                                       ContextPtr ctx) {
   self->state.ctx = std::move(ctx);
   return {
       [self](atom::read, const ReadTask& task) -> Status { return run_reads(self->state, task); },
@@ -316,13 +317,13 @@ using ReaderTasks = std::map<uint64_t, ReaderTask>;
 struct loader_state {
   static inline const char* name = "ferry.loader";
   ContextPtr ctx;
-  std::vector<caf::actor> readers;
+  std::vector<reader_actor> readers;
   uint64_t next_task = 0;
   // Shared with the functor that answers what is left when the loader ends.
   std::shared_ptr<ReaderTasks> tasks = std::make_shared<ReaderTasks>();
 };
 
-using loader_ptr = caf::stateful_actor<loader_state>*;
+using loader_ptr = loader_actor::stateful_pointer<loader_state>;
 
 void finish_task(ReaderTasks& tasks, uint64_t id, Status s) {
   auto it = tasks.find(id);
@@ -333,9 +334,9 @@ void finish_task(ReaderTasks& tasks, uint64_t id, Status s) {
   if (--load->left == 0) load->rp.deliver(load->first_error);
 }
 
-caf::actor spawn_reader(loader_ptr self) {
+reader_actor spawn_reader(loader_ptr self) {
   // Linked: readers end with the loader. Detached: preads block.
-  return self->spawn<caf::detached + caf::linked>(reader_actor, self->state.ctx);
+  return self->spawn<caf::detached + caf::linked>(reader_fun, self->state.ctx);
 }
 
 // A reader that died (an exception in a copy, say) no longer touches the
@@ -356,7 +357,7 @@ bool on_reader_exit(loader_ptr self, const caf::exit_msg& msg) {
   return false;
 }
 
-caf::behavior loader_actor(loader_ptr self, ContextPtr ctx) {
+loader_actor::behavior_type loader_fun(loader_ptr self, ContextPtr ctx) {
   self->state.ctx = ctx;
   for (uint32_t i = 0; i < ctx->opts.readers; ++i)
     self->state.readers.push_back(spawn_reader(self));
@@ -412,8 +413,8 @@ caf::behavior loader_actor(loader_ptr self, ContextPtr ctx) {
 
 }  // namespace
 
-caf::actor spawn_loader(caf::actor_system& sys, ContextPtr ctx) {
-  return sys.spawn(loader_actor, std::move(ctx));
+loader_actor spawn_loader(caf::actor_system& sys, ContextPtr ctx) {
+  return sys.spawn(loader_fun, std::move(ctx));
 }
 
 }  // namespace ferry

@@ -21,32 +21,51 @@
 #include "ferry/protocol.hpp"
 #include "ferry/runtime.hpp"
 
+// One atom per message: the atom names what the message asks, so no two
+// messages differ by their arguments alone. Texts are at most 10 characters.
+// Saves.
 CAF_ADD_ATOM(ferry, ferry::atom, save, "save")
-CAF_ADD_ATOM(ferry, ferry::atom, plan, "plan")
-CAF_ADD_ATOM(ferry, ferry::atom, snap, "snap")
+CAF_ADD_ATOM(ferry, ferry::atom, stream, "stream")
+CAF_ADD_ATOM(ferry, ferry::atom, snapped, "snapped")
 CAF_ADD_ATOM(ferry, ferry::atom, fill, "fill")
 CAF_ADD_ATOM(ferry, ferry::atom, copied, "copied")
 CAF_ADD_ATOM(ferry, ferry::atom, freed, "freed")
 CAF_ADD_ATOM(ferry, ferry::atom, block, "block")
-CAF_ADD_ATOM(ferry, ferry::atom, written, "written")
-CAF_ADD_ATOM(ferry, ferry::atom, open, "open")
-CAF_ADD_ATOM(ferry, ferry::atom, finish, "finish")
-CAF_ADD_ATOM(ferry, ferry::atom, syncdir, "syncdir")
-CAF_ADD_ATOM(ferry, ferry::atom, commit, "commit")
-CAF_ADD_ATOM(ferry, ferry::atom, abort, "abort")
-CAF_ADD_ATOM(ferry, ferry::atom, lease, "lease")
-CAF_ADD_ATOM(ferry, ferry::atom, sums, "sums")
-CAF_ADD_ATOM(ferry, ferry::atom, load, "load")
-CAF_ADD_ATOM(ferry, ferry::atom, read, "read")
-CAF_ADD_ATOM(ferry, ferry::atom, failed, "failed")
-CAF_ADD_ATOM(ferry, ferry::atom, frame, "frame")
-CAF_ADD_ATOM(ferry, ferry::atom, attach, "attach")
-CAF_ADD_ATOM(ferry, ferry::atom, deadline, "deadline")
+CAF_ADD_ATOM(ferry, ferry::atom, write, "write")
 CAF_ADD_ATOM(ferry, ferry::atom, back, "back")
-CAF_ADD_ATOM(ferry, ferry::atom, outcome, "outcome")
-CAF_ADD_ATOM(ferry, ferry::atom, load_due, "loaddue")
+CAF_ADD_ATOM(ferry, ferry::atom, written, "written")
+CAF_ADD_ATOM(ferry, ferry::atom, sums, "sums")
+CAF_ADD_ATOM(ferry, ferry::atom, open, "open")
+CAF_ADD_ATOM(ferry, ferry::atom, seal, "seal")
+CAF_ADD_ATOM(ferry, ferry::atom, syncdir, "syncdir")
 CAF_ADD_ATOM(ferry, ferry::atom, drain, "drain")
 CAF_ADD_ATOM(ferry, ferry::atom, close, "close")
+CAF_ADD_ATOM(ferry, ferry::atom, abandon, "abandon")
+CAF_ADD_ATOM(ferry, ferry::atom, phase_due, "phasedue")
+CAF_ADD_ATOM(ferry, ferry::atom, aborted, "aborted")
+// The coordinator's interface (coordinator_api), served by the coordinator
+// on rank 0 and by the link elsewhere.
+CAF_ADD_ATOM(ferry, ferry::atom, plan, "plan")
+CAF_ADD_ATOM(ferry, ferry::atom, commit, "commit")
+CAF_ADD_ATOM(ferry, ferry::atom, abort_ckpt, "abortckpt")
+CAF_ADD_ATOM(ferry, ferry::atom, resolve, "resolve")
+CAF_ADD_ATOM(ferry, ferry::atom, outcome, "outcome")
+// The coordinator's own.
+CAF_ADD_ATOM(ferry, ferry::atom, attach_link, "attachlink")
+CAF_ADD_ATOM(ferry, ferry::atom, rank_failed, "rankfailed")
+CAF_ADD_ATOM(ferry, ferry::atom, ckpt_due, "ckptdue")
+CAF_ADD_ATOM(ferry, ferry::atom, load_due, "loaddue")
+CAF_ADD_ATOM(ferry, ferry::atom, lease, "lease")
+// The link's own.
+CAF_ADD_ATOM(ferry, ferry::atom, broadcast, "broadcast")
+CAF_ADD_ATOM(ferry, ferry::atom, attach_net, "attachnet")
+CAF_ADD_ATOM(ferry, ferry::atom, frame, "frame")
+CAF_ADD_ATOM(ferry, ferry::atom, peer_failed, "peerfailed")
+CAF_ADD_ATOM(ferry, ferry::atom, reply_due, "replydue")
+CAF_ADD_ATOM(ferry, ferry::atom, leave, "leave")
+// Loads.
+CAF_ADD_ATOM(ferry, ferry::atom, load, "load")
+CAF_ADD_ATOM(ferry, ferry::atom, read, "read")
 
 namespace ferry {
 
@@ -86,11 +105,15 @@ struct BlockMsg {
   uint64_t len = 0;
 };
 
+// Where a writer hands a written block back instead of to the pool (the
+// serializer, when it hashes after the writes): only this one message.
+using block_return_actor = caf::typed_actor<caf::reacts_to<atom::back, BlockMsg>>;
+
 struct WriteBlock {
   BlockMsg block;
   std::shared_ptr<File> file;
-  uint64_t write_len = 0;  // len rounded up for O_DIRECT
-  caf::actor return_to;    // when set, the written block goes back there, not to the pool
+  uint64_t write_len = 0;        // len rounded up for O_DIRECT
+  block_return_actor return_to;  // when set, the written block goes back there, not to the pool
 };
 
 struct FileSet {

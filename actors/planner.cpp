@@ -14,7 +14,7 @@
 // draining:   the save failed. The handle hears it only once nothing touches
 //             the caller's tensors or the save's descriptors any more:
 //             1. the snapshot has no copy running and the serializer hands
-//                no more blocks to the writers (both answer `abort`);
+//                no more blocks to the writers (both answer `abandon`);
 //             2. every writer has drained what was queued before (`drain`);
 //             3. one writer closes the files (`close`).
 // Each phase has a deadline on every rank: plan-timeout, write-timeout, and
@@ -25,8 +25,9 @@
 
 #include <deque>
 
-#include "actors/actors.hpp"
 #include "actors/messages.hpp"
+#include "actors/planner_actor.hpp"
+#include "actors/snapshot_actor.hpp"
 #include "ferry/checksum.hpp"
 #include "ferry/kill_point.hpp"
 
@@ -63,16 +64,16 @@ struct Current {
 struct planner_state {
   static inline const char* name = "ferry.planner";
   ContextPtr ctx;
-  caf::actor coordinator;
-  caf::actor snapshot;
-  caf::actor serializer;
-  std::vector<caf::actor> writers;
+  coordinator_api coordinator;  // rank 0's coordinator, or the link standing in for it
+  snapshot_actor snapshot;
+  serializer_actor serializer;
+  std::vector<writer_actor> writers;
   std::deque<SaveJob> queue;
   uint64_t next_id = 1;
   Current cur;
 };
 
-using planner_ptr = caf::stateful_actor<planner_state>*;
+using planner_ptr = planner_actor::stateful_pointer<planner_state>;
 
 void start_next(planner_ptr self);
 
@@ -112,8 +113,8 @@ std::string seconds_text(double s) {
 }
 
 void arm_deadline(planner_ptr self, const char* phase, std::chrono::milliseconds after) {
-  self->delayed_send(self, std::max(after, std::chrono::milliseconds(0)), atom::deadline_v,
-                     self->state.cur.id, std::string(phase));
+  self->delayed_send(planner_actor{self}, std::max(after, std::chrono::milliseconds(0)),
+                     atom::phase_due_v, self->state.cur.id, std::string(phase));
 }
 
 const char* phase_name(Phase p) {
@@ -169,15 +170,15 @@ void fail(planner_ptr self, Status status, bool local = true) {
                                  phase_name(cur.phase) + " phase): ");
   // The other ranks hear it now; this rank's handle once it has drained.
   if (local && !cur.checkpoint_id.empty())
-    self->send(st.coordinator, atom::abort_v, cur.checkpoint_id, status);
+    self->send(st.coordinator, atom::abort_ckpt_v, cur.checkpoint_id, status);
   cur.phase = Phase::draining;
   cur.failure = std::move(status);
   cur.drain_stage = 0;
   cur.drain_left = 3;  // the snapshot, the serializer, and this call's own step
   auto next = [self, id](bool) { drain_step(self, id); };
   auto next_err = [self, id](caf::error&) { drain_step(self, id); };
-  self->request(st.snapshot, caf::infinite, atom::abort_v, id).then(next, next_err);
-  self->request(st.serializer, caf::infinite, atom::abort_v, id).then(next, next_err);
+  self->request(st.snapshot, caf::infinite, atom::abandon_v, id).then(next, next_err);
+  self->request(st.serializer, caf::infinite, atom::abandon_v, id).then(next, next_err);
   drain_step(self, id);
 }
 
@@ -251,25 +252,37 @@ void maybe_finish(planner_ptr self) {
   // commits: a rename of an unsynced directory may lose them.
   const uint64_t id = cur.id;
   self->request(self->state.writers[0], caf::infinite, atom::syncdir_v, cur.pending_dir)
-      .then([self, id](const Status& s) {
-        if (!live(self->state, id)) return;
-        if (!s.ok()) return fail(self, s);
-        send_result(self);
-      });
+      .then(
+          [self, id](const Status& s) {
+            if (!live(self->state, id)) return;
+            if (!s.ok()) return fail(self, s);
+            send_result(self);
+          },
+          [self, id, dir = cur.pending_dir](caf::error& e) {
+            if (live(self->state, id))
+              fail(self, Status::internal("syncing " + dir +
+                                          ": the writer: " + self->system().render(e)));
+          });
 }
 
 void finish_file(planner_ptr self, uint32_t f) {
   auto& st = self->state;
   const uint64_t id = st.cur.id;
   const auto& w = st.writers[f % st.writers.size()];
-  self->request(w, caf::infinite, atom::finish_v, st.cur.files[f], st.cur.layouts[f].size)
-      .then([self, id](const Status& s) {
-        auto& cur = self->state.cur;
-        if (!live(self->state, id)) return;
-        if (!s.ok()) return fail(self, s);
-        --cur.files_left;
-        maybe_finish(self);
-      });
+  self->request(w, caf::infinite, atom::seal_v, st.cur.files[f], st.cur.layouts[f].size)
+      .then(
+          [self, id](const Status& s) {
+            auto& cur = self->state.cur;
+            if (!live(self->state, id)) return;
+            if (!s.ok()) return fail(self, s);
+            --cur.files_left;
+            maybe_finish(self);
+          },
+          [self, id, name = st.cur.layouts[f].name](caf::error& e) {
+            if (live(self->state, id))
+              fail(self, Status::internal("closing " + name +
+                                          ": the writer: " + self->system().render(e)));
+          });
 }
 
 void start_streaming(planner_ptr self) {
@@ -288,8 +301,8 @@ void start_streaming(planner_ptr self) {
   cur.files_left = cur.layouts.size();
   // The serializer must know the job before the first block reaches it; a
   // send enqueues at once, so sending to it first is enough.
-  self->send(st.serializer, atom::snap_v, job);
-  self->send(st.snapshot, atom::snap_v, std::move(job));
+  self->send(st.serializer, atom::stream_v, job);
+  self->send(st.snapshot, atom::stream_v, std::move(job));
 }
 
 Status make_layouts(planner_state& st) {
@@ -357,18 +370,24 @@ void on_plan(planner_ptr self, const PlanReply& r) {
   for (const auto& l : cur.layouts) paths.push_back(join_path(cur.pending_dir, l.name));
   const uint64_t id = cur.id;
   self->request(st.writers[0], caf::infinite, atom::open_v, paths, st.ctx->opts.direct_io)
-      .then([self, id](const FileSet& fs) {
-        auto& cur = self->state.cur;
-        if (cur.id != id) return;
-        if (cur.phase == Phase::draining) {
-          // Failed while they were opened: they are closed with the others.
-          cur.files.insert(cur.files.end(), fs.files.begin(), fs.files.end());
-          return;
-        }
-        if (!fs.status.ok()) return fail(self, fs.status);
-        cur.files = fs.files;
-        start_streaming(self);
-      });
+      .then(
+          [self, id](const FileSet& fs) {
+            auto& cur = self->state.cur;
+            if (cur.id != id) return;
+            if (cur.phase == Phase::draining) {
+              // Failed while they were opened: they are closed with the others.
+              cur.files.insert(cur.files.end(), fs.files.begin(), fs.files.end());
+              return;
+            }
+            if (!fs.status.ok()) return fail(self, fs.status);
+            cur.files = fs.files;
+            start_streaming(self);
+          },
+          [self, id](caf::error& e) {
+            if (live(self->state, id))
+              fail(self, Status::internal("opening the data files: the writer: " +
+                                          self->system().render(e)));
+          });
 }
 
 void start_next(planner_ptr self) {
@@ -400,23 +419,24 @@ void start_next(planner_ptr self) {
   kill_point("plan.sent");
 }
 
-caf::behavior planner_actor(planner_ptr self, ContextPtr ctx, caf::actor coordinator) {
+planner_actor::behavior_type planner_fun(planner_ptr self, ContextPtr ctx,
+                                         coordinator_api coordinator) {
   auto& st = self->state;
   st.ctx = ctx;
   st.coordinator = std::move(coordinator);
-  caf::actor me = caf::actor_cast<caf::actor>(self);
+  planner_actor me = self;
   for (uint32_t i = 0; i < ctx->opts.writers; ++i)
     st.writers.push_back(spawn_writer(self, ctx, me));
   st.serializer = spawn_serializer(self, ctx, st.writers, me);
   st.snapshot = spawn_snapshot(self, ctx, st.serializer, me);
-  caf::actor snap = st.snapshot;
+  snapshot_actor snap = st.snapshot;
   ctx->pool->set_release_hook([snap] { caf::anon_send(snap, atom::freed_v); });
   return {
       [self](atom::save, SaveJob& job) {
         self->state.queue.push_back(std::move(job));
         start_next(self);
       },
-      [self](atom::snap, uint64_t id, const Status& s) {
+      [self](atom::snapped, uint64_t id, const Status& s) {
         auto& cur = self->state.cur;
         if (!live(self->state, id)) return;
         if (!s.ok()) return fail(self, s);
@@ -438,12 +458,12 @@ caf::behavior planner_actor(planner_ptr self, ContextPtr ctx, caf::actor coordin
         }
       },
       // The coordinator abandoned a checkpoint ("*": every one, rank 0 is gone).
-      [self](atom::abort, const std::string& checkpoint_id, const Status& why) {
+      [self](atom::aborted, const std::string& checkpoint_id, const Status& why) {
         auto& cur = self->state.cur;
         if (cur.phase == Phase::idle) return;
         if (checkpoint_id == "*" || checkpoint_id == cur.checkpoint_id) fail(self, why, false);
       },
-      [self](atom::deadline, uint64_t id, const std::string& phase) {
+      [self](atom::phase_due, uint64_t id, const std::string& phase) {
         auto& st = self->state;
         if (!live(st, id) || phase != phase_name(st.cur.phase)) return;
         const Options& o = st.ctx->opts;
@@ -471,8 +491,8 @@ caf::behavior planner_actor(planner_ptr self, ContextPtr ctx, caf::actor coordin
 
 }  // namespace
 
-caf::actor spawn_planner(caf::actor_system& sys, ContextPtr ctx, caf::actor coordinator) {
-  return sys.spawn(planner_actor, std::move(ctx), std::move(coordinator));
+planner_actor spawn_planner(caf::actor_system& sys, ContextPtr ctx, coordinator_api coordinator) {
+  return sys.spawn(planner_fun, std::move(ctx), std::move(coordinator));
 }
 
 }  // namespace ferry

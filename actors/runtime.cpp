@@ -152,10 +152,10 @@ struct Runtime::Impl {
   caf::actor_system_config cfg;
   std::unique_ptr<caf::actor_system> sys;
   std::shared_ptr<RankContext> ctx;
-  caf::actor coordinator;  // rank 0
-  caf::actor link;         // world size > 1
-  caf::actor planner;
-  caf::actor loader;
+  coordinator_actor coordinator;  // rank 0
+  link_actor link;                // world size > 1
+  planner_actor planner;
+  loader_actor loader;
   std::shared_ptr<Transport> transport;
   uint64_t loads = 0;   // collective load counter: the load id every rank agrees on
   bool joined = false;  // every rank connected: shutdown waits for them to leave
@@ -163,6 +163,17 @@ struct Runtime::Impl {
   std::shared_ptr<detail::SaveState> last;
   std::shared_ptr<SaveRegistry> saves = std::make_shared<SaveRegistry>();
 };
+
+namespace {
+
+// What this rank asks rank 0 through: the coordinator itself on rank 0, the
+// link standing in for it elsewhere. Both serve coordinator_api.
+coordinator_api rank0_api(const Runtime::Impl& im) {
+  if (im.ctx->rank == 0) return im.coordinator;
+  return im.link;
+}
+
+}  // namespace
 
 namespace {
 
@@ -281,7 +292,7 @@ Status start_transport(Runtime::Impl& impl, const std::string& token) {
     *reply = encode_message(JoinAckMsg{job, Status()});
     return rank;
   };
-  caf::actor link = impl.link;
+  link_actor link = impl.link;
   const bool rank0 = ctx.rank == 0;
   cb.on_frame = [link, verdict, rank0](int32_t from, std::string bytes) {
     if (!rank0 && from == 0) {
@@ -298,11 +309,11 @@ Status start_transport(Runtime::Impl& impl, const std::string& token) {
     caf::anon_send(link, atom::frame_v, from, std::move(bytes));
   };
   cb.on_peer_failed = [link](int32_t rank, Status why) {
-    caf::anon_send(link, atom::failed_v, rank, std::move(why));
+    caf::anon_send(link, atom::peer_failed_v, rank, std::move(why));
   };
   FERRY_ASSIGN_OR_RETURN(auto t, Transport::start(to, hello, heartbeat, std::move(cb)));
   impl.transport = std::move(t);
-  caf::anon_send(impl.link, atom::attach_v, impl.transport, impl.planner);
+  caf::anon_send(impl.link, atom::attach_net_v, impl.transport, impl.planner);
   Status s = impl.transport->wait_peers(ctx.opts.connect_timeout_s);
   const std::string me = "rank " + std::to_string(ctx.rank);
   if (rank0) {
@@ -390,10 +401,10 @@ Result<std::unique_ptr<Runtime>> Runtime::create(RuntimeArgs args) {
   if (args.rank == 0) impl->coordinator = spawn_coordinator(*impl->sys, ctx);
   if (args.world_size > 1) {
     impl->link = spawn_link(*impl->sys, ctx, impl->coordinator);
-    if (impl->coordinator) caf::anon_send(impl->coordinator, atom::attach_v, impl->link);
+    if (impl->coordinator)
+      caf::anon_send(impl->coordinator, atom::attach_link_v, abort_broadcast_actor{impl->link});
   }
-  // On ranks > 0 the link stands in for the coordinator.
-  impl->planner = spawn_planner(*impl->sys, ctx, args.rank == 0 ? impl->coordinator : impl->link);
+  impl->planner = spawn_planner(*impl->sys, ctx, rank0_api(*impl));
   impl->planner->attach_functor([saves = impl->saves](const caf::error& reason) {
     saves->planner_gone(
         reason == caf::exit_reason::user_shutdown
@@ -435,16 +446,20 @@ Runtime::~Runtime() {
     // for a collective load or a commit outcome.
     const double wait_s = impl_->ctx->rank == 0 ? impl_->ctx->opts.write_timeout_s : 5;
     self->request(impl_->link, std::chrono::milliseconds(static_cast<int64_t>(wait_s * 1000)),
-                  atom::finish_v)
+                  atom::leave_v)
         .receive([](bool) {}, [](caf::error&) {});
   }
   if (impl_->transport) impl_->transport->stop();
   // Detached actors' threads wait until nothing refers to their actor, so
   // drop our handles before the system waits for them.
-  for (auto* a : {&impl_->planner, &impl_->coordinator, &impl_->loader, &impl_->link}) {
-    if (*a) caf::anon_send_exit(*a, caf::exit_reason::user_shutdown);
-    *a = caf::actor();
-  }
+  auto stop = [](auto& a) {
+    if (a) caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
+    a = nullptr;
+  };
+  stop(impl_->planner);
+  stop(impl_->coordinator);
+  stop(impl_->loader);
+  stop(impl_->link);
   impl_->sys.reset();
 }
 
@@ -547,7 +562,7 @@ Status collective_outcome(Runtime::Impl& im, caf::scoped_actor& self, const std:
                           const Status& mine) {
   const Options& o = im.ctx->opts;
   const int32_t rank = im.ctx->rank;
-  caf::actor to = rank == 0 ? im.coordinator : im.link;
+  coordinator_api to = rank0_api(im);
   Status out;
   // Rank 0 answers within write-timeout of the first report and the link has
   // its own deadline; this one is the last resort against a lost answer.
@@ -587,12 +602,12 @@ Result<LoadReport> Runtime::load_report(StateDict& sd, const std::string& path) 
   // rank: all ranks load the same step even while another save commits.
   const std::string id = "load-" + std::to_string(++im.loads);
   LoadRequestMsg req{im.ctx->job_id, id, im.ctx->rank, path};
-  caf::actor resolver = im.ctx->rank == 0 ? im.coordinator : im.link;
+  coordinator_api resolver = rank0_api(im);
   caf::scoped_actor self{*im.sys};
   LoadReplyMsg reply;
   // Rank 0 only reads a manifest and the link has its own deadline: this
   // bound is the last resort against an answer that never comes.
-  self->request(resolver, millis(o.commit_timeout_s + o.heartbeat_timeout_s + 10), atom::load_v,
+  self->request(resolver, millis(o.commit_timeout_s + o.heartbeat_timeout_s + 10), atom::resolve_v,
                 std::move(req))
       .receive([&](const LoadReplyMsg& r) { reply = r; },
                [&](caf::error& e) { reply.status = from_caf(self, e, "load: resolving " + path); });

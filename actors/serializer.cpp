@@ -4,12 +4,12 @@
 // to a writer. When the last block has gone by, the checksums go to the
 // planner for its write result.
 //
-//   idle --snap--> active --(last block handed on)--> idle
-//                    +--abort (answered)--> idle: later blocks of the save
+//   idle --stream--> active --(last block handed on)--> idle
+//                    +--abandon (answered)--> idle: later blocks of the save
 //                                           go back to the pool, not on
 
-#include "actors/actors.hpp"
 #include "actors/messages.hpp"
+#include "actors/serializer_actor.hpp"
 #include "ferry/checksum.hpp"
 
 #include <cstring>
@@ -28,8 +28,8 @@ struct FileCursor {
 struct serializer_state {
   static inline const char* name = "ferry.serializer";
   ContextPtr ctx;
-  std::vector<caf::actor> writers;
-  caf::actor planner;
+  std::vector<writer_actor> writers;
+  planner_actor planner;
 
   bool active = false;
   StreamJob job;
@@ -46,7 +46,7 @@ struct serializer_state {
   std::map<std::pair<uint32_t, uint64_t>, BlockMsg> written;
 };
 
-using serializer_ptr = caf::stateful_actor<serializer_state>*;
+using serializer_ptr = serializer_actor::stateful_pointer<serializer_state>;
 
 void hash_block(serializer_state& st, const BlockMsg& b, const uint8_t* data) {
   const FileLayout& f = st.job.files[b.file];
@@ -106,13 +106,14 @@ void drain(serializer_ptr self) {
   }
 }
 
-caf::behavior serializer_actor(serializer_ptr self, ContextPtr ctx, std::vector<caf::actor> writers,
-                               caf::actor planner) {
+serializer_actor::behavior_type serializer_fun(serializer_ptr self, ContextPtr ctx,
+                                               std::vector<writer_actor> writers,
+                                               planner_actor planner) {
   self->state.ctx = std::move(ctx);
   self->state.writers = std::move(writers);
   self->state.planner = std::move(planner);
   return {
-      [self](atom::snap, const StreamJob& job) {
+      [self](atom::stream, const StreamJob& job) {
         auto& st = self->state;
         st.active = true;
         st.job = job;
@@ -147,8 +148,9 @@ caf::behavior serializer_actor(serializer_ptr self, ContextPtr ctx, std::vector<
         // Spread blocks over the writers; each file's blocks go round-robin
         // so one large file is written by all of them.
         const auto& w = st.writers[b.index % st.writers.size()];
-        caf::actor back = st.defer ? caf::actor_cast<caf::actor>(self) : caf::actor();
-        self->send(w, atom::block_v, WriteBlock{b, file, write_len, back});
+        block_return_actor back;
+        if (st.defer) back = self;
+        self->send(w, atom::write_v, WriteBlock{b, file, write_len, back});
         if (--st.blocks_left == 0 && !st.defer) {
           self->send(st.planner, atom::sums_v, st.sums);
           st.active = false;
@@ -166,7 +168,7 @@ caf::behavior serializer_actor(serializer_ptr self, ContextPtr ctx, std::vector<
       },
       // Answered once no block of `save` will go to a writer any more:
       // everything sent before is already in the writers' mailboxes.
-      [self](atom::abort, uint64_t save) {
+      [self](atom::abandon, uint64_t save) {
         auto& st = self->state;
         if (!st.active || st.job.save != save) return true;
         st.active = false;
@@ -179,9 +181,9 @@ caf::behavior serializer_actor(serializer_ptr self, ContextPtr ctx, std::vector<
 
 }  // namespace
 
-caf::actor spawn_serializer(caf::local_actor* parent, ContextPtr ctx,
-                            std::vector<caf::actor> writers, caf::actor planner) {
-  return parent->spawn<caf::linked>(serializer_actor, std::move(ctx), std::move(writers),
+serializer_actor spawn_serializer(caf::local_actor* parent, ContextPtr ctx,
+                                  std::vector<writer_actor> writers, planner_actor planner) {
+  return parent->spawn<caf::linked>(serializer_fun, std::move(ctx), std::move(writers),
                                     std::move(planner));
 }
 

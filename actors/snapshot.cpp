@@ -4,12 +4,12 @@
 // file order. One block is issued per message so the mailbox (freed blocks,
 // completions, aborts) is served between blocks.
 //
-//   idle --snap--> filling --(all blocks forwarded)--> idle
+//   idle --stream--> filling --(all blocks forwarded)--> idle
 //                     |  no free block: waits for `freed`
-//                     +--abort--> idle (blocks it holds go back to the pool)
+//                     +--abandon--> idle (blocks it holds go back to the pool)
 //
 // A copy that was issued cannot be recalled: the blocks of an abandoned save
-// whose copies still run become orphans. `abort` is answered only once no
+// whose copies still run become orphans. `abandon` is answered only once no
 // copy of that save runs any more, so the planner reports a failed save only
 // when the caller may free its tensors.
 
@@ -17,8 +17,8 @@
 #include <deque>
 #include <unordered_map>
 
-#include "actors/actors.hpp"
 #include "actors/messages.hpp"
+#include "actors/snapshot_actor.hpp"
 
 namespace ferry {
 
@@ -33,8 +33,8 @@ struct InFlight {
 struct snapshot_state {
   static inline const char* name = "ferry.snapshot";
   ContextPtr ctx;
-  caf::actor serializer;
-  caf::actor planner;
+  serializer_actor serializer;
+  planner_actor planner;
 
   bool active = false;
   StreamJob job;
@@ -55,7 +55,7 @@ struct snapshot_state {
   bool all_issued() const { return next_file >= job.files.size(); }
 };
 
-using snapshot_ptr = caf::stateful_actor<snapshot_state>*;
+using snapshot_ptr = snapshot_actor::stateful_pointer<snapshot_state>;
 
 bool copies_running(const snapshot_state& st, uint64_t save) {
   for (const auto& [seq, b] : st.orphans)
@@ -86,7 +86,7 @@ void release_all(snapshot_ptr self) {
 
 void finish(snapshot_ptr self, const Status& status) {
   auto& st = self->state;
-  self->send(st.planner, atom::snap_v, st.job.save, status);
+  self->send(st.planner, atom::snapped_v, st.job.save, status);
   if (!status.ok()) release_all(self);
   st.active = false;
   st.inflight.clear();
@@ -97,7 +97,7 @@ void schedule_fill(snapshot_ptr self) {
   auto& st = self->state;
   if (st.fill_pending || !st.active || st.all_issued()) return;
   st.fill_pending = true;
-  self->send(self, atom::fill_v, st.job.save);
+  self->send(snapshot_actor{self}, atom::fill_v, st.job.save);
 }
 
 // Forwards completed blocks in order; ends the snapshot after the last one.
@@ -162,7 +162,7 @@ void issue_block(snapshot_ptr self) {
   }
 
   const uint64_t save = st.job.save;
-  caf::actor me = caf::actor_cast<caf::actor>(self);
+  snapshot_actor me = self;
   for (const Copy& c : copies) {
     st.ctx->device->copy_out(
         c.src->view, c.src_off, c.len, dst + c.dst_off,
@@ -170,13 +170,13 @@ void issue_block(snapshot_ptr self) {
   }
 }
 
-caf::behavior snapshot_actor(snapshot_ptr self, ContextPtr ctx, caf::actor serializer,
-                             caf::actor planner) {
+snapshot_actor::behavior_type snapshot_fun(snapshot_ptr self, ContextPtr ctx,
+                                           serializer_actor serializer, planner_actor planner) {
   self->state.ctx = std::move(ctx);
   self->state.serializer = std::move(serializer);
   self->state.planner = std::move(planner);
   return {
-      [self](atom::snap, const StreamJob& job) {
+      [self](atom::stream, const StreamJob& job) {
         auto& st = self->state;
         if (st.active)
           finish(self, Status::aborted("superseded by save " + std::to_string(job.save)));
@@ -225,7 +225,7 @@ caf::behavior snapshot_actor(snapshot_ptr self, ContextPtr ctx, caf::actor seria
         schedule_fill(self);
       },
       // Answered (true) once no copy of `save` runs any more.
-      [self](atom::abort, uint64_t save) -> caf::result<bool> {
+      [self](atom::abandon, uint64_t save) -> caf::result<bool> {
         auto& st = self->state;
         if (st.active && save == st.job.save) {
           release_all(self);
@@ -242,9 +242,9 @@ caf::behavior snapshot_actor(snapshot_ptr self, ContextPtr ctx, caf::actor seria
 
 }  // namespace
 
-caf::actor spawn_snapshot(caf::local_actor* parent, ContextPtr ctx, caf::actor serializer,
-                          caf::actor planner) {
-  return parent->spawn<caf::linked>(snapshot_actor, std::move(ctx), std::move(serializer),
+snapshot_actor spawn_snapshot(caf::local_actor* parent, ContextPtr ctx, serializer_actor serializer,
+                              planner_actor planner) {
+  return parent->spawn<caf::linked>(snapshot_fun, std::move(ctx), std::move(serializer),
                                     std::move(planner));
 }
 

@@ -7,9 +7,11 @@
 // so after a failure the planner first has every writer drain its mailbox
 // (`drain`), then has one of them close the files (`close`): no descriptor
 // is closed while another writer may still be inside a call on it.
+//
+//   (stateless) write | open | seal | syncdir | drain | close, one at a time
 
-#include "actors/actors.hpp"
 #include "actors/messages.hpp"
+#include "actors/writer_actor.hpp"
 #include "ferry/kill_point.hpp"
 
 namespace ferry {
@@ -19,15 +21,15 @@ namespace {
 struct writer_state {
   static inline const char* name = "ferry.writer";
   ContextPtr ctx;
-  caf::actor planner;
+  planner_actor planner;
 };
 
-caf::behavior writer_actor(caf::stateful_actor<writer_state>* self, ContextPtr ctx,
-                           caf::actor planner) {
+writer_actor::behavior_type writer_fun(writer_actor::stateful_pointer<writer_state> self,
+                                       ContextPtr ctx, planner_actor planner) {
   self->state.ctx = std::move(ctx);
   self->state.planner = std::move(planner);
   return {
-      [self](atom::block, const WriteBlock& w) {
+      [self](atom::write, const WriteBlock& w) {
         auto& st = self->state;
         Status status;
         auto data = st.ctx->pool->data(w.block.lease);
@@ -64,7 +66,7 @@ caf::behavior writer_actor(caf::stateful_actor<writer_state>* self, ContextPtr c
         return out;
       },
       // Cuts the O_DIRECT padding, makes the file durable and closes it.
-      [self](atom::finish, const std::shared_ptr<File>& f, uint64_t size) -> Status {
+      [self](atom::seal, const std::shared_ptr<File>& f, uint64_t size) -> Status {
         FERRY_RETURN_IF_ERROR(f->truncate(size));
         if (self->state.ctx->opts.fsync) {
           FERRY_RETURN_IF_ERROR(f->sync());
@@ -92,9 +94,8 @@ caf::behavior writer_actor(caf::stateful_actor<writer_state>* self, ContextPtr c
 
 }  // namespace
 
-caf::actor spawn_writer(caf::local_actor* parent, ContextPtr ctx, caf::actor planner) {
-  return parent->spawn<caf::detached + caf::linked>(writer_actor, std::move(ctx),
-                                                    std::move(planner));
+writer_actor spawn_writer(caf::local_actor* parent, ContextPtr ctx, planner_actor planner) {
+  return parent->spawn<caf::detached + caf::linked>(writer_fun, std::move(ctx), std::move(planner));
 }
 
 }  // namespace ferry

@@ -20,7 +20,7 @@ using ferry::StatusCode;
 struct Coordinator {
   caf::actor_system_config cfg;
   std::unique_ptr<caf::actor_system> sys;
-  caf::actor coordinator;
+  ferry::coordinator_actor coordinator;
 
   Coordinator(int32_t world, double write_timeout_s) {
     auto ctx = std::make_shared<ferry::RankContext>();
@@ -34,14 +34,17 @@ struct Coordinator {
   }
   ~Coordinator() {
     caf::anon_send_exit(coordinator, caf::exit_reason::user_shutdown);
-    coordinator = caf::actor();
+    coordinator = nullptr;
   }
 };
 
 // One rank's report, sent at once; its answer read later.
 struct Report {
   caf::scoped_actor self;
-  std::optional<caf::response_handle<caf::blocking_actor, caf::message, true>> handle;
+  using Handle = decltype(std::declval<caf::scoped_actor&>()->request(
+      std::declval<ferry::coordinator_actor&>(), std::chrono::seconds(10), ferry::atom::outcome_v,
+      std::declval<LoadOutcomeMsg>()));
+  std::optional<Handle> handle;
 
   Report(Coordinator& c, int32_t rank, Status status, const std::string& id = "load-1")
       : self(*c.sys) {
@@ -121,7 +124,7 @@ TEST_CASE("a reported error is the answer even when the wait ends at the timeout
 TEST_CASE("a rank that fails ends the wait for its outcome, naming it", "[coordinator][load]") {
   Coordinator c(2, 30);
   Report r0(c, 0, Status());
-  caf::anon_send(c.coordinator, ferry::atom::failed_v, int32_t{1},
+  caf::anon_send(c.coordinator, ferry::atom::rank_failed_v, int32_t{1},
                  Status::io_error("connection lost"));
   const LoadOutcomeMsg a = r0.answer();
   CHECK(a.status.code() == StatusCode::aborted);

@@ -1,0 +1,21 @@
+// The loader's interface: reads a load plan through detached readers.
+#pragma once
+
+#include <caf/all.hpp>
+
+#include "actors/context.hpp"
+#include "actors/messages.hpp"
+
+namespace ferry {
+
+using reader_actor = caf::typed_actor<
+    // loader -> reader: read, verify and copy one share of a load.
+    caf::replies_to<atom::read, ReadTask>::with<Status>>;
+
+using loader_actor = caf::typed_actor<
+    // runtime -> loader: a whole load; answered with its first error or ok.
+    caf::replies_to<atom::load, LoadJob>::with<Status>>;
+
+loader_actor spawn_loader(caf::actor_system& sys, ContextPtr ctx);
+
+}  // namespace ferry

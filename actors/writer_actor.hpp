@@ -1,0 +1,33 @@
+// The writer's interface: blocking file I/O of a save, on its own thread.
+#pragma once
+
+#include <caf/all.hpp>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "actors/context.hpp"
+#include "actors/messages.hpp"
+#include "actors/planner_actor.hpp"
+
+namespace ferry {
+
+using writer_actor = caf::typed_actor<
+    // serializer -> writer: pwrite one block; the planner hears `written`.
+    caf::reacts_to<atom::write, WriteBlock>,
+    // planner -> writer: create the data files of a save (paths, O_DIRECT).
+    caf::replies_to<atom::open, std::vector<std::string>, bool>::with<FileSet>,
+    // planner -> writer: truncate to the size, fsync and close one file.
+    caf::replies_to<atom::seal, std::shared_ptr<File>, uint64_t>::with<Status>,
+    // planner -> writer: fsync the pending directory.
+    caf::replies_to<atom::syncdir, std::string>::with<Status>,
+    // planner -> writer after a failure: a barrier behind every queued block,
+    caf::replies_to<atom::drain>::with<bool>,
+    // then the close of the failed save's files.
+    caf::replies_to<atom::close, std::vector<std::shared_ptr<File>>>::with<bool>>;
+
+// Detached and linked to `parent` (the planner).
+writer_actor spawn_writer(caf::local_actor* parent, ContextPtr ctx, planner_actor planner);
+
+}  // namespace ferry
