@@ -4,14 +4,11 @@
 
 #include <catch2/catch.hpp>
 
-#include <sys/wait.h>
-#include <array>
-#include <chrono>
-#include <cstdio>
 #include <filesystem>
 #include <set>
 
 #include "ferry/catalog.hpp"
+#include "launch.hpp"
 #include "test_util.hpp"
 
 namespace fs = std::filesystem;
@@ -19,33 +16,13 @@ using ferry::testing::TempDir;
 
 namespace {
 
-struct Launched {
-  int code = -1;
-  std::string out;
-  double seconds = 0;
-};
-
-Launched launch_ranks(int n, const std::string& worker_args, const std::string& env = "") {
-  const auto t0 = std::chrono::steady_clock::now();
-  const std::string cmd = env + " " + FERRY_CLI_PATH + " launch -n " + std::to_string(n) +
-                          " --grace 20 -- " + FERRY_RANK_WORKER_PATH + " " + worker_args + " 2>&1";
-  Launched r;
-  FILE* p = popen(cmd.c_str(), "r");
-  REQUIRE(p != nullptr);
-  std::array<char, 4096> buf;
-  size_t got;
-  while ((got = fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), got);
-  const int status = pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return r;
+// Every rank's output and the launcher's verdict (launch.hpp).
+ferry::testing::LaunchRun launch_ranks(int n, const std::string& worker_args,
+                                       const std::string& env = "") {
+  return ferry::testing::launch(n, worker_args, env);
 }
 
-size_t count(const std::string& s, const std::string& what) {
-  size_t n = 0;
-  for (size_t p = s.find(what); p != std::string::npos; p = s.find(what, p + 1)) ++n;
-  return n;
-}
+using ferry::testing::count;
 
 std::set<std::string> pending_dirs(const std::string& root) {
   std::set<std::string> out;
