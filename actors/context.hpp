@@ -9,7 +9,7 @@
 #include "ferry/device.hpp"
 #include "ferry/filesystem.hpp"
 #include "ferry/options.hpp"
-#include "ferry/pool.hpp"
+#include "pool.hpp"
 
 namespace ferry {
 

@@ -37,7 +37,7 @@
 #include "actors/coordinator_actor.hpp"
 #include "actors/messages.hpp"
 #include "actors/planner_actor.hpp"
-#include "ferry/catalog.hpp"
+#include "catalog.hpp"
 
 namespace ferry {
 

@@ -24,7 +24,7 @@
 
 #include "actors/loader_actor.hpp"
 #include "actors/messages.hpp"
-#include "ferry/checksum.hpp"
+#include "checksum.hpp"
 
 namespace ferry {
 

@@ -11,14 +11,14 @@
 
 #include "actors/save_state.hpp"
 #include "actors/transport.hpp"
-#include "ferry/commit.hpp"
+#include "commit.hpp"
 #include "ferry/filesystem.hpp"
-#include "ferry/layout.hpp"
-#include "ferry/load_plan.hpp"
-#include "ferry/manifest.hpp"
-#include "ferry/plan.hpp"
-#include "ferry/pool.hpp"
-#include "ferry/protocol.hpp"
+#include "layout.hpp"
+#include "load_plan.hpp"
+#include "manifest.hpp"
+#include "plan.hpp"
+#include "pool.hpp"
+#include "protocol.hpp"
 #include "ferry/runtime.hpp"
 
 // One atom per message: the atom names what the message asks, so no two

@@ -28,8 +28,8 @@
 #include "actors/messages.hpp"
 #include "actors/planner_actor.hpp"
 #include "actors/snapshot_actor.hpp"
-#include "ferry/checksum.hpp"
-#include "ferry/kill_point.hpp"
+#include "checksum.hpp"
+#include "drills/kill_point.hpp"
 
 namespace ferry {
 

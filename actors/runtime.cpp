@@ -12,11 +12,11 @@
 #include "actors/actors.hpp"
 #include "actors/messages.hpp"
 #include "cuda/device_cuda.hpp"
-#include "ferry/catalog.hpp"
-#include "ferry/checksum.hpp"
-#include "ferry/fault_fs.hpp"
-#include "ferry/kill_point.hpp"
-#include "ferry/verify.hpp"
+#include "catalog.hpp"
+#include "checksum.hpp"
+#include "drills/fault_fs.hpp"
+#include "drills/kill_point.hpp"
+#include "verify.hpp"
 
 namespace ferry {
 

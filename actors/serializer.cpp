@@ -10,7 +10,7 @@
 
 #include "actors/messages.hpp"
 #include "actors/serializer_actor.hpp"
-#include "ferry/checksum.hpp"
+#include "checksum.hpp"
 
 #include <cstring>
 #include <map>

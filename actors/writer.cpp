@@ -12,7 +12,7 @@
 
 #include "actors/messages.hpp"
 #include "actors/writer_actor.hpp"
-#include "ferry/kill_point.hpp"
+#include "drills/kill_point.hpp"
 
 namespace ferry {
 

@@ -29,7 +29,7 @@
 #include <thread>
 
 #include "cuda/device_cuda.hpp"
-#include "ferry/pool.hpp"
+#include "pool.hpp"
 #include "ferry/runtime.hpp"
 
 #ifdef FERRY_BENCH_HAVE_KERNEL

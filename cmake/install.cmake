@@ -4,10 +4,9 @@
 #   target_link_libraries(app PRIVATE Ferry::ferry)
 include(CMakePackageConfigHelpers)
 
-# What a user includes; everything else under src/include/ferry/ is internal
-# and is not installed.
-set(FERRY_PUBLIC_HEADERS device.hpp filesystem.hpp options.hpp runtime.hpp status.hpp tensor.hpp)
-list(TRANSFORM FERRY_PUBLIC_HEADERS PREPEND "${PROJECT_SOURCE_DIR}/src/include/ferry/")
+# What a user includes: all of src/include/ferry/ (the internal headers live
+# next to their code in src/ and are not installed).
+file(GLOB FERRY_PUBLIC_HEADERS "${PROJECT_SOURCE_DIR}/src/include/ferry/*.hpp")
 install(FILES ${FERRY_PUBLIC_HEADERS} DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}/ferry")
 
 install(TARGETS ferry ferry_cli EXPORT FerryTargets

@@ -1,4 +1,4 @@
-#include "ferry/box.hpp"
+#include "box.hpp"
 
 #include <algorithm>
 

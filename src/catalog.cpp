@@ -1,7 +1,7 @@
 // The catalog reads a checkpoint root only through the Filesystem interface,
 // so fault-injection tests see every call it makes.
-#include "ferry/catalog.hpp"
-#include "ferry/kill_point.hpp"
+#include "catalog.hpp"
+#include "drills/kill_point.hpp"
 
 #include <unistd.h>
 

@@ -1,4 +1,4 @@
-#include "ferry/checksum.hpp"
+#include "checksum.hpp"
 
 #include <xxhash.h>
 

@@ -1,10 +1,10 @@
-#include "ferry/commit.hpp"
+#include "commit.hpp"
 
 #include <algorithm>
 #include <map>
 
-#include "ferry/catalog.hpp"
-#include "ferry/kill_point.hpp"
+#include "catalog.hpp"
+#include "drills/kill_point.hpp"
 
 namespace ferry {
 

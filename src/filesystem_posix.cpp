@@ -14,7 +14,7 @@
 #include <thread>
 
 #include "ferry/filesystem.hpp"
-#include "ferry/kill_point.hpp"
+#include "drills/kill_point.hpp"
 
 namespace ferry {
 namespace {

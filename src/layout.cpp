@@ -3,7 +3,7 @@
 // schema-directed recursive descent with no recursion on input structure, so
 // hostile input cannot exhaust the stack, and it bounds-checks every read.
 
-#include "ferry/layout.hpp"
+#include "layout.hpp"
 
 #include <algorithm>
 #include <cstdio>

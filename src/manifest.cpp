@@ -1,9 +1,9 @@
 // MANIFEST encoding: a small hand-written frame around a Cap'n Proto payload.
 // The byte layout is specified in docs/format.md; keep the two in step.
 
-#include "ferry/manifest.hpp"
+#include "manifest.hpp"
 
-#include "ferry/box.hpp"
+#include "box.hpp"
 
 #include <capnp/message.h>
 #include <capnp/serialize.h>
@@ -17,7 +17,7 @@
 #include <tuple>
 #include <unordered_set>
 
-#include "ferry/checksum.hpp"
+#include "checksum.hpp"
 #include "manifest.capnp.h"
 
 namespace ferry {

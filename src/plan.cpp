@@ -1,4 +1,4 @@
-#include "ferry/plan.hpp"
+#include "plan.hpp"
 
 #include <algorithm>
 #include <cstring>
@@ -7,7 +7,7 @@
 #include <string_view>
 #include <unordered_map>
 
-#include "ferry/checksum.hpp"
+#include "checksum.hpp"
 
 namespace ferry {
 

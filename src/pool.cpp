@@ -1,4 +1,4 @@
-#include "ferry/pool.hpp"
+#include "pool.hpp"
 
 #include <sys/mman.h>
 #include <unistd.h>

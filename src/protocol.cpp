@@ -5,7 +5,7 @@
 // otherwise index with: it never throws and never returns a value whose boxes,
 // dtypes, status codes or file indices are out of range.
 
-#include "ferry/protocol.hpp"
+#include "protocol.hpp"
 
 #include <capnp/message.h>
 #include <capnp/serialize.h>

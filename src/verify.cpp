@@ -1,11 +1,11 @@
-#include "ferry/verify.hpp"
+#include "verify.hpp"
 
 #include <map>
 
-#include "ferry/catalog.hpp"
-#include "ferry/checksum.hpp"
-#include "ferry/layout.hpp"
-#include "ferry/manifest.hpp"
+#include "catalog.hpp"
+#include "checksum.hpp"
+#include "layout.hpp"
+#include "manifest.hpp"
 
 namespace ferry {
 

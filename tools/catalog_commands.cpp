@@ -3,12 +3,12 @@
 #include <cinttypes>
 #include <cstdio>
 
-#include "ferry/catalog.hpp"
-#include "ferry/fault_fs.hpp"
-#include "ferry/kill_point.hpp"
-#include "ferry/manifest.hpp"
+#include "catalog.hpp"
+#include "drills/fault_fs.hpp"
+#include "drills/kill_point.hpp"
+#include "manifest.hpp"
 #include "ferry/options.hpp"
-#include "ferry/verify.hpp"
+#include "verify.hpp"
 #include "tools/commands.hpp"
 
 namespace ferry::cli {

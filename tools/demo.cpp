@@ -20,7 +20,7 @@
 #include <cstring>
 #include <thread>
 
-#include "ferry/catalog.hpp"
+#include "catalog.hpp"
 #include "ferry/filesystem.hpp"
 #include "ferry/runtime.hpp"
 #include "tools/commands.hpp"

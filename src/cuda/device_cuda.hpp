@@ -41,7 +41,7 @@
 #include "cuda/cuda_api.hpp"
 #include "ferry/device.hpp"
 #include "ferry/options.hpp"
-#include "ferry/pool.hpp"
+#include "pool.hpp"
 #include "ferry/tensor.hpp"
 
 namespace ferry {

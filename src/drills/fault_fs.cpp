@@ -1,7 +1,7 @@
 // The fault-injecting Filesystem: fault rules applied to each call, and the
 // bookkeeping that feeds the power-cut model (cut_model.hpp) and its journal
 // (fault_journal.hpp). The FERRY_FAULTS spec is parsed in fault_spec.cpp.
-#include "ferry/fault_fs.hpp"
+#include "drills/fault_fs.hpp"
 
 #include <unistd.h>
 

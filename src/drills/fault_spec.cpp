@@ -1,6 +1,6 @@
 // The FERRY_FAULTS spec: its grammar (see fault_fs.hpp) parsed into fault
 // rules, and rules written back in the same form.
-#include "ferry/fault_fs.hpp"
+#include "drills/fault_fs.hpp"
 
 #include <algorithm>
 #include <array>

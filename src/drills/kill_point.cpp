@@ -1,4 +1,4 @@
-#include "ferry/kill_point.hpp"
+#include "drills/kill_point.hpp"
 
 #include <atomic>
 #include <csignal>

@@ -7,9 +7,9 @@
 #include <filesystem>
 #include <fstream>
 
-#include "ferry/catalog.hpp"
+#include "catalog.hpp"
 #include "ferry/runtime.hpp"
-#include "ferry/verify.hpp"
+#include "verify.hpp"
 #include "process.hpp"
 #include "test_util.hpp"
 

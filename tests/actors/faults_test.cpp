@@ -8,10 +8,10 @@
 #include <map>
 #include <random>
 
-#include "ferry/catalog.hpp"
-#include "ferry/fault_fs.hpp"
+#include "catalog.hpp"
+#include "drills/fault_fs.hpp"
 #include "ferry/runtime.hpp"
-#include "ferry/verify.hpp"
+#include "verify.hpp"
 #include "test_util.hpp"
 
 namespace fs = std::filesystem;

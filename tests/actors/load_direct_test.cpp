@@ -17,7 +17,7 @@
 #include <random>
 
 #include "ferry/filesystem.hpp"
-#include "ferry/manifest.hpp"
+#include "manifest.hpp"
 #include "ferry/runtime.hpp"
 #include "test_util.hpp"
 

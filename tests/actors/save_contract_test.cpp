@@ -8,9 +8,9 @@
 #include <chrono>
 #include <stdexcept>
 
-#include "ferry/catalog.hpp"
+#include "catalog.hpp"
 #include "ferry/device.hpp"
-#include "ferry/fault_fs.hpp"
+#include "drills/fault_fs.hpp"
 #include "ferry/runtime.hpp"
 #include "test_util.hpp"
 

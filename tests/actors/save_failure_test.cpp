@@ -19,7 +19,7 @@
 #include <thread>
 
 #include "ferry/device.hpp"
-#include "ferry/fault_fs.hpp"
+#include "drills/fault_fs.hpp"
 #include "ferry/filesystem.hpp"
 #include "ferry/runtime.hpp"
 #include "test_util.hpp"

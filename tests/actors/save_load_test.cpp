@@ -8,7 +8,7 @@
 #include <numeric>
 #include <random>
 
-#include "ferry/catalog.hpp"
+#include "catalog.hpp"
 #include "ferry/filesystem.hpp"
 #include "ferry/runtime.hpp"
 #include "test_util.hpp"

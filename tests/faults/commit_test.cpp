@@ -17,11 +17,11 @@
 #include <thread>
 #include <vector>
 
-#include "ferry/catalog.hpp"
-#include "ferry/commit.hpp"
-#include "ferry/fault_fs.hpp"
+#include "catalog.hpp"
+#include "commit.hpp"
+#include "drills/fault_fs.hpp"
 #include "ferry/filesystem.hpp"
-#include "ferry/kill_point.hpp"
+#include "drills/kill_point.hpp"
 #include "test_util.hpp"
 
 namespace ferry {

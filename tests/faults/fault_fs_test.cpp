@@ -18,9 +18,9 @@
 #include <thread>
 #include <vector>
 
-#include "ferry/catalog.hpp"
-#include "ferry/commit.hpp"
-#include "ferry/fault_fs.hpp"
+#include "catalog.hpp"
+#include "commit.hpp"
+#include "drills/fault_fs.hpp"
 #include "ferry/filesystem.hpp"
 #include "process.hpp"
 #include "test_util.hpp"

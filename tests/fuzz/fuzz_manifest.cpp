@@ -16,8 +16,8 @@
 #include <string>
 #include <string_view>
 
-#include "ferry/checksum.hpp"
-#include "ferry/manifest.hpp"
+#include "checksum.hpp"
+#include "manifest.hpp"
 #include "fuzz_guard.hpp"
 
 namespace {

@@ -14,7 +14,7 @@
 #include <string>
 #include <string_view>
 
-#include "ferry/protocol.hpp"
+#include "protocol.hpp"
 #include "fuzz_guard.hpp"
 
 namespace {

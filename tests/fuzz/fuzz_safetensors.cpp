@@ -14,7 +14,7 @@
 #include <limits>
 #include <string>
 
-#include "ferry/layout.hpp"
+#include "layout.hpp"
 #include "fuzz_guard.hpp"
 
 namespace {

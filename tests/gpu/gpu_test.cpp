@@ -18,7 +18,7 @@
 #include <random>
 
 #include "cuda/device_cuda.hpp"
-#include "ferry/pool.hpp"
+#include "pool.hpp"
 #include "ferry/runtime.hpp"
 #include "test_util.hpp"
 

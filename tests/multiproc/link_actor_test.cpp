@@ -5,7 +5,7 @@
 #include <catch2/catch.hpp>
 
 #include "actor_fixture.hpp"
-#include "ferry/protocol.hpp"
+#include "protocol.hpp"
 
 namespace {
 

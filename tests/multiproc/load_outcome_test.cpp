@@ -7,8 +7,8 @@
 #include <filesystem>
 #include <fstream>
 
-#include "ferry/catalog.hpp"
-#include "ferry/manifest.hpp"
+#include "catalog.hpp"
+#include "manifest.hpp"
 #include "multiproc/launch.hpp"
 #include "test_util.hpp"
 

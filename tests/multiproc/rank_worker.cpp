@@ -24,7 +24,7 @@
 #include <thread>
 
 #include "actors/transport.hpp"
-#include "ferry/protocol.hpp"
+#include "protocol.hpp"
 #include "ferry/runtime.hpp"
 
 namespace {

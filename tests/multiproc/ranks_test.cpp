@@ -12,10 +12,10 @@
 #include <fstream>
 #include <thread>
 
-#include "ferry/catalog.hpp"
-#include "ferry/fault_fs.hpp"
-#include "ferry/kill_point.hpp"
-#include "ferry/manifest.hpp"
+#include "catalog.hpp"
+#include "drills/fault_fs.hpp"
+#include "drills/kill_point.hpp"
+#include "manifest.hpp"
 #include "launch.hpp"
 #include "test_util.hpp"
 

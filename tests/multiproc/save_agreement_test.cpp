@@ -7,7 +7,7 @@
 #include <filesystem>
 #include <set>
 
-#include "ferry/catalog.hpp"
+#include "catalog.hpp"
 #include "launch.hpp"
 #include "test_util.hpp"
 

@@ -1,11 +1,11 @@
-#include "ferry/catalog.hpp"
+#include "catalog.hpp"
 
 #include <catch2/catch.hpp>
 #include <string>
 #include <vector>
 
 #include "ferry/filesystem.hpp"
-#include "ferry/manifest.hpp"
+#include "manifest.hpp"
 #include "test_util.hpp"
 
 namespace ferry {

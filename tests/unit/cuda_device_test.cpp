@@ -12,7 +12,7 @@
 
 #include "cuda/device_cuda.hpp"
 #include "fake_cuda.hpp"
-#include "ferry/pool.hpp"
+#include "pool.hpp"
 
 using ferry::CudaDevice;
 using ferry::Device;

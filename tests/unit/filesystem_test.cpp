@@ -11,9 +11,9 @@
 #include <thread>
 #include <vector>
 
-#include "ferry/fault_fs.hpp"
+#include "drills/fault_fs.hpp"
 #include "ferry/filesystem.hpp"
-#include "ferry/pool.hpp"
+#include "pool.hpp"
 #include "process.hpp"
 #include "test_util.hpp"
 

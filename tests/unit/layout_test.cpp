@@ -1,4 +1,4 @@
-#include "ferry/layout.hpp"
+#include "layout.hpp"
 
 #include <catch2/catch.hpp>
 

@@ -1,4 +1,4 @@
-#include "ferry/load_plan.hpp"
+#include "load_plan.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -9,7 +9,7 @@
 #include <random>
 #include <string>
 
-#include "ferry/checksum.hpp"
+#include "checksum.hpp"
 
 using ferry::Box;
 using ferry::DType;

@@ -1,8 +1,8 @@
-#include "ferry/manifest.hpp"
+#include "manifest.hpp"
 
 #include <catch2/catch.hpp>
 
-#include "ferry/checksum.hpp"
+#include "checksum.hpp"
 
 #include <cstdio>
 #include <cstring>

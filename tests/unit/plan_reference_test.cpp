@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "ferry/plan.hpp"
+#include "plan.hpp"
 
 namespace {
 

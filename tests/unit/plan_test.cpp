@@ -1,4 +1,4 @@
-#include "ferry/plan.hpp"
+#include "plan.hpp"
 
 #include <catch2/catch.hpp>
 

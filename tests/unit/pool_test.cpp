@@ -5,7 +5,7 @@
 #include <thread>
 #include <vector>
 
-#include "ferry/pool.hpp"
+#include "pool.hpp"
 
 namespace ferry {
 namespace {

@@ -1,4 +1,4 @@
-#include "ferry/protocol.hpp"
+#include "protocol.hpp"
 
 #include <capnp/any.h>
 #include <capnp/message.h>

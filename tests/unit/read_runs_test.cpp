@@ -5,7 +5,7 @@
 #include <cstring>
 #include <map>
 
-#include "ferry/load_plan.hpp"
+#include "load_plan.hpp"
 
 namespace {
 

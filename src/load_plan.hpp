@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "ferry/box.hpp"
-#include "ferry/manifest.hpp"
+#include "box.hpp"
+#include "manifest.hpp"
 #include "ferry/status.hpp"
 #include "ferry/tensor.hpp"
 

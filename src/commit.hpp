@@ -8,9 +8,9 @@
 #include <utility>
 #include <vector>
 
-#include "ferry/box.hpp"
+#include "box.hpp"
 #include "ferry/filesystem.hpp"
-#include "ferry/manifest.hpp"
+#include "manifest.hpp"
 #include "ferry/status.hpp"
 #include "ferry/tensor.hpp"
 

@@ -12,8 +12,8 @@
 #include <variant>
 #include <vector>
 
-#include "ferry/commit.hpp"
-#include "ferry/plan.hpp"
+#include "commit.hpp"
+#include "plan.hpp"
 #include "ferry/status.hpp"
 
 namespace ferry {

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "ferry/box.hpp"
+#include "box.hpp"
 #include "ferry/status.hpp"
 #include "ferry/tensor.hpp"
 

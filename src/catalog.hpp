@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "ferry/filesystem.hpp"
-#include "ferry/manifest.hpp"
+#include "manifest.hpp"
 #include "ferry/status.hpp"
 
 namespace ferry {

@@ -6,9 +6,9 @@
 #include <string>
 #include <vector>
 
-#include "ferry/catalog.hpp"
+#include "catalog.hpp"
 #include "ferry/filesystem.hpp"
-#include "ferry/manifest.hpp"
+#include "manifest.hpp"
 #include "ferry/status.hpp"
 
 namespace ferry {
