@@ -70,6 +70,7 @@ struct LoadOutcomes {
   std::vector<std::optional<Status>> status;  // by rank
   std::vector<caf::typed_response_promise<LoadOutcomeMsg>> promises;
   size_t in = 0;
+  std::vector<RankNeeds> needs;  // the needs round: what each rank reported it reads
 };
 
 struct coordinator_state {
@@ -280,6 +281,7 @@ LoadOutcomeMsg reported_outcome(const coordinator_state& st, const std::string& 
     v.status = alike ? first : first.with_context("rank " + std::to_string(r) + ": ");
     break;
   }
+  if (v.status.ok()) v.needs = lo.needs;
   return v;
 }
 
@@ -335,6 +337,10 @@ caf::result<LoadOutcomeMsg> on_load_outcome(coordinator_ptr self, LoadOutcomeMsg
   if (!lo.status[r]) ++lo.in;
   lo.status[r] = std::move(report.status);
   lo.promises[r] = rp;
+  for (auto& n : report.needs) {
+    n.rank = report.rank;  // a rank speaks for itself only
+    lo.needs.push_back(std::move(n));
+  }
   if (lo.in == world) {
     answer_load(self, id, reported_outcome(st, id, lo));
     return rp;

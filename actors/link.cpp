@@ -37,6 +37,7 @@ struct link_state {
   ContextPtr ctx;
   coordinator_actor coordinator;  // rank 0
   planner_actor planner;          // this rank's, for aborts
+  loader_actor loader;            // this rank's, for bytes other ranks share
   std::shared_ptr<Transport> transport;
   Waiting<PlanReply> plans;
   Waiting<CommitMsg> commits;
@@ -188,6 +189,23 @@ void mark_gone(link_ptr self, int32_t rank) {
   st.leave_waiters.clear();
 }
 
+// Bytes one rank read for another of its node. Rank 0 forwards what is for
+// another rank (the transport is a star); only rank 0 may speak for others.
+void on_share(link_ptr self, int32_t from, BlockShareMsg share) {
+  auto& st = self->state;
+  if (st.ctx->rank == 0 && share.from != from)
+    return log(st, "dropped BlockShare claiming rank " + std::to_string(share.from) +
+                       " from rank " + std::to_string(from));
+  if (share.to != st.ctx->rank) {
+    if (st.ctx->rank != 0 || share.to >= st.ctx->world_size)
+      return log(st, "dropped BlockShare for rank " + std::to_string(share.to) + " from rank " +
+                         std::to_string(from));
+    return send_frame(self, share.to, share);
+  }
+  if (!st.loader) return log(st, "no loader for a BlockShare from rank " + std::to_string(from));
+  self->send(st.loader, atom::share_v, std::move(share));
+}
+
 void on_remote(link_ptr self, int32_t from, WireMessage m) {
   auto& st = self->state;
   if (message_job_id(m) != st.ctx->job_id) {
@@ -200,6 +218,7 @@ void on_remote(link_ptr self, int32_t from, WireMessage m) {
     return;
   }
   if (std::holds_alternative<JoinMsg>(m) || std::holds_alternative<JoinAckMsg>(m)) return;
+  if (auto* share = std::get_if<BlockShareMsg>(&m)) return on_share(self, from, std::move(*share));
   if (st.ctx->rank == 0) {
     if (auto* req = std::get_if<PlanRequest>(&m)) {
       if (req->rank != from) {
@@ -287,6 +306,7 @@ link_actor::behavior_type link_fun(link_ptr self, ContextPtr ctx, coordinator_ac
         self->state.transport = std::move(t);
         self->state.planner = std::move(planner);
       },
+      [self](atom::attach_loader, loader_actor loader) { self->state.loader = std::move(loader); },
       [self](atom::frame, int32_t from, const std::string& bytes) {
         auto m = decode_message(bytes);
         if (!m.ok()) {

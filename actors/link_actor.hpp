@@ -9,6 +9,7 @@
 
 #include "actors/context.hpp"
 #include "actors/coordinator_actor.hpp"
+#include "actors/loader_actor.hpp"
 #include "actors/messages.hpp"
 #include "actors/planner_actor.hpp"
 #include "actors/transport.hpp"
@@ -23,6 +24,8 @@ using link_actor = coordinator_api::extend<
     caf::reacts_to<atom::broadcast, AbortMsg>,
     // runtime -> link: the started transport, and this rank's planner (for aborts).
     caf::reacts_to<atom::attach_net, std::shared_ptr<Transport>, planner_actor>,
+    // runtime -> link: this rank's loader, which takes the bytes other ranks share.
+    caf::reacts_to<atom::attach_loader, loader_actor>,
     // transport -> link: one frame from a rank.
     caf::reacts_to<atom::frame, int32_t, std::string>,
     // transport -> link: a rank failed or went silent.

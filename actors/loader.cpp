@@ -61,6 +61,39 @@ Status verify(const RankContext& ctx, const Manifest& m, const ReadOp& op, const
   return Status();
 }
 
+// Shared bytes travel in frames of at most this many bytes of data (whole
+// checksum blocks, at least one), so a large read never becomes one huge frame.
+constexpr uint64_t kShareFrameBytes = 8ull << 20;
+
+// Where a frame for rank `to` goes: the transport is a star, so a rank > 0
+// reaches the others through rank 0, which forwards by BlockShare.to.
+int32_t hop_to(const RankContext& ctx, int32_t to) {
+  return ctx.rank == 0 ? to : 0;
+}
+
+// Sends the verified bytes of `op` (at `buf`) to the ranks in op.share_with,
+// in frames cut on its chunk's checksum-block grid.
+Status send_shared(const RankContext& ctx, Transport& t, const std::string& load_id,
+                   const Manifest& m, const ReadOp& op, const uint8_t* buf) {
+  const ManifestChunk& c = m.tensors[op.tensor].chunks[op.chunk];
+  const uint64_t bb = c.checksums.empty() ? 0 : m.checksum_block_bytes;
+  const uint64_t step = bb ? std::max(bb, kShareFrameBytes / bb * bb) : kShareFrameBytes;
+  for (uint64_t at = 0; at < op.length; at += step) {
+    const uint64_t n = std::min(step, op.length - at);
+    for (int32_t to : op.share_with) {
+      BlockShareMsg msg{ctx.job_id, load_id,
+                        ctx.rank,   to,
+                        op.file,    op.file_offset + at,
+                        Status(),   std::string(reinterpret_cast<const char*>(buf + at), n)};
+      Status s = t.send(hop_to(ctx, to), encode_message(msg));
+      if (!s.ok())
+        return s.with_context("rank " + std::to_string(ctx.rank) + ": sending bytes of tensor '" +
+                              m.tensors[op.tensor].key + "' to rank " + std::to_string(to) + ": ");
+    }
+  }
+  return Status();
+}
+
 // Heap memory aligned for O_DIRECT, for what is not a pool block (the
 // header, a checksum block larger than a pool block).
 struct AlignedBuffer {
@@ -249,6 +282,10 @@ class RunReader {
       }
       s = verify(ctx_, m, op, path, f.buf + at);
       if (!s.ok()) break;
+      if (!op.share_with.empty() && task_.transport) {
+        s = send_shared(ctx_, *task_.transport, task_.load_id, m, op, f.buf + at);
+        if (!s.ok()) break;
+      }
       const TensorView& target = task_.targets[op.entry];
       for_each_copy(op, dtype_size(target.dtype), [&](uint64_t src, uint64_t dst, uint64_t n) {
         latch.add();
@@ -295,25 +332,45 @@ reader_actor::behavior_type reader_fun(reader_actor::stateful_pointer<reader_sta
   };
 }
 
-// One load in flight: its promise and how many reader tasks are still out.
+// One load in flight: its promise and how many reader tasks are still out
+// (the bytes other ranks send count as one more task).
 struct LoadInFlight {
   caf::response_promise rp;
   size_t left = 0;
   Status first_error;
+  // Ranks this rank reads shared bytes for: told once should its reads fail.
+  std::vector<int32_t> receivers;
+  std::string load_id;
+  std::shared_ptr<Transport> transport;
 };
 
-// A read task handed to a reader and not yet answered.
+// A read task handed to a reader (or the share wait of a load) not yet answered.
 struct ReaderTask {
-  size_t reader = 0;
+  size_t reader = 0;  // kNoReader for the share wait
   std::shared_ptr<LoadInFlight> load;
 };
+constexpr size_t kNoReader = ~size_t{0};
 
 using ReaderTasks = std::map<uint64_t, ReaderTask>;
+
+// The pieces of one load that other ranks of this node read for this rank.
+struct ShareWait {
+  uint64_t task = 0;
+  std::shared_ptr<const Manifest> manifest;
+  std::vector<TensorView> targets;
+  std::vector<std::pair<int32_t, ReadOp>> pieces;  // by (file, file_offset)
+  std::map<int32_t, uint64_t> owed;                // bytes each reader has yet to send
+  std::chrono::steady_clock::time_point last;      // when bytes last arrived
+};
 
 // Every load is answered exactly once, whatever dies: a reader's reply, its
 // death and the loader's own end each finish a task at most once.
 //
 //   idle --load--> reading --every task answered, or its reader died--> idle
+//
+// Shared bytes: a load's share wait ends when every piece arrived, a sender
+// reported its failure, a piece failed its checks, or no bytes came for
+// write-timeout. Bytes that come before their load are kept until it does.
 struct loader_state {
   static inline const char* name = "ferry.loader";
   ContextPtr ctx;
@@ -321,17 +378,173 @@ struct loader_state {
   uint64_t next_task = 0;
   // Shared with the functor that answers what is left when the loader ends.
   std::shared_ptr<ReaderTasks> tasks = std::make_shared<ReaderTasks>();
+  std::map<std::string, ShareWait> shares;                  // by load id
+  std::map<std::string, std::vector<BlockShareMsg>> early;  // by load id
+  std::deque<std::string> ended;  // the last few share waits that ended: late bytes are dropped
 };
 
 using loader_ptr = loader_actor::stateful_pointer<loader_state>;
 
-void finish_task(ReaderTasks& tasks, uint64_t id, Status s) {
+// A load whose own reads failed tells the ranks waiting for its bytes, so
+// they fail at once, naming it, instead of at their deadline.
+void tell_receivers(const RankContext& ctx, LoadInFlight& load, const Status& why) {
+  if (!load.transport) return;
+  for (int32_t to : load.receivers)
+    (void)load.transport->send(
+        hop_to(ctx, to),
+        encode_message(BlockShareMsg{ctx.job_id, load.load_id, ctx.rank, to, 0, 0, why, ""}));
+  load.receivers.clear();
+}
+
+void finish_task(const RankContext& ctx, ReaderTasks& tasks, uint64_t id, Status s) {
   auto it = tasks.find(id);
   if (it == tasks.end()) return;
   auto load = std::move(it->second.load);
+  const bool reads = it->second.reader != kNoReader;
   tasks.erase(it);
+  if (!s.ok() && reads) tell_receivers(ctx, *load, s);
   if (!s.ok() && load->first_error.ok()) load->first_error = std::move(s);
   if (--load->left == 0) load->rp.deliver(load->first_error);
+}
+
+// Checks and copies one frame of shared bytes into the tensors of every
+// piece it belongs to. Errors name the sending rank.
+Status take_share(const RankContext& ctx, ShareWait& w, const BlockShareMsg& msg) {
+  const std::string sender = "rank " + std::to_string(msg.from);
+  if (!msg.status.ok())
+    return msg.status.with_context(sender + " failed to read bytes rank " +
+                                   std::to_string(ctx.rank) + " needs from it: ");
+  const Manifest& m = *w.manifest;
+  const uint64_t len = msg.data.size();
+  const std::string what =
+      "bytes " + std::to_string(msg.offset) + "+" + std::to_string(len) + " of file " +
+      (msg.file < m.files.size() ? m.files[msg.file].name : "#" + std::to_string(msg.file)) +
+      " from " + sender;
+  auto owed = w.owed.find(msg.from);
+  if (len == 0 || owed == w.owed.end() || owed->second < len)
+    return Status::corruption("rank " + std::to_string(ctx.rank) + ": unexpected " + what);
+  // The pieces holding the frame: the last starting at or before it, and any
+  // others with the same range (two entries reading the same bytes).
+  auto key = [](const std::pair<int32_t, ReadOp>& p) {
+    return std::make_pair(p.second.file, p.second.file_offset);
+  };
+  auto it = std::upper_bound(
+      w.pieces.begin(), w.pieces.end(), std::make_pair(msg.file, msg.offset),
+      [&](const std::pair<uint32_t, uint64_t>& v, const auto& p) { return v < key(p); });
+  CopyLatch latch;
+  Status s;
+  bool any = false;
+  while (it != w.pieces.begin()) {
+    --it;
+    const auto& [from, op] = *it;
+    if (op.file != msg.file || op.file_offset + op.length <= msg.offset) break;
+    if (from != msg.from) continue;
+    auto part = slice_op(op, msg.offset, len, m);
+    if (!part) continue;
+    s = verify(ctx, m, *part, what, reinterpret_cast<const uint8_t*>(msg.data.data()));
+    if (!s.ok()) break;
+    any = true;
+    const TensorView& target = w.targets[part->entry];
+    for_each_copy(*part, dtype_size(target.dtype), [&](uint64_t src, uint64_t dst, uint64_t n) {
+      latch.add();
+      ctx.device->copy_in(msg.data.data() + src, target, dst, n,
+                          [&latch](Status st) { latch.arrive(std::move(st)); });
+    });
+  }
+  // The frame's bytes are read by the copies: they must land before it goes.
+  Status copied = latch.wait();
+  FERRY_RETURN_IF_ERROR(s);
+  FERRY_RETURN_IF_ERROR(copied);
+  if (!any)
+    return Status::corruption("rank " + std::to_string(ctx.rank) + ": " + what +
+                              " match no piece it expects from that rank");
+  owed->second -= len;
+  w.last = std::chrono::steady_clock::now();
+  return Status();
+}
+
+void end_share(loader_ptr self, const std::string& id, Status s) {
+  auto& st = self->state;
+  auto it = st.shares.find(id);
+  if (it == st.shares.end()) return;
+  const uint64_t task = it->second.task;
+  st.shares.erase(it);
+  st.ended.push_back(id);
+  if (st.ended.size() > 8) st.ended.pop_front();
+  finish_task(*st.ctx, *st.tasks, task, std::move(s));
+}
+
+void on_share(loader_ptr self, const BlockShareMsg& msg) {
+  auto& st = self->state;
+  auto it = st.shares.find(msg.load_id);
+  if (it == st.shares.end()) {
+    if (std::find(st.ended.begin(), st.ended.end(), msg.load_id) == st.ended.end())
+      st.early[msg.load_id].push_back(msg);
+    return;
+  }
+  ShareWait& w = it->second;
+  Status s = take_share(*st.ctx, w, msg);
+  if (!s.ok()) return end_share(self, msg.load_id, std::move(s));
+  for (const auto& [from, n] : w.owed)
+    if (n > 0) return;
+  end_share(self, msg.load_id, Status());
+}
+
+void on_share_due(loader_ptr self, const std::string& id) {
+  auto& st = self->state;
+  auto it = st.shares.find(id);
+  if (it == st.shares.end()) return;
+  const auto limit = std::chrono::duration<double>(st.ctx->opts.write_timeout_s);
+  const auto idle = std::chrono::steady_clock::now() - it->second.last;
+  if (idle < limit) {
+    self->delayed_send(loader_actor{self},
+                       std::chrono::duration_cast<std::chrono::milliseconds>(limit - idle) +
+                           std::chrono::milliseconds(1),
+                       atom::share_due_v, id);
+    return;
+  }
+  std::string ranks;
+  for (const auto& [from, n] : it->second.owed)
+    if (n > 0) ranks += (ranks.empty() ? "" : ", ") + std::to_string(from);
+  end_share(self, id,
+            Status::timeout("rank " + std::to_string(st.ctx->rank) + ": no bytes from rank(s) " +
+                            ranks + ", which read shared bytes for it, within write-timeout (" +
+                            std::to_string(st.ctx->opts.write_timeout_s) + " s)"));
+}
+
+// Starts waiting for the pieces other ranks read for this one.
+void expect_shares(loader_ptr self, const LoadJob& job, const std::shared_ptr<LoadInFlight>& load) {
+  auto& st = self->state;
+  ShareWait w;
+  w.manifest = job.manifest;
+  w.targets = job.targets;
+  w.pieces = job.receive;
+  std::sort(w.pieces.begin(), w.pieces.end(), [](const auto& a, const auto& b) {
+    return std::tie(a.second.file, a.second.file_offset) <
+           std::tie(b.second.file, b.second.file_offset);
+  });
+  for (size_t i = 0; i < w.pieces.size(); ++i) {
+    const auto& [from, op] = w.pieces[i];
+    const bool again = i > 0 && w.pieces[i - 1].second.file == op.file &&
+                       w.pieces[i - 1].second.file_offset == op.file_offset;
+    if (!again) w.owed[from] += op.length;
+  }
+  w.last = std::chrono::steady_clock::now();
+  w.task = st.next_task++;
+  st.tasks->emplace(w.task, ReaderTask{kNoReader, load});
+  ++load->left;
+  st.shares.emplace(job.load_id, std::move(w));
+  self->delayed_send(
+      loader_actor{self},
+      std::chrono::milliseconds(static_cast<int64_t>(st.ctx->opts.write_timeout_s * 1000) + 1),
+      atom::share_due_v, job.load_id);
+  // Loads run one at a time per rank: what came early for another load is stale.
+  auto early = std::move(st.early[job.load_id]);
+  st.early.clear();
+  for (const auto& msg : early) {
+    if (!st.shares.count(job.load_id)) break;  // ended on an earlier frame
+    on_share(self, msg);
+  }
 }
 
 reader_actor spawn_reader(loader_ptr self) {
@@ -350,7 +563,7 @@ bool on_reader_exit(loader_ptr self, const caf::exit_msg& msg) {
     std::vector<uint64_t> lost;
     for (const auto& [id, t] : *st.tasks)
       if (t.reader == i) lost.push_back(id);
-    for (uint64_t id : lost) finish_task(*st.tasks, id, why);
+    for (uint64_t id : lost) finish_task(*st.ctx, *st.tasks, id, why);
     st.readers[i] = spawn_reader(self);
     return true;
   }
@@ -364,9 +577,9 @@ loader_actor::behavior_type loader_fun(loader_ptr self, ContextPtr ctx) {
   self->set_exit_handler([self](caf::exit_msg& msg) {
     if (!on_reader_exit(self, msg)) self->quit(msg.reason);  // the runtime shuts down
   });
-  self->attach_functor([tasks = self->state.tasks](const caf::error& reason) {
+  self->attach_functor([ctx, tasks = self->state.tasks](const caf::error& reason) {
     const Status why = Status::internal("the loader stopped (" + caf::to_string(reason) + ")");
-    while (!tasks->empty()) finish_task(*tasks, tasks->begin()->first, why);
+    while (!tasks->empty()) finish_task(*ctx, *tasks, tasks->begin()->first, why);
   });
   return {
       [self](atom::load, const LoadJob& job) -> caf::result<Status> {
@@ -374,13 +587,23 @@ loader_actor::behavior_type loader_fun(loader_ptr self, ContextPtr ctx) {
         // Each reader takes a contiguous stretch of the files, equal in bytes:
         // a few long sequential streams, and runs coalesce inside each.
         std::vector<ReadTask> tasks(std::min<size_t>(st.readers.size(), job.ops.size()));
-        if (tasks.empty()) return Status();
+        if (tasks.empty() && job.receive.empty()) return Status();
         std::vector<ReadOp> ops = job.ops;
         std::sort(ops.begin(), ops.end(), [](const ReadOp& a, const ReadOp& b) {
           return std::tie(a.file, a.file_offset) < std::tie(b.file, b.file_offset);
         });
+        auto load = std::make_shared<LoadInFlight>();
+        load->rp = self->make_response_promise();
+        load->load_id = job.load_id;
+        load->transport = job.transport;
         uint64_t total = 0;
-        for (const auto& op : ops) total += op.length;
+        for (const auto& op : ops) {
+          total += op.length;
+          load->receivers.insert(load->receivers.end(), op.share_with.begin(), op.share_with.end());
+        }
+        std::sort(load->receivers.begin(), load->receivers.end());
+        load->receivers.erase(std::unique(load->receivers.begin(), load->receivers.end()),
+                              load->receivers.end());
         uint64_t seen = 0;
         for (auto& op : ops) {
           const size_t k =
@@ -388,26 +611,32 @@ loader_actor::behavior_type loader_fun(loader_ptr self, ContextPtr ctx) {
           seen += op.length;
           tasks[k].ops.push_back(std::move(op));
         }
-        auto load = std::make_shared<LoadInFlight>();
-        load->rp = self->make_response_promise();
         for (const auto& t : tasks) load->left += t.ops.empty() ? 0 : 1;
         for (size_t i = 0; i < tasks.size(); ++i) {
           if (tasks[i].ops.empty()) continue;
           tasks[i].dir = job.dir;
           tasks[i].manifest = job.manifest;
           tasks[i].targets = job.targets;
+          tasks[i].load_id = job.load_id;
+          tasks[i].transport = job.transport;
           const uint64_t id = st.next_task++;
           st.tasks->emplace(id, ReaderTask{i, load});
           self->request(st.readers[i], caf::infinite, atom::read_v, std::move(tasks[i]))
-              .then([self, id](const Status& s) { finish_task(*self->state.tasks, id, s); },
-                    [self, id, i](caf::error& e) {
-                      finish_task(*self->state.tasks, id,
-                                  Status::internal("reader " + std::to_string(i) + ": " +
-                                                   self->system().render(e)));
-                    });
+              .then(
+                  [self, id](const Status& s) {
+                    finish_task(*self->state.ctx, *self->state.tasks, id, s);
+                  },
+                  [self, id, i](caf::error& e) {
+                    finish_task(*self->state.ctx, *self->state.tasks, id,
+                                Status::internal("reader " + std::to_string(i) + ": " +
+                                                 self->system().render(e)));
+                  });
         }
+        if (!job.receive.empty()) expect_shares(self, job, load);
         return load->rp;
       },
+      [self](atom::share, const BlockShareMsg& msg) { on_share(self, msg); },
+      [self](atom::share_due, const std::string& id) { on_share_due(self, id); },
   };
 }
 

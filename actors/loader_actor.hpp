@@ -14,7 +14,12 @@ using reader_actor = caf::typed_actor<
 
 using loader_actor = caf::typed_actor<
     // runtime -> loader: a whole load; answered with its first error or ok.
-    caf::replies_to<atom::load, LoadJob>::with<Status>>;
+    caf::replies_to<atom::load, LoadJob>::with<Status>,
+    // link -> loader: bytes another rank of this node read for a load (or
+    // its failure); they may come before the load does.
+    caf::reacts_to<atom::share, BlockShareMsg>,
+    // loader -> itself: check that shared bytes still arrive.
+    caf::reacts_to<atom::share_due, std::string>>;
 
 loader_actor spawn_loader(caf::actor_system& sys, ContextPtr ctx);
 

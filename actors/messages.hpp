@@ -13,13 +13,13 @@
 #include "actors/transport.hpp"
 #include "commit.hpp"
 #include "ferry/filesystem.hpp"
+#include "ferry/runtime.hpp"
 #include "layout.hpp"
 #include "load_plan.hpp"
 #include "manifest.hpp"
 #include "plan.hpp"
 #include "pool.hpp"
 #include "protocol.hpp"
-#include "ferry/runtime.hpp"
 
 // One atom per message: the atom names what the message asks, so no two
 // messages differ by their arguments alone. Texts are at most 10 characters.
@@ -66,6 +66,9 @@ CAF_ADD_ATOM(ferry, ferry::atom, leave, "leave")
 // Loads.
 CAF_ADD_ATOM(ferry, ferry::atom, load, "load")
 CAF_ADD_ATOM(ferry, ferry::atom, read, "read")
+CAF_ADD_ATOM(ferry, ferry::atom, share, "share")
+CAF_ADD_ATOM(ferry, ferry::atom, share_due, "sharedue")
+CAF_ADD_ATOM(ferry, ferry::atom, attach_loader, "attachload")
 
 namespace ferry {
 
@@ -130,8 +133,14 @@ struct ChecksumSet {
 struct LoadJob {
   std::string dir;
   std::shared_ptr<const Manifest> manifest;
-  std::vector<ReadOp> ops;
+  std::vector<ReadOp> ops;          // what this rank reads (ops with share_with are sent on)
   std::vector<TensorView> targets;  // by StateDict entry index
+  // Reading replicated bytes once per node: the collective load's id, the
+  // pieces other ranks read for this one (with the rank each comes from),
+  // and the transport the shared bytes leave on. Empty/null on one rank.
+  std::string load_id;
+  std::vector<std::pair<int32_t, ReadOp>> receive;
+  std::shared_ptr<Transport> transport;
 };
 
 struct ReadTask {
@@ -139,6 +148,8 @@ struct ReadTask {
   std::shared_ptr<const Manifest> manifest;
   std::vector<ReadOp> ops;
   std::vector<TensorView> targets;
+  std::string load_id;
+  std::shared_ptr<Transport> transport;
 };
 
 }  // namespace ferry
@@ -162,4 +173,5 @@ CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::LoadJob)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::ReadTask)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::shared_ptr<ferry::File>)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::LoadOutcomeMsg)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::BlockShareMsg)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(std::vector<std::shared_ptr<ferry::File>>)

@@ -11,9 +11,9 @@
 
 #include "actors/actors.hpp"
 #include "actors/messages.hpp"
-#include "cuda/device_cuda.hpp"
 #include "catalog.hpp"
 #include "checksum.hpp"
+#include "cuda/device_cuda.hpp"
 #include "drills/fault_fs.hpp"
 #include "drills/kill_point.hpp"
 #include "verify.hpp"
@@ -295,7 +295,8 @@ Status start_transport(Runtime::Impl& impl, const std::string& token) {
   link_actor link = impl.link;
   const bool rank0 = ctx.rank == 0;
   cb.on_frame = [link, verdict, rank0](int32_t from, std::string bytes) {
-    if (!rank0 && from == 0) {
+    // A JoinAck is small; shared load bytes are not decoded twice here.
+    if (!rank0 && from == 0 && bytes.size() <= (64u << 10)) {
       auto m = decode_message(bytes);
       if (m.ok() && std::holds_alternative<JoinAckMsg>(*m)) {
         const auto& ack = std::get<JoinAckMsg>(*m);
@@ -413,6 +414,7 @@ Result<std::unique_ptr<Runtime>> Runtime::create(RuntimeArgs args) {
                                "): the save is abandoned; its pending directory is left to gc"));
   });
   impl->loader = spawn_loader(*impl->sys, ctx);
+  if (impl->link) caf::anon_send(impl->link, atom::attach_loader_v, impl->loader);
   std::unique_ptr<Runtime> rt(new Runtime(std::move(impl)));
   if (args.world_size > 1) {
     FERRY_RETURN_IF_ERROR(start_transport(*rt->impl_, token));
@@ -525,31 +527,92 @@ Status from_caf(caf::scoped_actor& self, const caf::error& e, const std::string&
   return Status::internal(what + ": " + self->system().render(e));
 }
 
-// This rank's part of a load: plan against the manifest rank 0 read, then
-// read, verify and copy into the caller's tensors.
-Status load_local(Runtime::Impl& im, caf::scoped_actor& self, StateDict& sd,
-                  const LoadReplyMsg& reply, LoadReport* report) {
+// This rank's plan of a load, against the manifest rank 0 read.
+Status plan_load(Runtime::Impl& im, StateDict& sd, const LoadReplyMsg& reply,
+                 std::shared_ptr<const Manifest>* manifest, std::vector<LoadRequest>* requests,
+                 std::vector<ReadOp>* ops) {
   auto m = decode_manifest(reply.manifest);
   if (!m.ok()) return m.status().with_context(join_path(reply.dir, kManifestFileName) + ": ");
-  auto manifest = std::make_shared<const Manifest>(std::move(m).value());
-  FERRY_ASSIGN_OR_RETURN(auto requests, make_load_requests(sd));
+  *manifest = std::make_shared<const Manifest>(std::move(m).value());
+  FERRY_ASSIGN_OR_RETURN(*requests, make_load_requests(sd));
   // Device copies into the caller's tensors come after its queued work on
   // them (the legacy default stream); load returns once they have landed.
   FERRY_RETURN_IF_ERROR(order_copies_after(*im.ctx->device, sd, Device::cuda(0), nullptr));
   LoadPlanOptions lo;
   lo.max_read_bytes = im.ctx->opts.chunk_bytes;
-  FERRY_ASSIGN_OR_RETURN(auto ops, make_load_plan(*manifest, requests, lo));
+  FERRY_ASSIGN_OR_RETURN(*ops, make_load_plan(**manifest, *requests, lo));
+  return Status();
+}
+
+std::string host_name() {
+  char buf[256] = {};
+  if (::gethostname(buf, sizeof(buf) - 1) != 0) return "?";
+  return buf;
+}
+
+// Ranks > 1, before the reads: every rank's plan (or its failure) goes to
+// rank 0, and every rank's needs come back, so ranks of one node read the
+// bytes they share once. Every rank takes part, failed or not.
+Result<std::vector<RankNeeds>> exchange_needs(Runtime::Impl& im, caf::scoped_actor& self,
+                                              const std::string& id, const Status& planned,
+                                              RankNeeds mine) {
+  const Options& o = im.ctx->opts;
+  LoadOutcomeMsg report{im.ctx->job_id, id, im.ctx->rank, planned, -1};
+  if (planned.ok()) report.needs.push_back(std::move(mine));
+  Result<std::vector<RankNeeds>> out = Status::internal("no answer");
+  self->request(rank0_api(im), millis(o.write_timeout_s + o.heartbeat_timeout_s + 10),
+                atom::outcome_v, std::move(report))
+      .receive(
+          [&](const LoadOutcomeMsg& v) {
+            if (v.status.ok())
+              out = v.needs;
+            else
+              out = v.status;
+          },
+          [&](caf::error& e) {
+            out = from_caf(
+                self, e,
+                "rank " + std::to_string(im.ctx->rank) + " waiting for the plans of " + id);
+          });
+  return out;
+}
+
+// This rank's part of a load: plan, agree with the other ranks who reads
+// what, then read, verify and copy into the caller's tensors (and receive
+// what others read for it).
+Status load_local(Runtime::Impl& im, caf::scoped_actor& self, StateDict& sd, const std::string& id,
+                  const LoadReplyMsg& reply, LoadReport* report) {
+  std::shared_ptr<const Manifest> manifest;
+  std::vector<LoadRequest> requests;
+  std::vector<ReadOp> ops;
+  const Status planned =
+      reply.status.ok() ? plan_load(im, sd, reply, &manifest, &requests, &ops) : reply.status;
+  LoadJob job{reply.dir, manifest, {}, {}};
+  if (im.ctx->world_size > 1) {
+    auto needs = exchange_needs(im, self, id + "/needs", planned,
+                                RankNeeds{im.ctx->rank, host_name(), needed_ranges(ops)});
+    if (!needs.ok()) return needs.status();
+    RankShare part =
+        split_for_rank(ops, assign_shared_reads(std::move(needs).value()), im.ctx->rank, *manifest);
+    job.ops = std::move(part.read);
+    job.receive = std::move(part.receive);
+    job.load_id = id;
+    job.transport = im.transport;
+  } else {
+    FERRY_RETURN_IF_ERROR(planned);
+    job.ops = std::move(ops);
+  }
   report->path = reply.dir;
   report->step = manifest->step;
   report->tensors_restored = requests.size();
   report->not_restored = tensors_not_requested(*manifest, requests);
-  for (const auto& op : ops) report->bytes_read += op.length;
-  LoadJob job{reply.dir, manifest, std::move(ops), {}};
+  for (const auto& op : job.ops) report->bytes_read += op.length;
+  for (const auto& [from, op] : job.receive) report->bytes_received += op.length;
   for (const auto& e : sd.entries()) job.targets.push_back(e.view);
 
   // No deadline: reads take as long as the checkpoint is large, and the
   // loader answers even when a reader dies (an error comes back at once if
-  // the loader itself is gone).
+  // the loader itself is gone); bytes from other ranks have their own.
   Status result;
   self->request(im.loader, caf::infinite, atom::load_v, std::move(job))
       .receive([&](const Status& s) { result = s; },
@@ -612,7 +675,7 @@ Result<LoadReport> Runtime::load_report(StateDict& sd, const std::string& path) 
       .receive([&](const LoadReplyMsg& r) { reply = r; },
                [&](caf::error& e) { reply.status = from_caf(self, e, "load: resolving " + path); });
   LoadReport report;
-  Status s = reply.status.ok() ? load_local(im, self, sd, reply, &report) : reply.status;
+  Status s = load_local(im, self, sd, id, reply, &report);
   // Every rank reports, failed or not: a rank that skipped the round trip
   // would leave the others waiting for it.
   if (im.ctx->world_size > 1) s = collective_outcome(im, self, id, s);

@@ -24,7 +24,9 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -134,6 +136,47 @@ struct Usage {
     return u;
   }
 };
+
+// Kernel CPU seconds of the live threads by name (/proc/self/task/*/stat,
+// clock-tick resolution): where a load's kernel time goes. Threads that ended
+// in between show up only in the process total.
+std::map<std::string, double> kernel_by_thread() {
+  std::map<std::string, double> out;
+  const double tick = static_cast<double>(::sysconf(_SC_CLK_TCK));
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/task", ec)) {
+    std::ifstream cf(e.path() / "comm"), sf(e.path() / "stat");
+    std::string comm, stat;
+    std::getline(cf, comm);
+    std::getline(sf, stat);
+    // Fields after the ")" that closes the name: state is field 3, stime 15.
+    const auto close = stat.rfind(')');
+    if (close == std::string::npos) continue;
+    std::istringstream rest(stat.substr(close + 2));
+    std::string field;
+    for (int i = 3; i <= 15 && rest >> field; ++i)
+      if (i == 15) out[comm] += std::stod(field) / tick;
+  }
+  return out;
+}
+
+std::string kernel_split(const std::map<std::string, double>& before,
+                         const std::map<std::string, double>& after, double total) {
+  std::string s;
+  double named = 0;
+  char buf[96];
+  for (const auto& [name, t] : after) {
+    auto it = before.find(name);
+    const double d = t - (it == before.end() ? 0 : it->second);
+    if (d <= 0) continue;
+    named += d;
+    std::snprintf(buf, sizeof(buf), "%s%s %.2f s", s.empty() ? "" : ", ", name.c_str(), d);
+    s += buf;
+  }
+  std::snprintf(buf, sizeof(buf), "%sthreads that ended %.2f s", s.empty() ? "" : ", ",
+                std::max(0.0, total - named));
+  return s + buf;
+}
 
 double peak_rss_mib() {
   rusage ru{};
@@ -273,6 +316,7 @@ int main(int argc, char** argv) {
   }
 
   const bool dropped = evict(files);
+  const auto threads0 = kernel_by_thread();
   const Usage u0 = Usage::now();
   const auto t0 = Clock::now();
   std::vector<ferry::Status> results(ranks);
@@ -284,6 +328,7 @@ int main(int argc, char** argv) {
   }
   const double load_s = std::chrono::duration<double>(Clock::now() - t0).count();
   const Usage u1 = Usage::now();
+  const auto threads1 = kernel_by_thread();
   for (int r = 0; r < ranks; ++r)
     if (!results[r].ok()) die("load (rank " + std::to_string(r) + "): " + results[r].to_string());
   for (uint32_t t = 0; t < f.tensors; ++t)
@@ -316,6 +361,8 @@ int main(int argc, char** argv) {
   std::printf("load (%s): %.3f s, %.2f GB/s, %.1f MiB read from disk, kernel CPU %.2f s\n",
               f.reshard ? "1 -> 2 ranks, aggregate" : "same sharding", load_s, load_gbps,
               load_disk / double(kMiB), load_kernel);
+  std::printf("load kernel CPU by thread: %s\n",
+              kernel_split(threads0, threads1, load_kernel).c_str());
   std::printf(
       "raw O_DIRECT reader: %.3f s, %.2f GB/s, %.1f MiB read from disk, kernel CPU %.2f s\n", raw_s,
       raw_gbps, raw_disk / double(kMiB), raw_kernel);

@@ -86,6 +86,37 @@ struct LoadOutcome {
   rank @2 :Int32;                  # the sender's rank
   status @3 :Status;               # from a rank: its own outcome; from rank 0: the load's
   failedRank @4 :Int32 = -1;       # from rank 0: the rank the error comes from; -1 when ok
+  # Before the reads the same exchange, under load id "<load>/needs", gathers
+  # what each rank will read: a rank sends its own entry, rank 0 answers with
+  # every rank's, and all ranks derive who reads which shared bytes.
+  needs @5 :List(RankNeeds);
+}
+
+# The byte ranges of data files one rank's load reads, and its node.
+struct RankNeeds {
+  rank @0 :Int32;                  # the rank
+  host @1 :Text;                   # its node: ranks of one node read shared bytes once
+  ranges @2 :List(FileRange);      # what its plan reads
+}
+
+struct FileRange {
+  file @0 :UInt32;                 # index into the manifest's files
+  offset @1 :UInt64;               # byte offset in that file
+  length @2 :UInt64;               # bytes
+}
+
+# Bytes of a data file one rank read and verified for another rank of its
+# node (ranks > 0 send through rank 0, which forwards by `to`). A reader
+# that failed sends a status instead, so its receivers fail naming it.
+struct BlockShare {
+  jobId @0 :Text;                  # the sender's job
+  loadId @1 :Text;                 # the load, as in LoadOutcome
+  from @2 :Int32;                  # the rank that read the bytes
+  to @3 :Int32;                    # the rank they are for
+  file @4 :UInt32;                 # index into the manifest's files
+  offset @5 :UInt64;               # where `data` starts in that file
+  status @6 :Status;               # not ok: the sender's reads failed; no data
+  data @7 :Data;                   # whole checksum blocks (the receiver checks them)
 }
 
 # What one control frame holds: exactly one of these.
@@ -97,5 +128,6 @@ struct ControlMessage {
     abort @3 :Abort;               # rank 0 -> every rank, or rank -> rank 0
     commit @4 :Commit;             # rank 0 -> every rank
     loadOutcome @5 :LoadOutcome;   # rank -> rank 0, then rank 0 -> every rank
+    blockShare @6 :BlockShare;     # rank -> rank of its node (through rank 0)
   }
 }

@@ -1,6 +1,7 @@
 #include "load_plan.hpp"
 
 #include <algorithm>
+#include <map>
 #include <memory>
 #include <tuple>
 #include <unordered_map>
@@ -310,6 +311,148 @@ std::vector<std::string> tensors_not_requested(const Manifest& m,
     if (it == asked.end() || **it != t.key) left.push_back(t.key);
   }
   return left;
+}
+
+std::vector<FileRange> needed_ranges(const std::vector<ReadOp>& ops) {
+  std::vector<FileRange> out;
+  out.reserve(ops.size());
+  for (const auto& op : ops) out.push_back(FileRange{op.file, op.file_offset, op.length});
+  return out;
+}
+
+std::vector<SharedRead> assign_shared_reads(std::vector<RankNeeds> needs) {
+  std::sort(needs.begin(), needs.end(), [](const RankNeeds& a, const RankNeeds& b) {
+    return std::tie(a.host, a.rank) < std::tie(b.host, b.rank);
+  });
+  std::vector<SharedRead> out;
+  for (size_t first = 0; first < needs.size();) {
+    size_t last = first;
+    while (last < needs.size() && needs[last].host == needs[first].host) ++last;
+    // Every start and end of a range of this node cuts the file: between two
+    // neighbouring cuts the set of ranks needing the bytes is constant.
+    std::map<uint32_t, std::vector<uint64_t>> cuts;
+    for (size_t r = first; r < last; ++r)
+      for (const auto& fr : needs[r].ranges) {
+        if (fr.length == 0) continue;
+        cuts[fr.file].push_back(fr.offset);
+        cuts[fr.file].push_back(fr.offset + fr.length);
+      }
+    std::map<uint32_t, std::vector<std::vector<int32_t>>> who;  // [file][segment]
+    for (auto& [file, c] : cuts) {
+      std::sort(c.begin(), c.end());
+      c.erase(std::unique(c.begin(), c.end()), c.end());
+      who[file].resize(c.size() - 1);
+    }
+    for (size_t r = first; r < last; ++r)
+      for (const auto& fr : needs[r].ranges) {
+        if (fr.length == 0) continue;
+        const auto& c = cuts[fr.file];
+        auto& w = who[fr.file];
+        const size_t i = std::lower_bound(c.begin(), c.end(), fr.offset) - c.begin();
+        const size_t j = std::lower_bound(c.begin(), c.end(), fr.offset + fr.length) - c.begin();
+        for (size_t k = i; k < j; ++k)
+          if (w[k].empty() || w[k].back() != needs[r].rank) w[k].push_back(needs[r].rank);
+      }
+    // Bytes each set of ranks shares, so each set's bytes split into equal
+    // contiguous stretches, one per rank of the set.
+    std::map<std::vector<int32_t>, uint64_t> total, seen;
+    for (const auto& [file, w] : who)
+      for (size_t k = 0; k < w.size(); ++k)
+        if (w[k].size() > 1) total[w[k]] += cuts[file][k + 1] - cuts[file][k];
+    for (const auto& [file, w] : who) {
+      const auto& c = cuts[file];
+      for (size_t k = 0; k < w.size(); ++k) {
+        if (w[k].empty()) continue;
+        SharedRead sr;
+        sr.range = FileRange{file, c[k], c[k + 1] - c[k]};
+        if (w[k].size() == 1) {
+          sr.reader = w[k][0];
+        } else {
+          const uint64_t n = w[k].size();
+          uint64_t& at = seen[w[k]];
+          const size_t pick = static_cast<size_t>(std::min<uint64_t>(n - 1, at * n / total[w[k]]));
+          at += sr.range.length;
+          sr.reader = w[k][pick];
+          for (int32_t r : w[k])
+            if (r != sr.reader) sr.receivers.push_back(r);
+        }
+        out.push_back(std::move(sr));
+      }
+    }
+    first = last;
+  }
+  return out;
+}
+
+std::optional<ReadOp> slice_op(const ReadOp& op, uint64_t file_offset, uint64_t length,
+                               const Manifest& m) {
+  if (length == 0 || file_offset < op.file_offset ||
+      file_offset + length > op.file_offset + op.length)
+    return std::nullopt;
+  const ManifestChunk& c = m.tensors[op.tensor].chunks[op.chunk];
+  const uint64_t bb = c.checksums.empty() ? 0 : m.checksum_block_bytes;
+  ReadOp piece = op;
+  piece.file_offset = file_offset;
+  piece.chunk_offset = op.chunk_offset + (file_offset - op.file_offset);
+  piece.length = length;
+  if (bb > 0) {
+    const uint64_t end = piece.chunk_offset + length;
+    if (piece.chunk_offset % bb != 0 || (end % bb != 0 && end != op.chunk_offset + op.length))
+      return std::nullopt;
+    piece.first_block = static_cast<uint32_t>(piece.chunk_offset / bb);
+    piece.nblocks = static_cast<uint32_t>((length + bb - 1) / bb);
+  }
+  return piece;
+}
+
+RankShare split_for_rank(const std::vector<ReadOp>& ops, const std::vector<SharedRead>& shared,
+                         int32_t rank, const Manifest& m) {
+  std::vector<const SharedRead*> mine;
+  for (const auto& s : shared)
+    if (s.reader == rank ||
+        std::find(s.receivers.begin(), s.receivers.end(), rank) != s.receivers.end())
+      mine.push_back(&s);
+  std::sort(mine.begin(), mine.end(), [](const SharedRead* a, const SharedRead* b) {
+    return std::tie(a->range.file, a->range.offset) < std::tie(b->range.file, b->range.offset);
+  });
+  std::vector<bool> sent(mine.size(), false);
+  RankShare out;
+  for (const ReadOp& op : ops) {
+    const uint64_t end = op.file_offset + op.length;
+    auto it =
+        std::lower_bound(mine.begin(), mine.end(), op, [](const SharedRead* s, const ReadOp& o) {
+          return std::tie(s->range.file, s->range.offset) < std::tie(o.file, o.file_offset);
+        });
+    // The segments of a reported op tile it; anything else (an op this rank
+    // did not report) is read whole, by this rank alone.
+    std::vector<std::pair<size_t, ReadOp>> pieces;
+    uint64_t at = op.file_offset;
+    for (; it != mine.end() && (*it)->range.file == op.file && at < end; ++it) {
+      const FileRange& r = (*it)->range;
+      if (r.offset != at || r.offset + r.length > end) break;
+      auto piece = slice_op(op, r.offset, r.length, m);
+      if (!piece) break;
+      pieces.emplace_back(static_cast<size_t>(it - mine.begin()), std::move(*piece));
+      at += r.length;
+    }
+    if (at != end) {
+      ReadOp whole = op;
+      whole.share_with.clear();
+      out.read.push_back(std::move(whole));
+      continue;
+    }
+    for (auto& [k, piece] : pieces) {
+      const SharedRead& s = *mine[k];
+      if (s.reader != rank) {
+        out.receive.emplace_back(s.reader, std::move(piece));
+        continue;
+      }
+      if (!sent[k]) piece.share_with = s.receivers;
+      sent[k] = true;
+      out.read.push_back(std::move(piece));
+    }
+  }
+  return out;
 }
 
 }  // namespace ferry

@@ -5,13 +5,14 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "box.hpp"
-#include "manifest.hpp"
 #include "ferry/status.hpp"
 #include "ferry/tensor.hpp"
+#include "manifest.hpp"
 
 namespace ferry {
 
@@ -43,6 +44,9 @@ struct ReadOp {
   Box region;      // the part of the tensor both have (global coords)
   Box chunk_box;   // the saved chunk's box
   Box target_box;  // the caller's box
+  // Ranks of this node that receive these bytes from this rank once it has
+  // read and verified them (assign_shared_reads); empty for most reads.
+  std::vector<int32_t> share_with;
 };
 
 struct LoadPlanOptions {
@@ -90,5 +94,66 @@ std::vector<std::string> tensors_not_requested(const Manifest& m,
 // byte exactly once.
 void for_each_copy(const ReadOp& op, size_t elem_size,
                    const std::function<void(uint64_t, uint64_t, uint64_t)>& fn);
+
+// --- Reading replicated bytes once per node ---------------------------------------
+//
+// Ranks of one node that need the same bytes of a file (a replicated tensor,
+// overlapping boxes) read them once: every rank reports the ranges its plan
+// reads, and each range needed by several ranks of a node gets one reader
+// among them, which sends the verified bytes to the others. Every rank
+// computes the same assignment from the same reports.
+
+struct FileRange {
+  uint32_t file = 0;
+  uint64_t offset = 0;
+  uint64_t length = 0;
+};
+
+// The ranges one rank's plan reads, and the node it runs on.
+struct RankNeeds {
+  int32_t rank = 0;
+  std::string host;
+  std::vector<FileRange> ranges;
+};
+
+// The ranges of `ops`, one per op, in the ops' order.
+std::vector<FileRange> needed_ranges(const std::vector<ReadOp>& ops);
+
+// A range needed by `reader` and `receivers` (ranks of one node, ascending),
+// cut where any of their ranges starts or ends, so it lies inside one op of
+// each of them and on their chunk's checksum-block grid.
+struct SharedRead {
+  FileRange range;
+  int32_t reader = 0;
+  std::vector<int32_t> receivers;  // empty: only the reader needs it
+};
+
+// Deterministic in its input (order of `needs` aside): per node and per set
+// of ranks needing a range, the bytes they share are split into one
+// contiguous stretch per rank, equal in bytes, so each reads its share in
+// long sequential runs. Sorted by node, file and offset.
+std::vector<SharedRead> assign_shared_reads(std::vector<RankNeeds> needs);
+
+// One rank's part of an assignment.
+struct RankShare {
+  // The pieces of its ops it reads itself; a piece others need carries them
+  // in share_with (only one piece per shared range does, should two entries
+  // read the same bytes).
+  std::vector<ReadOp> read;
+  // The pieces it receives, with the rank each comes from.
+  std::vector<std::pair<int32_t, ReadOp>> receive;
+};
+
+// Cuts `ops` (this rank's plan, whose ranges it reported) at the boundaries
+// of `shared` and splits the pieces into those `rank` reads and those it
+// receives. A piece starts and ends on its chunk's checksum-block grid.
+RankShare split_for_rank(const std::vector<ReadOp>& ops, const std::vector<SharedRead>& shared,
+                         int32_t rank, const Manifest& m);
+
+// The part of `op` in [file_offset, file_offset + length), which must lie
+// inside it, start on its chunk's checksum-block grid and end on it or at the
+// op's end; nullopt otherwise.
+std::optional<ReadOp> slice_op(const ReadOp& op, uint64_t file_offset, uint64_t length,
+                               const Manifest& m);
 
 }  // namespace ferry

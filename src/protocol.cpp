@@ -275,6 +275,35 @@ struct Encoder {
     b.setRank(m.rank);
     set_status(b.initStatus(), m.status);
     b.setFailedRank(m.failed_rank);
+    if (!m.needs.empty()) {
+      auto needs = b.initNeeds(static_cast<unsigned>(m.needs.size()));
+      for (unsigned i = 0; i < m.needs.size(); ++i) {
+        const RankNeeds& n = m.needs[i];
+        auto nb = needs[i];
+        nb.setRank(n.rank);
+        nb.setHost(text(n.host));
+        auto rs = nb.initRanges(static_cast<unsigned>(n.ranges.size()));
+        for (unsigned j = 0; j < n.ranges.size(); ++j) {
+          rs[j].setFile(n.ranges[j].file);
+          rs[j].setOffset(n.ranges[j].offset);
+          rs[j].setLength(n.ranges[j].length);
+        }
+      }
+    }
+    return frame(kControlProtocol, mb);
+  }
+
+  std::string operator()(const BlockShareMsg& m) const {
+    capnp::MallocMessageBuilder mb;
+    auto b = mb.initRoot<proto::ControlMessage>().initBlockShare();
+    b.setJobId(text(m.job_id));
+    b.setLoadId(text(m.load_id));
+    b.setFrom(m.from);
+    b.setTo(m.to);
+    b.setFile(m.file);
+    b.setOffset(m.offset);
+    set_status(b.initStatus(), m.status);
+    b.setData(kj::arrayPtr(reinterpret_cast<const kj::byte*>(m.data.data()), m.data.size()));
     return frame(kControlProtocol, mb);
   }
 };
@@ -437,6 +466,37 @@ Result<WireMessage> read_control(proto::ControlMessage::Reader root) {
         return Status::invalid_argument("LoadOutcome: failed rank " +
                                         std::to_string(m.failed_rank));
       FERRY_RETURN_IF_ERROR(read_status(r.getStatus(), "LoadOutcome status", &m.status));
+      for (auto n : r.getNeeds()) {
+        RankNeeds rn;
+        rn.rank = n.getRank();
+        FERRY_RETURN_IF_ERROR(read_rank(rn.rank, "LoadOutcome needs"));
+        rn.host = str(n.getHost());
+        for (auto fr : n.getRanges()) {
+          if (fr.getOffset() + fr.getLength() < fr.getOffset())
+            return Status::invalid_argument("LoadOutcome needs of rank " + std::to_string(rn.rank) +
+                                            ": range overflows");
+          rn.ranges.push_back(FileRange{fr.getFile(), fr.getOffset(), fr.getLength()});
+        }
+        m.needs.push_back(std::move(rn));
+      }
+      return WireMessage(std::move(m));
+    }
+    case proto::ControlMessage::BLOCK_SHARE: {
+      auto r = root.getBlockShare();
+      BlockShareMsg m;
+      m.job_id = str(r.getJobId());
+      m.load_id = str(r.getLoadId());
+      m.from = r.getFrom();
+      m.to = r.getTo();
+      FERRY_RETURN_IF_ERROR(read_rank(m.from, "BlockShare sender"));
+      FERRY_RETURN_IF_ERROR(read_rank(m.to, "BlockShare receiver"));
+      m.file = r.getFile();
+      m.offset = r.getOffset();
+      FERRY_RETURN_IF_ERROR(read_status(r.getStatus(), "BlockShare status", &m.status));
+      auto d = r.getData();
+      if (m.offset + d.size() < m.offset)
+        return Status::invalid_argument("BlockShare: offset plus data length overflows");
+      m.data.assign(reinterpret_cast<const char*>(d.begin()), d.size());
       return WireMessage(std::move(m));
     }
   }
@@ -633,7 +693,7 @@ constexpr bool kHasCheckpointId =
     std::is_same_v<T, PlanReply> || std::is_same_v<T, CommitRequest>;
 template <class T>
 constexpr bool kHasLoadId = std::is_same_v<T, LoadRequestMsg> || std::is_same_v<T, LoadReplyMsg> ||
-                            std::is_same_v<T, LoadOutcomeMsg>;
+                            std::is_same_v<T, LoadOutcomeMsg> || std::is_same_v<T, BlockShareMsg>;
 
 }  // namespace
 
@@ -657,9 +717,9 @@ std::string_view message_checkpoint_id(const WireMessage& m) {
 }
 
 const char* message_name(const WireMessage& m) {
-  static const char* const kNames[] = {"Join",        "JoinAck",     "Heartbeat",  "Abort",
-                                       "Commit",      "PlanRequest", "PlanReply",  "CommitRequest",
-                                       "LoadRequest", "LoadReply",   "LoadOutcome"};
+  static const char* const kNames[] = {"Join",        "JoinAck",     "Heartbeat",   "Abort",
+                                       "Commit",      "PlanRequest", "PlanReply",   "CommitRequest",
+                                       "LoadRequest", "LoadReply",   "LoadOutcome", "BlockShare"};
   static_assert(sizeof(kNames) / sizeof(kNames[0]) == std::variant_size_v<WireMessage>);
   return kNames[m.index()];
 }

@@ -13,8 +13,9 @@
 #include <vector>
 
 #include "commit.hpp"
-#include "plan.hpp"
 #include "ferry/status.hpp"
+#include "load_plan.hpp"
+#include "plan.hpp"
 
 namespace ferry {
 
@@ -120,11 +121,27 @@ struct LoadOutcomeMsg {
   int32_t rank = 0;          // the sender
   Status status;             // from a rank: its own outcome; from rank 0: the load's
   int32_t failed_rank = -1;  // from rank 0: whose error `status` is; -1 when ok
+  // Under load id "<load>/needs", before the reads: from a rank its own
+  // entry, from rank 0 every rank's.
+  std::vector<RankNeeds> needs = {};
+};
+
+// Bytes one rank read and verified for another of its node; a failed reader
+// sends its status and no data.
+struct BlockShareMsg {
+  std::string job_id;
+  std::string load_id;
+  int32_t from = 0;
+  int32_t to = 0;
+  uint32_t file = 0;
+  uint64_t offset = 0;
+  Status status;
+  std::string data;
 };
 
 using WireMessage =
     std::variant<JoinMsg, JoinAckMsg, HeartbeatMsg, AbortMsg, CommitMsg, PlanRequest, PlanReply,
-                 CommitRequest, LoadRequestMsg, LoadReplyMsg, LoadOutcomeMsg>;
+                 CommitRequest, LoadRequestMsg, LoadReplyMsg, LoadOutcomeMsg, BlockShareMsg>;
 
 // Job id and checkpoint/load id of any message ("" where it has none).
 std::string_view message_job_id(const WireMessage& m);

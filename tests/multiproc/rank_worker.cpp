@@ -7,6 +7,9 @@
 //               [--layout save|swap|full] [--many N] [--kill-rank R]
 //               [--kill-after plan|snapshot|load] [--set key=value]...
 //               [--step-for-rank R=S] [--root-for-rank R=DIR]   (ranks that disagree)
+//               [--evict 1]  (load: drop the checkpoint from the page cache first)
+// A load prints LOADSTATS with its LoadReport figures and the bytes this
+// process read from disk (/proc/self/io read_bytes).
 // Exit 0 when the mode's expectation holds (for mismatch: the save failed
 // with an error naming what it must name; kill: 3 then; disagree: the save
 // failed saying the ranks disagree), 1 otherwise.
@@ -18,14 +21,18 @@
 #include <string>
 #include <vector>
 
+#include <fcntl.h>
 #include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
 
 #include <atomic>
 #include <thread>
 
 #include "actors/transport.hpp"
-#include "protocol.hpp"
 #include "ferry/runtime.hpp"
+#include "protocol.hpp"
 
 namespace {
 
@@ -110,6 +117,29 @@ void fill_expected(const Spec& s, size_t k, const Local& l, uint64_t seed,
       if (++idx[d] < l.shape[d]) break;
       idx[d] = 0;
     }
+  }
+}
+
+// What this process read from block devices so far (0 where /proc lacks it).
+uint64_t disk_read_bytes() {
+  std::ifstream io("/proc/self/io");
+  std::string key;
+  uint64_t v = 0;
+  while (io >> key >> v)
+    if (key == "read_bytes:") return v;
+  return 0;
+}
+
+// Drops every file under `root` from the page cache, so reads go to disk.
+void evict(const std::string& root) {
+  std::error_code ec;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(root, ec)) {
+    if (!e.is_regular_file()) continue;
+    const int fd = ::open(e.path().c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) continue;
+    ::fdatasync(fd);
+    ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+    ::close(fd);
   }
 }
 
@@ -218,11 +248,17 @@ int main(int argc, char** argv) {
   if (mode == "load") {
     // --kill-after load: this rank dies before it loads; the others must fail.
     if (kill_after == "load" && rank == kill_rank) std::raise(kill_signal);
-    auto st = rt.load(sd, root);
-    if (!st.ok()) {
-      std::printf("ERROR load: %s\n", st.to_string().c_str());
+    if (arg(argc, argv, "--evict", "0") == std::string("1")) evict(root);
+    const uint64_t disk0 = disk_read_bytes();
+    auto report = rt.load_report(sd, root);
+    if (!report.ok()) {
+      std::printf("ERROR load: %s\n", report.status().to_string().c_str());
       return 1;
     }
+    std::printf("LOADSTATS read=%llu received=%llu disk=%llu\n",
+                static_cast<unsigned long long>(report->bytes_read),
+                static_cast<unsigned long long>(report->bytes_received),
+                static_cast<unsigned long long>(disk_read_bytes() - disk0));
     std::vector<uint8_t> expect;
     for (size_t k = 0; k < specs.size(); ++k) {
       fill_expected(specs[k], k, locals[k], seed, expect);

@@ -336,6 +336,28 @@ void check_same(const LoadOutcomeMsg& a, const LoadOutcomeMsg& b) {
   CHECK(a.rank == b.rank);
   check_same(a.status, b.status);
   CHECK(a.failed_rank == b.failed_rank);
+  REQUIRE(a.needs.size() == b.needs.size());
+  for (size_t i = 0; i < a.needs.size(); ++i) {
+    CHECK(a.needs[i].rank == b.needs[i].rank);
+    CHECK(a.needs[i].host == b.needs[i].host);
+    REQUIRE(a.needs[i].ranges.size() == b.needs[i].ranges.size());
+    for (size_t j = 0; j < a.needs[i].ranges.size(); ++j) {
+      CHECK(a.needs[i].ranges[j].file == b.needs[i].ranges[j].file);
+      CHECK(a.needs[i].ranges[j].offset == b.needs[i].ranges[j].offset);
+      CHECK(a.needs[i].ranges[j].length == b.needs[i].ranges[j].length);
+    }
+  }
+}
+
+void check_same(const BlockShareMsg& a, const BlockShareMsg& b) {
+  CHECK(a.job_id == b.job_id);
+  CHECK(a.load_id == b.load_id);
+  CHECK(a.from == b.from);
+  CHECK(a.to == b.to);
+  CHECK(a.file == b.file);
+  CHECK(a.offset == b.offset);
+  check_same(a.status, b.status);
+  CHECK(a.data == b.data);
 }
 
 void check_same(const WireMessage& a, const WireMessage& b) {
@@ -848,5 +870,35 @@ TEST_CASE("LoadOutcome: reports and answers round trip, bad ranks are refused", 
     REQUIRE(r.ok());
     CHECK(std::get<LoadOutcomeMsg>(*r).status.ok());
     CHECK(std::get<LoadOutcomeMsg>(*r).failed_rank == -1);
+  }
+}
+
+TEST_CASE("LoadOutcome carries the ranks' needs; BlockShare its bytes", "[protocol]") {
+  LoadOutcomeMsg needs{"job", "load-3/needs", 0, Status::ok_status(), -1};
+  needs.needs = {{0, "node-a", {{0, 4096, 1 << 20}, {2, 0, 17}}}, {3, "node-b", {}}};
+  auto back = decode_message(encode_message(needs));
+  REQUIRE(back.ok());
+  check_same(WireMessage(needs), *back);
+
+  BlockShareMsg share{
+      "job", "load-3", 2, 1, 4, 65536, Status::ok_status(), std::string("\0\x01 bytes\xff", 9)};
+  back = decode_message(encode_message(share));
+  REQUIRE(back.ok());
+  check_same(WireMessage(share), *back);
+  CHECK(std::string(message_name(*back)) == "BlockShare");
+  CHECK(message_checkpoint_id(*back) == "load-3");
+
+  SECTION("a negative receiver") {
+    capnp::MallocMessageBuilder mb;
+    mb.initRoot<proto::ControlMessage>().initBlockShare().setTo(-1);
+    CHECK_THAT(error_of(frame(0, mb)), Catch::Contains("BlockShare receiver"));
+  }
+  SECTION("a needs range that overflows") {
+    capnp::MallocMessageBuilder mb;
+    auto n = mb.initRoot<proto::ControlMessage>().initLoadOutcome().initNeeds(1)[0];
+    auto r = n.initRanges(1)[0];
+    r.setOffset(~uint64_t{0});
+    r.setLength(2);
+    CHECK_THAT(error_of(frame(0, mb)), Catch::Contains("overflows"));
   }
 }

@@ -2,8 +2,10 @@
 // block, cut only at checksum blocks, and copying exactly what the ops copy.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cstring>
 #include <map>
+#include <string>
 
 #include "load_plan.hpp"
 
@@ -136,4 +138,171 @@ TEST_CASE("a checksum block larger than a run makes one oversized run", "[load_p
     bytes += r.ops[0].length;
   }
   CHECK(bytes == 300 * 257 * 4);
+}
+
+// --- reading replicated bytes once per node ---------------------------------------
+
+namespace {
+
+// Rank r (mod 4) asks for every tensor whole (replicated) plus its own
+// rows of "b" and an overlapping window of "d".
+std::vector<ferry::LoadRequest> rank_requests(int rank) {
+  const int r = rank % 4;
+  return {
+      request("a", {300, 257}, ferry::Box::whole({300, 257}), 0),
+      request("b", {1000, 33}, ferry::Box{{r * 200, 0}, {300, 33}}, 1),
+      request("c", {7}, ferry::Box::whole({7}), 2),
+      request("d", {513, 129}, ferry::Box{{0, r * 16}, {513, 65}}, 3),
+  };
+}
+
+const std::vector<uint64_t> kRankTargetBytes = {300 * 257 * 4, 300 * 33 * 4, 7 * 4, 513 * 65 * 4};
+
+}  // namespace
+
+TEST_CASE("shared reads: each byte a node needs has one reader, and every rank gets its bytes",
+          "[load_plan]") {
+  const bool checksums = GENERATE(true, false);
+  INFO("checksums " << checksums);
+  const ferry::Manifest m = make_manifest(
+      {{"a", {300, 257}}, {"b", {1000, 33}}, {"c", {7}}, {"d", {513, 129}}}, checksums);
+  std::vector<uint8_t> file(m.files[0].size + 8192);
+  for (size_t i = 0; i < file.size(); ++i) file[i] = static_cast<uint8_t>(i * 2654435761u >> 13);
+
+  // Ranks 0-3 on node "n0", 4-5 on node "n1".
+  constexpr int kRanks = 6;
+  std::vector<std::vector<ferry::ReadOp>> plans;
+  std::vector<ferry::RankNeeds> needs;
+  for (int r = 0; r < kRanks; ++r) {
+    auto ops = ferry::make_load_plan(m, rank_requests(r));
+    REQUIRE(ops.ok());
+    plans.push_back(ops.value());
+    needs.push_back({r, r < 4 ? "n0" : "n1", ferry::needed_ranges(ops.value())});
+  }
+  const auto shared = ferry::assign_shared_reads(needs);
+
+  // The same assignment whatever order the reports come in.
+  auto shuffled = needs;
+  std::reverse(shuffled.begin(), shuffled.end());
+  const auto again = ferry::assign_shared_reads(shuffled);
+  REQUIRE(again.size() == shared.size());
+  for (size_t i = 0; i < shared.size(); ++i) {
+    CHECK(again[i].range.offset == shared[i].range.offset);
+    CHECK(again[i].reader == shared[i].reader);
+    CHECK(again[i].receivers == shared[i].receivers);
+  }
+
+  // Per node: the ranges are disjoint, the reader and the receivers are
+  // exactly the ranks of that node whose plan reads the range.
+  std::map<std::string, uint64_t> node_bytes, union_bytes;
+  for (const auto& s : shared) {
+    const std::string node = s.reader < 4 ? "n0" : "n1";
+    node_bytes[node] += s.range.length;
+    std::vector<int32_t> needers;
+    for (int r = 0; r < kRanks; ++r) {
+      if ((r < 4 ? "n0" : "n1") != node) continue;
+      for (const auto& op : plans[r])
+        if (op.file_offset < s.range.offset + s.range.length &&
+            s.range.offset < op.file_offset + op.length) {
+          // A range is never cut across by a rank's read: inside or outside.
+          CHECK(op.file_offset <= s.range.offset);
+          CHECK(s.range.offset + s.range.length <= op.file_offset + op.length);
+          needers.push_back(r);
+          break;
+        }
+    }
+    std::vector<int32_t> got = s.receivers;
+    got.push_back(s.reader);
+    std::sort(got.begin(), got.end());
+    CHECK(got == needers);
+  }
+  for (const auto& node : {std::string("n0"), std::string("n1")}) {
+    std::vector<std::pair<uint64_t, uint64_t>> spans;
+    for (int r = 0; r < kRanks; ++r)
+      if ((r < 4 ? "n0" : "n1") == node)
+        for (const auto& op : plans[r])
+          spans.emplace_back(op.file_offset, op.file_offset + op.length);
+    std::sort(spans.begin(), spans.end());
+    uint64_t end = 0;
+    for (const auto& [a, b] : spans) {
+      if (b > std::max(a, end)) union_bytes[node] += b - std::max(a, end);
+      end = std::max(end, b);
+    }
+    INFO("node " << node);
+    CHECK(node_bytes[node] == union_bytes[node]);
+  }
+
+  // Each rank's read and received pieces copy exactly what its plan copies,
+  // and the ranks of a node read the node's bytes once, spread over them.
+  std::map<std::string, uint64_t> read_bytes;
+  std::vector<uint64_t> rank_read(kRanks, 0);
+  for (int r = 0; r < kRanks; ++r) {
+    INFO("rank " << r);
+    const auto part = ferry::split_for_rank(plans[r], shared, r, m);
+    std::vector<ferry::ReadOp> pieces = part.read;
+    for (const auto& p : part.read) rank_read[r] += p.length;
+    for (const auto& [from, p] : part.receive) {
+      CHECK(from != r);
+      CHECK(((from < 4) == (r < 4)));  // only from its own node
+      CHECK(p.share_with.empty());
+      pieces.push_back(p);
+    }
+    for (const auto& p : pieces) {
+      const auto& c = m.tensors[p.tensor].chunks[p.chunk];
+      CHECK(p.file_offset == c.byte_offset + p.chunk_offset);
+      if (checksums) {
+        CHECK(p.chunk_offset % kBlock == 0);
+        CHECK(p.first_block == p.chunk_offset / kBlock);
+        CHECK(p.nblocks == (p.length + kBlock - 1) / kBlock);
+      }
+      for (int32_t to : p.share_with) CHECK(((to < 4) == (r < 4)));
+    }
+    read_bytes[r < 4 ? "n0" : "n1"] += rank_read[r];
+    CHECK(apply_ops(pieces, file, kRankTargetBytes) == apply_ops(plans[r], file, kRankTargetBytes));
+  }
+  CHECK(read_bytes["n0"] == union_bytes["n0"]);
+  CHECK(read_bytes["n1"] == union_bytes["n1"]);
+}
+
+TEST_CASE("shared reads: a replicated state splits evenly across the ranks of a node",
+          "[load_plan]") {
+  std::vector<std::pair<std::string, std::vector<int64_t>>> ts;
+  for (int i = 0; i < 40; ++i) ts.push_back({"t" + std::to_string(100 + i), {64, 256}});
+  const ferry::Manifest m = make_manifest(ts, true);
+  std::vector<ferry::LoadRequest> reqs;
+  for (uint32_t i = 0; i < ts.size(); ++i)
+    reqs.push_back(request(ts[i].first, ts[i].second, ferry::Box::whole(ts[i].second), i));
+  auto ops = ferry::make_load_plan(m, reqs);
+  REQUIRE(ops.ok());
+  std::vector<ferry::RankNeeds> needs;
+  for (int r = 0; r < 4; ++r) needs.push_back({r, "n0", ferry::needed_ranges(ops.value())});
+  const auto shared = ferry::assign_shared_reads(needs);
+  std::vector<uint64_t> read(4, 0);
+  for (const auto& s : shared) {
+    CHECK(s.receivers.size() == 3);
+    read[s.reader] += s.range.length;
+  }
+  const uint64_t one = 64 * 256 * 4;
+  for (int r = 0; r < 4; ++r) {
+    INFO("rank " << r);
+    CHECK(read[r] >= 9 * one);
+    CHECK(read[r] <= 11 * one);
+  }
+}
+
+TEST_CASE("slice_op takes pieces on the checksum-block grid only", "[load_plan]") {
+  const ferry::Manifest m = make_manifest({{"a", {300, 257}}}, true);
+  auto ops = ferry::make_load_plan(m, {request("a", {300, 257}, ferry::Box::whole({300, 257}), 0)});
+  REQUIRE(ops.ok());
+  const ferry::ReadOp& op = ops.value()[0];
+  auto mid = ferry::slice_op(op, op.file_offset + kBlock, kBlock, m);
+  REQUIRE(mid);
+  CHECK(mid->first_block == 1);
+  CHECK(mid->nblocks == 1);
+  auto tail = ferry::slice_op(op, op.file_offset + kBlock, op.length - kBlock, m);
+  REQUIRE(tail);
+  CHECK(tail->nblocks == (op.length - kBlock + kBlock - 1) / kBlock);
+  CHECK_FALSE(ferry::slice_op(op, op.file_offset + 4096, kBlock, m));       // off the grid
+  CHECK_FALSE(ferry::slice_op(op, op.file_offset, kBlock + 4096, m));       // ends off it
+  CHECK_FALSE(ferry::slice_op(op, op.file_offset, op.length + kBlock, m));  // past the op
 }

@@ -92,6 +92,7 @@ struct LoadReport {
   uint64_t tensors_restored = 0;          // the state dict's entries: every one was filled
   std::vector<std::string> not_restored;  // checkpoint tensors the state dict did not ask for
   uint64_t bytes_read = 0;                // bytes this rank read from the data files
+  uint64_t bytes_received = 0;  // bytes another rank of its node read for it (replicated ones)
 };
 
 struct RuntimeArgs {

@@ -1,0 +1,174 @@
+// Replicated bytes are read once per node: four local ranks loading a whole
+// (replicated) state read one copy from disk between them, the others get
+// the bytes from the rank that read them, and every rank checks every byte.
+// A reader that finds a corrupt block fails the load on every rank, naming it.
+
+#include <catch2/catch.hpp>
+
+#include <fstream>
+#include <map>
+#include <sstream>
+
+#include "catalog.hpp"
+#include "load_plan.hpp"
+#include "manifest.hpp"
+#include "multiproc/launch.hpp"
+#include "test_util.hpp"
+
+using ferry::testing::count;
+using ferry::testing::launch;
+using ferry::testing::lines_with;
+using ferry::testing::TempDir;
+
+namespace {
+
+constexpr int kRanks = 4;
+
+struct LoadStats {
+  uint64_t read = 0, received = 0, disk = 0;
+};
+
+// The LOADSTATS line rank_worker prints for each rank.
+std::map<int, LoadStats> load_stats(const std::string& out) {
+  std::map<int, LoadStats> stats;
+  for (int r = 0; r < kRanks; ++r) {
+    const auto lines = lines_with(out, "[rank " + std::to_string(r) + "] LOADSTATS");
+    if (lines.size() != 1) continue;
+    LoadStats s;
+    const std::string& l = lines[0];
+    auto field = [&](const std::string& name) {
+      const auto at = l.find(name + "=");
+      return at == std::string::npos ? 0 : std::stoull(l.substr(at + name.size() + 1));
+    };
+    s.read = field("read");
+    s.received = field("received");
+    s.disk = field("disk");
+    stats[r] = s;
+  }
+  return stats;
+}
+
+ferry::Manifest manifest_of(const std::string& step_dir) {
+  auto m = ferry::read_manifest(*ferry::posix_filesystem(), step_dir);
+  REQUIRE(m.ok());
+  return std::move(m).value();
+}
+
+uint64_t data_bytes(const ferry::Manifest& m) {
+  uint64_t n = 0;
+  for (const auto& t : m.tensors)
+    for (const auto& c : t.chunks) n += c.byte_length;
+  return n;
+}
+
+// The plan of a rank that loads every tensor whole, as rank_worker --layout
+// full does (chunk-bytes 256 KiB caps its reads).
+std::vector<ferry::ReadOp> whole_plan(const ferry::Manifest& m) {
+  std::vector<ferry::LoadRequest> reqs;
+  for (const auto& t : m.tensors) {
+    ferry::LoadRequest r;
+    r.entry = static_cast<uint32_t>(reqs.size());
+    r.key = t.key;
+    r.dtype = t.dtype;
+    r.global_shape = t.global_shape;
+    r.box = ferry::Box::whole(t.global_shape);
+    reqs.push_back(r);
+  }
+  ferry::LoadPlanOptions o;
+  o.max_read_bytes = 256 << 10;
+  auto ops = ferry::make_load_plan(m, reqs, o);
+  REQUIRE(ops.ok());
+  return ops.value();
+}
+
+}  // namespace
+
+TEST_CASE("four local ranks loading a replicated state read it from disk once", "[ranks][load]") {
+  TempDir d;
+  auto saved = launch(kRanks, "--mode save --root " + d.path() + " --step 1 --seed 7");
+  INFO(saved.out);
+  REQUIRE(saved.code == 0);
+  auto latest = ferry::find_latest(*ferry::posix_filesystem(), d.path());
+  REQUIRE(latest.ok());
+  const ferry::Manifest m = manifest_of(latest->path);
+  const uint64_t one_copy = data_bytes(m);
+
+  auto l = launch(kRanks, "--mode load --layout full --evict 1 --seed 7 --root " + d.path());
+  INFO(l.out);
+  REQUIRE(l.code == 0);
+  CHECK(count(l.out, "every byte equal") == kRanks);
+  const auto stats = load_stats(l.out);
+  REQUIRE(stats.size() == kRanks);
+  uint64_t read = 0, received = 0, disk = 0;
+  for (const auto& [rank, s] : stats) {
+    INFO("rank " << rank << " read " << s.read << " received " << s.received << " disk " << s.disk);
+    CHECK(s.read + s.received == one_copy);  // each rank has the whole state
+    read += s.read;
+    received += s.received;
+    disk += s.disk;
+  }
+  // One copy read between them, three received.
+  CHECK(read == one_copy);
+  CHECK(received == (kRanks - 1) * one_copy);
+  // What the kernel saw read from disk: one copy plus alignment padding and
+  // the safetensors headers (4 KiB each, per reading rank and file), not four.
+  INFO("disk bytes " << disk << ", one copy " << one_copy << ", files " << m.files.size());
+  if (disk == 0) {
+    WARN("/proc/self/io read_bytes stays 0 here (no block device below the files)");
+  } else {
+    CHECK(disk >= one_copy);
+    CHECK(disk <= one_copy + kRanks * m.files.size() * 16 * 1024 + 64 * 1024);
+  }
+}
+
+TEST_CASE("a rank that reads shared bytes and finds them corrupt fails the load on every rank",
+          "[ranks][load]") {
+  TempDir d;
+  auto saved = launch(kRanks, "--mode save --root " + d.path() + " --step 1 --seed 7");
+  INFO(saved.out);
+  REQUIRE(saved.code == 0);
+  auto latest = ferry::find_latest(*ferry::posix_filesystem(), d.path());
+  REQUIRE(latest.ok());
+  const ferry::Manifest m = manifest_of(latest->path);
+
+  // A byte of the replicated "rep_big", and the rank that reads it for all.
+  const ferry::ManifestTensor* t = m.find("rep_big");
+  REQUIRE(t != nullptr);
+  const ferry::ManifestChunk& c = t->chunks.back();
+  const uint64_t bad = c.byte_offset + c.byte_length / 2;
+  std::vector<ferry::RankNeeds> needs;
+  const auto ops = whole_plan(m);
+  for (int r = 0; r < kRanks; ++r) needs.push_back({r, "node", ferry::needed_ranges(ops)});
+  int reader = -1;
+  for (const auto& s : ferry::assign_shared_reads(needs))
+    if (s.range.file == c.file && s.range.offset <= bad && bad < s.range.offset + s.range.length) {
+      CHECK(s.receivers.size() == kRanks - 1);
+      reader = s.reader;
+    }
+  REQUIRE(reader >= 0);
+  {
+    std::fstream f(latest->path + "/" + m.files[c.file].name,
+                   std::ios::in | std::ios::out | std::ios::binary);
+    REQUIRE(f.good());
+    f.seekg(static_cast<std::streamoff>(bad));
+    char b = 0;
+    f.read(&b, 1);
+    b ^= 0x5a;
+    f.seekp(static_cast<std::streamoff>(bad));
+    f.write(&b, 1);
+    REQUIRE(f.good());
+  }
+
+  auto l = launch(kRanks, "--mode load --layout full --evict 1 --seed 7 --root " + d.path());
+  INFO(l.out << "\nreader of the corrupt byte: rank " << reader);
+  CHECK(l.code != 0);
+  CHECK(count(l.out, "every byte equal") == 0);
+  for (int r = 0; r < kRanks; ++r) {
+    INFO("rank " << r);
+    const auto errors = lines_with(l.out, "[rank " + std::to_string(r) + "] ERROR load:");
+    REQUIRE(errors.size() == 1);
+    CHECK_THAT(errors[0], Catch::Contains("rank " + std::to_string(reader) + ":") &&
+                              Catch::Contains("checksum mismatch") && Catch::Contains("rep_big"));
+  }
+  CHECK(l.seconds < 20);  // the reader's failure ends the wait, not write-timeout (30 s)
+}
