@@ -15,6 +15,7 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <deque>
+#include <functional>
 #include <future>
 #include <map>
 #include <mutex>
@@ -157,6 +158,58 @@ struct OpenFile {
   }
 };
 
+// The threads that issue one reader's preads: started once per read task,
+// not once per read, since a thread start (clone, a stack mapping, its page
+// faults, its unmapping) costs kernel time that adds up over many runs.
+class PreadThreads {
+ public:
+  explicit PreadThreads(size_t n) {
+    for (size_t i = 0; i < n; ++i) threads_.emplace_back([this] { loop(); });
+  }
+  ~PreadThreads() {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+  PreadThreads(const PreadThreads&) = delete;
+  PreadThreads& operator=(const PreadThreads&) = delete;
+
+  std::future<Result<size_t>> submit(std::function<Result<size_t>()> fn) {
+    auto task = std::make_shared<std::packaged_task<Result<size_t>()>>(std::move(fn));
+    auto got = task->get_future();
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      queue_.push_back([task] { (*task)(); });
+    }
+    cv_.notify_one();
+    return got;
+  }
+
+ private:
+  void loop() {
+    for (;;) {
+      std::function<void()> job;
+      {
+        std::unique_lock<std::mutex> l(mu_);
+        cv_.wait(l, [this] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stopping, and nothing left to run
+        job = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      job();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  bool stop_ = false;
+  std::vector<std::thread> threads_;
+};
+
 // One pread in flight: the block it reads into and its outcome.
 struct InFlight {
   const ReadRun* run = nullptr;
@@ -169,7 +222,8 @@ struct InFlight {
 
 class RunReader {
  public:
-  RunReader(const RankContext& ctx, const ReadTask& task) : ctx_(ctx), task_(task) {}
+  RunReader(const RankContext& ctx, const ReadTask& task)
+      : ctx_(ctx), task_(task), io_(kReadsInFlight) {}
   // Every read started is waited for and every block released, whatever failed.
   ~RunReader() {
     while (!inflight_.empty()) {
@@ -258,8 +312,7 @@ class RunReader {
     }
     f.file = file.value();
     File* fp = f.file->file.get();
-    f.got = std::async(std::launch::async,
-                       [fp, buf = f.buf, &run] { return fp->pread(buf, run.length, run.offset); });
+    f.got = io_.submit([fp, buf = f.buf, &run] { return fp->pread(buf, run.length, run.offset); });
     inflight_.push_back(std::move(f));
     return true;
   }
@@ -313,6 +366,7 @@ class RunReader {
 
   const RankContext& ctx_;
   const ReadTask& task_;
+  PreadThreads io_;  // outlives no read: the destructor waits for every one first
   std::vector<ReadRun> runs_;
   std::map<uint32_t, std::unique_ptr<OpenFile>> files_;
   std::deque<InFlight> inflight_;

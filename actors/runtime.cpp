@@ -363,6 +363,11 @@ Result<std::unique_ptr<Runtime>> Runtime::create(RuntimeArgs args) {
   // Ferry is a guest in the training process: a few scheduler threads are
   // plenty for message passing (blocking I/O has its own threads).
   impl->cfg.set("scheduler.max-threads", 2);
+  // An idle scheduler thread polls 500 times with 50 us sleeps after each
+  // message before it waits on its condition variable (CAF's default); those
+  // sleeps were a third of a load's kernel CPU. Waking a waiting thread costs
+  // one notify, so poll briefly.
+  impl->cfg.set("work-stealing.moderate-poll-attempts", 10);
   impl->cfg.set("logger.console-verbosity", caf::atom("quiet"));
   std::vector<std::string> caf_args;
   for (const auto& a : args.argv)
@@ -587,7 +592,9 @@ Status load_local(Runtime::Impl& im, caf::scoped_actor& self, StateDict& sd, con
   std::vector<ReadOp> ops;
   const Status planned =
       reply.status.ok() ? plan_load(im, sd, reply, &manifest, &requests, &ops) : reply.status;
-  LoadJob job{reply.dir, manifest, {}, {}};
+  LoadJob job;
+  job.dir = reply.dir;
+  job.manifest = manifest;
   if (im.ctx->world_size > 1) {
     auto needs = exchange_needs(im, self, id + "/needs", planned,
                                 RankNeeds{im.ctx->rank, host_name(), needed_ranges(ops)});
