@@ -11,9 +11,10 @@
 #include <vector>
 
 #include "catalog.hpp"
+#include "ferry/export.hpp"
 #include "ferry/filesystem.hpp"
-#include "manifest.hpp"
 #include "ferry/runtime.hpp"
+#include "manifest.hpp"
 
 struct ferry_runtime {
   std::unique_ptr<ferry::Runtime> rt;
@@ -283,6 +284,32 @@ ferry_status ferry_load(ferry_runtime* rt, const ferry_tensor* tensors, size_t n
     ferry::StateDict sd;
     if (auto st = to_state_dict(tensors, num_tensors, &sd); !st.ok()) return to_c(st);
     return to_c(rt->rt->load(sd, path));
+  });
+}
+
+ferry_status ferry_export(ferry_runtime* rt, const char* path, const char* out_dir,
+                          uint64_t max_shard_bytes, uint64_t block_bytes,
+                          const char* const* metadata_keys, const char* const* metadata_values,
+                          size_t num_metadata, const char** index_out) {
+  return guarded([&] {
+    if (!rt) return null_arg("runtime");
+    if (!path) return null_arg("path");
+    if (!out_dir) return null_arg("out_dir");
+    if (!index_out) return null_arg("index_out");
+    if (num_metadata && (!metadata_keys || !metadata_values)) return null_arg("metadata");
+    ferry::ExportOptions o;
+    if (max_shard_bytes) o.max_shard_bytes = max_shard_bytes;
+    if (block_bytes) o.block_bytes = block_bytes;
+    for (size_t i = 0; i < num_metadata; ++i) {
+      if (!metadata_keys[i] || !metadata_values[i]) return null_arg("metadata entry");
+      o.metadata.emplace_back(metadata_keys[i], metadata_values[i]);
+    }
+    *index_out = "";
+    auto r = ferry::export_checkpoint(*rt->rt, path, out_dir, o);
+    if (!r.ok()) return to_c(r.status());
+    t_string = *r;
+    *index_out = t_string.c_str();
+    return to_c(ferry::Status());
   });
 }
 

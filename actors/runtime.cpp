@@ -687,13 +687,14 @@ Result<LoadReport> Runtime::load_report(StateDict& sd, const std::string& path) 
   // would leave the others waiting for it.
   if (im.ctx->world_size > 1) s = collective_outcome(im, self, id, s);
   if (!s.ok()) return s;
-  log_not_restored(im, report);
   return report;
 }
 
 Status Runtime::load(StateDict& sd, const std::string& path) {
   auto r = load_report(sd, path);
-  return r.ok() ? Status() : r.status();
+  if (!r.ok()) return r.status();
+  log_not_restored(*impl_, *r);
+  return Status();
 }
 
 std::string Runtime::latest(const std::string& root) const {

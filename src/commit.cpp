@@ -8,6 +8,17 @@
 
 namespace ferry {
 
+namespace {
+
+// The one place a chunk as a rank reported it (protocol) becomes a chunk of
+// the manifest; `file_base` turns the rank's file index into the manifest's.
+ManifestChunk manifest_chunk(const WrittenChunk& c, uint32_t file_base) {
+  return {c.box.offsets, c.box.sizes, file_base + c.file, c.byte_offset,
+          c.byte_length, c.entry,     c.checksums};
+}
+
+}  // namespace
+
 Result<Manifest> assemble_manifest(const ManifestHeader& header,
                                    const std::vector<WriteResult>& results) {
   Manifest m;
@@ -41,8 +52,7 @@ Result<Manifest> assemble_manifest(const ManifestHeader& header,
                                         "' reported with different dtype or "
                                         "global shape by rank " +
                                         std::to_string(wr.rank));
-      t.chunks.push_back({c.box.offsets, c.box.sizes, file_base + c.file, c.byte_offset,
-                          c.byte_length, c.entry, c.checksums});
+      t.chunks.push_back(manifest_chunk(c, file_base));
     }
   }
   std::sort(m.tensors.begin(), m.tensors.end(),

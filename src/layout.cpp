@@ -593,4 +593,51 @@ Result<SafetensorsHeader> parse_safetensors_header(const std::string& prefix, ui
   return h;
 }
 
+std::string json_string(const std::string& s) {
+  std::string out;
+  append_json_string(out, s);
+  return out;
+}
+
+Result<std::string> safetensors_header(
+    const std::vector<SafetensorsEntry>& entries,
+    const std::vector<std::pair<std::string, std::string>>& metadata, uint64_t alignment) {
+  std::string json = "{";
+  if (!metadata.empty()) {
+    json += "\"__metadata__\":{";
+    for (size_t i = 0; i < metadata.size(); ++i) {
+      const auto& [k, v] = metadata[i];
+      if (!is_valid_utf8(k) || !is_valid_utf8(v))
+        return Status::invalid_argument("metadata '" + (is_valid_utf8(k) ? k : std::string("?")) +
+                                        "' is not valid UTF-8, which a safetensors header needs");
+      json += i ? "," : "";
+      append_json_string(json, k);
+      json += ':';
+      append_json_string(json, v);
+    }
+    json += '}';
+  }
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const SafetensorsEntry& e = entries[i];
+    if (!is_valid_utf8(e.name))
+      return Status::invalid_argument("entry " + std::to_string(i) +
+                                      " has a name that is not valid UTF-8");
+    json += (i || !metadata.empty()) ? "," : "";
+    append_json_string(json, e.name);
+    json += ":{\"dtype\":\"" + e.dtype + "\",\"shape\":" + shape_to_string(e.shape) +
+            ",\"data_offsets\":[" + std::to_string(e.begin) + "," + std::to_string(e.end) + "]}";
+  }
+  json += '}';
+  // Trailing spaces are JSON whitespace: padding keeps the header valid for
+  // every reader while the data starts on the boundary asked for.
+  const uint64_t a = std::max<uint64_t>(alignment, 1);
+  const uint64_t padded = (8 + json.size() + a - 1) / a * a;
+  const uint64_t n = padded - 8;
+  json.append(n - json.size(), ' ');
+  std::string out;
+  out.reserve(padded);
+  for (int i = 0; i < 8; ++i) out += static_cast<char>((n >> (8 * i)) & 0xff);
+  return out + json;
+}
+
 }  // namespace ferry

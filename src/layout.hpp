@@ -68,4 +68,15 @@ struct SafetensorsHeader {
 // covering [0, file_size - data_start) exactly, unique names.
 Result<SafetensorsHeader> parse_safetensors_header(const std::string& prefix, uint64_t file_size);
 
+// A safetensors header: 8-byte LE length, then a JSON object with the
+// `metadata` as "__metadata__" (when any) and `entries` in order, padded
+// with spaces so the data starts on a multiple of `alignment`. Keys,
+// values and names must be valid UTF-8.
+Result<std::string> safetensors_header(
+    const std::vector<SafetensorsEntry>& entries,
+    const std::vector<std::pair<std::string, std::string>>& metadata, uint64_t alignment);
+
+// `s` as a JSON string literal, quotes included (`s` valid UTF-8).
+std::string json_string(const std::string& s);
+
 }  // namespace ferry

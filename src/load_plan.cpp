@@ -10,15 +10,6 @@ namespace ferry {
 
 namespace {
 
-std::string shape_string(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(shape[i]);
-  }
-  return s + "]";
-}
-
 Box chunk_box(const ManifestChunk& c) {
   return Box{c.offsets, c.sizes};
 }
@@ -172,14 +163,14 @@ Result<std::vector<ReadOp>> make_load_plan(const Manifest& m,
                                       " requested, checkpoint has " + dtype_name(t->dtype));
     if (t->global_shape != req.global_shape)
       return Status::invalid_argument(
-          "tensor '" + req.key + "': global shape " + shape_string(req.global_shape) +
-          " requested, checkpoint has " + shape_string(t->global_shape));
+          "tensor '" + req.key + "': global shape " + shape_to_string(req.global_shape) +
+          " requested, checkpoint has " + shape_to_string(t->global_shape));
     if (req.box.offsets.size() != req.global_shape.size() ||
         std::any_of(req.box.sizes.begin(), req.box.sizes.end(), [](int64_t s) { return s < 0; }) ||
         !Box::whole(req.global_shape).contains(req.box))
       return Status::invalid_argument("tensor '" + req.key + "': requested box " +
                                       req.box.to_string() + " is not inside global shape " +
-                                      shape_string(req.global_shape));
+                                      shape_to_string(req.global_shape));
     const size_t elem_size = dtype_size(t->dtype);
     if (elem_size == 0) return Status::invalid_argument("tensor '" + req.key + "': unknown dtype");
     if (req.box.empty()) continue;

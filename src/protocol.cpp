@@ -330,14 +330,9 @@ std::string quoted(const std::string& s) {
   return "\"" + s + "\"";
 }
 
-// Box::to_string adds offsets to sizes, which may overflow on hostile input.
+// Offsets and sizes apart: on hostile input their ranks may differ.
 std::string box_text(const Box& b) {
-  auto list = [](const std::vector<int64_t>& v) {
-    std::string s = "[";
-    for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
-    return s + "]";
-  };
-  return "box (offsets " + list(b.offsets) + ", sizes " + list(b.sizes) + ")";
+  return "box (offsets " + shape_to_string(b.offsets) + ", sizes " + shape_to_string(b.sizes) + ")";
 }
 
 Status read_status(proto::Status::Reader r, const std::string& where, Status* out) {

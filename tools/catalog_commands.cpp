@@ -3,13 +3,14 @@
 #include <cinttypes>
 #include <cstdio>
 
+#include "box.hpp"
 #include "catalog.hpp"
 #include "drills/fault_fs.hpp"
 #include "drills/kill_point.hpp"
-#include "manifest.hpp"
 #include "ferry/options.hpp"
-#include "verify.hpp"
+#include "manifest.hpp"
 #include "tools/commands.hpp"
+#include "verify.hpp"
 
 namespace ferry::cli {
 
@@ -31,12 +32,6 @@ int need_one(const Args& args, const char* what) {
   if (args.size() == 1) return 0;
   std::fprintf(stderr, "expected exactly one argument: %s\n", what);
   return 2;
-}
-
-std::string dims(const std::vector<int64_t>& v) {
-  std::string s = "[";
-  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
-  return s + "]";
 }
 
 }  // namespace
@@ -157,10 +152,10 @@ int cmd_inspect(const Args& args) {
   std::printf("tensors:\n");
   for (const auto& t : m->tensors) {
     std::printf("  %s  %s %s  %zu chunk(s)\n", t.key.c_str(), dtype_name(t.dtype),
-                dims(t.global_shape).c_str(), t.chunks.size());
+                shape_to_string(t.global_shape).c_str(), t.chunks.size());
     for (const auto& c : t.chunks) {
       std::printf("    offsets %s sizes %s  file [%u] %s bytes %" PRIu64 "..%" PRIu64,
-                  dims(c.offsets).c_str(), dims(c.sizes).c_str(), c.file,
+                  shape_to_string(c.offsets).c_str(), shape_to_string(c.sizes).c_str(), c.file,
                   m->files[c.file].name.c_str(), c.byte_offset, c.byte_offset + c.byte_length);
       if (!c.checksums.empty())
         std::printf("  xxh3 %016" PRIx64 "%s", c.checksums[0],

@@ -18,6 +18,7 @@ int cmd_kill_points(const Args& args);
 int cmd_power_cut(const Args& args);
 int cmd_demo(const Args& args);
 int cmd_launch(const Args& args);
+int cmd_export(const Args& args);
 
 // "1.50 GiB"
 std::string human_bytes(double bytes);

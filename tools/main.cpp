@@ -50,6 +50,15 @@ const Command kCommands[] = {
      "usage: ferry power-cut JOURNAL\n"
      "  Applies the power-cut model to what the FERRY_FAULTS journal JOURNAL\n"
      "  recorded: drops what was not durable.\n"},
+    {"export", ferry::cli::cmd_export,
+     "export CKPT OUT      the checkpoint as plain safetensors files (full shapes)\n"
+     "                       with a Hugging Face model.safetensors.index.json",
+     "usage: ferry export CKPT|ROOT OUT [--max-shard-bytes N] [--block-bytes N]\n"
+     "  Writes every tensor of a checkpoint (a ROOT means its latest), whole, into\n"
+     "  OUT/model-0000i-of-0000N.safetensors files of at most N bytes each (default\n"
+     "  5 GiB; a larger tensor gets a file of its own) and\n"
+     "  OUT/model.safetensors.index.json. Every byte is checksum-verified on the way;\n"
+     "  memory stays within --block-bytes (default 256 MiB) plus one row.\n"},
     {"demo", ferry::cli::cmd_demo,
      "demo [flags]         a training loop that checkpoints in the background\n"
      "                       (ferry demo --help for its flags)",

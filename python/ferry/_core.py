@@ -157,6 +157,11 @@ def _sharded_tensor_shard(key, v):
 
 def _dtensor_shard(key, v):
     """torch 2.x DTensor -> Shard, from its mesh and placements."""
+    # A Partial placement holds addends of the value, not a piece of it.
+    partial = [p for p in v.placements if type(p).__name__.endswith("Partial")]
+    if partial:
+        raise FerryError("tensor '%s': DTensor with a Partial placement (%s); redistribute it to "
+                         "Shard or Replicate before saving" % (key, partial[0]))
     local = v.to_local()
     try:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset

@@ -154,6 +154,12 @@ def _declare(L):
         "ferry_save_metrics_get": (None, [vp, ctypes.POINTER(SaveMetrics)]),
         "ferry_save_release": (None, [vp]),
         "ferry_load": (st, [vp, tp, sz, ctypes.c_char_p]),
+        "ferry_export": (
+            st,
+            [vp, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_uint64, ctypes.c_uint64,
+             ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_char_p), sz,
+             ctypes.POINTER(ctypes.c_char_p)],
+        ),
         "ferry_latest": (st, [ctypes.c_char_p, ctypes.POINTER(ctypes.c_char_p)]),
         "ferry_list_steps": (
             st,

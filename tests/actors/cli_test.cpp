@@ -6,12 +6,15 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <set>
 
 #include "catalog.hpp"
 #include "ferry/runtime.hpp"
-#include "verify.hpp"
+#include "layout.hpp"
 #include "process.hpp"
 #include "test_util.hpp"
+#include "verify.hpp"
 
 namespace fs = std::filesystem;
 using ferry::testing::run_shell;
@@ -65,8 +68,8 @@ TEST_CASE("ferry --help lists every command; CMD --help prints that command's he
   auto r = run_shell(kCli + " --help");
   INFO(r.out);
   CHECK(r.code == 0);
-  for (const char* cmd :
-       {"ls", "inspect", "verify", "gc", "config", "kill-points", "power-cut", "demo", "launch"}) {
+  for (const char* cmd : {"ls", "inspect", "verify", "gc", "config", "kill-points", "power-cut",
+                          "demo", "launch", "export"}) {
     INFO(cmd);
     CHECK_THAT(r.out, Catch::Contains(std::string("\n  ") + cmd + " "));
     auto h = run_shell(kCli + " " + cmd + " --help");
@@ -251,4 +254,106 @@ TEST_CASE("ls --verify and latest_valid walk back past a corrupt checkpoint", "[
   auto lv = ferry::latest_valid(*ferry::posix_filesystem(), dir.path());
   REQUIRE(lv.ok());
   CHECK(lv->path == dir.path() + "/step-00000100");
+}
+
+TEST_CASE("ferry export writes whole tensors as plain safetensors with an index", "[cli][export]") {
+  TempDir dir;
+  const std::string root = dir.sub("root");
+  std::vector<float> emb(300 * 64);
+  for (size_t i = 0; i < emb.size(); ++i) emb[i] = static_cast<float>(i) * 0.5f;
+  std::vector<uint16_t> bias(64);
+  for (size_t i = 0; i < bias.size(); ++i) bias[i] = static_cast<uint16_t>(0x3f80 + i);
+  int64_t count = 17;
+  std::vector<uint8_t> mask = {1, 0, 1, 1, 0, 0, 1, 0, 1};
+  float none = 0;
+  {
+    ferry::RuntimeArgs args;
+    args.set("root", root).set("pool-bytes", "1MiB").set("chunk-bytes", "16KiB");
+    auto rt = ferry::Runtime::create(args);
+    REQUIRE(rt.ok());
+    ferry::StateDict sd;
+    REQUIRE(sd.add("emb", {emb.data(), ferry::DType::f32, {300, 64}}).ok());
+    REQUIRE(sd.add("ln.bias", {bias.data(), ferry::DType::bf16, {64}}).ok());
+    REQUIRE(sd.add("count", {&count, ferry::DType::i64, {}}).ok());
+    REQUIRE(sd.add("mask", {mask.data(), ferry::DType::boolean, {9}}).ok());
+    REQUIRE(sd.add("empty", {&none, ferry::DType::f32, {0, 4}}).ok());
+    REQUIRE((*rt)->save_async(sd, 40).wait_committed().ok());
+  }
+  const std::map<std::string, std::pair<std::string, std::string>> want = {
+      {"emb", {"F32", std::string(reinterpret_cast<char*>(emb.data()), emb.size() * 4)}},
+      {"ln.bias", {"BF16", std::string(reinterpret_cast<char*>(bias.data()), bias.size() * 2)}},
+      {"count", {"I64", std::string(reinterpret_cast<char*>(&count), 8)}},
+      {"mask", {"BOOL", std::string(reinterpret_cast<char*>(mask.data()), mask.size())}},
+      {"empty", {"F32", ""}},
+  };
+
+  // emb (75 KiB) is over both caps: a file of its own, read in row blocks.
+  const std::string out = dir.sub("hf");
+  auto r = run_shell(kCli + " export " + root + " " + out +
+                     " --max-shard-bytes 40000 --block-bytes 10000");
+  INFO(r.out);
+  REQUIRE(r.code == 0);
+  CHECK_THAT(r.out, Catch::Contains(out + "/model.safetensors.index.json"));
+  std::vector<std::string> files;
+  for (const auto& e : fs::directory_iterator(out))
+    if (e.path().extension() == ".safetensors") files.push_back(e.path().string());
+  std::sort(files.begin(), files.end());
+  REQUIRE(files.size() == 3);  // [count], [emb], [empty, ln.bias, mask]
+  CHECK_THAT(files[0], Catch::EndsWith("model-00001-of-00003.safetensors"));
+
+  std::ifstream idx(out + "/model.safetensors.index.json");
+  const std::string index((std::istreambuf_iterator<char>(idx)), std::istreambuf_iterator<char>());
+  uint64_t total = 0;
+  std::set<std::string> seen;
+  for (const auto& path : files) {
+    std::ifstream f(path, std::ios::binary);
+    const std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    auto h = ferry::parse_safetensors_header(bytes, bytes.size());
+    REQUIRE(h.ok());
+    CHECK(h->data_start % 8 == 0);
+    bool has_step = false;
+    for (const auto& [k, v] : h->metadata) has_step |= k == "ferry.step" && v == "40";
+    CHECK(has_step);
+    for (const auto& e : h->entries) {
+      INFO(e.name);
+      REQUIRE(want.count(e.name));
+      seen.insert(e.name);
+      CHECK(e.dtype == want.at(e.name).first);
+      CHECK(bytes.substr(h->data_start + e.begin, e.end - e.begin) == want.at(e.name).second);
+      CHECK_THAT(index, Catch::Contains("\"" + e.name + "\": \"" +
+                                        fs::path(path).filename().string() + "\""));
+      total += e.end - e.begin;
+    }
+  }
+  CHECK(seen.size() == want.size());
+  CHECK_THAT(index, Catch::Contains("\"total_size\": " + std::to_string(total)));
+  if (run_shell("/usr/bin/python3 -c 'import json'").code == 0) {
+    const std::string checker = std::string(FERRY_SOURCE_DIR) + "/tests/tools/check_safetensors.py";
+    auto c = run_shell("/usr/bin/python3 " + checker + " --align 8 " + out + "/*.safetensors");
+    INFO(c.out);
+    CHECK(c.code == 0);
+  }
+
+  // A corrupt byte in the checkpoint fails the export naming the tensor; OUT
+  // gets no index and no partial file.
+  const std::string data = root + "/step-00000040/rank-00000-0000.safetensors";
+  {
+    std::fstream f(data, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(static_cast<std::streamoff>(fs::file_size(data) - 4096));
+    const char c = static_cast<char>(f.get());
+    f.seekp(static_cast<std::streamoff>(fs::file_size(data) - 4096));
+    f.put(static_cast<char>(c ^ 0x40));
+  }
+  const std::string bad = dir.sub("bad");
+  r = run_shell(kCli + " export " + root + " " + bad + " --block-bytes 10000");
+  INFO(r.out);
+  CHECK(r.code == 1);
+  CHECK_THAT(r.out, Catch::Contains("ferry export:") && Catch::Contains("emb"));
+  CHECK_FALSE(fs::exists(bad + "/model.safetensors.index.json"));
+  for (const auto& e : fs::directory_iterator(bad)) CHECK(e.path().extension() != ".tmp");
+
+  CHECK(run_shell(kCli + " export " + root).code == 2);
+  r = run_shell(kCli + " export " + dir.sub("nothing") + " " + dir.sub("o"));
+  CHECK(r.code == 1);
+  CHECK_THAT(r.out, Catch::Contains(dir.sub("nothing")));
 }

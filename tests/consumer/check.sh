@@ -10,11 +10,16 @@ gen=(-DCMAKE_BUILD_TYPE=RelWithDebInfo)
 case "$mode" in
   install)
     cmake --install "$build" --prefix "$work/prefix" > "$work/install.log"
-    # Only the public headers are installed, and the library has a SONAME.
+    # Exactly the public headers are installed, main.cpp includes every one,
+    # and the library has a SONAME.
     headers=$(cd "$work/prefix/include/ferry" && ls | sort | tr '\n' ' ')
+    public=$(cd "$src/src/include/ferry" && ls *.hpp | sort | tr '\n' ' ')
     echo "installed headers: $headers"
-    [ "$headers" = "device.hpp filesystem.hpp options.hpp runtime.hpp status.hpp tensor.hpp " ] ||
-      { echo "unexpected public headers"; exit 1; }
+    [ "$headers" = "$public" ] || { echo "expected the public headers: $public"; exit 1; }
+    for h in $headers; do
+      grep -q "^#include <ferry/$h>" "$src/tests/consumer/main.cpp" ||
+        { echo "tests/consumer/main.cpp does not include ferry/$h"; exit 1; }
+    done
     lib=$(ls "$work"/prefix/lib*/libferry.so)
     soname=$(readelf -d "$lib" | sed -n 's/.*SONAME.*\[\(.*\)\]/\1/p')
     echo "SONAME: $soname"

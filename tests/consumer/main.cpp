@@ -2,6 +2,7 @@
 // state dict through the public API: proof that the installed headers are
 // self-contained and that Ferry::ferry links and runs on its own.
 #include <ferry/device.hpp>
+#include <ferry/export.hpp>
 #include <ferry/filesystem.hpp>
 #include <ferry/options.hpp>
 #include <ferry/runtime.hpp>
@@ -43,6 +44,11 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "loaded bytes differ\n");
     return 1;
   }
-  std::printf("consumer: saved and loaded step 3 through Ferry::ferry\n");
+  auto index = ferry::export_checkpoint(**rt, (*rt)->latest(), std::string(argv[1]) + "/export");
+  if (!index.ok()) {
+    std::fprintf(stderr, "export: %s\n", index.status().to_string().c_str());
+    return 1;
+  }
+  std::printf("consumer: saved, loaded and exported step 3 through Ferry::ferry\n");
   return 0;
 }

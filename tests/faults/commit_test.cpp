@@ -20,8 +20,8 @@
 #include "catalog.hpp"
 #include "commit.hpp"
 #include "drills/fault_fs.hpp"
-#include "ferry/filesystem.hpp"
 #include "drills/kill_point.hpp"
+#include "ferry/filesystem.hpp"
 #include "test_util.hpp"
 
 namespace ferry {
@@ -302,6 +302,17 @@ void run_killed_at(const char* point, Fn commit) {
   CHECK(WTERMSIG(status) == SIGKILL);
 }
 
+// Stages a "new" step over a committed one and commits it with overwrite
+// in a child killed at `point`.
+void overwrite_killed_at(Filesystem& fs, const std::string& root, uint64_t step,
+                         const char* point) {
+  CommitOptions opts;
+  opts.overwrite = true;
+  Manifest m;
+  std::string pending = stage(fs, root, step, &m, "new", true);
+  run_killed_at(point, [&] { (void)commit_checkpoint(fs, root, pending, m, opts); });
+}
+
 TEST_CASE("an overwrite killed with the old step aside: the old step comes back",
           "[commit][overwrite]") {
   TempDir tmp;
@@ -309,11 +320,7 @@ TEST_CASE("an overwrite killed with the old step aside: the old step comes back"
   const std::string root = tmp.path();
   commit_ok(*fs, root, 5, "old");
   commit_ok(*fs, root, 6, "later");
-  CommitOptions opts;
-  opts.overwrite = true;
-  Manifest m;
-  std::string pending = stage(*fs, root, 5, &m, "new", true);
-  run_killed_at("overwrite.aside", [&] { (void)commit_checkpoint(*fs, root, pending, m, opts); });
+  overwrite_killed_at(*fs, root, 5, "overwrite.aside");
   // Killed between the two renames: no step-5 in place, the old one aside.
   CHECK_FALSE(exists(join_path(root, step_dir_name(5))));
 
@@ -346,11 +353,7 @@ TEST_CASE("an overwrite killed after its commit rename leaves the new step whole
   auto fs = posix_filesystem();
   const std::string root = tmp.path();
   commit_ok(*fs, root, 5, "old");
-  CommitOptions opts;
-  opts.overwrite = true;
-  Manifest m;
-  std::string pending = stage(*fs, root, 5, &m, "new", true);
-  run_killed_at("commit.rename", [&] { (void)commit_checkpoint(*fs, root, pending, m, opts); });
+  overwrite_killed_at(*fs, root, 5, "commit.rename");
   require_latest(*fs, root, 5, "new");
   // The replaced step is garbage; gc removes it and leaves the new one.
   auto gc = collect_garbage(*fs, root, now_unix_ms());

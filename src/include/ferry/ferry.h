@@ -180,6 +180,19 @@ FERRY_API void ferry_save_release(ferry_save* s);
 FERRY_API ferry_status ferry_load(ferry_runtime* rt, const ferry_tensor* tensors,
                                   size_t num_tensors, const char* path);
 
+/* Writes the checkpoint at `path` (or a root's latest) consolidated into
+ * out_dir: model-0000i-of-0000N.safetensors files of at most
+ * max_shard_bytes each (0: 5 GiB) and model.safetensors.index.json, whose
+ * path goes to *index_out (owned by this thread, valid until its next call
+ * into this library). Memory stays near block_bytes (0: 256 MiB). The
+ * num_metadata key/value pairs are added to every file's __metadata__.
+ * `rt` must be a single-process runtime. */
+FERRY_API ferry_status ferry_export(ferry_runtime* rt, const char* path, const char* out_dir,
+                                    uint64_t max_shard_bytes, uint64_t block_bytes,
+                                    const char* const* metadata_keys,
+                                    const char* const* metadata_values, size_t num_metadata,
+                                    const char** index_out);
+
 /* --- catalog (no runtime needed) ---------------------------------------- */
 
 /* The latest committed checkpoint under root in *out (owned by this thread,

@@ -132,8 +132,8 @@ class Runtime {
   // Fills `sd`'s tensors from the checkpoint at `path` (a step directory, or
   // a root: then its latest). Shards may differ from the saved ones. A key
   // the checkpoint lacks is an error naming it; a checkpoint tensor the state
-  // dict does not ask for is left out (load_report() says which, and one line
-  // on stderr lists them). With several ranks every rank calls load with the
+  // dict does not ask for is left out (one line on stderr lists them;
+  // load_report() returns the list instead). With several ranks every rank calls load with the
   // same path and every rank ends with the same outcome: the first error,
   // naming the rank it came from, or success once every rank succeeded.
   Status load(StateDict& sd, const std::string& path);

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The architecture as include rules, checked on every test run:
+#   src/ (the pure core) includes nothing from actors/, CAF or UCX;
+#   a public header (src/include/ferry/) includes only the standard library
+#   and other public headers, so the installed package stands alone.
+set -uo pipefail
+src=$1
+bad=0
+while IFS= read -r hit; do
+  echo "src/ reaches the runtime: $hit"
+  bad=1
+done < <(grep -rnE '#include [<"](actors/|caf/|ucp/|ucs/|uct/)' "$src/src" --include='*.hpp' \
+           --include='*.cpp' --include='*.h' | sed "s|$src/||")
+for h in "$src"/src/include/ferry/*; do
+  while IFS= read -r inc; do
+    name=$(sed -E 's/#include [<"]([^>"]+)[>"].*/\1/' <<< "$inc")
+    case "$name" in
+      ferry/*) [ -f "$src/src/include/$name" ] || { echo "${h#$src/}: $name is not public"; bad=1; } ;;
+      */*|*.hpp|*.h)
+        # C and C++ standard headers only (stdint.h, stddef.h for ferry.h).
+        case "$name" in stdint.h|stddef.h) ;; *) echo "${h#$src/}: includes $name"; bad=1 ;; esac ;;
+    esac
+  done < <(grep -E '^#include ' "$h")
+done
+[ $bad = 0 ] && echo "include rules hold: src/ -> no actors/CAF/UCX; public headers stand alone"
+exit $bad
