@@ -189,6 +189,22 @@ void mark_gone(link_ptr self, int32_t rank) {
   st.leave_waiters.clear();
 }
 
+// A rank failed: loads waiting for bytes it reads for others fail now,
+// naming it, here and (rank 0 tells them) on every other rank.
+void shared_reader_failed(link_ptr self, int32_t rank, const Status& why) {
+  auto& st = self->state;
+  const Status reason =
+      Status::aborted("rank " + std::to_string(rank) + " failed: " + why.message());
+  BlockShareMsg m{st.ctx->job_id, kAnyLoad, rank, st.ctx->rank, 0, 0, reason, ""};
+  if (st.loader) self->send(st.loader, atom::share_v, m);
+  if (st.ctx->rank != 0) return;
+  for (int32_t r = 1; r < st.ctx->world_size; ++r) {
+    if (r == rank || st.gone[r]) continue;
+    m.to = r;
+    send_frame(self, r, m);
+  }
+}
+
 // Bytes one rank read for another of its node. Rank 0 forwards what is for
 // another rank (the transport is a star); only rank 0 may speak for others.
 void on_share(link_ptr self, int32_t from, BlockShareMsg share) {
@@ -329,6 +345,7 @@ link_actor::behavior_type link_fun(link_ptr self, ContextPtr ctx, coordinator_ac
           if (expected) return;  // it said goodbye: closing is what it does next
           log(st, "rank " + std::to_string(rank) + " failed: " + why.to_string());
           self->send(st.coordinator, atom::rank_failed_v, rank, why);
+          shared_reader_failed(self, rank, why);
           mark_gone(self, rank);
           return;
         }
@@ -336,6 +353,7 @@ link_actor::behavior_type link_fun(link_ptr self, ContextPtr ctx, coordinator_ac
         log(st, "rank " + std::to_string(rank) + " failed: " + why.to_string());
         st.rank0_failed = Status::aborted("rank 0 (coordinator) failed: " + why.message());
         fail_pending(self, st.rank0_failed);
+        shared_reader_failed(self, 0, why);
         self->send(st.planner, atom::aborted_v, std::string("*"), st.rank0_failed);
       },
       // rank 0: the coordinator abandons a checkpoint; every rank hears it.

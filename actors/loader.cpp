@@ -26,6 +26,7 @@
 #include "actors/loader_actor.hpp"
 #include "actors/messages.hpp"
 #include "checksum.hpp"
+#include "drills/kill_point.hpp"
 
 namespace ferry {
 
@@ -323,6 +324,7 @@ class RunReader {
     const std::string& path = f.file->path;
     Result<size_t> got = f.got.get();
     if (!got.ok()) return got.status();
+    kill_point("load.read");
     CopyLatch latch;
     Status s;
     for (const ReadOp& op : run.ops) {
@@ -530,6 +532,19 @@ void end_share(loader_ptr self, const std::string& id, Status s) {
 
 void on_share(loader_ptr self, const BlockShareMsg& msg) {
   auto& st = self->state;
+  if (msg.load_id == kAnyLoad) {
+    // A rank failed: every load still owed bytes by it fails, naming it.
+    std::vector<std::string> owing;
+    for (const auto& [id, w] : st.shares)
+      if (auto it = w.owed.find(msg.from); it != w.owed.end() && it->second > 0)
+        owing.push_back(id);
+    for (const auto& id : owing)
+      end_share(self, id,
+                msg.status.with_context("rank " + std::to_string(st.ctx->rank) +
+                                        " was waiting for bytes rank " + std::to_string(msg.from) +
+                                        " reads for it: "));
+    return;
+  }
   auto it = st.shares.find(msg.load_id);
   if (it == st.shares.end()) {
     if (std::find(st.ended.begin(), st.ended.end(), msg.load_id) == st.ended.end())

@@ -143,6 +143,10 @@ struct LoadJob {
   std::shared_ptr<Transport> transport;
 };
 
+// The load id of a BlockShare that says its sender failed (sent by the link
+// that saw it fail, not by the sender): every load it owes bytes fails.
+inline const std::string kAnyLoad = "*";
+
 struct ReadTask {
   std::string dir;
   std::shared_ptr<const Manifest> manifest;

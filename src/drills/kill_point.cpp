@@ -32,6 +32,7 @@ const std::vector<KillPointInfo>& kill_points() {
       {"latest.dirsync", "rank 0 fsynced ROOT after LATEST"},
       {"retention.delete", "retention moved an old checkpoint aside to delete it"},
       {"gc.delete", "gc took a directory out of sight and is about to delete it"},
+      {"load.read", "a load's reader read a run, before it sends shared bytes on"},
   };
   return kPoints;
 }

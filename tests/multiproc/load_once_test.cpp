@@ -172,3 +172,39 @@ TEST_CASE("a rank that reads shared bytes and finds them corrupt fails the load 
   }
   CHECK(l.seconds < 20);  // the reader's failure ends the wait, not write-timeout (30 s)
 }
+
+TEST_CASE("a rank that dies while it reads shared bytes fails the load on every other rank",
+          "[ranks][load]") {
+  TempDir d;
+  auto saved = launch(kRanks, "--mode save --root " + d.path() + " --step 1 --seed 7");
+  INFO(saved.out);
+  REQUIRE(saved.code == 0);
+  auto latest = ferry::find_latest(*ferry::posix_filesystem(), d.path());
+  REQUIRE(latest.ok());
+  const ferry::Manifest m = manifest_of(latest->path);
+
+  // A rank other than 0 (whose death ends the job anyway) that reads bytes
+  // the others need.
+  std::vector<ferry::RankNeeds> needs;
+  const auto ops = whole_plan(m);
+  for (int r = 0; r < kRanks; ++r) needs.push_back({r, "node", ferry::needed_ranges(ops)});
+  int reader = -1;
+  for (const auto& s : ferry::assign_shared_reads(needs))
+    if (s.reader > 0 && !s.receivers.empty()) reader = s.reader;
+  REQUIRE(reader > 0);
+
+  // It dies after its first read, before it sends anything on.
+  auto l = launch(kRanks, "--mode load --layout full --seed 7 --root " + d.path(),
+                  "FERRY_KILL_AT=load.read@" + std::to_string(reader));
+  INFO(l.out << "\nkilled reader: rank " << reader);
+  CHECK(l.code != 0);
+  CHECK(count(l.out, "every byte equal") == 0);
+  for (int r = 0; r < kRanks; ++r) {
+    if (r == reader) continue;
+    INFO("rank " << r);
+    const auto errors = lines_with(l.out, "[rank " + std::to_string(r) + "] ERROR load:");
+    REQUIRE(errors.size() == 1);
+    CHECK_THAT(errors[0], Catch::Contains("rank " + std::to_string(reader) + " failed"));
+  }
+  CHECK(l.seconds < 20);  // the death ends the wait (heartbeats: 3 s), not write-timeout (30 s)
+}
