@@ -325,12 +325,36 @@ Status make_layouts(planner_state& st) {
                (it.nbytes / static_cast<uint64_t>(it.box.sizes[0]));
     srcs[a.file].push_back({entries[it.entry].view, offset});
   }
+  const SaveOptions& so = cur.job.opts;
+  if (so.shard_size.value_or(0) > 0) {
+    // The cap decides the files: the rank's chunks, in plan order, packed
+    // (and split along dim 0 where needed) into files of at most shard_size.
+    std::vector<ChunkRef> all;
+    std::vector<ChunkSource> all_src;
+    for (uint32_t f = 0; f < cur.plan.files; ++f) {
+      all.insert(all.end(), refs[f].begin(), refs[f].end());
+      all_src.insert(all_src.end(), srcs[f].begin(), srcs[f].end());
+    }
+    refs.clear();
+    srcs.clear();
+    for (auto& file : pack_into_files(all, static_cast<uint64_t>(*so.shard_size))) {
+      refs.emplace_back();
+      srcs.emplace_back();
+      for (auto& p : file) {
+        ChunkSource src = all_src[p.source];
+        src.offset += p.skip;
+        refs.back().push_back(std::move(p.chunk));
+        srcs.back().push_back(std::move(src));
+      }
+    }
+  }
+  const std::string prefix = so.filename_prefix.value_or("rank");
   cur.layouts.clear();
   cur.sources.clear();
-  for (uint32_t f = 0; f < cur.plan.files; ++f) {
+  for (uint32_t f = 0; f < refs.size(); ++f) {
     if (refs[f].empty()) continue;  // a rank with nothing to write writes no file
-    FERRY_ASSIGN_OR_RETURN(FileLayout l,
-                           layout_file(data_file_name(st.ctx->rank, f), std::move(refs[f])));
+    FERRY_ASSIGN_OR_RETURN(
+        FileLayout l, layout_file(data_file_name(prefix, st.ctx->rank, f), std::move(refs[f])));
     cur.layouts.push_back(std::move(l));
     cur.sources.push_back(std::move(srcs[f]));
   }

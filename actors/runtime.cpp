@@ -11,9 +11,9 @@
 
 #include "actors/actors.hpp"
 #include "actors/messages.hpp"
-#include "cuda/device_cuda.hpp"
 #include "catalog.hpp"
 #include "checksum.hpp"
+#include "cuda/device_cuda.hpp"
 #include "drills/fault_fs.hpp"
 #include "drills/kill_point.hpp"
 #include "verify.hpp"
@@ -463,6 +463,26 @@ Runtime::~Runtime() {
   impl_->sys.reset();
 }
 
+namespace {
+
+// Fills the data file options a save leaves unset from the configuration
+// and checks the ones it sets.
+Status resolve_file_options(const Options& cfg, SaveOptions& o) {
+  if (!o.filename_prefix) o.filename_prefix = cfg.filename_prefix;
+  FERRY_RETURN_IF_ERROR(check_filename_prefix(*o.filename_prefix, "SaveOptions::filename_prefix"));
+  if (!o.shard_size) {
+    o.shard_size = static_cast<int64_t>(cfg.shard_size);
+  } else if (*o.shard_size <= 0) {
+    return Status::invalid_argument("SaveOptions::shard_size = " + std::to_string(*o.shard_size) +
+                                    ": must be positive (leave it unset for no cap)");
+  }
+  FERRY_ASSIGN_OR_RETURN(
+      o.compress, parse_compress(o.compress.value_or(cfg.compress), "SaveOptions::compress"));
+  return Status();
+}
+
+}  // namespace
+
 SaveHandle Runtime::save_async(const StateDict& sd, uint64_t step, const SaveOptions& opts) {
   const auto t0 = detail::SaveState::clock::now();
   auto state = std::make_shared<detail::SaveState>();
@@ -497,6 +517,12 @@ SaveHandle Runtime::save_async(const StateDict& sd, uint64_t step, const SaveOpt
         Status::invalid_argument("no checkpoint root: set ferry.root or SaveOptions::root"), "");
     return SaveHandle(state);
   }
+  // Resolved here so the planner sees the values it applies, never unset ones.
+  SaveOptions job_opts = opts;
+  if (Status s = resolve_file_options(impl_->ctx->opts, job_opts); !s.ok()) {
+    state->finish(s.with_context("save of step " + std::to_string(step) + ": "), "");
+    return SaveHandle(state);
+  }
   state->started = t0;
   // Here, not in the snapshot actor: the copies must come after what the
   // caller queued on its stream before this call, and before what it queues
@@ -507,7 +533,7 @@ SaveHandle Runtime::save_async(const StateDict& sd, uint64_t step, const SaveOpt
     return SaveHandle(state);
   }
   if (!impl_->saves->add(state)) return SaveHandle(state);
-  caf::anon_send(impl_->planner, atom::save_v, SaveJob{sd, step, opts, root, state});
+  caf::anon_send(impl_->planner, atom::save_v, SaveJob{sd, step, std::move(job_opts), root, state});
   const double ms =
       std::chrono::duration<double, std::milli>(detail::SaveState::clock::now() - t0).count();
   state->update_metrics([ms](SaveMetrics& m) { m.save_async_ms = ms; });

@@ -464,10 +464,55 @@ std::string entry_name(const std::string& key, const Box& box) {
   return s;
 }
 
-std::string data_file_name(int32_t rank, uint32_t file) {
+std::string data_file_name(const std::string& prefix, int32_t rank, uint32_t file,
+                           const std::string& extension) {
   char buf[64];
-  std::snprintf(buf, sizeof(buf), "rank-%05d-%04u.safetensors", rank, file);
-  return buf;
+  std::snprintf(buf, sizeof(buf), "-%05d-%04u.", rank, file);
+  return prefix + buf + extension;
+}
+
+std::vector<std::vector<FilePiece>> pack_into_files(const std::vector<ChunkRef>& chunks,
+                                                    uint64_t shard_size) {
+  std::vector<std::vector<FilePiece>> files(1);
+  uint64_t used = 0;
+  auto next_file = [&] {
+    files.emplace_back();
+    used = 0;
+  };
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const ChunkRef& c = chunks[i];
+    const uint64_t bytes = c.nbytes();
+    if (shard_size == 0 || used + bytes <= shard_size) {
+      files.back().push_back({i, c, 0});
+      used += bytes;
+      continue;
+    }
+    const int64_t rows = c.box.sizes.empty() ? 0 : c.box.sizes[0];
+    if (rows <= 1 || bytes <= shard_size) {  // cannot split, or fits in a file of its own
+      if (!files.back().empty()) next_file();
+      files.back().push_back({i, c, 0});
+      used = bytes;
+      continue;
+    }
+    const uint64_t row_bytes = bytes / static_cast<uint64_t>(rows);
+    int64_t row = 0;
+    while (row < rows) {
+      int64_t take = used >= shard_size ? 0 : static_cast<int64_t>((shard_size - used) / row_bytes);
+      if (take == 0 && !files.back().empty()) {
+        next_file();
+        continue;
+      }
+      take = std::min(std::max<int64_t>(take, 1), rows - row);
+      FilePiece p{i, c, static_cast<uint64_t>(row) * row_bytes};
+      p.chunk.box.offsets[0] += row;
+      p.chunk.box.sizes[0] = take;
+      files.back().push_back(std::move(p));
+      used += static_cast<uint64_t>(take) * row_bytes;
+      row += take;
+    }
+  }
+  if (files.back().empty() && files.size() > 1) files.pop_back();
+  return files;
 }
 
 Result<FileLayout> layout_file(std::string name, std::vector<ChunkRef> chunks) {

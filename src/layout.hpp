@@ -41,8 +41,32 @@ struct FileLayout {
 // checkpoint as long as chunks of one tensor never share offsets.
 std::string entry_name(const std::string& key, const Box& box);
 
-// "rank-00003-0001.safetensors"
-std::string data_file_name(int32_t rank, uint32_t file);
+// "<prefix>-00003-0001.safetensors" ("rank" is the default prefix, which
+// gives the names of checkpoints written before prefixes existed). Loads take
+// file names from the manifest, never from this pattern. `extension` is
+// "safetensors" or, for compressed files, kCompressedExtension.
+std::string data_file_name(const std::string& prefix, int32_t rank, uint32_t file,
+                           const std::string& extension = "safetensors");
+inline std::string data_file_name(int32_t rank, uint32_t file) {
+  return data_file_name("rank", rank, file);
+}
+
+// One piece of a rank's data in a file: all of input chunk `source`, or a
+// dim-0 slice of it that starts `skip` bytes into the chunk's bytes.
+struct FilePiece {
+  size_t source = 0;
+  ChunkRef chunk;
+  uint64_t skip = 0;
+};
+
+// Packs chunks, in order, into files of at most `shard_size` data bytes (the
+// header, 4 KiB for a few hundred entries, comes on top). A chunk that does
+// not fit in what is left of a file is split along dim 0 at row boundaries,
+// so every piece is a box of its own and loads and reshards like any chunk.
+// A single row larger than the cap (or a 0-d tensor) cannot be split and gets
+// a file of its own. shard_size 0: everything in one file.
+std::vector<std::vector<FilePiece>> pack_into_files(const std::vector<ChunkRef>& chunks,
+                                                    uint64_t shard_size);
 
 // Builds the header and offsets. The JSON carries "__metadata__" with
 // {"format": "ferry"} and one entry per chunk with dtype, shape (box sizes)
