@@ -24,11 +24,14 @@
 // Saves queue here: one runs at a time.
 
 #include <deque>
+#include <future>
+#include <thread>
 
 #include "actors/messages.hpp"
 #include "actors/planner_actor.hpp"
 #include "actors/snapshot_actor.hpp"
 #include "checksum.hpp"
+#include "codec.hpp"
 #include "drills/kill_point.hpp"
 
 namespace ferry {
@@ -202,9 +205,26 @@ void send_result(planner_ptr self) {
         {l.name, l.size, l.header.size(), xxh3_64(l.header.data(), l.header.size())});
     for (size_t c = 0; c < l.chunks.size(); ++c) {
       const LaidOutChunk& lc = l.chunks[c];
-      wr.chunks.push_back({lc.chunk.key, lc.chunk.dtype, lc.chunk.global_shape, lc.chunk.box,
-                           static_cast<uint32_t>(f), lc.offset, lc.length, lc.entry,
-                           cur.sums.sums.empty() ? std::vector<uint64_t>{} : cur.sums.sums[f][c]});
+      wr.chunks.push_back({lc.chunk.key,
+                           lc.chunk.dtype,
+                           lc.chunk.global_shape,
+                           lc.chunk.box,
+                           static_cast<uint32_t>(f),
+                           lc.offset,
+                           lc.length,
+                           lc.entry,
+                           cur.sums.sums.empty() ? std::vector<uint64_t>{} : cur.sums.sums[f][c],
+                           "",
+                           0,
+                           0,
+                           {}});
+      if (const auto& z = lc.chunk.compressed) {
+        WrittenChunk& wc = wr.chunks.back();
+        wc.codec = kCodecZstd;
+        wc.raw_length = z->raw_bytes;
+        wc.frame_bytes = z->frame_bytes;
+        wc.frame_ends = z->frame_ends;
+      }
       wr.bytes += lc.length;
     }
   }
@@ -305,6 +325,26 @@ void start_streaming(planner_ptr self) {
   self->send(st.snapshot, atom::stream_v, std::move(job));
 }
 
+// Compresses one chunk now, from the caller's tensor (which stays untouched
+// until the snapshot is done), and points its source at the stored bytes:
+// the snapshot, checksums and writers then handle them like any chunk.
+Status compress_chunk(const RankContext& ctx, int level, ChunkRef& ref, ChunkSource& src) {
+  std::vector<uint8_t> raw(ref.nbytes());
+  std::promise<Status> copied;
+  ctx.device->copy_out(src.view, src.offset, raw.size(), raw.data(),
+                       [&copied](Status s) { copied.set_value(std::move(s)); });
+  FERRY_RETURN_IF_ERROR(copied.get_future().get());
+  const uint32_t threads = std::max(2u, std::min(8u, std::thread::hardware_concurrency()));
+  FERRY_ASSIGN_OR_RETURN(Compressed z, compress_frames(raw.data(), raw.size(), level, threads,
+                                                       "compressing tensor '" + ref.key + "'"));
+  auto stored = std::make_shared<const Compressed>(std::move(z));
+  src.view = TensorView(const_cast<uint8_t*>(stored->data.data()), DType::u8,
+                        {static_cast<int64_t>(stored->data.size())});
+  src.offset = 0;
+  ref.compressed = std::move(stored);
+  return Status();
+}
+
 Status make_layouts(planner_state& st) {
   auto& cur = st.cur;
   const auto& entries = cur.job.sd.entries();
@@ -316,7 +356,7 @@ Status make_layouts(planner_state& st) {
                               std::to_string(a.file) + " this rank does not have");
     const WriteItem& it = cur.local.items[a.item];
     const Box& box = chunk_box(a, it);
-    refs[a.file].push_back({it.key, it.dtype, it.global_shape, box});
+    refs[a.file].push_back({it.key, it.dtype, it.global_shape, box, nullptr});
     // Splits are along dim 0, so a chunk is one contiguous byte range of the
     // item's row-major bytes.
     uint64_t offset = 0;
@@ -348,13 +388,20 @@ Status make_layouts(planner_state& st) {
       }
     }
   }
+  const int level = compress_level(so.compress.value_or("none"));
+  if (level > 0) {
+    for (size_t f = 0; f < refs.size(); ++f)
+      for (size_t c = 0; c < refs[f].size(); ++c)
+        FERRY_RETURN_IF_ERROR(compress_chunk(*st.ctx, level, refs[f][c], srcs[f][c]));
+  }
   const std::string prefix = so.filename_prefix.value_or("rank");
+  const std::string ext = level > 0 ? kCompressedExtension : "safetensors";
   cur.layouts.clear();
   cur.sources.clear();
   for (uint32_t f = 0; f < refs.size(); ++f) {
     if (refs[f].empty()) continue;  // a rank with nothing to write writes no file
-    FERRY_ASSIGN_OR_RETURN(
-        FileLayout l, layout_file(data_file_name(prefix, st.ctx->rank, f), std::move(refs[f])));
+    FERRY_ASSIGN_OR_RETURN(FileLayout l, layout_file(data_file_name(prefix, st.ctx->rank, f, ext),
+                                                     std::move(refs[f])));
     cur.layouts.push_back(std::move(l));
     cur.sources.push_back(std::move(srcs[f]));
   }

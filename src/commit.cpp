@@ -1,5 +1,7 @@
 #include "commit.hpp"
 
+#include "codec.hpp"
+
 #include <algorithm>
 #include <map>
 
@@ -42,7 +44,12 @@ Result<Manifest> assemble_manifest(const ManifestHeader& header,
                                         "global shape by rank " +
                                         std::to_string(wr.rank));
       t.chunks.push_back({c.box.offsets, c.box.sizes, file_base + c.file, c.byte_offset,
-                          c.byte_length, c.entry, c.checksums});
+                          c.byte_length, c.entry, c.checksums, c.codec, c.raw_length, c.frame_bytes,
+                          c.frame_ends});
+      if (!c.codec.empty()) {
+        // Readers that do not know the codec must refuse the checkpoint.
+        if (m.required_features.empty()) m.required_features.push_back(kCodecZstdFeature);
+      }
     }
   }
   std::sort(m.tensors.begin(), m.tensors.end(),

@@ -10,9 +10,9 @@
 
 #include "box.hpp"
 #include "ferry/filesystem.hpp"
-#include "manifest.hpp"
 #include "ferry/status.hpp"
 #include "ferry/tensor.hpp"
+#include "manifest.hpp"
 
 namespace ferry {
 
@@ -26,6 +26,11 @@ struct WrittenChunk {
   uint64_t byte_length = 0;
   std::string entry;
   std::vector<uint64_t> checksums;
+  // A compressed chunk (see ManifestChunk): codec "" means raw.
+  std::string codec;
+  uint64_t raw_length = 0;
+  uint64_t frame_bytes = 0;
+  std::vector<uint64_t> frame_ends;
 };
 
 struct WrittenFile {

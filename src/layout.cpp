@@ -5,6 +5,8 @@
 
 #include "layout.hpp"
 
+#include "codec.hpp"
+
 #include <algorithm>
 #include <cstdio>
 #include <limits>
@@ -517,12 +519,18 @@ std::vector<std::vector<FilePiece>> pack_into_files(const std::vector<ChunkRef>&
 
 Result<FileLayout> layout_file(std::string name, std::vector<ChunkRef> chunks) {
   FileLayout out;
-  std::string json = "{\"__metadata__\":{\"format\":\"ferry\"}";
+  bool compressed = false;
+  for (const auto& c : chunks) compressed = compressed || c.compressed;
+  // Readers that only know safetensors see opaque U8 blobs in a compressed
+  // file; the codec here tells a person what they are.
+  std::string json = compressed ? "{\"__metadata__\":{\"format\":\"ferry\",\"codec\":\"zstd\"}"
+                                : "{\"__metadata__\":{\"format\":\"ferry\"}";
   std::unordered_set<std::string> entries;
   uint64_t pos = 0;  // relative to the data start until the header size is known
   out.chunks.reserve(chunks.size());
   for (auto& c : chunks) {
     FERRY_ASSIGN_OR_RETURN(uint64_t bytes, chunk_bytes(name, c));
+    if (c.compressed) bytes = c.compressed->data.size();
     std::string entry = entry_name(c.key, c.box);
     if (!entries.insert(entry).second)
       return Status::invalid_argument("file '" + name + "': duplicate safetensors entry '" + entry +
@@ -532,11 +540,15 @@ Result<FileLayout> layout_file(std::string name, std::vector<ChunkRef> chunks) {
     json += ',';
     append_json_string(json, entry);
     json += ":{\"dtype\":\"";
-    json += dtype_name(c.dtype);
-    json += "\",\"shape\":[";
-    for (size_t d = 0; d < c.box.sizes.size(); ++d) {
-      if (d) json += ',';
-      json += std::to_string(c.box.sizes[d]);
+    if (c.compressed) {
+      json += "U8\",\"shape\":[" + std::to_string(bytes);
+    } else {
+      json += dtype_name(c.dtype);
+      json += "\",\"shape\":[";
+      for (size_t d = 0; d < c.box.sizes.size(); ++d) {
+        if (d) json += ',';
+        json += std::to_string(c.box.sizes[d]);
+      }
     }
     json += "],\"data_offsets\":[";
     json += std::to_string(pos);

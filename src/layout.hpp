@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -15,11 +16,16 @@ namespace ferry {
 
 constexpr uint64_t kDataAlignment = 4096;
 
+struct Compressed;  // codec.hpp
+
 struct ChunkRef {
   std::string key;
   DType dtype = DType::f32;
   std::vector<int64_t> global_shape;
   Box box;  // the chunk's region of the global tensor
+  // Set when the chunk is stored compressed: its header entry is then a U8
+  // blob of the stored bytes, and the manifest says how to decode it.
+  std::shared_ptr<const Compressed> compressed;
   uint64_t nbytes() const { return static_cast<uint64_t>(box.numel()) * dtype_size(dtype); }
 };
 
@@ -27,7 +33,7 @@ struct LaidOutChunk {
   ChunkRef chunk;
   std::string entry;    // safetensors entry name, see entry_name()
   uint64_t offset = 0;  // absolute byte offset in the file
-  uint64_t length = 0;
+  uint64_t length = 0;  // stored bytes (compressed size for a compressed chunk)
 };
 
 struct FileLayout {
