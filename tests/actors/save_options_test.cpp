@@ -12,6 +12,7 @@
 #include "codec.hpp"
 #include "ferry/filesystem.hpp"
 #include "ferry/runtime.hpp"
+#include "process.hpp"
 #include "test_util.hpp"
 
 namespace fs = std::filesystem;
@@ -283,4 +284,26 @@ TEST_CASE("bad save options fail the save, naming the field", "[actors][config]"
   auto bad = ferry::Runtime::create(args);
   REQUIRE_FALSE(bad.ok());
   CHECK_THAT(bad.status().message(), Catch::Contains("ferry.shard-size"));
+}
+
+TEST_CASE("ferry inspect and verify show a compressed checkpoint: codec, ratio, frames",
+          "[actors][compress][cli]") {
+  TempDir dir;
+  auto rt = make_runtime(dir.path(), {{"compress", "zstd"}});
+  Buf a(DType::bf16, {1536, 512}, 1);  // 1.5 MiB raw: two frames
+  ferry::StateDict sd;
+  REQUIRE(sd.add("layer.w", a.view()).ok());
+  auto h = rt->save_async(sd, 1);
+  REQUIRE(h.wait_committed().ok());
+  auto i = ferry::testing::run_shell(std::string(FERRY_CLI_PATH) + " inspect " + h.path());
+  INFO(i.out);
+  CHECK(i.code == 0);
+  CHECK_THAT(i.out, Catch::Contains("codec zstd: 1.50 MiB raw"));
+  CHECK_THAT(i.out, Catch::Contains("2 frames"));
+  CHECK_THAT(i.out, Catch::Contains("zstd 1572864 -> "));
+  CHECK_THAT(i.out, Catch::Contains("2 frames of 1.00 MiB"));
+  CHECK_THAT(i.out, Catch::Contains("header ok"));
+  auto v = ferry::testing::run_shell(std::string(FERRY_CLI_PATH) + " verify " + h.path());
+  INFO(v.out);
+  CHECK(v.code == 0);
 }
