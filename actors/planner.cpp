@@ -329,13 +329,19 @@ void start_streaming(planner_ptr self) {
 // until the snapshot is done), and points its source at the stored bytes:
 // the snapshot, checksums and writers then handle them like any chunk.
 Status compress_chunk(const RankContext& ctx, int level, ChunkRef& ref, ChunkSource& src) {
-  std::vector<uint8_t> raw(ref.nbytes());
-  std::promise<Status> copied;
-  ctx.device->copy_out(src.view, src.offset, raw.size(), raw.data(),
-                       [&copied](Status s) { copied.set_value(std::move(s)); });
-  FERRY_RETURN_IF_ERROR(copied.get_future().get());
+  const uint64_t n = ref.nbytes();
+  const uint8_t* bytes = static_cast<const uint8_t*>(src.view.data) + src.offset;
+  std::vector<uint8_t> staged;  // a device or strided tensor is gathered first
+  if (!src.view.device.is_host() || !src.view.is_contiguous()) {
+    staged.resize(n);
+    std::promise<Status> copied;
+    ctx.device->copy_out(src.view, src.offset, n, staged.data(),
+                         [&copied](Status s) { copied.set_value(std::move(s)); });
+    FERRY_RETURN_IF_ERROR(copied.get_future().get());
+    bytes = staged.data();
+  }
   const uint32_t threads = std::max(2u, std::min(8u, std::thread::hardware_concurrency()));
-  FERRY_ASSIGN_OR_RETURN(Compressed z, compress_frames(raw.data(), raw.size(), level, threads,
+  FERRY_ASSIGN_OR_RETURN(Compressed z, compress_frames(bytes, n, level, threads,
                                                        "compressing tensor '" + ref.key + "'"));
   auto stored = std::make_shared<const Compressed>(std::move(z));
   src.view = TensorView(const_cast<uint8_t*>(stored->data.data()), DType::u8,

@@ -307,3 +307,26 @@ TEST_CASE("ferry inspect and verify show a compressed checkpoint: codec, ratio, 
   INFO(v.out);
   CHECK(v.code == 0);
 }
+
+TEST_CASE("compress: a strided (transposed) tensor is gathered, then compressed",
+          "[actors][compress]") {
+  TempDir dir;
+  auto rt = make_runtime(dir.path(), {{"compress", "zstd:1"}});
+  const int64_t R = 700, C = 500;
+  Buf mem(DType::i32, {C, R}, 3);  // column-major storage of an {R, C} tensor
+  ferry::TensorView t(mem.bytes.data(), DType::i32, {R, C}, ferry::Device::host(), {1, R});
+  ferry::StateDict sd;
+  REQUIRE(sd.add("t", t).ok());
+  auto h = rt->save_async(sd, 1);
+  REQUIRE(h.wait_committed().ok());
+  std::vector<int32_t> back(R * C);
+  ferry::StateDict out;
+  REQUIRE(out.add("t", {back.data(), DType::i32, {R, C}}).ok());
+  REQUIRE(rt->load(out, h.path()).ok());
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < C; ++c) {
+      int32_t want;
+      std::memcpy(&want, mem.bytes.data() + (c * R + r) * 4, 4);
+      REQUIRE(back[r * C + c] == want);
+    }
+}
