@@ -24,6 +24,7 @@
 // Saves queue here: one runs at a time.
 
 #include <deque>
+#include <functional>
 #include <future>
 #include <thread>
 
@@ -383,7 +384,10 @@ Status make_layouts(planner_state& st) {
     }
     refs.clear();
     srcs.clear();
-    for (auto& file : pack_into_files(all, static_cast<uint64_t>(*so.shard_size))) {
+    std::function<uint64_t(uint64_t)> stored;
+    if (compress_level(so.compress.value_or("none")) > 0)
+      stored = [](uint64_t raw) { return max_stored_bytes(raw); };
+    for (auto& file : pack_into_files(all, static_cast<uint64_t>(*so.shard_size), stored)) {
       refs.emplace_back();
       srcs.emplace_back();
       for (auto& p : file) {

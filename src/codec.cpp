@@ -25,6 +25,14 @@ struct FreeDeleter {
 
 }  // namespace
 
+uint64_t max_stored_bytes(uint64_t raw, uint64_t frame_bytes) {
+  const uint64_t full = raw / frame_bytes, rest = raw % frame_bytes;
+  // + 4: the content checksum each frame carries.
+  uint64_t n = full * (ZSTD_compressBound(frame_bytes) + 4);
+  if (rest) n += ZSTD_compressBound(rest) + 4;
+  return n;
+}
+
 int compress_level(const std::string& compress) {
   const std::string head = std::string(kCodecZstd) + ":";
   if (compress.compare(0, head.size(), head) != 0) return 0;

@@ -33,6 +33,10 @@ struct Compressed {
   std::vector<uint8_t> data;         // the frames back to back
 };
 
+// The most stored bytes `raw` bytes can take in frames of `frame_bytes`
+// (incompressible data grows a little): what shard-size packing counts.
+uint64_t max_stored_bytes(uint64_t raw, uint64_t frame_bytes = kFrameRawBytes);
+
 // The zstd level of a normalized compress option ("zstd:3"), or 0 for "none".
 int compress_level(const std::string& compress);
 

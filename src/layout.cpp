@@ -473,8 +473,10 @@ std::string data_file_name(const std::string& prefix, int32_t rank, uint32_t fil
   return prefix + buf + extension;
 }
 
-std::vector<std::vector<FilePiece>> pack_into_files(const std::vector<ChunkRef>& chunks,
-                                                    uint64_t shard_size) {
+std::vector<std::vector<FilePiece>> pack_into_files(
+    const std::vector<ChunkRef>& chunks, uint64_t shard_size,
+    const std::function<uint64_t(uint64_t)>& stored) {
+  auto size_of = [&](uint64_t raw) { return stored ? stored(raw) : raw; };
   std::vector<std::vector<FilePiece>> files(1);
   uint64_t used = 0;
   auto next_file = [&] {
@@ -483,7 +485,8 @@ std::vector<std::vector<FilePiece>> pack_into_files(const std::vector<ChunkRef>&
   };
   for (size_t i = 0; i < chunks.size(); ++i) {
     const ChunkRef& c = chunks[i];
-    const uint64_t bytes = c.nbytes();
+    const uint64_t raw = c.nbytes();
+    const uint64_t bytes = size_of(raw);
     if (shard_size == 0 || used + bytes <= shard_size) {
       files.back().push_back({i, c, 0});
       used += bytes;
@@ -496,20 +499,32 @@ std::vector<std::vector<FilePiece>> pack_into_files(const std::vector<ChunkRef>&
       used = bytes;
       continue;
     }
-    const uint64_t row_bytes = bytes / static_cast<uint64_t>(rows);
+    const uint64_t row_bytes = raw / static_cast<uint64_t>(rows);
+    // The most rows whose stored size fits in `room` (sizes grow with rows).
+    auto rows_within = [&](uint64_t room, int64_t most) {
+      int64_t lo = 0, hi = std::min<int64_t>(most, static_cast<int64_t>(room / row_bytes));
+      while (lo < hi) {
+        const int64_t mid = lo + (hi - lo + 1) / 2;
+        if (size_of(static_cast<uint64_t>(mid) * row_bytes) <= room)
+          lo = mid;
+        else
+          hi = mid - 1;
+      }
+      return lo;
+    };
     int64_t row = 0;
     while (row < rows) {
-      int64_t take = used >= shard_size ? 0 : static_cast<int64_t>((shard_size - used) / row_bytes);
+      int64_t take = used >= shard_size ? 0 : rows_within(shard_size - used, rows - row);
       if (take == 0 && !files.back().empty()) {
         next_file();
         continue;
       }
-      take = std::min(std::max<int64_t>(take, 1), rows - row);
+      take = std::max<int64_t>(take, 1);
       FilePiece p{i, c, static_cast<uint64_t>(row) * row_bytes};
       p.chunk.box.offsets[0] += row;
       p.chunk.box.sizes[0] = take;
       files.back().push_back(std::move(p));
-      used += static_cast<uint64_t>(take) * row_bytes;
+      used += size_of(static_cast<uint64_t>(take) * row_bytes);
       row += take;
     }
   }

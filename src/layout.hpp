@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -70,9 +71,12 @@ struct FilePiece {
 // not fit in what is left of a file is split along dim 0 at row boundaries,
 // so every piece is a box of its own and loads and reshards like any chunk.
 // A single row larger than the cap (or a 0-d tensor) cannot be split and gets
-// a file of its own. shard_size 0: everything in one file.
-std::vector<std::vector<FilePiece>> pack_into_files(const std::vector<ChunkRef>& chunks,
-                                                    uint64_t shard_size);
+// a file of its own. shard_size 0: everything in one file. `stored` maps a
+// piece's raw size to the most it can take in the file (for compressed
+// files, the codec's worst case); none: the raw size.
+std::vector<std::vector<FilePiece>> pack_into_files(
+    const std::vector<ChunkRef>& chunks, uint64_t shard_size,
+    const std::function<uint64_t(uint64_t)>& stored = nullptr);
 
 // Builds the header and offsets. The JSON carries "__metadata__" with
 // {"format": "ferry"} and one entry per chunk with dtype, shape (box sizes)

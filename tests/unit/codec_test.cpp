@@ -66,3 +66,16 @@ TEST_CASE("codec: compress levels", "[codec][compress]") {
   REQUIRE(ferry::compress_level("zstd:3") == 3);
   REQUIRE(ferry::compress_level("zstd:19") == 19);
 }
+
+TEST_CASE("codec: max_stored_bytes bounds what incompressible bytes take", "[codec][compress]") {
+  std::mt19937_64 rng(5);
+  for (size_t n : {size_t{1}, size_t{999}, size_t{1000}, size_t{2500}}) {
+    std::vector<uint8_t> raw(n);
+    for (auto& b : raw) b = static_cast<uint8_t>(rng());
+    auto z = ferry::compress_frames(raw.data(), n, 19, 2, "t", 1000);
+    REQUIRE(z.ok());
+    REQUIRE(z->data.size() > n);  // random bytes grow
+    REQUIRE(z->data.size() <= ferry::max_stored_bytes(n, 1000));
+  }
+  REQUIRE(ferry::max_stored_bytes(0, 1000) == 0);
+}

@@ -376,3 +376,22 @@ TEST_CASE("layout: pack_into_files keeps every byte once and respects shard_size
   REQUIRE(split[4][0].chunk.box.sizes == std::vector<int64_t>{4, 16});
   REQUIRE(split[4][0].skip == 60 * 64);
 }
+
+TEST_CASE("layout: pack_into_files counts each piece's worst stored size", "[layout]") {
+  // Stored size = raw + 10% + 7 per piece, as a codec's worst case might be.
+  auto stored = [](uint64_t raw) { return raw + raw / 10 + 7; };
+  std::vector<ChunkRef> in = {chunk("a", DType::f32, {50, 4}, {0, 0}, {50, 4}),
+                              chunk("b", DType::u8, {3}, {0}, {3}),
+                              chunk("c", DType::bf16, {400}, {0}, {400})};
+  const auto files = ferry::pack_into_files(in, 300, stored);
+  std::vector<uint64_t> covered(in.size(), 0);
+  for (const auto& f : files) {
+    uint64_t bytes = 0;
+    for (const auto& p : f) {
+      bytes += stored(p.chunk.nbytes());
+      covered[p.source] += p.chunk.nbytes();
+    }
+    REQUIRE(bytes <= 300);
+  }
+  for (size_t i = 0; i < in.size(); ++i) REQUIRE(covered[i] == in[i].nbytes());
+}
