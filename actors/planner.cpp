@@ -326,29 +326,40 @@ void start_streaming(planner_ptr self) {
   self->send(st.snapshot, atom::stream_v, std::move(job));
 }
 
-// Compresses one chunk now, from the caller's tensor (which stays untouched
-// until the snapshot is done), and points its source at the stored bytes:
-// the snapshot, checksums and writers then handle them like any chunk.
-Status compress_chunk(const RankContext& ctx, int level, ChunkRef& ref, ChunkSource& src) {
-  const uint64_t n = ref.nbytes();
-  const uint8_t* bytes = static_cast<const uint8_t*>(src.view.data) + src.offset;
-  std::vector<uint8_t> staged;  // a device or strided tensor is gathered first
-  if (!src.view.device.is_host() || !src.view.is_contiguous()) {
-    staged.resize(n);
-    std::promise<Status> copied;
-    ctx.device->copy_out(src.view, src.offset, n, staged.data(),
-                         [&copied](Status s) { copied.set_value(std::move(s)); });
-    FERRY_RETURN_IF_ERROR(copied.get_future().get());
-    bytes = staged.data();
-  }
+// Compresses every chunk now, from the caller's tensors (untouched until
+// the snapshot is done), the frames of all chunks spread over up to 8
+// threads, and points each source at its stored bytes: the snapshot,
+// checksums and writers then handle them like any chunk.
+Status compress_chunks(const RankContext& ctx, int level, std::vector<std::vector<ChunkRef>>& refs,
+                       std::vector<std::vector<ChunkSource>>& srcs) {
+  std::vector<RawSpan> spans;
+  std::deque<std::vector<uint8_t>> staged;  // device or strided tensors, gathered first
+  for (size_t f = 0; f < refs.size(); ++f)
+    for (size_t c = 0; c < refs[f].size(); ++c) {
+      const ChunkSource& src = srcs[f][c];
+      const uint64_t n = refs[f][c].nbytes();
+      const uint8_t* bytes = static_cast<const uint8_t*>(src.view.data) + src.offset;
+      if (!src.view.device.is_host() || !src.view.is_contiguous()) {
+        staged.emplace_back(n);
+        std::promise<Status> copied;
+        ctx.device->copy_out(src.view, src.offset, n, staged.back().data(),
+                             [&copied](Status s) { copied.set_value(std::move(s)); });
+        FERRY_RETURN_IF_ERROR(copied.get_future().get());
+        bytes = staged.back().data();
+      }
+      spans.push_back({bytes, n, "compressing tensor '" + refs[f][c].key + "'"});
+    }
   const uint32_t threads = std::max(2u, std::min(8u, std::thread::hardware_concurrency()));
-  FERRY_ASSIGN_OR_RETURN(Compressed z, compress_frames(bytes, n, level, threads,
-                                                       "compressing tensor '" + ref.key + "'"));
-  auto stored = std::make_shared<const Compressed>(std::move(z));
-  src.view = TensorView(const_cast<uint8_t*>(stored->data.data()), DType::u8,
-                        {static_cast<int64_t>(stored->data.size())});
-  src.offset = 0;
-  ref.compressed = std::move(stored);
+  FERRY_ASSIGN_OR_RETURN(std::vector<Compressed> z, compress_spans(spans, level, threads));
+  size_t k = 0;
+  for (size_t f = 0; f < refs.size(); ++f)
+    for (size_t c = 0; c < refs[f].size(); ++c) {
+      auto stored = std::make_shared<const Compressed>(std::move(z[k++]));
+      srcs[f][c].view = TensorView(const_cast<uint8_t*>(stored->data.data()), DType::u8,
+                                   {static_cast<int64_t>(stored->data.size())});
+      srcs[f][c].offset = 0;
+      refs[f][c].compressed = std::move(stored);
+    }
   return Status();
 }
 
@@ -399,11 +410,7 @@ Status make_layouts(planner_state& st) {
     }
   }
   const int level = compress_level(so.compress.value_or("none"));
-  if (level > 0) {
-    for (size_t f = 0; f < refs.size(); ++f)
-      for (size_t c = 0; c < refs[f].size(); ++c)
-        FERRY_RETURN_IF_ERROR(compress_chunk(*st.ctx, level, refs[f][c], srcs[f][c]));
-  }
+  if (level > 0) FERRY_RETURN_IF_ERROR(compress_chunks(*st.ctx, level, refs, srcs));
   const std::string prefix = so.filename_prefix.value_or("rank");
   const std::string ext = level > 0 ? kCompressedExtension : "safetensors";
   cur.layouts.clear();

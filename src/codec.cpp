@@ -5,6 +5,7 @@
 #include <zstd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -39,51 +40,79 @@ int compress_level(const std::string& compress) {
   return std::atoi(compress.c_str() + head.size());
 }
 
-Result<Compressed> compress_frames(const uint8_t* raw, uint64_t n, int level, uint32_t threads,
-                                   const std::string& who, uint64_t frame_bytes) {
-  Compressed out;
-  out.raw_bytes = n;
-  out.frame_bytes = frame_bytes;
-  const uint64_t frames = (n + frame_bytes - 1) / frame_bytes;
-  std::vector<std::vector<uint8_t>> parts(frames);
-  std::vector<std::string> errors(frames);
-  auto work = [&](uint64_t first, uint64_t step) {
+Result<std::vector<Compressed>> compress_spans(const std::vector<RawSpan>& spans, int level,
+                                               uint32_t threads, uint64_t frame_bytes) {
+  std::vector<Compressed> out(spans.size());
+  // Every frame of every span is one job: a state of many small tensors and
+  // one of a few large ones both keep every thread busy.
+  struct Job {
+    size_t span;
+    uint64_t frame;
+  };
+  std::vector<Job> jobs;
+  std::vector<size_t> first_job(spans.size());
+  for (size_t s = 0; s < spans.size(); ++s) {
+    out[s].raw_bytes = spans[s].bytes;
+    out[s].frame_bytes = frame_bytes;
+    first_job[s] = jobs.size();
+    for (uint64_t f = 0; f * frame_bytes < spans[s].bytes; ++f) jobs.push_back({s, f});
+  }
+  std::vector<std::vector<uint8_t>> parts(jobs.size());
+  std::vector<std::string> errors(jobs.size());
+  std::atomic<size_t> next{0};
+  auto work = [&] {
     std::unique_ptr<ZSTD_CCtx, decltype(&ZSTD_freeCCtx)> cctx(ZSTD_createCCtx(), ZSTD_freeCCtx);
-    for (uint64_t i = first; i < frames; i += step) {
-      const uint64_t len = std::min(frame_bytes, n - i * frame_bytes);
+    for (size_t j = next++; j < jobs.size(); j = next++) {
       if (!cctx) {
-        errors[i] = "no memory for a zstd context";
+        errors[j] = "no memory for a zstd context";
         continue;
       }
-      parts[i].resize(ZSTD_compressBound(len));
+      const RawSpan& span = spans[jobs[j].span];
+      const uint64_t at = jobs[j].frame * frame_bytes;
+      const uint64_t len = std::min(frame_bytes, span.bytes - at);
+      parts[j].resize(ZSTD_compressBound(len));
       // Each frame carries its own content checksum, so a damaged frame is
       // caught on decode even in a checkpoint saved without block checksums.
       ZSTD_CCtx_setParameter(cctx.get(), ZSTD_c_compressionLevel, level);
       ZSTD_CCtx_setParameter(cctx.get(), ZSTD_c_checksumFlag, 1);
       const size_t got =
-          ZSTD_compress2(cctx.get(), parts[i].data(), parts[i].size(), raw + i * frame_bytes, len);
+          ZSTD_compress2(cctx.get(), parts[j].data(), parts[j].size(), span.data + at, len);
       if (ZSTD_isError(got)) {
-        errors[i] = ZSTD_getErrorName(got);
+        errors[j] = ZSTD_getErrorName(got);
         continue;
       }
-      parts[i].resize(got);
+      parts[j].resize(got);
     }
   };
-  const uint64_t nthreads = std::max<uint64_t>(1, std::min<uint64_t>(threads, frames));
+  const size_t nthreads = std::max<size_t>(1, std::min<size_t>(threads, jobs.size()));
   std::vector<std::thread> pool;
-  for (uint64_t t = 1; t < nthreads; ++t) pool.emplace_back(work, t, nthreads);
-  work(0, nthreads);
+  for (size_t t = 1; t < nthreads; ++t) pool.emplace_back(work);
+  work();
   for (auto& t : pool) t.join();
-  uint64_t total = 0;
-  for (uint64_t i = 0; i < frames; ++i) {
-    if (!errors[i].empty())
-      return Status::internal(who + ": zstd frame " + std::to_string(i) + ": " + errors[i]);
-    total += parts[i].size();
-    out.frame_ends.push_back(total);
+  for (size_t s = 0; s < spans.size(); ++s) {
+    uint64_t total = 0;
+    const size_t end = s + 1 < spans.size() ? first_job[s + 1] : jobs.size();
+    for (size_t j = first_job[s]; j < end; ++j) {
+      if (!errors[j].empty())
+        return Status::internal(spans[s].who + ": zstd frame " + std::to_string(jobs[j].frame) +
+                                ": " + errors[j]);
+      total += parts[j].size();
+      out[s].frame_ends.push_back(total);
+    }
+    out[s].data.reserve(total);
+    for (size_t j = first_job[s]; j < end; ++j) {
+      out[s].data.insert(out[s].data.end(), parts[j].begin(), parts[j].end());
+      std::vector<uint8_t>().swap(parts[j]);
+    }
   }
-  out.data.reserve(total);
-  for (const auto& p : parts) out.data.insert(out.data.end(), p.begin(), p.end());
   return out;
+}
+
+Result<Compressed> compress_frames(const uint8_t* raw, uint64_t n, int level, uint32_t threads,
+                                   const std::string& who, uint64_t frame_bytes) {
+  FERRY_ASSIGN_OR_RETURN(std::vector<Compressed> one,
+                         compress_spans({{raw, n, who}}, level, threads, frame_bytes));
+  return std::move(one[0]);
 }
 
 Status decompress_frames(const uint8_t* stored, uint64_t stored_len,

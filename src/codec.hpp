@@ -40,8 +40,20 @@ uint64_t max_stored_bytes(uint64_t raw, uint64_t frame_bytes = kFrameRawBytes);
 // The zstd level of a normalized compress option ("zstd:3"), or 0 for "none".
 int compress_level(const std::string& compress);
 
-// Compresses `n` raw bytes in frames of `frame_bytes`, frames spread over
-// `threads` threads. Errors are internal, naming `who`.
+// Raw bytes to compress; `who` names them in errors.
+struct RawSpan {
+  const uint8_t* data = nullptr;
+  uint64_t bytes = 0;
+  std::string who;
+};
+
+// Compresses each span in frames of `frame_bytes`, all the spans' frames
+// spread over `threads` threads. Errors are internal, naming the span.
+Result<std::vector<Compressed>> compress_spans(const std::vector<RawSpan>& spans, int level,
+                                               uint32_t threads,
+                                               uint64_t frame_bytes = kFrameRawBytes);
+
+// The same for one span of `n` raw bytes.
 Result<Compressed> compress_frames(const uint8_t* raw, uint64_t n, int level, uint32_t threads,
                                    const std::string& who, uint64_t frame_bytes = kFrameRawBytes);
 
