@@ -11,9 +11,9 @@
 
 #include "actors/actors.hpp"
 #include "actors/messages.hpp"
+#include "cuda/device_cuda.hpp"
 #include "catalog.hpp"
 #include "checksum.hpp"
-#include "cuda/device_cuda.hpp"
 #include "drills/fault_fs.hpp"
 #include "drills/kill_point.hpp"
 #include "verify.hpp"

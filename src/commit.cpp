@@ -1,11 +1,10 @@
 #include "commit.hpp"
 
-#include "codec.hpp"
-
 #include <algorithm>
 #include <map>
 
 #include "catalog.hpp"
+#include "codec.hpp"
 #include "drills/kill_point.hpp"
 
 namespace ferry {

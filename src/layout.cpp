@@ -5,12 +5,12 @@
 
 #include "layout.hpp"
 
-#include "codec.hpp"
-
 #include <algorithm>
 #include <cstdio>
 #include <limits>
 #include <unordered_set>
+
+#include "codec.hpp"
 
 namespace ferry {
 namespace {

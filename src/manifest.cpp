@@ -3,8 +3,6 @@
 
 #include "manifest.hpp"
 
-#include "codec.hpp"
-
 #include "box.hpp"
 
 #include <capnp/message.h>
@@ -20,6 +18,7 @@
 #include <unordered_set>
 
 #include "checksum.hpp"
+#include "codec.hpp"
 #include "manifest.capnp.h"
 
 namespace ferry {
