@@ -194,6 +194,14 @@ int32_t ferry_runtime_world_size(const ferry_runtime* rt) {
 ferry_status ferry_save_async(ferry_runtime* rt, const ferry_tensor* tensors, size_t num_tensors,
                               uint64_t step, const char* root, int overwrite,
                               const ferry_kv* metadata, size_t num_metadata, ferry_save** out) {
+  return ferry_save_async_opts(rt, tensors, num_tensors, step, root, overwrite, metadata,
+                               num_metadata, nullptr, out);
+}
+
+ferry_status ferry_save_async_opts(ferry_runtime* rt, const ferry_tensor* tensors,
+                                   size_t num_tensors, uint64_t step, const char* root,
+                                   int overwrite, const ferry_kv* metadata, size_t num_metadata,
+                                   const ferry_save_options* file_opts, ferry_save** out) {
   return guarded([&] {
     if (!out) return null_arg("out");
     *out = nullptr;
@@ -207,6 +215,11 @@ ferry_status ferry_save_async(ferry_runtime* rt, const ferry_tensor* tensors, si
     for (size_t i = 0; i < num_metadata; ++i) {
       if (!metadata[i].key || !metadata[i].value) return null_arg("metadata key or value");
       opts.metadata.emplace_back(metadata[i].key, metadata[i].value);
+    }
+    if (file_opts) {
+      if (file_opts->filename_prefix) opts.filename_prefix = file_opts->filename_prefix;
+      if (file_opts->shard_size != 0) opts.shard_size = file_opts->shard_size;
+      if (file_opts->compress) opts.compress = file_opts->compress;
     }
     auto s = std::make_unique<ferry_save>();
     s->h = rt->rt->save_async(sd, step, opts);

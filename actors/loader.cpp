@@ -26,6 +26,7 @@
 #include "actors/loader_actor.hpp"
 #include "actors/messages.hpp"
 #include "checksum.hpp"
+#include "codec.hpp"
 #include "drills/kill_point.hpp"
 
 namespace ferry {
@@ -236,7 +237,14 @@ class RunReader {
 
   Status run() {
     const uint64_t block = ctx_.pool->block_bytes();
-    runs_ = make_read_runs(task_.ops, *task_.manifest, block, kAlign);
+    std::vector<ReadOp> ops;
+    for (const ReadOp& op : task_.ops) {
+      if (task_.manifest->tensors[op.tensor].chunks[op.chunk].codec.empty())
+        ops.push_back(op);
+      else
+        FERRY_RETURN_IF_ERROR(read_compressed_op(op));
+    }
+    runs_ = make_read_runs(std::move(ops), *task_.manifest, block, kAlign);
     size_t next = 0;
     while (next < runs_.size() || !inflight_.empty()) {
       while (next < runs_.size() && inflight_.size() < kReadsInFlight) {
@@ -359,6 +367,23 @@ class RunReader {
       ::posix_fadvise(f.file->cache_fd, static_cast<off_t>(run.offset),
                       static_cast<off_t>(run.length), POSIX_FADV_DONTNEED);
     return Status();
+  }
+
+  // A compressed chunk's frames are read, verified and decoded by the codec,
+  // then copied like raw bytes.
+  Status read_compressed_op(const ReadOp& op) {
+    FERRY_ASSIGN_OR_RETURN(OpenFile * file, open(op.file));
+    std::vector<uint8_t> raw;
+    FERRY_RETURN_IF_ERROR(read_compressed(*file->file, file->path, *task_.manifest, op, &raw)
+                              .with_context("rank " + std::to_string(ctx_.rank) + ": "));
+    CopyLatch latch;
+    const TensorView& target = task_.targets[op.entry];
+    for_each_copy(op, dtype_size(target.dtype), [&](uint64_t src, uint64_t dst, uint64_t n) {
+      latch.add();
+      ctx_.device->copy_in(raw.data() + src, target, dst, n,
+                           [&latch](Status st) { latch.arrive(std::move(st)); });
+    });
+    return latch.wait();
   }
 
   void release(InFlight& f) {

@@ -24,11 +24,15 @@
 // Saves queue here: one runs at a time.
 
 #include <deque>
+#include <functional>
+#include <future>
+#include <thread>
 
 #include "actors/messages.hpp"
 #include "actors/planner_actor.hpp"
 #include "actors/snapshot_actor.hpp"
 #include "checksum.hpp"
+#include "codec.hpp"
 #include "drills/kill_point.hpp"
 
 namespace ferry {
@@ -202,9 +206,26 @@ void send_result(planner_ptr self) {
         {l.name, l.size, l.header.size(), xxh3_64(l.header.data(), l.header.size())});
     for (size_t c = 0; c < l.chunks.size(); ++c) {
       const LaidOutChunk& lc = l.chunks[c];
-      wr.chunks.push_back({lc.chunk.key, lc.chunk.dtype, lc.chunk.global_shape, lc.chunk.box,
-                           static_cast<uint32_t>(f), lc.offset, lc.length, lc.entry,
-                           cur.sums.sums.empty() ? std::vector<uint64_t>{} : cur.sums.sums[f][c]});
+      wr.chunks.push_back({lc.chunk.key,
+                           lc.chunk.dtype,
+                           lc.chunk.global_shape,
+                           lc.chunk.box,
+                           static_cast<uint32_t>(f),
+                           lc.offset,
+                           lc.length,
+                           lc.entry,
+                           cur.sums.sums.empty() ? std::vector<uint64_t>{} : cur.sums.sums[f][c],
+                           "",
+                           0,
+                           0,
+                           {}});
+      if (const auto& z = lc.chunk.compressed) {
+        WrittenChunk& wc = wr.chunks.back();
+        wc.codec = kCodecZstd;
+        wc.raw_length = z->raw_bytes;
+        wc.frame_bytes = z->frame_bytes;
+        wc.frame_ends = z->frame_ends;
+      }
       wr.bytes += lc.length;
     }
   }
@@ -305,6 +326,43 @@ void start_streaming(planner_ptr self) {
   self->send(st.snapshot, atom::stream_v, std::move(job));
 }
 
+// Compresses every chunk now, from the caller's tensors (untouched until
+// the snapshot is done), the frames of all chunks spread over up to 8
+// threads, and points each source at its stored bytes: the snapshot,
+// checksums and writers then handle them like any chunk.
+Status compress_chunks(const RankContext& ctx, int level, std::vector<std::vector<ChunkRef>>& refs,
+                       std::vector<std::vector<ChunkSource>>& srcs) {
+  std::vector<RawSpan> spans;
+  std::deque<std::vector<uint8_t>> staged;  // device or strided tensors, gathered first
+  for (size_t f = 0; f < refs.size(); ++f)
+    for (size_t c = 0; c < refs[f].size(); ++c) {
+      const ChunkSource& src = srcs[f][c];
+      const uint64_t n = refs[f][c].nbytes();
+      const uint8_t* bytes = static_cast<const uint8_t*>(src.view.data) + src.offset;
+      if (!src.view.device.is_host() || !src.view.is_contiguous()) {
+        staged.emplace_back(n);
+        std::promise<Status> copied;
+        ctx.device->copy_out(src.view, src.offset, n, staged.back().data(),
+                             [&copied](Status s) { copied.set_value(std::move(s)); });
+        FERRY_RETURN_IF_ERROR(copied.get_future().get());
+        bytes = staged.back().data();
+      }
+      spans.push_back({bytes, n, "compressing tensor '" + refs[f][c].key + "'"});
+    }
+  const uint32_t threads = std::max(2u, std::min(8u, std::thread::hardware_concurrency()));
+  FERRY_ASSIGN_OR_RETURN(std::vector<Compressed> z, compress_spans(spans, level, threads));
+  size_t k = 0;
+  for (size_t f = 0; f < refs.size(); ++f)
+    for (size_t c = 0; c < refs[f].size(); ++c) {
+      auto stored = std::make_shared<const Compressed>(std::move(z[k++]));
+      srcs[f][c].view = TensorView(const_cast<uint8_t*>(stored->data.data()), DType::u8,
+                                   {static_cast<int64_t>(stored->data.size())});
+      srcs[f][c].offset = 0;
+      refs[f][c].compressed = std::move(stored);
+    }
+  return Status();
+}
+
 Status make_layouts(planner_state& st) {
   auto& cur = st.cur;
   const auto& entries = cur.job.sd.entries();
@@ -316,7 +374,7 @@ Status make_layouts(planner_state& st) {
                               std::to_string(a.file) + " this rank does not have");
     const WriteItem& it = cur.local.items[a.item];
     const Box& box = chunk_box(a, it);
-    refs[a.file].push_back({it.key, it.dtype, it.global_shape, box});
+    refs[a.file].push_back({it.key, it.dtype, it.global_shape, box, nullptr});
     // Splits are along dim 0, so a chunk is one contiguous byte range of the
     // item's row-major bytes.
     uint64_t offset = 0;
@@ -325,12 +383,42 @@ Status make_layouts(planner_state& st) {
                (it.nbytes / static_cast<uint64_t>(it.box.sizes[0]));
     srcs[a.file].push_back({entries[it.entry].view, offset});
   }
+  const SaveOptions& so = cur.job.opts;
+  if (so.shard_size.value_or(0) > 0) {
+    // The cap decides the files: the rank's chunks, in plan order, packed
+    // (and split along dim 0 where needed) into files of at most shard_size.
+    std::vector<ChunkRef> all;
+    std::vector<ChunkSource> all_src;
+    for (uint32_t f = 0; f < cur.plan.files; ++f) {
+      all.insert(all.end(), refs[f].begin(), refs[f].end());
+      all_src.insert(all_src.end(), srcs[f].begin(), srcs[f].end());
+    }
+    refs.clear();
+    srcs.clear();
+    std::function<uint64_t(uint64_t)> stored;
+    if (compress_level(so.compress.value_or("none")) > 0)
+      stored = [](uint64_t raw) { return max_stored_bytes(raw); };
+    for (auto& file : pack_into_files(all, static_cast<uint64_t>(*so.shard_size), stored)) {
+      refs.emplace_back();
+      srcs.emplace_back();
+      for (auto& p : file) {
+        ChunkSource src = all_src[p.source];
+        src.offset += p.skip;
+        refs.back().push_back(std::move(p.chunk));
+        srcs.back().push_back(std::move(src));
+      }
+    }
+  }
+  const int level = compress_level(so.compress.value_or("none"));
+  if (level > 0) FERRY_RETURN_IF_ERROR(compress_chunks(*st.ctx, level, refs, srcs));
+  const std::string prefix = so.filename_prefix.value_or("rank");
+  const std::string ext = level > 0 ? kCompressedExtension : "safetensors";
   cur.layouts.clear();
   cur.sources.clear();
-  for (uint32_t f = 0; f < cur.plan.files; ++f) {
+  for (uint32_t f = 0; f < refs.size(); ++f) {
     if (refs[f].empty()) continue;  // a rank with nothing to write writes no file
-    FERRY_ASSIGN_OR_RETURN(FileLayout l,
-                           layout_file(data_file_name(st.ctx->rank, f), std::move(refs[f])));
+    FERRY_ASSIGN_OR_RETURN(FileLayout l, layout_file(data_file_name(prefix, st.ctx->rank, f, ext),
+                                                     std::move(refs[f])));
     cur.layouts.push_back(std::move(l));
     cur.sources.push_back(std::move(srcs[f]));
   }

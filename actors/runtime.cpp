@@ -470,6 +470,26 @@ Runtime::~Runtime() {
   impl_->sys.reset();
 }
 
+namespace {
+
+// Fills the data file options a save leaves unset from the configuration
+// and checks the ones it sets.
+Status resolve_file_options(const Options& cfg, SaveOptions& o) {
+  if (!o.filename_prefix) o.filename_prefix = cfg.filename_prefix;
+  FERRY_RETURN_IF_ERROR(check_filename_prefix(*o.filename_prefix, "SaveOptions::filename_prefix"));
+  if (!o.shard_size) {
+    o.shard_size = static_cast<int64_t>(cfg.shard_size);
+  } else if (*o.shard_size <= 0) {
+    return Status::invalid_argument("SaveOptions::shard_size = " + std::to_string(*o.shard_size) +
+                                    ": must be positive (leave it unset for no cap)");
+  }
+  FERRY_ASSIGN_OR_RETURN(
+      o.compress, parse_compress(o.compress.value_or(cfg.compress), "SaveOptions::compress"));
+  return Status();
+}
+
+}  // namespace
+
 SaveHandle Runtime::save_async(const StateDict& sd, uint64_t step, const SaveOptions& opts) {
   const auto t0 = detail::SaveState::clock::now();
   auto state = std::make_shared<detail::SaveState>();
@@ -504,6 +524,12 @@ SaveHandle Runtime::save_async(const StateDict& sd, uint64_t step, const SaveOpt
         Status::invalid_argument("no checkpoint root: set ferry.root or SaveOptions::root"), "");
     return SaveHandle(state);
   }
+  // Resolved here so the planner sees the values it applies, never unset ones.
+  SaveOptions job_opts = opts;
+  if (Status s = resolve_file_options(impl_->ctx->opts, job_opts); !s.ok()) {
+    state->finish(s.with_context("save of step " + std::to_string(step) + ": "), "");
+    return SaveHandle(state);
+  }
   state->started = t0;
   // Here, not in the snapshot actor: the copies must come after what the
   // caller queued on its stream before this call, and before what it queues
@@ -514,7 +540,7 @@ SaveHandle Runtime::save_async(const StateDict& sd, uint64_t step, const SaveOpt
     return SaveHandle(state);
   }
   if (!impl_->saves->add(state)) return SaveHandle(state);
-  caf::anon_send(impl_->planner, atom::save_v, SaveJob{sd, step, opts, root, state});
+  caf::anon_send(impl_->planner, atom::save_v, SaveJob{sd, step, std::move(job_opts), root, state});
   const double ms =
       std::chrono::duration<double, std::milli>(detail::SaveState::clock::now() - t0).count();
   state->update_metrics([ms](SaveMetrics& m) { m.save_async_ms = ms; });
@@ -597,7 +623,7 @@ Status load_local(Runtime::Impl& im, caf::scoped_actor& self, StateDict& sd, con
   job.manifest = manifest;
   if (im.ctx->world_size > 1) {
     auto needs = exchange_needs(im, self, id + "/needs", planned,
-                                RankNeeds{im.ctx->rank, host_name(), needed_ranges(ops)});
+                                RankNeeds{im.ctx->rank, host_name(), needed_ranges(ops, *manifest)});
     if (!needs.ok()) return needs.status();
     RankShare part =
         split_for_rank(ops, assign_shared_reads(std::move(needs).value()), im.ctx->rank, *manifest);

@@ -45,7 +45,12 @@ struct Chunk {
   byteOffset @3 :UInt64;           # absolute offset of the chunk in the file
   byteLength @4 :UInt64;           # = product(sizes) * dtype size
   entry @5 :Text;                  # safetensors entry name
-  checksums @6 :List(UInt64);      # xxh3-64 per checksumBlockBytes piece; empty if off
+  checksums @6 :List(UInt64);      # xxh3-64 per checksumBlockBytes piece of the stored bytes; empty if off
+  # Compressed chunks (feature "codec-zstd"): byteLength is the stored size.
+  codec @7 :Text;                  # "" = raw bytes; "zstd" = zstd frames
+  rawLength @8 :UInt64;            # = product(sizes) * dtype size, when compressed
+  frameBytes @9 :UInt64;           # raw bytes per frame (the last may be shorter)
+  frameEnds @10 :List(UInt64);     # stored end of each frame, from the chunk's start
 }
 
 struct KeyValue {

@@ -72,6 +72,10 @@ struct WrittenChunk {
   byteLength @6 :UInt64;           # bytes of the chunk in the file
   entry @7 :Text;                  # safetensors entry name
   checksums @8 :List(UInt64);      # xxh3-64 per checksum block; empty if off
+  codec @9 :Text;                  # "" = raw; "zstd": byteLength is the stored size
+  rawLength @10 :UInt64;           # decoded bytes, when compressed
+  frameBytes @11 :UInt64;          # raw bytes per frame
+  frameEnds @12 :List(UInt64);     # stored end of each frame, from the chunk's start
 }
 
 # One rank's report once its files and the pending directory are durable.

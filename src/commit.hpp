@@ -26,6 +26,11 @@ struct WrittenChunk {
   uint64_t byte_length = 0;
   std::string entry;
   std::vector<uint64_t> checksums;
+  // A compressed chunk (see ManifestChunk): codec "" means raw.
+  std::string codec;
+  uint64_t raw_length = 0;
+  uint64_t frame_bytes = 0;
+  std::vector<uint64_t> frame_ends;
 };
 
 struct WrittenFile {

@@ -10,6 +10,8 @@
 #include <limits>
 #include <unordered_set>
 
+#include "codec.hpp"
+
 namespace ferry {
 namespace {
 
@@ -464,20 +466,86 @@ std::string entry_name(const std::string& key, const Box& box) {
   return s;
 }
 
-std::string data_file_name(int32_t rank, uint32_t file) {
+std::string data_file_name(const std::string& prefix, int32_t rank, uint32_t file,
+                           const std::string& extension) {
   char buf[64];
-  std::snprintf(buf, sizeof(buf), "rank-%05d-%04u.safetensors", rank, file);
-  return buf;
+  std::snprintf(buf, sizeof(buf), "-%05d-%04u.", rank, file);
+  return prefix + buf + extension;
+}
+
+std::vector<std::vector<FilePiece>> pack_into_files(
+    const std::vector<ChunkRef>& chunks, uint64_t shard_size,
+    const std::function<uint64_t(uint64_t)>& stored) {
+  auto size_of = [&](uint64_t raw) { return stored ? stored(raw) : raw; };
+  std::vector<std::vector<FilePiece>> files(1);
+  uint64_t used = 0;
+  auto next_file = [&] {
+    files.emplace_back();
+    used = 0;
+  };
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const ChunkRef& c = chunks[i];
+    const uint64_t raw = c.nbytes();
+    const uint64_t bytes = size_of(raw);
+    if (shard_size == 0 || used + bytes <= shard_size) {
+      files.back().push_back({i, c, 0});
+      used += bytes;
+      continue;
+    }
+    const int64_t rows = c.box.sizes.empty() ? 0 : c.box.sizes[0];
+    if (rows <= 1 || bytes <= shard_size) {  // cannot split, or fits in a file of its own
+      if (!files.back().empty()) next_file();
+      files.back().push_back({i, c, 0});
+      used = bytes;
+      continue;
+    }
+    const uint64_t row_bytes = raw / static_cast<uint64_t>(rows);
+    // The most rows whose stored size fits in `room` (sizes grow with rows).
+    auto rows_within = [&](uint64_t room, int64_t most) {
+      int64_t lo = 0, hi = std::min<int64_t>(most, static_cast<int64_t>(room / row_bytes));
+      while (lo < hi) {
+        const int64_t mid = lo + (hi - lo + 1) / 2;
+        if (size_of(static_cast<uint64_t>(mid) * row_bytes) <= room)
+          lo = mid;
+        else
+          hi = mid - 1;
+      }
+      return lo;
+    };
+    int64_t row = 0;
+    while (row < rows) {
+      int64_t take = used >= shard_size ? 0 : rows_within(shard_size - used, rows - row);
+      if (take == 0 && !files.back().empty()) {
+        next_file();
+        continue;
+      }
+      take = std::max<int64_t>(take, 1);
+      FilePiece p{i, c, static_cast<uint64_t>(row) * row_bytes};
+      p.chunk.box.offsets[0] += row;
+      p.chunk.box.sizes[0] = take;
+      files.back().push_back(std::move(p));
+      used += size_of(static_cast<uint64_t>(take) * row_bytes);
+      row += take;
+    }
+  }
+  if (files.back().empty() && files.size() > 1) files.pop_back();
+  return files;
 }
 
 Result<FileLayout> layout_file(std::string name, std::vector<ChunkRef> chunks) {
   FileLayout out;
-  std::string json = "{\"__metadata__\":{\"format\":\"ferry\"}";
+  bool compressed = false;
+  for (const auto& c : chunks) compressed = compressed || c.compressed;
+  // Readers that only know safetensors see opaque U8 blobs in a compressed
+  // file; the codec here tells a person what they are.
+  std::string json = compressed ? "{\"__metadata__\":{\"format\":\"ferry\",\"codec\":\"zstd\"}"
+                                : "{\"__metadata__\":{\"format\":\"ferry\"}";
   std::unordered_set<std::string> entries;
   uint64_t pos = 0;  // relative to the data start until the header size is known
   out.chunks.reserve(chunks.size());
   for (auto& c : chunks) {
     FERRY_ASSIGN_OR_RETURN(uint64_t bytes, chunk_bytes(name, c));
+    if (c.compressed) bytes = c.compressed->data.size();
     std::string entry = entry_name(c.key, c.box);
     if (!entries.insert(entry).second)
       return Status::invalid_argument("file '" + name + "': duplicate safetensors entry '" + entry +
@@ -487,11 +555,15 @@ Result<FileLayout> layout_file(std::string name, std::vector<ChunkRef> chunks) {
     json += ',';
     append_json_string(json, entry);
     json += ":{\"dtype\":\"";
-    json += dtype_name(c.dtype);
-    json += "\",\"shape\":[";
-    for (size_t d = 0; d < c.box.sizes.size(); ++d) {
-      if (d) json += ',';
-      json += std::to_string(c.box.sizes[d]);
+    if (c.compressed) {
+      json += "U8\",\"shape\":[" + std::to_string(bytes);
+    } else {
+      json += dtype_name(c.dtype);
+      json += "\",\"shape\":[";
+      for (size_t d = 0; d < c.box.sizes.size(); ++d) {
+        if (d) json += ',';
+        json += std::to_string(c.box.sizes[d]);
+      }
     }
     json += "],\"data_offsets\":[";
     json += std::to_string(pos);

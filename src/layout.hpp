@@ -4,6 +4,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -15,11 +17,16 @@ namespace ferry {
 
 constexpr uint64_t kDataAlignment = 4096;
 
+struct Compressed;  // codec.hpp
+
 struct ChunkRef {
   std::string key;
   DType dtype = DType::f32;
   std::vector<int64_t> global_shape;
   Box box;  // the chunk's region of the global tensor
+  // Set when the chunk is stored compressed: its header entry is then a U8
+  // blob of the stored bytes, and the manifest says how to decode it.
+  std::shared_ptr<const Compressed> compressed;
   uint64_t nbytes() const { return static_cast<uint64_t>(box.numel()) * dtype_size(dtype); }
 };
 
@@ -27,7 +34,7 @@ struct LaidOutChunk {
   ChunkRef chunk;
   std::string entry;    // safetensors entry name, see entry_name()
   uint64_t offset = 0;  // absolute byte offset in the file
-  uint64_t length = 0;
+  uint64_t length = 0;  // stored bytes (compressed size for a compressed chunk)
 };
 
 struct FileLayout {
@@ -41,8 +48,35 @@ struct FileLayout {
 // checkpoint as long as chunks of one tensor never share offsets.
 std::string entry_name(const std::string& key, const Box& box);
 
-// "rank-00003-0001.safetensors"
-std::string data_file_name(int32_t rank, uint32_t file);
+// "<prefix>-00003-0001.safetensors" ("rank" is the default prefix, which
+// gives the names of checkpoints written before prefixes existed). Loads take
+// file names from the manifest, never from this pattern. `extension` is
+// "safetensors" or, for compressed files, kCompressedExtension.
+std::string data_file_name(const std::string& prefix, int32_t rank, uint32_t file,
+                           const std::string& extension = "safetensors");
+inline std::string data_file_name(int32_t rank, uint32_t file) {
+  return data_file_name("rank", rank, file);
+}
+
+// One piece of a rank's data in a file: all of input chunk `source`, or a
+// dim-0 slice of it that starts `skip` bytes into the chunk's bytes.
+struct FilePiece {
+  size_t source = 0;
+  ChunkRef chunk;
+  uint64_t skip = 0;
+};
+
+// Packs chunks, in order, into files of at most `shard_size` data bytes (the
+// header, 4 KiB for a few hundred entries, comes on top). A chunk that does
+// not fit in what is left of a file is split along dim 0 at row boundaries,
+// so every piece is a box of its own and loads and reshards like any chunk.
+// A single row larger than the cap (or a 0-d tensor) cannot be split and gets
+// a file of its own. shard_size 0: everything in one file. `stored` maps a
+// piece's raw size to the most it can take in the file (for compressed
+// files, the codec's worst case); none: the raw size.
+std::vector<std::vector<FilePiece>> pack_into_files(
+    const std::vector<ChunkRef>& chunks, uint64_t shard_size,
+    const std::function<uint64_t(uint64_t)>& stored = nullptr);
 
 // Builds the header and offsets. The JSON carries "__metadata__" with
 // {"format": "ferry"} and one entry per chunk with dtype, shape (box sizes)

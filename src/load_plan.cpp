@@ -34,8 +34,8 @@ Status check_chunks(const ManifestTensor& t, size_t elem_size) {
     };
     if (c.offsets.size() != t.global_shape.size() || c.sizes.size() != t.global_shape.size())
       return bad("rank differs from the tensor's");
-    if (c.byte_length != static_cast<uint64_t>(chunk_box(c).numel()) * elem_size)
-      return bad("holds " + std::to_string(c.byte_length) + " bytes, its box " +
+    if (c.raw_bytes() != static_cast<uint64_t>(chunk_box(c).numel()) * elem_size)
+      return bad("holds " + std::to_string(c.raw_bytes()) + " bytes, its box " +
                  chunk_box(c).to_string() + " needs " +
                  std::to_string(static_cast<uint64_t>(chunk_box(c).numel()) * elem_size));
   }
@@ -83,7 +83,10 @@ void plan_chunk_reads(const LoadRequest& req, uint32_t tensor_idx, uint32_t chun
                       const ManifestChunk& c, const Box& region, const Box& cbox, size_t elem_size,
                       uint64_t block_bytes, const LoadPlanOptions& opts, std::vector<ReadOp>* out) {
   // A checkpoint without a block size is read as one block per chunk.
-  const uint64_t bb = block_bytes ? block_bytes : std::max<uint64_t>(c.byte_length, 1);
+  // A compressed chunk is read in whole frames (codec.hpp), decoded by the reader.
+  const uint64_t bb = !c.codec.empty() ? c.frame_bytes
+                      : block_bytes    ? block_bytes
+                                       : std::max<uint64_t>(c.byte_length, 1);
 
   // Inclusive ranges of touched blocks. Runs of a region arrive in increasing
   // chunk order (the region is a sub-box of the chunk, both row-major), so a
@@ -110,7 +113,7 @@ void plan_chunk_reads(const LoadRequest& req, uint32_t tensor_idx, uint32_t chun
       op.file = c.file;
       op.chunk_offset = b * bb;
       // The chunk's last block may be short.
-      op.length = std::min((b + nb) * bb, c.byte_length) - op.chunk_offset;
+      op.length = std::min((b + nb) * bb, c.raw_bytes()) - op.chunk_offset;
       op.file_offset = c.byte_offset + op.chunk_offset;
       op.first_block = static_cast<uint32_t>(b);
       op.nblocks = static_cast<uint32_t>(nb);
@@ -304,10 +307,12 @@ std::vector<std::string> tensors_not_requested(const Manifest& m,
   return left;
 }
 
-std::vector<FileRange> needed_ranges(const std::vector<ReadOp>& ops) {
+std::vector<FileRange> needed_ranges(const std::vector<ReadOp>& ops, const Manifest& m) {
   std::vector<FileRange> out;
   out.reserve(ops.size());
-  for (const auto& op : ops) out.push_back(FileRange{op.file, op.file_offset, op.length});
+  for (const auto& op : ops)
+    if (m.tensors[op.tensor].chunks[op.chunk].codec.empty())
+      out.push_back(FileRange{op.file, op.file_offset, op.length});
   return out;
 }
 

@@ -116,8 +116,10 @@ struct RankNeeds {
   std::vector<FileRange> ranges;
 };
 
-// The ranges of `ops`, one per op, in the ops' order.
-std::vector<FileRange> needed_ranges(const std::vector<ReadOp>& ops);
+// The ranges of `ops` that may be shared, in the ops' order. Ops of
+// compressed chunks are left out: their stored bytes are frames that each
+// rank decodes itself, so each rank reads them alone.
+std::vector<FileRange> needed_ranges(const std::vector<ReadOp>& ops, const Manifest& m);
 
 // A range needed by `reader` and `receivers` (ranks of one node, ascending),
 // cut where any of their ranges starts or ends, so it lies inside one op of

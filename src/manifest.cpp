@@ -18,6 +18,7 @@
 #include <unordered_set>
 
 #include "checksum.hpp"
+#include "codec.hpp"
 #include "manifest.capnp.h"
 
 namespace ferry {
@@ -143,6 +144,10 @@ Status from_proto(proto::Manifest::Reader root, Manifest* out) {
       auto sums = c.getChecksums();
       mc.checksums.reserve(sums.size());
       for (uint64_t s : sums) mc.checksums.push_back(s);
+      mc.codec = str(c.getCodec());
+      mc.raw_length = c.getRawLength();
+      mc.frame_bytes = c.getFrameBytes();
+      for (uint64_t e : c.getFrameEnds()) mc.frame_ends.push_back(e);
       mt.chunks.push_back(std::move(mc));
     }
     m.tensors.push_back(std::move(mt));
@@ -207,6 +212,34 @@ Status check_disjoint(const ManifestTensor& t, const std::string& who) {
                                   shape_to_string(t.chunks[a].offsets) + ")");
     active.push_back(i);
   }
+  return Status();
+}
+
+// A compressed chunk: a codec the manifest declares, its raw size matching
+// the box, and frames that tile the raw bytes and the stored bytes exactly.
+Status check_frames(const Manifest& m, const ManifestChunk& c, uint64_t raw,
+                    const std::string& who) {
+  if (c.codec != kCodecZstd) return Status::corruption(who + ": unknown codec '" + c.codec + "'");
+  if (std::find(m.required_features.begin(), m.required_features.end(), kCodecZstdFeature) ==
+      m.required_features.end())
+    return Status::corruption(who + ": codec '" + c.codec + "' without the required feature '" +
+                              kCodecZstdFeature + "'");
+  if (c.raw_length != raw)
+    return Status::corruption(who + ": raw length " + std::to_string(c.raw_length) + ", expected " +
+                              std::to_string(raw));
+  if (c.frame_bytes == 0) return Status::corruption(who + ": frame size 0");
+  const uint64_t frames = raw / c.frame_bytes + (raw % c.frame_bytes != 0 ? 1 : 0);
+  if (c.frame_ends.size() != frames)
+    return Status::corruption(who + ": " + std::to_string(c.frame_ends.size()) +
+                              " frames, expected " + std::to_string(frames));
+  for (size_t i = 0; i < frames; ++i)
+    if (c.frame_ends[i] == 0 || (i > 0 && c.frame_ends[i] <= c.frame_ends[i - 1]))
+      return Status::corruption(who + ": frame " + std::to_string(i) + " ends at " +
+                                std::to_string(c.frame_ends[i]) + ", not after the previous one");
+  if ((frames ? c.frame_ends.back() : 0) != c.byte_length)
+    return Status::corruption(who + ": frames end at " +
+                              std::to_string(frames ? c.frame_ends.back() : 0) +
+                              ", the stored length is " + std::to_string(c.byte_length));
   return Status();
 }
 
@@ -286,7 +319,8 @@ Status check_semantics(const Manifest& m) {
       if (overflow || !mul_u64(numel, elem, &expected))
         return Status::corruption(cwho + ": byte size of box " + shape_to_string(c.sizes) +
                                   " overflows");
-      if (c.byte_length != expected)
+      if (!c.codec.empty()) FERRY_RETURN_IF_ERROR(check_frames(m, c, expected, cwho));
+      if (c.codec.empty() && c.byte_length != expected)
         return Status::corruption(cwho + ": byte length " + std::to_string(c.byte_length) +
                                   ", expected " + std::to_string(expected) + " (" +
                                   std::to_string(numel) + " x " + dtype_name(t.dtype) + ")");
@@ -349,9 +383,8 @@ uint64_t Manifest::total_bytes() const {
 }
 
 const std::vector<std::string>& known_manifest_features() {
-  // Empty until a feature (e.g. a compression codec) exists; a name added
-  // here must also be described in docs/format.md.
-  static const std::vector<std::string> kKnown;
+  // A name added here must also be described in docs/format.md.
+  static const std::vector<std::string> kKnown = {kCodecZstdFeature};
   return kKnown;
 }
 
@@ -402,6 +435,14 @@ std::string encode_manifest(const Manifest& m) {
       auto sums = c.initChecksums(static_cast<unsigned>(mc.checksums.size()));
       for (size_t k = 0; k < mc.checksums.size(); ++k)
         sums.set(static_cast<unsigned>(k), mc.checksums[k]);
+      if (!mc.codec.empty()) {
+        c.setCodec(text(mc.codec));
+        c.setRawLength(mc.raw_length);
+        c.setFrameBytes(mc.frame_bytes);
+        auto ends = c.initFrameEnds(static_cast<unsigned>(mc.frame_ends.size()));
+        for (size_t k = 0; k < mc.frame_ends.size(); ++k)
+          ends.set(static_cast<unsigned>(k), mc.frame_ends[k]);
+      }
     }
   }
 

@@ -26,6 +26,15 @@ struct ManifestChunk {
   // xxh3-64 of each checksum_block_bytes piece of the chunk's bytes (the
   // last may be shorter); empty when the checkpoint was saved without them.
   std::vector<uint64_t> checksums;
+  // Compressed (codec.hpp): byte_length is the stored size, checksums cover
+  // the stored bytes, and the raw bytes are in frames of frame_bytes.
+  std::string codec;  // "" = raw
+  uint64_t raw_length = 0;
+  uint64_t frame_bytes = 0;
+  std::vector<uint64_t> frame_ends;  // stored end of each frame, from byte_offset
+
+  // The chunk's bytes once decoded: numel x dtype size.
+  uint64_t raw_bytes() const { return codec.empty() ? byte_length : raw_length; }
 };
 
 struct ManifestTensor {

@@ -170,6 +170,42 @@ bool parse_positive_duration(const std::string& text, double& out, std::string& 
   return true;
 }
 
+// Empty `why` when fine. A prefix becomes part of a file name inside the
+// checkpoint directory, so anything that could leave it or need quoting is out.
+std::string filename_prefix_problem(const std::string& v) {
+  if (v.empty()) return "must not be empty";
+  for (unsigned char c : v) {
+    if (c == '/' || c == '\\') return "must not contain a path separator";
+    if (!std::isalnum(c) && c != '.' && c != '_' && c != '-')
+      return "may only contain A-Z, a-z, 0-9, '.', '_' and '-'";
+  }
+  if (v.find("..") != std::string::npos) return "must not contain '..'";
+  return "";
+}
+
+constexpr int kDefaultZstdLevel = 3;
+
+bool parse_compress_value(const std::string& text, std::string& out, std::string& why) {
+  why = "expected none, false, true, zstd or zstd:<level> with level 1 to 22";
+  const std::string t = lower(trim(text));
+  bool flag = false;
+  std::string ignored;
+  if (parse_bool(t, flag, ignored) || t == "none") {
+    out = flag ? "zstd:" + std::to_string(kDefaultZstdLevel) : "none";
+    return true;
+  }
+  if (t == "zstd") {
+    out = "zstd:" + std::to_string(kDefaultZstdLevel);
+    return true;
+  }
+  const std::string head = "zstd:";
+  if (t.compare(0, head.size(), head) != 0) return false;
+  uint64_t level = 0;
+  if (!parse_uint(t.substr(head.size()), 22, level) || level == 0) return false;
+  out = head + std::to_string(level);
+  return true;
+}
+
 // ---- the key table ----
 
 using ApplyFn = bool (*)(const std::string& value, Options& out, std::string& why);
@@ -312,6 +348,37 @@ const std::vector<KeySpec>& key_table() {
        [](const std::string& v, Options& o, std::string& why) {
          return parse_bool(v, o.cuda_register_pool, why);
        }},
+      {{"filename-prefix", "rank",
+        "data files are named <prefix>-<rank>-<k>.<ext>; only A-Z a-z 0-9 . _ - and no '..'"},
+       [](const std::string& v, Options& o, std::string& why) {
+         why = filename_prefix_problem(v);
+         if (!why.empty()) return false;
+         o.filename_prefix = v;
+         return true;
+       }},
+      {{"shard-size", "unlimited",
+        "most bytes per data file (e.g. 1GiB); a rank's items spread over several files and a "
+        "larger item is split across them; unlimited means one file per rank"},
+       [](const std::string& v, Options& o, std::string& why) {
+         if (lower(trim(v)) == "unlimited") {
+           o.shard_size = 0;
+           return true;
+         }
+         uint64_t n = 0;
+         if (!parse_size(v, n, why)) return false;
+         if (n == 0) {
+           why = "must be positive (or unlimited)";
+           return false;
+         }
+         o.shard_size = n;
+         return true;
+       }},
+      {{"compress", "none",
+        "compress data files: none, true (= zstd), zstd or zstd:<level> (1 to 22); compressed "
+        "files are .ferryz, not safetensors"},
+       [](const std::string& v, Options& o, std::string& why) {
+         return parse_compress_value(v, o.compress, why);
+       }},
   };
   return kTable;
 }
@@ -372,6 +439,19 @@ std::string from(const std::string& origin) {
 }
 
 }  // namespace
+
+Status check_filename_prefix(const std::string& prefix, const std::string& option) {
+  const std::string why = filename_prefix_problem(prefix);
+  if (why.empty()) return Status();
+  return Status::invalid_argument(option + " = " + quote_value(prefix) + ": " + why);
+}
+
+Result<std::string> parse_compress(const std::string& value, const std::string& option) {
+  std::string out, why;
+  if (!parse_compress_value(value, out, why))
+    return Status::invalid_argument(option + " = " + quote_value(value) + ": " + why);
+  return out;
+}
 
 const std::vector<OptionInfo>& option_infos() {
   static const std::vector<OptionInfo> kInfos = [] {

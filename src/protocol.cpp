@@ -241,6 +241,12 @@ struct Encoder {
       cb.setByteLength(c.byte_length);
       cb.setEntry(text(c.entry));
       fill(cb.initChecksums(static_cast<unsigned>(c.checksums.size())), c.checksums);
+      if (!c.codec.empty()) {
+        cb.setCodec(text(c.codec));
+        cb.setRawLength(c.raw_length);
+        cb.setFrameBytes(c.frame_bytes);
+        fill(cb.initFrameEnds(static_cast<unsigned>(c.frame_ends.size())), c.frame_ends);
+      }
     }
     return frame(kPlanProtocol, mb);
   }
@@ -609,6 +615,10 @@ Result<WireMessage> read_commit_request(proto::CommitRequest::Reader r) {
     auto sums = c.getChecksums();
     wc.checksums.reserve(sums.size());
     for (uint64_t s : sums) wc.checksums.push_back(s);
+    wc.codec = str(c.getCodec());
+    wc.raw_length = c.getRawLength();
+    wc.frame_bytes = c.getFrameBytes();
+    for (uint64_t e : c.getFrameEnds()) wc.frame_ends.push_back(e);
   }
   return WireMessage(std::move(m));
 }

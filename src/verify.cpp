@@ -49,8 +49,10 @@ Status check_data_file_header(Filesystem& fs, const std::string& dir, uint32_t f
         return Status::corruption(path + ": safetensors header lacks entry '" + c.entry +
                                   "' of tensor '" + t.key + "'");
       const SafetensorsEntry& e = *it->second;
-      if (e.dtype != dtype_name(t.dtype) || e.shape != c.sizes ||
-          h->data_start + e.begin != c.byte_offset || e.end - e.begin != c.byte_length)
+      // A compressed chunk's entry is a U8 blob of its stored bytes.
+      const bool typed =
+          c.codec.empty() ? e.dtype == dtype_name(t.dtype) && e.shape == c.sizes : e.dtype == "U8";
+      if (!typed || h->data_start + e.begin != c.byte_offset || e.end - e.begin != c.byte_length)
         return Status::corruption(path + ": safetensors entry '" + c.entry + "' of tensor '" +
                                   t.key + "' disagrees with the manifest");
     }

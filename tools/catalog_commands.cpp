@@ -140,6 +140,18 @@ int cmd_inspect(const Args& args) {
               human_bytes(m->checksum_block_bytes).c_str(), m->files.size(),
               human_bytes(m->total_bytes()).c_str());
   for (const auto& [k, v] : m->metadata) std::printf("  meta %s = %s\n", k.c_str(), v.c_str());
+  uint64_t raw = 0, stored = 0, frames = 0;
+  for (const auto& t : m->tensors)
+    for (const auto& c : t.chunks) {
+      if (c.codec.empty()) continue;
+      raw += c.raw_bytes();
+      stored += c.byte_length;
+      frames += c.frame_ends.size();
+    }
+  if (raw > 0)
+    std::printf("  codec zstd: %s raw in %s stored, ratio %.2fx, %" PRIu64 " frames\n",
+                human_bytes(raw).c_str(), human_bytes(stored).c_str(),
+                stored ? double(raw) / double(stored) : 0.0, frames);
   int rc = 0;
   std::printf("files:\n");
   for (uint32_t i = 0; i < m->files.size(); ++i) {
@@ -160,8 +172,15 @@ int cmd_inspect(const Args& args) {
       if (!c.checksums.empty())
         std::printf("  xxh3 %016" PRIx64 "%s", c.checksums[0],
                     c.checksums.size() > 1 ? " ..." : "");
-      std::printf("  (%zu block checksum%s)\n", c.checksums.size(),
+      std::printf("  (%zu block checksum%s)", c.checksums.size(),
                   c.checksums.size() == 1 ? "" : "s");
+      if (!c.codec.empty())
+        std::printf("  %s %" PRIu64 " -> %" PRIu64 " bytes (%.2fx), %zu frame%s of %s",
+                    c.codec.c_str(), c.raw_bytes(), c.byte_length,
+                    c.byte_length ? double(c.raw_bytes()) / double(c.byte_length) : 0.0,
+                    c.frame_ends.size(), c.frame_ends.size() == 1 ? "" : "s",
+                    human_bytes(c.frame_bytes).c_str());
+      std::printf("\n");
     }
   }
   return rc;

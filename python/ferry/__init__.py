@@ -11,6 +11,7 @@ same package works on any CPython 3 and any torch version. See README.md.
 
 from ._lib import FerryError, library_path
 from ._core import (
+    CheckpointOptions,
     LoadResult,
     Manifest,
     Runtime,
@@ -37,6 +38,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointManager",
+    "CheckpointOptions",
     "FerryError",
     "LoadResult",
     "Manifest",

@@ -247,6 +247,48 @@ def _setting_value(v):
     return str(v)
 
 
+class CheckpointOptions:
+    """How a save lays out its data files (each None: the configured
+    ferry.filename-prefix / shard-size / compress).
+
+    compress: False/"none", True (= zstd), "zstd" or "zstd:<level>" (1-22);
+    compressed files are <prefix>-<rank>-<k>.ferryz, decoded transparently
+    on load. shard_size: the most data bytes per file (an int > 0); larger
+    items are split across files. filename_prefix: data files are
+    <prefix>-<rank>-<k>.<ext>; only A-Z a-z 0-9 . _ - and no "..".
+    Bad values raise FerryError naming the option."""
+
+    def __init__(self, compress=None, shard_size=None, filename_prefix=None):
+        if shard_size is not None:
+            if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size <= 0:
+                raise FerryError("CheckpointOptions: shard_size = %r: must be a positive number "
+                                 "of bytes (None for the configured ferry.shard-size)"
+                                 % (shard_size,))
+        if compress is not None and not isinstance(compress, (bool, str)):
+            raise FerryError("CheckpointOptions: compress = %r: expected a bool or a string "
+                             "such as 'zstd:3'" % (compress,))
+        if filename_prefix is not None and not isinstance(filename_prefix, str):
+            raise FerryError("CheckpointOptions: filename_prefix = %r: expected a string"
+                             % (filename_prefix,))
+        self.compress = compress
+        self.shard_size = shard_size
+        self.filename_prefix = filename_prefix
+
+    def _c(self):
+        c = self.compress
+        if isinstance(c, bool):
+            c = "true" if c else "none"
+        return _lib.SaveOptions(
+            self.filename_prefix.encode("utf-8") if self.filename_prefix is not None else None,
+            self.shard_size or 0,
+            c.encode("utf-8") if c is not None else None,
+        )
+
+    def __repr__(self):
+        return "CheckpointOptions(compress=%r, shard_size=%r, filename_prefix=%r)" % (
+            self.compress, self.shard_size, self.filename_prefix)
+
+
 class Runtime:
     """One Ferry runtime (its actors, its staging pool) in this process.
 
@@ -295,9 +337,13 @@ class Runtime:
             )
         return self._ptr
 
-    def save_async(self, state_dict, root, step, overwrite=False, metadata=None):
+    def save_async(self, state_dict, root, step, overwrite=False, metadata=None, options=None):
         """See ferry.save_async."""
         ptr = self._alive()
+        if options is not None and not isinstance(options, CheckpointOptions):
+            raise FerryError("save_async: options must be a ferry.CheckpointOptions, not %s"
+                             % type(options).__name__)
+        copts = options._c() if options is not None else None
         flat = _tree.flatten(state_dict)
         items, staged = [], []
         for key, v in flat.tensors.items():
@@ -321,7 +367,7 @@ class Runtime:
         root_b = os.fspath(root).encode("utf-8") if root else None
         with self._lock:
             check(
-                lib().ferry_save_async(
+                lib().ferry_save_async_opts(
                     ptr,
                     entries.array,
                     len(items),
@@ -330,6 +376,7 @@ class Runtime:
                     1 if overwrite else 0,
                     kv,
                     len(pairs),
+                    ctypes.byref(copts) if copts is not None else None,
                     ctypes.byref(out),
                 )
             )
@@ -744,17 +791,20 @@ if hasattr(os, "register_at_fork"):
 atexit.register(_at_exit)
 
 
-def save_async(state_dict, root, step, overwrite=False, metadata=None, runtime=None):
+def save_async(state_dict, root, step, overwrite=False, metadata=None, runtime=None,
+               options=None):
     """Starts a checkpoint of `state_dict` at `step` under `root` and returns
     a SaveHandle at once. Tensors must not change until
-    handle.wait_snapshot(); non-contiguous ones are copied first."""
+    handle.wait_snapshot(); non-contiguous ones are copied first.
+    options: a ferry.CheckpointOptions (file prefix, shard size, compression)."""
     rt = runtime or default_runtime()
-    return rt.save_async(state_dict, root, step, overwrite=overwrite, metadata=metadata)
+    return rt.save_async(state_dict, root, step, overwrite=overwrite, metadata=metadata,
+                         options=options)
 
 
-def save(state_dict, root, step, overwrite=False, metadata=None, runtime=None):
+def save(state_dict, root, step, overwrite=False, metadata=None, runtime=None, options=None):
     """save_async + wait: returns the committed checkpoint's path."""
-    return save_async(state_dict, root, step, overwrite, metadata, runtime).wait()
+    return save_async(state_dict, root, step, overwrite, metadata, runtime, options).wait()
 
 
 def load(state_dict, path, strict=True, cast=False, key_map=None, runtime=None):

@@ -67,6 +67,14 @@ class KV(ctypes.Structure):
     _fields_ = [("key", ctypes.c_char_p), ("value", ctypes.c_char_p)]
 
 
+class SaveOptions(ctypes.Structure):
+    _fields_ = [
+        ("filename_prefix", ctypes.c_char_p),
+        ("shard_size", ctypes.c_int64),
+        ("compress", ctypes.c_char_p),
+    ]
+
+
 class SaveMetrics(ctypes.Structure):
     _fields_ = [
         ("save_async_ms", ctypes.c_double),
@@ -142,6 +150,11 @@ def _declare(L):
         "ferry_save_async": (
             st,
             [vp, tp, sz, ctypes.c_uint64, ctypes.c_char_p, ctypes.c_int, kvp, sz, ctypes.POINTER(vp)],
+        ),
+        "ferry_save_async_opts": (
+            st,
+            [vp, tp, sz, ctypes.c_uint64, ctypes.c_char_p, ctypes.c_int, kvp, sz,
+             ctypes.POINTER(SaveOptions), ctypes.POINTER(vp)],
         ),
         "ferry_save_wait_snapshot": (st, [vp]),
         "ferry_save_wait": (st, [vp]),

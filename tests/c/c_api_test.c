@@ -167,6 +167,30 @@ int main(void) {
   CHECK(ferry_manifest_open("/nonexistent/ferry", &man) != FERRY_OK && man == NULL);
   CHECK(strlen(ferry_last_error()) > 0);
 
+  /* File options: prefix, a cap that splits w over files, zstd; then a bad
+   * prefix fails naming the field. */
+  ferry_save_options fo = {"cprefix", 40, "zstd:1"};
+  CHECK_OK(ferry_save_async_opts(rt, ts, 1, 11, root, 0, NULL, 0, &fo, &s));
+  CHECK_OK(ferry_save_wait(s));
+  ferry_save_release(s);
+  char first_file[600];
+  snprintf(first_file, sizeof first_file, "%s/step-00000011/cprefix-00000-0001.ferryz", root);
+  CHECK(access(first_file, F_OK) == 0); /* 96 bytes of w in files of 40 */
+  float w11[24] = {0};
+  ferry_tensor back = {"w",  w11, FERRY_DTYPE_F32, 2, wshape, NULL, FERRY_DEVICE_HOST, 0,
+                       NULL, NULL};
+  char step11[512];
+  snprintf(step11, sizeof step11, "%s/step-00000011", root);
+  CHECK_OK(ferry_load(rt, &back, 1, step11));
+  CHECK(memcmp(w, w11, sizeof w) == 0);
+  ferry_save_options bad_fo = {"../up", 0, NULL};
+  s = NULL;
+  CHECK_OK(ferry_save_async_opts(rt, ts, 1, 12, root, 0, NULL, 0, &bad_fo, &s));
+  st = ferry_save_wait(s);
+  CHECK(st == FERRY_INVALID_ARGUMENT);
+  CHECK(strstr(ferry_last_error(), "filename_prefix") != NULL);
+  ferry_save_release(s);
+
   ferry_runtime_destroy(rt);
   char cmd[600];
   snprintf(cmd, sizeof cmd, "rm -rf '%s'", root);

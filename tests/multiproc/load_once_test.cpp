@@ -138,7 +138,7 @@ TEST_CASE("a rank that reads shared bytes and finds them corrupt fails the load 
   const uint64_t bad = c.byte_offset + c.byte_length / 2;
   std::vector<ferry::RankNeeds> needs;
   const auto ops = whole_plan(m);
-  for (int r = 0; r < kRanks; ++r) needs.push_back({r, "node", ferry::needed_ranges(ops)});
+  for (int r = 0; r < kRanks; ++r) needs.push_back({r, "node", ferry::needed_ranges(ops, m)});
   int reader = -1;
   for (const auto& s : ferry::assign_shared_reads(needs))
     if (s.range.file == c.file && s.range.offset <= bad && bad < s.range.offset + s.range.length) {
@@ -187,7 +187,7 @@ TEST_CASE("a rank that dies while it reads shared bytes fails the load on every 
   // the others need.
   std::vector<ferry::RankNeeds> needs;
   const auto ops = whole_plan(m);
-  for (int r = 0; r < kRanks; ++r) needs.push_back({r, "node", ferry::needed_ranges(ops)});
+  for (int r = 0; r < kRanks; ++r) needs.push_back({r, "node", ferry::needed_ranges(ops, m)});
   int reader = -1;
   for (const auto& s : ferry::assign_shared_reads(needs))
     if (s.reader > 0 && !s.receivers.empty()) reader = s.reader;

@@ -67,6 +67,9 @@ TEST_CASE("layout: entry and file names", "[layout]") {
   REQUIRE(ferry::data_file_name(3, 1) == "rank-00003-0001.safetensors");
   REQUIRE(ferry::data_file_name(0, 0) == "rank-00000-0000.safetensors");
   REQUIRE(ferry::data_file_name(123456, 12345) == "rank-123456-12345.safetensors");
+  REQUIRE(ferry::data_file_name("rank", 3, 1) == ferry::data_file_name(3, 1));
+  REQUIRE(ferry::data_file_name("model.v2", 3, 1) == "model.v2-00003-0001.safetensors");
+  REQUIRE(ferry::data_file_name("m", 0, 2, "ferryz") == "m-00000-0002.ferryz");
 }
 
 TEST_CASE("layout: header is aligned and chunks are back to back", "[layout]") {
@@ -319,4 +322,76 @@ TEST_CASE("layout: random garbage never crashes the parser", "[layout]") {
     auto r = ferry::parse_safetensors_header(h, file_size);
     if (!r.ok()) REQUIRE(r.status().code() == StatusCode::corruption);
   }
+}
+
+TEST_CASE("layout: pack_into_files keeps every byte once and respects shard_size", "[layout]") {
+  std::mt19937_64 rng(7);
+  for (int round = 0; round < 200; ++round) {
+    std::vector<ChunkRef> in;
+    const int n = 1 + static_cast<int>(rng() % 6);
+    for (int i = 0; i < n; ++i) {
+      const int64_t rows = static_cast<int64_t>(rng() % 40),
+                    cols = 1 + static_cast<int64_t>(rng() % 9);
+      in.push_back(chunk("t" + std::to_string(i), i % 2 ? DType::bf16 : DType::f32,
+                         {rows + 3, cols}, {3, 0}, {rows, cols}));
+    }
+    in.push_back(chunk("scalar", DType::i64, {}, {}, {}));
+    const uint64_t cap = 8 + rng() % 300;
+    const auto files = ferry::pack_into_files(in, cap);
+    std::vector<uint64_t> covered(in.size(), 0);
+    for (const auto& f : files) {
+      REQUIRE_FALSE(f.empty());
+      uint64_t bytes = 0;
+      for (const auto& p : f) {
+        const ChunkRef& src = in[p.source];
+        bytes += p.chunk.nbytes();
+        // The piece is a dim-0 slice of its source, at the byte offset `skip`.
+        REQUIRE(p.skip == covered[p.source]);
+        if (!src.box.sizes.empty()) {
+          const uint64_t row = src.box.sizes[0] ? src.nbytes() / src.box.sizes[0] : 0;
+          if (row) REQUIRE(p.chunk.box.offsets[0] == src.box.offsets[0] + int64_t(p.skip / row));
+          REQUIRE(std::vector<int64_t>(p.chunk.box.sizes.begin() + 1, p.chunk.box.sizes.end()) ==
+                  std::vector<int64_t>(src.box.sizes.begin() + 1, src.box.sizes.end()));
+        }
+        covered[p.source] += p.chunk.nbytes();
+      }
+      // Over the cap only when one unsplittable row is alone in its file.
+      if (bytes > cap) {
+        REQUIRE(f.size() == 1);
+        REQUIRE((f[0].chunk.box.sizes.size() <= 1 || f[0].chunk.box.sizes[0] == 1));
+      }
+    }
+    for (size_t i = 0; i < in.size(); ++i) REQUIRE(covered[i] == in[i].nbytes());
+  }
+  // No cap: one file holding the chunks unchanged.
+  const auto one = ferry::pack_into_files(sample_chunks(), 0);
+  REQUIRE(one.size() == 1);
+  REQUIRE(one[0].size() == sample_chunks().size());
+  // A 4 KiB item under a 1000-byte cap: five files, split at row boundaries.
+  const auto split =
+      ferry::pack_into_files({chunk("w", DType::f32, {64, 16}, {0, 0}, {64, 16})}, 1000);
+  REQUIRE(split.size() == 5);
+  REQUIRE(split[0][0].chunk.box.sizes == std::vector<int64_t>{15, 16});
+  REQUIRE(split[4][0].chunk.box.offsets == std::vector<int64_t>{60, 0});
+  REQUIRE(split[4][0].chunk.box.sizes == std::vector<int64_t>{4, 16});
+  REQUIRE(split[4][0].skip == 60 * 64);
+}
+
+TEST_CASE("layout: pack_into_files counts each piece's worst stored size", "[layout]") {
+  // Stored size = raw + 10% + 7 per piece, as a codec's worst case might be.
+  auto stored = [](uint64_t raw) { return raw + raw / 10 + 7; };
+  std::vector<ChunkRef> in = {chunk("a", DType::f32, {50, 4}, {0, 0}, {50, 4}),
+                              chunk("b", DType::u8, {3}, {0}, {3}),
+                              chunk("c", DType::bf16, {400}, {0}, {400})};
+  const auto files = ferry::pack_into_files(in, 300, stored);
+  std::vector<uint64_t> covered(in.size(), 0);
+  for (const auto& f : files) {
+    uint64_t bytes = 0;
+    for (const auto& p : f) {
+      bytes += stored(p.chunk.nbytes());
+      covered[p.source] += p.chunk.nbytes();
+    }
+    REQUIRE(bytes <= 300);
+  }
+  for (size_t i = 0; i < in.size(); ++i) REQUIRE(covered[i] == in[i].nbytes());
 }

@@ -155,7 +155,7 @@ TEST_CASE("manifest: find and total_bytes", "[manifest]") {
   REQUIRE(m.find("") == nullptr);
   REQUIRE(Manifest().find("a.weight") == nullptr);
   REQUIRE(m.total_bytes() == 48 + 48 + 20 + 8 + 0 + 5);
-  REQUIRE(ferry::known_manifest_features().empty());
+  REQUIRE(ferry::known_manifest_features() == std::vector<std::string>{"codec-zstd"});
 }
 
 TEST_CASE("manifest: every single-byte change is detected", "[manifest]") {
@@ -270,6 +270,68 @@ TEST_CASE("manifest: an unknown required feature is refused naming it", "[manife
   REQUIRE(r.status().code() == StatusCode::unsupported);
   INFO(r.status().message());
   REQUIRE(contains(r.status().message(), "'compression-zstd'"));
+}
+
+namespace {
+
+// rich_manifest with tensor b.bias (20 raw bytes) stored as two zstd frames
+// of 16 and 4 raw bytes in 13 stored bytes.
+Manifest compressed_manifest() {
+  Manifest m = rich_manifest();
+  m.required_features = {"codec-zstd"};
+  auto& c = m.tensors[1].chunks[0];
+  c.codec = "zstd";
+  c.raw_length = c.byte_length;
+  c.byte_length = 13;
+  c.frame_bytes = 16;
+  c.frame_ends = {9, 13};
+  c.checksums = {c.checksums[0]};
+  return m;
+}
+
+}  // namespace
+
+TEST_CASE("manifest: a compressed chunk round-trips with its frames", "[manifest][compress]") {
+  const Manifest m = compressed_manifest();
+  auto r = ferry::decode_manifest(ferry::encode_manifest(m));
+  INFO(r.status().to_string());
+  REQUIRE(r.ok());
+  require_same(m, r.value());
+  const auto& c = r->tensors[1].chunks[0];
+  REQUIRE(c.codec == "zstd");
+  REQUIRE(c.raw_bytes() == 20);
+  REQUIRE(c.frame_bytes == 16);
+  REQUIRE(c.frame_ends == std::vector<uint64_t>{9, 13});
+  REQUIRE(r->tensors[0].chunks[0].raw_bytes() == r->tensors[0].chunks[0].byte_length);
+}
+
+TEST_CASE("manifest: bad compressed chunks are corruption naming the tensor",
+          "[manifest][compress]") {
+  const std::vector<std::pair<std::function<void(Manifest&)>, std::string>> cases = {
+      {[](Manifest& m) { m.required_features.clear(); }, "required feature 'codec-zstd'"},
+      {[](Manifest& m) { m.tensors[1].chunks[0].codec = "lz4"; }, "unknown codec 'lz4'"},
+      {[](Manifest& m) { m.tensors[1].chunks[0].raw_length = 24; }, "raw length 24"},
+      {[](Manifest& m) { m.tensors[1].chunks[0].frame_bytes = 0; }, "frame size 0"},
+      {[](Manifest& m) { m.tensors[1].chunks[0].frame_ends = {13}; }, "1 frames, expected 2"},
+      {[](Manifest& m) {
+         m.tensors[1].chunks[0].frame_ends = {9, 9};
+       },
+       "frame 1 ends at 9"},
+      {[](Manifest& m) {
+         m.tensors[1].chunks[0].frame_ends = {9, 12};
+       },
+       "frames end at 12"},
+  };
+  for (const auto& [edit, expect] : cases) {
+    Manifest m = compressed_manifest();
+    edit(m);
+    auto r = ferry::decode_manifest(ferry::encode_manifest(m));
+    REQUIRE_FALSE(r.ok());
+    INFO(r.status().message());
+    REQUIRE(r.status().code() == StatusCode::corruption);
+    REQUIRE(contains(r.status().message(), "b.bias"));
+    REQUIRE(contains(r.status().message(), expect));
+  }
 }
 
 TEST_CASE("manifest: semantic errors name the tensor", "[manifest]") {

@@ -37,6 +37,9 @@ void check_defaults(const Options& o) {
   CHECK(o.fail_fast == d.fail_fast);
   CHECK(o.lease_seconds == d.lease_seconds);
   CHECK(o.readers == d.readers);
+  CHECK(o.filename_prefix == d.filename_prefix);
+  CHECK(o.shard_size == d.shard_size);
+  CHECK(o.compress == d.compress);
 }
 
 ferry::Result<Options> resolve1(const std::string& key, const std::string& value) {
@@ -136,7 +139,10 @@ TEST_CASE("option_infos lists every key once, and its defaults resolve to Option
                                              "write-timeout",
                                              "commit-timeout",
                                              "owner-policy",
-                                             "cuda-register-pool"};
+                                             "cuda-register-pool",
+                                             "filename-prefix",
+                                             "shard-size",
+                                             "compress"};
   std::vector<std::string> keys;
   std::vector<Setting> defaults;
   for (const auto& info : ferry::option_infos()) {
@@ -178,6 +184,48 @@ TEST_CASE("each key is parsed into its field", "[options]") {
   CHECK(r->fail_fast);
   CHECK(r->lease_seconds == 2.5);
   CHECK(r->readers == 64);
+}
+
+TEST_CASE("save options: filename-prefix, shard-size and compress parse and normalize",
+          "[options]") {
+  auto r = ferry::resolve_options({{"filename-prefix", "model.v2_A-b", "code"},
+                                   {"shard-size", "256MiB", "code"},
+                                   {"compress", "true", "code"}});
+  REQUIRE(r.ok());
+  CHECK(r->filename_prefix == "model.v2_A-b");
+  CHECK(r->shard_size == 256ull << 20);
+  CHECK(r->compress == "zstd:3");
+  CHECK(resolve1("compress", "zstd:19")->compress == "zstd:19");
+  CHECK(resolve1("compress", "ZSTD")->compress == "zstd:3");
+  CHECK(resolve1("compress", "false")->compress == "none");
+  CHECK(resolve1("compress", "none")->compress == "none");
+  CHECK(resolve1("shard-size", "unlimited")->shard_size == 0);
+}
+
+TEST_CASE("save options: bad values name the option, in config and as C++ fields", "[options]") {
+  for (const char* bad : {"", "a/b", "a\\b", "..", "x..y", "sp ace", "caf\xc3\xa9", "a*"}) {
+    auto r = resolve1("filename-prefix", bad);
+    REQUIRE_FALSE(r.ok());
+    CHECK(r.status().code() == ferry::StatusCode::invalid_argument);
+    CHECK(contains(r.status().message(), "ferry.filename-prefix"));
+    ferry::Status s = ferry::check_filename_prefix(bad, "SaveOptions::filename_prefix");
+    REQUIRE_FALSE(s.ok());
+    CHECK(contains(s.message(), "SaveOptions::filename_prefix"));
+  }
+  CHECK(ferry::check_filename_prefix("rank", "x").ok());
+  for (const char* bad : {"0", "-1", "-4096", "lots", "1.5GiB"}) {
+    auto r = resolve1("shard-size", bad);
+    REQUIRE_FALSE(r.ok());
+    CHECK(contains(r.status().message(), "ferry.shard-size"));
+  }
+  for (const char* bad : {"gzip", "zstd:0", "zstd:23", "zstd:", "zstd:-1", "lz4:3"}) {
+    auto r = resolve1("compress", bad);
+    REQUIRE_FALSE(r.ok());
+    CHECK(contains(r.status().message(), "ferry.compress"));
+    auto p = ferry::parse_compress(bad, "SaveOptions::compress");
+    REQUIRE_FALSE(p.ok());
+    CHECK(contains(p.status().message(), "SaveOptions::compress"));
+  }
 }
 
 TEST_CASE("later settings win", "[options]") {

@@ -150,6 +150,10 @@ CommitRequest sample_commit_request() {
   s.byte_offset = 4096;
   s.byte_length = 8;
   s.entry = "step";
+  s.codec = "zstd";  // a compressed chunk carries its frames to the coordinator
+  s.raw_length = 8;
+  s.frame_bytes = 1 << 20;
+  s.frame_ends = {8};
   r.chunks = {c, s};
   r.snapshot_ms = 12.5;
   r.write_ms = 2048.25;
@@ -312,6 +316,10 @@ void check_same(const CommitRequest& a, const CommitRequest& b) {
     CHECK(p.byte_length == q.byte_length);
     CHECK(p.entry == q.entry);
     CHECK(p.checksums == q.checksums);
+    CHECK(p.codec == q.codec);
+    CHECK(p.raw_length == q.raw_length);
+    CHECK(p.frame_bytes == q.frame_bytes);
+    CHECK(p.frame_ends == q.frame_ends);
   }
 }
 

@@ -177,7 +177,7 @@ TEST_CASE("shared reads: each byte a node needs has one reader, and every rank g
     auto ops = ferry::make_load_plan(m, rank_requests(r));
     REQUIRE(ops.ok());
     plans.push_back(ops.value());
-    needs.push_back({r, r < 4 ? "n0" : "n1", ferry::needed_ranges(ops.value())});
+    needs.push_back({r, r < 4 ? "n0" : "n1", ferry::needed_ranges(ops.value(), m)});
   }
   const auto shared = ferry::assign_shared_reads(needs);
 
@@ -275,7 +275,7 @@ TEST_CASE("shared reads: a replicated state splits evenly across the ranks of a 
   auto ops = ferry::make_load_plan(m, reqs);
   REQUIRE(ops.ok());
   std::vector<ferry::RankNeeds> needs;
-  for (int r = 0; r < 4; ++r) needs.push_back({r, "n0", ferry::needed_ranges(ops.value())});
+  for (int r = 0; r < 4; ++r) needs.push_back({r, "n0", ferry::needed_ranges(ops.value(), m)});
   const auto shared = ferry::assign_shared_reads(needs);
   std::vector<uint64_t> read(4, 0);
   for (const auto& s : shared) {

@@ -142,6 +142,22 @@ FERRY_API ferry_status ferry_save_async(ferry_runtime* rt, const ferry_tensor* t
                                         size_t num_tensors, uint64_t step, const char* root,
                                         int overwrite, const ferry_kv* metadata,
                                         size_t num_metadata, ferry_save** out);
+/* How one save lays out its data files. Zero-initialize, then set what
+ * differs: NULL strings and shard_size 0 keep the configured
+ * ferry.filename-prefix, ferry.shard-size and ferry.compress. A bad value
+ * (a prefix with a path separator or "..", a negative shard_size, an unknown
+ * codec) fails ferry_save_async_opts naming the field. */
+typedef struct ferry_save_options {
+  const char* filename_prefix; /* data files <prefix>-<rank>-<k>.<ext> */
+  int64_t shard_size;          /* most data bytes per file */
+  const char* compress;        /* "none", "true", "zstd", "zstd:<level>" */
+} ferry_save_options;
+/* ferry_save_async with file options (`opts` may be NULL). */
+FERRY_API ferry_status ferry_save_async_opts(ferry_runtime* rt, const ferry_tensor* tensors,
+                                             size_t num_tensors, uint64_t step, const char* root,
+                                             int overwrite, const ferry_kv* metadata,
+                                             size_t num_metadata, const ferry_save_options* opts,
+                                             ferry_save** out);
 /* Blocks until every byte is off the caller's tensors (or the save failed). */
 FERRY_API ferry_status ferry_save_wait_snapshot(ferry_save* s);
 /* Blocks until the checkpoint is committed (or failed). */

@@ -39,7 +39,20 @@ struct Options {
   bool owner_lowest_rank = false;   // owner-policy: "balanced" (default) or "lowest-rank"
   // GPU: an unpinnable pool is an error at start unless this is false.
   bool cuda_register_pool = true;  // cuda-register-pool
+  // Data files. Each of these is also a SaveOptions field for one save.
+  std::string filename_prefix =
+      "rank";                     // filename-prefix: data files are <prefix>-<rank>-<k>.<ext>
+  uint64_t shard_size = 0;        // shard-size: most bytes per data file; 0 = no cap
+  std::string compress = "none";  // compress: none, zstd or zstd:<level> (normalized)
 };
+
+// Checks a data file name prefix: not empty, only [A-Za-z0-9._-], no "..".
+// Errors are invalid_argument naming `option` (the config key or field).
+Status check_filename_prefix(const std::string& prefix, const std::string& option);
+// Parses a compress value: false/none/off/0, true/on/1 (= zstd at the default
+// level 3), zstd, or zstd:<level> with level 1 to 22. Returns the normalized
+// form ("none", "zstd:<level>"); errors name `option`.
+Result<std::string> parse_compress(const std::string& value, const std::string& option);
 
 // key = value, as read from one source (the value unquoted).
 struct Setting {

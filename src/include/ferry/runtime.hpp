@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -28,6 +29,11 @@ struct SaveOptions {
   // save_async. nullptr: the legacy default stream.
   void* stream = nullptr;
   Device stream_device = Device::cuda(0);
+  // Unset: the configured ferry.filename-prefix / shard-size / compress.
+  // Bad values fail the save with an error naming the field.
+  std::optional<std::string> filename_prefix;  // data files <prefix>-<rank>-<k>.<ext>
+  std::optional<int64_t> shard_size;           // most data bytes per file; must be > 0
+  std::optional<std::string> compress;         // none, true, zstd, zstd:<level>
 };
 
 // Figures of one save, filled in as it goes.
