@@ -208,3 +208,29 @@ TEST_CASE("a rank that dies while it reads shared bytes fails the load on every 
   }
   CHECK(l.seconds < 20);  // the death ends the wait (heartbeats: 3 s), not write-timeout (30 s)
 }
+
+TEST_CASE("four local ranks loading a compressed replicated state each decode it themselves",
+          "[ranks][load][compress]") {
+  TempDir d;
+  auto saved =
+      launch(kRanks, "--mode save --root " + d.path() + " --step 1 --seed 11 --set compress=zstd");
+  INFO(saved.out);
+  REQUIRE(saved.code == 0);
+  auto latest = ferry::find_latest(*ferry::posix_filesystem(), d.path());
+  REQUIRE(latest.ok());
+  const ferry::Manifest m = manifest_of(latest->path);
+  bool compressed = false;
+  for (const auto& t : m.tensors)
+    for (const auto& c : t.chunks) compressed |= !c.codec.empty();
+  REQUIRE(compressed);
+
+  // Shared bytes would be frames, not values: every rank reads its own.
+  auto l = launch(kRanks, "--mode load --layout full --seed 11 --root " + d.path());
+  INFO(l.out);
+  REQUIRE(l.code == 0);
+  CHECK(count(l.out, "every byte equal") == kRanks);
+  for (const auto& [rank, s] : load_stats(l.out)) {
+    INFO("rank " << rank);
+    CHECK(s.received == 0);
+  }
+}
