@@ -38,6 +38,7 @@
 #include "actors/messages.hpp"
 #include "actors/planner_actor.hpp"
 #include "catalog.hpp"
+#include "planner_api.hpp"
 
 namespace ferry {
 
@@ -54,6 +55,7 @@ struct Checkpoint {
   std::string pending_dir;
   std::string lease_owner;
   bool overwrite = false;
+  bool want_all = false;  // a rank drives the save in steps and shows every rank's plan
   std::vector<std::pair<std::string, std::string>> metadata;
   std::vector<std::optional<LocalPlan>> plans;
   std::vector<caf::typed_response_promise<PlanReply>> plan_promises;
@@ -197,9 +199,11 @@ void on_all_plans(coordinator_ptr self) {
                              c.lease_owner, st.ctx->opts.fsync);
   if (!s.ok()) return abort_active(self, s);
   c.phase = Phase::writing;
+  // Only when asked: every rank's plan on every rank grows with world size squared.
+  const std::string all = c.want_all ? encode_save_plans(save_plans(plans, **gp)) : "";
   for (size_t r = 0; r < c.plan_promises.size(); ++r)
     c.plan_promises[r].deliver(
-        PlanReply{st.ctx->job_id, c.id, Status(), c.pending_dir, (*gp)->ranks[r]});
+        PlanReply{st.ctx->job_id, c.id, Status(), c.pending_dir, (*gp)->ranks[r], all});
   self->delayed_send(me(self), seconds(st.ctx->opts.write_timeout_s), atom::ckpt_due_v, c.id,
                      std::string("write"));
   // Refresh the lease a few times per period so gc never takes a live save.
@@ -413,6 +417,7 @@ coordinator_actor::behavior_type coordinator_fun(coordinator_ptr self, ContextPt
         }
         Checkpoint& c = *st.active;
         if (req.rank == 0) c.metadata = req.metadata;
+        c.want_all = c.want_all || req.want_all;
         if (!st.link && !st.planner)
           st.planner = caf::actor_cast<planner_actor>(self->current_sender());
         if (Status d = disagreement(c, req); !d.ok()) {

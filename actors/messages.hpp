@@ -6,6 +6,7 @@
 #include <caf/all.hpp>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -43,6 +44,7 @@ CAF_ADD_ATOM(ferry, ferry::atom, close, "close")
 CAF_ADD_ATOM(ferry, ferry::atom, abandon, "abandon")
 CAF_ADD_ATOM(ferry, ferry::atom, phase_due, "phasedue")
 CAF_ADD_ATOM(ferry, ferry::atom, aborted, "aborted")
+CAF_ADD_ATOM(ferry, ferry::atom, proceed, "proceed")
 // The coordinator's interface (coordinator_api), served by the coordinator
 // on rank 0 and by the link elsewhere.
 CAF_ADD_ATOM(ferry, ferry::atom, plan, "plan")
@@ -76,6 +78,18 @@ struct SaveJob {
   SaveOptions opts;
   std::string root;
   std::shared_ptr<detail::SaveState> state;
+  // SavePlanner: the local plan it built (maybe transformed), and that the
+  // save stops after the plan and after the write until told to go on.
+  std::optional<LocalPlan> local;
+  bool staged = false;
+};
+
+// SavePlanner -> planner: the next step of a staged save.
+struct Proceed {
+  enum Step : uint8_t { write, commit, abandon };
+  std::shared_ptr<detail::SaveState> save;
+  Step step = write;
+  Status why;  // abandon: the reason every rank hears
 };
 
 // Where one chunk's bytes come from: a contiguous range of the view's
@@ -145,6 +159,7 @@ struct ReadTask {
 
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::Status)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::SaveJob)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::Proceed)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::PlanRequest)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::PlanReply)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::StreamJob)

@@ -11,6 +11,9 @@
 // finishing:  each file is truncated, fsynced and closed, then the pending
 //             directory is fsynced; checksums arrive from the serializer.
 // committing: the write result goes to the coordinator, which commits.
+// planned, written: a save driven in steps (SavePlanner) waits here for its
+//             caller's next step (`proceed`); both count as the write phase,
+//             so a caller that never goes on times out like a slow write.
 // draining:   the save failed. The handle hears it only once nothing touches
 //             the caller's tensors or the save's descriptors any more:
 //             1. the snapshot has no copy running and the serializer hands
@@ -35,7 +38,17 @@ namespace ferry {
 
 namespace {
 
-enum class Phase { idle, planning, opening, streaming, finishing, committing, draining };
+enum class Phase {
+  idle,
+  planning,
+  planned,
+  opening,
+  streaming,
+  finishing,
+  written,
+  committing,
+  draining
+};
 
 struct Current {
   uint64_t id = 0;
@@ -59,6 +72,9 @@ struct Current {
   Status failure;
   int drain_stage = 0;
   size_t drain_left = 0;
+  // A staged save: the caller's go-aheads, which may come before the step.
+  bool write_go = false;
+  bool commit_go = false;
 };
 
 struct planner_state {
@@ -123,9 +139,11 @@ const char* phase_name(Phase p) {
       return "idle";
     case Phase::planning:
       return "plan";
+    case Phase::planned:
     case Phase::opening:
     case Phase::streaming:
     case Phase::finishing:
+    case Phase::written:
       return "write";
     case Phase::committing:
       return "commit";
@@ -240,12 +258,25 @@ void send_result(planner_ptr self) {
           });
 }
 
+// This rank's files are durable: commit, or a staged save waits for barrier().
+void files_durable(planner_ptr self) {
+  auto& cur = self->state.cur;
+  if (cur.job.staged) {
+    cur.job.state->mark_written();
+    if (!cur.commit_go) {
+      cur.phase = Phase::written;
+      return;
+    }
+  }
+  send_result(self);
+}
+
 // Called whenever a piece of the finishing phase lands.
 void maybe_finish(planner_ptr self) {
   auto& cur = self->state.cur;
   if (cur.phase != Phase::finishing || cur.files_left > 0 || !cur.have_sums) return;
   if (!self->state.ctx->opts.fsync || cur.layouts.empty()) {
-    send_result(self);
+    files_durable(self);
     return;
   }
   // The files' directory entries must be durable before the coordinator
@@ -256,7 +287,7 @@ void maybe_finish(planner_ptr self) {
           [self, id](const Status& s) {
             if (!live(self->state, id)) return;
             if (!s.ok()) return fail(self, s);
-            send_result(self);
+            files_durable(self);
           },
           [self, id, dir = cur.pending_dir](caf::error& e) {
             if (live(self->state, id))
@@ -337,6 +368,8 @@ Status make_layouts(planner_state& st) {
   return Status();
 }
 
+void start_write(planner_ptr self);
+
 void on_plan(planner_ptr self, const PlanReply& r) {
   auto& st = self->state;
   auto& cur = st.cur;
@@ -358,6 +391,22 @@ void on_plan(planner_ptr self, const PlanReply& r) {
     m.bytes = total;
     m.files = cur.layouts.size();
   });
+  if (cur.job.staged) {
+    if (r.all_plans.empty())
+      return fail(self, Status::internal("rank 0 sent no global plan to a staged save"));
+    cur.job.state->mark_planned(r.all_plans);
+    if (!cur.write_go) {
+      cur.phase = Phase::planned;
+      return;
+    }
+  }
+  start_write(self);
+}
+
+// The files open, then the stream starts.
+void start_write(planner_ptr self) {
+  auto& st = self->state;
+  auto& cur = st.cur;
   if (cur.layouts.empty()) {
     cur.job.state->finish_snapshot(Status());
     cur.snapshot_done = true;
@@ -399,13 +448,18 @@ void start_next(planner_ptr self) {
   st.queue.pop_front();
   auto& cur = st.cur;
   cur.phase = Phase::planning;
-  auto local = make_local_plan(cur.job.sd, st.ctx->rank);
-  if (!local.ok()) return end_save(self, local.status(), "");
-  cur.local = std::move(local).value();
+  if (cur.job.local) {
+    cur.local = std::move(*cur.job.local);
+  } else {
+    auto local = make_local_plan(cur.job.sd, st.ctx->rank);
+    if (!local.ok()) return end_save(self, local.status(), "");
+    cur.local = std::move(local).value();
+  }
   cur.checkpoint_id = checkpoint_id(st.ctx->run_salt, cur.id);
   arm_deadline(self, "plan", seconds(st.ctx->opts.plan_timeout_s));
-  PlanRequest req{st.ctx->job_id, cur.checkpoint_id,      st.ctx->rank,          cur.job.step,
-                  cur.job.root,   cur.job.opts.overwrite, cur.job.opts.metadata, cur.local};
+  PlanRequest req{st.ctx->job_id,        cur.checkpoint_id, st.ctx->rank,
+                  cur.job.step,          cur.job.root,      cur.job.opts.overwrite,
+                  cur.job.opts.metadata, cur.local,         cur.job.staged};
   const uint64_t id = cur.id;
   self->request(st.coordinator, caf::infinite, atom::plan_v, std::move(req))
       .then(
@@ -478,6 +532,35 @@ planner_actor::behavior_type planner_fun(planner_ptr self, ContextPtr ctx,
         const double limit = phase == "plan" ? o.plan_timeout_s : o.write_timeout_s;
         fail(self,
              Status::timeout("the " + phase + " phase timed out after " + seconds_text(limit)));
+      },
+      [self](atom::proceed, const Proceed& p) {
+        auto& st = self->state;
+        auto& cur = st.cur;
+        if (cur.job.state != p.save) {
+          // Abandoned before it started: it never will.
+          if (p.step != Proceed::abandon) return;
+          for (auto it = st.queue.begin(); it != st.queue.end(); ++it)
+            if (it->state == p.save) {
+              it->state->finish(p.why, "");
+              st.queue.erase(it);
+              return;
+            }
+          return;
+        }
+        if (!live(st, cur.id)) return;  // over already: its waits say how
+        switch (p.step) {
+          case Proceed::write:
+            cur.write_go = true;
+            if (cur.phase == Phase::planned) start_write(self);
+            return;
+          case Proceed::commit:
+            cur.commit_go = true;
+            if (cur.phase == Phase::written) send_result(self);
+            return;
+          case Proceed::abandon:
+            fail(self, p.why);
+            return;
+        }
       },
       [self](atom::sums, ChecksumSet& sums) {
         auto& cur = self->state.cur;

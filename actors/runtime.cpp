@@ -11,6 +11,7 @@
 
 #include "actors/actors.hpp"
 #include "actors/messages.hpp"
+#include "actors/runtime_access.hpp"
 #include "cuda/device_cuda.hpp"
 #include "catalog.hpp"
 #include "checksum.hpp"
@@ -464,6 +465,14 @@ Runtime::~Runtime() {
 }
 
 SaveHandle Runtime::save_async(const StateDict& sd, uint64_t step, const SaveOptions& opts) {
+  return SaveHandle(detail::RuntimeAccess::start_save(*this, sd, step, opts, std::nullopt, false));
+}
+
+// save_async, and SavePlanner's saves, which stop between their steps.
+std::shared_ptr<detail::SaveState> detail::RuntimeAccess::start_save(
+    Runtime& rt, const StateDict& sd, uint64_t step, const SaveOptions& opts,
+    std::optional<LocalPlan> local, bool staged) {
+  auto& impl_ = rt.impl_;
   const auto t0 = detail::SaveState::clock::now();
   auto state = std::make_shared<detail::SaveState>();
   state->step = step;
@@ -471,7 +480,7 @@ SaveHandle Runtime::save_async(const StateDict& sd, uint64_t step, const SaveOpt
     state->finish(Status::invalid_argument("save of step " + std::to_string(step) +
                                            ": the state dict is empty (nothing to save)"),
                   "");
-    return SaveHandle(state);
+    return state;
   }
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
@@ -484,7 +493,7 @@ SaveHandle Runtime::save_async(const StateDict& sd, uint64_t step, const SaveOpt
                                      " refused: the save of step " + std::to_string(prev->step) +
                                      " is still taking its snapshot (fail-fast is on)"),
                         "");
-          return SaveHandle(state);
+          return state;
         }
         prev->cv.wait(plock, [&] { return prev->snapshot_done; });
       }
@@ -495,7 +504,7 @@ SaveHandle Runtime::save_async(const StateDict& sd, uint64_t step, const SaveOpt
   if (root.empty()) {
     state->finish(
         Status::invalid_argument("no checkpoint root: set ferry.root or SaveOptions::root"), "");
-    return SaveHandle(state);
+    return state;
   }
   state->started = t0;
   // Here, not in the snapshot actor: the copies must come after what the
@@ -504,14 +513,23 @@ SaveHandle Runtime::save_async(const StateDict& sd, uint64_t step, const SaveOpt
   if (Status s = order_copies_after(*impl_->ctx->device, sd, opts.stream_device, opts.stream);
       !s.ok()) {
     state->finish(s.with_context("save of step " + std::to_string(step) + ": "), "");
-    return SaveHandle(state);
+    return state;
   }
-  if (!impl_->saves->add(state)) return SaveHandle(state);
-  caf::anon_send(impl_->planner, atom::save_v, SaveJob{sd, step, opts, root, state});
+  if (!impl_->saves->add(state)) return state;
+  caf::anon_send(impl_->planner, atom::save_v,
+                 SaveJob{sd, step, opts, root, state, std::move(local), staged});
   const double ms =
       std::chrono::duration<double, std::milli>(detail::SaveState::clock::now() - t0).count();
   state->update_metrics([ms](SaveMetrics& m) { m.save_async_ms = ms; });
-  return SaveHandle(state);
+  return state;
+}
+
+void detail::RuntimeAccess::proceed(Runtime& rt, Proceed p) {
+  caf::anon_send(rt.impl_->planner, atom::proceed_v, std::move(p));
+}
+
+const RankContext& detail::RuntimeAccess::context(const Runtime& rt) {
+  return *rt.impl_->ctx;
 }
 
 namespace {

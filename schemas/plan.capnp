@@ -95,6 +95,7 @@ struct PlanRequest {
   overwrite @5 :Bool;              # the caller allows replacing an existing step
   metadata @6 :List(UserMetadata); # user key/values (rank 0's are kept)
   plan @7 :LocalPlan;              # the rank's write items
+  wantAll @8 :Bool;                # the reply should carry every rank's plan (SavePlanner)
 }
 
 # Rank 0 -> a rank: its part of the global plan, or why there is none.
@@ -104,6 +105,7 @@ struct PlanReply {
   status @2 :Control.Status;       # not ok: planning failed, the save is aborted
   pendingDir @3 :Text;             # the directory every rank writes its files into
   plan @4 :RankPlan;               # what the receiving rank writes
+  allPlans @5 :Data;               # every rank's SavePlan (src/planner_api.hpp), if asked
 }
 
 # Rank -> rank 0: the rank's write result.

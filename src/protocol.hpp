@@ -76,6 +76,7 @@ struct PlanRequest {
   bool overwrite = false;
   std::vector<std::pair<std::string, std::string>> metadata;  // rank 0's is kept
   LocalPlan plan;
+  bool want_all = false;  // the reply should carry every rank's plan (SavePlanner)
 };
 
 // Rank 0 -> a rank: its part of the global plan, or why there is none.
@@ -85,6 +86,7 @@ struct PlanReply {
   Status status;
   std::string pending_dir;
   RankPlan plan;
+  std::string all_plans = {};  // every rank's SavePlan, when a rank asked (encode_save_plans)
 };
 
 // A rank's write result once its files and the pending directory are durable.

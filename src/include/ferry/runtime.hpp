@@ -47,6 +47,7 @@ struct SaveMetrics {
 
 namespace detail {
 struct SaveState;
+struct RuntimeAccess;  // actors/runtime_access.hpp: SavePlanner's way in
 }
 
 // Returned by save_async at once. Copyable; all copies see the same save.
@@ -153,6 +154,7 @@ class Runtime {
   struct Impl;
 
  private:
+  friend struct detail::RuntimeAccess;
   explicit Runtime(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
