@@ -193,8 +193,8 @@ struct Encoder {
     set_status(b.initStatus(), m.status);
     b.setPendingDir(text(m.pending_dir));
     if (!m.all_plans.empty())
-      b.setAllPlans(kj::arrayPtr(reinterpret_cast<const kj::byte*>(m.all_plans.data()),
-                                 m.all_plans.size()));
+      b.setAllPlans(
+          kj::arrayPtr(reinterpret_cast<const kj::byte*>(m.all_plans.data()), m.all_plans.size()));
     auto plan = b.initPlan();
     plan.setRank(m.plan.rank);
     plan.setFiles(m.plan.files);

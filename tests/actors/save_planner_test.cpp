@@ -73,8 +73,7 @@ TEST_CASE("the planner's steps write what save_async writes, and the step defaul
   CHECK(plan.files == std::vector<std::string>{"rank-00000-0000.safetensors"});
   const std::string text = plan.to_string();
   CHECK_THAT(text, Catch::Contains("\"layer.w\"") && Catch::Contains("written by rank 0") &&
-                       Catch::Contains("rank-00000-0000.safetensors") &&
-                       Catch::Contains("8448 B"));
+                       Catch::Contains("rank-00000-0000.safetensors") && Catch::Contains("8448 B"));
   // Nothing is written before save_on_this_process.
   CHECK(ferry::list_checkpoints(*ferry::posix_filesystem(), d.path())->empty());
   auto wrote = first.save_on_this_process(plan);
@@ -102,8 +101,7 @@ TEST_CASE("the planner's steps write what save_async writes, and the step defaul
   CHECK(back.b == m.b);
 }
 
-TEST_CASE("the local plan hook drops and renames items before the plan is sent",
-          "[planner_api]") {
+TEST_CASE("the local plan hook drops and renames items before the plan is sent", "[planner_api]") {
   TempDir d;
   auto rt = make_runtime(d.path());
   Model m(3);
@@ -141,7 +139,8 @@ TEST_CASE("the local plan hook drops and renames items before the plan is sent",
   ferry::SavePlanner refused(*rt, m.sd, "", bad, "", 4);
   auto g = refused.create_global_plan();
   REQUIRE_FALSE(g.ok());
-  CHECK_THAT(g.status().message(), Catch::Contains("\"layer.w\"") && Catch::Contains("only the key"));
+  CHECK_THAT(g.status().message(),
+             Catch::Contains("\"layer.w\"") && Catch::Contains("only the key"));
   CHECK(refused.handle().wait_committed(std::chrono::seconds(10)).code() !=
         ferry::StatusCode::timeout);
   CHECK_FALSE(fs::exists(d.path() + "/step-00000004"));

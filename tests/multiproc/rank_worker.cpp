@@ -7,6 +7,9 @@
 //               [--layout save|swap|full] [--many N] [--kill-rank R]
 //               [--kill-after plan|snapshot|load] [--set key=value]...
 //               [--step-for-rank R=S] [--root-for-rank R=DIR]   (ranks that disagree)
+//   rank_worker --mode planner|planner-skip --root DIR [--skip-rank R]
+//               (the save in SavePlanner's steps; planner-skip: rank R never
+//               calls barrier(), and every rank must see the checkpoint fail)
 // Exit 0 when the mode's expectation holds (for mismatch: the save failed
 // with an error naming what it must name; kill: 3 then; disagree: the save
 // failed saying the ranks disagree), 1 otherwise.
@@ -24,8 +27,9 @@
 #include <thread>
 
 #include "actors/transport.hpp"
-#include "protocol.hpp"
+#include "ferry/planner.hpp"
 #include "ferry/runtime.hpp"
+#include "protocol.hpp"
 
 namespace {
 
@@ -159,6 +163,69 @@ int send_garbage() {
   return reports >= 3 ? 0 : 1;
 }
 
+// The save in SavePlanner's steps: every rank sees every rank's plan, tries
+// another rank's plan (refused), writes its own and meets the others at
+// barrier(). Exit 0 when the outcome is the expected one.
+int planner_steps(ferry::Runtime& rt, const ferry::StateDict& sd, const std::string& mode, int argc,
+                  char** argv) {
+  const int rank = rt.rank(), world = rt.world_size();
+  const int skip_rank = std::stoi(arg(argc, argv, "--skip-rank", "1"));
+  ferry::SavePlanner planner(rt, sd, "rank");
+  auto global = planner.create_global_plan();
+  if (!global.ok()) {
+    std::printf("ERROR plan: %s\n", global.status().to_string().c_str());
+    return 1;
+  }
+  if (static_cast<int>(global->size()) != world) {
+    std::printf("ERROR %zu plans for %d ranks\n", global->size(), world);
+    return 1;
+  }
+  uint64_t total = 0;
+  for (const auto& p : *global) total += p.bytes;
+  std::printf("PLANNED step %llu: %d plans, %llu bytes in all\n",
+              static_cast<unsigned long long>(planner.step()), world,
+              static_cast<unsigned long long>(total));
+  if (rank == 0) std::printf("%s", (*global)[world - 1].to_string().c_str());
+  const auto& other = (*global)[(rank + 1) % world];
+  ferry::Status refused = planner.save_on_this_process(other).wait();
+  if (world > 1) {
+    if (refused.ok()) {
+      std::printf("ERROR rank %d's plan was accepted on rank %d\n", other.rank, rank);
+      return 1;
+    }
+    std::printf("REFUSED %s\n", refused.to_string().c_str());
+  }
+  ferry::Status wrote = planner.save_on_this_process((*global)[rank]).wait();
+  if (!wrote.ok()) {
+    std::printf("ERROR write: %s\n", wrote.to_string().c_str());
+    return 1;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  if (mode == "planner-skip" && rank == skip_rank) {
+    // Never calls barrier(): the write phase runs out on every rank.
+    ferry::Status s = planner.handle().wait_committed();
+    std::printf(
+        "FAILED as expected (skipped barrier) after %.0f ms: %s\n",
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count(),
+        s.to_string().c_str());
+    return s.ok() ? 1 : 0;
+  }
+  auto path = planner.barrier();
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  if (mode == "planner-skip") {
+    std::printf("FAILED as expected after %.0f ms: %s\n", ms,
+                path.ok() ? "committed!" : path.status().to_string().c_str());
+    return path.ok() ? 1 : 0;
+  }
+  if (!path.ok()) {
+    std::printf("ERROR barrier: %s\n", path.status().to_string().c_str());
+    return 1;
+  }
+  std::printf("SAVED %s\n", path->c_str());
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -234,6 +301,8 @@ int main(int argc, char** argv) {
     std::printf("LOADED %zu tensors, every byte equal\n", specs.size());
     return 0;
   }
+
+  if (mode == "planner" || mode == "planner-skip") return planner_steps(rt, sd, mode, argc, argv);
 
   uint64_t my_step = step;
   ferry::SaveOptions so;

@@ -404,7 +404,7 @@ TEST_CASE("the public global plan: every byte once, owners by policy, bounded lo
     o.policy = policy;
     auto gp = ferry::make_global_plan(plans, o);
     REQUIRE(gp.ok());
-    std::map<std::string, std::vector<Box>> written;  // key -> boxes written
+    std::map<std::string, std::vector<Box>> written;   // key -> boxes written
     std::map<std::string, std::set<int32_t>> writers;  // key + box of the item -> who writes
     std::vector<uint64_t> load;
     for (size_t r = 0; r < sp->size(); ++r) {
@@ -454,8 +454,8 @@ TEST_CASE("the public global plan: every byte once, owners by policy, bounded lo
     std::vector<uint64_t> fixed(plans.size(), 0);
     for (const Tensor& t : ts)
       for (const Piece& piece : t.pieces) {
-        const uint64_t bytes = static_cast<uint64_t>(numel(piece.box.sizes)) *
-                               ferry::dtype_size(t.dtype);
+        const uint64_t bytes =
+            static_cast<uint64_t>(numel(piece.box.sizes)) * ferry::dtype_size(t.dtype);
         largest = std::max(largest, bytes);
         if (piece.holders.size() == 1) fixed[piece.holders[0]] += bytes;
         const auto& who = writers[t.key + piece.box.to_string()];
@@ -467,8 +467,8 @@ TEST_CASE("the public global plan: every byte once, owners by policy, bounded lo
         }
         if (policy == OwnerPolicy::lowest_rank && bytes > 0) {
           INFO("key " << t.key << " piece " << piece.box.to_string());
-          CHECK(who == std::set<int32_t>{
-                           *std::min_element(piece.holders.begin(), piece.holders.end())});
+          CHECK(who ==
+                std::set<int32_t>{*std::min_element(piece.holders.begin(), piece.holders.end())});
         }
       }
     if (policy == OwnerPolicy::balanced) {

@@ -48,7 +48,7 @@ struct SaveMetrics {
 namespace detail {
 struct SaveState;
 struct RuntimeAccess;  // actors/runtime_access.hpp: SavePlanner's way in
-}
+}  // namespace detail
 
 // Returned by save_async at once. Copyable; all copies see the same save.
 // Waits never throw: errors come back as a Status. A failed save is reported
