@@ -13,6 +13,7 @@
 #include "actors/save_state.hpp"
 #include "actors/transport.hpp"
 #include "commit.hpp"
+#include "ferry/planner.hpp"
 #include "ferry/filesystem.hpp"
 #include "layout.hpp"
 #include "load_plan.hpp"
@@ -45,6 +46,7 @@ CAF_ADD_ATOM(ferry, ferry::atom, abandon, "abandon")
 CAF_ADD_ATOM(ferry, ferry::atom, phase_due, "phasedue")
 CAF_ADD_ATOM(ferry, ferry::atom, aborted, "aborted")
 CAF_ADD_ATOM(ferry, ferry::atom, proceed, "proceed")
+CAF_ADD_ATOM(ferry, ferry::atom, custom, "custom")
 // The coordinator's interface (coordinator_api), served by the coordinator
 // on rank 0 and by the link elsewhere.
 CAF_ADD_ATOM(ferry, ferry::atom, plan, "plan")
@@ -82,6 +84,24 @@ struct SaveJob {
   // save stops after the plan and after the write until told to go on.
   std::optional<LocalPlan> local;
   bool staged = false;
+  CheckpointFn checkpoint_fn;  // set: the caller's function writes the rank's file
+};
+
+// planner -> writer: run the caller's checkpoint_fn on the rank's one file,
+// then read back what it wrote.
+struct CustomWrite {
+  CheckpointFn fn;
+  StateDict planned;  // keyed by entry name
+  std::string path;
+  FileLayout layout;  // as Ferry would have written it: the chunks expected
+  uint64_t checksum_block_bytes = 0;
+  bool fsync = true;
+};
+
+struct CustomWritten {
+  Status status;
+  FileLayout layout;                         // as written
+  std::vector<std::vector<uint64_t>> sums;  // [chunk][block]
 };
 
 // SavePlanner -> planner: the next step of a staged save.
@@ -160,6 +180,8 @@ struct ReadTask {
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::Status)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::SaveJob)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::Proceed)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::CustomWrite)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::CustomWritten)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::PlanRequest)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::PlanReply)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::StreamJob)

@@ -31,6 +31,7 @@
 #include "actors/messages.hpp"
 #include "actors/planner_actor.hpp"
 #include "actors/snapshot_actor.hpp"
+#include "checkpoint_fn.hpp"
 #include "checksum.hpp"
 #include "drills/kill_point.hpp"
 
@@ -370,6 +371,52 @@ Status make_layouts(planner_state& st) {
 
 void start_write(planner_ptr self);
 
+// The caller's checkpoint_fn writes the rank's file (one writer runs it);
+// what it wrote comes back laid out and checksummed, and the save goes on
+// from the finishing phase as if Ferry had written it.
+void start_custom_write(planner_ptr self) {
+  auto& st = self->state;
+  auto& cur = st.cur;
+  if (cur.layouts.size() != 1)
+    return fail(self,
+                Status::invalid_argument("checkpoint_fn writes one file per rank; the plan has " +
+                                         std::to_string(cur.layouts.size())));
+  std::vector<PlannedSource> srcs;
+  for (const auto& s : cur.sources[0]) srcs.push_back({s.view, s.offset});
+  auto planned = planned_state_dict(cur.layouts[0], srcs);
+  if (!planned.ok()) return fail(self, planned.status());
+  cur.phase = Phase::opening;
+  const uint64_t id = cur.id;
+  CustomWrite w{cur.job.checkpoint_fn,
+                std::move(planned).value(),
+                join_path(cur.pending_dir, cur.layouts[0].name),
+                cur.layouts[0],
+                st.ctx->opts.checksum ? st.ctx->opts.checksum_block_bytes : 0,
+                st.ctx->opts.fsync};
+  self->request(st.writers[0], caf::infinite, atom::custom_v, std::move(w))
+      .then(
+          [self, id](CustomWritten& r) {
+            auto& cur = self->state.cur;
+            if (!live(self->state, id)) return;
+            if (!r.status.ok()) return fail(self, r.status);
+            cur.layouts[0] = std::move(r.layout);
+            cur.sums.sums = {std::move(r.sums)};
+            cur.have_sums = true;
+            cur.snapshot_done = true;
+            cur.job.state->finish_snapshot(Status());
+            cur.job.state->bytes_persisted += cur.layouts[0].size;
+            cur.job.state->bytes_total = cur.layouts[0].size;
+            cur.files_left = 0;
+            cur.phase = Phase::finishing;
+            maybe_finish(self);
+          },
+          [self, id](caf::error& e) {
+            if (live(self->state, id))
+              fail(self,
+                   Status::internal("checkpoint_fn: the writer: " + self->system().render(e)));
+          });
+}
+
 void on_plan(planner_ptr self, const PlanReply& r) {
   auto& st = self->state;
   auto& cur = st.cur;
@@ -407,6 +454,7 @@ void on_plan(planner_ptr self, const PlanReply& r) {
 void start_write(planner_ptr self) {
   auto& st = self->state;
   auto& cur = st.cur;
+  if (cur.job.checkpoint_fn && !cur.layouts.empty()) return start_custom_write(self);
   if (cur.layouts.empty()) {
     cur.job.state->finish_snapshot(Status());
     cur.snapshot_done = true;

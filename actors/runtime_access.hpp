@@ -16,7 +16,8 @@ struct RuntimeAccess {
   // dict's own; `staged`: stop after the plan and after the write.
   static std::shared_ptr<SaveState> start_save(Runtime& rt, const StateDict& sd, uint64_t step,
                                                const SaveOptions& opts,
-                                               std::optional<LocalPlan> local, bool staged);
+                                               std::optional<LocalPlan> local, bool staged,
+                                               CheckpointFn checkpoint_fn = {});
   static void proceed(Runtime& rt, Proceed p);
   static const RankContext& context(const Runtime& rt);
 };

@@ -159,7 +159,8 @@ Result<std::vector<SavePlan>> SavePlanner::create_global_plan() {
   } else if (!why.ok()) {
     return why;
   }
-  im.save = RuntimeAccess::start_save(im.rt, im.sd, im.step, im.opts.save, im.local, true);
+  im.save = RuntimeAccess::start_save(im.rt, im.sd, im.step, im.opts.save, im.local, true,
+                                      im.opts.checkpoint_fn);
   if (!why.ok()) {
     im.abandon(why);
     return why;

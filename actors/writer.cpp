@@ -8,10 +8,11 @@
 // (`drain`), then has one of them close the files (`close`): no descriptor
 // is closed while another writer may still be inside a call on it.
 //
-//   (stateless) write | open | seal | syncdir | drain | close, one at a time
+//   (stateless) write | open | seal | syncdir | drain | close | custom, one at a time
 
 #include "actors/messages.hpp"
 #include "actors/writer_actor.hpp"
+#include "checkpoint_fn.hpp"
 #include "drills/kill_point.hpp"
 
 namespace ferry {
@@ -83,6 +84,19 @@ writer_actor::behavior_type writer_fun(writer_actor::stateful_pointer<writer_sta
       [](atom::close, const std::vector<std::shared_ptr<File>>& files) {
         for (const auto& f : files) (void)f->close();
         return true;
+      },
+      // Blocking like every other call here: the function writes the file.
+      [self](atom::custom, const CustomWrite& w) -> CustomWritten {
+        CustomWritten out;
+        out.status = run_checkpoint_fn(w.fn, w.planned, w.path);
+        if (!out.status.ok()) return out;
+        auto l = adopt_written_file(*self->state.ctx->fs, w.path, w.layout, w.checksum_block_bytes,
+                                    &out.sums, w.fsync);
+        if (l.ok())
+          out.layout = std::move(l).value();
+        else
+          out.status = l.status();
+        return out;
       },
       [self](atom::syncdir, const std::string& dir) -> Status {
         FERRY_RETURN_IF_ERROR(self->state.ctx->fs->sync_dir(dir));

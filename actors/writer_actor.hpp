@@ -25,7 +25,9 @@ using writer_actor = caf::typed_actor<
     // planner -> writer after a failure: a barrier behind every queued block,
     caf::replies_to<atom::drain>::with<bool>,
     // then the close of the failed save's files.
-    caf::replies_to<atom::close, std::vector<std::shared_ptr<File>>>::with<bool>>;
+    caf::replies_to<atom::close, std::vector<std::shared_ptr<File>>>::with<bool>,
+    // planner -> writer: the caller's checkpoint_fn writes the rank's file.
+    caf::replies_to<atom::custom, CustomWrite>::with<CustomWritten>>;
 
 // Detached and linked to `parent` (the planner).
 writer_actor spawn_writer(caf::local_actor* parent, ContextPtr ctx, planner_actor planner);

@@ -11,6 +11,7 @@
 #include "catalog.hpp"
 #include "ferry/planner.hpp"
 #include "ferry/runtime.hpp"
+#include "safetensors_writer.hpp"
 #include "test_util.hpp"
 
 namespace fs = std::filesystem;
@@ -206,4 +207,96 @@ TEST_CASE("a rank that never reaches barrier() aborts the checkpoint at write-ti
   CHECK_THAT(s.message(), Catch::Contains("write phase timed out"));
   CHECK(waited < 10);
   CHECK(ferry::list_checkpoints(*ferry::posix_filesystem(), d.path())->empty());
+}
+
+TEST_CASE("a checkpoint_fn gets exactly the planned tensors and its file is committed",
+          "[planner_api][checkpoint_fn]") {
+  TempDir d;
+  auto rt = make_runtime(d.path());
+  Model m(6);
+  std::vector<std::string> keys;
+  std::vector<std::vector<int64_t>> shapes;
+  std::vector<std::string> bytes;
+  std::string wrote_to;
+  ferry::SavePlannerOptions o;
+  o.checkpoint_fn = [&](const ferry::StateDict& planned, const std::string& filename) {
+    for (const auto& e : planned.entries()) {
+      keys.push_back(e.key);
+      shapes.push_back(e.view.shape);
+      bytes.emplace_back(static_cast<const char*>(e.view.data), e.view.nbytes());
+    }
+    wrote_to = filename;
+    return ferry::testing::write_safetensors(planned, filename);
+  };
+  ferry::SavePlanner p(*rt, m.sd, "", o);
+  auto global = p.create_global_plan();
+  REQUIRE(global.ok());
+  REQUIRE(p.save_on_this_process((*global)[0]).wait().ok());
+  // Exactly the plan's writes: names, shapes and the caller's bytes.
+  const ferry::SavePlan& plan = (*global)[0];
+  REQUIRE(keys.size() == plan.writes.size());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const auto& w = plan.writes[i];
+    CHECK(keys[i].rfind(plan.items[w.item].key + "@", 0) == 0);
+    CHECK(shapes[i] == w.sizes);
+  }
+  CHECK(bytes[0] == std::string(reinterpret_cast<const char*>(m.w.data()), m.w.size() * 4));
+  CHECK(bytes[1] == std::string(reinterpret_cast<const char*>(m.b.data()), m.b.size() * 4));
+  CHECK_THAT(wrote_to, Catch::EndsWith("/rank-00000-0000.safetensors"));
+  auto path = p.barrier();
+  REQUIRE(path.ok());
+  // The checksums Ferry recorded hold for what the function wrote.
+  CHECK(rt->latest_valid() == *path);
+  Model back(7);
+  REQUIRE(rt->load(back.sd, *path).ok());
+  CHECK(back.w == m.w);
+  CHECK(back.b == m.b);
+}
+
+TEST_CASE("a checkpoint_fn that fails, throws or writes nothing aborts the checkpoint",
+          "[planner_api][checkpoint_fn]") {
+  TempDir d;
+  auto rt = make_runtime(d.path());
+  Model m(8);
+  struct Case {
+    const char* what;
+    ferry::CheckpointFn fn;
+    const char* says;
+  };
+  const Case cases[] = {
+      {"fails",
+       [](const ferry::StateDict&, const std::string&) { return Status::io_error("disk on fire"); },
+       "disk on fire"},
+      {"throws",
+       [](const ferry::StateDict&, const std::string&) -> Status {
+         throw std::runtime_error("user bug");
+       },
+       "raised: user bug"},
+      {"writes nothing", [](const ferry::StateDict&, const std::string&) { return Status(); },
+       "wrote nothing"},
+      {"writes too little",
+       [](const ferry::StateDict& planned, const std::string& f) {
+         ferry::StateDict less;
+         (void)less.add(planned.entries()[0].key, planned.entries()[0].view);
+         return ferry::testing::write_safetensors(less, f);
+       },
+       "without planned tensor"},
+  };
+  uint64_t step = 1;
+  for (const Case& c : cases) {
+    INFO(c.what);
+    ferry::SavePlannerOptions o;
+    o.checkpoint_fn = c.fn;
+    ferry::SavePlanner p(*rt, m.sd, "", o, "", step++);
+    auto global = p.create_global_plan();
+    REQUIRE(global.ok());
+    Status wrote = p.save_on_this_process((*global)[0]).wait();
+    CHECK_THAT(wrote.message(), Catch::Contains(c.says) && Catch::Contains("rank 0"));
+    auto r = p.barrier();
+    REQUIRE_FALSE(r.ok());
+    CHECK_THAT(r.status().message(), Catch::Contains(c.says));
+  }
+  CHECK(ferry::list_checkpoints(*ferry::posix_filesystem(), d.path())->empty());
+  for (auto& e : fs::directory_iterator(d.path()))
+    CHECK_FALSE(ferry::is_pending_dir_name(e.path().filename().string()));
 }

@@ -104,6 +104,17 @@ class WriteHandle {
   std::shared_ptr<detail::SaveState> s_;
 };
 
+// Writes one rank's data file itself, instead of Ferry's writers. `planned`
+// holds exactly the tensors the global plan gives this rank, keyed by the
+// entry names the checkpoint records ("key@offsets"), as host views of the
+// caller's memory; the function must write them as a safetensors file at
+// `filename` (any entry order and padding; e.g. safetensors' save_file).
+// Ferry then reads the file back, checks it holds exactly those entries,
+// records sizes and checksums of what is there, fsyncs it and commits as
+// usual. A non-ok Status, an exception, or no file fails the checkpoint on
+// every rank. The state dict's tensors must be host and contiguous.
+using CheckpointFn = std::function<Status(const StateDict& planned, const std::string& filename)>;
+
 struct SavePlannerOptions {
   SaveOptions save;  // overwrite, metadata, stream (SavePlanner's root wins over save.root)
   // Runs on this rank's local plan before it is sent to rank 0. It may drop
@@ -111,6 +122,7 @@ struct SavePlannerOptions {
   // change an item's dtype, shape or region (an error naming the item). A
   // Status it returns aborts the checkpoint on every rank.
   std::function<Status(LocalSavePlan&)> transform_local_plan;
+  CheckpointFn checkpoint_fn;  // unset: Ferry writes the files
 };
 
 // One checkpoint, driven in steps. Every rank builds one and calls the
