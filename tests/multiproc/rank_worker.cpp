@@ -7,7 +7,7 @@
 //               [--layout save|swap|full] [--many N] [--kill-rank R]
 //               [--kill-after plan|snapshot|load] [--set key=value]...
 //               [--step-for-rank R=S] [--root-for-rank R=DIR]   (ranks that disagree)
-//   rank_worker --mode planner|planner-skip --root DIR [--skip-rank R]
+//   rank_worker --mode planner|planner-skip --root DIR [--skip-rank R] [--fn write|raise]
 //               (the save in SavePlanner's steps; planner-skip: rank R never
 //               calls barrier(), and every rank must see the checkpoint fail)
 // Exit 0 when the mode's expectation holds (for mismatch: the save failed
@@ -18,6 +18,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstring>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,7 @@
 #include "ferry/planner.hpp"
 #include "ferry/runtime.hpp"
 #include "protocol.hpp"
+#include "tests/safetensors_writer.hpp"
 
 namespace {
 
@@ -170,7 +172,18 @@ int planner_steps(ferry::Runtime& rt, const ferry::StateDict& sd, const std::str
                   char** argv) {
   const int rank = rt.rank(), world = rt.world_size();
   const int skip_rank = std::stoi(arg(argc, argv, "--skip-rank", "1"));
-  ferry::SavePlanner planner(rt, sd, "rank");
+  // --fn write: every rank's file comes from a checkpoint_fn; --fn raise:
+  // rank --skip-rank's function throws, and every rank must fail.
+  const std::string fn = arg(argc, argv, "--fn", "");
+  ferry::SavePlannerOptions o;
+  if (!fn.empty())
+    o.checkpoint_fn = [fn, rank, skip_rank](const ferry::StateDict& planned,
+                                            const std::string& file) -> ferry::Status {
+      if (fn == "raise" && rank == skip_rank) throw std::runtime_error("user checkpoint_fn bug");
+      std::printf("CHECKPOINT_FN got %zu tensors\n", planned.size());
+      return ferry::testing::write_safetensors(planned, file);
+    };
+  ferry::SavePlanner planner(rt, sd, "rank", o);
   auto global = planner.create_global_plan();
   if (!global.ok()) {
     std::printf("ERROR plan: %s\n", global.status().to_string().c_str());
@@ -196,6 +209,14 @@ int planner_steps(ferry::Runtime& rt, const ferry::StateDict& sd, const std::str
     std::printf("REFUSED %s\n", refused.to_string().c_str());
   }
   ferry::Status wrote = planner.save_on_this_process((*global)[rank]).wait();
+  if (fn == "raise") {
+    auto path = planner.barrier();
+    std::printf("FAILED as expected: %s\n",
+                path.ok() ? "committed!" : path.status().to_string().c_str());
+    return !path.ok() && path.status().message().find("user checkpoint_fn bug") != std::string::npos
+               ? 0
+               : 1;
+  }
   if (!wrote.ok()) {
     std::printf("ERROR write: %s\n", wrote.to_string().c_str());
     return 1;

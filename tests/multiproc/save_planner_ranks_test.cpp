@@ -61,3 +61,31 @@ TEST_CASE("a rank that never calls barrier() fails the checkpoint on every rank 
   for (auto& e : fs::directory_iterator(d.path()))
     CHECK_FALSE(ferry::is_pending_dir_name(e.path().filename().string()));
 }
+
+TEST_CASE("checkpoint_fn on every rank: the files it writes commit and load resharded",
+          "[ranks][planner_api][checkpoint_fn]") {
+  TempDir d;
+  auto r = launch(2, "--mode planner --fn write --seed 5 --root " + d.path());
+  INFO(r.out);
+  REQUIRE(r.code == 0);
+  CHECK(count(r.out, "CHECKPOINT_FN got") == 2);
+  CHECK(count(r.out, "SAVED") == 2);
+  auto l = launch(3, "--mode load --layout swap --seed 5 --root " + d.path());
+  INFO(l.out);
+  CHECK(l.code == 0);
+  CHECK(count(l.out, "every byte equal") == 3);
+}
+
+TEST_CASE("a checkpoint_fn that raises on one rank aborts the checkpoint on every rank",
+          "[ranks][planner_api][checkpoint_fn]") {
+  TempDir d;
+  auto r = launch(3, "--mode planner --fn raise --skip-rank 2 --root " + d.path());
+  INFO(r.out);
+  CHECK(r.code == 0);
+  CHECK(count(r.out, "FAILED as expected") == 3);
+  CHECK(count(r.out, "user checkpoint_fn bug") >= 3);
+  CHECK(r.seconds < 20);
+  CHECK(ferry::list_checkpoints(*ferry::posix_filesystem(), d.path())->empty());
+  for (auto& e : fs::directory_iterator(d.path()))
+    CHECK_FALSE(ferry::is_pending_dir_name(e.path().filename().string()));
+}
