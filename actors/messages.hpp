@@ -21,6 +21,7 @@
 #include "plan.hpp"
 #include "pool.hpp"
 #include "protocol.hpp"
+#include "storage_writer.hpp"
 #include "ferry/runtime.hpp"
 
 // One atom per message: the atom names what the message asks, so no two
@@ -87,21 +88,18 @@ struct SaveJob {
   CheckpointFn checkpoint_fn;  // set: the caller's function writes the rank's file
 };
 
-// planner -> writer: run the caller's checkpoint_fn on the rank's one file,
-// then read back what it wrote.
+// planner -> writer: the caller's checkpoint_fn writes the rank's files
+// (through its StorageWriter), which are then read back.
 struct CustomWrite {
-  CheckpointFn fn;
-  StateDict planned;  // keyed by entry name
-  std::string path;
-  FileLayout layout;  // as Ferry would have written it: the chunks expected
-  uint64_t checksum_block_bytes = 0;
-  bool fsync = true;
+  std::shared_ptr<CheckpointFnWriter> storage;
+  std::vector<std::string> paths;
+  std::string pending_dir;
 };
 
 struct CustomWritten {
   Status status;
-  FileLayout layout;                         // as written
-  std::vector<std::vector<uint64_t>> sums;  // [chunk][block]
+  std::vector<FileLayout> layouts;                       // as written
+  std::vector<std::vector<std::vector<uint64_t>>> sums;  // [file][chunk][block]
 };
 
 // SavePlanner -> planner: the next step of a staged save.

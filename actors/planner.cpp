@@ -34,6 +34,7 @@
 #include "checkpoint_fn.hpp"
 #include "checksum.hpp"
 #include "drills/kill_point.hpp"
+#include "storage_writer.hpp"
 
 namespace ferry {
 
@@ -371,44 +372,46 @@ Status make_layouts(planner_state& st) {
 
 void start_write(planner_ptr self);
 
-// The caller's checkpoint_fn writes the rank's file (one writer runs it);
-// what it wrote comes back laid out and checksummed, and the save goes on
-// from the finishing phase as if Ferry had written it.
+// The caller's checkpoint_fn writes the rank's files through its
+// StorageWriter, on one writer's thread; what it wrote comes back laid out
+// and checksummed, durable with its directory, as if Ferry had written it.
 void start_custom_write(planner_ptr self) {
   auto& st = self->state;
   auto& cur = st.cur;
-  if (cur.layouts.size() != 1)
-    return fail(self,
-                Status::invalid_argument("checkpoint_fn writes one file per rank; the plan has " +
-                                         std::to_string(cur.layouts.size())));
-  std::vector<PlannedSource> srcs;
-  for (const auto& s : cur.sources[0]) srcs.push_back({s.view, s.offset});
-  auto planned = planned_state_dict(cur.layouts[0], srcs);
-  if (!planned.ok()) return fail(self, planned.status());
+  std::vector<CheckpointFnWriter::PlannedFile> planned;
+  std::vector<std::string> paths;
+  for (size_t f = 0; f < cur.layouts.size(); ++f) {
+    std::vector<PlannedSource> srcs;
+    for (const auto& s : cur.sources[f]) srcs.push_back({s.view, s.offset});
+    auto sd = planned_state_dict(cur.layouts[f], srcs);
+    if (!sd.ok()) return fail(self, sd.status());
+    planned.push_back({cur.layouts[f], std::move(sd).value()});
+    paths.push_back(join_path(cur.pending_dir, cur.layouts[f].name));
+  }
+  auto storage = std::make_shared<CheckpointFnWriter>(
+      st.ctx->fs, cur.job.checkpoint_fn, std::move(planned),
+      st.ctx->opts.checksum ? st.ctx->opts.checksum_block_bytes : 0, st.ctx->opts.fsync);
   cur.phase = Phase::opening;
   const uint64_t id = cur.id;
-  CustomWrite w{cur.job.checkpoint_fn,
-                std::move(planned).value(),
-                join_path(cur.pending_dir, cur.layouts[0].name),
-                cur.layouts[0],
-                st.ctx->opts.checksum ? st.ctx->opts.checksum_block_bytes : 0,
-                st.ctx->opts.fsync};
-  self->request(st.writers[0], caf::infinite, atom::custom_v, std::move(w))
+  self->request(st.writers[0], caf::infinite, atom::custom_v,
+                CustomWrite{std::move(storage), std::move(paths), cur.pending_dir})
       .then(
           [self, id](CustomWritten& r) {
             auto& cur = self->state.cur;
             if (!live(self->state, id)) return;
             if (!r.status.ok()) return fail(self, r.status);
-            cur.layouts[0] = std::move(r.layout);
-            cur.sums.sums = {std::move(r.sums)};
+            cur.layouts = std::move(r.layouts);
+            cur.sums.sums = std::move(r.sums);
             cur.have_sums = true;
             cur.snapshot_done = true;
             cur.job.state->finish_snapshot(Status());
-            cur.job.state->bytes_persisted += cur.layouts[0].size;
-            cur.job.state->bytes_total = cur.layouts[0].size;
+            uint64_t total = 0;
+            for (const auto& l : cur.layouts) total += l.size;
+            cur.job.state->bytes_persisted += total;
+            cur.job.state->bytes_total = total;
             cur.files_left = 0;
             cur.phase = Phase::finishing;
-            maybe_finish(self);
+            files_durable(self);
           },
           [self, id](caf::error& e) {
             if (live(self->state, id))
@@ -466,7 +469,7 @@ void start_write(planner_ptr self) {
   std::vector<std::string> paths;
   for (const auto& l : cur.layouts) paths.push_back(join_path(cur.pending_dir, l.name));
   const uint64_t id = cur.id;
-  self->request(st.writers[0], caf::infinite, atom::open_v, paths, st.ctx->opts.direct_io)
+  self->request(st.writers[0], caf::infinite, atom::open_v, paths)
       .then(
           [self, id](const FileSet& fs) {
             auto& cur = self->state.cur;
