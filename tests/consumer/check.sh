@@ -13,7 +13,7 @@ case "$mode" in
     # Only the public headers are installed, and the library has a SONAME.
     headers=$(cd "$work/prefix/include/ferry" && ls | sort | tr '\n' ' ')
     echo "installed headers: $headers"
-    [ "$headers" = "device.hpp filesystem.hpp options.hpp runtime.hpp status.hpp tensor.hpp " ] ||
+    [ "$headers" = "device.hpp filesystem.hpp options.hpp planner.hpp runtime.hpp status.hpp tensor.hpp " ] ||
       { echo "unexpected public headers"; exit 1; }
     lib=$(ls "$work"/prefix/lib*/libferry.so)
     soname=$(readelf -d "$lib" | sed -n 's/.*SONAME.*\[\(.*\)\]/\1/p')
