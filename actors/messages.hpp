@@ -86,6 +86,7 @@ struct SaveJob {
   std::optional<LocalPlan> local;
   bool staged = false;
   CheckpointFn checkpoint_fn;  // set: the caller's function writes the rank's file
+  uint8_t owner_policy = 0;    // as PlanRequest: 0 is the configured one
 };
 
 // planner -> writer: the caller's checkpoint_fn writes the rank's files

@@ -508,9 +508,9 @@ void start_next(planner_ptr self) {
   }
   cur.checkpoint_id = checkpoint_id(st.ctx->run_salt, cur.id);
   arm_deadline(self, "plan", seconds(st.ctx->opts.plan_timeout_s));
-  PlanRequest req{st.ctx->job_id,        cur.checkpoint_id, st.ctx->rank,
-                  cur.job.step,          cur.job.root,      cur.job.opts.overwrite,
-                  cur.job.opts.metadata, cur.local,         cur.job.staged};
+  PlanRequest req{st.ctx->job_id, cur.checkpoint_id,      st.ctx->rank,          cur.job.step,
+                  cur.job.root,   cur.job.opts.overwrite, cur.job.opts.metadata, cur.local,
+                  cur.job.staged, cur.job.owner_policy};
   const uint64_t id = cur.id;
   self->request(st.coordinator, caf::infinite, atom::plan_v, std::move(req))
       .then(

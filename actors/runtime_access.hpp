@@ -17,7 +17,8 @@ struct RuntimeAccess {
   static std::shared_ptr<SaveState> start_save(Runtime& rt, const StateDict& sd, uint64_t step,
                                                const SaveOptions& opts,
                                                std::optional<LocalPlan> local, bool staged,
-                                               CheckpointFn checkpoint_fn = {});
+                                               CheckpointFn checkpoint_fn = {},
+                                               uint8_t owner_policy = 0);
   static void proceed(Runtime& rt, Proceed p);
   static const RankContext& context(const Runtime& rt);
 };

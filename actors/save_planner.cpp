@@ -66,6 +66,12 @@ struct SavePlanner::Impl {
 
 namespace {
 
+// As PlanRequest carries it: 0 leaves it to rank 0's configuration.
+uint8_t policy_code(const std::optional<OwnerPolicy>& p) {
+  if (!p) return 0;
+  return *p == OwnerPolicy::balanced ? 1 : 2;
+}
+
 std::shared_ptr<detail::SaveState> failed_save(uint64_t step, Status why) {
   auto s = std::make_shared<detail::SaveState>();
   s->step = step;
@@ -160,7 +166,7 @@ Result<std::vector<SavePlan>> SavePlanner::create_global_plan() {
     return why;
   }
   im.save = RuntimeAccess::start_save(im.rt, im.sd, im.step, im.opts.save, im.local, true,
-                                      im.opts.checkpoint_fn);
+                                      im.opts.checkpoint_fn, policy_code(im.opts.owner_policy));
   if (!why.ok()) {
     im.abandon(why);
     return why;

@@ -96,6 +96,7 @@ struct PlanRequest {
   metadata @6 :List(UserMetadata); # user key/values (rank 0's are kept)
   plan @7 :LocalPlan;              # the rank's write items
   wantAll @8 :Bool;                # the reply should carry every rank's plan (SavePlanner)
+  ownerPolicy @9 :UInt8;           # 0: rank 0's configured one, 1: balanced, 2: lowest rank
 }
 
 # Rank 0 -> a rank: its part of the global plan, or why there is none.

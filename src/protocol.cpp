@@ -182,6 +182,7 @@ struct Encoder {
       it.setEntry(w.entry);
     }
     b.setWantAll(m.want_all);
+    b.setOwnerPolicy(m.owner_policy);
     return frame(kPlanProtocol, mb);
   }
 
@@ -479,6 +480,10 @@ Result<WireMessage> read_plan_request(proto::PlanRequest::Reader r) {
     w.entry = it.getEntry();
   }
   m.want_all = r.getWantAll();
+  m.owner_policy = r.getOwnerPolicy();
+  if (m.owner_policy > 2)
+    return Status::invalid_argument("PlanRequest owner policy " + std::to_string(m.owner_policy) +
+                                    " is not 0, 1 or 2");
   return WireMessage(std::move(m));
 }
 

@@ -168,7 +168,8 @@ int send_garbage() {
 // The save in SavePlanner's steps: every rank sees every rank's plan, tries
 // another rank's plan (refused), writes its own and meets the others at
 // barrier(). Exit 0 when the outcome is the expected one.
-int planner_steps(ferry::Runtime& rt, const ferry::StateDict& sd, const std::string& mode, int argc,
+int planner_steps(ferry::Runtime& rt, const ferry::StateDict& sd,
+                  const std::vector<std::string>& replicated, const std::string& mode, int argc,
                   char** argv) {
   const int rank = rt.rank(), world = rt.world_size();
   const int skip_rank = std::stoi(arg(argc, argv, "--skip-rank", "1"));
@@ -176,6 +177,13 @@ int planner_steps(ferry::Runtime& rt, const ferry::StateDict& sd, const std::str
   // rank --skip-rank's function throws, and every rank must fail.
   const std::string fn = arg(argc, argv, "--fn", "");
   ferry::SavePlannerOptions o;
+  // --owner lowest|balanced: the policy; --owner-for-rank R=P: rank R differs.
+  std::string owner = arg(argc, argv, "--owner", "");
+  const std::string owner_for = arg(argc, argv, "--owner-for-rank", "");
+  if (auto eq = owner_for.find('='); eq != std::string::npos && std::stoi(owner_for) == rank)
+    owner = owner_for.substr(eq + 1);
+  if (owner == "lowest") o.owner_policy = ferry::OwnerPolicy::lowest_rank;
+  if (owner == "balanced") o.owner_policy = ferry::OwnerPolicy::balanced;
   if (!fn.empty())
     o.checkpoint_fn = [fn, rank, skip_rank](const ferry::StateDict& planned,
                                             const std::string& file) -> ferry::Status {
@@ -185,6 +193,11 @@ int planner_steps(ferry::Runtime& rt, const ferry::StateDict& sd, const std::str
     };
   ferry::SavePlanner planner(rt, sd, "rank", o);
   auto global = planner.create_global_plan();
+  if (!global.ok() && !owner_for.empty()) {
+    std::printf("FAILED as expected: %s\n", global.status().to_string().c_str());
+    return global.status().message().find("disagree on the owner policy") != std::string::npos ? 0
+                                                                                               : 1;
+  }
   if (!global.ok()) {
     std::printf("ERROR plan: %s\n", global.status().to_string().c_str());
     return 1;
@@ -192,6 +205,17 @@ int planner_steps(ferry::Runtime& rt, const ferry::StateDict& sd, const std::str
   if (static_cast<int>(global->size()) != world) {
     std::printf("ERROR %zu plans for %d ranks\n", global->size(), world);
     return 1;
+  }
+  if (owner == "lowest") {
+    // Every replicated tensor is written by rank 0 alone.
+    for (const auto& p : *global)
+      for (size_t i = 0; i < p.items.size(); ++i)
+        for (const auto& key : replicated)
+          if (p.items[i].key == key && p.owners[i] != std::vector<int32_t>{0}) {
+            std::printf("ERROR %s is not owned by rank 0 alone\n", key.c_str());
+            return 1;
+          }
+    std::printf("OWNERS lowest rank\n");
   }
   uint64_t total = 0;
   for (const auto& p : *global) total += p.bytes;
@@ -323,7 +347,12 @@ int main(int argc, char** argv) {
     return 0;
   }
 
-  if (mode == "planner" || mode == "planner-skip") return planner_steps(rt, sd, mode, argc, argv);
+  if (mode == "planner" || mode == "planner-skip") {
+    std::vector<std::string> replicated;
+    for (const auto& s : specs)
+      if (s.split == 'x') replicated.push_back(s.key);
+    return planner_steps(rt, sd, replicated, mode, argc, argv);
+  }
 
   uint64_t my_step = step;
   ferry::SaveOptions so;

@@ -89,3 +89,19 @@ TEST_CASE("a checkpoint_fn that raises on one rank aborts the checkpoint on ever
   for (auto& e : fs::directory_iterator(d.path()))
     CHECK_FALSE(ferry::is_pending_dir_name(e.path().filename().string()));
 }
+
+TEST_CASE("the owner policy is a planner option every rank must agree on", "[ranks][planner_api]") {
+  TempDir d;
+  auto r = launch(3, "--mode planner --owner lowest --root " + d.path());
+  INFO(r.out);
+  REQUIRE(r.code == 0);
+  CHECK(count(r.out, "OWNERS lowest rank") == 3);
+  CHECK(count(r.out, "SAVED") == 3);
+  TempDir e;
+  auto bad =
+      launch(2, "--mode planner --owner balanced --owner-for-rank 1=lowest --root " + e.path());
+  INFO(bad.out);
+  CHECK(bad.code == 0);
+  CHECK(count(bad.out, "FAILED as expected") == 2);
+  CHECK(ferry::list_checkpoints(*ferry::posix_filesystem(), e.path())->empty());
+}

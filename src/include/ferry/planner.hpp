@@ -123,6 +123,9 @@ struct SavePlannerOptions {
   // Status it returns aborts the checkpoint on every rank.
   std::function<Status(LocalSavePlan&)> transform_local_plan;
   CheckpointFn checkpoint_fn;  // unset: Ferry writes the files
+  // Who writes replicated tensors; unset: the configured owner-policy. Every
+  // rank must pass the same (a rank that differs fails the checkpoint).
+  std::optional<OwnerPolicy> owner_policy;
 };
 
 // One checkpoint, driven in steps. Every rank builds one and calls the
