@@ -13,6 +13,7 @@
 #include "catalog.hpp"
 #include "ferry/export.hpp"
 #include "ferry/filesystem.hpp"
+#include "ferry/planner.hpp"
 #include "ferry/runtime.hpp"
 #include "manifest.hpp"
 
@@ -437,6 +438,266 @@ ferry_status ferry_manifest_metadata(const ferry_manifest* m, size_t i, const ch
   if (value) *value = kv.second.data();
   if (value_len) *value_len = kv.second.size();
   return FERRY_OK;
+}
+
+}  // extern "C"
+
+// --- planner -------------------------------------------------------------------
+
+struct ferry_planner {
+  std::unique_ptr<ferry::SavePlanner> p;
+  std::string local;  // backs ferry_planner_local_plan's pointer
+  std::string path;   // backs ferry_planner_barrier's
+  ferry::WriteHandle written;
+};
+
+struct ferry_plans {
+  std::vector<std::string> plans;  // by rank, SavePlan::to_bytes
+};
+
+namespace {
+
+// JSON of the plans for the Python side, which has no other way to read them.
+std::string json_str(const std::string& v) {
+  std::string o = "\"";
+  for (unsigned char c : v) {
+    if (c == '"' || c == '\\') {
+      o += '\\';
+      o += static_cast<char>(c);
+    } else if (c < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+      o += buf;
+    } else {
+      o += static_cast<char>(c);
+    }
+  }
+  return o + "\"";
+}
+
+template <class T>
+std::string json_list(const std::vector<T>& v) {
+  std::string o = "[";
+  for (size_t i = 0; i < v.size(); ++i) o += (i ? "," : "") + std::to_string(v[i]);
+  return o + "]";
+}
+
+std::string json_items(const std::vector<ferry::PlanItem>& items,
+                       const std::vector<std::vector<int32_t>>* owners) {
+  std::string o = "[";
+  for (size_t i = 0; i < items.size(); ++i) {
+    const auto& it = items[i];
+    o += std::string(i ? "," : "") + "{\"key\":" + json_str(it.key) +
+         ",\"dtype\":" + json_str(ferry::dtype_name(it.dtype)) +
+         ",\"global_shape\":" + json_list(it.global_shape) +
+         ",\"offsets\":" + json_list(it.offsets) + ",\"sizes\":" + json_list(it.sizes) +
+         ",\"nbytes\":" + std::to_string(it.nbytes);
+    if (owners) o += ",\"owners\":" + json_list((*owners)[i]);
+    o += "}";
+  }
+  return o + "]";
+}
+
+// A local plan's or a rank plan's bytes, told apart by their magic.
+ferry::Result<std::string> plan_json(const std::string& b) {
+  if (auto l = ferry::LocalSavePlan::from_bytes(b); l.ok())
+    return "{\"kind\":\"local\",\"rank\":" + std::to_string(l->rank) +
+           ",\"items\":" + json_items(l->items, nullptr) + "}";
+  FERRY_ASSIGN_OR_RETURN(ferry::SavePlan p, ferry::SavePlan::from_bytes(b));
+  std::string writes = "[";
+  for (size_t i = 0; i < p.writes.size(); ++i) {
+    const auto& w = p.writes[i];
+    writes += std::string(i ? "," : "") + "{\"item\":" + std::to_string(w.item) +
+              ",\"offsets\":" + json_list(w.offsets) + ",\"sizes\":" + json_list(w.sizes) +
+              ",\"nbytes\":" + std::to_string(w.nbytes) + ",\"file\":" + std::to_string(w.file) +
+              "}";
+  }
+  std::string files = "[";
+  for (size_t i = 0; i < p.files.size(); ++i) files += (i ? "," : "") + json_str(p.files[i]);
+  return "{\"kind\":\"rank\",\"rank\":" + std::to_string(p.rank) +
+         ",\"items\":" + json_items(p.items, &p.owners) + ",\"writes\":" + writes +
+         "],\"files\":" + files + "],\"bytes\":" + std::to_string(p.bytes) + "}";
+}
+
+ferry::Result<std::string> plan_text(const std::string& b) {
+  if (auto l = ferry::LocalSavePlan::from_bytes(b); l.ok()) return l->to_string();
+  FERRY_ASSIGN_OR_RETURN(ferry::SavePlan p, ferry::SavePlan::from_bytes(b));
+  return p.to_string();
+}
+
+// A C checkpoint_fn as a C++ one: the planned views as ferry_tensor records.
+ferry::CheckpointFn wrap_checkpoint_fn(ferry_checkpoint_fn fn, void* user) {
+  return [fn, user](const ferry::StateDict& planned, const std::string& file) {
+    std::vector<ferry_tensor> ts;
+    for (const auto& e : planned.entries())
+      ts.push_back({e.key.c_str(), e.view.data, static_cast<int32_t>(e.view.dtype),
+                    static_cast<int32_t>(e.view.shape.size()), e.view.shape.data(), nullptr,
+                    FERRY_DEVICE_HOST, 0, nullptr, nullptr});
+    char error[1024] = {0};
+    if (fn(user, ts.data(), ts.size(), file.c_str(), error, sizeof(error)) == 0)
+      return ferry::Status();
+    error[sizeof(error) - 1] = '\0';
+    return ferry::Status::aborted(error[0] ? std::string("raised: ") + error
+                                           : std::string("returned an error"));
+  };
+}
+
+}  // namespace
+
+extern "C" {
+
+ferry_status ferry_planner_create(ferry_runtime* rt, const ferry_tensor* tensors,
+                                  size_t num_tensors, const char* filename_prefix, const char* root,
+                                  int has_step, uint64_t step, int overwrite,
+                                  const ferry_kv* metadata, size_t num_metadata,
+                                  ferry_checkpoint_fn fn, void* fn_user, ferry_planner** out) {
+  return guarded([&] {
+    if (!out) return null_arg("out");
+    *out = nullptr;
+    if (!rt) return null_arg("runtime");
+    ferry::StateDict sd;
+    if (auto st = to_state_dict(tensors, num_tensors, &sd); !st.ok()) return to_c(st);
+    ferry::SavePlannerOptions o;
+    o.save.overwrite = overwrite != 0;
+    if (num_metadata > 0 && !metadata) return null_arg("metadata");
+    for (size_t i = 0; i < num_metadata; ++i) {
+      if (!metadata[i].key || !metadata[i].value) return null_arg("metadata key or value");
+      o.save.metadata.emplace_back(metadata[i].key, metadata[i].value);
+    }
+    if (fn) o.checkpoint_fn = wrap_checkpoint_fn(fn, fn_user);
+    auto p = std::make_unique<ferry_planner>();
+    p->p = std::make_unique<ferry::SavePlanner>(
+        *rt->rt, sd, filename_prefix ? filename_prefix : "", std::move(o), root ? root : "",
+        has_step ? std::optional<uint64_t>(step) : std::nullopt);
+    *out = p.release();
+    return to_c(ferry::Status());
+  });
+}
+
+void ferry_planner_destroy(ferry_planner* p) {
+  try {
+    delete p;
+  } catch (...) {
+  }
+}
+
+uint64_t ferry_planner_step(const ferry_planner* p) {
+  return p ? p->p->step() : 0;
+}
+
+ferry_status ferry_planner_local_plan(ferry_planner* p, const char** bytes, size_t* len) {
+  return guarded([&] {
+    if (!p || !bytes || !len) return null_arg("planner, bytes or len");
+    auto l = p->p->create_local_plan();
+    if (!l.ok()) return to_c(l.status());
+    p->local = l->to_bytes();
+    *bytes = p->local.data();
+    *len = p->local.size();
+    return to_c(ferry::Status());
+  });
+}
+
+ferry_status ferry_planner_global_plan(ferry_planner* p, ferry_plans** out) {
+  return guarded([&] {
+    if (!p || !out) return null_arg("planner or out");
+    *out = nullptr;
+    auto g = p->p->create_global_plan();
+    if (!g.ok()) return to_c(g.status());
+    auto ps = std::make_unique<ferry_plans>();
+    for (const auto& sp : *g) ps->plans.push_back(sp.to_bytes());
+    *out = ps.release();
+    return to_c(ferry::Status());
+  });
+}
+
+ferry_status ferry_planner_save(ferry_planner* p, const char* plan, size_t len) {
+  return guarded([&] {
+    if (!p || !plan) return null_arg("planner or plan");
+    auto sp = ferry::SavePlan::from_bytes(std::string(plan, len));
+    if (!sp.ok()) return to_c(sp.status());
+    ferry::WriteHandle h = p->p->save_on_this_process(*sp);
+    // A refused plan is over at once: say so here, not at the wait.
+    if (h.done() && !h.wait().ok()) return to_c(h.wait());
+    p->written = h;
+    return to_c(ferry::Status());
+  });
+}
+
+ferry_status ferry_planner_wait_written(ferry_planner* p) {
+  return guarded([&] { return p ? to_c(p->written.wait()) : null_arg("planner"); });
+}
+
+ferry_status ferry_planner_barrier(ferry_planner* p, const char** path) {
+  return guarded([&] {
+    if (!p) return null_arg("planner");
+    auto r = p->p->barrier();
+    if (!r.ok()) return to_c(r.status());
+    p->path = *r;
+    if (path) *path = p->path.c_str();
+    return to_c(ferry::Status());
+  });
+}
+
+ferry_status ferry_plan_global(const char* const* local_plans, const size_t* lens, size_t num_ranks,
+                               int lowest_rank, ferry_plans** out) {
+  return guarded([&] {
+    if (!out) return null_arg("out");
+    *out = nullptr;
+    if (num_ranks > 0 && (!local_plans || !lens)) return null_arg("local_plans or lens");
+    std::vector<ferry::LocalSavePlan> locals;
+    for (size_t r = 0; r < num_ranks; ++r) {
+      auto l = ferry::LocalSavePlan::from_bytes(std::string(local_plans[r], lens[r]));
+      if (!l.ok()) return to_c(l.status().with_context("local_plans[" + std::to_string(r) + "]: "));
+      locals.push_back(std::move(l).value());
+    }
+    auto g = ferry::plan::global_plan(
+        locals, lowest_rank ? ferry::OwnerPolicy::lowest_rank : ferry::OwnerPolicy::balanced);
+    if (!g.ok()) return to_c(g.status());
+    auto ps = std::make_unique<ferry_plans>();
+    for (const auto& sp : *g) ps->plans.push_back(sp.to_bytes());
+    *out = ps.release();
+    return to_c(ferry::Status());
+  });
+}
+
+size_t ferry_plans_count(const ferry_plans* ps) {
+  return ps ? ps->plans.size() : 0;
+}
+
+ferry_status ferry_plans_get(const ferry_plans* ps, size_t rank, const char** bytes, size_t* len) {
+  if (!ps || !bytes || !len) return null_arg("plans, bytes or len");
+  if (rank >= ps->plans.size())
+    return fail(FERRY_INVALID_ARGUMENT, "rank " + std::to_string(rank) + " of " +
+                                            std::to_string(ps->plans.size()) + " plans");
+  *bytes = ps->plans[rank].data();
+  *len = ps->plans[rank].size();
+  return FERRY_OK;
+}
+
+void ferry_plans_release(ferry_plans* ps) {
+  delete ps;
+}
+
+ferry_status ferry_plan_json(const char* bytes, size_t len, const char** json) {
+  return guarded([&] {
+    if (!bytes || !json) return null_arg("bytes or json");
+    auto j = plan_json(std::string(bytes, len));
+    if (!j.ok()) return to_c(j.status());
+    t_string = std::move(j).value();
+    *json = t_string.c_str();
+    return to_c(ferry::Status());
+  });
+}
+
+ferry_status ferry_plan_text(const char* bytes, size_t len, const char** text) {
+  return guarded([&] {
+    if (!bytes || !text) return null_arg("bytes or text");
+    auto t = plan_text(std::string(bytes, len));
+    if (!t.ok()) return to_c(t.status());
+    t_string = std::move(t).value();
+    *text = t_string.c_str();
+    return to_c(ferry::Status());
+  });
 }
 
 }  // extern "C"

@@ -38,6 +38,7 @@
 #include "actors/messages.hpp"
 #include "actors/planner_actor.hpp"
 #include "catalog.hpp"
+#include "planner_api.hpp"
 
 namespace ferry {
 
@@ -54,6 +55,8 @@ struct Checkpoint {
   std::string pending_dir;
   std::string lease_owner;
   bool overwrite = false;
+  bool want_all = false;     // a rank drives the save in steps and shows every rank's plan
+  uint8_t owner_policy = 0;  // as PlanRequest: 0 is the configured one
   std::vector<std::pair<std::string, std::string>> metadata;
   std::vector<std::optional<LocalPlan>> plans;
   std::vector<caf::typed_response_promise<PlanReply>> plan_promises;
@@ -115,13 +118,16 @@ int64_t lease_ms(const coordinator_state& st) {
 }
 
 Result<std::shared_ptr<const GlobalPlan>> global_plan(coordinator_state& st,
-                                                      const std::vector<LocalPlan>& plans) {
-  std::vector<uint64_t> digests;
-  digests.reserve(plans.size());
-  for (const auto& p : plans) digests.push_back(p.digest());
-  if (st.cached_plan && digests == st.cached_digests) return st.cached_plan;
+                                                      const std::vector<LocalPlan>& plans,
+                                                      uint8_t owner_policy) {
   GlobalPlanOptions o;
-  if (st.ctx->opts.owner_lowest_rank) o.policy = OwnerPolicy::lowest_rank;
+  if (owner_policy == 2 || (owner_policy == 0 && st.ctx->opts.owner_lowest_rank))
+    o.policy = OwnerPolicy::lowest_rank;
+  std::vector<uint64_t> digests;
+  digests.reserve(plans.size() + 1);
+  for (const auto& p : plans) digests.push_back(p.digest());
+  digests.push_back(static_cast<uint64_t>(o.policy));  // the cache holds one policy's plan
+  if (st.cached_plan && digests == st.cached_digests) return st.cached_plan;
   auto gp = make_global_plan(plans, o);
   if (!gp.ok()) return gp.status();
   st.cached_plan = std::make_shared<const GlobalPlan>(std::move(gp).value());
@@ -177,6 +183,8 @@ Status disagreement(const Checkpoint& c, const PlanRequest& req) {
   if (req.overwrite != c.overwrite)
     return differ("overwrite flag", c.overwrite ? "true" : "false",
                   req.overwrite ? "true" : "false");
+  if (req.owner_policy != c.owner_policy)
+    return differ("owner policy", std::to_string(c.owner_policy), std::to_string(req.owner_policy));
   return Status();
 }
 
@@ -186,7 +194,7 @@ void on_all_plans(coordinator_ptr self) {
   std::vector<LocalPlan> plans;
   plans.reserve(c.plans.size());
   for (auto& p : c.plans) plans.push_back(std::move(*p));
-  auto gp = global_plan(st, plans);
+  auto gp = global_plan(st, plans, c.owner_policy);
   if (!gp.ok()) return abort_active(self, gp.status());
   char nonce[17];
   std::snprintf(nonce, sizeof(nonce), "%016llx", static_cast<unsigned long long>(st.nonces()));
@@ -198,9 +206,11 @@ void on_all_plans(coordinator_ptr self) {
                              c.lease_owner, st.ctx->opts.fsync);
   if (!s.ok()) return abort_active(self, s);
   c.phase = Phase::writing;
+  // Only when asked: every rank's plan on every rank grows with world size squared.
+  const std::string all = c.want_all ? encode_save_plans(save_plans(plans, **gp)) : "";
   for (size_t r = 0; r < c.plan_promises.size(); ++r)
     c.plan_promises[r].deliver(
-        PlanReply{st.ctx->job_id, c.id, Status(), c.pending_dir, (*gp)->ranks[r]});
+        PlanReply{st.ctx->job_id, c.id, Status(), c.pending_dir, (*gp)->ranks[r], all});
   self->delayed_send(me(self), seconds(st.ctx->opts.write_timeout_s), atom::ckpt_due_v, c.id,
                      std::string("write"));
   // Refresh the lease a few times per period so gc never takes a live save.
@@ -409,6 +419,7 @@ coordinator_actor::behavior_type coordinator_fun(coordinator_ptr self, ContextPt
           c.step = req.step;
           c.root = req.root;
           c.overwrite = req.overwrite;
+          c.owner_policy = req.owner_policy;
           c.plans.resize(world);
           c.plan_promises.resize(world);
           c.results.resize(world);
@@ -419,6 +430,7 @@ coordinator_actor::behavior_type coordinator_fun(coordinator_ptr self, ContextPt
         }
         Checkpoint& c = *st.active;
         if (req.rank == 0) c.metadata = req.metadata;
+        c.want_all = c.want_all || req.want_all;
         if (!st.link && !st.planner)
           st.planner = caf::actor_cast<planner_actor>(self->current_sender());
         if (Status d = disagreement(c, req); !d.ok()) {

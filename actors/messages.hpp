@@ -6,12 +6,14 @@
 #include <caf/all.hpp>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "actors/save_state.hpp"
 #include "actors/transport.hpp"
 #include "commit.hpp"
+#include "ferry/planner.hpp"
 #include "ferry/filesystem.hpp"
 #include "ferry/runtime.hpp"
 #include "layout.hpp"
@@ -20,6 +22,8 @@
 #include "plan.hpp"
 #include "pool.hpp"
 #include "protocol.hpp"
+#include "storage_writer.hpp"
+#include "ferry/runtime.hpp"
 
 // One atom per message: the atom names what the message asks, so no two
 // messages differ by their arguments alone. Texts are at most 10 characters.
@@ -43,6 +47,8 @@ CAF_ADD_ATOM(ferry, ferry::atom, close, "close")
 CAF_ADD_ATOM(ferry, ferry::atom, abandon, "abandon")
 CAF_ADD_ATOM(ferry, ferry::atom, phase_due, "phasedue")
 CAF_ADD_ATOM(ferry, ferry::atom, aborted, "aborted")
+CAF_ADD_ATOM(ferry, ferry::atom, proceed, "proceed")
+CAF_ADD_ATOM(ferry, ferry::atom, custom, "custom")
 // The coordinator's interface (coordinator_api), served by the coordinator
 // on rank 0 and by the link elsewhere.
 CAF_ADD_ATOM(ferry, ferry::atom, plan, "plan")
@@ -79,6 +85,34 @@ struct SaveJob {
   SaveOptions opts;
   std::string root;
   std::shared_ptr<detail::SaveState> state;
+  // SavePlanner: the local plan it built (maybe transformed), and that the
+  // save stops after the plan and after the write until told to go on.
+  std::optional<LocalPlan> local;
+  bool staged = false;
+  CheckpointFn checkpoint_fn;  // set: the caller's function writes the rank's file
+  uint8_t owner_policy = 0;    // as PlanRequest: 0 is the configured one
+};
+
+// planner -> writer: the caller's checkpoint_fn writes the rank's files
+// (through its StorageWriter), which are then read back.
+struct CustomWrite {
+  std::shared_ptr<CheckpointFnWriter> storage;
+  std::vector<std::string> paths;
+  std::string pending_dir;
+};
+
+struct CustomWritten {
+  Status status;
+  std::vector<FileLayout> layouts;                       // as written
+  std::vector<std::vector<std::vector<uint64_t>>> sums;  // [file][chunk][block]
+};
+
+// SavePlanner -> planner: the next step of a staged save.
+struct Proceed {
+  enum Step : uint8_t { write, commit, abandon };
+  std::shared_ptr<detail::SaveState> save;
+  Step step = write;
+  Status why;  // abandon: the reason every rank hears
 };
 
 // Where one chunk's bytes come from: a contiguous range of the view's
@@ -160,6 +194,9 @@ struct ReadTask {
 
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::Status)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::SaveJob)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::Proceed)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::CustomWrite)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::CustomWritten)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::PlanRequest)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::PlanReply)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::StreamJob)

@@ -11,6 +11,9 @@
 // finishing:  each file is truncated, fsynced and closed, then the pending
 //             directory is fsynced; checksums arrive from the serializer.
 // committing: the write result goes to the coordinator, which commits.
+// planned, written: a save driven in steps (SavePlanner) waits here for its
+//             caller's next step (`proceed`); both count as the write phase,
+//             so a caller that never goes on times out like a slow write.
 // draining:   the save failed. The handle hears it only once nothing touches
 //             the caller's tensors or the save's descriptors any more:
 //             1. the snapshot has no copy running and the serializer hands
@@ -31,15 +34,27 @@
 #include "actors/messages.hpp"
 #include "actors/planner_actor.hpp"
 #include "actors/snapshot_actor.hpp"
+#include "checkpoint_fn.hpp"
 #include "checksum.hpp"
 #include "codec.hpp"
 #include "drills/kill_point.hpp"
+#include "storage_writer.hpp"
 
 namespace ferry {
 
 namespace {
 
-enum class Phase { idle, planning, opening, streaming, finishing, committing, draining };
+enum class Phase {
+  idle,
+  planning,
+  planned,
+  opening,
+  streaming,
+  finishing,
+  written,
+  committing,
+  draining
+};
 
 struct Current {
   uint64_t id = 0;
@@ -63,6 +78,9 @@ struct Current {
   Status failure;
   int drain_stage = 0;
   size_t drain_left = 0;
+  // A staged save: the caller's go-aheads, which may come before the step.
+  bool write_go = false;
+  bool commit_go = false;
 };
 
 struct planner_state {
@@ -127,9 +145,11 @@ const char* phase_name(Phase p) {
       return "idle";
     case Phase::planning:
       return "plan";
+    case Phase::planned:
     case Phase::opening:
     case Phase::streaming:
     case Phase::finishing:
+    case Phase::written:
       return "write";
     case Phase::committing:
       return "commit";
@@ -261,12 +281,25 @@ void send_result(planner_ptr self) {
           });
 }
 
+// This rank's files are durable: commit, or a staged save waits for barrier().
+void files_durable(planner_ptr self) {
+  auto& cur = self->state.cur;
+  if (cur.job.staged) {
+    cur.job.state->mark_written();
+    if (!cur.commit_go) {
+      cur.phase = Phase::written;
+      return;
+    }
+  }
+  send_result(self);
+}
+
 // Called whenever a piece of the finishing phase lands.
 void maybe_finish(planner_ptr self) {
   auto& cur = self->state.cur;
   if (cur.phase != Phase::finishing || cur.files_left > 0 || !cur.have_sums) return;
   if (!self->state.ctx->opts.fsync || cur.layouts.empty()) {
-    send_result(self);
+    files_durable(self);
     return;
   }
   // The files' directory entries must be durable before the coordinator
@@ -277,7 +310,7 @@ void maybe_finish(planner_ptr self) {
           [self, id](const Status& s) {
             if (!live(self->state, id)) return;
             if (!s.ok()) return fail(self, s);
-            send_result(self);
+            files_durable(self);
           },
           [self, id, dir = cur.pending_dir](caf::error& e) {
             if (live(self->state, id))
@@ -425,6 +458,56 @@ Status make_layouts(planner_state& st) {
   return Status();
 }
 
+void start_write(planner_ptr self);
+
+// The caller's checkpoint_fn writes the rank's files through its
+// StorageWriter, on one writer's thread; what it wrote comes back laid out
+// and checksummed, durable with its directory, as if Ferry had written it.
+void start_custom_write(planner_ptr self) {
+  auto& st = self->state;
+  auto& cur = st.cur;
+  std::vector<CheckpointFnWriter::PlannedFile> planned;
+  std::vector<std::string> paths;
+  for (size_t f = 0; f < cur.layouts.size(); ++f) {
+    std::vector<PlannedSource> srcs;
+    for (const auto& s : cur.sources[f]) srcs.push_back({s.view, s.offset});
+    auto sd = planned_state_dict(cur.layouts[f], srcs);
+    if (!sd.ok()) return fail(self, sd.status());
+    planned.push_back({cur.layouts[f], std::move(sd).value()});
+    paths.push_back(join_path(cur.pending_dir, cur.layouts[f].name));
+  }
+  auto storage = std::make_shared<CheckpointFnWriter>(
+      st.ctx->fs, cur.job.checkpoint_fn, std::move(planned),
+      st.ctx->opts.checksum ? st.ctx->opts.checksum_block_bytes : 0, st.ctx->opts.fsync);
+  cur.phase = Phase::opening;
+  const uint64_t id = cur.id;
+  self->request(st.writers[0], caf::infinite, atom::custom_v,
+                CustomWrite{std::move(storage), std::move(paths), cur.pending_dir})
+      .then(
+          [self, id](CustomWritten& r) {
+            auto& cur = self->state.cur;
+            if (!live(self->state, id)) return;
+            if (!r.status.ok()) return fail(self, r.status);
+            cur.layouts = std::move(r.layouts);
+            cur.sums.sums = std::move(r.sums);
+            cur.have_sums = true;
+            cur.snapshot_done = true;
+            cur.job.state->finish_snapshot(Status());
+            uint64_t total = 0;
+            for (const auto& l : cur.layouts) total += l.size;
+            cur.job.state->bytes_persisted += total;
+            cur.job.state->bytes_total = total;
+            cur.files_left = 0;
+            cur.phase = Phase::finishing;
+            files_durable(self);
+          },
+          [self, id](caf::error& e) {
+            if (live(self->state, id))
+              fail(self,
+                   Status::internal("checkpoint_fn: the writer: " + self->system().render(e)));
+          });
+}
+
 void on_plan(planner_ptr self, const PlanReply& r) {
   auto& st = self->state;
   auto& cur = st.cur;
@@ -446,6 +529,23 @@ void on_plan(planner_ptr self, const PlanReply& r) {
     m.bytes = total;
     m.files = cur.layouts.size();
   });
+  if (cur.job.staged) {
+    if (r.all_plans.empty())
+      return fail(self, Status::internal("rank 0 sent no global plan to a staged save"));
+    cur.job.state->mark_planned(r.all_plans);
+    if (!cur.write_go) {
+      cur.phase = Phase::planned;
+      return;
+    }
+  }
+  start_write(self);
+}
+
+// The files open, then the stream starts.
+void start_write(planner_ptr self) {
+  auto& st = self->state;
+  auto& cur = st.cur;
+  if (cur.job.checkpoint_fn && !cur.layouts.empty()) return start_custom_write(self);
   if (cur.layouts.empty()) {
     cur.job.state->finish_snapshot(Status());
     cur.snapshot_done = true;
@@ -457,7 +557,7 @@ void on_plan(planner_ptr self, const PlanReply& r) {
   std::vector<std::string> paths;
   for (const auto& l : cur.layouts) paths.push_back(join_path(cur.pending_dir, l.name));
   const uint64_t id = cur.id;
-  self->request(st.writers[0], caf::infinite, atom::open_v, paths, st.ctx->opts.direct_io)
+  self->request(st.writers[0], caf::infinite, atom::open_v, paths)
       .then(
           [self, id](const FileSet& fs) {
             auto& cur = self->state.cur;
@@ -487,13 +587,18 @@ void start_next(planner_ptr self) {
   st.queue.pop_front();
   auto& cur = st.cur;
   cur.phase = Phase::planning;
-  auto local = make_local_plan(cur.job.sd, st.ctx->rank);
-  if (!local.ok()) return end_save(self, local.status(), "");
-  cur.local = std::move(local).value();
+  if (cur.job.local) {
+    cur.local = std::move(*cur.job.local);
+  } else {
+    auto local = make_local_plan(cur.job.sd, st.ctx->rank);
+    if (!local.ok()) return end_save(self, local.status(), "");
+    cur.local = std::move(local).value();
+  }
   cur.checkpoint_id = checkpoint_id(st.ctx->run_salt, cur.id);
   arm_deadline(self, "plan", seconds(st.ctx->opts.plan_timeout_s));
   PlanRequest req{st.ctx->job_id, cur.checkpoint_id,      st.ctx->rank,          cur.job.step,
-                  cur.job.root,   cur.job.opts.overwrite, cur.job.opts.metadata, cur.local};
+                  cur.job.root,   cur.job.opts.overwrite, cur.job.opts.metadata, cur.local,
+                  cur.job.staged, cur.job.owner_policy};
   const uint64_t id = cur.id;
   self->request(st.coordinator, caf::infinite, atom::plan_v, std::move(req))
       .then(
@@ -566,6 +671,35 @@ planner_actor::behavior_type planner_fun(planner_ptr self, ContextPtr ctx,
         const double limit = phase == "plan" ? o.plan_timeout_s : o.write_timeout_s;
         fail(self,
              Status::timeout("the " + phase + " phase timed out after " + seconds_text(limit)));
+      },
+      [self](atom::proceed, const Proceed& p) {
+        auto& st = self->state;
+        auto& cur = st.cur;
+        if (cur.job.state != p.save) {
+          // Abandoned before it started: it never will.
+          if (p.step != Proceed::abandon) return;
+          for (auto it = st.queue.begin(); it != st.queue.end(); ++it)
+            if (it->state == p.save) {
+              it->state->finish(p.why, "");
+              st.queue.erase(it);
+              return;
+            }
+          return;
+        }
+        if (!live(st, cur.id)) return;  // over already: its waits say how
+        switch (p.step) {
+          case Proceed::write:
+            cur.write_go = true;
+            if (cur.phase == Phase::planned) start_write(self);
+            return;
+          case Proceed::commit:
+            cur.commit_go = true;
+            if (cur.phase == Phase::written) send_result(self);
+            return;
+          case Proceed::abandon:
+            fail(self, p.why);
+            return;
+        }
       },
       [self](atom::sums, ChecksumSet& sums) {
         auto& cur = self->state.cur;

@@ -24,7 +24,9 @@ using planner_actor = caf::typed_actor<
     // ("*": every one, rank 0 is gone) was abandoned.
     caf::reacts_to<atom::aborted, std::string, Status>,
     // planner -> itself: the deadline of (save, phase name) passed.
-    caf::reacts_to<atom::phase_due, uint64_t, std::string>>;
+    caf::reacts_to<atom::phase_due, uint64_t, std::string>,
+    // SavePlanner -> planner: the next step of a save driven in steps.
+    caf::reacts_to<atom::proceed, Proceed>>;
 
 // `coordinator` is the coordinator on rank 0 and the link on other ranks:
 // the planner sees only their shared interface.

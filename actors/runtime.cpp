@@ -11,6 +11,7 @@
 
 #include "actors/actors.hpp"
 #include "actors/messages.hpp"
+#include "actors/runtime_access.hpp"
 #include "catalog.hpp"
 #include "checksum.hpp"
 #include "cuda/device_cuda.hpp"
@@ -491,6 +492,14 @@ Status resolve_file_options(const Options& cfg, SaveOptions& o) {
 }  // namespace
 
 SaveHandle Runtime::save_async(const StateDict& sd, uint64_t step, const SaveOptions& opts) {
+  return SaveHandle(detail::RuntimeAccess::start_save(*this, sd, step, opts, std::nullopt, false));
+}
+
+// save_async, and SavePlanner's saves, which stop between their steps.
+std::shared_ptr<detail::SaveState> detail::RuntimeAccess::start_save(
+    Runtime& rt, const StateDict& sd, uint64_t step, const SaveOptions& opts,
+    std::optional<LocalPlan> local, bool staged, CheckpointFn checkpoint_fn, uint8_t owner_policy) {
+  auto& impl_ = rt.impl_;
   const auto t0 = detail::SaveState::clock::now();
   auto state = std::make_shared<detail::SaveState>();
   state->step = step;
@@ -498,7 +507,7 @@ SaveHandle Runtime::save_async(const StateDict& sd, uint64_t step, const SaveOpt
     state->finish(Status::invalid_argument("save of step " + std::to_string(step) +
                                            ": the state dict is empty (nothing to save)"),
                   "");
-    return SaveHandle(state);
+    return state;
   }
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
@@ -511,7 +520,7 @@ SaveHandle Runtime::save_async(const StateDict& sd, uint64_t step, const SaveOpt
                                      " refused: the save of step " + std::to_string(prev->step) +
                                      " is still taking its snapshot (fail-fast is on)"),
                         "");
-          return SaveHandle(state);
+          return state;
         }
         prev->cv.wait(plock, [&] { return prev->snapshot_done; });
       }
@@ -522,13 +531,13 @@ SaveHandle Runtime::save_async(const StateDict& sd, uint64_t step, const SaveOpt
   if (root.empty()) {
     state->finish(
         Status::invalid_argument("no checkpoint root: set ferry.root or SaveOptions::root"), "");
-    return SaveHandle(state);
+    return state;
   }
   // Resolved here so the planner sees the values it applies, never unset ones.
   SaveOptions job_opts = opts;
   if (Status s = resolve_file_options(impl_->ctx->opts, job_opts); !s.ok()) {
     state->finish(s.with_context("save of step " + std::to_string(step) + ": "), "");
-    return SaveHandle(state);
+    return state;
   }
   state->started = t0;
   // Here, not in the snapshot actor: the copies must come after what the
@@ -537,14 +546,24 @@ SaveHandle Runtime::save_async(const StateDict& sd, uint64_t step, const SaveOpt
   if (Status s = order_copies_after(*impl_->ctx->device, sd, opts.stream_device, opts.stream);
       !s.ok()) {
     state->finish(s.with_context("save of step " + std::to_string(step) + ": "), "");
-    return SaveHandle(state);
+    return state;
   }
-  if (!impl_->saves->add(state)) return SaveHandle(state);
-  caf::anon_send(impl_->planner, atom::save_v, SaveJob{sd, step, std::move(job_opts), root, state});
+  if (!impl_->saves->add(state)) return state;
+  caf::anon_send(impl_->planner, atom::save_v,
+                 SaveJob{sd, step, std::move(job_opts), root, state, std::move(local), staged,
+                         std::move(checkpoint_fn), owner_policy});
   const double ms =
       std::chrono::duration<double, std::milli>(detail::SaveState::clock::now() - t0).count();
   state->update_metrics([ms](SaveMetrics& m) { m.save_async_ms = ms; });
-  return SaveHandle(state);
+  return state;
+}
+
+void detail::RuntimeAccess::proceed(Runtime& rt, Proceed p) {
+  caf::anon_send(rt.impl_->planner, atom::proceed_v, std::move(p));
+}
+
+const RankContext& detail::RuntimeAccess::context(const Runtime& rt) {
+  return *rt.impl_->ctx;
 }
 
 namespace {
@@ -622,8 +641,9 @@ Status load_local(Runtime::Impl& im, caf::scoped_actor& self, StateDict& sd, con
   job.dir = reply.dir;
   job.manifest = manifest;
   if (im.ctx->world_size > 1) {
-    auto needs = exchange_needs(im, self, id + "/needs", planned,
-                                RankNeeds{im.ctx->rank, host_name(), needed_ranges(ops, *manifest)});
+    auto needs =
+        exchange_needs(im, self, id + "/needs", planned,
+                       RankNeeds{im.ctx->rank, host_name(), needed_ranges(ops, *manifest)});
     if (!needs.ok()) return needs.status();
     RankShare part =
         split_for_rank(ops, assign_shared_reads(std::move(needs).value()), im.ctx->rank, *manifest);

@@ -32,6 +32,11 @@ struct SaveState {
   std::string path;
   std::vector<std::string> warnings;  // after the commit point: the save still succeeded
   SaveMetrics metrics;
+  // A save driven in steps (SavePlanner) stops for its caller after each;
+  // these say a step is done (or `done` that the save ended).
+  bool planned = false;   // the global plan arrived: all_plans holds every rank's
+  std::string all_plans;  // encode_save_plans
+  bool written = false;   // this rank's files and the pending directory are durable
 
   double ms_since_start() const {
     return std::chrono::duration<double, std::milli>(clock::now() - started).count();
@@ -64,6 +69,19 @@ struct SaveState {
     path = committed_path;
     warnings = std::move(post_commit_warnings);
     metrics.total_ms = ms_since_start();
+    cv.notify_all();
+  }
+
+  void mark_planned(std::string all) {
+    std::lock_guard<std::mutex> lock(mu);
+    planned = true;
+    all_plans = std::move(all);
+    cv.notify_all();
+  }
+
+  void mark_written() {
+    std::lock_guard<std::mutex> lock(mu);
+    written = true;
     cv.notify_all();
   }
 

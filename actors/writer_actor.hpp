@@ -16,8 +16,8 @@ namespace ferry {
 using writer_actor = caf::typed_actor<
     // serializer -> writer: pwrite one block; the planner hears `written`.
     caf::reacts_to<atom::write, WriteBlock>,
-    // planner -> writer: create the data files of a save (paths, O_DIRECT).
-    caf::replies_to<atom::open, std::vector<std::string>, bool>::with<FileSet>,
+    // planner -> writer: create the data files of a save.
+    caf::replies_to<atom::open, std::vector<std::string>>::with<FileSet>,
     // planner -> writer: truncate to the size, fsync and close one file.
     caf::replies_to<atom::seal, std::shared_ptr<File>, uint64_t>::with<Status>,
     // planner -> writer: fsync the pending directory.
@@ -25,7 +25,10 @@ using writer_actor = caf::typed_actor<
     // planner -> writer after a failure: a barrier behind every queued block,
     caf::replies_to<atom::drain>::with<bool>,
     // then the close of the failed save's files.
-    caf::replies_to<atom::close, std::vector<std::shared_ptr<File>>>::with<bool>>;
+    caf::replies_to<atom::close, std::vector<std::shared_ptr<File>>>::with<bool>,
+    // planner -> writer: the caller's checkpoint_fn writes the rank's files,
+    // made durable with their directory.
+    caf::replies_to<atom::custom, CustomWrite>::with<CustomWritten>>;
 
 // Detached and linked to `parent` (the planner).
 writer_actor spawn_writer(caf::local_actor* parent, ContextPtr ctx, planner_actor planner);

@@ -99,6 +99,8 @@ struct PlanRequest {
   overwrite @5 :Bool;              # the caller allows replacing an existing step
   metadata @6 :List(UserMetadata); # user key/values (rank 0's are kept)
   plan @7 :LocalPlan;              # the rank's write items
+  wantAll @8 :Bool;                # the reply should carry every rank's plan (SavePlanner)
+  ownerPolicy @9 :UInt8;           # 0: rank 0's configured one, 1: balanced, 2: lowest rank
 }
 
 # Rank 0 -> a rank: its part of the global plan, or why there is none.
@@ -108,6 +110,7 @@ struct PlanReply {
   status @2 :Control.Status;       # not ok: planning failed, the save is aborted
   pendingDir @3 :Text;             # the directory every rank writes its files into
   plan @4 :RankPlan;               # what the receiving rank writes
+  allPlans @5 :Data;               # every rank's SavePlan (src/planner_api.hpp), if asked
 }
 
 # Rank -> rank 0: the rank's write result.

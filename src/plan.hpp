@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "box.hpp"
+#include "ferry/planner.hpp"  // OwnerPolicy
 #include "ferry/status.hpp"
 #include "ferry/tensor.hpp"
 
@@ -38,11 +39,6 @@ struct LocalPlan {
 
 // Validates every entry (names the key) and builds the rank's plan.
 Result<LocalPlan> make_local_plan(const StateDict& sd, int32_t rank);
-
-enum class OwnerPolicy : uint8_t {
-  balanced,     // spread replica groups so every rank writes about as much
-  lowest_rank,  // the lowest rank of each group writes it (DCP's behaviour)
-};
 
 struct GlobalPlanOptions {
   OwnerPolicy policy = OwnerPolicy::balanced;

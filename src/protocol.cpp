@@ -181,6 +181,8 @@ struct Encoder {
       it.setNbytes(w.nbytes);
       it.setEntry(w.entry);
     }
+    b.setWantAll(m.want_all);
+    b.setOwnerPolicy(m.owner_policy);
     return frame(kPlanProtocol, mb);
   }
 
@@ -191,6 +193,9 @@ struct Encoder {
     b.setCheckpointId(text(m.checkpoint_id));
     set_status(b.initStatus(), m.status);
     b.setPendingDir(text(m.pending_dir));
+    if (!m.all_plans.empty())
+      b.setAllPlans(
+          kj::arrayPtr(reinterpret_cast<const kj::byte*>(m.all_plans.data()), m.all_plans.size()));
     auto plan = b.initPlan();
     plan.setRank(m.plan.rank);
     plan.setFiles(m.plan.files);
@@ -535,6 +540,11 @@ Result<WireMessage> read_plan_request(proto::PlanRequest::Reader r) {
     w.nbytes = it.getNbytes();
     w.entry = it.getEntry();
   }
+  m.want_all = r.getWantAll();
+  m.owner_policy = r.getOwnerPolicy();
+  if (m.owner_policy > 2)
+    return Status::invalid_argument("PlanRequest owner policy " + std::to_string(m.owner_policy) +
+                                    " is not 0, 1 or 2");
   return WireMessage(std::move(m));
 }
 
@@ -544,6 +554,10 @@ Result<WireMessage> read_plan_reply(proto::PlanReply::Reader r) {
   m.checkpoint_id = str(r.getCheckpointId());
   FERRY_RETURN_IF_ERROR(read_status(r.getStatus(), "PlanReply status", &m.status));
   m.pending_dir = str(r.getPendingDir());
+  if (r.hasAllPlans()) {
+    auto all = r.getAllPlans();
+    m.all_plans.assign(reinterpret_cast<const char*>(all.begin()), all.size());
+  }
   auto plan = r.getPlan();
   m.plan.rank = plan.getRank();
   m.plan.files = plan.getFiles();

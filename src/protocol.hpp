@@ -77,6 +77,8 @@ struct PlanRequest {
   bool overwrite = false;
   std::vector<std::pair<std::string, std::string>> metadata;  // rank 0's is kept
   LocalPlan plan;
+  bool want_all = false;  // the reply should carry every rank's plan (SavePlanner)
+  uint8_t owner_policy = 0;  // 0: rank 0's configured one, 1: balanced, 2: lowest rank
 };
 
 // Rank 0 -> a rank: its part of the global plan, or why there is none.
@@ -86,6 +88,7 @@ struct PlanReply {
   Status status;
   std::string pending_dir;
   RankPlan plan;
+  std::string all_plans = {};  // every rank's SavePlan, when a rank asked (encode_save_plans)
 };
 
 // A rank's write result once its files and the pending directory are durable.

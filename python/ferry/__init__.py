@@ -33,6 +33,7 @@ from ._core import (
     split_range,
 )
 from .manager import CheckpointManager
+from .planner import SavePlanner, barrier, plan, rank, save_on_this_process
 
 __version__ = "0.1.0"
 
@@ -44,8 +45,10 @@ __all__ = [
     "Manifest",
     "Runtime",
     "SaveHandle",
+    "SavePlanner",
     "Shard",
     "apply_retention",
+    "barrier",
     "col_shard",
     "configure",
     "default_runtime",
@@ -54,12 +57,15 @@ __all__ = [
     "latest",
     "library_path",
     "list_steps",
+    "plan",
+    "rank",
     "load",
     "load_state_dict",
     "read_manifest",
     "row_shard",
     "save",
     "save_async",
+    "save_on_this_process",
     "split_range",
 ]
 

@@ -226,6 +226,30 @@ class _Entries:
                 rec.offsets = ctypes.cast(o, _lib.c_int64_p)
 
 
+def _save_entries(state_dict, metadata):
+    """What a save hands the C ABI: (items, staged keys, _Entries, metadata
+    pairs), shared by save_async and ferry.SavePlanner."""
+    flat = _tree.flatten(state_dict)
+    items, staged = [], []
+    for key, v in flat.tensors.items():
+        shard = _as_shard(key, v)
+        t = shard.tensor if shard is not None else v
+        if t.requires_grad:  # detach() costs a new tensor object; only when needed
+            t = t.detach()
+        if not t.is_contiguous():
+            # Staged: Ferry reads the copy, which the handle keeps alive.
+            t = t.contiguous()
+            staged.append(key)
+        if shard is None:
+            items.append((key, t, None, None))
+        else:
+            items.append((key, t, shard.global_shape, shard.offsets))
+    entries = _Entries(items)
+    pairs = [(k, v) for k, v in (metadata or {}).items()]
+    pairs += _tree.encode_meta(flat)
+    return items, staged, entries, pairs
+
+
 def _kvs(pairs):
     arr = (_lib.KV * max(len(pairs), 1))()
     keep = []
@@ -344,24 +368,7 @@ class Runtime:
             raise FerryError("save_async: options must be a ferry.CheckpointOptions, not %s"
                              % type(options).__name__)
         copts = options._c() if options is not None else None
-        flat = _tree.flatten(state_dict)
-        items, staged = [], []
-        for key, v in flat.tensors.items():
-            shard = _as_shard(key, v)
-            t = shard.tensor if shard is not None else v
-            if t.requires_grad:  # detach() costs a new tensor object; only when needed
-                t = t.detach()
-            if not t.is_contiguous():
-                # Staged: Ferry reads the copy, which the handle keeps alive.
-                t = t.contiguous()
-                staged.append(key)
-            if shard is None:
-                items.append((key, t, None, None))
-            else:
-                items.append((key, t, shard.global_shape, shard.offsets))
-        entries = _Entries(items)
-        pairs = [(k, v) for k, v in (metadata or {}).items()]
-        pairs += _tree.encode_meta(flat)
+        items, staged, entries, pairs = _save_entries(state_dict, metadata)
         kv, kv_keep = _kvs(pairs)
         out = ctypes.c_void_p()
         root_b = os.fspath(root).encode("utf-8") if root else None

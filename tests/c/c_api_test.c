@@ -31,6 +31,17 @@ static int failures = 0;
     }                                                                                             \
   } while (0)
 
+/* A checkpoint_fn that fails with a message. */
+static int failing_fn(void* user, const ferry_tensor* planned, size_t n, const char* filename,
+                      char* error, size_t error_len) {
+  (void)user;
+  (void)planned;
+  (void)n;
+  (void)filename;
+  snprintf(error, error_len, "no space for you");
+  return 1;
+}
+
 int main(void) {
   char root[] = "/tmp/ferry_c_api_XXXXXX";
   if (!mkdtemp(root)) {
@@ -167,6 +178,58 @@ int main(void) {
   CHECK(ferry_manifest_open("/nonexistent/ferry", &man) != FERRY_OK && man == NULL);
   CHECK(strlen(ferry_last_error()) > 0);
 
+  /* The planner in steps: the step defaults to latest + 1, the pure global
+   * plan of the local plan is the negotiated one, and a checkpoint_fn that
+   * fails aborts the checkpoint with its message. */
+  ferry_planner* p = NULL;
+  CHECK_OK(ferry_planner_create(rt, ts, 3, "rank", root, 0, 0, 0, NULL, 0, NULL, NULL, &p));
+  if (p) {
+    CHECK(ferry_planner_step(p) == 10);
+    const char* local = NULL;
+    size_t local_len = 0;
+    CHECK_OK(ferry_planner_local_plan(p, &local, &local_len));
+    ferry_plans* pure = NULL;
+    CHECK_OK(ferry_plan_global(&local, &local_len, 1, 0, &pure));
+    ferry_plans* global = NULL;
+    CHECK_OK(ferry_planner_global_plan(p, &global));
+    CHECK(ferry_plans_count(global) == 1 && ferry_plans_count(pure) == 1);
+    const char *mine = NULL, *replayed = NULL;
+    size_t mine_len = 0, replayed_len = 0;
+    CHECK_OK(ferry_plans_get(global, 0, &mine, &mine_len));
+    CHECK_OK(ferry_plans_get(pure, 0, &replayed, &replayed_len));
+    CHECK(mine_len == replayed_len && memcmp(mine, replayed, mine_len) == 0);
+    const char* text = NULL;
+    CHECK_OK(ferry_plan_text(mine, mine_len, &text));
+    CHECK(text && strstr(text, "written by rank 0") && strstr(text, "rank-00000-0000"));
+    const char* json = NULL;
+    CHECK_OK(ferry_plan_json(mine, mine_len, &json));
+    CHECK(json && strstr(json, "\"owners\":[0]") && strstr(json, "\"key\":\"tail\""));
+    CHECK(ferry_plans_get(global, 1, &mine, &mine_len) == FERRY_INVALID_ARGUMENT);
+    CHECK_OK(ferry_plans_get(global, 0, &mine, &mine_len));
+    CHECK_OK(ferry_planner_save(p, mine, mine_len));
+    CHECK_OK(ferry_planner_wait_written(p));
+    const char* path = NULL;
+    CHECK_OK(ferry_planner_barrier(p, &path));
+    CHECK(path && strstr(path, "step-00000010") != NULL);
+    ferry_plans_release(global);
+    ferry_plans_release(pure);
+    ferry_planner_destroy(p);
+  }
+  p = NULL;
+  CHECK_OK(ferry_planner_create(rt, ts, 3, NULL, root, 1, 11, 0, NULL, 0, failing_fn, NULL, &p));
+  if (p) {
+    ferry_plans* global = NULL;
+    CHECK_OK(ferry_planner_global_plan(p, &global));
+    const char* mine = NULL;
+    size_t mine_len = 0;
+    CHECK_OK(ferry_plans_get(global, 0, &mine, &mine_len));
+    CHECK_OK(ferry_planner_save(p, mine, mine_len));
+    CHECK(ferry_planner_wait_written(p) == FERRY_ABORTED);
+    CHECK(strstr(ferry_last_error(), "no space for you") != NULL);
+    CHECK(ferry_planner_barrier(p, NULL) != FERRY_OK);
+    ferry_plans_release(global);
+    ferry_planner_destroy(p);
+  }
   /* File options: prefix, a cap that splits w over files, zstd; then a bad
    * prefix fails naming the field. */
   ferry_save_options fo = {"cprefix", 40, "zstd:1"};

@@ -5,6 +5,7 @@
 #include <ferry/export.hpp>
 #include <ferry/filesystem.hpp>
 #include <ferry/options.hpp>
+#include <ferry/planner.hpp>
 #include <ferry/runtime.hpp>
 #include <ferry/status.hpp>
 #include <ferry/tensor.hpp>
@@ -49,6 +50,17 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "export: %s\n", index.status().to_string().c_str());
     return 1;
   }
-  std::printf("consumer: saved, loaded and exported step 3 through Ferry::ferry\n");
+  // The planner in steps: the next step, 4, committed the same way.
+  ferry::SavePlanner planner(**rt, sd);
+  auto global = planner.create_global_plan();
+  if (!global.ok() || planner.step() != 4 ||
+      !planner.save_on_this_process((*global)[0]).wait().ok() || !planner.barrier().ok()) {
+    std::fprintf(stderr, "planner: %s\n",
+                 global.ok() ? "a step failed" : global.status().to_string().c_str());
+    return 1;
+  }
+  std::printf(
+      "consumer: saved, loaded and exported step 3, planned and saved step 4 through "
+      "Ferry::ferry\n");
   return 0;
 }

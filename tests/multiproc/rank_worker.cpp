@@ -10,6 +10,9 @@
 //               [--evict 1]  (load: drop the checkpoint from the page cache first)
 // A load prints LOADSTATS with its LoadReport figures and the bytes this
 // process read from disk (/proc/self/io read_bytes).
+//   rank_worker --mode planner|planner-skip --root DIR [--skip-rank R] [--fn write|raise]
+//               (the save in SavePlanner's steps; planner-skip: rank R never
+//               calls barrier(), and every rank must see the checkpoint fail)
 // Exit 0 when the mode's expectation holds (for mismatch: the save failed
 // with an error naming what it must name; kill: 3 then; disagree: the save
 // failed saying the ranks disagree), 1 otherwise.
@@ -18,6 +21,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstring>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -31,8 +35,10 @@
 #include <thread>
 
 #include "actors/transport.hpp"
+#include "ferry/planner.hpp"
 #include "ferry/runtime.hpp"
 #include "protocol.hpp"
+#include "tests/safetensors_writer.hpp"
 
 namespace {
 
@@ -189,6 +195,112 @@ int send_garbage() {
   return reports >= 3 ? 0 : 1;
 }
 
+// The save in SavePlanner's steps: every rank sees every rank's plan, tries
+// another rank's plan (refused), writes its own and meets the others at
+// barrier(). Exit 0 when the outcome is the expected one.
+int planner_steps(ferry::Runtime& rt, const ferry::StateDict& sd,
+                  const std::vector<std::string>& replicated, const std::string& mode, int argc,
+                  char** argv) {
+  const int rank = rt.rank(), world = rt.world_size();
+  const int skip_rank = std::stoi(arg(argc, argv, "--skip-rank", "1"));
+  // --fn write: every rank's file comes from a checkpoint_fn; --fn raise:
+  // rank --skip-rank's function throws, and every rank must fail.
+  const std::string fn = arg(argc, argv, "--fn", "");
+  ferry::SavePlannerOptions o;
+  // --owner lowest|balanced: the policy; --owner-for-rank R=P: rank R differs.
+  std::string owner = arg(argc, argv, "--owner", "");
+  const std::string owner_for = arg(argc, argv, "--owner-for-rank", "");
+  if (auto eq = owner_for.find('='); eq != std::string::npos && std::stoi(owner_for) == rank)
+    owner = owner_for.substr(eq + 1);
+  if (owner == "lowest") o.owner_policy = ferry::OwnerPolicy::lowest_rank;
+  if (owner == "balanced") o.owner_policy = ferry::OwnerPolicy::balanced;
+  if (!fn.empty())
+    o.checkpoint_fn = [fn, rank, skip_rank](const ferry::StateDict& planned,
+                                            const std::string& file) -> ferry::Status {
+      if (fn == "raise" && rank == skip_rank) throw std::runtime_error("user checkpoint_fn bug");
+      std::printf("CHECKPOINT_FN got %zu tensors\n", planned.size());
+      return ferry::testing::write_safetensors(planned, file);
+    };
+  ferry::SavePlanner planner(rt, sd, "rank", o);
+  auto global = planner.create_global_plan();
+  if (!global.ok() && !owner_for.empty()) {
+    std::printf("FAILED as expected: %s\n", global.status().to_string().c_str());
+    return global.status().message().find("disagree on the owner policy") != std::string::npos ? 0
+                                                                                               : 1;
+  }
+  if (!global.ok()) {
+    std::printf("ERROR plan: %s\n", global.status().to_string().c_str());
+    return 1;
+  }
+  if (static_cast<int>(global->size()) != world) {
+    std::printf("ERROR %zu plans for %d ranks\n", global->size(), world);
+    return 1;
+  }
+  if (owner == "lowest") {
+    // Every replicated tensor is written by rank 0 alone.
+    for (const auto& p : *global)
+      for (size_t i = 0; i < p.items.size(); ++i)
+        for (const auto& key : replicated)
+          if (p.items[i].key == key && p.owners[i] != std::vector<int32_t>{0}) {
+            std::printf("ERROR %s is not owned by rank 0 alone\n", key.c_str());
+            return 1;
+          }
+    std::printf("OWNERS lowest rank\n");
+  }
+  uint64_t total = 0;
+  for (const auto& p : *global) total += p.bytes;
+  std::printf("PLANNED step %llu: %d plans, %llu bytes in all\n",
+              static_cast<unsigned long long>(planner.step()), world,
+              static_cast<unsigned long long>(total));
+  if (rank == 0) std::printf("%s", (*global)[world - 1].to_string().c_str());
+  const auto& other = (*global)[(rank + 1) % world];
+  ferry::Status refused = planner.save_on_this_process(other).wait();
+  if (world > 1) {
+    if (refused.ok()) {
+      std::printf("ERROR rank %d's plan was accepted on rank %d\n", other.rank, rank);
+      return 1;
+    }
+    std::printf("REFUSED %s\n", refused.to_string().c_str());
+  }
+  ferry::Status wrote = planner.save_on_this_process((*global)[rank]).wait();
+  if (fn == "raise") {
+    auto path = planner.barrier();
+    std::printf("FAILED as expected: %s\n",
+                path.ok() ? "committed!" : path.status().to_string().c_str());
+    return !path.ok() && path.status().message().find("user checkpoint_fn bug") != std::string::npos
+               ? 0
+               : 1;
+  }
+  if (!wrote.ok()) {
+    std::printf("ERROR write: %s\n", wrote.to_string().c_str());
+    return 1;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  if (mode == "planner-skip" && rank == skip_rank) {
+    // Never calls barrier(): the write phase runs out on every rank.
+    ferry::Status s = planner.handle().wait_committed();
+    std::printf(
+        "FAILED as expected (skipped barrier) after %.0f ms: %s\n",
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count(),
+        s.to_string().c_str());
+    return s.ok() ? 1 : 0;
+  }
+  auto path = planner.barrier();
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  if (mode == "planner-skip") {
+    std::printf("FAILED as expected after %.0f ms: %s\n", ms,
+                path.ok() ? "committed!" : path.status().to_string().c_str());
+    return path.ok() ? 1 : 0;
+  }
+  if (!path.ok()) {
+    std::printf("ERROR barrier: %s\n", path.status().to_string().c_str());
+    return 1;
+  }
+  std::printf("SAVED %s\n", path->c_str());
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -269,6 +381,13 @@ int main(int argc, char** argv) {
     }
     std::printf("LOADED %zu tensors, every byte equal\n", specs.size());
     return 0;
+  }
+
+  if (mode == "planner" || mode == "planner-skip") {
+    std::vector<std::string> replicated;
+    for (const auto& s : specs)
+      if (s.split == 'x') replicated.push_back(s.key);
+    return planner_steps(rt, sd, replicated, mode, argc, argv);
   }
 
   uint64_t my_step = step;

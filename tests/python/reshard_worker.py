@@ -22,6 +22,19 @@ def globals_():
     }
 
 
+def saved_state_dict(rank, world):
+    """What `save` saves (also tests/python/planner_worker.py)."""
+    full = globals_()
+    a, b = ferry.split_range(23, rank, world)
+    return {
+        "layer": {"w": ferry.row_shard(full["w"], rank, world)},
+        "c": ferry.col_shard(full["c"], rank, world),  # non-contiguous: staged
+        "flat": ferry.flat_shard(full["flat"][a:b].clone(), 23, a),
+        "bias": full["bias"],  # replicated on every rank
+        "epoch": 3,
+    }
+
+
 def main():
     mode, root = sys.argv[1], sys.argv[2]
     rt = ferry.default_runtime()
@@ -29,14 +42,7 @@ def main():
     assert (rank, world) == (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
     full = globals_()
     if mode == "save":
-        a, b = ferry.split_range(23, rank, world)
-        sd = {
-            "layer": {"w": ferry.row_shard(full["w"], rank, world)},
-            "c": ferry.col_shard(full["c"], rank, world),  # non-contiguous: staged
-            "flat": ferry.flat_shard(full["flat"][a:b].clone(), 23, a),
-            "bias": full["bias"],  # replicated on every rank
-            "epoch": 3,
-        }
+        sd = saved_state_dict(rank, world)
         h = ferry.save_async(sd, root, 100)
         h.wait()
         print("rank %d of %d saved %s" % (rank, world, h.path), flush=True)

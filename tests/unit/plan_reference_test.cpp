@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "plan.hpp"
+#include "planner_api.hpp"
 
 namespace {
 
@@ -373,4 +374,147 @@ TEST_CASE("the global planner agrees with a plain reference on random inputs",
   // The generator produced both kinds in earnest.
   CHECK(valid > 1500);
   CHECK(refused > 300);
+}
+
+// The public planner (ferry/planner.hpp) on the same random inputs: what a
+// user sees from ferry::plan::global_plan is the internal plan, every byte
+// written once, owners by policy, the load bound, and plans that survive
+// their byte form.
+TEST_CASE("the public global plan: every byte once, owners by policy, bounded load, bytes",
+          "[plan][reference][planner_api]") {
+  std::mt19937_64 rng(20261202);
+  int checked = 0;
+  for (int iter = 0; iter < 1500; ++iter) {
+    const int world = std::uniform_int_distribution<int>(1, 8)(rng);
+    const int keys = std::uniform_int_distribution<int>(1, 6)(rng);
+    std::vector<Tensor> ts;
+    for (int k = 0; k < keys; ++k)
+      ts.push_back(random_tensor("layer" + std::to_string(k) + ".w", world, rng));
+    auto plans = to_plans(ts, world, {});
+    const auto policy = rng() % 2 ? OwnerPolicy::lowest_rank : OwnerPolicy::balanced;
+    std::vector<ferry::LocalSavePlan> locals;
+    for (const auto& p : plans) locals.push_back(ferry::to_public(p));
+    auto sp = ferry::plan::global_plan(locals, policy);
+    INFO("iteration " << iter << ", world " << world);
+    REQUIRE(sp.ok());
+    REQUIRE(sp->size() == plans.size());
+    ++checked;
+    // The same plan the coordinator makes (default split and files).
+    GlobalPlanOptions o;
+    o.policy = policy;
+    auto gp = ferry::make_global_plan(plans, o);
+    REQUIRE(gp.ok());
+    std::map<std::string, std::vector<Box>> written;   // key -> boxes written
+    std::map<std::string, std::set<int32_t>> writers;  // key + box of the item -> who writes
+    std::vector<uint64_t> load;
+    for (size_t r = 0; r < sp->size(); ++r) {
+      const ferry::SavePlan& p = (*sp)[r];
+      REQUIRE(p.rank == static_cast<int32_t>(r));
+      REQUIRE(p.writes.size() == gp->ranks[r].chunks.size());
+      CHECK(p.bytes == gp->ranks[r].bytes);
+      uint64_t sum = 0;
+      for (const auto& w : p.writes) {
+        REQUIRE(w.item < p.items.size());
+        REQUIRE(w.file < p.files.size());
+        const auto& it = p.items[w.item];
+        const Box b{w.offsets, w.sizes};
+        CHECK(inside(b, Box{it.offsets, it.sizes}));
+        CHECK(w.nbytes == static_cast<uint64_t>(numel(w.sizes)) * ferry::dtype_size(it.dtype));
+        written[it.key].push_back(b);
+        writers[it.key + Box{it.offsets, it.sizes}.to_string()].insert(p.rank);
+        sum += w.nbytes;
+      }
+      CHECK(sum == p.bytes);
+      load.push_back(p.bytes);
+      // Serializable: the bytes give back the same plan.
+      auto back = ferry::SavePlan::from_bytes(p.to_bytes());
+      REQUIRE(back.ok());
+      CHECK(back->to_bytes() == p.to_bytes());
+      CHECK(back->to_string() == p.to_string());
+      auto lback = ferry::LocalSavePlan::from_bytes(locals[r].to_bytes());
+      REQUIRE(lback.ok());
+      CHECK(lback->to_bytes() == locals[r].to_bytes());
+    }
+    // Every byte of every tensor written exactly once.
+    uint64_t total = 0;
+    uint64_t largest = 0;
+    for (const Tensor& t : ts) {
+      const auto& boxes = written[t.key];
+      int64_t covered = 0;
+      for (size_t i = 0; i < boxes.size(); ++i) {
+        covered += numel(boxes[i].sizes);
+        for (size_t j = i + 1; j < boxes.size(); ++j) CHECK_FALSE(overlap(boxes[i], boxes[j]));
+      }
+      INFO("key " << t.key);
+      CHECK(covered == numel(t.shape));
+      total += static_cast<uint64_t>(numel(t.shape)) * ferry::dtype_size(t.dtype);
+    }
+    // Owners: what every holder of an item is told matches who writes it;
+    // lowest_rank: exactly the lowest holder of a non-empty piece.
+    std::vector<uint64_t> fixed(plans.size(), 0);
+    for (const Tensor& t : ts)
+      for (const Piece& piece : t.pieces) {
+        const uint64_t bytes =
+            static_cast<uint64_t>(numel(piece.box.sizes)) * ferry::dtype_size(t.dtype);
+        largest = std::max(largest, bytes);
+        if (piece.holders.size() == 1) fixed[piece.holders[0]] += bytes;
+        const auto& who = writers[t.key + piece.box.to_string()];
+        for (int32_t h : piece.holders) {
+          const ferry::SavePlan& p = (*sp)[h];
+          for (size_t i = 0; i < p.items.size(); ++i)
+            if (p.items[i].key == t.key && Box{p.items[i].offsets, p.items[i].sizes} == piece.box)
+              CHECK(std::set<int32_t>(p.owners[i].begin(), p.owners[i].end()) == who);
+        }
+        if (policy == OwnerPolicy::lowest_rank && bytes > 0) {
+          INFO("key " << t.key << " piece " << piece.box.to_string());
+          CHECK(who ==
+                std::set<int32_t>{*std::min_element(piece.holders.begin(), piece.holders.end())});
+        }
+      }
+    if (policy == OwnerPolicy::balanced) {
+      const uint64_t bound =
+          std::max(*std::max_element(fixed.begin(), fixed.end()), total / plans.size()) + largest;
+      CHECK(*std::max_element(load.begin(), load.end()) <= bound);
+    }
+    // Deterministic: a second call says the same, byte for byte.
+    auto again = ferry::plan::global_plan(locals, policy);
+    REQUIRE(again.ok());
+    CHECK(ferry::encode_save_plans(*again) == ferry::encode_save_plans(*sp));
+  }
+  CHECK(checked == 1500);
+}
+
+TEST_CASE("the public planner refuses malformed input, naming what is wrong",
+          "[plan][planner_api]") {
+  ferry::LocalSavePlan a;
+  a.rank = 1;  // in slot 0
+  auto r = ferry::plan::global_plan({a});
+  REQUIRE_FALSE(r.ok());
+  CHECK_THAT(r.status().message(), Catch::Contains("local_plans[0] is rank 1"));
+
+  ferry::LocalSavePlan p;
+  p.items.push_back({"w", DType::f32, {4, 2}, {0, 0}, {4, 2}, 32, 0});
+  std::string bytes = p.to_bytes();
+  auto cut = ferry::LocalSavePlan::from_bytes(bytes.substr(0, bytes.size() - 3));
+  REQUIRE_FALSE(cut.ok());
+  CHECK_THAT(cut.status().message(), Catch::Contains("truncated"));
+  auto garbage = ferry::SavePlan::from_bytes("not a plan at all");
+  REQUIRE_FALSE(garbage.ok());
+  CHECK_THAT(garbage.status().message(), Catch::Contains("bad magic"));
+  p.items[0].sizes = {5, 2};  // outside its shape
+  auto outside = ferry::LocalSavePlan::from_bytes(p.to_bytes());
+  REQUIRE_FALSE(outside.ok());
+  CHECK_THAT(outside.status().message(), Catch::Contains("\"w\"") && Catch::Contains("outside"));
+
+  // A transform may drop and rename, nothing else.
+  LocalPlan original;
+  original.items.push_back({"w", DType::f32, {4, 2}, Box{{0, 0}, {4, 2}}, 32, 0});
+  original.items.push_back({"b", DType::f32, {2}, Box{{0}, {2}}, 8, 1});
+  ferry::LocalSavePlan t = ferry::to_public(original);
+  t.items.erase(t.items.begin());
+  t.items[0].key = "bias";
+  CHECK(ferry::check_transformed(original, t).ok());
+  t.items[0].nbytes = 4;
+  auto bad = ferry::check_transformed(original, t);
+  CHECK_THAT(bad.message(), Catch::Contains("\"bias\"") && Catch::Contains("only the key"));
 }

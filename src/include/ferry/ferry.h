@@ -247,6 +247,60 @@ FERRY_API size_t ferry_manifest_num_metadata(const ferry_manifest* m);
 FERRY_API ferry_status ferry_manifest_metadata(const ferry_manifest* m, size_t i, const char** key,
                                                const char** value, size_t* value_len);
 
+/* --- planner (ferry/planner.hpp) ------------------------------------------
+ * A checkpoint driven in steps: ferry_planner_create, then on every rank
+ * ferry_planner_global_plan (collective), ferry_planner_save with this
+ * rank's plan, ferry_planner_barrier (collective; rank 0 commits). Plans
+ * travel as bytes (a local plan or one rank's plan); ferry_plan_json and
+ * ferry_plan_text show them. */
+typedef struct ferry_planner ferry_planner;
+typedef struct ferry_plans ferry_plans; /* every rank's plan */
+
+/* Writes this rank's file itself (SavePlannerOptions::checkpoint_fn): the
+ * planned tensors (host views, keyed by entry name) and the file to write
+ * as safetensors. Returns 0 on success; otherwise it may put a message in
+ * error (error_len bytes, NUL-terminated) and the checkpoint fails on
+ * every rank. */
+typedef int (*ferry_checkpoint_fn)(void* user, const ferry_tensor* planned, size_t num_planned,
+                                   const char* filename, char* error, size_t error_len);
+
+/* root NULL or "": the configured root. has_step 0: one more than the
+ * latest committed step there (0 in an empty root). filename_prefix NULL,
+ * "" or "rank". fn NULL: Ferry writes the files. The tensors' memory must
+ * stay valid until the planner is destroyed. */
+FERRY_API ferry_status ferry_planner_create(ferry_runtime* rt, const ferry_tensor* tensors,
+                                            size_t num_tensors, const char* filename_prefix,
+                                            const char* root, int has_step, uint64_t step,
+                                            int overwrite, const ferry_kv* metadata,
+                                            size_t num_metadata, ferry_checkpoint_fn fn,
+                                            void* fn_user, ferry_planner** out);
+/* Abandons an unfinished checkpoint (on every rank), then frees. */
+FERRY_API void ferry_planner_destroy(ferry_planner* p);
+FERRY_API uint64_t ferry_planner_step(const ferry_planner* p);
+/* This rank's local plan (bytes owned by the planner). */
+FERRY_API ferry_status ferry_planner_local_plan(ferry_planner* p, const char** bytes, size_t* len);
+/* Collective: every rank's plan. */
+FERRY_API ferry_status ferry_planner_global_plan(ferry_planner* p, ferry_plans** out);
+/* Starts writing this rank's files from its plan's bytes (another rank's is
+ * refused) and returns at once; ferry_planner_wait_written waits until they
+ * are durable (or the checkpoint failed). */
+FERRY_API ferry_status ferry_planner_save(ferry_planner* p, const char* plan, size_t len);
+FERRY_API ferry_status ferry_planner_wait_written(ferry_planner* p);
+/* Collective: commits; *path (owned by the planner) is the checkpoint. */
+FERRY_API ferry_status ferry_planner_barrier(ferry_planner* p, const char** path);
+
+/* The global plan of local plans gathered by any means, with no job. */
+FERRY_API ferry_status ferry_plan_global(const char* const* local_plans, const size_t* lens,
+                                         size_t num_ranks, int lowest_rank, ferry_plans** out);
+FERRY_API size_t ferry_plans_count(const ferry_plans* ps);
+FERRY_API ferry_status ferry_plans_get(const ferry_plans* ps, size_t rank, const char** bytes,
+                                       size_t* len);
+FERRY_API void ferry_plans_release(ferry_plans* ps);
+/* A local or rank plan's bytes as JSON / as text (valid until this thread's
+ * next call of either). */
+FERRY_API ferry_status ferry_plan_json(const char* bytes, size_t len, const char** json);
+FERRY_API ferry_status ferry_plan_text(const char* bytes, size_t len, const char** text);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

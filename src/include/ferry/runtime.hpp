@@ -53,7 +53,8 @@ struct SaveMetrics {
 
 namespace detail {
 struct SaveState;
-}
+struct RuntimeAccess;  // actors/runtime_access.hpp: SavePlanner's way in
+}  // namespace detail
 
 // Returned by save_async at once. Copyable; all copies see the same save.
 // Waits never throw: errors come back as a Status. A failed save is reported
@@ -160,6 +161,7 @@ class Runtime {
   struct Impl;
 
  private:
+  friend struct detail::RuntimeAccess;
   explicit Runtime(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };

@@ -1,0 +1,26 @@
+// What SavePlanner (actors/save_planner.cpp) needs of a Runtime's insides:
+// the one save path save_async takes, and the planner actor to step it.
+#pragma once
+
+#include <memory>
+#include <optional>
+
+#include "actors/context.hpp"
+#include "actors/messages.hpp"
+#include "ferry/runtime.hpp"
+
+namespace ferry::detail {
+
+struct RuntimeAccess {
+  // save_async's body. `local`: the local plan to send instead of the state
+  // dict's own; `staged`: stop after the plan and after the write.
+  static std::shared_ptr<SaveState> start_save(Runtime& rt, const StateDict& sd, uint64_t step,
+                                               const SaveOptions& opts,
+                                               std::optional<LocalPlan> local, bool staged,
+                                               CheckpointFn checkpoint_fn = {},
+                                               uint8_t owner_policy = 0);
+  static void proceed(Runtime& rt, Proceed p);
+  static const RankContext& context(const Runtime& rt);
+};
+
+}  // namespace ferry::detail

@@ -1,0 +1,316 @@
+"""The save planner in the shape PyTorch's distributed checkpoint users know
+(C++: ferry/planner.hpp). Every rank runs:
+
+    planner = ferry.SavePlanner(model.state_dict(), "rank", root="/ckpt")
+    global_plan = planner.create_global_plan()   # collective; every rank's plan
+    for rank, plan in enumerate(global_plan):
+        if rank == ferry.rank():
+            ferry.save_on_this_process(plan)      # async: .wait() for durable files
+    path = ferry.barrier()                        # collective; rank 0 commits
+
+This is save_async's own save, stopped between its steps: the same plan,
+files, commit and timeouts. A rank that does not reach barrier() within
+write-timeout fails the checkpoint on every rank.
+
+checkpoint_fn(state_dict, filename): writes this rank's file itself, as a
+safetensors file holding exactly `state_dict` (the planned tensors, keyed by
+the entry names the checkpoint records). Ferry reads it back, checksums and
+commits it; an exception, or no file, fails the checkpoint on every rank.
+"""
+
+import ctypes
+import json
+import threading
+
+from . import _core, _lib
+from ._lib import FerryError, check, lib
+
+_declared = False
+_declare_lock = threading.Lock()
+
+# int fn(void* user, const ferry_tensor*, size_t, const char* filename, char* error, size_t)
+_CHECKPOINT_FN = ctypes.CFUNCTYPE(
+    ctypes.c_int,
+    ctypes.c_void_p,
+    ctypes.POINTER(_lib.Tensor),
+    ctypes.c_size_t,
+    ctypes.c_char_p,
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+)
+
+
+def _L():
+    global _declared
+    L = lib()
+    if not _declared:
+        with _declare_lock:
+            vp, sz, st = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+            cpp, szp = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)
+            sig = {
+                "ferry_planner_create": (
+                    st,
+                    [vp, ctypes.POINTER(_lib.Tensor), sz, ctypes.c_char_p, ctypes.c_char_p, st,
+                     ctypes.c_uint64, st, ctypes.POINTER(_lib.KV), sz, _CHECKPOINT_FN, vp,
+                     ctypes.POINTER(vp)],
+                ),
+                "ferry_planner_destroy": (None, [vp]),
+                "ferry_planner_step": (ctypes.c_uint64, [vp]),
+                "ferry_planner_local_plan": (st, [vp, cpp, szp]),
+                "ferry_planner_global_plan": (st, [vp, ctypes.POINTER(vp)]),
+                "ferry_planner_save": (st, [vp, ctypes.c_char_p, sz]),
+                "ferry_planner_wait_written": (st, [vp]),
+                "ferry_planner_barrier": (st, [vp, ctypes.POINTER(ctypes.c_char_p)]),
+                "ferry_plan_global": (
+                    st, [ctypes.POINTER(ctypes.c_char_p), szp, sz, st, ctypes.POINTER(vp)]
+                ),
+                "ferry_plans_count": (sz, [vp]),
+                "ferry_plans_get": (st, [vp, sz, cpp, szp]),
+                "ferry_plans_release": (None, [vp]),
+                "ferry_plan_json": (st, [ctypes.c_char_p, sz, ctypes.POINTER(ctypes.c_char_p)]),
+                "ferry_plan_text": (st, [ctypes.c_char_p, sz, ctypes.POINTER(ctypes.c_char_p)]),
+            }
+            for name, (res, args) in sig.items():
+                f = getattr(L, name)
+                f.restype = res
+                f.argtypes = args
+            _declared = True
+    return L
+
+
+def _plans_list(handle):
+    L = _L()
+    try:
+        out = []
+        for r in range(L.ferry_plans_count(handle)):
+            b, n = ctypes.c_void_p(), ctypes.c_size_t()
+            check(L.ferry_plans_get(handle, r, ctypes.byref(b), ctypes.byref(n)))
+            out.append(SavePlan.from_bytes(ctypes.string_at(b, n.value)))
+        return out
+    finally:
+        L.ferry_plans_release(handle)
+
+
+class _Plan:
+    """A plan held as its bytes (what travels), read through JSON."""
+
+    def __init__(self, data):
+        self._bytes = bytes(data)
+        out = ctypes.c_char_p()
+        check(_L().ferry_plan_json(self._bytes, len(self._bytes), ctypes.byref(out)))
+        self._json = json.loads(out.value.decode("utf-8"))
+
+    @classmethod
+    def from_bytes(cls, data):
+        return cls(data)
+
+    def to_bytes(self):
+        return self._bytes
+
+    @property
+    def rank(self):
+        return self._json["rank"]
+
+    @property
+    def items(self):
+        """[{key, dtype, global_shape, offsets, sizes, nbytes[, owners]}]"""
+        return self._json["items"]
+
+    def __str__(self):
+        out = ctypes.c_char_p()
+        check(_L().ferry_plan_text(self._bytes, len(self._bytes), ctypes.byref(out)))
+        return out.value.decode("utf-8")
+
+    def __eq__(self, other):
+        return isinstance(other, _Plan) and self._bytes == other._bytes
+
+    def __hash__(self):
+        return hash(self._bytes)
+
+
+class LocalPlan(_Plan):
+    """What one rank holds, before the ranks agree who writes what."""
+
+
+class SavePlan(_Plan):
+    """One rank's part of the global plan: its items with their owners (the
+    ranks that write them), its writes, files and bytes."""
+
+    @property
+    def writes(self):
+        return self._json["writes"]
+
+    @property
+    def files(self):
+        return self._json["files"]
+
+    @property
+    def bytes(self):
+        return self._json["bytes"]
+
+
+def _wrap_checkpoint_fn(fn):
+    def call(_user, tensors, n, filename, error, error_len):
+        try:
+            import torch
+
+            sd = {}
+            for i in range(n):
+                t = tensors[i]
+                dtype = _core.torch_dtype(t.dtype)
+                shape = tuple(t.shape[d] for d in range(t.ndim))
+                numel = 1
+                for d in shape:
+                    numel *= d
+                nbytes = numel * torch.empty((), dtype=dtype).element_size()
+                if nbytes:
+                    raw = (ctypes.c_uint8 * nbytes).from_address(t.data)
+                    flat = torch.frombuffer(raw, dtype=torch.uint8)
+                else:
+                    flat = torch.empty(0, dtype=torch.uint8)
+                sd[t.key.decode("utf-8")] = flat.view(dtype).reshape(shape)
+            fn(sd, filename.decode("utf-8"))
+            return 0
+        except BaseException as e:  # noqa: BLE001 - anything it raises fails the save
+            msg = ("%s: %s" % (type(e).__name__, e)).encode("utf-8")[: max(error_len - 1, 0)]
+            ctypes.memmove(error, msg + b"\0", len(msg) + 1)
+            return 1
+
+    return _CHECKPOINT_FN(call)
+
+
+_current = None  # the SavePlanner ferry.save_on_this_process / ferry.barrier act on
+
+
+class WriteHandle:
+    """save_on_this_process's answer: wait() returns once this rank's files
+    are durable; raises FerryError if the checkpoint failed."""
+
+    def __init__(self, planner):
+        self._planner = planner
+
+    def wait(self):
+        check(_L().ferry_planner_wait_written(self._planner._p()))
+
+
+class SavePlanner:
+    """One checkpoint, driven in steps (see the module docstring).
+
+    filename_prefix: "rank" (the default data file names). options: None or
+    {"overwrite": bool, "metadata": {k: v}}. root: None = the configured
+    root. step: None = one more than the latest committed step under root
+    (0 in an empty root). checkpoint_fn(state_dict, filename): see above."""
+
+    def __init__(self, state_dict, filename_prefix="rank", options=None, checkpoint_fn=None,
+                 root=None, step=None, runtime=None):
+        global _current
+        self._rt = runtime or _core.default_runtime()
+        opts = dict(options or {})
+        unknown = set(opts) - {"overwrite", "metadata"}
+        if unknown:
+            raise FerryError("SavePlanner options: unknown %s" % ", ".join(sorted(unknown)))
+        items, self.staged, self._entries, pairs = _core._save_entries(
+            state_dict, opts.get("metadata"))
+        self._tensors = [t for _, t, _, _ in items]
+        kv, kv_keep = _core._kvs(pairs)
+        self._fn = _wrap_checkpoint_fn(checkpoint_fn) if checkpoint_fn else _CHECKPOINT_FN()
+        out = ctypes.c_void_p()
+        check(_L().ferry_planner_create(
+            self._rt._alive(), self._entries.array, len(items),
+            (filename_prefix or "").encode("utf-8"),
+            str(root).encode("utf-8") if root else None,
+            0 if step is None else 1, int(step or 0), 1 if opts.get("overwrite") else 0,
+            kv, len(pairs), self._fn, None, ctypes.byref(out)))
+        del kv_keep
+        self._ptr = out
+        self.step = _L().ferry_planner_step(out)
+        self.global_plan = None
+        _current = self
+
+    def _p(self):
+        if self._ptr is None:
+            raise FerryError("this SavePlanner is closed")
+        return self._ptr
+
+    def create_local_plan(self):
+        b, n = ctypes.c_void_p(), ctypes.c_size_t()
+        check(_L().ferry_planner_local_plan(self._p(), ctypes.byref(b), ctypes.byref(n)))
+        return LocalPlan(ctypes.string_at(b, n.value))
+
+    def create_global_plan(self):
+        """Collective: every rank's SavePlan (index r is rank r's)."""
+        h = ctypes.c_void_p()
+        check(_L().ferry_planner_global_plan(self._p(), ctypes.byref(h)))
+        self.global_plan = _plans_list(h)
+        return self.global_plan
+
+    def save_on_this_process(self, plan):
+        """Starts writing this rank's files; another rank's plan is refused."""
+        b = plan.to_bytes()
+        check(_L().ferry_planner_save(self._p(), b, len(b)))
+        return WriteHandle(self)
+
+    def barrier(self):
+        """Collective: rank 0 commits; returns the checkpoint's path."""
+        out = ctypes.c_char_p()
+        check(_L().ferry_planner_barrier(self._p(), ctypes.byref(out)))
+        return out.value.decode("utf-8")
+
+    def close(self):
+        """Abandons an unfinished checkpoint (on every rank)."""
+        ptr, self._ptr = self._ptr, None
+        if ptr is not None:
+            _L().ferry_planner_destroy(ptr)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _planner():
+    if _current is None or _current._ptr is None:
+        raise FerryError("no SavePlanner: create one (ferry.SavePlanner) first")
+    return _current
+
+
+def save_on_this_process(plan):
+    """The latest SavePlanner's save_on_this_process."""
+    return _planner().save_on_this_process(plan)
+
+
+def barrier():
+    """The latest SavePlanner's barrier: returns the committed path."""
+    return _planner().barrier()
+
+
+def rank():
+    """This process's rank (of the default runtime)."""
+    return _core.default_runtime().rank
+
+
+def global_plan(local_plans, owner_policy="balanced"):
+    """The global plan of local plans gathered by any means, with no job:
+    every rank's SavePlan. owner_policy: "balanced" or "lowest_rank"."""
+    if owner_policy not in ("balanced", "lowest_rank"):
+        raise FerryError("owner_policy %r: expected 'balanced' or 'lowest_rank'" % (owner_policy,))
+    blobs = [p.to_bytes() if isinstance(p, _Plan) else bytes(p) for p in local_plans]
+    n = len(blobs)
+    arr = (ctypes.c_char_p * max(n, 1))(*blobs)
+    lens = (ctypes.c_size_t * max(n, 1))(*[len(b) for b in blobs])
+    h = ctypes.c_void_p()
+    check(_L().ferry_plan_global(arr, lens, n, 1 if owner_policy == "lowest_rank" else 0,
+                                 ctypes.byref(h)))
+    return _plans_list(h)
+
+
+class _PlanNamespace:
+    """ferry.plan: the pure planner."""
+
+    global_plan = staticmethod(global_plan)
+    LocalPlan = LocalPlan
+    SavePlan = SavePlan
+
+
+plan = _PlanNamespace()

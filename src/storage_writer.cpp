@@ -1,0 +1,83 @@
+#include "storage_writer.hpp"
+
+#include "checkpoint_fn.hpp"
+#include "drills/kill_point.hpp"
+
+namespace ferry {
+
+Result<std::vector<std::shared_ptr<File>>> PosixStorageWriter::open_checkpoint(
+    const std::vector<std::string>& paths) {
+  OpenOptions o;
+  o.write = o.create = o.exclusive = true;
+  o.direct = direct_;
+  std::vector<std::shared_ptr<File>> files;
+  for (const auto& p : paths) {
+    FERRY_ASSIGN_OR_RETURN(auto f, fs_->open(p, o));
+    files.emplace_back(std::move(f));
+    kill_point("writer.open");
+  }
+  return files;
+}
+
+Status PosixStorageWriter::write(File& f, const void* data, uint64_t len, uint64_t offset) {
+  FERRY_RETURN_IF_ERROR(f.pwrite(data, len, offset));
+  kill_point("writer.write");
+  return Status();
+}
+
+// Cuts the O_DIRECT padding, makes the file durable and closes it.
+Status PosixStorageWriter::finish_file(size_t, File* f, uint64_t size) {
+  FERRY_RETURN_IF_ERROR(f->truncate(size));
+  if (fsync_) {
+    FERRY_RETURN_IF_ERROR(f->sync());
+    kill_point("writer.fsync");
+  }
+  FERRY_RETURN_IF_ERROR(f->close());
+  kill_point("writer.close");
+  return Status();
+}
+
+Status PosixStorageWriter::commit(const std::string& pending_dir) {
+  FERRY_RETURN_IF_ERROR(fs_->sync_dir(pending_dir));
+  kill_point("dir.fsync");
+  return Status();
+}
+
+void PosixStorageWriter::abort(const std::vector<std::shared_ptr<File>>& files) {
+  for (const auto& f : files) (void)f->close();
+}
+
+Result<std::vector<std::shared_ptr<File>>> CheckpointFnWriter::open_checkpoint(
+    const std::vector<std::string>& paths) {
+  if (paths.size() != files_.size())
+    return Status::internal("checkpoint_fn: " + std::to_string(paths.size()) + " files to open, " +
+                            std::to_string(files_.size()) + " planned");
+  paths_ = paths;
+  written_.assign(paths.size(), FileLayout{});
+  sums_.assign(paths.size(), {});
+  return std::vector<std::shared_ptr<File>>{};
+}
+
+Status CheckpointFnWriter::write(File& f, const void*, uint64_t, uint64_t) {
+  return Status::internal("checkpoint_fn writes " + f.path() + " whole, not in blocks");
+}
+
+Status CheckpointFnWriter::finish_file(size_t index, File*, uint64_t) {
+  if (index >= paths_.size())
+    return Status::internal("checkpoint_fn: file " + std::to_string(index) + " was not opened");
+  FERRY_RETURN_IF_ERROR(run_checkpoint_fn(fn_, files_[index].tensors, paths_[index]));
+  FERRY_ASSIGN_OR_RETURN(written_[index],
+                         adopt_written_file(*fs_, paths_[index], files_[index].layout,
+                                            checksum_block_bytes_, &sums_[index], fsync_));
+  return Status();
+}
+
+Status CheckpointFnWriter::commit(const std::string& pending_dir) {
+  return fsync_ ? fs_->sync_dir(pending_dir) : Status();
+}
+
+// What the function left behind stays in the pending directory, which the
+// coordinator removes with the failed checkpoint.
+void CheckpointFnWriter::abort(const std::vector<std::shared_ptr<File>>&) {}
+
+}  // namespace ferry

@@ -1,0 +1,312 @@
+// SavePlanner (ferry/planner.hpp) on one rank, end to end through the real
+// actors: the steps give the same files as save_async, the step defaults,
+// the local plan hook, and the steps taken in a wrong order.
+
+#include <catch2/catch.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "catalog.hpp"
+#include "ferry/planner.hpp"
+#include "ferry/runtime.hpp"
+#include "safetensors_writer.hpp"
+#include "test_util.hpp"
+
+namespace fs = std::filesystem;
+using ferry::Status;
+using ferry::testing::TempDir;
+
+namespace {
+
+std::unique_ptr<ferry::Runtime> make_runtime(const std::string& root,
+                                             const std::string& write_timeout = "30s") {
+  ferry::RuntimeArgs args;
+  args.set("root", root).set("pool-bytes", "4MiB").set("chunk-bytes", "256KiB");
+  args.set("checksum-block-bytes", "64KiB").set("write-timeout", write_timeout);
+  auto rt = ferry::Runtime::create(args);
+  REQUIRE(rt.ok());
+  return std::move(rt).value();
+}
+
+struct Model {
+  std::vector<float> w = std::vector<float>(64 * 32);
+  std::vector<float> b = std::vector<float>(64);
+  ferry::StateDict sd;
+  explicit Model(uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    for (auto& x : w) x = static_cast<float>(rng() % 1000);
+    for (auto& x : b) x = static_cast<float>(rng() % 1000);
+    REQUIRE(sd.add("layer.w", {w.data(), ferry::DType::f32, {64, 32}}).ok());
+    REQUIRE(sd.add("layer.b", {b.data(), ferry::DType::f32, {64}}).ok());
+  }
+};
+
+std::string slurp(const std::string& p) {
+  std::ifstream f(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(f), {}};
+}
+
+// create_global_plan, save_on_this_process, barrier.
+ferry::Result<std::string> run_steps(ferry::SavePlanner& p, int32_t rank = 0) {
+  auto global = p.create_global_plan();
+  if (!global.ok()) return global.status();
+  auto wrote = p.save_on_this_process((*global)[rank]);
+  if (Status s = wrote.wait(); !s.ok()) return s;
+  return p.barrier();
+}
+
+}  // namespace
+
+TEST_CASE("the planner's steps write what save_async writes, and the step defaults to latest + 1",
+          "[planner_api]") {
+  TempDir d;
+  auto rt = make_runtime(d.path());
+  Model m(1);
+  ferry::SavePlanner first(*rt, m.sd);
+  CHECK(first.step() == 0);  // an empty root
+  auto global = first.create_global_plan();
+  REQUIRE(global.ok());
+  REQUIRE(global->size() == 1);
+  const ferry::SavePlan& plan = (*global)[0];
+  CHECK(plan.bytes == (64 * 32 + 64) * 4);
+  CHECK(plan.files == std::vector<std::string>{"rank-00000-0000.safetensors"});
+  const std::string text = plan.to_string();
+  CHECK_THAT(text, Catch::Contains("\"layer.w\"") && Catch::Contains("written by rank 0") &&
+                       Catch::Contains("rank-00000-0000.safetensors") && Catch::Contains("8448 B"));
+  // Nothing is written before save_on_this_process.
+  CHECK(ferry::list_checkpoints(*ferry::posix_filesystem(), d.path())->empty());
+  auto wrote = first.save_on_this_process(plan);
+  REQUIRE(wrote.wait().ok());
+  auto path = first.barrier();
+  REQUIRE(path.ok());
+  CHECK(*path == rt->latest());
+
+  auto h = rt->save_async(m.sd, 7);
+  REQUIRE(h.wait_committed().ok());
+  const std::string name = "/rank-00000-0000.safetensors";
+  CHECK(slurp(*path + name) == slurp(h.path() + name));
+  CHECK_FALSE(slurp(*path + name).empty());
+
+  ferry::SavePlanner next(*rt, m.sd);
+  CHECK(next.step() == 8);
+  auto again = run_steps(next);
+  REQUIRE(again.ok());
+  CHECK(ferry::find_latest(*ferry::posix_filesystem(), d.path())->step == 8);
+
+  // It loads like any checkpoint.
+  Model back(2);
+  REQUIRE(rt->load(back.sd, *again).ok());
+  CHECK(back.w == m.w);
+  CHECK(back.b == m.b);
+}
+
+TEST_CASE("the local plan hook drops and renames items before the plan is sent", "[planner_api]") {
+  TempDir d;
+  auto rt = make_runtime(d.path());
+  Model m(3);
+  ferry::SavePlannerOptions o;
+  o.transform_local_plan = [](ferry::LocalSavePlan& p) {
+    p.items.erase(p.items.begin() + 1);  // layer.b is not saved
+    p.items[0].key = "renamed.w";
+    return Status();
+  };
+  ferry::SavePlanner planner(*rt, m.sd, "rank", o, "", 3);
+  auto local = planner.create_local_plan();
+  REQUIRE(local.ok());
+  REQUIRE(local->items.size() == 1);
+  CHECK(local->items[0].key == "renamed.w");
+  auto path = run_steps(planner);
+  REQUIRE(path.ok());
+
+  std::vector<float> w(64 * 32);
+  ferry::StateDict want;
+  REQUIRE(want.add("renamed.w", {w.data(), ferry::DType::f32, {64, 32}}).ok());
+  REQUIRE(rt->load(want, *path).ok());
+  CHECK(w == m.w);
+  std::vector<float> b(64);
+  ferry::StateDict old;
+  REQUIRE(old.add("layer.b", {b.data(), ferry::DType::f32, {64}}).ok());
+  auto missing = rt->load(old, *path);
+  CHECK_THAT(missing.message(), Catch::Contains("layer.b"));
+
+  // A hook that changes more than keys is refused, naming the item.
+  ferry::SavePlannerOptions bad;
+  bad.transform_local_plan = [](ferry::LocalSavePlan& p) {
+    p.items[0].sizes[0] = 1;
+    return Status();
+  };
+  ferry::SavePlanner refused(*rt, m.sd, "", bad, "", 4);
+  auto g = refused.create_global_plan();
+  REQUIRE_FALSE(g.ok());
+  CHECK_THAT(g.status().message(),
+             Catch::Contains("\"layer.w\"") && Catch::Contains("only the key"));
+  CHECK(refused.handle().wait_committed(std::chrono::seconds(10)).code() !=
+        ferry::StatusCode::timeout);
+  CHECK_FALSE(fs::exists(d.path() + "/step-00000004"));
+  // The runtime saves on afterwards.
+  auto h = rt->save_async(m.sd, 5);
+  CHECK(h.wait_committed().ok());
+}
+
+TEST_CASE("steps out of order are refused with a clear error and leave nothing committed",
+          "[planner_api]") {
+  TempDir d;
+  auto rt = make_runtime(d.path());
+  Model m(4);
+  {
+    ferry::SavePlanner p(*rt, m.sd, "", {}, "", 1);
+    auto global = p.create_global_plan();
+    REQUIRE(global.ok());
+    // Another rank's plan: refused, and the checkpoint goes on.
+    ferry::SavePlan other = (*global)[0];
+    other.rank = 1;
+    auto refused = p.save_on_this_process(other);
+    Status s = refused.wait();
+    CHECK_THAT(s.message(), Catch::Contains("rank 1's plan") && Catch::Contains("on rank 0"));
+    // A plan that is not the one rank 0 made: refused too.
+    ferry::SavePlan edited = (*global)[0];
+    edited.writes.pop_back();
+    CHECK_THAT(p.save_on_this_process(edited).wait().message(),
+               Catch::Contains("differs from this rank's part"));
+    REQUIRE(p.save_on_this_process((*global)[0]).wait().ok());
+    auto path = p.barrier();
+    REQUIRE(path.ok());
+  }
+  {
+    ferry::SavePlanner p(*rt, m.sd, "", {}, "", 2);
+    REQUIRE(p.create_global_plan().ok());
+    auto r = p.barrier();  // never wrote
+    REQUIRE_FALSE(r.ok());
+    CHECK_THAT(r.status().message(), Catch::Contains("before save_on_this_process"));
+  }
+  CHECK_FALSE(fs::exists(d.path() + "/step-00000002"));
+  {
+    ferry::SavePlanner p(*rt, m.sd, "prefix/with/slash");
+    auto r = p.create_global_plan();
+    REQUIRE_FALSE(r.ok());
+    CHECK_THAT(r.status().message(), Catch::Contains("filename_prefix"));
+  }
+  {
+    // A good prefix names the data files.
+    ferry::SavePlanner p(*rt, m.sd, "model_v3", {}, "", 3);
+    auto g = p.create_global_plan();
+    REQUIRE(g.ok());
+    REQUIRE(p.save_on_this_process((*g)[0]).wait().ok());
+    auto path = p.barrier();
+    REQUIRE(path.ok());
+    CHECK(fs::exists(*path + "/model_v3-00000-0000.safetensors"));
+  }
+}
+
+TEST_CASE("a rank that never reaches barrier() aborts the checkpoint at write-timeout",
+          "[planner_api]") {
+  TempDir d;
+  auto rt = make_runtime(d.path(), "2s");
+  Model m(5);
+  ferry::SavePlanner p(*rt, m.sd, "", {}, "", 1);
+  auto global = p.create_global_plan();
+  REQUIRE(global.ok());
+  REQUIRE(p.save_on_this_process((*global)[0]).wait().ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  Status s = p.handle().wait_committed(std::chrono::seconds(20));
+  const double waited =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  CHECK(s.code() == ferry::StatusCode::timeout);
+  CHECK_THAT(s.message(), Catch::Contains("write phase timed out"));
+  CHECK(waited < 10);
+  CHECK(ferry::list_checkpoints(*ferry::posix_filesystem(), d.path())->empty());
+}
+
+TEST_CASE("a checkpoint_fn gets exactly the planned tensors and its file is committed",
+          "[planner_api][checkpoint_fn]") {
+  TempDir d;
+  auto rt = make_runtime(d.path());
+  Model m(6);
+  std::vector<std::string> keys;
+  std::vector<std::vector<int64_t>> shapes;
+  std::vector<std::string> bytes;
+  std::string wrote_to;
+  ferry::SavePlannerOptions o;
+  o.checkpoint_fn = [&](const ferry::StateDict& planned, const std::string& filename) {
+    for (const auto& e : planned.entries()) {
+      keys.push_back(e.key);
+      shapes.push_back(e.view.shape);
+      bytes.emplace_back(static_cast<const char*>(e.view.data), e.view.nbytes());
+    }
+    wrote_to = filename;
+    return ferry::testing::write_safetensors(planned, filename);
+  };
+  ferry::SavePlanner p(*rt, m.sd, "", o);
+  auto global = p.create_global_plan();
+  REQUIRE(global.ok());
+  REQUIRE(p.save_on_this_process((*global)[0]).wait().ok());
+  // Exactly the plan's writes: names, shapes and the caller's bytes.
+  const ferry::SavePlan& plan = (*global)[0];
+  REQUIRE(keys.size() == plan.writes.size());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const auto& w = plan.writes[i];
+    CHECK(keys[i].rfind(plan.items[w.item].key + "@", 0) == 0);
+    CHECK(shapes[i] == w.sizes);
+  }
+  CHECK(bytes[0] == std::string(reinterpret_cast<const char*>(m.w.data()), m.w.size() * 4));
+  CHECK(bytes[1] == std::string(reinterpret_cast<const char*>(m.b.data()), m.b.size() * 4));
+  CHECK_THAT(wrote_to, Catch::EndsWith("/rank-00000-0000.safetensors"));
+  auto path = p.barrier();
+  REQUIRE(path.ok());
+  // The checksums Ferry recorded hold for what the function wrote.
+  CHECK(rt->latest_valid() == *path);
+  Model back(7);
+  REQUIRE(rt->load(back.sd, *path).ok());
+  CHECK(back.w == m.w);
+  CHECK(back.b == m.b);
+}
+
+TEST_CASE("a checkpoint_fn that fails, throws or writes nothing aborts the checkpoint",
+          "[planner_api][checkpoint_fn]") {
+  TempDir d;
+  auto rt = make_runtime(d.path());
+  Model m(8);
+  struct Case {
+    const char* what;
+    ferry::CheckpointFn fn;
+    const char* says;
+  };
+  const Case cases[] = {
+      {"fails",
+       [](const ferry::StateDict&, const std::string&) { return Status::io_error("disk on fire"); },
+       "disk on fire"},
+      {"throws",
+       [](const ferry::StateDict&, const std::string&) -> Status {
+         throw std::runtime_error("user bug");
+       },
+       "raised: user bug"},
+      {"writes nothing", [](const ferry::StateDict&, const std::string&) { return Status(); },
+       "wrote nothing"},
+      {"writes too little",
+       [](const ferry::StateDict& planned, const std::string& f) {
+         ferry::StateDict less;
+         (void)less.add(planned.entries()[0].key, planned.entries()[0].view);
+         return ferry::testing::write_safetensors(less, f);
+       },
+       "without planned tensor"},
+  };
+  uint64_t step = 1;
+  for (const Case& c : cases) {
+    INFO(c.what);
+    ferry::SavePlannerOptions o;
+    o.checkpoint_fn = c.fn;
+    ferry::SavePlanner p(*rt, m.sd, "", o, "", step++);
+    auto global = p.create_global_plan();
+    REQUIRE(global.ok());
+    Status wrote = p.save_on_this_process((*global)[0]).wait();
+    CHECK_THAT(wrote.message(), Catch::Contains(c.says) && Catch::Contains("rank 0"));
+    auto r = p.barrier();
+    REQUIRE_FALSE(r.ok());
+    CHECK_THAT(r.status().message(), Catch::Contains(c.says));
+  }
+  CHECK(ferry::list_checkpoints(*ferry::posix_filesystem(), d.path())->empty());
+  for (auto& e : fs::directory_iterator(d.path()))
+    CHECK_FALSE(ferry::is_pending_dir_name(e.path().filename().string()));
+}

@@ -1,0 +1,83 @@
+"""ferry.SavePlanner from Python across processes (2 and 4 ranks under
+`ferry launch`): the steps commit a checkpoint that 3 ranks load with
+another sharding; the pure ferry.plan.global_plan, fed the local plans the
+ranks printed, gives exactly the plans the job negotiated; another rank's
+plan is refused; a Python checkpoint_fn gets the planned tensors, and one
+that raises on one rank fails the checkpoint on every rank."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import _support  # noqa: F401 (exits 77, skipped, without torch)
+
+import ferry
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def launch(n, script, *args):
+    cmd = [os.environ["FERRY_CLI"], "launch", "-n", str(n), "--", sys.executable,
+           os.path.join(HERE, script)] + list(args)
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=180)
+    print(p.stdout)
+    return p
+
+
+def replay(out, n):
+    """The pure planner on the printed local plans must give the printed global plan."""
+    local = dict((int(r), bytes.fromhex(h)) for r, h in re.findall(r"LOCAL (\d+) ([0-9a-f]+)", out))
+    negotiated = dict((int(r), bytes.fromhex(h))
+                      for r, h in re.findall(r"GLOBAL (\d+) ([0-9a-f]+)", out))
+    assert sorted(local) == list(range(n)) and sorted(negotiated) == list(range(n)), out
+    plans = ferry.plan.global_plan([local[r] for r in range(n)])
+    assert [p.to_bytes() for p in plans] == [negotiated[r] for r in range(n)]
+    assert sum(p.bytes for p in plans) > 0
+    assert "written by rank" in str(plans[0])
+    lowest = ferry.plan.global_plan([local[r] for r in range(n)], owner_policy="lowest_rank")
+    for p in lowest:  # the replicated bias: written by rank 0 alone
+        for item in p.items:
+            if item["key"] == "bias":
+                assert item["owners"] == [0], item
+    try:
+        ferry.plan.global_plan([local[r] for r in reversed(range(n))])
+        raise AssertionError("plans out of rank order were accepted")
+    except ferry.FerryError as e:
+        assert "local_plans[0] is rank" in str(e), e
+
+
+def main():
+    for n in (2, 4):
+        for mode in ("save", "save-fn"):
+            root = tempfile.mkdtemp(prefix="ferry_py_planner_")
+            try:
+                p = launch(n, "planner_worker.py", mode, root)
+                assert p.returncode == 0, "%s with %d ranks failed" % (mode, n)
+                assert p.stdout.count("saved") == n, p.stdout
+                assert p.stdout.count("refused: ") == n, p.stdout
+                assert p.stdout.count("each rank saves only its own") == n, p.stdout
+                if mode == "save-fn":
+                    assert p.stdout.count("checkpoint_fn got the planned tensors") == n
+                replay(p.stdout, n)
+                p = launch(3, "reshard_worker.py", "load", root)
+                assert p.returncode == 0, "load with 3 ranks failed"
+                assert p.stdout.count("loaded: ok") == 3, p.stdout
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
+    root = tempfile.mkdtemp(prefix="ferry_py_planner_")
+    try:
+        p = launch(3, "planner_worker.py", "raise", root)
+        assert p.returncode == 0, "a raising checkpoint_fn did not fail every rank"
+        assert p.stdout.count("failed: ") == 3, p.stdout
+        assert ferry.list_steps(root) == [], ferry.list_steps(root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print("planner steps on 2 and 4 ranks, checkpoint_fn, pure global plan: ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
