@@ -206,11 +206,16 @@ std::unique_ptr<Runtime> start_runtime(const DemoFlags& f) {
   ra.config_file = f.config_file;
   ra.settings = f.settings;
   ra.set("root", f.root);
+  const auto t0 = std::chrono::steady_clock::now();
   auto rt = Runtime::from_env(ra);
   if (!rt.ok()) {
     std::fprintf(stderr, "ferry demo: %s\n", rt.status().to_string().c_str());
     return nullptr;
   }
+  // Start must not grow with the pool: it is faulted in the background.
+  std::printf("rank %d: runtime started in %.1f ms (pool %s)\n", (*rt)->rank(), ms_since(t0),
+              human_bytes((*rt)->options().pool_bytes).c_str());
+  std::fflush(stdout);
   return std::move(rt).value();
 }
 
