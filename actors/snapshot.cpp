@@ -2,8 +2,7 @@
 // the caller's tensors into staging blocks. Copies are asynchronous (a GPU
 // copy completes later); filled blocks are forwarded to the serializer in
 // file order. One block is issued per message so the mailbox (freed blocks,
-// completions, aborts) is served between blocks. The actor runs detached: the
-// host memcpys run on its own thread.
+// completions, aborts) is served between blocks.
 //
 //   idle --stream--> filling --(all blocks forwarded)--> idle
 //                     |  no free block: waits for `freed`
@@ -253,12 +252,8 @@ snapshot_actor::behavior_type snapshot_fun(snapshot_ptr self, ContextPtr ctx,
 
 snapshot_actor spawn_snapshot(caf::local_actor* parent, ContextPtr ctx, serializer_actor serializer,
                               planner_actor planner) {
-  // Detached: host copies (memcpy of the caller's tensors) run on a thread
-  // of their own, not on the scheduler's few threads, where they would
-  // compete with hashing and message passing; completions still come back
-  // as messages.
-  return parent->spawn<caf::detached + caf::linked>(snapshot_fun, std::move(ctx),
-                                                    std::move(serializer), std::move(planner));
+  return parent->spawn<caf::linked>(snapshot_fun, std::move(ctx), std::move(serializer),
+                                    std::move(planner));
 }
 
 }  // namespace ferry
