@@ -350,10 +350,14 @@ class RunReader {
         if (!s.ok()) break;
       }
       const TensorView& target = task_.targets[op.entry];
+      const std::string& key = m.tensors[op.tensor].key;
       for_each_copy(op, dtype_size(target.dtype), [&](uint64_t src, uint64_t dst, uint64_t n) {
         latch.add();
-        ctx_.device->copy_in(f.buf + at + src, target, dst, n,
-                             [&latch](Status st) { latch.arrive(std::move(st)); });
+        ctx_.device->copy_in(f.buf + at + src, target, dst, n, [&latch, key](Status st) {
+          // The device names itself and the CUDA error; only we know the tensor.
+          if (!st.ok()) st = st.with_context("tensor '" + key + "': ");
+          latch.arrive(std::move(st));
+        });
       });
     }
     // Copies already started read from the block and report to the latch:

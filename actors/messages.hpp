@@ -129,7 +129,8 @@ struct StreamJob {
   std::vector<std::shared_ptr<File>> handles;     // [file], opened by a writer
   std::vector<std::vector<ChunkSource>> sources;  // [file][chunk]
   uint64_t block_bytes = 0;
-  uint64_t checksum_block_bytes = 0;  // 0: no checksums
+  uint64_t checksum_block_bytes = 0;         // 0: no checksums
+  std::shared_ptr<detail::SaveState> state;  // told when every copy is queued
 };
 
 // A filled pool block: bytes [offset, offset + len) of a file.

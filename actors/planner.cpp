@@ -350,6 +350,7 @@ void start_streaming(planner_ptr self) {
   job.block_bytes = st.ctx->pool->block_bytes();
   job.checksum_block_bytes = st.ctx->opts.checksum ? st.ctx->opts.checksum_block_bytes : 0;
   job.sources = cur.sources;
+  job.state = cur.job.state;
   cur.file_bytes_left.clear();
   for (const auto& l : cur.layouts) cur.file_bytes_left.push_back(l.size);
   cur.files_left = cur.layouts.size();

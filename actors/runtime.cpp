@@ -53,6 +53,23 @@ Status SaveHandle::wait_snapshot(std::chrono::milliseconds timeout) const {
   return s_->snapshot_status;
 }
 
+Status SaveHandle::wait_snapshot(void* stream, const Device& stream_device) const {
+  if (!s_) return no_save();
+  const bool host_tensors =
+      std::any_of(s_->sd.entries().begin(), s_->sd.entries().end(),
+                  [](const StateEntry& e) { return e.view.device.is_host(); });
+  // Nothing on the GPU to order the stream after: the host copies are the
+  // snapshot.
+  if (host_tensors || !s_->device) return wait_snapshot();
+  {
+    std::unique_lock<std::mutex> lock(s_->mu);
+    s_->cv.wait(lock, [this] { return s_->copies_issued || s_->snapshot_done; });
+    if (s_->snapshot_done) return s_->snapshot_status;
+  }
+  Status st = order_stream_after(*s_->device, s_->sd, stream_device, stream);
+  return st.with_context(st.ok() ? "" : "wait_snapshot of step " + std::to_string(s_->step) + ": ");
+}
+
 Status SaveHandle::wait_committed(std::chrono::milliseconds timeout) const {
   if (!s_) return no_save();
   std::unique_lock<std::mutex> lock(s_->mu);
@@ -548,6 +565,8 @@ std::shared_ptr<detail::SaveState> detail::RuntimeAccess::start_save(
     state->finish(s.with_context("save of step " + std::to_string(step) + ": "), "");
     return state;
   }
+  state->sd = sd;
+  state->device = impl_->ctx->device;
   if (!impl_->saves->add(state)) return state;
   caf::anon_send(impl_->planner, atom::save_v,
                  SaveJob{sd, step, std::move(job_opts), root, state, std::move(local), staged,

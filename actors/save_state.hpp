@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "ferry/device.hpp"
 #include "ferry/runtime.hpp"
 
 namespace ferry::detail {
@@ -26,6 +27,10 @@ struct SaveState {
   mutable std::mutex mu;
   std::condition_variable cv;
   bool snapshot_done = false;
+  // Every copy of the snapshot is queued with the device (not necessarily
+  // done): what wait_snapshot(stream) waits for on the host before it orders
+  // the caller's stream after the copies.
+  bool copies_issued = false;
   bool done = false;
   Status snapshot_status;
   Status status;
@@ -40,6 +45,16 @@ struct SaveState {
 
   double ms_since_start() const {
     return std::chrono::duration<double, std::milli>(clock::now() - started).count();
+  }
+
+  // For wait_snapshot(stream): the saved tensors and the backend copying them.
+  StateDict sd;
+  std::shared_ptr<DeviceBackend> device;
+
+  void mark_copies_issued() {
+    std::lock_guard<std::mutex> lock(mu);
+    copies_issued = true;
+    cv.notify_all();
   }
 
   // Idempotent: the first call wins.

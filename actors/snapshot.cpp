@@ -139,6 +139,7 @@ void issue_block(snapshot_ptr self) {
   }
   struct Copy {
     const ChunkSource* src;
+    const std::string* key;
     uint64_t src_off, len, dst_off;
   };
   std::vector<Copy> copies;
@@ -148,7 +149,8 @@ void issue_block(snapshot_ptr self) {
     const uint64_t lo = std::max(off, c.offset);
     const uint64_t hi = std::min(off + len, c.offset + c.length);
     if (lo >= hi) continue;
-    copies.push_back({&sources[i], sources[i].offset + (lo - c.offset), hi - lo, lo - off});
+    copies.push_back(
+        {&sources[i], &c.chunk.key, sources[i].offset + (lo - c.offset), hi - lo, lo - off});
   }
   b.outstanding = static_cast<uint32_t>(copies.size());
   st.inflight.push_back(std::move(b));
@@ -164,10 +166,16 @@ void issue_block(snapshot_ptr self) {
   const uint64_t save = st.job.save;
   snapshot_actor me = self;
   for (const Copy& c : copies) {
-    st.ctx->device->copy_out(
-        c.src->view, c.src_off, c.len, dst + c.dst_off,
-        [me, save, seq](Status s) { caf::anon_send(me, atom::copied_v, save, seq, std::move(s)); });
+    // The device names itself and the CUDA error; only we know the tensor.
+    st.ctx->device->copy_out(c.src->view, c.src_off, c.len, dst + c.dst_off,
+                             [me, save, seq, key = *c.key](Status s) {
+                               if (!s.ok()) s = s.with_context("tensor '" + key + "': ");
+                               caf::anon_send(me, atom::copied_v, save, seq, std::move(s));
+                             });
   }
+  // Once the last copy is queued, wait_snapshot(stream) can order the
+  // caller's stream after it.
+  if (st.all_issued() && st.job.state) st.job.state->mark_copies_issued();
 }
 
 snapshot_actor::behavior_type snapshot_fun(snapshot_ptr self, ContextPtr ctx,

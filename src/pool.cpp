@@ -56,38 +56,91 @@ Result<std::unique_ptr<StagingPool>> StagingPool::create(uint64_t bytes, uint64_
   }
   // Fewer TLB misses on big copies; only a hint, so a refusal is fine.
   (void)::madvise(p, static_cast<size_t>(total), MADV_HUGEPAGE);
-  // Touch every page now: a copy into fresh pages runs at a fraction of the
-  // speed of one into faulted-in pages, and that cost belongs at startup.
-  auto* base = static_cast<uint8_t*>(p);
-  for (uint64_t off = 0; off < total; off += kPageBytes) {
-    base[off] = 0;
-  }
+  // Faulted in the background (see pool.hpp): start returns at once.
   return std::unique_ptr<StagingPool>(
-      new StagingPool(base, block_bytes, static_cast<uint32_t>(blocks)));
+      new StagingPool(static_cast<uint8_t*>(p), block_bytes, static_cast<uint32_t>(blocks)));
 }
 
 StagingPool::StagingPool(uint8_t* base, uint64_t block_bytes, uint32_t blocks)
-    : base_(base), block_bytes_(block_bytes), generation_(blocks, 0), in_use_(blocks, false) {
+    : base_(base),
+      block_bytes_(block_bytes),
+      generation_(blocks, 0),
+      in_use_(blocks, false),
+      fault_(blocks, Fault::no) {
   free_.reserve(blocks);
   // Pushed in reverse so the first acquisitions hand out low indexes.
   for (uint32_t i = blocks; i > 0; --i) free_.push_back(i - 1);
+  prefault_thread_ = std::thread([this] { prefault(); });
 }
 
 StagingPool::~StagingPool() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  prefault_thread_.join();
   // Unpinned before the unmap: the device must not keep a mapping of pages
   // that go back to the kernel.
   for (auto it = pinned_.rbegin(); it != pinned_.rend(); ++it) registrar_.unpin(*it);
   ::munmap(base_, static_cast<size_t>(bytes()));
 }
 
+// Writes one byte per page. Only ever called by the one that moved the block
+// from Fault::no to Fault::running, before anyone stores data in it.
+void StagingPool::touch(uint32_t index) {
+  uint8_t* b = base_ + static_cast<uint64_t>(index) * block_bytes_;
+  for (uint64_t off = 0; off < block_bytes_; off += kPageBytes) b[off] = 0;
+}
+
+void StagingPool::prefault() {
+  for (uint32_t i = 0; i < blocks(); ++i) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stop_) return;
+      if (fault_[i] != Fault::no) continue;  // an acquirer claimed it
+      fault_[i] = Fault::running;
+    }
+    touch(i);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      fault_[i] = Fault::done;
+      ++faulted_;
+    }
+    fault_cv_.notify_all();
+  }
+}
+
 std::optional<Lease> StagingPool::try_acquire() {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   if (free_.empty()) return std::nullopt;
   // LIFO: the block released last is the one most likely still in cache.
   uint32_t index = free_.back();
   free_.pop_back();
   in_use_[index] = true;
-  return Lease{index, generation_[index]};
+  const Lease lease{index, generation_[index]};
+  if (fault_[index] == Fault::no) {
+    // Not reached by the background thread yet: fault just this block.
+    fault_[index] = Fault::running;
+    lock.unlock();
+    touch(index);
+    lock.lock();
+    fault_[index] = Fault::done;
+    ++faulted_;
+    fault_cv_.notify_all();
+  } else if (fault_[index] == Fault::running) {
+    fault_cv_.wait(lock, [&] { return fault_[index] == Fault::done; });
+  }
+  return lease;
+}
+
+uint32_t StagingPool::faulted_blocks() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return faulted_;
+}
+
+void StagingPool::wait_prefaulted() const {
+  std::unique_lock<std::mutex> lock(mu_);
+  fault_cv_.wait(lock, [&] { return faulted_ == blocks(); });
 }
 
 Result<uint8_t*> StagingPool::data(const Lease& l) const {

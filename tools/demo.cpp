@@ -25,6 +25,23 @@
 #include "ferry/runtime.hpp"
 #include "tools/commands.hpp"
 
+#ifdef FERRY_DEMO_HAVE_CUDA
+// bench/gpu_kernels.cu: the CUDA runtime calls and kernels of --device cuda
+// (CUDA error codes; 0 is success).
+extern "C" {
+int ferry_demo_device_count(int* n);
+int ferry_demo_set_device(int d);
+int ferry_demo_alloc(void** p, size_t bytes);
+int ferry_demo_free(void* p);
+int ferry_demo_stream(void** s);
+int ferry_demo_sync(void* s);
+int ferry_demo_fill(void* stream, unsigned int* out, long long rows, long long cols,
+                    long long gcols, long long row0, long long col0, unsigned long long seed);
+int ferry_demo_set(void* stream, unsigned int* p, unsigned int v);
+const char* ferry_demo_error(int err);
+}
+#endif
+
 namespace ferry::cli {
 
 namespace {
@@ -37,6 +54,7 @@ struct DemoFlags {
   uint32_t steps = 30;
   uint32_t every = 10;
   std::string root = "ferry-demo-checkpoints";
+  std::string device = "host";           // where the training tensors live: host, cuda
   std::string role;                      // "", "train", "restore"
   std::vector<std::string> passthrough;  // --set / --config-file, for the ranks
   std::vector<Setting> settings;
@@ -47,7 +65,7 @@ void demo_usage() {
   std::printf(
       "usage: ferry demo [--ranks N] [--restore-ranks M] [--state-mib N] [--layers N]\n"
       "                  [--steps N] [--every N] [--root DIR] [--set KEY=VALUE]...\n"
-      "                  [--config-file=PATH]\n"
+      "                  [--device host|cuda] [--config-file=PATH]\n"
       "  --ranks          training ranks (default 2)\n"
       "  --restore-ranks  ranks that restore the last checkpoint (default ranks + 1)\n"
       "  --state-mib      model state over all ranks, in MiB (default 1024)\n"
@@ -57,6 +75,10 @@ void demo_usage() {
       "  --every          checkpoint every N steps (default 10)\n"
       "  --root           checkpoint root (default ./ferry-demo-checkpoints); a rerun\n"
       "                   removes the checkpoints an earlier demo left there, nothing else\n"
+      "  --device         host (default) or cuda: train on GPU tensors (rank r on GPU\n"
+      "                   LOCAL_RANK %% count), updated by a kernel every step and\n"
+      "                   snapshotted with a stream-ordered wait; without a GPU it\n"
+      "                   says so and exits with 3\n"
       "  --set            a [ferry] setting for every rank, e.g. --set pool-bytes=512MiB\n");
 }
 
@@ -92,6 +114,14 @@ int parse_flags(const Args& args, DemoFlags* f) {
       if (!number(&f->every)) return 2;
     } else if (a == "--root" && has_value) {
       f->root = args[++i];
+    } else if (a == "--device" && has_value) {
+      f->device = args[++i];
+      if (f->device != "host" && f->device != "cuda") {
+        std::fprintf(stderr, "ferry demo: --device must be host or cuda, got '%s'\n",
+                     f->device.c_str());
+        return 2;
+      }
+      f->passthrough.insert(f->passthrough.end(), {"--device", f->device});
     } else if (a == "--role" && has_value) {
       f->role = args[++i];
     } else if (a == "--set" && has_value) {
@@ -180,11 +210,15 @@ Piece piece_of(const TensorSpec& s, Split split, int rank, int world) {
   return p;
 }
 
+uint64_t seed_of(size_t t, uint64_t version) {
+  return (static_cast<uint64_t>(t) << 40) ^ (version << 20);
+}
+
 // The words of piece p of tensor t at `version`, from global indices.
 void fill(const TensorSpec& s, size_t t, uint64_t version, const Piece& p,
           std::vector<uint32_t>& out) {
   out.resize(p.words.size());
-  const uint64_t seed = (static_cast<uint64_t>(t) << 40) ^ (version << 20);
+  const uint64_t seed = seed_of(t, version);
   if (s.shape.size() < 2) {
     for (size_t i = 0; i < out.size(); ++i) out[i] = mix32(seed + i);
     return;
@@ -206,11 +240,16 @@ std::unique_ptr<Runtime> start_runtime(const DemoFlags& f) {
   ra.config_file = f.config_file;
   ra.settings = f.settings;
   ra.set("root", f.root);
+  const auto t0 = std::chrono::steady_clock::now();
   auto rt = Runtime::from_env(ra);
   if (!rt.ok()) {
     std::fprintf(stderr, "ferry demo: %s\n", rt.status().to_string().c_str());
     return nullptr;
   }
+  // Start must not grow with the pool: it is faulted in the background.
+  std::printf("rank %d: runtime started in %.1f ms (pool %s)\n", (*rt)->rank(), ms_since(t0),
+              human_bytes((*rt)->options().pool_bytes).c_str());
+  std::fflush(stdout);
   return std::move(rt).value();
 }
 
@@ -293,6 +332,144 @@ int train(const DemoFlags& f) {
   std::printf("rank %d: trained %u steps in %.1f s; %d checkpoints, %d failed\n", rank, f.steps,
               ms_since(t0) / 1000, saves, failures);
   return failures ? 1 : 0;
+}
+
+// --- one training rank on a GPU ------------------------------------------------------
+
+#ifdef FERRY_DEMO_HAVE_CUDA
+// The same model, schedule and checkpoints as train(), with the tensors in
+// GPU memory: the optimizer step is a kernel on the training stream, the save
+// is ordered after that stream, and the stream (not the host) waits for the
+// snapshot before the next update.
+int train_cuda(const DemoFlags& f) {
+  int count = 0;
+  if (int err = ferry_demo_device_count(&count); err != 0 || count == 0) {
+    std::fprintf(stderr, "ferry demo: --device cuda: no CUDA device (%s)\n",
+                 err ? ferry_demo_error(err) : "0 devices");
+    return 3;
+  }
+  const char* lr = std::getenv("LOCAL_RANK");
+  const int dev = (lr ? std::atoi(lr) : 0) % count;
+  auto check = [](int err, const char* what) {
+    if (err == 0) return true;
+    std::fprintf(stderr, "ferry demo: %s: %s\n", what, ferry_demo_error(err));
+    return false;
+  };
+  if (!check(ferry_demo_set_device(dev), "cudaSetDevice")) return 1;
+  auto rt = start_runtime(f);
+  if (!rt) return 1;
+  const int rank = rt->rank(), world = rt->world_size();
+  void* stream = nullptr;
+  if (!check(ferry_demo_stream(&stream), "cudaStreamCreate")) return 1;
+  const auto specs = model(f);
+  std::vector<Piece> pieces;
+  std::vector<void*> mem(specs.size(), nullptr);
+  // Writes version `v` of tensor t on the training stream: the optimizer step.
+  auto update = [&](size_t t, uint64_t v) {
+    const Piece& p = pieces[t];
+    const bool two_d = p.shape.size() >= 2;
+    long long numel = 1;
+    for (int64_t d : p.shape) numel *= d;
+    return ferry_demo_fill(stream, static_cast<unsigned int*>(mem[t]), two_d ? p.shape[0] : 1,
+                           two_d ? p.shape[1] : numel, two_d ? specs[t].shape[1] : 0,
+                           two_d ? p.offsets[0] : 0, two_d ? p.offsets[1] : 0, seed_of(t, v));
+  };
+  StateDict sd;
+  uint64_t local_bytes = 0;
+  int rc = 0;
+  for (size_t t = 0; t < specs.size() && rc == 0; ++t) {
+    pieces.push_back(piece_of(specs[t], specs[t].split, rank, world));
+    const size_t bytes = pieces[t].words.size() * 4;
+    pieces[t].words = {};  // the bytes live on the GPU
+    local_bytes += bytes;
+    if (!check(ferry_demo_alloc(&mem[t], bytes), "cudaMalloc") ||
+        !check(update(t, 0), "the fill kernel"))
+      rc = 1;
+    else
+      sd.add(specs[t].key, TensorView(mem[t], specs[t].dtype, pieces[t].shape, Device::cuda(dev)),
+             Shard{specs[t].shape, pieces[t].offsets});
+  }
+  std::printf("rank %d/%d: %zu tensors on cuda:%d, %s local, pool %s\n", rank, world, specs.size(),
+              dev, human_bytes(local_bytes).c_str(), human_bytes(rt->options().pool_bytes).c_str());
+  std::fflush(stdout);
+
+  SaveHandle inflight;
+  double blocked_ms = 0;
+  int failures = 0, saves = 0;
+  auto finish = [&] {
+    if (!inflight.valid()) return;
+    const Status st = inflight.wait_committed();
+    const SaveMetrics m = inflight.metrics();
+    if (st.ok()) {
+      std::printf("checkpoint step %-4" PRIu64
+                  " host blocked %.3f ms (save_async + wait_snapshot(stream)) | snapshot "
+                  "%.1f ms | persisted %s in %.0f ms (%.2f GB/s)\n",
+                  inflight.step(), blocked_ms, m.snapshot_ms, human_bytes(m.bytes).c_str(),
+                  m.total_ms, m.persist_gbps());
+    } else {
+      std::printf("checkpoint step %" PRIu64 " FAILED: %s\n", inflight.step(),
+                  st.to_string().c_str());
+      ++failures;
+    }
+    std::fflush(stdout);
+    inflight = SaveHandle();
+  };
+  const auto t0 = std::chrono::steady_clock::now();
+  for (uint32_t step = 1; step <= f.steps && rc == 0; ++step) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // forward/backward
+    // The loss read back each step: the host meets the stream here.
+    if (!check(ferry_demo_sync(stream), "the training stream")) rc = 1;
+    if (inflight.valid() && inflight.done()) finish();
+    if (step % f.every == 0) {
+      if (inflight.valid()) finish();  // one save in flight, as the runtime does
+      if (!check(ferry_demo_set(stream, static_cast<unsigned int*>(mem.back()), step),
+                 "the step counter"))
+        rc = 1;
+      const auto b0 = std::chrono::steady_clock::now();
+      SaveOptions so;
+      so.stream = stream;
+      so.stream_device = Device::cuda(dev);
+      inflight = rt->save_async(sd, step, so);
+      ++saves;
+      // The optimizer's kernels below wait on the GPU for the snapshot.
+      if (Status s = inflight.wait_snapshot(stream, Device::cuda(dev)); !s.ok())
+        std::printf("snapshot of step %u failed: %s\n", step, s.to_string().c_str());
+      blocked_ms = ms_since(b0);
+    }
+    for (size_t t = step % 4; t + 1 < specs.size() && rc == 0; t += 4)
+      if (!check(update(t, version_at(t, step + 1)), "the update kernel")) rc = 1;
+  }
+  finish();
+  if (rc == 0 && !check(ferry_demo_sync(stream), "the training stream")) rc = 1;
+  for (void* p : mem)
+    if (p) ferry_demo_free(p);
+  std::printf("rank %d: trained %u steps on cuda:%d in %.1f s; %d checkpoints, %d failed\n", rank,
+              f.steps, dev, ms_since(t0) / 1000, saves, failures);
+  return rc ? rc : failures ? 1 : 0;
+}
+#endif
+
+// Exits (the code to return) unless --device cuda can run here; -1 to go on.
+int check_device(const DemoFlags& f) {
+  if (f.device != "cuda") return -1;
+#ifndef FERRY_DEMO_HAVE_CUDA
+  std::fprintf(stderr,
+               "ferry demo: --device cuda: this ferry was built without the CUDA compiler "
+               "(nvcc), so it has no GPU kernel to train with; rebuild where nvcc is found, or "
+               "run without --device cuda\n");
+  return 3;
+#else
+  int count = 0;
+  const int err = ferry_demo_device_count(&count);
+  if (err != 0 || count == 0) {
+    std::fprintf(stderr,
+                 "ferry demo: --device cuda: no CUDA device on this machine (%s); run without "
+                 "--device cuda to train on host tensors\n",
+                 err ? ferry_demo_error(err) : "0 devices");
+    return 3;
+  }
+  return -1;
+#endif
 }
 
 // --- one restoring rank -----------------------------------------------------------------
@@ -423,6 +600,10 @@ int prepare_demo_root(const std::string& root) {
 int cmd_demo(const Args& args) {
   DemoFlags f;
   if (int rc = parse_flags(args, &f); rc >= 0) return rc;
+  if (int rc = check_device(f); rc >= 0) return rc;
+#ifdef FERRY_DEMO_HAVE_CUDA
+  if (f.role == "train" && f.device == "cuda") return train_cuda(f);
+#endif
   if (f.role == "train") return train(f);
   if (f.role == "restore") return restore(f);
 

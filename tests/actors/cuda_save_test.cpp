@@ -1,8 +1,8 @@
 // GPU saves and loads end to end through the Runtime, with the CUDA backend
 // running over the fake CUDA runtime (RuntimeArgs::device). The Runtime orders
 // its copies itself (save_async after SaveOptions::stream, load after the
-// legacy default stream); order_stream_after, the basis of a stream-ordered
-// wait_snapshot, is called by the tests directly.
+// legacy default stream, SaveHandle::wait_snapshot(stream) the caller's stream
+// after the copies).
 
 #include <catch2/catch.hpp>
 
@@ -214,7 +214,7 @@ TEST_CASE("cuda save: an error reported at a later query ends the save; the last
   auto h2 = rig.save(sd, 2);
   auto st = h2.wait_committed();
   REQUIRE_FALSE(st.ok());
-  CHECK_THAT(st.message(), Catch::Contains("cuda:0") &&
+  CHECK_THAT(st.message(), Catch::Contains("tensor 'w'") && Catch::Contains("cuda:0") &&
                                Catch::Contains("cudaErrorIllegalAddress") &&
                                Catch::Contains("an illegal memory access was encountered"));
   CHECK(rig.rt->latest() == good);
@@ -250,7 +250,7 @@ TEST_CASE("cuda load: device tensors get the checkpoint's bytes, after the calle
   REQUIRE(rig.dev->order_stream_after(Device::cuda(1), nullptr).ok());
 }
 
-TEST_CASE("cuda save: order_stream_after makes the training stream wait, not the host",
+TEST_CASE("cuda save: wait_snapshot(stream) makes the training stream wait, not the host",
           "[actors][cuda]") {
   TempDir dir;
   GpuRig rig(dir.path(), {{"pool-bytes", "8MiB"}});
@@ -258,25 +258,77 @@ TEST_CASE("cuda save: order_stream_after makes the training stream wait, not the
   auto t = rig.upload(0, orig);
   ferry::StateDict sd;
   REQUIRE(sd.add("p", t).ok());
-  rig.fake->pause();
+  rig.fake->pause();  // the GPU copies nothing until resume()
   auto h = rig.save(sd, 6);
-  // The pool holds the state: every copy is issued while none has run.
-  REQUIRE(eventually([&] { return rig.fake->copies_enqueued() >= (1u << 20) / (256u << 10); }));
-  auto ordered = std::async(std::launch::async, [&] {
+  // On another thread, so a host that blocked would fail the test instead of
+  // hanging it.
+  auto waited = std::async(std::launch::async, [&] {
     rig.fake->set_device(0);
-    return rig.dev->order_stream_after(Device::cuda(0), rig.stream);
+    return h.wait_snapshot(rig.stream, Device::cuda(0));
   });
-  REQUIRE(ordered.wait_for(std::chrono::seconds(20)) == std::future_status::ready);
-  REQUIRE(ordered.get().ok());
-  CHECK_FALSE(h.snapshot_done());  // the host went on; the GPU has not copied yet
-  std::atomic<bool> after_snapshot{false};
+  REQUIRE(waited.wait_for(std::chrono::seconds(20)) == std::future_status::ready);
+  REQUIRE(waited.get().ok());
+  // The host went on while no copy has run on the GPU.
+  CHECK_FALSE(h.snapshot_done());
+  CHECK(rig.fake->copies_enqueued() >= (1u << 20) / (256u << 10));
+  // The optimizer step, queued on the training stream after the wait: it
+  // must run only once the copies have read the tensor.
+  std::atomic<bool> step_ran{false};
   rig.fake->launch(rig.stream, [&] {
-    after_snapshot = true;
+    step_ran = true;
     std::memset(t.data, 0, t.nbytes());
   });
   rig.fake->resume();
-  REQUIRE(h.wait_committed().ok());
+  auto st = h.wait_committed();
+  INFO(st.to_string());
+  REQUIRE(st.ok());
   REQUIRE(rig.fake->drain());
-  CHECK(after_snapshot);
+  CHECK(step_ran);
+  CHECK(bytes_of(t) == std::vector<uint8_t>(orig.size(), 0));
   CHECK(load_host(*rig.rt, h.path(), {{"p", orig.size()}})[0] == orig);
+}
+
+TEST_CASE("cuda save: wait_snapshot(stream) with a host tensor in the save waits on the host",
+          "[actors][cuda]") {
+  TempDir dir;
+  GpuRig rig(dir.path());
+  auto host_bytes = random_bytes(100000, 11);
+  ferry::StateDict sd;
+  REQUIRE(sd.add("h", TensorView(host_bytes.data(), DType::u8, {100000})).ok());
+  REQUIRE(sd.add("d", rig.upload(0, random_bytes(200000, 12))).ok());
+  auto h = rig.save(sd, 7);
+  REQUIRE(h.wait_snapshot(rig.stream).ok());
+  // The host tensor may be mutated now: its copy is done.
+  CHECK(h.snapshot_done());
+  const auto saved = host_bytes;
+  std::memset(host_bytes.data(), 0, host_bytes.size());
+  REQUIRE(h.wait_committed().ok());
+  CHECK(load_host(*rig.rt, h.path(), {{"h", saved.size()}})[0] == saved);
+}
+
+TEST_CASE("cuda load: an asynchronous copy error names the tensor; the next load works",
+          "[actors][cuda]") {
+  TempDir dir;
+  GpuRig rig(dir.path());
+  const auto a = random_bytes(300000, 13);
+  ferry::StateDict sd;
+  auto src = a;
+  REQUIRE(sd.add("a", TensorView(src.data(), DType::u8, {300000})).ok());
+  auto h = rig.rt->save_async(sd, 8);
+  REQUIRE(h.wait_committed().ok());
+
+  auto target = rig.upload(1, std::vector<uint8_t>(a.size(), 0));
+  ferry::StateDict out;
+  REQUIRE(out.add("a", target).ok());
+  rig.fake->fail_async_copy(ferry::cuda::kErrorIllegalAddress, 0);
+  auto st = rig.rt->load(out, h.path());
+  REQUIRE_FALSE(st.ok());
+  CHECK_THAT(st.message(), Catch::Contains("tensor 'a'") && Catch::Contains("cuda:1") &&
+                               Catch::Contains("cudaErrorIllegalAddress") &&
+                               Catch::Contains("an illegal memory access was encountered"));
+  // The device is healthy again.
+  auto st2 = rig.rt->load(out, h.path());
+  INFO(st2.to_string());
+  REQUIRE(st2.ok());
+  CHECK(bytes_of(target) == a);
 }

@@ -18,8 +18,8 @@
 #include <random>
 
 #include "cuda/device_cuda.hpp"
-#include "pool.hpp"
 #include "ferry/runtime.hpp"
+#include "pool.hpp"
 #include "test_util.hpp"
 
 using ferry::Device;
@@ -191,6 +191,48 @@ TEST_CASE("gpu: Runtime save larger than the pool, mixed host and device, loaded
   REQUIRE(dev->order_stream_after(Device::cuda(0), nullptr).ok());
   CHECK(la.download() == a);
   CHECK(lb == b);
+}
+
+TEST_CASE("gpu: Runtime wait_snapshot(stream) lets the host go on; the stream waits", "[gpu]") {
+  TempDir dir;
+  auto dev = make_device();
+  ferry::RuntimeArgs args;
+  args.set("root", dir.path()).set("pool-bytes", "320MiB").set("chunk-bytes", "8MiB");
+  args.device = dev;
+  auto rt = ferry::Runtime::create(args);
+  REQUIRE(rt.ok());
+  cudaStream_t s;
+  REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
+  const size_t n = 256 << 20;
+  const auto orig = random_bytes(n, 7);
+  DevBuf t(n);
+  t.upload(orig);
+  Pinned zeros(n);
+  std::memset(zeros.data(), 0, n);
+  ferry::StateDict sd;
+  REQUIRE(sd.add("t", t.view()).ok());
+  ferry::SaveOptions so;
+  so.stream = s;
+  so.stream_device = Device::cuda(0);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto h = (*rt)->save_async(sd, 1, so);
+  REQUIRE(h.wait_snapshot(s, Device::cuda(0)).ok());
+  const double host_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  // The optimizer step, on the stream: after the copies, whatever the host did.
+  REQUIRE(cudaMemcpyAsync(t.p, zeros.p, n, cudaMemcpyHostToDevice, s) == cudaSuccess);
+  auto st = h.wait_committed();
+  INFO(st.to_string());
+  REQUIRE(st.ok());
+  REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
+  CHECK(t.download()[4321] == 0);
+  DevBuf back(n);
+  ferry::StateDict out;
+  REQUIRE(out.add("t", back.view()).ok());
+  REQUIRE((*rt)->load(out, h.path()).ok());
+  CHECK(back.download() == orig);
+  WARN("save_async + wait_snapshot(stream) blocked the host " << host_ms << " ms");
+  cudaStreamDestroy(s);
 }
 
 int main(int argc, char** argv) {

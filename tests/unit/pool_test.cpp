@@ -1,5 +1,6 @@
 #include <atomic>
 #include <catch2/catch.hpp>
+#include <chrono>
 #include <cstring>
 #include <set>
 #include <thread>
@@ -156,6 +157,57 @@ TEST_CASE("pool is safe under concurrent acquire and release", "[pool]") {
   CHECK(errors == 0);
   CHECK(hooks == released);
   CHECK(pool.free_blocks() == 8);
+}
+
+TEST_CASE("pool returns at once and faults its blocks in the background", "[pool]") {
+  constexpr uint64_t kBlock = 8 << 20;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto made = StagingPool::create(2ull << 30, kBlock);
+  const auto took = std::chrono::steady_clock::now() - t0;
+  REQUIRE(made.ok());
+  auto& pool = **made;
+  // Faulting 2 GiB takes far longer than mapping it.
+  CHECK(pool.faulted_blocks() < pool.blocks());
+  CHECK(took < std::chrono::seconds(1));
+
+  auto first = pool.try_acquire();
+  REQUIRE(first);
+  std::memset(*pool.data(*first), 1, kBlock);  // usable at once
+  CHECK(pool.faulted_blocks() >= 1);
+}
+
+TEST_CASE("pool: the background faulting never writes to a leased block", "[pool]") {
+  constexpr uint64_t kBlock = 4 << 20;
+  auto made = StagingPool::create(256 << 20, kBlock);
+  REQUIRE(made.ok());
+  auto& pool = **made;
+  // Blocks leased before the background thread reached them are faulted by
+  // the acquirer, and the thread never writes to them afterwards.
+  std::vector<Lease> held;
+  for (int i = 0; i < 8; ++i) {
+    auto l = pool.try_acquire();
+    REQUIRE(l);
+    held.push_back(*l);
+    std::memset(*pool.data(*l), 0xab, kBlock);
+  }
+  CHECK(pool.faulted_blocks() >= held.size());
+  pool.wait_prefaulted();
+  CHECK(pool.faulted_blocks() == pool.blocks());
+  for (const Lease& l : held) {
+    const uint8_t* p = *pool.data(l);
+    bool intact = true;
+    for (uint64_t off = 0; off < kBlock; off += 4096) intact &= p[off] == 0xab;
+    CHECK(intact);
+    REQUIRE(pool.release(l).ok());
+  }
+}
+
+TEST_CASE("pool destroyed while still faulting stops its thread", "[pool]") {
+  auto made = StagingPool::create(1ull << 30, 4 << 20);
+  REQUIRE(made.ok());
+  auto l = (*made)->try_acquire();
+  REQUIRE(l);
+  made->reset();  // joins the background thread mid-way; must not hang or crash
 }
 
 }  // namespace

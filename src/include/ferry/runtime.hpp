@@ -75,6 +75,16 @@ class SaveHandle {
   // (the save goes on; wait again or poll).
   Status wait_snapshot(std::chrono::milliseconds timeout) const;
   Status wait_committed(std::chrono::milliseconds timeout) const;
+  // Stream-ordered wait: makes the caller's CUDA stream (a cudaStream_t on
+  // `stream_device`; nullptr: the legacy default stream) wait, on the GPU,
+  // for the copies off the device tensors, so kernels queued on it afterwards
+  // may mutate them; the host does not wait for the copies. It waits only
+  // until every copy is queued with the device (planning, and with a pool
+  // smaller than the state until (state - pool) bytes are written). Host
+  // tensors in the save are waited for on the host, as by wait_snapshot().
+  // A copy that fails after this returned fails the save: wait_committed
+  // reports it.
+  Status wait_snapshot(void* stream, const Device& stream_device = Device::cuda(0)) const;
   bool snapshot_done() const;
   bool done() const;
   uint64_t step() const;
@@ -119,8 +129,9 @@ struct RuntimeArgs {
 
 class Runtime {
  public:
-  // Starts the actor system, validates options, allocates and pre-faults the
-  // staging pool. Errors name the bad key/value.
+  // Starts the actor system, validates options, maps the staging pool (faulted
+  // in the background, so start does not grow with the pool). Errors name the
+  // bad key/value.
   static Result<std::unique_ptr<Runtime>> create(RuntimeArgs args);
   // create() with rank and world size from the torchrun-style environment.
   static Result<std::unique_ptr<Runtime>> from_env(RuntimeArgs args = {});
