@@ -538,38 +538,26 @@ Result<FileLayout> layout_file(std::string name, std::vector<ChunkRef> chunks) {
   for (const auto& c : chunks) compressed = compressed || c.compressed;
   // Readers that only know safetensors see opaque U8 blobs in a compressed
   // file; the codec here tells a person what they are.
-  std::string json = compressed ? "{\"__metadata__\":{\"format\":\"ferry\",\"codec\":\"zstd\"}"
-                                : "{\"__metadata__\":{\"format\":\"ferry\"}";
-  std::unordered_set<std::string> entries;
+  std::vector<std::pair<std::string, std::string>> meta = {{"format", "ferry"}};
+  if (compressed) meta.emplace_back("codec", "zstd");
+  std::vector<SafetensorsEntry> entries;
+  entries.reserve(chunks.size());
+  std::unordered_set<std::string> names;
   uint64_t pos = 0;  // relative to the data start until the header size is known
   out.chunks.reserve(chunks.size());
   for (auto& c : chunks) {
     FERRY_ASSIGN_OR_RETURN(uint64_t bytes, chunk_bytes(name, c));
     if (c.compressed) bytes = c.compressed->data.size();
     std::string entry = entry_name(c.key, c.box);
-    if (!entries.insert(entry).second)
+    if (!names.insert(entry).second)
       return Status::invalid_argument("file '" + name + "': duplicate safetensors entry '" + entry +
                                       "'");
     if (pos > std::numeric_limits<uint64_t>::max() / 2 - bytes)
       return Status::invalid_argument("file '" + name + "': total size overflows");
-    json += ',';
-    append_json_string(json, entry);
-    json += ":{\"dtype\":\"";
-    if (c.compressed) {
-      json += "U8\",\"shape\":[" + std::to_string(bytes);
-    } else {
-      json += dtype_name(c.dtype);
-      json += "\",\"shape\":[";
-      for (size_t d = 0; d < c.box.sizes.size(); ++d) {
-        if (d) json += ',';
-        json += std::to_string(c.box.sizes[d]);
-      }
-    }
-    json += "],\"data_offsets\":[";
-    json += std::to_string(pos);
-    json += ',';
-    json += std::to_string(pos + bytes);
-    json += "]}";
+    if (c.compressed)
+      entries.push_back({entry, "U8", {static_cast<int64_t>(bytes)}, pos, pos + bytes});
+    else
+      entries.push_back({entry, dtype_name(c.dtype), c.box.sizes, pos, pos + bytes});
     LaidOutChunk lc;
     lc.chunk = std::move(c);
     lc.entry = std::move(entry);
@@ -578,19 +566,10 @@ Result<FileLayout> layout_file(std::string name, std::vector<ChunkRef> chunks) {
     out.chunks.push_back(std::move(lc));
     pos += bytes;
   }
-  json += '}';
-
-  // Trailing spaces are JSON whitespace, so padding keeps the header valid
-  // for every safetensors reader while the data starts on an O_DIRECT-able
-  // boundary.
-  const uint64_t unpadded = 8 + json.size();
-  const uint64_t padded = (unpadded + kDataAlignment - 1) / kDataAlignment * kDataAlignment;
-  const uint64_t n = padded - 8;
-  json.append(n - json.size(), ' ');
-  out.header.reserve(padded);
-  for (int i = 0; i < 8; ++i) out.header += static_cast<char>((n >> (8 * i)) & 0xff);
-  out.header += json;
-
+  // Data starts on an O_DIRECT-able boundary.
+  auto header = safetensors_header(entries, meta, kDataAlignment);
+  if (!header.ok()) return header.status().with_context("file '" + name + "': ");
+  out.header = std::move(header).value();
   for (auto& lc : out.chunks) lc.offset += out.header.size();
   out.size = out.header.size() + pos;
   out.name = std::move(name);
