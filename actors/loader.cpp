@@ -288,6 +288,8 @@ class RunReader {
     f->path = join_path(task_.dir, task_.manifest->files[index].name);
     OpenOptions o;
     o.direct = ctx_.opts.direct_io;
+    // Runs are large already; readahead would only leave pages behind.
+    o.no_readahead = true;
     FERRY_ASSIGN_OR_RETURN(f->file, ctx_.fs->open(f->path, o));
     FERRY_RETURN_IF_ERROR(verify_header(*f->file, task_.manifest->files[index], f->path));
     if (!f->file->direct()) f->cache_fd = ::open(f->path.c_str(), O_RDONLY | O_CLOEXEC);

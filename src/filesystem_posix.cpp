@@ -13,8 +13,8 @@
 #include <mutex>
 #include <thread>
 
-#include "ferry/filesystem.hpp"
 #include "drills/kill_point.hpp"
+#include "ferry/filesystem.hpp"
 
 namespace ferry {
 namespace {
@@ -142,6 +142,7 @@ class PosixFilesystem : public Filesystem {
       ::close(fd);
       return Status::invalid_argument("open " + path + ": not a regular file");
     }
+    if (o.no_readahead && !direct) ::posix_fadvise(fd, 0, 0, POSIX_FADV_RANDOM);
     return std::unique_ptr<File>(new PosixFile(fd, path, direct));
   }
 

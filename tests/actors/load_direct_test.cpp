@@ -17,8 +17,9 @@
 #include <random>
 
 #include "ferry/filesystem.hpp"
-#include "manifest.hpp"
 #include "ferry/runtime.hpp"
+#include "manifest.hpp"
+#include "runtime_rig.hpp"
 #include "test_util.hpp"
 
 namespace fs = std::filesystem;
@@ -99,14 +100,8 @@ class CountingFs : public ferry::FilesystemWrapper {
 std::unique_ptr<ferry::Runtime> make_runtime(
     const std::string& root, std::shared_ptr<ferry::Filesystem> fsys,
     std::vector<std::pair<std::string, std::string>> kv = {}) {
-  ferry::RuntimeArgs args;
-  args.set("root", root).set("pool-bytes", "4MiB").set("chunk-bytes", "256KiB");
-  args.set("checksum-block-bytes", "64KiB").set("readers", "2");
-  for (auto& [k, v] : kv) args.set(k, v);
-  args.fs = std::move(fsys);
-  auto rt = ferry::Runtime::create(args);
-  REQUIRE(rt.ok());
-  return std::move(rt).value();
+  kv.insert(kv.begin(), {"readers", "2"});
+  return ferry::testing::make_test_runtime(root, {std::move(kv), std::move(fsys)});
 }
 
 struct Buf {

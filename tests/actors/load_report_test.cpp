@@ -14,6 +14,7 @@
 
 #include "ferry/device.hpp"
 #include "ferry/runtime.hpp"
+#include "runtime_rig.hpp"
 #include "test_util.hpp"
 
 using ferry::testing::TempDir;
@@ -22,12 +23,7 @@ namespace {
 
 std::unique_ptr<ferry::Runtime> make_runtime(const std::string& root,
                                              std::shared_ptr<ferry::DeviceBackend> device = {}) {
-  ferry::RuntimeArgs args;
-  args.set("root", root).set("pool-bytes", "4MiB").set("chunk-bytes", "256KiB");
-  args.device = std::move(device);
-  auto rt = ferry::Runtime::create(args);
-  REQUIRE(rt.ok());
-  return std::move(rt).value();
+  return ferry::testing::make_test_runtime(root, {{}, nullptr, std::move(device)});
 }
 
 // 4x4 f32 tensors whose bytes depend on `seed`.

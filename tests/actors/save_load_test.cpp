@@ -11,6 +11,7 @@
 #include "catalog.hpp"
 #include "ferry/filesystem.hpp"
 #include "ferry/runtime.hpp"
+#include "runtime_rig.hpp"
 #include "test_util.hpp"
 
 namespace fs = std::filesystem;
@@ -20,13 +21,7 @@ namespace {
 
 std::unique_ptr<ferry::Runtime> make_runtime(
     const std::string& root, std::vector<std::pair<std::string, std::string>> kv = {}) {
-  ferry::RuntimeArgs args;
-  args.set("root", root).set("pool-bytes", "4MiB").set("chunk-bytes", "256KiB");
-  args.set("checksum-block-bytes", "64KiB");
-  for (auto& [k, v] : kv) args.set(k, v);
-  auto rt = ferry::Runtime::create(args);
-  REQUIRE(rt.ok());
-  return std::move(rt).value();
+  return ferry::testing::make_test_runtime(root, {std::move(kv)});
 }
 
 // A tensor that owns its bytes, filled with a pattern that depends on a seed.

@@ -13,6 +13,7 @@
 #include "ferry/filesystem.hpp"
 #include "ferry/runtime.hpp"
 #include "process.hpp"
+#include "runtime_rig.hpp"
 #include "test_util.hpp"
 
 namespace fs = std::filesystem;
@@ -23,13 +24,7 @@ namespace {
 
 std::unique_ptr<ferry::Runtime> make_runtime(
     const std::string& root, std::vector<std::pair<std::string, std::string>> kv = {}) {
-  ferry::RuntimeArgs args;
-  args.set("root", root).set("pool-bytes", "4MiB").set("chunk-bytes", "256KiB");
-  args.set("checksum-block-bytes", "64KiB");
-  for (auto& [k, v] : kv) args.set(k, v);
-  auto rt = ferry::Runtime::create(args);
-  REQUIRE(rt.ok());
-  return std::move(rt).value();
+  return ferry::testing::make_test_runtime(root, {std::move(kv)});
 }
 
 // A tensor that owns its bytes: few distinct byte values, so it compresses,

@@ -11,6 +11,7 @@
 #include "catalog.hpp"
 #include "ferry/planner.hpp"
 #include "ferry/runtime.hpp"
+#include "runtime_rig.hpp"
 #include "safetensors_writer.hpp"
 #include "test_util.hpp"
 
@@ -22,12 +23,7 @@ namespace {
 
 std::unique_ptr<ferry::Runtime> make_runtime(const std::string& root,
                                              const std::string& write_timeout = "30s") {
-  ferry::RuntimeArgs args;
-  args.set("root", root).set("pool-bytes", "4MiB").set("chunk-bytes", "256KiB");
-  args.set("checksum-block-bytes", "64KiB").set("write-timeout", write_timeout);
-  auto rt = ferry::Runtime::create(args);
-  REQUIRE(rt.ok());
-  return std::move(rt).value();
+  return ferry::testing::make_test_runtime(root, {{{"write-timeout", write_timeout}}});
 }
 
 struct Model {

@@ -18,6 +18,9 @@ struct OpenOptions {
   bool exclusive = false;  // with create: fail if it exists
   bool truncate = false;
   bool direct = false;  // O_DIRECT; silently dropped where unsupported (tmpfs)
+  // A hint that reads jump around or are large: no kernel readahead, whose
+  // pages would arrive after the reader has dropped the ones it read.
+  bool no_readahead = false;
 };
 
 class File {
