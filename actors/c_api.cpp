@@ -7,6 +7,7 @@
 #include <exception>
 #include <memory>
 #include <new>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -199,6 +200,37 @@ ferry_status ferry_save_async(ferry_runtime* rt, const ferry_tensor* tensors, si
                                num_metadata, nullptr, out);
 }
 
+namespace {
+
+// The SaveOptions of a save or a planner from the C arguments they share;
+// nullopt when metadata is malformed (the error is already set).
+std::optional<ferry::SaveOptions> save_options(int overwrite, const ferry_kv* metadata,
+                                               size_t num_metadata,
+                                               const ferry_save_options* file_opts,
+                                               ferry_status* error) {
+  ferry::SaveOptions opts;
+  opts.overwrite = overwrite != 0;
+  if (num_metadata > 0 && !metadata) {
+    *error = null_arg("metadata");
+    return std::nullopt;
+  }
+  for (size_t i = 0; i < num_metadata; ++i) {
+    if (!metadata[i].key || !metadata[i].value) {
+      *error = null_arg("metadata key or value");
+      return std::nullopt;
+    }
+    opts.metadata.emplace_back(metadata[i].key, metadata[i].value);
+  }
+  if (file_opts) {
+    if (file_opts->filename_prefix) opts.filename_prefix = file_opts->filename_prefix;
+    if (file_opts->shard_size != 0) opts.shard_size = file_opts->shard_size;
+    if (file_opts->compress) opts.compress = file_opts->compress;
+  }
+  return opts;
+}
+
+}  // namespace
+
 ferry_status ferry_save_async_opts(ferry_runtime* rt, const ferry_tensor* tensors,
                                    size_t num_tensors, uint64_t step, const char* root,
                                    int overwrite, const ferry_kv* metadata, size_t num_metadata,
@@ -209,21 +241,12 @@ ferry_status ferry_save_async_opts(ferry_runtime* rt, const ferry_tensor* tensor
     if (!rt) return null_arg("runtime");
     ferry::StateDict sd;
     if (auto st = to_state_dict(tensors, num_tensors, &sd); !st.ok()) return to_c(st);
-    ferry::SaveOptions opts;
-    opts.overwrite = overwrite != 0;
-    opts.root = root ? root : "";
-    if (num_metadata > 0 && !metadata) return null_arg("metadata");
-    for (size_t i = 0; i < num_metadata; ++i) {
-      if (!metadata[i].key || !metadata[i].value) return null_arg("metadata key or value");
-      opts.metadata.emplace_back(metadata[i].key, metadata[i].value);
-    }
-    if (file_opts) {
-      if (file_opts->filename_prefix) opts.filename_prefix = file_opts->filename_prefix;
-      if (file_opts->shard_size != 0) opts.shard_size = file_opts->shard_size;
-      if (file_opts->compress) opts.compress = file_opts->compress;
-    }
+    ferry_status error = FERRY_OK;
+    auto opts = save_options(overwrite, metadata, num_metadata, file_opts, &error);
+    if (!opts) return error;
+    opts->root = root ? root : "";
     auto s = std::make_unique<ferry_save>();
-    s->h = rt->rt->save_async(sd, step, opts);
+    s->h = rt->rt->save_async(sd, step, *opts);
     *out = s.release();
     return to_c(ferry::Status());
   });
@@ -551,6 +574,16 @@ ferry_status ferry_planner_create(ferry_runtime* rt, const ferry_tensor* tensors
                                   int has_step, uint64_t step, int overwrite,
                                   const ferry_kv* metadata, size_t num_metadata,
                                   ferry_checkpoint_fn fn, void* fn_user, ferry_planner** out) {
+  return ferry_planner_create_opts(rt, tensors, num_tensors, filename_prefix, root, has_step, step,
+                                   overwrite, metadata, num_metadata, nullptr, fn, fn_user, out);
+}
+
+ferry_status ferry_planner_create_opts(ferry_runtime* rt, const ferry_tensor* tensors,
+                                       size_t num_tensors, const char* filename_prefix,
+                                       const char* root, int has_step, uint64_t step, int overwrite,
+                                       const ferry_kv* metadata, size_t num_metadata,
+                                       const ferry_save_options* file_opts, ferry_checkpoint_fn fn,
+                                       void* fn_user, ferry_planner** out) {
   return guarded([&] {
     if (!out) return null_arg("out");
     *out = nullptr;
@@ -558,12 +591,10 @@ ferry_status ferry_planner_create(ferry_runtime* rt, const ferry_tensor* tensors
     ferry::StateDict sd;
     if (auto st = to_state_dict(tensors, num_tensors, &sd); !st.ok()) return to_c(st);
     ferry::SavePlannerOptions o;
-    o.save.overwrite = overwrite != 0;
-    if (num_metadata > 0 && !metadata) return null_arg("metadata");
-    for (size_t i = 0; i < num_metadata; ++i) {
-      if (!metadata[i].key || !metadata[i].value) return null_arg("metadata key or value");
-      o.save.metadata.emplace_back(metadata[i].key, metadata[i].value);
-    }
+    ferry_status error = FERRY_OK;
+    auto opts = save_options(overwrite, metadata, num_metadata, file_opts, &error);
+    if (!opts) return error;
+    o.save = std::move(*opts);
     if (fn) o.checkpoint_fn = wrap_checkpoint_fn(fn, fn_user);
     auto p = std::make_unique<ferry_planner>();
     p->p = std::make_unique<ferry::SavePlanner>(

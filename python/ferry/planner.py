@@ -48,11 +48,11 @@ def _L():
             vp, sz, st = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
             cpp, szp = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)
             sig = {
-                "ferry_planner_create": (
+                "ferry_planner_create_opts": (
                     st,
                     [vp, ctypes.POINTER(_lib.Tensor), sz, ctypes.c_char_p, ctypes.c_char_p, st,
-                     ctypes.c_uint64, st, ctypes.POINTER(_lib.KV), sz, _CHECKPOINT_FN, vp,
-                     ctypes.POINTER(vp)],
+                     ctypes.c_uint64, st, ctypes.POINTER(_lib.KV), sz,
+                     ctypes.POINTER(_lib.SaveOptions), _CHECKPOINT_FN, vp, ctypes.POINTER(vp)],
                 ),
                 "ferry_planner_destroy": (None, [vp]),
                 "ferry_planner_step": (ctypes.c_uint64, [vp]),
@@ -196,31 +196,41 @@ class WriteHandle:
 class SavePlanner:
     """One checkpoint, driven in steps (see the module docstring).
 
-    filename_prefix: "rank" (the default data file names). options: None or
-    {"overwrite": bool, "metadata": {k: v}}. root: None = the configured
+    filename_prefix: data files are <prefix>-<rank>-<k> (None: the options'
+    or the configured one). options: None, a ferry.CheckpointOptions
+    (compress, shard_size, filename_prefix), or a dict with "overwrite",
+    "metadata" and "file_options" (a CheckpointOptions). root: None = the configured
     root. step: None = one more than the latest committed step under root
     (0 in an empty root). checkpoint_fn(state_dict, filename): see above."""
 
-    def __init__(self, state_dict, filename_prefix="rank", options=None, checkpoint_fn=None,
+    def __init__(self, state_dict, filename_prefix=None, options=None, checkpoint_fn=None,
                  root=None, step=None, runtime=None):
         global _current
         self._rt = runtime or _core.default_runtime()
+        if isinstance(options, _core.CheckpointOptions):
+            options = {"file_options": options}
         opts = dict(options or {})
-        unknown = set(opts) - {"overwrite", "metadata"}
+        unknown = set(opts) - {"overwrite", "metadata", "file_options"}
         if unknown:
             raise FerryError("SavePlanner options: unknown %s" % ", ".join(sorted(unknown)))
+        fo = opts.get("file_options")
+        if fo is not None and not isinstance(fo, _core.CheckpointOptions):
+            raise FerryError("SavePlanner file_options must be a ferry.CheckpointOptions, not %s"
+                             % type(fo).__name__)
+        copts = fo._c() if fo is not None else None
         items, self.staged, self._entries, pairs = _core._save_entries(
             state_dict, opts.get("metadata"))
         self._tensors = [t for _, t, _, _ in items]
         kv, kv_keep = _core._kvs(pairs)
         self._fn = _wrap_checkpoint_fn(checkpoint_fn) if checkpoint_fn else _CHECKPOINT_FN()
         out = ctypes.c_void_p()
-        check(_L().ferry_planner_create(
+        check(_L().ferry_planner_create_opts(
             self._rt._alive(), self._entries.array, len(items),
             (filename_prefix or "").encode("utf-8"),
             str(root).encode("utf-8") if root else None,
             0 if step is None else 1, int(step or 0), 1 if opts.get("overwrite") else 0,
-            kv, len(pairs), self._fn, None, ctypes.byref(out)))
+            kv, len(pairs), ctypes.byref(copts) if copts is not None else None, self._fn, None,
+            ctypes.byref(out)))
         del kv_keep
         self._ptr = out
         self.step = _L().ferry_planner_step(out)

@@ -3,6 +3,7 @@ dict through ferry.SavePlanner's steps (`reshard_worker.py load` checks it):
 
   save ROOT         Ferry writes the files
   save-fn ROOT      a Python checkpoint_fn writes them (plain safetensors)
+  save-opts ROOT    Ferry writes them as my_checkpoint-*, zstd, 256 data bytes a file
   raise ROOT        rank 1's checkpoint_fn raises: every rank must fail
 Every rank prints its local plan and every rank's plan as hex, so the test
 can replay them through the pure ferry.plan.global_plan."""
@@ -50,8 +51,13 @@ def main():
         got.update({k: tuple(v.shape) for k, v in sd.items()})
         write_safetensors(sd, filename)
 
-    planner = ferry.SavePlanner(saved_state_dict(rank, world), "rank", root=root,
-                                checkpoint_fn=checkpoint_fn if mode != "save" else None)
+    if mode == "save-opts":  # the shape of DCP's example, with Ferry's file options
+        options = ferry.CheckpointOptions(compress=True, shard_size=256)
+        planner = ferry.SavePlanner(saved_state_dict(rank, world), "my_checkpoint", options,
+                                    root=root)
+    else:
+        planner = ferry.SavePlanner(saved_state_dict(rank, world), "rank", root=root,
+                                    checkpoint_fn=checkpoint_fn if mode != "save" else None)
     print("LOCAL %d %s" % (rank, planner.create_local_plan().to_bytes().hex()), flush=True)
     global_plan = planner.create_global_plan()
     assert len(global_plan) == world and global_plan[rank].rank == rank

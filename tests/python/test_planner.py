@@ -67,6 +67,21 @@ def main():
                 assert p.stdout.count("loaded: ok") == 3, p.stdout
             finally:
                 shutil.rmtree(root, ignore_errors=True)
+    # CheckpointOptions through the planner: named, compressed, capped files
+    # that 3 ranks load with another sharding.
+    root = tempfile.mkdtemp(prefix="ferry_py_planner_")
+    try:
+        p = launch(2, "planner_worker.py", "save-opts", root)
+        assert p.returncode == 0, "save-opts with 2 ranks failed"
+        step_dir = ferry.latest(root)
+        files = sorted(f for f in os.listdir(step_dir) if f.startswith("my_checkpoint-"))
+        assert files and all(f.endswith(".ferryz") for f in files), os.listdir(step_dir)
+        assert len(files) > 2, files  # shard_size split the ranks' items
+        assert all(os.path.getsize(os.path.join(step_dir, f)) <= 256 + 8192 for f in files)
+        p = launch(3, "reshard_worker.py", "load", root)
+        assert p.returncode == 0 and p.stdout.count("loaded: ok") == 3, "load of save-opts failed"
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
     root = tempfile.mkdtemp(prefix="ferry_py_planner_")
     try:
         p = launch(3, "planner_worker.py", "raise", root)

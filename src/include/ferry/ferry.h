@@ -274,6 +274,13 @@ FERRY_API ferry_status ferry_planner_create(ferry_runtime* rt, const ferry_tenso
                                             int overwrite, const ferry_kv* metadata,
                                             size_t num_metadata, ferry_checkpoint_fn fn,
                                             void* fn_user, ferry_planner** out);
+/* ferry_planner_create with file options (`opts` may be NULL; its
+ * filename_prefix applies when the filename_prefix argument is NULL or ""). */
+FERRY_API ferry_status ferry_planner_create_opts(
+    ferry_runtime* rt, const ferry_tensor* tensors, size_t num_tensors, const char* filename_prefix,
+    const char* root, int has_step, uint64_t step, int overwrite, const ferry_kv* metadata,
+    size_t num_metadata, const ferry_save_options* opts, ferry_checkpoint_fn fn, void* fn_user,
+    ferry_planner** out);
 /* Abandons an unfinished checkpoint (on every rank), then frees. */
 FERRY_API void ferry_planner_destroy(ferry_planner* p);
 FERRY_API uint64_t ferry_planner_step(const ferry_planner* p);
