@@ -13,8 +13,8 @@
 #include "actors/save_state.hpp"
 #include "actors/transport.hpp"
 #include "commit.hpp"
-#include "ferry/planner.hpp"
 #include "ferry/filesystem.hpp"
+#include "ferry/planner.hpp"
 #include "ferry/runtime.hpp"
 #include "layout.hpp"
 #include "load_plan.hpp"
@@ -23,7 +23,6 @@
 #include "pool.hpp"
 #include "protocol.hpp"
 #include "storage_writer.hpp"
-#include "ferry/runtime.hpp"
 
 // One atom per message: the atom names what the message asks, so no two
 // messages differ by their arguments alone. Texts are at most 10 characters.

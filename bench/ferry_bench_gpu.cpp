@@ -29,8 +29,8 @@
 #include <thread>
 
 #include "cuda/device_cuda.hpp"
-#include "pool.hpp"
 #include "ferry/runtime.hpp"
+#include "pool.hpp"
 
 #ifdef FERRY_BENCH_HAVE_KERNEL
 extern "C" int ferry_bench_step(void* stream, float* x, size_t n, int passes);

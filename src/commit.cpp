@@ -15,7 +15,7 @@ namespace {
 // the manifest; `file_base` turns the rank's file index into the manifest's.
 ManifestChunk manifest_chunk(const WrittenChunk& c, uint32_t file_base) {
   return {c.box.offsets, c.box.sizes, file_base + c.file, c.byte_offset, c.byte_length, c.entry,
-          c.checksums,   c.codec,     c.raw_length,        c.frame_bytes,  c.frame_ends};
+          c.checksums,   c.codec,     c.raw_length,       c.frame_bytes, c.frame_ends};
 }
 
 }  // namespace
@@ -55,9 +55,8 @@ Result<Manifest> assemble_manifest(const ManifestHeader& header,
                                         std::to_string(wr.rank));
       t.chunks.push_back(manifest_chunk(c, file_base));
       // Readers that do not know the codec must refuse the checkpoint.
-      if (!c.codec.empty() &&
-          std::find(m.required_features.begin(), m.required_features.end(),
-                    kCodecZstdFeature) == m.required_features.end())
+      if (!c.codec.empty() && std::find(m.required_features.begin(), m.required_features.end(),
+                                        kCodecZstdFeature) == m.required_features.end())
         m.required_features.push_back(kCodecZstdFeature);
     }
   }

@@ -10,9 +10,9 @@
 
 #include "box.hpp"
 #include "ferry/filesystem.hpp"
-#include "manifest.hpp"
 #include "ferry/status.hpp"
 #include "ferry/tensor.hpp"
+#include "manifest.hpp"
 
 namespace ferry {
 

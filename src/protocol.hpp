@@ -77,7 +77,7 @@ struct PlanRequest {
   bool overwrite = false;
   std::vector<std::pair<std::string, std::string>> metadata;  // rank 0's is kept
   LocalPlan plan;
-  bool want_all = false;  // the reply should carry every rank's plan (SavePlanner)
+  bool want_all = false;     // the reply should carry every rank's plan (SavePlanner)
   uint8_t owner_policy = 0;  // 0: rank 0's configured one, 1: balanced, 2: lowest rank
 };
 

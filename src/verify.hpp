@@ -8,8 +8,8 @@
 
 #include "catalog.hpp"
 #include "ferry/filesystem.hpp"
-#include "manifest.hpp"
 #include "ferry/status.hpp"
+#include "manifest.hpp"
 
 namespace ferry {
 

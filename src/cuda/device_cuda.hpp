@@ -41,8 +41,8 @@
 #include "cuda/cuda_api.hpp"
 #include "ferry/device.hpp"
 #include "ferry/options.hpp"
-#include "pool.hpp"
 #include "ferry/tensor.hpp"
+#include "pool.hpp"
 
 namespace ferry {
 

@@ -11,8 +11,8 @@
 #include "catalog.hpp"
 #include "drills/fault_fs.hpp"
 #include "ferry/runtime.hpp"
-#include "verify.hpp"
 #include "test_util.hpp"
+#include "verify.hpp"
 
 namespace fs = std::filesystem;
 using ferry::testing::TempDir;

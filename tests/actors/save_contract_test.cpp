@@ -9,8 +9,8 @@
 #include <stdexcept>
 
 #include "catalog.hpp"
-#include "ferry/device.hpp"
 #include "drills/fault_fs.hpp"
+#include "ferry/device.hpp"
 #include "ferry/runtime.hpp"
 #include "test_util.hpp"
 

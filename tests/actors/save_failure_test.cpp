@@ -18,8 +18,8 @@
 #include <mutex>
 #include <thread>
 
-#include "ferry/device.hpp"
 #include "drills/fault_fs.hpp"
+#include "ferry/device.hpp"
 #include "ferry/filesystem.hpp"
 #include "ferry/runtime.hpp"
 #include "test_util.hpp"

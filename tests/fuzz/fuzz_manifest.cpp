@@ -17,8 +17,8 @@
 #include <string_view>
 
 #include "checksum.hpp"
-#include "manifest.hpp"
 #include "fuzz_guard.hpp"
+#include "manifest.hpp"
 
 namespace {
 

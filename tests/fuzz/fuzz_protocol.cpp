@@ -14,8 +14,8 @@
 #include <string>
 #include <string_view>
 
-#include "protocol.hpp"
 #include "fuzz_guard.hpp"
+#include "protocol.hpp"
 
 namespace {
 

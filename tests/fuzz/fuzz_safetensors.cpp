@@ -14,8 +14,8 @@
 #include <limits>
 #include <string>
 
-#include "layout.hpp"
 #include "fuzz_guard.hpp"
+#include "layout.hpp"
 
 namespace {
 

@@ -15,8 +15,8 @@
 #include "catalog.hpp"
 #include "drills/fault_fs.hpp"
 #include "drills/kill_point.hpp"
-#include "manifest.hpp"
 #include "launch.hpp"
+#include "manifest.hpp"
 #include "test_util.hpp"
 
 namespace fs = std::filesystem;
