@@ -33,6 +33,7 @@
 #include <map>
 #include <optional>
 #include <random>
+#include <set>
 
 #include "actors/coordinator_actor.hpp"
 #include "actors/messages.hpp"
@@ -100,6 +101,9 @@ struct coordinator_state {
   std::map<std::string, LoadOutcomes> load_outcomes;
   std::map<std::string, LoadOutcomeMsg> load_verdicts;
   std::deque<std::string> verdict_order;
+  // Aborted pending directories not removed yet; shared with the exit
+  // handler, which tries once more when the runtime shuts down first.
+  std::shared_ptr<std::set<std::string>> unswept = std::make_shared<std::set<std::string>>();
 };
 
 using coordinator_ptr = coordinator_actor::stateful_pointer<coordinator_state>;
@@ -146,6 +150,20 @@ std::string missing_ranks(const std::vector<bool>& have) {
   return s;
 }
 
+// Removes an aborted checkpoint's pending directory. Other ranks may still
+// be writing into it until the abort reaches them, and a file created while
+// the directory is being emptied makes rmdir fail: try again a little later,
+// a few times (what still stays is gc's once its lease lapses).
+void sweep(coordinator_ptr self, const std::string& dir, int32_t tries_left) {
+  auto& unswept = *self->state.unswept;
+  if (remove_all(*self->state.ctx->fs, dir).ok() || tries_left <= 0) {
+    unswept.erase(dir);
+    return;
+  }
+  unswept.insert(dir);
+  self->delayed_send(me(self), std::chrono::milliseconds(250), atom::sweep_v, dir, tries_left - 1);
+}
+
 // Ends the active checkpoint with an error for everyone still waiting, and
 // tells every rank (a rank busy writing has no request open to answer).
 void abort_active(coordinator_ptr self, const Status& status, int32_t failed_rank = -1) {
@@ -162,7 +180,7 @@ void abort_active(coordinator_ptr self, const Status& status, int32_t failed_ran
     st.aborted.erase(st.aborted_order.front());
     st.aborted_order.pop_front();
   }
-  if (c.phase == Phase::writing) remove_all(*st.ctx->fs, c.pending_dir);
+  if (c.phase == Phase::writing) sweep(self, c.pending_dir, 8);
   for (auto& p : c.plan_promises)
     if (p.pending()) p.deliver(PlanReply{st.ctx->job_id, c.id, status, "", {}});
   for (auto& p : c.commit_promises)
@@ -397,6 +415,9 @@ void fail_loads(coordinator_ptr self, int32_t rank, const Status& why) {
 
 coordinator_actor::behavior_type coordinator_fun(coordinator_ptr self, ContextPtr ctx) {
   self->state.ctx = std::move(ctx);
+  self->attach_functor([fs = self->state.ctx->fs, unswept = self->state.unswept] {
+    for (const auto& dir : *unswept) (void)remove_all(*fs, dir);
+  });
   return {
       [self](atom::plan, PlanRequest& req) -> caf::result<PlanReply> {
         auto& st = self->state;
@@ -476,7 +497,14 @@ coordinator_actor::behavior_type coordinator_fun(coordinator_ptr self, ContextPt
       },
       [self](atom::abort_ckpt, const std::string& id, const Status& why) {
         auto& st = self->state;
-        if (st.active && st.active->id == id) abort_active(self, why);
+        if (st.active && st.active->id == id) return abort_active(self, why);
+        // Aborted already: the rank that failed late (perhaps because of
+        // the abort) waits for the checkpoint's cause.
+        auto it = st.aborted.find(id);
+        if (it == st.aborted.end()) return;
+        if (st.link)
+          self->send(st.link, atom::broadcast_v,
+                     AbortMsg{st.ctx->job_id, id, -1, "write", it->second});
       },
       [self](atom::attach_link, abort_broadcast_actor link) { self->state.link = std::move(link); },
       [self](atom::rank_failed, int32_t rank, const Status& why) {
@@ -545,6 +573,9 @@ coordinator_actor::behavior_type coordinator_fun(coordinator_ptr self, ContextPt
                                              st.active->pending_dir + ": "));
         self->delayed_send(me(self), std::chrono::milliseconds(lease_ms(st) / 3), atom::lease_v,
                            id);
+      },
+      [self](atom::sweep, const std::string& dir, int32_t tries_left) {
+        sweep(self, dir, tries_left);
       },
   };
 }

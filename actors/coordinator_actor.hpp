@@ -41,7 +41,10 @@ using coordinator_actor = coordinator_api::extend<
     // coordinator -> itself: the outcome wait of this load id ended.
     caf::reacts_to<atom::load_due, std::string>,
     // coordinator -> itself: refresh the lease of this checkpoint.
-    caf::reacts_to<atom::lease, std::string>>;
+    caf::reacts_to<atom::lease, std::string>,
+    // coordinator -> itself: remove this aborted pending directory again
+    // (tries left), a rank may have been writing into it.
+    caf::reacts_to<atom::sweep, std::string, int32_t>>;
 
 // Rank 0 only. Detached: the commit protocol is blocking I/O.
 coordinator_actor spawn_coordinator(caf::actor_system& sys, ContextPtr ctx);

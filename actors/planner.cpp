@@ -78,6 +78,11 @@ struct Current {
   Status failure;
   int drain_stage = 0;
   size_t drain_left = 0;
+  // A local write failure may be a consequence of another rank's (rank 0
+  // removes the pending directory as it aborts): the save ends with the
+  // checkpoint's one cause, rank 0's verdict, awaited for a bounded time.
+  bool verdict_due = false;
+  bool drained = false;
   // A staged save: the caller's go-aheads, which may come before the step.
   bool write_go = false;
   bool commit_go = false;
@@ -177,8 +182,21 @@ void drain_step(planner_ptr self, uint64_t id) {
       self->request(st.writers[0], caf::infinite, atom::close_v, cur.files).then(next, next_err);
       return;
     default:
-      end_save(self, cur.failure, "");
+      if (!cur.verdict_due) return end_save(self, cur.failure, "");
+      cur.drained = true;
+      self->delayed_send(planner_actor{self}, std::chrono::seconds(2), atom::phase_due_v, id,
+                         std::string("verdict"));
   }
+}
+
+// Rank 0's verdict on a checkpoint this rank failed in: its cause first.
+void adopt_verdict(planner_ptr self, const Status& why) {
+  auto& cur = self->state.cur;
+  cur.verdict_due = false;
+  if (why.message() != cur.failure.message())
+    cur.failure =
+        Status(why.code(), why.message() + "; then on this rank: " + cur.failure.message());
+  if (cur.drained) end_save(self, cur.failure, "");
 }
 
 // Abandons the current save. `local` failures are named after this rank and
@@ -195,6 +213,8 @@ void fail(planner_ptr self, Status status, bool local = true) {
   // The other ranks hear it now; this rank's handle once it has drained.
   if (local && !cur.checkpoint_id.empty())
     self->send(st.coordinator, atom::abort_ckpt_v, cur.checkpoint_id, status);
+  cur.verdict_due = local && !cur.checkpoint_id.empty() && st.ctx->world_size > 1 &&
+                    std::string(phase_name(cur.phase)) == "write";
   cur.phase = Phase::draining;
   cur.failure = std::move(status);
   cur.drain_stage = 0;
@@ -655,10 +675,18 @@ planner_actor::behavior_type planner_fun(planner_ptr self, ContextPtr ctx,
       [self](atom::aborted, const std::string& checkpoint_id, const Status& why) {
         auto& cur = self->state.cur;
         if (cur.phase == Phase::idle) return;
-        if (checkpoint_id == "*" || checkpoint_id == cur.checkpoint_id) fail(self, why, false);
+        if (checkpoint_id != "*" && checkpoint_id != cur.checkpoint_id) return;
+        if (cur.phase == Phase::draining && cur.verdict_due) return adopt_verdict(self, why);
+        fail(self, why, false);
       },
       [self](atom::phase_due, uint64_t id, const std::string& phase) {
         auto& st = self->state;
+        if (phase == "verdict") {
+          // Rank 0 never answered: this rank's own failure is all it knows.
+          if (st.cur.id == id && st.cur.phase == Phase::draining && st.cur.drained)
+            end_save(self, st.cur.failure, "");
+          return;
+        }
         if (!live(st, id) || phase != phase_name(st.cur.phase)) return;
         const Options& o = st.ctx->opts;
         if (phase == "commit") {
