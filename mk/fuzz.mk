@@ -15,7 +15,7 @@
 
 FUZZ_BUILD ?= build-fuzz
 FUZZ_SECONDS ?= 60
-FUZZ_TARGETS ?= manifest protocol config safetensors
+FUZZ_TARGETS ?= manifest protocol config safetensors plan
 FUZZ_JOBS ?= $(or $(JOBS),$(shell nproc 2>/dev/null || echo 2))
 # Whole-library instrumentation: every object of ferry_core and ferry_schemas
 # gets ASan, UBSan and libFuzzer's coverage counters; the harnesses add

@@ -110,7 +110,7 @@ struct PlanReply {
   status @2 :Control.Status;       # not ok: planning failed, the save is aborted
   pendingDir @3 :Text;             # the directory every rank writes its files into
   plan @4 :RankPlan;               # what the receiving rank writes
-  allPlans @5 :Data;               # every rank's SavePlan (src/planner_api.hpp), if asked
+  allPlans @5 :Data;               # "FRYGPLN2" + SavePlanList (above), if asked
 }
 
 # Rank -> rank 0: the rank's write result.
@@ -135,6 +135,40 @@ struct LoadReply {
   status @2 :Control.Status;       # not ok: the load fails on every rank
   dir @3 :Text;                    # the resolved checkpoint directory
   manifest @4 :Data;               # the MANIFEST file's bytes, frame included
+}
+
+# The byte forms of the public planner (src/include/ferry/planner.hpp). Each
+# is 8 bytes of magic naming the kind, then one Cap'n Proto message:
+#   "FRYLPLN2" + LocalPlan      LocalSavePlan::to_bytes
+#   "FRYSPLN2" + SavePlan       SavePlan::to_bytes
+#   "FRYGPLN2" + SavePlanList   every rank's SavePlan, in PlanReply.allPlans
+
+# The ranks that write (part of) one item of a rank's SavePlan.
+struct ItemOwners {
+  ranks @0 :List(Int32);           # ascending, each once; empty: nobody writes it
+}
+
+# One piece a rank writes: all of one of its items, or a dim-0 slice of it.
+struct PlannedWrite {
+  item @0 :UInt32;                 # index into SavePlan.items
+  box @1 :Box;                     # inside the item's box
+  nbytes @2 :UInt64;               # bytes of the box
+  file @3 :UInt32;                 # index into SavePlan.files
+}
+
+# One rank's part of the global plan, as the public planner shows it.
+struct SavePlan {
+  rank @0 :Int32;                  # the rank it belongs to
+  items @1 :List(WriteItem);       # the rank's local plan
+  owners @2 :List(ItemOwners);     # one per item: who writes it
+  writes @3 :List(PlannedWrite);   # in the order the rank writes them
+  files @4 :List(Text);            # its data file names (may be none)
+  bytes @5 :UInt64;                # sum of writes' nbytes
+}
+
+# Every rank's SavePlan, index r being rank r's.
+struct SavePlanList {
+  plans @0 :List(SavePlan);        # one per rank
 }
 
 # What one plan frame holds: exactly one of these.

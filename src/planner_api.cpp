@@ -1,14 +1,23 @@
 // The public planner types (ferry/planner.hpp): conversions from the internal
-// planner, printing, and a byte form. Planning itself stays in plan.cpp.
+// planner, printing, and the byte forms (Cap'n Proto, schemas/plan.capnp).
+// Planning itself stays in plan.cpp.
 
 #include "planner_api.hpp"
 
+#include <capnp/message.h>
+#include <capnp/serialize.h>
+#include <kj/array.h>
+#include <kj/exception.h>
+
 #include <algorithm>
 #include <cstring>
+#include <exception>
 #include <map>
+#include <new>
 #include <set>
 
 #include "layout.hpp"
+#include "plan.capnp.h"
 #include "text.hpp"
 
 namespace ferry {
@@ -35,129 +44,284 @@ std::string item_line(const PlanItem& it) {
          " of " + shape_to_string(it.global_shape) + " " + std::to_string(it.nbytes) + " B";
 }
 
-// Little-endian, length-prefixed; the reader checks every length against
-// what is left, so a truncated or hostile buffer is an error, not a crash.
-class Writer {
- public:
-  explicit Writer(const char* magic) : buf_(magic) {}
-  void u32(uint32_t v) { put(v, 4); }
-  void u64(uint64_t v) { put(v, 8); }
-  void str(const std::string& s) {
-    u64(s.size());
-    buf_ += s;
-  }
-  void dims(const std::vector<int64_t>& v) {
-    u32(static_cast<uint32_t>(v.size()));
-    for (int64_t x : v) u64(static_cast<uint64_t>(x));
-  }
-  std::string take() { return std::move(buf_); }
+// --- byte forms (schemas/plan.capnp) -------------------------------------------------
+//
+// Magic naming the kind, then one Cap'n Proto message. The bytes may come from
+// anywhere (a user's file, another process), so decoding is a boundary like
+// protocol.cpp's: limits sized from the input, every Cap'n Proto exception
+// caught, and nothing returned whose indices, regions or sizes the rest of
+// Ferry could trip over.
 
- private:
-  void put(uint64_t v, int n) {
-    for (int i = 0; i < n; ++i) buf_.push_back(static_cast<char>(v >> (8 * i)));
-  }
-  std::string buf_;
-};
+constexpr size_t kMagicBytes = 8;
+constexpr char kLocalMagic[] = "FRYLPLN2";
+constexpr char kRankMagic[] = "FRYSPLN2";
+constexpr char kListMagic[] = "FRYGPLN2";
 
-class Reader {
- public:
-  Reader(const std::string& b, const char* what) : b_(b), what_(what) {}
-  Status magic(const char* m) {
-    const size_t n = std::strlen(m);
-    if (b_.compare(0, n, m) != 0)
-      return Status::invalid_argument(std::string(what_) + ": not a Ferry " + what_ +
-                                      " (bad magic)");
-    pos_ = n;
-    return Status();
-  }
-  Result<uint64_t> u64() { return get(8); }
-  Result<uint32_t> u32() {
-    FERRY_ASSIGN_OR_RETURN(uint64_t v, get(4));
-    return static_cast<uint32_t>(v);
-  }
-  Result<std::string> str() {
-    FERRY_ASSIGN_OR_RETURN(uint64_t n, u64());
-    if (n > left()) return truncated();
-    std::string s = b_.substr(pos_, n);
-    pos_ += n;
-    return s;
-  }
-  Result<std::vector<int64_t>> dims() {
-    FERRY_ASSIGN_OR_RETURN(uint32_t n, count(8));
-    std::vector<int64_t> v(n);
-    for (auto& x : v) {
-      FERRY_ASSIGN_OR_RETURN(uint64_t u, u64());
-      x = static_cast<int64_t>(u);
-    }
-    return v;
-  }
-  // A count of elements at least `min_bytes` each, bounded by what is left.
-  Result<uint32_t> count(uint64_t min_bytes) {
-    FERRY_ASSIGN_OR_RETURN(uint32_t n, u32());
-    if (n * min_bytes > left()) return truncated();
-    return n;
-  }
-  Status end() const {
-    if (pos_ != b_.size())
-      return Status::invalid_argument(std::string(what_) + ": " + std::to_string(left()) +
-                                      " bytes after the end");
-    return Status();
-  }
+// Each word is read about once; the factor covers list headers and
+// zero-sized elements (charged a word each), the margin tiny messages.
+constexpr uint64_t kTraversalFactor = 4;
+constexpr uint64_t kTraversalMarginWords = 1024;
+// SavePlanList > plans > SavePlan > items > WriteItem > Box > sizes.
+constexpr int kNestingLimit = 16;
 
- private:
-  uint64_t left() const { return b_.size() - pos_; }
-  Status truncated() const {
-    return Status::invalid_argument(std::string(what_) + ": truncated at byte " +
-                                    std::to_string(pos_) + " of " + std::to_string(b_.size()));
-  }
-  Result<uint64_t> get(int n) {
-    if (left() < static_cast<uint64_t>(n)) return truncated();
-    uint64_t v = 0;
-    for (int i = 0; i < n; ++i)
-      v |= static_cast<uint64_t>(static_cast<uint8_t>(b_[pos_ + i])) << (8 * i);
-    pos_ += n;
-    return v;
-  }
-  const std::string& b_;
-  const char* what_;
-  size_t pos_ = 0;
-};
-
-void put_item(Writer& w, const PlanItem& it) {
-  w.str(it.key);
-  w.str(dtype_name(it.dtype));
-  w.dims(it.global_shape);
-  w.dims(it.offsets);
-  w.dims(it.sizes);
-  w.u64(it.nbytes);
-  w.u32(it.entry);
+const char* kind_of(const std::string& bytes) {
+  if (bytes.size() < kMagicBytes) return nullptr;
+  if (bytes.compare(0, kMagicBytes, kLocalMagic) == 0) return "local plan";
+  if (bytes.compare(0, kMagicBytes, kRankMagic) == 0) return "save plan";
+  if (bytes.compare(0, kMagicBytes, kListMagic) == 0) return "global plan";
+  return nullptr;
 }
 
-Result<PlanItem> get_item(Reader& r, size_t index) {
+std::string framed(const char* magic, capnp::MessageBuilder& mb) {
+  kj::Array<capnp::word> words = capnp::messageToFlatArray(mb);
+  kj::ArrayPtr<const kj::byte> b = words.asBytes();
+  std::string out(magic, kMagicBytes);
+  out.append(reinterpret_cast<const char*>(b.begin()), b.size());
+  return out;
+}
+
+kj::StringPtr text(const std::string& s) {
+  return kj::StringPtr(s.c_str(), s.size());
+}
+
+std::string str(capnp::Text::Reader t) {
+  return std::string(t.cStr(), t.size());
+}
+
+std::vector<int64_t> i64s(capnp::List<int64_t>::Reader l) {
+  std::vector<int64_t> v;
+  v.reserve(l.size());
+  for (int64_t x : l) v.push_back(x);
+  return v;
+}
+
+template <class ListBuilder, class Vector>
+void fill(ListBuilder list, const Vector& values) {
+  for (size_t i = 0; i < values.size(); ++i) list.set(static_cast<unsigned>(i), values[i]);
+}
+
+void set_box(proto::Box::Builder b, const std::vector<int64_t>& offsets,
+             const std::vector<int64_t>& sizes) {
+  fill(b.initOffsets(static_cast<unsigned>(offsets.size())), offsets);
+  fill(b.initSizes(static_cast<unsigned>(sizes.size())), sizes);
+}
+
+void set_item(proto::WriteItem::Builder b, const PlanItem& it) {
+  b.setKey(text(it.key));
+  b.setDtype(text(dtype_name(it.dtype)));
+  fill(b.initGlobalShape(static_cast<unsigned>(it.global_shape.size())), it.global_shape);
+  set_box(b.initBox(), it.offsets, it.sizes);
+  b.setNbytes(it.nbytes);
+  b.setEntry(it.entry);
+}
+
+void set_local(proto::LocalPlan::Builder b, const LocalSavePlan& p) {
+  b.setRank(p.rank);
+  auto items = b.initItems(static_cast<unsigned>(p.items.size()));
+  for (size_t i = 0; i < p.items.size(); ++i) set_item(items[static_cast<unsigned>(i)], p.items[i]);
+}
+
+void set_rank_plan(proto::SavePlan::Builder b, const SavePlan& p) {
+  b.setRank(p.rank);
+  const auto n = static_cast<unsigned>(p.items.size());
+  auto items = b.initItems(n);
+  auto owners = b.initOwners(n);
+  for (unsigned i = 0; i < n; ++i) {
+    set_item(items[i], p.items[i]);
+    if (i < p.owners.size())
+      fill(owners[i].initRanks(static_cast<unsigned>(p.owners[i].size())), p.owners[i]);
+  }
+  auto writes = b.initWrites(static_cast<unsigned>(p.writes.size()));
+  for (size_t i = 0; i < p.writes.size(); ++i) {
+    const PlannedWrite& w = p.writes[i];
+    auto wb = writes[static_cast<unsigned>(i)];
+    wb.setItem(w.item);
+    set_box(wb.initBox(), w.offsets, w.sizes);
+    wb.setNbytes(w.nbytes);
+    wb.setFile(w.file);
+  }
+  auto files = b.initFiles(static_cast<unsigned>(p.files.size()));
+  for (size_t i = 0; i < p.files.size(); ++i) files.set(static_cast<unsigned>(i), text(p.files[i]));
+  b.setBytes(p.bytes);
+}
+
+// A region (offsets, sizes) inside the region (lo, extent) of the same rank,
+// with no arithmetic that can overflow on hostile values.
+Status check_inside(const std::vector<int64_t>& offsets, const std::vector<int64_t>& sizes,
+                    const std::vector<int64_t>& lo, const std::vector<int64_t>& extent,
+                    const std::string& where, const std::string& outer) {
+  const std::string region =
+      "region (offsets " + shape_to_string(offsets) + ", sizes " + shape_to_string(sizes) + ")";
+  if (offsets.size() != extent.size() || sizes.size() != extent.size())
+    return Status::invalid_argument(where + ": " + region + " does not match the " +
+                                    std::to_string(extent.size()) + " dimensions of " + outer);
+  for (size_t d = 0; d < extent.size(); ++d)
+    if (offsets[d] < lo[d] || sizes[d] < 0 || offsets[d] - lo[d] > extent[d] - sizes[d])
+      return Status::invalid_argument(where + ": " + region + " outside " + outer + " in dim " +
+                                      std::to_string(d));
+  return Status();
+}
+
+// nbytes must be what the region holds; a count that overflows is refused.
+Status check_nbytes(const std::vector<int64_t>& sizes, DType dtype, uint64_t nbytes,
+                    const std::string& where) {
+  uint64_t want = dtype_size(dtype);
+  for (int64_t s : sizes)
+    if (__builtin_mul_overflow(want, static_cast<uint64_t>(s), &want))
+      return Status::invalid_argument(where + ": region too large");
+  if (want != nbytes)
+    return Status::invalid_argument(where + ": nbytes " + std::to_string(nbytes) + ", the region " +
+                                    "of " + dtype_name(dtype) + " holds " + std::to_string(want));
+  return Status();
+}
+
+Result<PlanItem> read_item(proto::WriteItem::Reader r, size_t index) {
   PlanItem it;
-  FERRY_ASSIGN_OR_RETURN(it.key, r.str());
-  FERRY_ASSIGN_OR_RETURN(std::string dt, r.str());
+  it.key = str(r.getKey());
   const std::string where = "item " + std::to_string(index) + " " + quote_value(it.key);
-  auto d = parse_dtype(dt);
+  auto d = parse_dtype(str(r.getDtype()));
   if (!d.ok()) return d.status().with_context(where + ": ");
   it.dtype = *d;
-  FERRY_ASSIGN_OR_RETURN(it.global_shape, r.dims());
-  FERRY_ASSIGN_OR_RETURN(it.offsets, r.dims());
-  FERRY_ASSIGN_OR_RETURN(it.sizes, r.dims());
-  FERRY_ASSIGN_OR_RETURN(it.nbytes, r.u64());
-  FERRY_ASSIGN_OR_RETURN(it.entry, r.u32());
-  if (it.offsets.size() != it.global_shape.size() || it.sizes.size() != it.global_shape.size())
-    return Status::invalid_argument(where + ": region " + box_of(it).to_string() +
-                                    " does not match shape " + shape_to_string(it.global_shape));
-  if (!Box::whole(it.global_shape).contains(box_of(it)))
-    return Status::invalid_argument(where + ": region " + box_of(it).to_string() +
-                                    " outside shape " + shape_to_string(it.global_shape));
+  it.global_shape = i64s(r.getGlobalShape());
+  it.offsets = i64s(r.getBox().getOffsets());
+  it.sizes = i64s(r.getBox().getSizes());
+  it.nbytes = r.getNbytes();
+  it.entry = r.getEntry();
+  for (size_t k = 0; k < it.global_shape.size(); ++k)
+    if (it.global_shape[k] < 0)
+      return Status::invalid_argument(where + ": negative dimension in shape " +
+                                      shape_to_string(it.global_shape));
+  FERRY_RETURN_IF_ERROR(
+      check_inside(it.offsets, it.sizes, std::vector<int64_t>(it.global_shape.size(), 0),
+                   it.global_shape, where, "shape " + shape_to_string(it.global_shape)));
+  FERRY_RETURN_IF_ERROR(check_nbytes(it.sizes, it.dtype, it.nbytes, where));
   return it;
 }
 
-constexpr const char* kLocalMagic = "FRYLPLN1";
-constexpr const char* kRankMagic = "FRYSPLN1";
-constexpr const char* kListMagic = "FRYGPLN1";
+Status read_rank(int32_t rank, const char* what) {
+  if (rank < 0)
+    return Status::invalid_argument(std::string(what) + ": negative rank " + std::to_string(rank));
+  return Status();
+}
+
+Result<LocalSavePlan> read_local(proto::LocalPlan::Reader r) {
+  LocalSavePlan p;
+  p.rank = r.getRank();
+  FERRY_RETURN_IF_ERROR(read_rank(p.rank, "local plan"));
+  for (auto item : r.getItems()) {
+    FERRY_ASSIGN_OR_RETURN(PlanItem it, read_item(item, p.items.size()));
+    p.items.push_back(std::move(it));
+  }
+  return p;
+}
+
+Result<SavePlan> read_rank_plan(proto::SavePlan::Reader r) {
+  SavePlan p;
+  p.rank = r.getRank();
+  FERRY_RETURN_IF_ERROR(read_rank(p.rank, "save plan"));
+  for (auto item : r.getItems()) {
+    FERRY_ASSIGN_OR_RETURN(PlanItem it, read_item(item, p.items.size()));
+    p.items.push_back(std::move(it));
+  }
+  auto owners = r.getOwners();
+  if (owners.size() != p.items.size())
+    return Status::invalid_argument("save plan: " + std::to_string(owners.size()) +
+                                    " owner lists for " + std::to_string(p.items.size()) +
+                                    " items");
+  for (auto o : owners) {
+    std::vector<int32_t> ranks;
+    for (int32_t x : o.getRanks()) {
+      if (x < 0 || (!ranks.empty() && x <= ranks.back()))
+        return Status::invalid_argument("save plan: item " + std::to_string(p.owners.size()) + " " +
+                                        quote_value(p.items[p.owners.size()].key) +
+                                        ": owner rank " + std::to_string(x) +
+                                        " is negative or out of ascending order");
+      ranks.push_back(x);
+    }
+    p.owners.push_back(std::move(ranks));
+  }
+  for (auto f : r.getFiles()) {
+    std::string name = str(f);
+    if (name.empty() || name.find('/') != std::string::npos || name.find('\0') != std::string::npos)
+      return Status::invalid_argument("save plan: file " + std::to_string(p.files.size()) + " " +
+                                      quote_value(name) + " is not a file name");
+    p.files.push_back(std::move(name));
+  }
+  uint64_t total = 0;
+  for (auto w : r.getWrites()) {
+    PlannedWrite wr;
+    wr.item = w.getItem();
+    wr.offsets = i64s(w.getBox().getOffsets());
+    wr.sizes = i64s(w.getBox().getSizes());
+    wr.nbytes = w.getNbytes();
+    wr.file = w.getFile();
+    const std::string where = "save plan: write " + std::to_string(p.writes.size());
+    if (wr.item >= p.items.size())
+      return Status::invalid_argument(where + " names item " + std::to_string(wr.item) + " of " +
+                                      std::to_string(p.items.size()));
+    if (wr.file >= p.files.size())
+      return Status::invalid_argument(where + " names file " + std::to_string(wr.file) + " of " +
+                                      std::to_string(p.files.size()));
+    const PlanItem& it = p.items[wr.item];
+    FERRY_RETURN_IF_ERROR(
+        check_inside(wr.offsets, wr.sizes, it.offsets, it.sizes, where,
+                     "item " + std::to_string(wr.item) + " " + quote_value(it.key) + "'s region"));
+    FERRY_RETURN_IF_ERROR(check_nbytes(wr.sizes, it.dtype, wr.nbytes, where));
+    // Each write lies inside its item and so holds less than 2^63 bytes.
+    if (__builtin_add_overflow(total, wr.nbytes, &total))
+      return Status::invalid_argument("save plan: the writes' bytes overflow");
+    p.writes.push_back(std::move(wr));
+  }
+  p.bytes = r.getBytes();
+  if (p.bytes != total)
+    return Status::invalid_argument("save plan: bytes " + std::to_string(p.bytes) +
+                                    ", its writes hold " + std::to_string(total));
+  return p;
+}
+
+// The magic, then the message, whose root `read` turns into a T. Every way
+// the bytes can be wrong ends in a Status naming `what`.
+template <class Root, class T, class Read>
+Result<T> decode(const std::string& bytes, const char* magic, const char* what, Read read) {
+  const std::string w(what);
+  if (bytes.size() < kMagicBytes || bytes.compare(0, kMagicBytes, magic) != 0) {
+    if (const char* other = kind_of(bytes))
+      return Status::invalid_argument(w + ": these are the bytes of a " + other + ", not of a " +
+                                      w + " (bad magic)");
+    return Status::invalid_argument(w + ": not a Ferry " + w + " (bad magic: expected \"" + magic +
+                                    "\")");
+  }
+  const size_t payload = bytes.size() - kMagicBytes;
+  if (payload == 0 || payload % sizeof(capnp::word) != 0)
+    return Status::invalid_argument(w + ": truncated: " + std::to_string(payload) +
+                                    " bytes after the magic, not a whole number of 8-byte words");
+  try {
+    // Cap'n Proto reads words in place: an aligned copy.
+    kj::Array<capnp::word> words = kj::heapArray<capnp::word>(payload / sizeof(capnp::word));
+    std::memcpy(words.begin(), bytes.data() + kMagicBytes, payload);
+    capnp::ReaderOptions options;
+    options.traversalLimitInWords = words.size() * kTraversalFactor + kTraversalMarginWords;
+    options.nestingLimit = kNestingLimit;
+    capnp::FlatArrayMessageReader reader(words.asPtr(), options);
+    if (reader.getEnd() != words.end())
+      return Status::invalid_argument(
+          w + ": " + std::to_string((words.end() - reader.getEnd()) * sizeof(capnp::word)) +
+          " bytes after the end of the message");
+    Result<T> out = read(reader.template getRoot<Root>());
+    if (!out.ok()) return out.status().with_context(w + ": ");
+    return out;
+  } catch (const kj::Exception& e) {
+    const std::string d = e.getDescription().cStr();
+    const bool cut =
+        d.find("prematurely") != std::string::npos || d.find("out-of-bounds") != std::string::npos;
+    return Status::invalid_argument(w + (cut ? ": truncated: " : ": malformed: ") + d);
+  } catch (const std::bad_alloc&) {
+    return Status::internal("out of memory decoding a " + std::to_string(bytes.size()) + "-byte " +
+                            w);
+  } catch (const std::exception& e) {
+    return Status::invalid_argument(w + ": malformed: " + e.what());
+  }
+}
 
 }  // namespace
 
@@ -246,26 +410,13 @@ std::string LocalSavePlan::to_string() const {
 }
 
 std::string LocalSavePlan::to_bytes() const {
-  Writer w(kLocalMagic);
-  w.u32(static_cast<uint32_t>(rank));
-  w.u32(static_cast<uint32_t>(items.size()));
-  for (const auto& it : items) put_item(w, it);
-  return w.take();
+  capnp::MallocMessageBuilder mb;
+  set_local(mb.initRoot<proto::LocalPlan>(), *this);
+  return framed(kLocalMagic, mb);
 }
 
 Result<LocalSavePlan> LocalSavePlan::from_bytes(const std::string& bytes) {
-  Reader r(bytes, "local plan");
-  FERRY_RETURN_IF_ERROR(r.magic(kLocalMagic));
-  LocalSavePlan p;
-  FERRY_ASSIGN_OR_RETURN(uint32_t rank, r.u32());
-  p.rank = static_cast<int32_t>(rank);
-  FERRY_ASSIGN_OR_RETURN(uint32_t n, r.count(40));
-  for (uint32_t i = 0; i < n; ++i) {
-    FERRY_ASSIGN_OR_RETURN(PlanItem it, get_item(r, i));
-    p.items.push_back(std::move(it));
-  }
-  FERRY_RETURN_IF_ERROR(r.end());
-  return p;
+  return decode<proto::LocalPlan, LocalSavePlan>(bytes, kLocalMagic, "local plan", read_local);
 }
 
 std::string SavePlan::to_string() const {
@@ -287,96 +438,38 @@ std::string SavePlan::to_string() const {
 }
 
 std::string SavePlan::to_bytes() const {
-  Writer w(kRankMagic);
-  w.u32(static_cast<uint32_t>(rank));
-  w.u32(static_cast<uint32_t>(items.size()));
-  for (size_t i = 0; i < items.size(); ++i) {
-    put_item(w, items[i]);
-    const auto& o = i < owners.size() ? owners[i] : std::vector<int32_t>{};
-    w.u32(static_cast<uint32_t>(o.size()));
-    for (int32_t r : o) w.u32(static_cast<uint32_t>(r));
-  }
-  w.u32(static_cast<uint32_t>(writes.size()));
-  for (const auto& wr : writes) {
-    w.u32(wr.item);
-    w.dims(wr.offsets);
-    w.dims(wr.sizes);
-    w.u64(wr.nbytes);
-    w.u32(wr.file);
-  }
-  w.u32(static_cast<uint32_t>(files.size()));
-  for (const auto& f : files) w.str(f);
-  w.u64(bytes);
-  return w.take();
+  capnp::MallocMessageBuilder mb;
+  set_rank_plan(mb.initRoot<proto::SavePlan>(), *this);
+  return framed(kRankMagic, mb);
 }
 
 Result<SavePlan> SavePlan::from_bytes(const std::string& bytes) {
-  Reader r(bytes, "save plan");
-  FERRY_RETURN_IF_ERROR(r.magic(kRankMagic));
-  SavePlan p;
-  FERRY_ASSIGN_OR_RETURN(uint32_t rank, r.u32());
-  p.rank = static_cast<int32_t>(rank);
-  FERRY_ASSIGN_OR_RETURN(uint32_t n, r.count(44));
-  for (uint32_t i = 0; i < n; ++i) {
-    FERRY_ASSIGN_OR_RETURN(PlanItem it, get_item(r, i));
-    p.items.push_back(std::move(it));
-    FERRY_ASSIGN_OR_RETURN(uint32_t k, r.count(4));
-    std::vector<int32_t> o(k);
-    for (auto& x : o) {
-      FERRY_ASSIGN_OR_RETURN(uint32_t v, r.u32());
-      x = static_cast<int32_t>(v);
-    }
-    p.owners.push_back(std::move(o));
-  }
-  FERRY_ASSIGN_OR_RETURN(uint32_t nw, r.count(24));
-  for (uint32_t i = 0; i < nw; ++i) {
-    PlannedWrite wr;
-    FERRY_ASSIGN_OR_RETURN(wr.item, r.u32());
-    FERRY_ASSIGN_OR_RETURN(wr.offsets, r.dims());
-    FERRY_ASSIGN_OR_RETURN(wr.sizes, r.dims());
-    FERRY_ASSIGN_OR_RETURN(wr.nbytes, r.u64());
-    FERRY_ASSIGN_OR_RETURN(wr.file, r.u32());
-    if (wr.item >= p.items.size())
-      return Status::invalid_argument("save plan: write " + std::to_string(i) + " names item " +
-                                      std::to_string(wr.item) + " of " +
-                                      std::to_string(p.items.size()));
-    p.writes.push_back(std::move(wr));
-  }
-  FERRY_ASSIGN_OR_RETURN(uint32_t nf, r.count(8));
-  for (uint32_t i = 0; i < nf; ++i) {
-    FERRY_ASSIGN_OR_RETURN(std::string f, r.str());
-    p.files.push_back(std::move(f));
-  }
-  for (size_t i = 0; i < p.writes.size(); ++i)
-    if (p.writes[i].file >= p.files.size())
-      return Status::invalid_argument("save plan: write " + std::to_string(i) + " names file " +
-                                      std::to_string(p.writes[i].file) + " of " +
-                                      std::to_string(p.files.size()));
-  FERRY_ASSIGN_OR_RETURN(p.bytes, r.u64());
-  FERRY_RETURN_IF_ERROR(r.end());
-  return p;
+  return decode<proto::SavePlan, SavePlan>(bytes, kRankMagic, "save plan", read_rank_plan);
 }
 
 std::string encode_save_plans(const std::vector<SavePlan>& plans) {
-  Writer w(kListMagic);
-  w.u32(static_cast<uint32_t>(plans.size()));
-  for (const auto& p : plans) w.str(p.to_bytes());
-  return w.take();
+  capnp::MallocMessageBuilder mb;
+  auto list = mb.initRoot<proto::SavePlanList>().initPlans(static_cast<unsigned>(plans.size()));
+  for (size_t i = 0; i < plans.size(); ++i) set_rank_plan(list[static_cast<unsigned>(i)], plans[i]);
+  return framed(kListMagic, mb);
 }
 
 Result<std::vector<SavePlan>> decode_save_plans(const std::string& bytes) {
-  Reader r(bytes, "global plan");
-  FERRY_RETURN_IF_ERROR(r.magic(kListMagic));
-  FERRY_ASSIGN_OR_RETURN(uint32_t n, r.count(8));
-  std::vector<SavePlan> out;
-  for (uint32_t i = 0; i < n; ++i) {
-    FERRY_ASSIGN_OR_RETURN(std::string b, r.str());
-    auto p = SavePlan::from_bytes(b);
-    if (!p.ok()) return p.status().with_context("rank " + std::to_string(i) + "'s ");
-    out.push_back(std::move(p).value());
-  }
-  FERRY_RETURN_IF_ERROR(r.end());
-  return out;
+  return decode<proto::SavePlanList, std::vector<SavePlan>>(
+      bytes, kListMagic, "global plan",
+      [](proto::SavePlanList::Reader r) -> Result<std::vector<SavePlan>> {
+        std::vector<SavePlan> out;
+        for (auto p : r.getPlans()) {
+          auto sp = read_rank_plan(p);
+          if (!sp.ok())
+            return sp.status().with_context("rank " + std::to_string(out.size()) + "'s ");
+          if (sp->rank != static_cast<int32_t>(out.size()))
+            return Status::invalid_argument("plan " + std::to_string(out.size()) + " is rank " +
+                                            std::to_string(sp->rank) + "'s");
+          out.push_back(std::move(sp).value());
+        }
+        return out;
+      });
 }
 
 namespace plan {

@@ -86,7 +86,9 @@ def main():
     try:
         p = launch(3, "planner_worker.py", "raise", root)
         assert p.returncode == 0, "a raising checkpoint_fn did not fail every rank"
-        assert p.stdout.count("failed: ") == 3, p.stdout
+        # Each rank's own verdict line (rank 0 may also log aborts it could
+        # not deliver to ranks that had already exited).
+        assert len(re.findall(r"^\[rank \d+\] rank \d+ failed: ", p.stdout, re.M)) == 3, p.stdout
         assert ferry.list_steps(root) == [], ferry.list_steps(root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
