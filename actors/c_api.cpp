@@ -514,7 +514,7 @@ std::string json_items(const std::vector<ferry::PlanItem>& items,
          ",\"dtype\":" + json_str(ferry::dtype_name(it.dtype)) +
          ",\"global_shape\":" + json_list(it.global_shape) +
          ",\"offsets\":" + json_list(it.offsets) + ",\"sizes\":" + json_list(it.sizes) +
-         ",\"nbytes\":" + std::to_string(it.nbytes);
+         ",\"nbytes\":" + std::to_string(it.nbytes) + ",\"entry\":" + std::to_string(it.entry);
     if (owners) o += ",\"owners\":" + json_list((*owners)[i]);
     o += "}";
   }
@@ -565,6 +565,27 @@ ferry::CheckpointFn wrap_checkpoint_fn(ferry_checkpoint_fn fn, void* user) {
   };
 }
 
+// A C transform_local_plan as a C++ one: the plan crosses as bytes both ways.
+std::function<ferry::Status(ferry::LocalSavePlan&)> wrap_transform(ferry_plan_transform_fn fn,
+                                                                   void* user) {
+  return [fn, user](ferry::LocalSavePlan& plan) {
+    const std::string in = plan.to_bytes();
+    const char* out = nullptr;
+    size_t out_len = 0;
+    char error[1024] = {0};
+    if (fn(user, in.data(), in.size(), &out, &out_len, error, sizeof(error)) != 0) {
+      error[sizeof(error) - 1] = '\0';
+      return ferry::Status::aborted(error[0] ? std::string("raised: ") + error
+                                             : std::string("returned an error"));
+    }
+    if (!out) return ferry::Status::invalid_argument("returned no plan");
+    auto changed = ferry::LocalSavePlan::from_bytes(std::string(out, out_len));
+    if (!changed.ok()) return changed.status().with_context("returned ");
+    plan = std::move(changed).value();
+    return ferry::Status();
+  };
+}
+
 }  // namespace
 
 extern "C" {
@@ -584,6 +605,18 @@ ferry_status ferry_planner_create_opts(ferry_runtime* rt, const ferry_tensor* te
                                        const ferry_kv* metadata, size_t num_metadata,
                                        const ferry_save_options* file_opts, ferry_checkpoint_fn fn,
                                        void* fn_user, ferry_planner** out) {
+  return ferry_planner_create_ex(rt, tensors, num_tensors, filename_prefix, root, has_step, step,
+                                 overwrite, metadata, num_metadata, file_opts, nullptr, fn, fn_user,
+                                 out);
+}
+
+ferry_status ferry_planner_create_ex(ferry_runtime* rt, const ferry_tensor* tensors,
+                                     size_t num_tensors, const char* filename_prefix,
+                                     const char* root, int has_step, uint64_t step, int overwrite,
+                                     const ferry_kv* metadata, size_t num_metadata,
+                                     const ferry_save_options* file_opts,
+                                     const ferry_planner_options* popts, ferry_checkpoint_fn fn,
+                                     void* fn_user, ferry_planner** out) {
   return guarded([&] {
     if (!out) return null_arg("out");
     *out = nullptr;
@@ -596,6 +629,25 @@ ferry_status ferry_planner_create_opts(ferry_runtime* rt, const ferry_tensor* te
     if (!opts) return error;
     o.save = std::move(*opts);
     if (fn) o.checkpoint_fn = wrap_checkpoint_fn(fn, fn_user);
+    if (popts) {
+      switch (popts->owner_policy) {
+        case 0:
+          break;
+        case 1:
+          o.owner_policy = ferry::OwnerPolicy::balanced;
+          break;
+        case 2:
+          o.owner_policy = ferry::OwnerPolicy::lowest_rank;
+          break;
+        default:
+          return fail(
+              FERRY_INVALID_ARGUMENT,
+              "ferry_planner_options.owner_policy = " + std::to_string(popts->owner_policy) +
+                  ": expected 0 (configured), 1 (balanced) or 2 (lowest rank)");
+      }
+      if (popts->transform_local_plan)
+        o.transform_local_plan = wrap_transform(popts->transform_local_plan, popts->transform_user);
+    }
     auto p = std::make_unique<ferry_planner>();
     p->p = std::make_unique<ferry::SavePlanner>(
         *rt->rt, sd, filename_prefix ? filename_prefix : "", std::move(o), root ? root : "",
@@ -707,6 +759,32 @@ ferry_status ferry_plans_get(const ferry_plans* ps, size_t rank, const char** by
 
 void ferry_plans_release(ferry_plans* ps) {
   delete ps;
+}
+
+ferry_status ferry_local_plan_edit(const char* plan, size_t len, const uint32_t* items,
+                                   const char* const* keys, size_t num_items, const char** out,
+                                   size_t* out_len) {
+  return guarded([&] {
+    if (!plan || !out || !out_len || (num_items > 0 && !items))
+      return null_arg("plan, items, out or out_len");
+    auto parsed = ferry::LocalSavePlan::from_bytes(std::string(plan, len));
+    if (!parsed.ok()) return to_c(parsed.status());
+    const ferry::LocalSavePlan& in = *parsed;
+    ferry::LocalSavePlan edited;
+    edited.rank = in.rank;
+    for (size_t k = 0; k < num_items; ++k) {
+      if (items[k] >= in.items.size())
+        return fail(FERRY_INVALID_ARGUMENT,
+                    "items[" + std::to_string(k) + "] = " + std::to_string(items[k]) +
+                        ": the plan has " + std::to_string(in.items.size()) + " items");
+      edited.items.push_back(in.items[items[k]]);
+      if (keys && keys[k]) edited.items.back().key = keys[k];
+    }
+    t_string = edited.to_bytes();
+    *out = t_string.data();
+    *out_len = t_string.size();
+    return to_c(ferry::Status());
+  });
 }
 
 ferry_status ferry_plan_json(const char* bytes, size_t len, const char** json) {

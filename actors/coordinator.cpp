@@ -166,6 +166,15 @@ void sweep(coordinator_ptr self, const std::string& dir, int32_t tries_left) {
 
 // Ends the active checkpoint with an error for everyone still waiting, and
 // tells every rank (a rank busy writing has no request open to answer).
+// Kept for a while, so that a rank whose plan comes late gets it at once.
+void remember_abort(coordinator_state& st, const std::string& id, const Status& status) {
+  if (st.aborted.emplace(id, status).second) st.aborted_order.push_back(id);
+  if (st.aborted_order.size() > 16) {
+    st.aborted.erase(st.aborted_order.front());
+    st.aborted_order.pop_front();
+  }
+}
+
 void abort_active(coordinator_ptr self, const Status& status, int32_t failed_rank = -1) {
   auto& st = self->state;
   if (!st.active) return;
@@ -175,11 +184,7 @@ void abort_active(coordinator_ptr self, const Status& status, int32_t failed_ran
                AbortMsg{st.ctx->job_id, c.id, failed_rank, phase_of(c), status});
   else if (st.planner)  // a rank busy writing has no request open to answer
     self->send(st.planner, atom::aborted_v, c.id, status);
-  if (st.aborted.emplace(c.id, status).second) st.aborted_order.push_back(c.id);
-  if (st.aborted_order.size() > 16) {
-    st.aborted.erase(st.aborted_order.front());
-    st.aborted_order.pop_front();
-  }
+  remember_abort(st, c.id, status);
   if (c.phase == Phase::writing) sweep(self, c.pending_dir, 8);
   for (auto& p : c.plan_promises)
     if (p.pending()) p.deliver(PlanReply{st.ctx->job_id, c.id, status, "", {}});
@@ -501,7 +506,12 @@ coordinator_actor::behavior_type coordinator_fun(coordinator_ptr self, ContextPt
         // Aborted already: the rank that failed late (perhaps because of
         // the abort) waits for the checkpoint's cause.
         auto it = st.aborted.find(id);
-        if (it == st.aborted.end()) return;
+        if (it == st.aborted.end()) {
+          // A rank that cannot take part aborts before any rank asked: the
+          // others get the error when their plans arrive.
+          remember_abort(st, id, why);
+          return;
+        }
         if (st.link)
           self->send(st.link, atom::broadcast_v,
                      AbortMsg{st.ctx->job_id, id, -1, "write", it->second});

@@ -91,6 +91,9 @@ struct SaveJob {
   bool staged = false;
   CheckpointFn checkpoint_fn;  // set: the caller's function writes the rank's file
   uint8_t owner_policy = 0;    // as PlanRequest: 0 is the configured one
+  // Not ok: this rank cannot take part (a bad SavePlanner argument). The
+  // planner tells rank 0 at once, so no rank waits for plan-timeout.
+  Status doomed;
 };
 
 // planner -> writer: the caller's checkpoint_fn writes the rank's files

@@ -608,6 +608,14 @@ void start_next(planner_ptr self) {
   st.queue.pop_front();
   auto& cur = st.cur;
   cur.phase = Phase::planning;
+  if (!cur.job.doomed.ok()) {
+    // It still takes its checkpoint's id, so the ranks stay in step.
+    cur.checkpoint_id = checkpoint_id(st.ctx->run_salt, cur.id);
+    Status why =
+        cur.job.doomed.with_context("rank " + std::to_string(st.ctx->rank) + " (plan phase): ");
+    self->send(st.coordinator, atom::abort_ckpt_v, cur.checkpoint_id, why);
+    return end_save(self, why, "");
+  }
   if (cur.job.local) {
     cur.local = std::move(*cur.job.local);
   } else {

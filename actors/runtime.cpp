@@ -552,7 +552,7 @@ std::shared_ptr<detail::SaveState> detail::RuntimeAccess::start_save(
   }
   // Resolved here so the planner sees the values it applies, never unset ones.
   SaveOptions job_opts = opts;
-  if (Status s = resolve_file_options(impl_->ctx->opts, job_opts); !s.ok()) {
+  if (Status s = ferry::resolve_file_options(impl_->ctx->opts, job_opts); !s.ok()) {
     state->finish(s.with_context("save of step " + std::to_string(step) + ": "), "");
     return state;
   }
@@ -575,6 +575,25 @@ std::shared_ptr<detail::SaveState> detail::RuntimeAccess::start_save(
       std::chrono::duration<double, std::milli>(detail::SaveState::clock::now() - t0).count();
   state->update_metrics([ms](SaveMetrics& m) { m.save_async_ms = ms; });
   return state;
+}
+
+std::shared_ptr<detail::SaveState> detail::RuntimeAccess::start_doomed_save(Runtime& rt,
+                                                                            uint64_t step,
+                                                                            Status why) {
+  auto state = std::make_shared<detail::SaveState>();
+  state->step = step;
+  state->started = detail::SaveState::clock::now();
+  if (!rt.impl_->saves->add(state)) return state;
+  SaveJob job;
+  job.step = step;
+  job.state = state;
+  job.doomed = std::move(why);
+  caf::anon_send(rt.impl_->planner, atom::save_v, std::move(job));
+  return state;
+}
+
+Status detail::RuntimeAccess::resolve_file_options(const Runtime& rt, SaveOptions& opts) {
+  return ferry::resolve_file_options(rt.impl_->ctx->opts, opts);
 }
 
 void detail::RuntimeAccess::proceed(Runtime& rt, Proceed p) {

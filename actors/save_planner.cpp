@@ -51,7 +51,9 @@ struct SavePlanner::Impl {
   SavePlannerOptions opts;
   std::string root;
   uint64_t step = 0;
-  Status broken;  // a constructor argument was bad: every step returns it
+  // A constructor argument was bad or the local plan failed: every step
+  // returns it, and the checkpoint is aborted on every rank (`save`).
+  Status broken;
   std::optional<LocalPlan> local;
   std::shared_ptr<detail::SaveState> save;
   std::vector<SavePlan> global;
@@ -61,6 +63,14 @@ struct SavePlanner::Impl {
 
   void abandon(Status why) {
     RuntimeAccess::proceed(rt, Proceed{save, Proceed::abandon, std::move(why)});
+  }
+
+  // This rank cannot take part: the others hear it from rank 0 now instead
+  // of waiting for its plan until plan-timeout.
+  Status fail_everywhere(Status why) {
+    broken = why;
+    if (!save) save = RuntimeAccess::start_doomed_save(rt, step, why);
+    return why;
   }
 };
 
@@ -81,6 +91,23 @@ std::shared_ptr<detail::SaveState> failed_save(uint64_t step, Status why) {
 
 }  // namespace
 
+// The constructor's arguments, each error naming the one that is wrong.
+// The save checks the file options again; checked here so that a bad one
+// fails this checkpoint on every rank at once.
+static Status check_arguments(const Runtime& rt, const StateDict& sd,
+                              const std::string& filename_prefix, SavePlanner::Impl& im) {
+  if (!filename_prefix.empty()) {
+    FERRY_RETURN_IF_ERROR(check_filename_prefix(filename_prefix, "SavePlanner filename_prefix"));
+    im.opts.save.filename_prefix = filename_prefix;
+  }
+  if (im.root.empty())
+    return Status::invalid_argument("SavePlanner: no checkpoint root: pass one or set ferry.root");
+  if (sd.entries().empty())
+    return Status::invalid_argument("SavePlanner: the state dict is empty (nothing to save)");
+  SaveOptions resolved = im.opts.save;
+  return RuntimeAccess::resolve_file_options(rt, resolved).with_context("SavePlanner: ");
+}
+
 SavePlanner::SavePlanner(Runtime& rt, const StateDict& sd, std::string filename_prefix,
                          SavePlannerOptions options, std::string root, std::optional<uint64_t> step)
     : impl_(std::make_unique<Impl>(rt, sd)) {
@@ -90,37 +117,22 @@ SavePlanner::SavePlanner(Runtime& rt, const StateDict& sd, std::string filename_
             : !im.opts.save.root.empty() ? im.opts.save.root
                                          : rt.options().root;
   im.opts.save.root = im.root;
-  if (!filename_prefix.empty()) {
-    // The save checks it again with the other file options; checked here
-    // too so a bad prefix fails at construction, naming the argument.
-    if (Status st = check_filename_prefix(filename_prefix, "SavePlanner filename_prefix");
-        !st.ok()) {
-      im.broken = st;
-      return;
-    }
-    im.opts.save.filename_prefix = filename_prefix;
-  }
-  if (im.root.empty()) {
-    im.broken =
-        Status::invalid_argument("SavePlanner: no checkpoint root: pass one or set ferry.root");
-    return;
-  }
-  if (step) {
+  Status bad = check_arguments(rt, sd, filename_prefix, im);
+  if (bad.ok() && step) {
     im.step = *step;
-    return;
+  } else if (bad.ok()) {
+    // One more than the latest committed step; every rank reads the same
+    // root, and a rank that saw another commit than the others is refused
+    // at plan time (the ranks disagree on the step).
+    auto latest = find_latest(*RuntimeAccess::context(rt).fs, im.root);
+    if (latest.ok()) {
+      im.step = latest->step + 1;
+    } else if (latest.status().code() != StatusCode::not_found) {
+      bad = latest.status().with_context("SavePlanner: finding the latest step under " + im.root +
+                                         ": ");
+    }
   }
-  // One more than the latest committed step; every rank reads the same root,
-  // and a rank that saw another commit than the others is refused at plan
-  // time (the ranks disagree on the step).
-  auto latest = find_latest(*RuntimeAccess::context(rt).fs, im.root);
-  if (latest.ok()) {
-    im.step = latest->step + 1;
-  } else if (latest.status().code() == StatusCode::not_found) {
-    im.step = 0;
-  } else {
-    im.broken = latest.status().with_context("SavePlanner: finding the latest step under " +
-                                             im.root + ": ");
-  }
+  if (!bad.ok()) im.fail_everywhere(bad);
 }
 
 SavePlanner::~SavePlanner() {
@@ -144,12 +156,14 @@ Result<LocalSavePlan> SavePlanner::create_local_plan() {
   Impl& im = *impl_;
   if (!im.broken.ok()) return im.broken;
   if (!im.local) {
-    FERRY_ASSIGN_OR_RETURN(LocalPlan original, make_local_plan(im.sd, im.rt.rank()));
-    LocalSavePlan pub = to_public(original);
+    auto original = make_local_plan(im.sd, im.rt.rank());
+    if (!original.ok()) return im.fail_everywhere(original.status());
+    LocalSavePlan pub = to_public(*original);
     if (im.opts.transform_local_plan) {
       Status s = im.opts.transform_local_plan(pub);
-      if (!s.ok()) return s.with_context("transform_local_plan: ");
-      FERRY_RETURN_IF_ERROR(check_transformed(original, pub));
+      if (!s.ok()) return im.fail_everywhere(s.with_context("transform_local_plan: "));
+      s = check_transformed(*original, pub);
+      if (!s.ok()) return im.fail_everywhere(s.with_context("transform_local_plan: "));
     }
     im.local = to_internal(pub);
   }
@@ -158,24 +172,13 @@ Result<LocalSavePlan> SavePlanner::create_local_plan() {
 
 Result<std::vector<SavePlan>> SavePlanner::create_global_plan() {
   Impl& im = *impl_;
+  if (!im.broken.ok()) return im.broken;
   if (im.save)
     return Status::invalid_argument(
         "create_global_plan() was already called: one SavePlanner makes one checkpoint");
-  auto local = create_local_plan();
-  Status why = local.ok() ? Status() : local.status();
-  if (!why.ok() && im.broken.ok()) {
-    // This rank cannot plan, but the others are asking rank 0: fail the
-    // checkpoint everywhere instead of leaving them to plan-timeout.
-    im.local = LocalPlan{im.rt.rank(), {}};
-  } else if (!why.ok()) {
-    return why;
-  }
+  FERRY_RETURN_IF_ERROR(create_local_plan().status());
   im.save = RuntimeAccess::start_save(im.rt, im.sd, im.step, im.opts.save, im.local, true,
                                       im.opts.checkpoint_fn, policy_code(im.opts.owner_policy));
-  if (!why.ok()) {
-    im.abandon(why);
-    return why;
-  }
   std::unique_lock<std::mutex> lock(im.save->mu);
   im.save->cv.wait(lock, [&] { return im.save->planned || im.save->done; });
   if (im.save->done) return im.save->status;
@@ -192,6 +195,7 @@ Result<std::vector<SavePlan>> SavePlanner::create_global_plan() {
 WriteHandle SavePlanner::save_on_this_process(const SavePlan& plan) {
   Impl& im = *impl_;
   const int32_t me = im.rt.rank();
+  if (!im.broken.ok()) return WriteHandle(failed_save(im.step, im.broken));
   if (!im.save || im.global.empty())
     return WriteHandle(failed_save(
         im.step,

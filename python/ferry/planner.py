@@ -16,8 +16,27 @@ checkpoint_fn(state_dict, filename): writes this rank's file itself, as a
 safetensors file holding exactly `state_dict` (the planned tensors, keyed by
 the entry names the checkpoint records). Ferry reads it back, checksums and
 commits it; an exception, or no file, fails the checkpoint on every rank.
+
+transform_local_plan(plan): changes this rank's local plan before it is sent
+to rank 0. It gets a LocalPlan and returns the plan to send: `plan` itself,
+`plan.with_items(items)`, or just the list of items. Items may be dropped
+(they are not saved) and renamed (their "key" changed); nothing else about
+an item may change. An exception fails the checkpoint on every rank with its
+message:
+
+    def transform(plan):
+        keep = [it for it in plan.items if not it["key"].startswith("cache.")]
+        for it in keep:
+            it["key"] = it["key"].replace("module.", "")
+        return keep
+
+owner_policy: who writes a tensor several ranks hold alike: "balanced"
+(spread so every rank writes about as much) or "lowest_rank" (the lowest
+rank holding it, as DCP does); None: the configured owner-policy. Every rank
+must pass the same.
 """
 
+import copy
 import ctypes
 import json
 import threading
@@ -39,6 +58,27 @@ _CHECKPOINT_FN = ctypes.CFUNCTYPE(
     ctypes.c_size_t,
 )
 
+# int fn(void* user, const char* plan, size_t len, const char** out, size_t* out_len,
+#        char* error, size_t error_len)
+_TRANSFORM_FN = ctypes.CFUNCTYPE(
+    ctypes.c_int,
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.POINTER(ctypes.c_void_p),
+    ctypes.POINTER(ctypes.c_size_t),
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+)
+
+
+class _PlannerOptions(ctypes.Structure):
+    _fields_ = [("owner_policy", ctypes.c_int), ("transform_local_plan", _TRANSFORM_FN),
+                ("transform_user", ctypes.c_void_p)]
+
+
+_OWNER_POLICIES = {None: 0, "balanced": 1, "lowest_rank": 2}
+
 
 def _L():
     global _declared
@@ -48,11 +88,16 @@ def _L():
             vp, sz, st = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
             cpp, szp = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)
             sig = {
-                "ferry_planner_create_opts": (
+                "ferry_planner_create_ex": (
                     st,
                     [vp, ctypes.POINTER(_lib.Tensor), sz, ctypes.c_char_p, ctypes.c_char_p, st,
                      ctypes.c_uint64, st, ctypes.POINTER(_lib.KV), sz,
-                     ctypes.POINTER(_lib.SaveOptions), _CHECKPOINT_FN, vp, ctypes.POINTER(vp)],
+                     ctypes.POINTER(_lib.SaveOptions), ctypes.POINTER(_PlannerOptions),
+                     _CHECKPOINT_FN, vp, ctypes.POINTER(vp)],
+                ),
+                "ferry_local_plan_edit": (
+                    st, [ctypes.c_char_p, sz, ctypes.POINTER(ctypes.c_uint32),
+                         ctypes.POINTER(ctypes.c_char_p), sz, cpp, szp]
                 ),
                 "ferry_planner_destroy": (None, [vp]),
                 "ferry_planner_step": (ctypes.c_uint64, [vp]),
@@ -113,8 +158,9 @@ class _Plan:
 
     @property
     def items(self):
-        """[{key, dtype, global_shape, offsets, sizes, nbytes[, owners]}]"""
-        return self._json["items"]
+        """[{key, dtype, global_shape, offsets, sizes, nbytes, entry[, owners]}]
+        (a copy: changing it leaves the plan as it is)"""
+        return copy.deepcopy(self._json["items"])
 
     def __str__(self):
         out = ctypes.c_char_p()
@@ -130,6 +176,36 @@ class _Plan:
 
 class LocalPlan(_Plan):
     """What one rank holds, before the ranks agree who writes what."""
+
+    def with_items(self, items):
+        """A local plan of some of this plan's items, in the order given, each
+        an item of self.items whose "key" may differ (the item is found by
+        its "entry": the index of its tensor in the state dict)."""
+        own = self._json["items"]
+        by_entry = dict((it["entry"], i) for i, it in enumerate(own))
+        index, keys = [], []
+        for k, it in enumerate(items):
+            if not isinstance(it, dict) or it.get("entry") not in by_entry:
+                raise FerryError("local plan item %d (%r) is not an item of this plan: items may "
+                                 "be dropped or renamed, not added" % (k, it))
+            orig = own[by_entry[it["entry"]]]
+            changed = sorted(f for f in set(orig) | set(it) if f != "key"
+                             and orig.get(f) != it.get(f))
+            if changed:
+                raise FerryError("local plan item %d %r: %s changed (only the key may change)"
+                                 % (k, it.get("key"), ", ".join(changed)))
+            if not isinstance(it.get("key"), str) or not it["key"]:
+                raise FerryError("local plan item %d: key %r is not a non-empty str"
+                                 % (k, it.get("key")))
+            index.append(by_entry[it["entry"]])
+            keys.append(it["key"].encode("utf-8"))
+        n = len(index)
+        idx = (ctypes.c_uint32 * max(n, 1))(*index)
+        ks = (ctypes.c_char_p * max(n, 1))(*keys)
+        b, blen = ctypes.c_void_p(), ctypes.c_size_t()
+        check(_L().ferry_local_plan_edit(self._bytes, len(self._bytes), idx, ks, n,
+                                         ctypes.byref(b), ctypes.byref(blen)))
+        return LocalPlan(ctypes.string_at(b, blen.value))
 
 
 class SavePlan(_Plan):
@@ -179,6 +255,31 @@ def _wrap_checkpoint_fn(fn):
     return _CHECKPOINT_FN(call)
 
 
+def _wrap_transform(fn, keep):
+    """`keep` holds the bytes handed back until the next call: Ferry copies
+    them as soon as the function returns."""
+
+    def call(_user, data, n, out, out_len, error, error_len):
+        try:
+            plan = LocalPlan(ctypes.string_at(data, n))
+            got = fn(plan)
+            if got is None:
+                raise FerryError("transform_local_plan returned None: return the plan, "
+                                 "plan.with_items(items) or the items")
+            if not isinstance(got, LocalPlan):
+                got = plan.with_items(got)
+            keep[0] = ctypes.create_string_buffer(got.to_bytes(), len(got.to_bytes()))
+            out[0] = ctypes.addressof(keep[0])
+            out_len[0] = len(got.to_bytes())
+            return 0
+        except BaseException as e:  # noqa: BLE001 - anything it raises fails the save
+            msg = ("%s: %s" % (type(e).__name__, e)).encode("utf-8")[: max(error_len - 1, 0)]
+            ctypes.memmove(error, msg + b"\0", len(msg) + 1)
+            return 1
+
+    return _TRANSFORM_FN(call)
+
+
 _current = None  # the SavePlanner ferry.save_on_this_process / ferry.barrier act on
 
 
@@ -201,11 +302,20 @@ class SavePlanner:
     (compress, shard_size, filename_prefix), or a dict with "overwrite",
     "metadata" and "file_options" (a CheckpointOptions). root: None = the configured
     root. step: None = one more than the latest committed step under root
-    (0 in an empty root). checkpoint_fn(state_dict, filename): see above."""
+    (0 in an empty root). checkpoint_fn(state_dict, filename),
+    transform_local_plan(plan) and owner_policy ("balanced", "lowest_rank"
+    or None): see the module docstring."""
 
     def __init__(self, state_dict, filename_prefix=None, options=None, checkpoint_fn=None,
-                 root=None, step=None, runtime=None):
+                 root=None, step=None, runtime=None, transform_local_plan=None,
+                 owner_policy=None):
         global _current
+        if owner_policy not in _OWNER_POLICIES:
+            raise FerryError("SavePlanner owner_policy %r: expected 'balanced', 'lowest_rank' or "
+                             "None" % (owner_policy,))
+        if transform_local_plan is not None and not callable(transform_local_plan):
+            raise FerryError("SavePlanner transform_local_plan must be callable, not %s"
+                             % type(transform_local_plan).__name__)
         self._rt = runtime or _core.default_runtime()
         if isinstance(options, _core.CheckpointOptions):
             options = {"file_options": options}
@@ -223,14 +333,18 @@ class SavePlanner:
         self._tensors = [t for _, t, _, _ in items]
         kv, kv_keep = _core._kvs(pairs)
         self._fn = _wrap_checkpoint_fn(checkpoint_fn) if checkpoint_fn else _CHECKPOINT_FN()
+        self._transform_out = [None]
+        self._transform = (_wrap_transform(transform_local_plan, self._transform_out)
+                           if transform_local_plan else _TRANSFORM_FN())
+        popts = _PlannerOptions(_OWNER_POLICIES[owner_policy], self._transform, None)
         out = ctypes.c_void_p()
-        check(_L().ferry_planner_create_opts(
+        check(_L().ferry_planner_create_ex(
             self._rt._alive(), self._entries.array, len(items),
             (filename_prefix or "").encode("utf-8"),
             str(root).encode("utf-8") if root else None,
             0 if step is None else 1, int(step or 0), 1 if opts.get("overwrite") else 0,
-            kv, len(pairs), ctypes.byref(copts) if copts is not None else None, self._fn, None,
-            ctypes.byref(out)))
+            kv, len(pairs), ctypes.byref(copts) if copts is not None else None,
+            ctypes.byref(popts), self._fn, None, ctypes.byref(out)))
         del kv_keep
         self._ptr = out
         self.step = _L().ferry_planner_step(out)

@@ -32,6 +32,28 @@ static int failures = 0;
   } while (0)
 
 /* A checkpoint_fn that fails with a message. */
+/* Keeps items 0 ("w", renamed "weight") and 2 ("b"); drops "tail". */
+static int drop_tail_fn(void* user, const char* plan, size_t len, const char** out, size_t* out_len,
+                        char* error, size_t error_len) {
+  const uint32_t items[2] = {0, 2};
+  const char* keys[2] = {"weight", NULL};
+  (void)user;
+  if (ferry_local_plan_edit(plan, len, items, keys, 2, out, out_len) == FERRY_OK) return 0;
+  snprintf(error, error_len, "edit failed: %s", ferry_last_error());
+  return 1;
+}
+
+static int raising_transform(void* user, const char* plan, size_t len, const char** out,
+                             size_t* out_len, char* error, size_t error_len) {
+  (void)user;
+  (void)plan;
+  (void)len;
+  (void)out;
+  (void)out_len;
+  snprintf(error, error_len, "transform says no");
+  return 1;
+}
+
 static int failing_fn(void* user, const ferry_tensor* planned, size_t n, const char* filename,
                       char* error, size_t error_len) {
   (void)user;
@@ -230,6 +252,42 @@ int main(void) {
     ferry_plans_release(global);
     ferry_planner_destroy(p);
   }
+  /* The planner's options: a transform that drops and renames items, the
+   * owner policy, and one that fails; an unknown policy is refused. */
+  ferry_planner_options po = {2, drop_tail_fn, NULL};
+  p = NULL;
+  CHECK_OK(
+      ferry_planner_create_ex(rt, ts, 3, NULL, root, 1, 30, 0, NULL, 0, NULL, &po, NULL, NULL, &p));
+  if (p) {
+    ferry_plans* global = NULL;
+    CHECK_OK(ferry_planner_global_plan(p, &global));
+    const char* mine = NULL;
+    size_t mine_len = 0;
+    CHECK_OK(ferry_plans_get(global, 0, &mine, &mine_len));
+    const char* json = NULL;
+    CHECK_OK(ferry_plan_json(mine, mine_len, &json));
+    CHECK(json && strstr(json, "\"key\":\"weight\"") && strstr(json, "\"key\":\"b\"") &&
+          !strstr(json, "\"tail\"") && !strstr(json, "\"key\":\"w\""));
+    ferry_plans_release(global);
+    ferry_planner_destroy(p); /* abandons the checkpoint */
+  }
+  po.transform_local_plan = raising_transform;
+  p = NULL;
+  CHECK_OK(
+      ferry_planner_create_ex(rt, ts, 3, NULL, root, 1, 30, 0, NULL, 0, NULL, &po, NULL, NULL, &p));
+  if (p) {
+    ferry_plans* global = NULL;
+    CHECK(ferry_planner_global_plan(p, &global) != FERRY_OK && global == NULL);
+    CHECK(strstr(ferry_last_error(), "transform_local_plan: raised: transform says no") != NULL);
+    ferry_planner_destroy(p);
+  }
+  po.owner_policy = 7;
+  p = NULL;
+  CHECK(ferry_planner_create_ex(rt, ts, 3, NULL, root, 1, 30, 0, NULL, 0, NULL, &po, NULL, NULL,
+                                &p) == FERRY_INVALID_ARGUMENT &&
+        p == NULL);
+  CHECK(strstr(ferry_last_error(), "owner_policy = 7") != NULL);
+
   /* File options: prefix, a cap that splits w over files, zstd; then a bad
    * prefix fails naming the field. */
   ferry_save_options fo = {"cprefix", 40, "zstd:1"};

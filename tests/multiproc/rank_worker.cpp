@@ -13,6 +13,9 @@
 //   rank_worker --mode planner|planner-skip --root DIR [--skip-rank R] [--fn write|raise]
 //               (the save in SavePlanner's steps; planner-skip: rank R never
 //               calls barrier(), and every rank must see the checkpoint fail)
+//               [--bad-for-rank R=prefix|shard|transform] (rank R alone passes
+//               a bad filename prefix, shard_size 0, or a transform that fails:
+//               every rank must fail naming it, then all save again)
 // Exit 0 when the mode's expectation holds (for mismatch: the save failed
 // with an error naming what it must name; kill: 3 then; disagree: the save
 // failed saying the ranks disagree), 1 otherwise.
@@ -195,6 +198,64 @@ int send_garbage() {
   return reports >= 3 ? 0 : 1;
 }
 
+// The SavePlanner steps of a save that must commit; prints SAVED path.
+int plain_planner_save(ferry::Runtime& rt, const ferry::StateDict& sd) {
+  ferry::SavePlanner planner(rt, sd, "rank");
+  auto global = planner.create_global_plan();
+  if (!global.ok()) {
+    std::printf("ERROR plan: %s\n", global.status().to_string().c_str());
+    return 1;
+  }
+  ferry::Status wrote = planner.save_on_this_process((*global)[rt.rank()]).wait();
+  auto path = planner.barrier();
+  if (!wrote.ok() || !path.ok()) {
+    std::printf("ERROR save: %s\n", (wrote.ok() ? path.status() : wrote).to_string().c_str());
+    return 1;
+  }
+  std::printf("SAVED %s\n", path->c_str());
+  return 0;
+}
+
+// --bad-for-rank R=WHAT: rank R's SavePlanner gets a bad argument. Every rank
+// must fail at create_global_plan, naming the option (and, on the others,
+// rank R), long before plan-timeout; then the ranks are still in step and
+// the next save commits.
+int planner_bad_argument(ferry::Runtime& rt, const ferry::StateDict& sd, const std::string& spec) {
+  const int rank = rt.rank();
+  const int bad_rank = std::stoi(spec);
+  const std::string what = spec.substr(spec.find('=') + 1);
+  const char* option = what == "prefix"  ? "filename_prefix"
+                       : what == "shard" ? "shard_size"
+                                         : "transform_local_plan";
+  ferry::SavePlannerOptions o;
+  std::string prefix = "rank";
+  if (rank == bad_rank) {
+    if (what == "prefix") prefix = "../elsewhere";
+    if (what == "shard") o.save.shard_size = 0;
+    if (what == "transform")
+      o.transform_local_plan = [](ferry::LocalSavePlan& p) {
+        p.items.push_back(p.items.front());  // adds an item: refused
+        return ferry::Status();
+      };
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  {
+    ferry::SavePlanner planner(rt, sd, prefix, o);
+    auto global = planner.create_global_plan();
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    const std::string msg = global.ok() ? "planned!" : global.status().to_string();
+    std::printf("FAILED as expected after %.0f ms: %s\n", ms, msg.c_str());
+    const std::string who = "rank " + std::to_string(bad_rank);
+    if (global.ok() || msg.find(option) == std::string::npos ||
+        (rank != bad_rank && msg.find(who) == std::string::npos)) {
+      std::printf("ERROR the error does not name %s and %s\n", option, who.c_str());
+      return 1;
+    }
+  }
+  return plain_planner_save(rt, sd);
+}
+
 // The save in SavePlanner's steps: every rank sees every rank's plan, tries
 // another rank's plan (refused), writes its own and meets the others at
 // barrier(). Exit 0 when the outcome is the expected one.
@@ -202,6 +263,8 @@ int planner_steps(ferry::Runtime& rt, const ferry::StateDict& sd,
                   const std::vector<std::string>& replicated, const std::string& mode, int argc,
                   char** argv) {
   const int rank = rt.rank(), world = rt.world_size();
+  const std::string bad_for = arg(argc, argv, "--bad-for-rank", "");
+  if (!bad_for.empty()) return planner_bad_argument(rt, sd, bad_for);
   const int skip_rank = std::stoi(arg(argc, argv, "--skip-rank", "1"));
   // --fn write: every rank's file comes from a checkpoint_fn; --fn raise:
   // rank --skip-rank's function throws, and every rank must fail.

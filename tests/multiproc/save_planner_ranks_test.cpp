@@ -1,7 +1,8 @@
 // SavePlanner's steps in a real multi-process job (`ferry launch`): every
 // rank sees every rank's plan, another rank's plan is refused, barrier()
 // commits a checkpoint that loads into other shardings, and a rank that never
-// reaches barrier() fails the checkpoint on every rank within write-timeout.
+// reaches barrier() fails the checkpoint on every rank within write-timeout,
+// and a bad argument on one rank fails it on every rank at once.
 
 #include <catch2/catch.hpp>
 
@@ -104,4 +105,25 @@ TEST_CASE("the owner policy is a planner option every rank must agree on", "[ran
   CHECK(bad.code == 0);
   CHECK(count(bad.out, "FAILED as expected") == 2);
   CHECK(ferry::list_checkpoints(*ferry::posix_filesystem(), e.path())->empty());
+}
+
+TEST_CASE("a bad SavePlanner argument on one rank aborts the checkpoint on every rank at once",
+          "[ranks][planner_api]") {
+  for (const char* bad : {"prefix", "shard", "transform"}) {
+    TempDir d;
+    INFO(bad);
+    // plan-timeout 30 s: the others must not wait for it.
+    auto r = launch(3, std::string("--mode planner --bad-for-rank 1=") + bad +
+                           " --set plan-timeout=30s --root " + d.path());
+    INFO(r.out);
+    CHECK(r.code == 0);
+    CHECK(count(r.out, "FAILED as expected") == 3);
+    CHECK(count(r.out, "ERROR") == 0);
+    CHECK(r.seconds < 15);
+    // The ranks stayed in step: the next save committed, and nothing else.
+    CHECK(count(r.out, "SAVED " + d.path() + "/step-00000000") == 3);
+    auto cps = ferry::list_checkpoints(*ferry::posix_filesystem(), d.path());
+    REQUIRE(cps.ok());
+    CHECK(cps->size() == 1);
+  }
 }

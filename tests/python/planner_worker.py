@@ -5,6 +5,9 @@ dict through ferry.SavePlanner's steps (`reshard_worker.py load` checks it):
   save-fn ROOT      a Python checkpoint_fn writes them (plain safetensors)
   save-opts ROOT    Ferry writes them as my_checkpoint-*, zstd, 256 data bytes a file
   raise ROOT        rank 1's checkpoint_fn raises: every rank must fail
+  transform ROOT    a transform_local_plan drops "skip_me" and renames
+                    "old_name" to "new_name"; owner_policy lowest_rank
+  transform-raise ROOT  rank 1's transform_local_plan raises: every rank must fail
 Every rank prints its local plan and every rank's plan as hex, so the test
 can replay them through the pure ferry.plan.global_plan."""
 
@@ -39,10 +42,58 @@ def write_safetensors(sd, filename):
         f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
 
 
+def transform_state_dict(rank, world):
+    """Six tensors every rank holds alike, one to drop, a row shard to rename."""
+    sd = {"rep%d" % i: torch.full((16 + i,), float(i)) for i in range(6)}
+    sd["skip_me"] = torch.ones(4)
+    full = torch.arange(40, dtype=torch.float32).reshape(10, 4)
+    sd["old_name"] = ferry.row_shard(full, rank, world)
+    return sd
+
+
+def transform_main(mode, root, rank, world):
+    def transform(plan):
+        if mode == "transform-raise" and rank == 1:
+            raise ValueError("planned transform bug")
+        items = [it for it in plan.items if it["key"] != "skip_me"]
+        for it in items:
+            if it["key"] == "old_name":
+                it["key"] = "new_name"
+        return items
+
+    planner = ferry.SavePlanner(transform_state_dict(rank, world), "rank", root=root,
+                                transform_local_plan=transform, owner_policy="lowest_rank")
+    try:
+        local = planner.create_local_plan()
+        print("LOCAL %d %s" % (rank, local.to_bytes().hex()), flush=True)
+        global_plan = planner.create_global_plan()
+    except ferry.FerryError as e:
+        print("rank %d failed: %s" % (rank, e), flush=True)
+        return 0 if mode == "transform-raise" and "planned transform bug" in str(e) else 1
+    if mode == "transform-raise":
+        print("ERROR rank %d planned although rank 1's transform raised" % rank, flush=True)
+        return 1
+    keys = sorted(it["key"] for it in global_plan[rank].items)
+    if keys != sorted(["new_name"] + ["rep%d" % i for i in range(6)]):
+        print("ERROR the plan has keys %s" % keys, flush=True)
+        return 1
+    for p in global_plan:
+        for it in p.items:
+            if it["key"].startswith("rep") and it["owners"] != [0]:
+                print("ERROR %s is written by %s" % (it["key"], it["owners"]), flush=True)
+                return 1
+    ferry.save_on_this_process(global_plan[rank]).wait()
+    path = ferry.barrier()
+    print("rank %d of %d saved %s" % (rank, world, path), flush=True)
+    return 0
+
+
 def main():
     mode, root = sys.argv[1], sys.argv[2]
     rank, world = ferry.rank(), ferry.default_runtime().world_size
     assert rank == int(os.environ["RANK"])
+    if mode.startswith("transform"):
+        return transform_main(mode, root, rank, world)
     got = {}
 
     def checkpoint_fn(sd, filename):

@@ -5,9 +5,11 @@ ranks printed, gives exactly the plans the job negotiated; another rank's
 plan is refused; a Python checkpoint_fn gets the planned tensors, and one
 that raises on one rank fails the checkpoint on every rank."""
 
+import json
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -15,6 +17,7 @@ import tempfile
 import _support  # noqa: F401 (exits 77, skipped, without torch)
 
 import ferry
+import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -47,6 +50,55 @@ def replay(out, n):
         raise AssertionError("plans out of rank order were accepted")
     except ferry.FerryError as e:
         assert "local_plans[0] is rank" in str(e), e
+
+
+def safetensors_keys(path):
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+    return set(k.split("@")[0] for k in header if k != "__metadata__")
+
+
+def transform_and_owner_policy():
+    """transform_local_plan drops and renames keys; owner_policy lowest_rank
+    puts every replicated tensor in rank 0's files; a raising transform fails
+    the checkpoint on every rank with its message."""
+    root = tempfile.mkdtemp(prefix="ferry_py_planner_")
+    try:
+        p = launch(2, "planner_worker.py", "transform", root)
+        assert p.returncode == 0, "transform with 2 ranks failed"
+        assert p.stdout.count(" saved ") == 2, p.stdout
+        path = ferry.latest(root)
+        reps = set("rep%d" % i for i in range(6))
+        assert set(ferry.read_manifest(path).tensors) == reps | {"new_name"}
+        by_rank = {0: set(), 1: set()}
+        for f in os.listdir(path):
+            if f.endswith(".safetensors"):
+                by_rank[int(f.split("-")[1])] |= safetensors_keys(os.path.join(path, f))
+        assert reps <= by_rank[0] and not (reps & by_rank[1]), by_rank
+        assert "new_name" in by_rank[0] and "new_name" in by_rank[1], by_rank
+        # The renamed tensor loads under its new key.
+        sd = {"new_name": torch.zeros(10, 4)}
+        ferry.load(sd, path, strict=False)
+        assert torch.equal(sd["new_name"], torch.arange(40, dtype=torch.float32).reshape(10, 4))
+        # The same local plans with the balanced policy would have put some
+        # replicas on rank 1: the option made the difference.
+        local = [bytes.fromhex(h) for _, h in
+                 sorted(re.findall(r"LOCAL (\d+) ([0-9a-f]+)", p.stdout))]
+        balanced = ferry.plan.global_plan(local, owner_policy="balanced")
+        assert any(it["owners"] != [0] for it in balanced[1].items if it["key"] in reps)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    root = tempfile.mkdtemp(prefix="ferry_py_planner_")
+    try:
+        p = launch(2, "planner_worker.py", "transform-raise", root)
+        assert p.returncode == 0, "a raising transform did not fail every rank"
+        failed = re.findall(r"^\[rank \d+\] rank \d+ failed: .*$", p.stdout, re.M)
+        assert len(failed) == 2 and all("ValueError: planned transform bug" in f
+                                        for f in failed), p.stdout
+        assert ferry.list_steps(root) == []
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def main():
@@ -92,7 +144,9 @@ def main():
         assert ferry.list_steps(root) == [], ferry.list_steps(root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print("planner steps on 2 and 4 ranks, checkpoint_fn, pure global plan: ok")
+    transform_and_owner_policy()
+    print("planner steps on 2 and 4 ranks, checkpoint_fn, transform_local_plan, owner_policy, "
+          "pure global plan: ok")
     return 0
 
 

@@ -281,6 +281,33 @@ FERRY_API ferry_status ferry_planner_create_opts(
     const char* root, int has_step, uint64_t step, int overwrite, const ferry_kv* metadata,
     size_t num_metadata, const ferry_save_options* opts, ferry_checkpoint_fn fn, void* fn_user,
     ferry_planner** out);
+
+/* Changes this rank's local plan before it is sent to rank 0
+ * (SavePlannerOptions::transform_local_plan): `plan` holds the local plan's
+ * bytes; the function points *out / *out_len at the bytes of the plan to
+ * send instead (e.g. from ferry_local_plan_edit; they must stay valid until
+ * the planner call that ran the function returns). It may drop items and
+ * rename keys, nothing else. Returns 0 on success; otherwise it may put a
+ * message in error (error_len bytes, NUL-terminated) and the checkpoint
+ * fails on every rank with that message. */
+typedef int (*ferry_plan_transform_fn)(void* user, const char* plan, size_t len, const char** out,
+                                       size_t* out_len, char* error, size_t error_len);
+
+/* The planner's own options (SavePlannerOptions). Zeroed: none. */
+typedef struct ferry_planner_options {
+  int owner_policy;                             /* who writes replicated tensors: 0 the configured
+                                                   owner-policy, 1 balanced, 2 lowest rank; every rank
+                                                   must pass the same */
+  ferry_plan_transform_fn transform_local_plan; /* NULL: the plan as made */
+  void* transform_user;                         /* its first argument */
+} ferry_planner_options;
+
+/* ferry_planner_create_opts with the planner's options (`popts` may be NULL). */
+FERRY_API ferry_status ferry_planner_create_ex(
+    ferry_runtime* rt, const ferry_tensor* tensors, size_t num_tensors, const char* filename_prefix,
+    const char* root, int has_step, uint64_t step, int overwrite, const ferry_kv* metadata,
+    size_t num_metadata, const ferry_save_options* opts, const ferry_planner_options* popts,
+    ferry_checkpoint_fn fn, void* fn_user, ferry_planner** out);
 /* Abandons an unfinished checkpoint (on every rank), then frees. */
 FERRY_API void ferry_planner_destroy(ferry_planner* p);
 FERRY_API uint64_t ferry_planner_step(const ferry_planner* p);
@@ -303,6 +330,12 @@ FERRY_API size_t ferry_plans_count(const ferry_plans* ps);
 FERRY_API ferry_status ferry_plans_get(const ferry_plans* ps, size_t rank, const char** bytes,
                                        size_t* len);
 FERRY_API void ferry_plans_release(ferry_plans* ps);
+/* A local plan of some of `plan`'s items: item k of the result is item
+ * items[k] of `plan` (an index into its items), keyed keys[k] (NULL: its own
+ * key). *out (valid until this thread's next call) holds its bytes. */
+FERRY_API ferry_status ferry_local_plan_edit(const char* plan, size_t len, const uint32_t* items,
+                                             const char* const* keys, size_t num_items,
+                                             const char** out, size_t* out_len);
 /* A local or rank plan's bytes as JSON / as text (valid until this thread's
  * next call of either). */
 FERRY_API ferry_status ferry_plan_json(const char* bytes, size_t len, const char** json);
