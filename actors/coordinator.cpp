@@ -164,9 +164,8 @@ void sweep(coordinator_ptr self, const std::string& dir, int32_t tries_left) {
   self->delayed_send(me(self), std::chrono::milliseconds(250), atom::sweep_v, dir, tries_left - 1);
 }
 
-// Ends the active checkpoint with an error for everyone still waiting, and
-// tells every rank (a rank busy writing has no request open to answer).
-// Kept for a while, so that a rank whose plan comes late gets it at once.
+// An aborted checkpoint's error, kept for a while, so that a rank whose plan
+// comes late gets it at once.
 void remember_abort(coordinator_state& st, const std::string& id, const Status& status) {
   if (st.aborted.emplace(id, status).second) st.aborted_order.push_back(id);
   if (st.aborted_order.size() > 16) {
@@ -175,6 +174,8 @@ void remember_abort(coordinator_state& st, const std::string& id, const Status& 
   }
 }
 
+// Ends the active checkpoint with an error for everyone still waiting, and
+// tells every rank (a rank busy writing has no request open to answer).
 void abort_active(coordinator_ptr self, const Status& status, int32_t failed_rank = -1) {
   auto& st = self->state;
   if (!st.active) return;

@@ -492,13 +492,11 @@ void start_custom_write(planner_ptr self) {
   for (size_t f = 0; f < cur.layouts.size(); ++f) {
     std::vector<PlannedSource> srcs;
     for (const auto& s : cur.sources[f]) srcs.push_back({s.view, s.offset});
-    auto sd = planned_state_dict(cur.layouts[f], srcs);
-    if (!sd.ok()) return fail(self, sd.status());
-    planned.push_back({cur.layouts[f], std::move(sd).value()});
+    planned.push_back({cur.layouts[f], std::move(srcs)});
     paths.push_back(join_path(cur.pending_dir, cur.layouts[f].name));
   }
   auto storage = std::make_shared<CheckpointFnWriter>(
-      st.ctx->fs, cur.job.checkpoint_fn, std::move(planned),
+      st.ctx->fs, cur.job.checkpoint_fn, std::move(planned), st.ctx->device,
       st.ctx->opts.checksum ? st.ctx->opts.checksum_block_bytes : 0, st.ctx->opts.fsync);
   cur.phase = Phase::opening;
   const uint64_t id = cur.id;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <exception>
+#include <future>
 #include <map>
 
 #include "checksum.hpp"
@@ -9,19 +10,32 @@
 namespace ferry {
 
 Result<StateDict> planned_state_dict(const FileLayout& planned,
-                                     const std::vector<PlannedSource>& sources) {
+                                     const std::vector<PlannedSource>& sources,
+                                     DeviceBackend* device,
+                                     std::deque<std::vector<uint8_t>>* staged) {
   StateDict sd;
   for (size_t c = 0; c < planned.chunks.size(); ++c) {
     const LaidOutChunk& lc = planned.chunks[c];
     const TensorView& v = sources[c].view;
-    if (!v.device.is_host() || !v.is_contiguous())
-      return Status::invalid_argument(
-          "checkpoint_fn: tensor '" + lc.chunk.key + "' is " +
-          (v.device.is_host() ? std::string("not contiguous") : "on " + v.device.to_string()) +
-          "; a checkpoint function is handed host, contiguous tensors only");
-    auto* base = static_cast<uint8_t*>(v.data);
-    FERRY_RETURN_IF_ERROR(
-        sd.add(lc.entry, TensorView(base + sources[c].offset, lc.chunk.dtype, lc.chunk.box.sizes)));
+    void* data = static_cast<uint8_t*>(v.data) + sources[c].offset;
+    if (!v.device.is_host() || !v.is_contiguous()) {
+      if (!device || !staged)
+        return Status::invalid_argument(
+            "checkpoint_fn: tensor '" + lc.chunk.key + "' is " +
+            (v.device.is_host() ? std::string("not contiguous") : "on " + v.device.to_string()) +
+            " and there is no device to copy it to host memory");
+      const uint64_t n = static_cast<uint64_t>(lc.chunk.box.numel()) * dtype_size(lc.chunk.dtype);
+      staged->emplace_back(std::max<uint64_t>(n, 1));
+      std::promise<Status> copied;
+      device->copy_out(v, sources[c].offset, n, staged->back().data(),
+                       [&copied](Status s) { copied.set_value(std::move(s)); });
+      Status s = copied.get_future().get();
+      if (!s.ok())
+        return s.with_context("checkpoint_fn: copying tensor '" + lc.chunk.key +
+                              "' to host memory: ");
+      data = staged->back().data();
+    }
+    FERRY_RETURN_IF_ERROR(sd.add(lc.entry, TensorView(data, lc.chunk.dtype, lc.chunk.box.sizes)));
   }
   return sd;
 }

@@ -3,9 +3,12 @@
 // handed, and what Ferry records of the file it wrote.
 #pragma once
 
+#include <cstdint>
+#include <deque>
 #include <string>
 #include <vector>
 
+#include "ferry/device.hpp"
 #include "ferry/filesystem.hpp"
 #include "ferry/planner.hpp"
 #include "layout.hpp"
@@ -14,14 +17,20 @@ namespace ferry {
 
 // The tensors the rank's plan puts in one file, keyed by their safetensors
 // entry names (entry_name): `sources[c]` is where chunk c of `planned`
-// starts in the caller's memory. Host, contiguous views only: the function
-// reads them directly (the error names the key otherwise).
+// starts in the caller's memory (a byte offset into its row-major stream).
+// Host, contiguous chunks are handed over as views of the caller's memory;
+// the others (strided, or on a device) are copied by `device` into buffers
+// appended to `*staged`, which must outlive the returned views. Blocks until
+// those copies are done. Without a device, such a chunk is an error naming
+// its key.
 struct PlannedSource {
   TensorView view;
   uint64_t offset = 0;
 };
 Result<StateDict> planned_state_dict(const FileLayout& planned,
-                                     const std::vector<PlannedSource>& sources);
+                                     const std::vector<PlannedSource>& sources,
+                                     DeviceBackend* device,
+                                     std::deque<std::vector<uint8_t>>* staged);
 
 // Reads back what the function wrote at `path`: a safetensors file holding
 // exactly the planned entries (any order, any padding). Fsyncs it and returns

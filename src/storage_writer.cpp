@@ -65,7 +65,11 @@ Status CheckpointFnWriter::write(File& f, const void*, uint64_t, uint64_t) {
 Status CheckpointFnWriter::finish_file(size_t index, File*, uint64_t) {
   if (index >= paths_.size())
     return Status::internal("checkpoint_fn: file " + std::to_string(index) + " was not opened");
-  FERRY_RETURN_IF_ERROR(run_checkpoint_fn(fn_, files_[index].tensors, paths_[index]));
+  std::deque<std::vector<uint8_t>> staged;  // this file's copies, freed once it is written
+  FERRY_ASSIGN_OR_RETURN(
+      StateDict planned,
+      planned_state_dict(files_[index].layout, files_[index].sources, device_.get(), &staged));
+  FERRY_RETURN_IF_ERROR(run_checkpoint_fn(fn_, planned, paths_[index]));
   FERRY_ASSIGN_OR_RETURN(written_[index],
                          adopt_written_file(*fs_, paths_[index], files_[index].layout,
                                             checksum_block_bytes_, &sums_[index], fsync_));

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint_fn.hpp"
+#include "ferry/device.hpp"
 #include "ferry/filesystem.hpp"
 #include "ferry/planner.hpp"
 #include "layout.hpp"
@@ -57,14 +59,18 @@ class PosixStorageWriter : public StorageWriter {
 class CheckpointFnWriter : public StorageWriter {
  public:
   struct PlannedFile {
-    FileLayout layout;  // the chunks the file must hold
-    StateDict tensors;  // the same, as views of the caller's memory, by entry name
+    FileLayout layout;                   // the chunks the file must hold
+    std::vector<PlannedSource> sources;  // where each starts in the caller's memory
   };
+  // `device` copies chunks the function cannot read in place (strided, or on
+  // a device) into host memory, one file's worth at a time.
   CheckpointFnWriter(std::shared_ptr<Filesystem> fs, CheckpointFn fn,
-                     std::vector<PlannedFile> files, uint64_t checksum_block_bytes, bool fsync)
+                     std::vector<PlannedFile> files, std::shared_ptr<DeviceBackend> device,
+                     uint64_t checksum_block_bytes, bool fsync)
       : fs_(std::move(fs)),
         fn_(std::move(fn)),
         files_(std::move(files)),
+        device_(std::move(device)),
         checksum_block_bytes_(checksum_block_bytes),
         fsync_(fsync) {}
   Result<std::vector<std::shared_ptr<File>>> open_checkpoint(
@@ -84,6 +90,7 @@ class CheckpointFnWriter : public StorageWriter {
   std::shared_ptr<Filesystem> fs_;
   CheckpointFn fn_;
   std::vector<PlannedFile> files_;
+  std::shared_ptr<DeviceBackend> device_;
   uint64_t checksum_block_bytes_;
   bool fsync_;
   std::vector<std::string> paths_;

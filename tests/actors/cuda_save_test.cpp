@@ -10,12 +10,15 @@
 #include <chrono>
 #include <cstring>
 #include <future>
+#include <map>
 #include <random>
 #include <thread>
 
 #include "cuda/device_cuda.hpp"
 #include "fake_cuda.hpp"
+#include "ferry/planner.hpp"
 #include "ferry/runtime.hpp"
+#include "safetensors_writer.hpp"
 #include "test_util.hpp"
 
 using ferry::Device;
@@ -228,6 +231,40 @@ TEST_CASE("cuda save: an error reported at a later query ends the save; the last
   CHECK(rig.rt->latest() == h3.path());
   CHECK(load_host(*rig.rt, h3.path(), {{"w", first.size()}})[0] ==
         std::vector<uint8_t>(first.size(), 0x11));
+}
+
+TEST_CASE("cuda save: a checkpoint_fn gets device tensors as host copies", "[actors][cuda]") {
+  TempDir dir;
+  GpuRig rig(dir.path());
+  const auto dev_bytes = random_bytes(200000, 11);
+  auto host_bytes = random_bytes(5000, 12);
+  ferry::StateDict sd;
+  REQUIRE(sd.add("d", rig.upload(0, dev_bytes)).ok());
+  REQUIRE(sd.add("h", TensorView(host_bytes.data(), DType::u8, {5000})).ok());
+  std::map<std::string, std::vector<uint8_t>> got;
+  ferry::SavePlannerOptions o;
+  o.save.stream = rig.stream;
+  o.save.stream_device = Device::cuda(0);
+  o.checkpoint_fn = [&](const ferry::StateDict& planned, const std::string& filename) {
+    for (const auto& e : planned.entries()) {
+      if (!e.view.device.is_host()) return ferry::Status::internal("a device view: " + e.key);
+      got[e.key.substr(0, e.key.find('@'))] = bytes_of(e.view);
+    }
+    return ferry::testing::write_safetensors(planned, filename);
+  };
+  ferry::SavePlanner p(*rig.rt, sd, "", o);
+  auto global = p.create_global_plan();
+  REQUIRE(global.ok());
+  auto wrote = p.save_on_this_process((*global)[0]).wait();
+  INFO(wrote.to_string());
+  REQUIRE(wrote.ok());
+  CHECK(got["d"] == dev_bytes);
+  CHECK(got["h"] == host_bytes);
+  auto path = p.barrier();
+  REQUIRE(path.ok());
+  auto back = load_host(*rig.rt, *path, {{"d", dev_bytes.size()}, {"h", host_bytes.size()}});
+  CHECK(back[0] == dev_bytes);
+  CHECK(back[1] == host_bytes);
 }
 
 TEST_CASE("cuda load: device tensors get the checkpoint's bytes, after the caller's stream",

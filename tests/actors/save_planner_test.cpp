@@ -6,6 +6,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <random>
 
 #include "catalog.hpp"
@@ -257,6 +258,55 @@ TEST_CASE("a checkpoint_fn gets exactly the planned tensors and its file is comm
   REQUIRE(rt->load(back.sd, *path).ok());
   CHECK(back.w == m.w);
   CHECK(back.b == m.b);
+}
+
+TEST_CASE("a checkpoint_fn gets strided tensors as contiguous host copies",
+          "[planner_api][checkpoint_fn]") {
+  TempDir d;
+  auto rt = make_runtime(d.path());
+  // A 6x5 matrix seen through two strided views: columns 1..3, and its
+  // transpose.
+  std::vector<float> base(6 * 5);
+  for (size_t i = 0; i < base.size(); ++i) base[i] = static_cast<float>(i) * 0.5f;
+  ferry::StateDict sd;
+  REQUIRE(sd.add("cols", ferry::TensorView(base.data() + 1, ferry::DType::f32, {6, 3},
+                                           ferry::Device::host(), {5, 1}))
+              .ok());
+  REQUIRE(sd.add("t", ferry::TensorView(base.data(), ferry::DType::f32, {5, 6},
+                                        ferry::Device::host(), {1, 5}))
+              .ok());
+  std::vector<float> want_cols, want_t;
+  for (int r = 0; r < 6; ++r)
+    for (int c = 1; c < 4; ++c) want_cols.push_back(base[r * 5 + c]);
+  for (int r = 0; r < 5; ++r)
+    for (int c = 0; c < 6; ++c) want_t.push_back(base[c * 5 + r]);
+  std::map<std::string, std::vector<float>> got;
+  ferry::SavePlannerOptions o;
+  o.checkpoint_fn = [&](const ferry::StateDict& planned, const std::string& filename) {
+    for (const auto& e : planned.entries()) {
+      if (!e.view.device.is_host() || !e.view.is_contiguous())
+        return Status::internal("handed a view it cannot read in place: " + e.key);
+      const auto* f = static_cast<const float*>(e.view.data);
+      got[e.key.substr(0, e.key.find('@'))].assign(f, f + e.view.numel());
+    }
+    return ferry::testing::write_safetensors(planned, filename);
+  };
+  ferry::SavePlanner p(*rt, sd, "", o);
+  auto global = p.create_global_plan();
+  REQUIRE(global.ok());
+  REQUIRE(p.save_on_this_process((*global)[0]).wait().ok());
+  CHECK(got["cols"] == want_cols);
+  CHECK(got["t"] == want_t);
+  auto path = p.barrier();
+  REQUIRE(path.ok());
+  CHECK(rt->latest_valid() == *path);
+  std::vector<float> cols(want_cols.size()), t(want_t.size());
+  ferry::StateDict back;
+  REQUIRE(back.add("cols", {cols.data(), ferry::DType::f32, {6, 3}}).ok());
+  REQUIRE(back.add("t", {t.data(), ferry::DType::f32, {5, 6}}).ok());
+  REQUIRE(rt->load(back, *path).ok());
+  CHECK(cols == want_cols);
+  CHECK(t == want_t);
 }
 
 TEST_CASE("a checkpoint_fn that fails, throws or writes nothing aborts the checkpoint",

@@ -112,7 +112,8 @@ class WriteHandle {
 // Ferry then reads the file back, checks it holds exactly those entries,
 // records sizes and checksums of what is there, fsyncs it and commits as
 // usual. A non-ok Status, an exception, or no file fails the checkpoint on
-// every rank. The state dict's tensors must be host and contiguous.
+// every rank. Tensors the function cannot read in place (strided views, or
+// on a GPU) are first copied to host memory, one file's worth at a time.
 using CheckpointFn = std::function<Status(const StateDict& planned, const std::string& filename)>;
 
 struct SavePlannerOptions {
