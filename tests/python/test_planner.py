@@ -3,7 +3,10 @@
 another sharding; the pure ferry.plan.global_plan, fed the local plans the
 ranks printed, gives exactly the plans the job negotiated; another rank's
 plan is refused; a Python checkpoint_fn gets the planned tensors, and one
-that raises on one rank fails the checkpoint on every rank."""
+that raises on one rank fails the checkpoint on every rank; a
+transform_local_plan drops and renames keys and owner_policy lowest_rank puts
+every replicated tensor in rank 0's files; a transform that raises on one rank
+fails the checkpoint on every rank with its message."""
 
 import json
 import os
