@@ -156,7 +156,11 @@ std::string missing_ranks(const std::vector<bool>& have) {
 // a few times (what still stays is gc's once its lease lapses).
 void sweep(coordinator_ptr self, const std::string& dir, int32_t tries_left) {
   auto& unswept = *self->state.unswept;
-  if (remove_all(*self->state.ctx->fs, dir).ok() || tries_left <= 0) {
+  // A file created between listing and rmdir is seen by the next listing;
+  // once rmdir succeeds no writer can create one (opens need the directory).
+  bool gone = false;
+  for (int i = 0; i < 4 && !gone; ++i) gone = remove_all(*self->state.ctx->fs, dir).ok();
+  if (gone || tries_left <= 0) {
     unswept.erase(dir);
     return;
   }
@@ -180,13 +184,14 @@ void abort_active(coordinator_ptr self, const Status& status, int32_t failed_ran
   auto& st = self->state;
   if (!st.active) return;
   Checkpoint& c = *st.active;
+  // Swept first: a rank that hears of the abort finds the directory gone.
+  if (c.phase == Phase::writing) sweep(self, c.pending_dir, 8);
   if (st.link)
     self->send(st.link, atom::broadcast_v,
                AbortMsg{st.ctx->job_id, c.id, failed_rank, phase_of(c), status});
   else if (st.planner)  // a rank busy writing has no request open to answer
     self->send(st.planner, atom::aborted_v, c.id, status);
   remember_abort(st, c.id, status);
-  if (c.phase == Phase::writing) sweep(self, c.pending_dir, 8);
   for (auto& p : c.plan_promises)
     if (p.pending()) p.deliver(PlanReply{st.ctx->job_id, c.id, status, "", {}});
   for (auto& p : c.commit_promises)
@@ -516,6 +521,8 @@ coordinator_actor::behavior_type coordinator_fun(coordinator_ptr self, ContextPt
         if (st.link)
           self->send(st.link, atom::broadcast_v,
                      AbortMsg{st.ctx->job_id, id, -1, "write", it->second});
+        else if (st.planner)
+          self->send(st.planner, atom::aborted_v, id, it->second);
       },
       [self](atom::attach_link, abort_broadcast_actor link) { self->state.link = std::move(link); },
       [self](atom::rank_failed, int32_t rank, const Status& why) {

@@ -213,8 +213,8 @@ void fail(planner_ptr self, Status status, bool local = true) {
   // The other ranks hear it now; this rank's handle once it has drained.
   if (local && !cur.checkpoint_id.empty())
     self->send(st.coordinator, atom::abort_ckpt_v, cur.checkpoint_id, status);
-  cur.verdict_due = local && !cur.checkpoint_id.empty() && st.ctx->world_size > 1 &&
-                    std::string(phase_name(cur.phase)) == "write";
+  cur.verdict_due =
+      local && !cur.checkpoint_id.empty() && std::string(phase_name(cur.phase)) == "write";
   cur.phase = Phase::draining;
   cur.failure = std::move(status);
   cur.drain_stage = 0;
