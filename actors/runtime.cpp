@@ -520,11 +520,17 @@ std::shared_ptr<detail::SaveState> detail::RuntimeAccess::start_save(
   const auto t0 = detail::SaveState::clock::now();
   auto state = std::make_shared<detail::SaveState>();
   state->step = step;
-  if (sd.entries().empty()) {
-    state->finish(Status::invalid_argument("save of step " + std::to_string(step) +
-                                           ": the state dict is empty (nothing to save)"),
-                  "");
+  // Refused here, at once; with other ranks a doomed job still takes this
+  // save's checkpoint id, so the ranks stay in step and hear why now rather
+  // than at plan-timeout.
+  auto refuse = [&](Status why) {
+    state->finish(why, "");
+    if (impl_->ctx->world_size > 1) start_doomed_save(rt, step, std::move(why));
     return state;
+  };
+  if (sd.entries().empty()) {
+    return refuse(Status::invalid_argument("save of step " + std::to_string(step) +
+                                           ": the state dict is empty (nothing to save)"));
   }
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
@@ -533,11 +539,9 @@ std::shared_ptr<detail::SaveState> detail::RuntimeAccess::start_save(
       if (!prev->snapshot_done) {
         if (impl_->ctx->opts.fail_fast) {
           plock.unlock();
-          state->finish(Status::busy("save of step " + std::to_string(step) +
+          return refuse(Status::busy("save of step " + std::to_string(step) +
                                      " refused: the save of step " + std::to_string(prev->step) +
-                                     " is still taking its snapshot (fail-fast is on)"),
-                        "");
-          return state;
+                                     " is still taking its snapshot (fail-fast is on)"));
         }
         prev->cv.wait(plock, [&] { return prev->snapshot_done; });
       }
@@ -546,15 +550,13 @@ std::shared_ptr<detail::SaveState> detail::RuntimeAccess::start_save(
   }
   std::string root = opts.root.empty() ? impl_->ctx->opts.root : opts.root;
   if (root.empty()) {
-    state->finish(
-        Status::invalid_argument("no checkpoint root: set ferry.root or SaveOptions::root"), "");
-    return state;
+    return refuse(
+        Status::invalid_argument("no checkpoint root: set ferry.root or SaveOptions::root"));
   }
   // Resolved here so the planner sees the values it applies, never unset ones.
   SaveOptions job_opts = opts;
   if (Status s = ferry::resolve_file_options(impl_->ctx->opts, job_opts); !s.ok()) {
-    state->finish(s.with_context("save of step " + std::to_string(step) + ": "), "");
-    return state;
+    return refuse(s.with_context("save of step " + std::to_string(step) + ": "));
   }
   state->started = t0;
   // Here, not in the snapshot actor: the copies must come after what the
@@ -562,8 +564,7 @@ std::shared_ptr<detail::SaveState> detail::RuntimeAccess::start_save(
   // after it returns.
   if (Status s = order_copies_after(*impl_->ctx->device, sd, opts.stream_device, opts.stream);
       !s.ok()) {
-    state->finish(s.with_context("save of step " + std::to_string(step) + ": "), "");
-    return state;
+    return refuse(s.with_context("save of step " + std::to_string(step) + ": "));
   }
   state->sd = sd;
   state->device = impl_->ctx->device;

@@ -8,6 +8,8 @@
 //               [--kill-after plan|snapshot|load] [--set key=value]...
 //               [--step-for-rank R=S] [--root-for-rank R=DIR]   (ranks that disagree)
 //               [--evict 1]  (load: drop the checkpoint from the page cache first)
+//               [--bad-for-rank R]  (save: first a save where rank R alone passes a
+//               bad shard_size; every rank must fail naming it, then save again)
 // A load prints LOADSTATS with its LoadReport figures and the bytes this
 // process read from disk (/proc/self/io read_bytes).
 //   rank_worker --mode planner|planner-skip --root DIR [--skip-rank R] [--fn write|raise]
@@ -467,6 +469,24 @@ int main(int argc, char** argv) {
   const std::string root_for = arg(argc, argv, "--root-for-rank", "");
   if (auto eq = root_for.find('='); eq != std::string::npos && std::stoi(root_for) == rank)
     so.root = root_for.substr(eq + 1);
+  const std::string bad_for = arg(argc, argv, "--bad-for-rank", "");
+  if (mode == "save" && !bad_for.empty()) {
+    // save_async with a bad option on one rank: every rank fails at once,
+    // naming it, and the next save commits (the ranks stayed in step).
+    const int bad_rank = std::stoi(bad_for);
+    ferry::SaveOptions bad = so;
+    if (rank == bad_rank) bad.shard_size = -5;
+    const auto b0 = std::chrono::steady_clock::now();
+    ferry::Status st = rt.save_async(sd, my_step, bad).wait_committed();
+    std::printf(
+        "FAILED as expected after %.0f ms: %s\n",
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - b0).count(),
+        st.to_string().c_str());
+    if (st.ok() || st.message().find("shard_size") == std::string::npos ||
+        (rank != bad_rank &&
+         st.message().find("rank " + std::to_string(bad_rank)) == std::string::npos))
+      return 1;
+  }
   const auto t0 = std::chrono::steady_clock::now();
   auto h = rt.save_async(sd, my_step, so);
   if (mode == "kill" && rank == kill_rank) {

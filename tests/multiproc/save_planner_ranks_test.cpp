@@ -127,3 +127,19 @@ TEST_CASE("a bad SavePlanner argument on one rank aborts the checkpoint on every
     CHECK(cps->size() == 1);
   }
 }
+
+TEST_CASE("a bad save_async option on one rank fails the save on every rank at once",
+          "[ranks][planner_api]") {
+  TempDir d;
+  auto r = launch(3, "--mode save --bad-for-rank 2 --set plan-timeout=30s --root " + d.path());
+  INFO(r.out);
+  CHECK(r.code == 0);
+  CHECK(count(r.out, "FAILED as expected") == 3);
+  CHECK(count(r.out, "shard_size") >= 3);
+  CHECK(r.seconds < 15);
+  // In step: the next save (the same step) committed on every rank.
+  CHECK(count(r.out, "SAVED " + d.path() + "/step-") == 3);
+  auto cps = ferry::list_checkpoints(*ferry::posix_filesystem(), d.path());
+  REQUIRE(cps.ok());
+  CHECK(cps->size() == 1);
+}
