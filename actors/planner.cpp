@@ -606,22 +606,22 @@ void start_next(planner_ptr self) {
   st.queue.pop_front();
   auto& cur = st.cur;
   cur.phase = Phase::planning;
-  if (!cur.job.doomed.ok()) {
-    // It still takes its checkpoint's id, so the ranks stay in step.
-    cur.checkpoint_id = checkpoint_id(st.ctx->run_salt, cur.id);
-    Status why =
-        cur.job.doomed.with_context("rank " + std::to_string(st.ctx->rank) + " (plan phase): ");
+  // Taken even by a save that fails here, so the ranks stay in step; the
+  // others hear why at once instead of at plan-timeout.
+  cur.checkpoint_id = checkpoint_id(st.ctx->run_salt, cur.id);
+  auto doom = [&](const Status& s) {
+    Status why = s.with_context("rank " + std::to_string(st.ctx->rank) + " (plan phase): ");
     self->send(st.coordinator, atom::abort_ckpt_v, cur.checkpoint_id, why);
-    return end_save(self, why, "");
-  }
+    end_save(self, why, "");
+  };
+  if (!cur.job.doomed.ok()) return doom(cur.job.doomed);
   if (cur.job.local) {
     cur.local = std::move(*cur.job.local);
   } else {
     auto local = make_local_plan(cur.job.sd, st.ctx->rank);
-    if (!local.ok()) return end_save(self, local.status(), "");
+    if (!local.ok()) return doom(local.status());
     cur.local = std::move(local).value();
   }
-  cur.checkpoint_id = checkpoint_id(st.ctx->run_salt, cur.id);
   arm_deadline(self, "plan", seconds(st.ctx->opts.plan_timeout_s));
   PlanRequest req{st.ctx->job_id, cur.checkpoint_id,      st.ctx->rank,          cur.job.step,
                   cur.job.root,   cur.job.opts.overwrite, cur.job.opts.metadata, cur.local,
