@@ -48,6 +48,7 @@ CAF_ADD_ATOM(ferry, ferry::atom, phase_due, "phasedue")
 CAF_ADD_ATOM(ferry, ferry::atom, aborted, "aborted")
 CAF_ADD_ATOM(ferry, ferry::atom, proceed, "proceed")
 CAF_ADD_ATOM(ferry, ferry::atom, custom, "custom")
+CAF_ADD_ATOM(ferry, ferry::atom, compress, "compress")
 // The coordinator's interface (coordinator_api), served by the coordinator
 // on rank 0 and by the link elsewhere.
 CAF_ADD_ATOM(ferry, ferry::atom, plan, "plan")
@@ -123,6 +124,25 @@ struct Proceed {
 struct ChunkSource {
   TensorView view;
   uint64_t offset = 0;
+};
+
+// The chunks of a rank's files and where each one's bytes come from, by
+// [file][chunk].
+struct FileChunks {
+  std::vector<std::vector<ChunkRef>> refs;
+  std::vector<std::vector<ChunkSource>> srcs;
+};
+
+// planner -> writer: compress every chunk (level > 0) from its source.
+struct CompressJob {
+  FileChunks chunks;
+  int level = 0;
+};
+
+// The chunks now point at their compressed bytes.
+struct CompressDone {
+  Status status;
+  FileChunks chunks;
 };
 
 // planner -> snapshot and serializer: everything about the files of a save.
@@ -201,6 +221,8 @@ CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::SaveJob)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::Proceed)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::CustomWrite)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::CustomWritten)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::CompressJob)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::CompressDone)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::PlanRequest)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::PlanReply)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::StreamJob)

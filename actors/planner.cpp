@@ -47,6 +47,7 @@ namespace {
 enum class Phase {
   idle,
   planning,
+  compressing,
   planned,
   opening,
   streaming,
@@ -66,6 +67,7 @@ struct Current {
   RankPlan plan;
   std::vector<FileLayout> layouts;
   std::vector<std::vector<ChunkSource>> sources;  // [file][chunk], as laid out
+  std::string all_plans;                          // every rank's plans, for a staged save
   std::vector<std::shared_ptr<File>> files;
   std::vector<uint64_t> file_bytes_left;  // data not yet reported written
   size_t files_left = 0;                  // not yet finished (fsynced)
@@ -150,6 +152,7 @@ const char* phase_name(Phase p) {
       return "idle";
     case Phase::planning:
       return "plan";
+    case Phase::compressing:
     case Phase::planned:
     case Phase::opening:
     case Phase::streaming:
@@ -380,48 +383,15 @@ void start_streaming(planner_ptr self) {
   self->send(st.snapshot, atom::stream_v, std::move(job));
 }
 
-// Compresses every chunk now, from the caller's tensors (untouched until
-// the snapshot is done), the frames of all chunks spread over up to 8
-// threads, and points each source at its stored bytes: the snapshot,
-// checksums and writers then handle them like any chunk.
-Status compress_chunks(const RankContext& ctx, int level, std::vector<std::vector<ChunkRef>>& refs,
-                       std::vector<std::vector<ChunkSource>>& srcs) {
-  std::vector<RawSpan> spans;
-  std::deque<std::vector<uint8_t>> staged;  // device or strided tensors, gathered first
-  for (size_t f = 0; f < refs.size(); ++f)
-    for (size_t c = 0; c < refs[f].size(); ++c) {
-      const ChunkSource& src = srcs[f][c];
-      const uint64_t n = refs[f][c].nbytes();
-      const uint8_t* bytes = static_cast<const uint8_t*>(src.view.data) + src.offset;
-      if (!src.view.device.is_host() || !src.view.is_contiguous()) {
-        staged.emplace_back(n);
-        std::promise<Status> copied;
-        ctx.device->copy_out(src.view, src.offset, n, staged.back().data(),
-                             [&copied](Status s) { copied.set_value(std::move(s)); });
-        FERRY_RETURN_IF_ERROR(copied.get_future().get());
-        bytes = staged.back().data();
-      }
-      spans.push_back({bytes, n, "compressing tensor '" + refs[f][c].key + "'"});
-    }
-  const uint32_t threads = std::max(2u, std::min(8u, std::thread::hardware_concurrency()));
-  FERRY_ASSIGN_OR_RETURN(std::vector<Compressed> z, compress_spans(spans, level, threads));
-  size_t k = 0;
-  for (size_t f = 0; f < refs.size(); ++f)
-    for (size_t c = 0; c < refs[f].size(); ++c) {
-      auto stored = std::make_shared<const Compressed>(std::move(z[k++]));
-      srcs[f][c].view = TensorView(const_cast<uint8_t*>(stored->data.data()), DType::u8,
-                                   {static_cast<int64_t>(stored->data.size())});
-      srcs[f][c].offset = 0;
-      refs[f][c].compressed = std::move(stored);
-    }
-  return Status();
-}
-
-Status make_layouts(planner_state& st) {
+// The chunks of this rank's files, in plan order (files capped at
+// shard_size), and where each one's bytes come from.
+Status plan_chunks(planner_state& st, FileChunks& out) {
   auto& cur = st.cur;
   const auto& entries = cur.job.sd.entries();
-  std::vector<std::vector<ChunkRef>> refs(cur.plan.files);
-  std::vector<std::vector<ChunkSource>> srcs(cur.plan.files);
+  auto& refs = out.refs;
+  auto& srcs = out.srcs;
+  refs.assign(cur.plan.files, {});
+  srcs.assign(cur.plan.files, {});
   for (const ChunkAssignment& a : cur.plan.chunks) {
     if (a.item >= cur.local.items.size() || a.file >= cur.plan.files)
       return Status::internal("global plan refers to item " + std::to_string(a.item) + " / file " +
@@ -463,8 +433,16 @@ Status make_layouts(planner_state& st) {
       }
     }
   }
+  return Status();
+}
+
+// The files' layouts, from their chunks (compressed already where asked).
+Status make_layouts(planner_state& st, FileChunks& chunks) {
+  auto& cur = st.cur;
+  auto& refs = chunks.refs;
+  auto& srcs = chunks.srcs;
+  const SaveOptions& so = cur.job.opts;
   const int level = compress_level(so.compress.value_or("none"));
-  if (level > 0) FERRY_RETURN_IF_ERROR(compress_chunks(*st.ctx, level, refs, srcs));
   const std::string prefix = so.filename_prefix.value_or("rank");
   const std::string ext = level > 0 ? kCompressedExtension : "safetensors";
   cur.layouts.clear();
@@ -527,6 +505,8 @@ void start_custom_write(planner_ptr self) {
           });
 }
 
+void on_chunks(planner_ptr self, FileChunks& chunks);
+
 void on_plan(planner_ptr self, const PlanReply& r) {
   auto& st = self->state;
   auto& cur = st.cur;
@@ -539,7 +519,37 @@ void on_plan(planner_ptr self, const PlanReply& r) {
   cur.pending_dir = r.pending_dir;
   cur.write_deadline = std::chrono::steady_clock::now() + seconds(st.ctx->opts.write_timeout_s);
   arm_deadline(self, "write", seconds(st.ctx->opts.write_timeout_s));
-  if (Status s = make_layouts(st); !s.ok()) return fail(self, s);
+  cur.all_plans = r.all_plans;
+  FileChunks chunks;
+  if (Status s = plan_chunks(st, chunks); !s.ok()) return fail(self, s);
+  const int level = compress_level(cur.job.opts.compress.value_or("none"));
+  if (level == 0) return on_chunks(self, chunks);
+  // Compressed on a writer's thread (and its helpers), so this actor stays
+  // responsive to aborts and deadlines meanwhile. A failed save's drain
+  // queues behind it at that writer, so it ends only once the caller's
+  // tensors are no longer read.
+  cur.phase = Phase::compressing;
+  const uint64_t id = cur.id;
+  self->request(st.writers[0], caf::infinite, atom::compress_v,
+                CompressJob{std::move(chunks), level})
+      .then(
+          [self, id](CompressDone& d) {
+            if (!live(self->state, id)) return;
+            if (!d.status.ok()) return fail(self, d.status);
+            on_chunks(self, d.chunks);
+          },
+          [self, id](caf::error& e) {
+            if (live(self->state, id))
+              fail(self, Status::internal("compressing: the writer: " + self->system().render(e)));
+          });
+}
+
+// The chunks are final: lay the files out and, unless a staged save waits
+// for its go-ahead, start writing.
+void on_chunks(planner_ptr self, FileChunks& chunks) {
+  auto& st = self->state;
+  auto& cur = st.cur;
+  if (Status s = make_layouts(st, chunks); !s.ok()) return fail(self, s);
   uint64_t total = 0;
   for (const auto& l : cur.layouts) total += l.size;
   cur.job.state->bytes_total = total;
@@ -549,9 +559,9 @@ void on_plan(planner_ptr self, const PlanReply& r) {
     m.files = cur.layouts.size();
   });
   if (cur.job.staged) {
-    if (r.all_plans.empty())
+    if (cur.all_plans.empty())
       return fail(self, Status::internal("rank 0 sent no global plan to a staged save"));
-    cur.job.state->mark_planned(r.all_plans);
+    cur.job.state->mark_planned(cur.all_plans);
     if (!cur.write_go) {
       cur.phase = Phase::planned;
       return;

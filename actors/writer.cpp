@@ -10,15 +10,63 @@
 // (`drain`), then has one of them close the files (`close`): no descriptor
 // is closed while another writer may still be inside a call on it.
 //
-//   (stateless) write | open | seal | syncdir | drain | close | custom, one at a time
+// A save's compression runs here too (CPU work that must not hold a
+// scheduler thread): a failed save's drain then queues behind it, and ends
+// only once the caller's tensors are no longer read.
+//
+//   (stateless) write | open | seal | syncdir | drain | close | custom | compress, one at a time
+
+#include <algorithm>
+#include <deque>
+#include <future>
+#include <thread>
 
 #include "actors/messages.hpp"
 #include "actors/writer_actor.hpp"
+#include "codec.hpp"
 #include "storage_writer.hpp"
 
 namespace ferry {
 
 namespace {
+
+// Compresses every chunk, from the caller's tensors (untouched until the
+// snapshot is done), the frames of all chunks spread over up to 8
+// threads, and points each source at its stored bytes: the snapshot,
+// checksums and writers then handle them like any chunk.
+Status compress_chunks(const RankContext& ctx, int level, FileChunks& chunks) {
+  auto& refs = chunks.refs;
+  auto& srcs = chunks.srcs;
+  std::vector<RawSpan> spans;
+  std::deque<std::vector<uint8_t>> staged;  // device or strided tensors, gathered first
+  for (size_t f = 0; f < refs.size(); ++f)
+    for (size_t c = 0; c < refs[f].size(); ++c) {
+      const ChunkSource& src = srcs[f][c];
+      const uint64_t n = refs[f][c].nbytes();
+      const uint8_t* bytes = static_cast<const uint8_t*>(src.view.data) + src.offset;
+      if (!src.view.device.is_host() || !src.view.is_contiguous()) {
+        staged.emplace_back(n);
+        std::promise<Status> copied;
+        ctx.device->copy_out(src.view, src.offset, n, staged.back().data(),
+                             [&copied](Status s) { copied.set_value(std::move(s)); });
+        FERRY_RETURN_IF_ERROR(copied.get_future().get());
+        bytes = staged.back().data();
+      }
+      spans.push_back({bytes, n, "compressing tensor '" + refs[f][c].key + "'"});
+    }
+  const uint32_t threads = std::max(2u, std::min(8u, std::thread::hardware_concurrency()));
+  FERRY_ASSIGN_OR_RETURN(std::vector<Compressed> z, compress_spans(spans, level, threads));
+  size_t k = 0;
+  for (size_t f = 0; f < refs.size(); ++f)
+    for (size_t c = 0; c < refs[f].size(); ++c) {
+      auto stored = std::make_shared<const Compressed>(std::move(z[k++]));
+      srcs[f][c].view = TensorView(const_cast<uint8_t*>(stored->data.data()), DType::u8,
+                                   {static_cast<int64_t>(stored->data.size())});
+      srcs[f][c].offset = 0;
+      refs[f][c].compressed = std::move(stored);
+    }
+  return Status();
+}
 
 struct writer_state {
   static inline const char* name = "ferry.writer";
@@ -75,6 +123,12 @@ writer_actor::behavior_type writer_fun(writer_actor::stateful_pointer<writer_sta
         return self->state.storage->commit(dir);
       },
       // Blocking like every other call here: the function writes the files.
+      [self](atom::compress, CompressJob& job) -> CompressDone {
+        CompressDone out;
+        out.status = compress_chunks(*self->state.ctx, job.level, job.chunks);
+        out.chunks = std::move(job.chunks);
+        return out;
+      },
       [](atom::custom, const CustomWrite& w) -> CustomWritten {
         CustomWritten out;
         auto& s = *w.storage;

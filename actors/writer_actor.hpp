@@ -28,7 +28,9 @@ using writer_actor = caf::typed_actor<
     caf::replies_to<atom::close, std::vector<std::shared_ptr<File>>>::with<bool>,
     // planner -> writer: the caller's checkpoint_fn writes the rank's files,
     // made durable with their directory.
-    caf::replies_to<atom::custom, CustomWrite>::with<CustomWritten>>;
+    caf::replies_to<atom::custom, CustomWrite>::with<CustomWritten>,
+    // planner -> writer: compress a save's chunks from the caller's tensors.
+    caf::replies_to<atom::compress, CompressJob>::with<CompressDone>>;
 
 // Detached and linked to `parent` (the planner).
 writer_actor spawn_writer(caf::local_actor* parent, ContextPtr ctx, planner_actor planner);

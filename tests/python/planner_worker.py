@@ -110,7 +110,13 @@ def main():
         planner = ferry.SavePlanner(saved_state_dict(rank, world), "rank", root=root,
                                     checkpoint_fn=checkpoint_fn if mode != "save" else None)
     print("LOCAL %d %s" % (rank, planner.create_local_plan().to_bytes().hex()), flush=True)
-    global_plan = planner.create_global_plan()
+    try:
+        global_plan = planner.create_global_plan()
+    except ferry.FerryError as e:
+        # Rank 1's raise may abort the checkpoint before this rank saw its
+        # plan: the same failure, one step earlier.
+        print("rank %d failed: %s" % (rank, e), flush=True)
+        return 0 if mode == "raise" and "planned bug" in str(e) else 1
     assert len(global_plan) == world and global_plan[rank].rank == rank
     if rank == 0:
         for p in global_plan:
@@ -124,10 +130,10 @@ def main():
         return 1
     except ferry.FerryError as e:
         print("refused: %s" % e, flush=True)
-    for r, plan in enumerate(global_plan):
-        if r == ferry.rank():
-            h = ferry.save_on_this_process(plan)
     try:
+        for r, plan in enumerate(global_plan):
+            if r == ferry.rank():
+                h = ferry.save_on_this_process(plan)
         h.wait()
         path = ferry.barrier()
     except ferry.FerryError as e:
