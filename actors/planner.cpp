@@ -28,8 +28,6 @@
 
 #include <deque>
 #include <functional>
-#include <future>
-#include <thread>
 
 #include "actors/messages.hpp"
 #include "actors/planner_actor.hpp"
