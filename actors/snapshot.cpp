@@ -8,13 +8,36 @@
 //                     |  no free block: waits for `freed`
 //                     +--abandon--> idle (blocks it holds go back to the pool)
 //
+// Copy lanes. The actor never copies: each block's copies go to the lane of
+// the device their tensor lives on (host, cuda:0, cuda:1, ...), a thread of
+// the snapshot's own with a FIFO queue, started when a save first uses that
+// device. The host lane runs the memcpys, so a snapshot neither waits for a
+// busy scheduler nor holds one of its threads; a CUDA lane hands its copies
+// to that device's stream in the backend. A lane posts `copied` once per
+// block when the block's copies on its device landed; the actor stays the
+// state machine (lease order, file order, abandon). One actor keeps the
+// blocks in file order for the serializer's running checksums and leases
+// pool blocks in that order, so the oldest unforwarded block always holds a
+// lease and streaming through a small pool cannot deadlock. Lanes are joined
+// when the actor exits; tasks still queued then are dropped uncopied.
+//
 // A copy that was issued cannot be recalled: the blocks of an abandoned save
 // whose copies still run become orphans. `abandon` is answered only once no
 // copy of that save runs any more, so the planner reports a failed save only
-// when the caller may free its tensors.
+// when the caller may free its tensors. Queued lane tasks of an abandoned
+// save are skipped (answered as aborted) rather than run.
 
+#include <pthread.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <thread>
 #include <unordered_map>
 
 #include "actors/messages.hpp"
@@ -23,6 +46,91 @@
 namespace ferry {
 
 namespace {
+
+// A thread with a FIFO queue of tasks. The destructor lets the running task
+// finish, drops the queued ones and joins.
+class CopyLane {
+ public:
+  explicit CopyLane(std::string name)
+      : thread_([this, name = std::move(name)] {
+          // Visible in top/gdb, and how the tests tell the copies' thread apart.
+          pthread_setname_np(pthread_self(), name.substr(0, 15).c_str());
+          run();
+        }) {}
+  ~CopyLane() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+      tasks_.clear();
+    }
+    cv_.notify_one();
+    thread_.join();
+  }
+  CopyLane(const CopyLane&) = delete;
+  CopyLane& operator=(const CopyLane&) = delete;
+
+  void post(std::function<void()> task) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      tasks_.push_back(std::move(task));
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  void run() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      cv_.wait(lock, [this] { return stop_ || !tasks_.empty(); });
+      if (stop_) return;
+      std::function<void()> task = std::move(tasks_.front());
+      tasks_.pop_front();
+      lock.unlock();
+      task();
+      task = nullptr;  // its captures go before the lock is taken again
+      lock.lock();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> tasks_;
+  bool stop_ = false;
+  std::thread thread_;  // last: started once the members above exist
+};
+
+// Lanes are keyed by device: -1 for host memory, N for cuda:N.
+int lane_key(const Device& d) {
+  return d.is_host() ? -1 : d.index;
+}
+
+// One copy of a block on one lane.
+struct LaneCopy {
+  TensorView view;
+  uint64_t src_off = 0;
+  uint64_t len = 0;
+  uint8_t* dst = nullptr;
+  std::string key;
+};
+
+// The copies of one block on one lane: `copied` is posted once, when the
+// last of them completed, with the first error.
+struct BlockCopies {
+  BlockCopies(snapshot_actor me, uint64_t save, uint64_t seq, size_t n)
+      : me(std::move(me)), save(save), seq(seq), left(n) {}
+  void done(Status s) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!s.ok() && status.ok()) status = std::move(s);
+    }
+    if (left.fetch_sub(1) == 1) caf::anon_send(me, atom::copied_v, save, seq, status);
+  }
+  snapshot_actor me;
+  uint64_t save, seq;
+  std::atomic<size_t> left;
+  std::mutex mu;
+  Status status;
+};
 
 struct InFlight {
   BlockMsg msg;
@@ -51,6 +159,13 @@ struct snapshot_state {
   std::unordered_map<uint64_t, std::vector<caf::response_promise>> quiet_waiters;
   bool waiting_for_block = false;
   bool fill_pending = false;
+  // Set when the current save is abandoned or fails: its queued lane tasks
+  // are skipped. A fresh flag per save.
+  std::shared_ptr<std::atomic<bool>> cancelled;
+  std::vector<int> job_lanes;  // lanes the current save used
+  // Last: destroyed (joined) first, while the pool the copies write to and
+  // the device they use are still held above.
+  std::map<int, std::unique_ptr<CopyLane>> lanes;
 
   bool all_issued() const { return next_file >= job.files.size(); }
 };
@@ -84,10 +199,17 @@ void release_all(snapshot_ptr self) {
   st.inflight.clear();
 }
 
+void cancel_queued(snapshot_state& st) {
+  if (st.cancelled) st.cancelled->store(true);
+}
+
 void finish(snapshot_ptr self, const Status& status) {
   auto& st = self->state;
   self->send(st.planner, atom::snapped_v, st.job.save, status);
-  if (!status.ok()) release_all(self);
+  if (!status.ok()) {
+    cancel_queued(st);
+    release_all(self);
+  }
   st.active = false;
   st.inflight.clear();
   st.job = StreamJob{};
@@ -152,7 +274,6 @@ void issue_block(snapshot_ptr self) {
     copies.push_back(
         {&sources[i], &c.chunk.key, sources[i].offset + (lo - c.offset), hi - lo, lo - off});
   }
-  b.outstanding = static_cast<uint32_t>(copies.size());
   st.inflight.push_back(std::move(b));
 
   st.next_offset += len;
@@ -164,18 +285,53 @@ void issue_block(snapshot_ptr self) {
   }
 
   const uint64_t save = st.job.save;
-  snapshot_actor me = self;
-  for (const Copy& c : copies) {
-    // The device names itself and the CUDA error; only we know the tensor.
-    st.ctx->device->copy_out(c.src->view, c.src_off, c.len, dst + c.dst_off,
-                             [me, save, seq, key = *c.key](Status s) {
-                               if (!s.ok()) s = s.with_context("tensor '" + key + "': ");
-                               caf::anon_send(me, atom::copied_v, save, seq, std::move(s));
-                             });
+  std::map<int, std::vector<LaneCopy>> by_lane;
+  for (const Copy& c : copies)
+    by_lane[lane_key(c.src->view.device)].push_back(
+        {c.src->view, c.src_off, c.len, dst + c.dst_off, *c.key});
+  st.inflight.back().outstanding = static_cast<uint32_t>(by_lane.size());
+  for (auto& [key, lane_copies] : by_lane) {
+    auto& lane = st.lanes[key];
+    if (!lane)
+      lane =
+          std::make_unique<CopyLane>(key < 0 ? "ferry.copy" : "ferry.copy." + std::to_string(key));
+    if (std::find(st.job_lanes.begin(), st.job_lanes.end(), key) == st.job_lanes.end())
+      st.job_lanes.push_back(key);
+    lane->post([device = st.ctx->device, cancelled = st.cancelled,
+                done = std::make_shared<BlockCopies>(self, save, seq, lane_copies.size()),
+                lane_copies = std::move(lane_copies), me = caf::actor_cast<caf::actor>(self)] {
+      if (cancelled->load()) {
+        for (size_t i = 0; i < lane_copies.size(); ++i)
+          done->done(Status::aborted("the save was abandoned before this copy started"));
+        return;
+      }
+      for (const LaneCopy& c : lane_copies) {
+        try {
+          // The device names itself and the CUDA error; only we know the tensor.
+          device->copy_out(c.view, c.src_off, c.len, c.dst, [done, key = c.key](Status s) {
+            if (!s.ok()) s = s.with_context("tensor '" + key + "': ");
+            done->done(std::move(s));
+          });
+        } catch (...) {
+          // A backend that throws is a bug: end the snapshot actor as if it
+          // had thrown there, so the planner linked to it fails every wait.
+          caf::anon_send_exit(me, caf::exit_reason::unhandled_exception);
+          return;
+        }
+      }
+    });
   }
-  // Once the last copy is queued, wait_snapshot(stream) can order the
-  // caller's stream after it.
-  if (st.all_issued() && st.job.state) st.job.state->mark_copies_issued();
+  // Once the last copy is queued with its device, wait_snapshot(stream) can
+  // order the caller's stream after it: each lane says so after it handed
+  // on its earlier tasks (FIFO).
+  if (st.all_issued() && st.job.state && st.job_lanes.empty()) st.job.state->mark_copies_issued();
+  if (st.all_issued() && st.job.state && !st.job_lanes.empty()) {
+    auto left = std::make_shared<std::atomic<size_t>>(st.job_lanes.size());
+    for (int key : st.job_lanes)
+      st.lanes[key]->post([left, state = st.job.state] {
+        if (left->fetch_sub(1) == 1) state->mark_copies_issued();
+      });
+  }
 }
 
 snapshot_actor::behavior_type snapshot_fun(snapshot_ptr self, ContextPtr ctx,
@@ -195,6 +351,8 @@ snapshot_actor::behavior_type snapshot_fun(snapshot_ptr self, ContextPtr ctx,
         st.next_index = 0;
         st.seq_base = st.next_seq;  // sequence numbers never repeat (see orphans)
         st.waiting_for_block = false;
+        st.cancelled = std::make_shared<std::atomic<bool>>(false);
+        st.job_lanes.clear();
         if (st.all_issued()) {
           finish(self, Status());
           return;
@@ -236,6 +394,7 @@ snapshot_actor::behavior_type snapshot_fun(snapshot_ptr self, ContextPtr ctx,
       [self](atom::abandon, uint64_t save) -> caf::result<bool> {
         auto& st = self->state;
         if (st.active && save == st.job.save) {
+          cancel_queued(st);
           release_all(self);
           st.active = false;
           st.job = StreamJob{};
