@@ -8,24 +8,26 @@
 //                     |  no free block: waits for `freed`
 //                     +--abandon--> idle (blocks it holds go back to the pool)
 //
-// Copy lanes. The actor never copies: each block's copies go to the lane of
-// the device their tensor lives on (host, cuda:0, cuda:1, ...), a thread of
-// the snapshot's own with a FIFO queue, started when a save first uses that
-// device. The host lane runs the memcpys, so a snapshot neither waits for a
-// busy scheduler nor holds one of its threads; a CUDA lane hands its copies
-// to that device's stream in the backend. A lane posts `copied` once per
-// block when the block's copies on its device landed; the actor stays the
-// state machine (lease order, file order, abandon). One actor keeps the
-// blocks in file order for the serializer's running checksums and leases
-// pool blocks in that order, so the oldest unforwarded block always holds a
-// lease and streaming through a small pool cannot deadlock. Lanes are joined
-// when the actor exits; tasks still queued then are dropped uncopied.
+// Where copies run. The actor never copies: host tensors' copies go to the
+// host copy lane, a thread of the snapshot's own with a FIFO queue, so a
+// snapshot neither waits for a busy scheduler nor holds one of its threads;
+// the copies of tensors on cuda:N go to the GPU snapshot actor of device N
+// (spawned when a save first uses it), which hands them to that device's
+// copy stream in the backend (its per-device bound on copies in flight
+// holds). A block's copies on one device post one `copied`; this actor stays
+// the state machine (lease order, file order, abandon). It alone leases pool
+// blocks and forwards them, both in file order: the serializer's running
+// checksums need each file's blocks in order, and leasing in that order
+// means the oldest unforwarded block always holds a lease, so streaming a
+// mixed save through a small pool cannot deadlock. The lane is joined when
+// the actor exits; tasks still queued then are dropped uncopied.
 //
 // A copy that was issued cannot be recalled: the blocks of an abandoned save
 // whose copies still run become orphans. `abandon` is answered only once no
 // copy of that save runs any more, so the planner reports a failed save only
 // when the caller may free its tensors. Queued lane tasks of an abandoned
-// save are skipped (answered as aborted) rather than run.
+// save are skipped (answered as aborted) rather than run; so are the GPU
+// copies of an abandoned save that reach their GPU actor after the abandon.
 
 #include <pthread.h>
 
@@ -99,38 +101,40 @@ class CopyLane {
   std::thread thread_;  // last: started once the members above exist
 };
 
-// Lanes are keyed by device: -1 for host memory, N for cuda:N.
-int lane_key(const Device& d) {
-  return d.is_host() ? -1 : d.index;
+Status abandoned() {
+  return Status::aborted("the save was abandoned before this copy started");
 }
 
-// One copy of a block on one lane.
-struct LaneCopy {
-  TensorView view;
-  uint64_t src_off = 0;
-  uint64_t len = 0;
-  uint8_t* dst = nullptr;
-  std::string key;
+void copy_out(DeviceBackend& device, const BlockCopy& c, const std::shared_ptr<BlockCopies>& done) {
+  // The device names itself and the CUDA error; only we know the tensor.
+  device.copy_out(c.view, c.src_off, c.len, c.dst, [done, key = c.key](Status s) {
+    if (!s.ok()) s = s.with_context("tensor '" + key + "': ");
+    done->done(std::move(s));
+  });
+}
+
+// One per GPU in use: hands that GPU's copies to the backend, which queues
+// them on the device's copy stream (never a blocking call here) and reports
+// each block's landing to the snapshot through BlockCopies.
+struct gpu_snapshot_state {
+  static inline const char* name = "ferry.snapshot.gpu";
+  ContextPtr ctx;
 };
 
-// The copies of one block on one lane: `copied` is posted once, when the
-// last of them completed, with the first error.
-struct BlockCopies {
-  BlockCopies(snapshot_actor me, uint64_t save, uint64_t seq, size_t n)
-      : me(std::move(me)), save(save), seq(seq), left(n) {}
-  void done(Status s) {
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      if (!s.ok() && status.ok()) status = std::move(s);
-    }
-    if (left.fetch_sub(1) == 1) caf::anon_send(me, atom::copied_v, save, seq, status);
-  }
-  snapshot_actor me;
-  uint64_t save, seq;
-  std::atomic<size_t> left;
-  std::mutex mu;
-  Status status;
-};
+gpu_snapshot_actor::behavior_type gpu_snapshot_fun(
+    gpu_snapshot_actor::stateful_pointer<gpu_snapshot_state> self, ContextPtr ctx) {
+  self->state.ctx = std::move(ctx);
+  return {
+      [self](atom::gpu_copy, const GpuCopies& g) {
+        if (g.cancelled->load()) {
+          for (size_t i = 0; i < g.copies.size(); ++i) g.done->done(abandoned());
+          return;
+        }
+        for (const BlockCopy& c : g.copies) copy_out(*self->state.ctx->device, c, g.done);
+      },
+      [](atom::gpu_issued, const IssuedMark& mark) { mark.arrive(); },
+  };
+}
 
 struct InFlight {
   BlockMsg msg;
@@ -162,10 +166,11 @@ struct snapshot_state {
   // Set when the current save is abandoned or fails: its queued lane tasks
   // are skipped. A fresh flag per save.
   std::shared_ptr<std::atomic<bool>> cancelled;
-  std::vector<int> job_lanes;  // lanes the current save used
+  std::vector<int> job_devices;            // the current save's: -1 host, N cuda:N
+  std::map<int, gpu_snapshot_actor> gpus;  // by CUDA device index
   // Last: destroyed (joined) first, while the pool the copies write to and
   // the device they use are still held above.
-  std::map<int, std::unique_ptr<CopyLane>> lanes;
+  std::unique_ptr<CopyLane> host_lane;
 
   bool all_issued() const { return next_file >= job.files.size(); }
 };
@@ -285,52 +290,51 @@ void issue_block(snapshot_ptr self) {
   }
 
   const uint64_t save = st.job.save;
-  std::map<int, std::vector<LaneCopy>> by_lane;
-  for (const Copy& c : copies)
-    by_lane[lane_key(c.src->view.device)].push_back(
+  std::map<int, std::vector<BlockCopy>> by_device;  // -1: host
+  for (const Copy& c : copies) {
+    const Device& d = c.src->view.device;
+    by_device[d.is_host() ? -1 : d.index].push_back(
         {c.src->view, c.src_off, c.len, dst + c.dst_off, *c.key});
-  st.inflight.back().outstanding = static_cast<uint32_t>(by_lane.size());
-  for (auto& [key, lane_copies] : by_lane) {
-    auto& lane = st.lanes[key];
-    if (!lane)
-      lane =
-          std::make_unique<CopyLane>(key < 0 ? "ferry.copy" : "ferry.copy." + std::to_string(key));
-    if (std::find(st.job_lanes.begin(), st.job_lanes.end(), key) == st.job_lanes.end())
-      st.job_lanes.push_back(key);
-    lane->post([device = st.ctx->device, cancelled = st.cancelled,
-                done = std::make_shared<BlockCopies>(self, save, seq, lane_copies.size()),
-                lane_copies = std::move(lane_copies), me = caf::actor_cast<caf::actor>(self)] {
+  }
+  st.inflight.back().outstanding = static_cast<uint32_t>(by_device.size());
+  for (auto& [device, block_copies] : by_device) {
+    if (std::find(st.job_devices.begin(), st.job_devices.end(), device) == st.job_devices.end())
+      st.job_devices.push_back(device);
+    auto done = std::make_shared<BlockCopies>(self, save, seq, block_copies.size());
+    if (device >= 0) {
+      auto& gpu = st.gpus[device];
+      if (!gpu) gpu = self->spawn<caf::linked>(gpu_snapshot_fun, st.ctx);
+      self->send(gpu, atom::gpu_copy_v, GpuCopies{std::move(block_copies), done, st.cancelled});
+      continue;
+    }
+    if (!st.host_lane) st.host_lane = std::make_unique<CopyLane>("ferry.copy");
+    st.host_lane->post([device = st.ctx->device, cancelled = st.cancelled, done,
+                        block_copies = std::move(block_copies),
+                        me = caf::actor_cast<caf::actor>(self)] {
       if (cancelled->load()) {
-        for (size_t i = 0; i < lane_copies.size(); ++i)
-          done->done(Status::aborted("the save was abandoned before this copy started"));
+        for (size_t i = 0; i < block_copies.size(); ++i) done->done(abandoned());
         return;
       }
-      for (const LaneCopy& c : lane_copies) {
-        try {
-          // The device names itself and the CUDA error; only we know the tensor.
-          device->copy_out(c.view, c.src_off, c.len, c.dst, [done, key = c.key](Status s) {
-            if (!s.ok()) s = s.with_context("tensor '" + key + "': ");
-            done->done(std::move(s));
-          });
-        } catch (...) {
-          // A backend that throws is a bug: end the snapshot actor as if it
-          // had thrown there, so the planner linked to it fails every wait.
-          caf::anon_send_exit(me, caf::exit_reason::unhandled_exception);
-          return;
-        }
+      try {
+        for (const BlockCopy& c : block_copies) copy_out(*device, c, done);
+      } catch (...) {
+        // A backend that throws is a bug: end the snapshot actor as if it
+        // had thrown there, so the planner linked to it fails every wait.
+        caf::anon_send_exit(me, caf::exit_reason::unhandled_exception);
       }
     });
   }
   // Once the last copy is queued with its device, wait_snapshot(stream) can
-  // order the caller's stream after it: each lane says so after it handed
-  // on its earlier tasks (FIFO).
-  if (st.all_issued() && st.job.state && st.job_lanes.empty()) st.job.state->mark_copies_issued();
-  if (st.all_issued() && st.job.state && !st.job_lanes.empty()) {
-    auto left = std::make_shared<std::atomic<size_t>>(st.job_lanes.size());
-    for (int key : st.job_lanes)
-      st.lanes[key]->post([left, state = st.job.state] {
-        if (left->fetch_sub(1) == 1) state->mark_copies_issued();
-      });
+  // order the caller's stream after it: the host lane and each GPU actor say
+  // so after they handed on what came before (both are FIFO).
+  if (!st.all_issued() || !st.job.state) return;
+  if (st.job_devices.empty()) return st.job.state->mark_copies_issued();
+  IssuedMark mark{std::make_shared<std::atomic<size_t>>(st.job_devices.size()), st.job.state};
+  for (int device : st.job_devices) {
+    if (device >= 0)
+      self->send(st.gpus[device], atom::gpu_issued_v, mark);
+    else
+      st.host_lane->post([mark] { mark.arrive(); });
   }
 }
 
@@ -352,7 +356,7 @@ snapshot_actor::behavior_type snapshot_fun(snapshot_ptr self, ContextPtr ctx,
         st.seq_base = st.next_seq;  // sequence numbers never repeat (see orphans)
         st.waiting_for_block = false;
         st.cancelled = std::make_shared<std::atomic<bool>>(false);
-        st.job_lanes.clear();
+        st.job_devices.clear();
         if (st.all_issued()) {
           finish(self, Status());
           return;
