@@ -1,8 +1,8 @@
 // Snapshot: copies the bytes of every file of a save, block by block, from
 // the caller's tensors into staging blocks. Copies are asynchronous (a GPU
 // copy completes later); filled blocks are forwarded to the serializer in
-// file order. One block is issued per message so the mailbox (freed blocks,
-// completions, aborts) is served between blocks.
+// file order. A few blocks are issued per message (issuing only queues their
+// copies) so the mailbox (freed blocks, completions, aborts) is served often.
 //
 //   idle --stream--> filling --(all blocks forwarded)--> idle
 //                     |  no free block: waits for `freed`
@@ -135,6 +135,8 @@ gpu_snapshot_actor::behavior_type gpu_snapshot_fun(
       [](atom::gpu_issued, const IssuedMark& mark) { mark.arrive(); },
   };
 }
+
+constexpr int kBlocksPerFill = 16;
 
 struct InFlight {
   BlockMsg msg;
@@ -367,7 +369,12 @@ snapshot_actor::behavior_type snapshot_fun(snapshot_ptr self, ContextPtr ctx,
         auto& st = self->state;
         st.fill_pending = false;
         if (!st.active || save != st.job.save || st.all_issued()) return;
-        issue_block(self);
+        // Issuing only queues copies, so a few blocks per message keep the
+        // lanes' queues ahead of their copies (a lane that runs dry sleeps
+        // and has to be woken for the next block).
+        for (int i = 0;
+             i < kBlocksPerFill && st.active && !st.all_issued() && !st.waiting_for_block; ++i)
+          issue_block(self);
         if (!st.waiting_for_block) schedule_fill(self);
         flush(self);
       },

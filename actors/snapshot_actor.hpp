@@ -24,8 +24,8 @@ namespace ferry {
 using snapshot_actor = caf::typed_actor<
     // planner -> snapshot: the files of a save to fill.
     caf::reacts_to<atom::stream, StreamJob>,
-    // snapshot -> itself: issue the next block (one per message, so the
-    // mailbox is served in between).
+    // snapshot -> itself: issue the next few blocks (a few per message, so
+    // the mailbox is served in between).
     caf::reacts_to<atom::fill, uint64_t>,
     // copy lane or GPU snapshot -> snapshot: the copies of (save, block
     // sequence) on one device landed, with the first error.
