@@ -1,20 +1,45 @@
 // Snapshot: copies the bytes of every file of a save, block by block, from
 // the caller's tensors into staging blocks. Copies are asynchronous (a GPU
 // copy completes later); filled blocks are forwarded to the serializer in
-// file order. One block is issued per message so the mailbox (freed blocks,
-// completions, aborts) is served between blocks.
+// file order. A few blocks are issued per message (issuing only queues their
+// copies) so the mailbox (freed blocks, completions, aborts) is served often.
 //
 //   idle --stream--> filling --(all blocks forwarded)--> idle
 //                     |  no free block: waits for `freed`
 //                     +--abandon--> idle (blocks it holds go back to the pool)
 //
+// Where copies run. The actor never copies: host tensors' copies go to the
+// host copy lane, a thread of the snapshot's own with a FIFO queue, so a
+// snapshot neither waits for a busy scheduler nor holds one of its threads;
+// the copies of tensors on cuda:N go to the GPU snapshot actor of device N
+// (spawned when a save first uses it), which hands them to that device's
+// copy stream in the backend (its per-device bound on copies in flight
+// holds). A block's copies on one device post one `copied`; this actor stays
+// the state machine (lease order, file order, abandon). It alone leases pool
+// blocks and forwards them, both in file order: the serializer's running
+// checksums need each file's blocks in order, and leasing in that order
+// means the oldest unforwarded block always holds a lease, so streaming a
+// mixed save through a small pool cannot deadlock. The lane is joined when
+// the actor exits; tasks still queued then are dropped uncopied.
+//
 // A copy that was issued cannot be recalled: the blocks of an abandoned save
 // whose copies still run become orphans. `abandon` is answered only once no
 // copy of that save runs any more, so the planner reports a failed save only
-// when the caller may free its tensors.
+// when the caller may free its tensors. Queued lane tasks of an abandoned
+// save are skipped (answered as aborted) rather than run; so are the GPU
+// copies of an abandoned save that reach their GPU actor after the abandon.
 
+#include <pthread.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <thread>
 #include <unordered_map>
 
 #include "actors/messages.hpp"
@@ -23,6 +48,95 @@
 namespace ferry {
 
 namespace {
+
+// A thread with a FIFO queue of tasks. The destructor lets the running task
+// finish, drops the queued ones and joins.
+class CopyLane {
+ public:
+  explicit CopyLane(std::string name)
+      : thread_([this, name = std::move(name)] {
+          // Visible in top/gdb, and how the tests tell the copies' thread apart.
+          pthread_setname_np(pthread_self(), name.substr(0, 15).c_str());
+          run();
+        }) {}
+  ~CopyLane() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+      tasks_.clear();
+    }
+    cv_.notify_one();
+    thread_.join();
+  }
+  CopyLane(const CopyLane&) = delete;
+  CopyLane& operator=(const CopyLane&) = delete;
+
+  void post(std::function<void()> task) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      tasks_.push_back(std::move(task));
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  void run() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      cv_.wait(lock, [this] { return stop_ || !tasks_.empty(); });
+      if (stop_) return;
+      std::function<void()> task = std::move(tasks_.front());
+      tasks_.pop_front();
+      lock.unlock();
+      task();
+      task = nullptr;  // its captures go before the lock is taken again
+      lock.lock();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> tasks_;
+  bool stop_ = false;
+  std::thread thread_;  // last: started once the members above exist
+};
+
+Status abandoned() {
+  return Status::aborted("the save was abandoned before this copy started");
+}
+
+void copy_out(DeviceBackend& device, const BlockCopy& c, const std::shared_ptr<BlockCopies>& done) {
+  // The device names itself and the CUDA error; only we know the tensor.
+  device.copy_out(c.view, c.src_off, c.len, c.dst, [done, key = c.key](Status s) {
+    if (!s.ok()) s = s.with_context("tensor '" + key + "': ");
+    done->done(std::move(s));
+  });
+}
+
+// One per GPU in use: hands that GPU's copies to the backend, which queues
+// them on the device's copy stream (never a blocking call here) and reports
+// each block's landing to the snapshot through BlockCopies.
+struct gpu_snapshot_state {
+  static inline const char* name = "ferry.snapshot.gpu";
+  ContextPtr ctx;
+};
+
+gpu_snapshot_actor::behavior_type gpu_snapshot_fun(
+    gpu_snapshot_actor::stateful_pointer<gpu_snapshot_state> self, ContextPtr ctx) {
+  self->state.ctx = std::move(ctx);
+  return {
+      [self](atom::gpu_copy, const GpuCopies& g) {
+        if (g.cancelled->load()) {
+          for (size_t i = 0; i < g.copies.size(); ++i) g.done->done(abandoned());
+          return;
+        }
+        for (const BlockCopy& c : g.copies) copy_out(*self->state.ctx->device, c, g.done);
+      },
+      [](atom::gpu_issued, const IssuedMark& mark) { mark.arrive(); },
+  };
+}
+
+constexpr int kBlocksPerFill = 16;
 
 struct InFlight {
   BlockMsg msg;
@@ -51,6 +165,14 @@ struct snapshot_state {
   std::unordered_map<uint64_t, std::vector<caf::response_promise>> quiet_waiters;
   bool waiting_for_block = false;
   bool fill_pending = false;
+  // Set when the current save is abandoned or fails: its queued lane tasks
+  // are skipped. A fresh flag per save.
+  std::shared_ptr<std::atomic<bool>> cancelled;
+  std::vector<int> job_devices;            // the current save's: -1 host, N cuda:N
+  std::map<int, gpu_snapshot_actor> gpus;  // by CUDA device index
+  // Last: destroyed (joined) first, while the pool the copies write to and
+  // the device they use are still held above.
+  std::unique_ptr<CopyLane> host_lane;
 
   bool all_issued() const { return next_file >= job.files.size(); }
 };
@@ -84,10 +206,17 @@ void release_all(snapshot_ptr self) {
   st.inflight.clear();
 }
 
+void cancel_queued(snapshot_state& st) {
+  if (st.cancelled) st.cancelled->store(true);
+}
+
 void finish(snapshot_ptr self, const Status& status) {
   auto& st = self->state;
   self->send(st.planner, atom::snapped_v, st.job.save, status);
-  if (!status.ok()) release_all(self);
+  if (!status.ok()) {
+    cancel_queued(st);
+    release_all(self);
+  }
   st.active = false;
   st.inflight.clear();
   st.job = StreamJob{};
@@ -152,7 +281,6 @@ void issue_block(snapshot_ptr self) {
     copies.push_back(
         {&sources[i], &c.chunk.key, sources[i].offset + (lo - c.offset), hi - lo, lo - off});
   }
-  b.outstanding = static_cast<uint32_t>(copies.size());
   st.inflight.push_back(std::move(b));
 
   st.next_offset += len;
@@ -164,18 +292,52 @@ void issue_block(snapshot_ptr self) {
   }
 
   const uint64_t save = st.job.save;
-  snapshot_actor me = self;
+  std::map<int, std::vector<BlockCopy>> by_device;  // -1: host
   for (const Copy& c : copies) {
-    // The device names itself and the CUDA error; only we know the tensor.
-    st.ctx->device->copy_out(c.src->view, c.src_off, c.len, dst + c.dst_off,
-                             [me, save, seq, key = *c.key](Status s) {
-                               if (!s.ok()) s = s.with_context("tensor '" + key + "': ");
-                               caf::anon_send(me, atom::copied_v, save, seq, std::move(s));
-                             });
+    const Device& d = c.src->view.device;
+    by_device[d.is_host() ? -1 : d.index].push_back(
+        {c.src->view, c.src_off, c.len, dst + c.dst_off, *c.key});
   }
-  // Once the last copy is queued, wait_snapshot(stream) can order the
-  // caller's stream after it.
-  if (st.all_issued() && st.job.state) st.job.state->mark_copies_issued();
+  st.inflight.back().outstanding = static_cast<uint32_t>(by_device.size());
+  for (auto& [device, block_copies] : by_device) {
+    if (std::find(st.job_devices.begin(), st.job_devices.end(), device) == st.job_devices.end())
+      st.job_devices.push_back(device);
+    auto done = std::make_shared<BlockCopies>(self, save, seq, block_copies.size());
+    if (device >= 0) {
+      auto& gpu = st.gpus[device];
+      if (!gpu) gpu = self->spawn<caf::linked>(gpu_snapshot_fun, st.ctx);
+      self->send(gpu, atom::gpu_copy_v, GpuCopies{std::move(block_copies), done, st.cancelled});
+      continue;
+    }
+    if (!st.host_lane) st.host_lane = std::make_unique<CopyLane>("ferry.copy");
+    st.host_lane->post([device = st.ctx->device, cancelled = st.cancelled, done,
+                        block_copies = std::move(block_copies),
+                        me = caf::actor_cast<caf::actor>(self)] {
+      if (cancelled->load()) {
+        for (size_t i = 0; i < block_copies.size(); ++i) done->done(abandoned());
+        return;
+      }
+      try {
+        for (const BlockCopy& c : block_copies) copy_out(*device, c, done);
+      } catch (...) {
+        // A backend that throws is a bug: end the snapshot actor as if it
+        // had thrown there, so the planner linked to it fails every wait.
+        caf::anon_send_exit(me, caf::exit_reason::unhandled_exception);
+      }
+    });
+  }
+  // Once the last copy is queued with its device, wait_snapshot(stream) can
+  // order the caller's stream after it: the host lane and each GPU actor say
+  // so after they handed on what came before (both are FIFO).
+  if (!st.all_issued() || !st.job.state) return;
+  if (st.job_devices.empty()) return st.job.state->mark_copies_issued();
+  IssuedMark mark{std::make_shared<std::atomic<size_t>>(st.job_devices.size()), st.job.state};
+  for (int device : st.job_devices) {
+    if (device >= 0)
+      self->send(st.gpus[device], atom::gpu_issued_v, mark);
+    else
+      st.host_lane->post([mark] { mark.arrive(); });
+  }
 }
 
 snapshot_actor::behavior_type snapshot_fun(snapshot_ptr self, ContextPtr ctx,
@@ -195,6 +357,8 @@ snapshot_actor::behavior_type snapshot_fun(snapshot_ptr self, ContextPtr ctx,
         st.next_index = 0;
         st.seq_base = st.next_seq;  // sequence numbers never repeat (see orphans)
         st.waiting_for_block = false;
+        st.cancelled = std::make_shared<std::atomic<bool>>(false);
+        st.job_devices.clear();
         if (st.all_issued()) {
           finish(self, Status());
           return;
@@ -205,7 +369,12 @@ snapshot_actor::behavior_type snapshot_fun(snapshot_ptr self, ContextPtr ctx,
         auto& st = self->state;
         st.fill_pending = false;
         if (!st.active || save != st.job.save || st.all_issued()) return;
-        issue_block(self);
+        // Issuing only queues copies, so a few blocks per message keep the
+        // lanes' queues ahead of their copies (a lane that runs dry sleeps
+        // and has to be woken for the next block).
+        for (int i = 0;
+             i < kBlocksPerFill && st.active && !st.all_issued() && !st.waiting_for_block; ++i)
+          issue_block(self);
         if (!st.waiting_for_block) schedule_fill(self);
         flush(self);
       },
@@ -236,6 +405,7 @@ snapshot_actor::behavior_type snapshot_fun(snapshot_ptr self, ContextPtr ctx,
       [self](atom::abandon, uint64_t save) -> caf::result<bool> {
         auto& st = self->state;
         if (st.active && save == st.job.save) {
+          cancel_queued(st);
           release_all(self);
           st.active = false;
           st.job = StreamJob{};

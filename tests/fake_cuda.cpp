@@ -1,5 +1,6 @@
 #include "fake_cuda.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 
@@ -13,7 +14,8 @@ thread_local std::map<uint64_t, int> current_device;
 
 }  // namespace
 
-FakeCuda::FakeCuda(int devices) : devices_(devices), async_error_(devices, 0) {
+FakeCuda::FakeCuda(int devices)
+    : devices_(devices), async_error_(devices, 0), copies_pending_(devices, 0) {
   instance_ = next_instance++;
   for (int d = 0; d < devices; ++d) {
     default_streams_.push_back(std::make_unique<Stream>());
@@ -136,6 +138,10 @@ int FakeCuda::event_record(cuda::EventHandle event, cuda::StreamHandle stream) {
   if (e->device != s->device) return cuda::kErrorInvalidValue;
   Op op{Op::record, {}, e, ++e->recorded};
   s->ops.push_back(std::move(op));
+  ++copies_pending_[s->device];
+  const int copying = static_cast<int>(
+      std::count_if(copies_pending_.begin(), copies_pending_.end(), [](int n) { return n > 0; }));
+  max_devices_copying_ = std::max(max_devices_copying_, copying);
   cv_.notify_all();
   return cuda::kSuccess;
 }
@@ -166,6 +172,10 @@ int FakeCuda::stream_wait_event(cuda::StreamHandle stream, cuda::EventHandle eve
   // The wait is for the record as of now; a later re-record does not move it.
   Op op{Op::wait, {}, it->second.get(), it->second->recorded};
   s->ops.push_back(std::move(op));
+  ++copies_pending_[s->device];
+  const int copying = static_cast<int>(
+      std::count_if(copies_pending_.begin(), copies_pending_.end(), [](int n) { return n > 0; }));
+  max_devices_copying_ = std::max(max_devices_copying_, copying);
   cv_.notify_all();
   return cuda::kSuccess;
 }
@@ -214,6 +224,10 @@ int FakeCuda::enqueue_copy(const char* call, void* dst, const void* src, size_t 
         },
         nullptr, 0};
   s->ops.push_back(std::move(op));
+  ++copies_pending_[s->device];
+  const int copying = static_cast<int>(
+      std::count_if(copies_pending_.begin(), copies_pending_.end(), [](int n) { return n > 0; }));
+  max_devices_copying_ = std::max(max_devices_copying_, copying);
   cv_.notify_all();
   return cuda::kSuccess;
 }
@@ -395,12 +409,15 @@ void FakeCuda::worker() {
       case Op::wait:
         break;
       case Op::copy:
-        if (fail_copy_countdown_ == 0) {
-          fail_copy_countdown_ = -1;
-          async_error_[pick->device] = fail_copy_err_;
-          break;
+        --copies_pending_[pick->device];
+        if (fail_copy_device_ < 0 || fail_copy_device_ == pick->device) {
+          if (fail_copy_countdown_ == 0) {
+            fail_copy_countdown_ = -1;
+            async_error_[pick->device] = fail_copy_err_;
+            break;
+          }
+          if (fail_copy_countdown_ > 0) --fail_copy_countdown_;
         }
-        if (fail_copy_countdown_ > 0) --fail_copy_countdown_;
         [[fallthrough]];
       case Op::kernel:
         // Outside the lock: a kernel may take long or call back into tests.
@@ -422,10 +439,16 @@ void FakeCuda::fail_next_call(const std::string& call, int err) {
   fail_calls_[call] = err;
 }
 
-void FakeCuda::fail_async_copy(int err, int nth) {
+void FakeCuda::fail_async_copy(int err, int nth, int device) {
   std::lock_guard<std::mutex> lock(mu_);
   fail_copy_err_ = err;
   fail_copy_countdown_ = nth;
+  fail_copy_device_ = device;
+}
+
+int FakeCuda::max_devices_copying() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return max_devices_copying_;
 }
 
 uint64_t FakeCuda::copies_enqueued() const {

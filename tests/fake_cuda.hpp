@@ -78,9 +78,12 @@ class FakeCuda final : public cuda::CudaApi {
   void fail_next_call(const std::string& call, int err);
   // The `nth` copy (0 = the next) to run on the device fails: its bytes are not
   // moved and the next event_query on that device returns `err` (once).
-  void fail_async_copy(int err, int nth = 0);
+  // With `device` >= 0 only copies on that device count.
+  void fail_async_copy(int err, int nth = 0, int device = -1);
 
   uint64_t copies_enqueued() const;
+  // The most devices that had copies enqueued and not yet run at one time.
+  int max_devices_copying() const;
   uint64_t pageable_copies() const;  // copies whose host side was not registered
   uint64_t stream_waits() const;     // stream_wait_event calls
   // Calls that needed a current device on a thread that never set one.
@@ -139,6 +142,9 @@ class FakeCuda final : public cuda::CudaApi {
   std::map<std::string, int> fail_calls_;
   int fail_copy_err_ = 0;
   int fail_copy_countdown_ = -1;
+  int fail_copy_device_ = -1;        // -1: any
+  std::vector<int> copies_pending_;  // per device: enqueued, not yet run
+  int max_devices_copying_ = 0;
   std::vector<int> async_error_;  // per device, reported at the next query
   uint64_t copies_ = 0, pageable_ = 0, waits_ = 0, unset_device_ = 0, register_calls_ = 0;
   std::thread worker_;

@@ -369,3 +369,75 @@ TEST_CASE("cuda load: an asynchronous copy error names the tensor; the next load
   REQUIRE(st2.ok());
   CHECK(bytes_of(target) == a);
 }
+
+TEST_CASE("cuda save: cuda:0, cuda:1 and host tensors in one save copy on both GPUs at once",
+          "[actors][cuda]") {
+  TempDir dir;
+  GpuRig rig(dir.path(), {{"pool-bytes", "8MiB"}});
+  // Interleaved, with tiny ones, so blocks hold bytes of several devices.
+  std::vector<std::pair<std::string, std::vector<uint8_t>>> want;
+  std::vector<std::vector<uint8_t>> host_store;
+  ferry::StateDict sd;
+  for (int i = 0; i < 12; ++i) {
+    const int where = i % 3;  // cuda:0, cuda:1, host
+    const size_t n = i % 4 == 3 ? 10 : 100000 + 37777 * static_cast<size_t>(i);
+    const std::string key = "t" + std::to_string(i) + (where == 2 ? "@host" : "@cuda");
+    want.emplace_back(key, random_bytes(n, 100 + static_cast<uint64_t>(i)));
+    if (where == 2) {
+      host_store.push_back(want.back().second);
+      REQUIRE(
+          sd.add(key, TensorView(host_store.back().data(), DType::u8, {static_cast<int64_t>(n)}))
+              .ok());
+    } else {
+      REQUIRE(sd.add(key, rig.upload(where, want.back().second)).ok());
+    }
+  }
+  rig.fake->pause();  // no copy completes: what is enqueued stays in flight
+  auto h = rig.save(sd, 4);
+  CHECK(eventually([&] { return rig.fake->max_devices_copying() >= 2; }));
+  CHECK_FALSE(h.snapshot_done());
+  rig.fake->resume();
+  auto st = h.wait_committed();
+  INFO(st.to_string());
+  REQUIRE(st.ok());
+  std::vector<std::pair<std::string, size_t>> keys;
+  for (auto& [k, v] : want) keys.emplace_back(k, v.size());
+  auto got = load_host(*rig.rt, h.path(), keys);
+  for (size_t i = 0; i < want.size(); ++i) {
+    INFO(want[i].first);
+    CHECK(got[i] == want[i].second);
+  }
+}
+
+TEST_CASE("cuda save: an error on cuda:1 ends a mixed save naming the tensor and the device",
+          "[actors][cuda]") {
+  TempDir dir;
+  GpuRig rig(dir.path(), {{"chunk-bytes", "64KiB"}, {"pool-bytes", "1MiB"}});
+  const auto a = random_bytes(400000, 20), b = random_bytes(300000, 21);
+  auto c = random_bytes(200000, 22);
+  ferry::StateDict sd;
+  REQUIRE(sd.add("on0", rig.upload(0, a)).ok());
+  REQUIRE(sd.add("on1", rig.upload(1, b)).ok());
+  REQUIRE(sd.add("host", TensorView(c.data(), DType::u8, {200000})).ok());
+  auto h1 = rig.save(sd, 1);
+  REQUIRE(h1.wait_committed().ok());
+  const std::string good = rig.rt->latest();
+
+  rig.fake->fail_async_copy(ferry::cuda::kErrorIllegalAddress, 1, /*device=*/1);
+  auto h2 = rig.save(sd, 2);
+  auto st = h2.wait_committed();
+  REQUIRE_FALSE(st.ok());
+  CHECK_THAT(st.message(), Catch::Contains("tensor 'on1'") && Catch::Contains("cuda:1") &&
+                               Catch::Contains("cudaErrorIllegalAddress"));
+  CHECK(rig.rt->latest() == good);
+
+  auto h3 = rig.save(sd, 3);
+  auto st3 = h3.wait_committed();
+  INFO(st3.to_string());
+  REQUIRE(st3.ok());
+  auto got =
+      load_host(*rig.rt, h3.path(), {{"on0", a.size()}, {"on1", b.size()}, {"host", c.size()}});
+  CHECK(got[0] == a);
+  CHECK(got[1] == b);
+  CHECK(got[2] == c);
+}

@@ -5,6 +5,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <stdexcept>
 
@@ -60,7 +61,52 @@ class ThrowingDevice : public ferry::DeviceBackend {
   }
 };
 
+// Host copies that count themselves; a copy that runs after `over` is set
+// breaks the contract that nothing touches the caller's tensors afterwards.
+class CountingDevice : public ferry::DeviceBackend {
+ public:
+  std::atomic<bool> over{false};
+  std::atomic<int> running{0};
+  std::atomic<int> after_over{0};
+  std::atomic<int> copies{0};
+  bool handles(const ferry::Device& d) const override { return d.is_host(); }
+  void copy_out(const ferry::TensorView& src, uint64_t offset, uint64_t len, void* dst,
+                Done done) override {
+    ++running;
+    ++copies;
+    if (over.load()) ++after_over;
+    ferry::strided_copy_out(src, offset, len, dst);
+    --running;
+    done(ferry::Status());
+  }
+  void copy_in(const void* src, const ferry::TensorView& dst, uint64_t offset, uint64_t len,
+               Done done) override {
+    ferry::strided_copy_in(src, dst, offset, len);
+    done(ferry::Status());
+  }
+};
+
 }  // namespace
+
+TEST_CASE("destroying the runtime with a save in flight ends it; no copy runs afterwards",
+          "[actors][save][contract]") {
+  TempDir dir;
+  auto device = std::make_shared<CountingDevice>();
+  // 16 MiB through a 1 MiB pool, each write slowed: the snapshot is still
+  // copying when the runtime goes.
+  auto rt = runtime(dir.path(), "latency:write:2ms", {{"pool-bytes", "1MiB"}}, device);
+  std::vector<float> big(4 << 20, 1.5f);
+  ferry::StateDict sd;
+  REQUIRE(sd.add("big", {big.data(), ferry::DType::f32, {4096, 1024}}).ok());
+  auto h = rt->save_async(sd, 1);
+  rt.reset();
+  device->over = true;
+  CHECK(h.done());
+  CHECK(device->running.load() == 0);
+  CHECK(device->copies.load() > 0);
+  // The save's actors and copy lane are gone: nothing can copy any more.
+  CHECK(device->after_over.load() == 0);
+}
 
 TEST_CASE("saving an empty state dict is an error", "[actors][save][contract]") {
   TempDir dir;
