@@ -196,6 +196,9 @@ void shared_reader_failed(link_ptr self, int32_t rank, const Status& why) {
   const Status reason =
       Status::aborted("rank " + std::to_string(rank) + " failed: " + why.message());
   BlockShareMsg m{st.ctx->job_id, kAnyLoad, rank, st.ctx->rank, 0, 0, reason, ""};
+  // Readers here waiting for room toward it stop; on a rank > 0 every
+  // window needs rank 0, which carries the acks.
+  st.ctx->shares->fail_rank(rank, reason, st.ctx->rank != 0 && rank == 0);
   if (st.loader) self->send(st.loader, atom::share_v, m);
   if (st.ctx->rank != 0) return;
   for (int32_t r = 1; r < st.ctx->world_size; ++r) {
@@ -219,7 +222,26 @@ void on_share(link_ptr self, int32_t from, BlockShareMsg share) {
     return send_frame(self, share.to, share);
   }
   if (!st.loader) return log(st, "no loader for a BlockShare from rank " + std::to_string(from));
+  // Rank 0 reports a failed rank to the others: readers here stop sending to it.
+  if (share.load_id == kAnyLoad && st.ctx->rank != 0)
+    st.ctx->shares->fail_rank(share.from, share.status);
   self->send(st.loader, atom::share_v, std::move(share));
+}
+
+// A receiver of shared bytes acknowledges them to their sender (flow
+// control). Rank 0 forwards what is for another rank, as it does BlockShare.
+void on_share_ack(link_ptr self, int32_t from, const ShareAckMsg& ack) {
+  auto& st = self->state;
+  const std::string what = "ShareAck from rank " + std::to_string(from);
+  if (st.ctx->rank == 0 && ack.from != from)
+    return log(st, "dropped " + what + " claiming rank " + std::to_string(ack.from));
+  if (ack.to != st.ctx->rank) {
+    if (st.ctx->rank != 0 || ack.to >= st.ctx->world_size)
+      return log(st, "dropped " + what + " for rank " + std::to_string(ack.to));
+    return send_frame(self, ack.to, ack);
+  }
+  Status s = st.ctx->shares->ack(ack.load_id, ack.from, ack.bytes, ack.status);
+  if (!s.ok()) log(st, "dropped " + what + ": " + s.message());
 }
 
 void on_remote(link_ptr self, int32_t from, WireMessage m) {
@@ -235,6 +257,7 @@ void on_remote(link_ptr self, int32_t from, WireMessage m) {
   }
   if (std::holds_alternative<JoinMsg>(m) || std::holds_alternative<JoinAckMsg>(m)) return;
   if (auto* share = std::get_if<BlockShareMsg>(&m)) return on_share(self, from, std::move(*share));
+  if (auto* ack = std::get_if<ShareAckMsg>(&m)) return on_share_ack(self, from, *ack);
   if (st.ctx->rank == 0) {
     if (auto* req = std::get_if<PlanRequest>(&m)) {
       if (req->rank != from) {
