@@ -250,12 +250,14 @@ class RunReader {
   Status run() {
     const uint64_t block = ctx_.pool->block_bytes();
     std::vector<ReadOp> ops;
+    std::vector<const ReadOp*> compressed;
     for (const ReadOp& op : task_.ops) {
       if (task_.manifest->tensors[op.tensor].chunks[op.chunk].codec.empty())
         ops.push_back(op);
       else
-        FERRY_RETURN_IF_ERROR(read_compressed_op(op));
+        compressed.push_back(&op);
     }
+    FERRY_RETURN_IF_ERROR(read_compressed_ops(compressed));
     runs_ = make_read_runs(std::move(ops), *task_.manifest, block, kAlign);
     size_t next = 0;
     while (next < runs_.size() || !inflight_.empty()) {
@@ -387,21 +389,55 @@ class RunReader {
     return Status();
   }
 
-  // A compressed chunk's frames are read, verified and decoded by the codec,
-  // then copied like raw bytes.
-  Status read_compressed_op(const ReadOp& op) {
-    FERRY_ASSIGN_OR_RETURN(OpenFile * file, open(op.file));
-    std::vector<uint8_t> raw;
-    FERRY_RETURN_IF_ERROR(read_compressed(*file->file, file->path, *task_.manifest, op, &raw)
-                              .with_context("rank " + std::to_string(ctx_.rank) + ": "));
-    CopyLatch latch;
-    const TensorView& target = task_.targets[op.entry];
-    for_each_copy(op, dtype_size(target.dtype), [&](uint64_t src, uint64_t dst, uint64_t n) {
-      latch.add();
-      ctx_.device->copy_in(raw.data() + src, target, dst, n,
-                           [&latch](Status st) { latch.arrive(std::move(st)); });
-    });
-    return latch.wait();
+  // A compressed chunk's frames are read, verified and decoded by the codec
+  // on the pread threads, kReadsInFlight ops at once (decoding is CPU work
+  // that would otherwise stall the next read), then copied like raw bytes,
+  // in order, on this thread. Every op started is waited for, whatever
+  // failed: the threads use this reader's files.
+  Status read_compressed_ops(const std::vector<const ReadOp*>& ops) {
+    struct Decoding {
+      const ReadOp* op;
+      std::shared_ptr<std::vector<uint8_t>> raw;
+      std::future<Result<size_t>> done;
+    };
+    std::deque<Decoding> q;
+    Status first;
+    size_t next = 0;
+    while (next < ops.size() || !q.empty()) {
+      while (first.ok() && next < ops.size() && q.size() < kReadsInFlight) {
+        const ReadOp* op = ops[next++];
+        auto file = open(op->file);
+        if (!file.ok()) {
+          first = file.status();
+          break;
+        }
+        auto raw = std::make_shared<std::vector<uint8_t>>();
+        q.push_back(
+            {op, raw,
+             io_.submit([f = file.value(), m = task_.manifest, op, raw]() -> Result<size_t> {
+               FERRY_RETURN_IF_ERROR(read_compressed(*f->file, f->path, *m, *op, raw.get()));
+               return raw->size();
+             })});
+      }
+      if (q.empty()) break;
+      Decoding d = std::move(q.front());
+      q.pop_front();
+      Result<size_t> got = d.done.get();
+      if (!first.ok()) continue;
+      if (!got.ok()) {
+        first = got.status().with_context("rank " + std::to_string(ctx_.rank) + ": ");
+        continue;
+      }
+      CopyLatch latch;
+      const TensorView& target = task_.targets[d.op->entry];
+      for_each_copy(*d.op, dtype_size(target.dtype), [&](uint64_t src, uint64_t dst, uint64_t n) {
+        latch.add();
+        ctx_.device->copy_in(d.raw->data() + src, target, dst, n,
+                             [&latch](Status st) { latch.arrive(std::move(st)); });
+      });
+      first = latch.wait();
+    }
+    return first;
   }
 
   void release(InFlight& f) {
