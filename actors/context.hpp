@@ -6,6 +6,7 @@
 #include <memory>
 #include <string>
 
+#include "actors/share_window.hpp"
 #include "ferry/device.hpp"
 #include "ferry/filesystem.hpp"
 #include "ferry/options.hpp"
@@ -25,6 +26,9 @@ struct RankContext {
   std::shared_ptr<Filesystem> fs;
   std::shared_ptr<DeviceBackend> device;
   std::shared_ptr<StagingPool> pool;
+  // Flow control of the replicated bytes this rank sends others in a load:
+  // readers wait in it, the link feeds it acks and failures.
+  std::shared_ptr<ShareWindows> shares = std::make_shared<ShareWindows>();
 };
 
 using ContextPtr = std::shared_ptr<const RankContext>;

@@ -196,6 +196,9 @@ void shared_reader_failed(link_ptr self, int32_t rank, const Status& why) {
   const Status reason =
       Status::aborted("rank " + std::to_string(rank) + " failed: " + why.message());
   BlockShareMsg m{st.ctx->job_id, kAnyLoad, rank, st.ctx->rank, 0, 0, reason, ""};
+  // Readers here waiting for room toward it stop; on a rank > 0 every
+  // window needs rank 0, which carries the acks.
+  st.ctx->shares->fail_rank(rank, reason, st.ctx->rank != 0 && rank == 0);
   if (st.loader) self->send(st.loader, atom::share_v, m);
   if (st.ctx->rank != 0) return;
   for (int32_t r = 1; r < st.ctx->world_size; ++r) {
@@ -205,9 +208,21 @@ void shared_reader_failed(link_ptr self, int32_t rank, const Status& why) {
   }
 }
 
+// Rank 0 passes a frame it checked on to `to` as it came: encoding it
+// again would cost another copy of up to a window of bytes.
+void relay(link_ptr self, int32_t to, const WireMessage& m, std::string& raw) {
+  auto& st = self->state;
+  if (!st.transport) return log(st, std::string("no transport to send ") + message_name(m));
+  Status s = st.transport->send(to, std::move(raw));
+  if (!s.ok())
+    log(st, std::string("passing ") + message_name(m) + " on to rank " + std::to_string(to) +
+                " failed: " + s.to_string());
+}
+
 // Bytes one rank read for another of its node. Rank 0 forwards what is for
 // another rank (the transport is a star); only rank 0 may speak for others.
-void on_share(link_ptr self, int32_t from, BlockShareMsg share) {
+void on_share(link_ptr self, int32_t from, BlockShareMsg share, const WireMessage& m,
+              std::string& raw) {
   auto& st = self->state;
   if (st.ctx->rank == 0 && share.from != from)
     return log(st, "dropped BlockShare claiming rank " + std::to_string(share.from) +
@@ -216,13 +231,34 @@ void on_share(link_ptr self, int32_t from, BlockShareMsg share) {
     if (st.ctx->rank != 0 || share.to >= st.ctx->world_size)
       return log(st, "dropped BlockShare for rank " + std::to_string(share.to) + " from rank " +
                          std::to_string(from));
-    return send_frame(self, share.to, share);
+    return relay(self, share.to, m, raw);
   }
   if (!st.loader) return log(st, "no loader for a BlockShare from rank " + std::to_string(from));
+  // Rank 0 reports a failed rank to the others: readers here stop sending to it.
+  if (share.load_id == kAnyLoad && st.ctx->rank != 0)
+    st.ctx->shares->fail_rank(share.from, share.status);
   self->send(st.loader, atom::share_v, std::move(share));
 }
 
-void on_remote(link_ptr self, int32_t from, WireMessage m) {
+// A receiver of shared bytes acknowledges them to their sender (flow
+// control). Rank 0 forwards what is for another rank, as it does BlockShare.
+void on_share_ack(link_ptr self, int32_t from, const ShareAckMsg& ack, const WireMessage& m,
+                  std::string& raw) {
+  auto& st = self->state;
+  const std::string what = "ShareAck from rank " + std::to_string(from);
+  if (st.ctx->rank == 0 && ack.from != from)
+    return log(st, "dropped " + what + " claiming rank " + std::to_string(ack.from));
+  if (ack.to != st.ctx->rank) {
+    if (st.ctx->rank != 0 || ack.to >= st.ctx->world_size)
+      return log(st, "dropped " + what + " for rank " + std::to_string(ack.to));
+    return relay(self, ack.to, m, raw);
+  }
+  Status s = st.ctx->shares->ack(ack.load_id, ack.from, ack.bytes, ack.status);
+  if (!s.ok()) log(st, "dropped " + what + ": " + s.message());
+}
+
+// `raw` is the frame `m` came in, for rank 0 to pass on unchanged.
+void on_remote(link_ptr self, int32_t from, WireMessage m, std::string& raw) {
   auto& st = self->state;
   if (message_job_id(m) != st.ctx->job_id) {
     return log(st, std::string("dropped ") + message_name(m) + " from rank " +
@@ -234,7 +270,9 @@ void on_remote(link_ptr self, int32_t from, WireMessage m) {
     return;
   }
   if (std::holds_alternative<JoinMsg>(m) || std::holds_alternative<JoinAckMsg>(m)) return;
-  if (auto* share = std::get_if<BlockShareMsg>(&m)) return on_share(self, from, std::move(*share));
+  if (auto* share = std::get_if<BlockShareMsg>(&m))
+    return on_share(self, from, std::move(*share), m, raw);
+  if (auto* ack = std::get_if<ShareAckMsg>(&m)) return on_share_ack(self, from, *ack, m, raw);
   if (st.ctx->rank == 0) {
     if (auto* req = std::get_if<PlanRequest>(&m)) {
       if (req->rank != from) {
@@ -323,7 +361,7 @@ link_actor::behavior_type link_fun(link_ptr self, ContextPtr ctx, coordinator_ac
         self->state.planner = std::move(planner);
       },
       [self](atom::attach_loader, loader_actor loader) { self->state.loader = std::move(loader); },
-      [self](atom::frame, int32_t from, const std::string& bytes) {
+      [self](atom::frame, int32_t from, std::string& bytes) {
         auto m = decode_message(bytes);
         if (!m.ok()) {
           auto& st = self->state;
@@ -336,7 +374,7 @@ link_actor::behavior_type link_fun(link_ptr self, ContextPtr ctx, coordinator_ac
                                                       " could not decode a message: ")});
           return;
         }
-        on_remote(self, from, std::move(m).value());
+        on_remote(self, from, std::move(m).value(), bytes);
       },
       [self](atom::peer_failed, int32_t rank, const Status& why) {
         auto& st = self->state;

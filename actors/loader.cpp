@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <deque>
 #include <functional>
@@ -67,6 +68,9 @@ Status verify(const RankContext& ctx, const Manifest& m, const ReadOp& op, const
 // Shared bytes travel in frames of at most this many bytes of data (whole
 // checksum blocks, at least one), so a large read never becomes one huge frame.
 constexpr uint64_t kShareFrameBytes = 8ull << 20;
+// Frames in flight per window, at least: the sender goes on while the acks
+// of the earlier frames travel back.
+constexpr uint64_t kFramesPerWindow = 4;
 
 // Where a frame for rank `to` goes: the transport is a star, so a rank > 0
 // reaches the others through rank 0, which forwards by BlockShare.to.
@@ -75,23 +79,31 @@ int32_t hop_to(const RankContext& ctx, int32_t to) {
 }
 
 // Sends the verified bytes of `op` (at `buf`) to the ranks in op.share_with,
-// in frames cut on its chunk's checksum-block grid.
+// in frames cut on its chunk's checksum-block grid. Each frame waits for room
+// in the window toward its receiver (ShareWindows): the reader thread blocks
+// there, and no queue grows past the windows.
 Status send_shared(const RankContext& ctx, Transport& t, const std::string& load_id,
                    const Manifest& m, const ReadOp& op, const uint8_t* buf) {
   const ManifestChunk& c = m.tensors[op.tensor].chunks[op.chunk];
   const uint64_t bb = c.checksums.empty() ? 0 : m.checksum_block_bytes;
-  const uint64_t step = bb ? std::max(bb, kShareFrameBytes / bb * bb) : kShareFrameBytes;
+  const uint64_t window = ctx.opts.share_window_bytes;
+  const uint64_t cap = std::min(kShareFrameBytes, std::max<uint64_t>(1, window / kFramesPerWindow));
+  const uint64_t step = bb ? std::max(bb, cap / bb * bb) : cap;
   for (uint64_t at = 0; at < op.length; at += step) {
     const uint64_t n = std::min(step, op.length - at);
     for (int32_t to : op.share_with) {
+      auto context = [&] {
+        return "rank " + std::to_string(ctx.rank) + ": sending bytes of tensor '" +
+               m.tensors[op.tensor].key + "' to rank " + std::to_string(to) + ": ";
+      };
+      Status s = ctx.shares->acquire(load_id, to, n, window, ctx.opts.write_timeout_s);
+      if (!s.ok()) return s.with_context(context());
       BlockShareMsg msg{ctx.job_id, load_id,
                         ctx.rank,   to,
                         op.file,    op.file_offset + at,
                         Status(),   std::string(reinterpret_cast<const char*>(buf + at), n)};
-      Status s = t.send(hop_to(ctx, to), encode_message(msg));
-      if (!s.ok())
-        return s.with_context("rank " + std::to_string(ctx.rank) + ": sending bytes of tensor '" +
-                              m.tensors[op.tensor].key + "' to rank " + std::to_string(to) + ": ");
+      s = t.send(hop_to(ctx, to), encode_message(msg));
+      if (!s.ok()) return s.with_context(context());
     }
   }
   return Status();
@@ -238,12 +250,14 @@ class RunReader {
   Status run() {
     const uint64_t block = ctx_.pool->block_bytes();
     std::vector<ReadOp> ops;
+    std::vector<const ReadOp*> compressed;
     for (const ReadOp& op : task_.ops) {
       if (task_.manifest->tensors[op.tensor].chunks[op.chunk].codec.empty())
         ops.push_back(op);
       else
-        FERRY_RETURN_IF_ERROR(read_compressed_op(op));
+        compressed.push_back(&op);
     }
+    FERRY_RETURN_IF_ERROR(read_compressed_ops(compressed));
     runs_ = make_read_runs(std::move(ops), *task_.manifest, block, kAlign);
     size_t next = 0;
     while (next < runs_.size() || !inflight_.empty()) {
@@ -375,21 +389,55 @@ class RunReader {
     return Status();
   }
 
-  // A compressed chunk's frames are read, verified and decoded by the codec,
-  // then copied like raw bytes.
-  Status read_compressed_op(const ReadOp& op) {
-    FERRY_ASSIGN_OR_RETURN(OpenFile * file, open(op.file));
-    std::vector<uint8_t> raw;
-    FERRY_RETURN_IF_ERROR(read_compressed(*file->file, file->path, *task_.manifest, op, &raw)
-                              .with_context("rank " + std::to_string(ctx_.rank) + ": "));
-    CopyLatch latch;
-    const TensorView& target = task_.targets[op.entry];
-    for_each_copy(op, dtype_size(target.dtype), [&](uint64_t src, uint64_t dst, uint64_t n) {
-      latch.add();
-      ctx_.device->copy_in(raw.data() + src, target, dst, n,
-                           [&latch](Status st) { latch.arrive(std::move(st)); });
-    });
-    return latch.wait();
+  // A compressed chunk's frames are read, verified and decoded by the codec
+  // on the pread threads, kReadsInFlight ops at once (decoding is CPU work
+  // that would otherwise stall the next read), then copied like raw bytes,
+  // in order, on this thread. Every op started is waited for, whatever
+  // failed: the threads use this reader's files.
+  Status read_compressed_ops(const std::vector<const ReadOp*>& ops) {
+    struct Decoding {
+      const ReadOp* op;
+      std::shared_ptr<std::vector<uint8_t>> raw;
+      std::future<Result<size_t>> done;
+    };
+    std::deque<Decoding> q;
+    Status first;
+    size_t next = 0;
+    while (next < ops.size() || !q.empty()) {
+      while (first.ok() && next < ops.size() && q.size() < kReadsInFlight) {
+        const ReadOp* op = ops[next++];
+        auto file = open(op->file);
+        if (!file.ok()) {
+          first = file.status();
+          break;
+        }
+        auto raw = std::make_shared<std::vector<uint8_t>>();
+        q.push_back(
+            {op, raw,
+             io_.submit([f = file.value(), m = task_.manifest, op, raw]() -> Result<size_t> {
+               FERRY_RETURN_IF_ERROR(read_compressed(*f->file, f->path, *m, *op, raw.get()));
+               return raw->size();
+             })});
+      }
+      if (q.empty()) break;
+      Decoding d = std::move(q.front());
+      q.pop_front();
+      Result<size_t> got = d.done.get();
+      if (!first.ok()) continue;
+      if (!got.ok()) {
+        first = got.status().with_context("rank " + std::to_string(ctx_.rank) + ": ");
+        continue;
+      }
+      CopyLatch latch;
+      const TensorView& target = task_.targets[d.op->entry];
+      for_each_copy(*d.op, dtype_size(target.dtype), [&](uint64_t src, uint64_t dst, uint64_t n) {
+        latch.add();
+        ctx_.device->copy_in(d.raw->data() + src, target, dst, n,
+                             [&latch](Status st) { latch.arrive(std::move(st)); });
+      });
+      first = latch.wait();
+    }
+    return first;
   }
 
   void release(InFlight& f) {
@@ -448,7 +496,21 @@ struct ShareWait {
   std::vector<std::pair<int32_t, ReadOp>> pieces;  // by (file, file_offset)
   std::map<int32_t, uint64_t> owed;                // bytes each reader has yet to send
   std::chrono::steady_clock::time_point last;      // when bytes last arrived
+  std::shared_ptr<Transport> transport;            // acks go back on it
 };
+
+// Tells the sender of shared bytes what this rank took (flow control), or,
+// with an error, that it takes no more bytes of the load.
+void send_ack(const RankContext& ctx, Transport& t, const std::string& load_id, int32_t sender,
+              uint64_t bytes, const Status& status) {
+  Status s =
+      t.send(hop_to(ctx, sender),
+             encode_message(ShareAckMsg{ctx.job_id, load_id, ctx.rank, sender, bytes, status}));
+  // A sender that is gone needs no ack; its failure reaches the load anyway.
+  if (!s.ok())
+    std::fprintf(stderr, "ferry[rank %d]: no ShareAck to rank %d: %s\n", ctx.rank, sender,
+                 s.to_string().c_str());
+}
 
 // Every load is answered exactly once, whatever dies: a reader's reply, its
 // death and the loader's own end each finish a task at most once.
@@ -489,9 +551,16 @@ void finish_task(const RankContext& ctx, ReaderTasks& tasks, uint64_t id, Status
   auto load = std::move(it->second.load);
   const bool reads = it->second.reader != kNoReader;
   tasks.erase(it);
-  if (!s.ok() && reads) tell_receivers(ctx, *load, s);
+  if (!s.ok() && reads) {
+    tell_receivers(ctx, *load, s);
+    // The load failed here: its other readers stop sending at once.
+    if (!load->load_id.empty()) ctx.shares->close(load->load_id, s);
+  }
   if (!s.ok() && load->first_error.ok()) load->first_error = std::move(s);
-  if (--load->left == 0) load->rp.deliver(load->first_error);
+  if (--load->left == 0) {
+    if (!load->load_id.empty()) ctx.shares->close(load->load_id, load->first_error);
+    load->rp.deliver(load->first_error);
+  }
 }
 
 // Checks and copies one frame of shared bytes into the tensors of every
@@ -555,6 +624,11 @@ void end_share(loader_ptr self, const std::string& id, Status s) {
   auto it = st.shares.find(id);
   if (it == st.shares.end()) return;
   const uint64_t task = it->second.task;
+  // Senders that still owe bytes stop now, rather than wait for acks that
+  // will not come.
+  if (!s.ok() && it->second.transport)
+    for (const auto& [from, n] : it->second.owed)
+      if (n > 0) send_ack(*st.ctx, *it->second.transport, id, from, 0, s);
   st.shares.erase(it);
   st.ended.push_back(id);
   if (st.ended.size() > 8) st.ended.pop_front();
@@ -583,8 +657,10 @@ void on_share(loader_ptr self, const BlockShareMsg& msg) {
     return;
   }
   ShareWait& w = it->second;
+  kill_point("load.receive");
   Status s = take_share(*st.ctx, w, msg);
   if (!s.ok()) return end_share(self, msg.load_id, std::move(s));
+  if (w.transport) send_ack(*st.ctx, *w.transport, msg.load_id, msg.from, msg.data.size(), s);
   for (const auto& [from, n] : w.owed)
     if (n > 0) return;
   end_share(self, msg.load_id, Status());
@@ -619,6 +695,7 @@ void expect_shares(loader_ptr self, const LoadJob& job, const std::shared_ptr<Lo
   w.manifest = job.manifest;
   w.targets = job.targets;
   w.pieces = job.receive;
+  w.transport = job.transport;
   std::sort(w.pieces.begin(), w.pieces.end(), [](const auto& a, const auto& b) {
     return std::tie(a.second.file, a.second.file_offset) <
            std::tie(b.second.file, b.second.file_offset);
@@ -679,6 +756,8 @@ loader_actor::behavior_type loader_fun(loader_ptr self, ContextPtr ctx) {
   });
   self->attach_functor([ctx, tasks = self->state.tasks](const caf::error& reason) {
     const Status why = Status::internal("the loader stopped (" + caf::to_string(reason) + ")");
+    // Readers waiting for room in a window end now, not at their timeout.
+    ctx->shares->close_all(why);
     while (!tasks->empty()) finish_task(*ctx, *tasks, tasks->begin()->first, why);
   });
   return {
@@ -704,6 +783,8 @@ loader_actor::behavior_type loader_fun(loader_ptr self, ContextPtr ctx) {
         std::sort(load->receivers.begin(), load->receivers.end());
         load->receivers.erase(std::unique(load->receivers.begin(), load->receivers.end()),
                               load->receivers.end());
+        if (!load->receivers.empty())
+          st.ctx->shares->open(st.ctx->rank, job.load_id, load->receivers);
         uint64_t seen = 0;
         for (auto& op : ops) {
           const size_t k =

@@ -767,10 +767,12 @@ Result<LoadReport> Runtime::load_report(StateDict& sd, const std::string& path) 
       .receive([&](const LoadReplyMsg& r) { reply = r; },
                [&](caf::error& e) { reply.status = from_caf(self, e, "load: resolving " + path); });
   LoadReport report;
+  if (im.transport) im.transport->take_queued_peak();
   Status s = load_local(im, self, sd, id, reply, &report);
   // Every rank reports, failed or not: a rank that skipped the round trip
   // would leave the others waiting for it.
   if (im.ctx->world_size > 1) s = collective_outcome(im, self, id, s);
+  if (im.transport) report.send_queue_peak = im.transport->take_queued_peak();
   if (!s.ok()) return s;
   return report;
 }

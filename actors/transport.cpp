@@ -34,6 +34,7 @@
 #include <ucs/debug/debug.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
@@ -258,6 +259,10 @@ class Transport::Impl {
   Status send(int32_t to_rank, std::string frame);
   void stop();
   uint16_t port() const { return port_; }
+  uint64_t take_queued_peak() {
+    const uint64_t now = queued_.load();
+    return std::max(now, peak_.exchange(now));
+  }
 
  private:
   enum class Phase {
@@ -313,6 +318,7 @@ class Transport::Impl {
     Impl* owner;
     uint64_t session;
     std::string bytes;
+    uint64_t queued = 0;  // what it counts in queued_ (frames from send())
   };
   struct RecvOp {
     Impl* owner;
@@ -352,7 +358,7 @@ class Transport::Impl {
   void drop_conn(Conn* conn, bool force);
   void reap_closed();
   void erase_conn(Conn* conn);
-  void send_am(Conn* conn, unsigned am_id, std::string bytes);
+  void send_am(Conn* conn, unsigned am_id, std::string bytes, bool queued = false);
   void shutdown_endpoints();
   void teardown();
 
@@ -401,6 +407,18 @@ class Transport::Impl {
   std::deque<Command> commands_;
   bool ack_delivered_ = false;  // rank > 0: rank 0's reply went to on_frame
   bool refused_ = false;        // rank > 0: rank 0 refused us
+
+  // Bytes of frames handed to send() and not yet sent (or dropped), and
+  // their high-water mark since take_queued_peak().
+  std::atomic<uint64_t> queued_{0};
+  std::atomic<uint64_t> peak_{0};
+  void count_queued(uint64_t n) {
+    const uint64_t v = queued_.fetch_add(n) + n;
+    uint64_t p = peak_.load();
+    while (v > p && !peak_.compare_exchange_weak(p, v)) {
+    }
+  }
+  void uncount_queued(uint64_t n) { queued_.fetch_sub(n); }
 
   // Progress thread only.
   std::map<uint64_t, std::unique_ptr<Conn>> conns_;
@@ -583,7 +601,10 @@ void Transport::Impl::teardown() {
     worker_ = nullptr;
   }
   // Whatever UCX did not complete is ours to free once the worker is gone.
-  for (SendOp* op : sends_) delete op;
+  for (SendOp* op : sends_) {
+    uncount_queued(op->queued);
+    delete op;
+  }
   sends_.clear();
   for (RecvOp* op : recvs_) delete op;
   recvs_.clear();
@@ -672,6 +693,7 @@ Status Transport::Impl::send(int32_t to_rank, std::string frame) {
     return Status::not_found(me + ": send to rank " + std::to_string(to_rank) +
                              ": not connected (yet)");
   }
+  count_queued(frame.size());
   commands_.push_back(Command{to_rank, std::move(frame)});
   // Under mu_: the worker outlives every send() that saw stopped_ == false.
   ucp_worker_signal(worker_);
@@ -752,6 +774,7 @@ void Transport::Impl::on_send_done(void* request, ucs_status_t, void* user_data)
   // A failed send needs no action here: the endpoint's error callback reports the peer.
   auto* op = static_cast<SendOp*>(user_data);
   op->owner->sends_.erase(op);
+  op->owner->uncount_queued(op->queued);
   delete op;
   ucp_request_free(request);
 }
@@ -847,7 +870,7 @@ void Transport::Impl::mark_ready(Conn* conn) {
   if (conn->phase == Phase::up) return;
   conn->phase = Phase::up;
   while (!conn->held.empty()) {
-    send_am(conn, kFrameAmId, std::move(conn->held.front()));
+    send_am(conn, kFrameAmId, std::move(conn->held.front()), true);
     conn->held.pop_front();
   }
 }
@@ -869,11 +892,14 @@ void Transport::Impl::run_commands() {
   for (Command& c : batch) {
     Conn* conn = by_rank_[c.rank];
     // A peer that failed since send() returned: on_peer_failed says so.
-    if (conn == nullptr || conn->closing) continue;
+    if (conn == nullptr || conn->closing) {
+      uncount_queued(c.frame.size());
+      continue;
+    }
     if (conn->phase == Phase::joining) {
       conn->held.push_back(std::move(c.frame));
     } else {
-      send_am(conn, kFrameAmId, std::move(c.frame));
+      send_am(conn, kFrameAmId, std::move(c.frame), true);
     }
   }
 }
@@ -1022,11 +1048,13 @@ void Transport::Impl::reap_closed() {
 }
 
 void Transport::Impl::erase_conn(Conn* conn) {
+  for (const std::string& f : conn->held) uncount_queued(f.size());
   conns_.erase(conn->id);
 }
 
-void Transport::Impl::send_am(Conn* conn, unsigned am_id, std::string bytes) {
+void Transport::Impl::send_am(Conn* conn, unsigned am_id, std::string bytes, bool queued) {
   auto* op = new SendOp{this, 0, std::move(bytes)};
+  op->queued = queued ? op->bytes.size() : 0;
   sends_.insert(op);
   // Little endian on the wire whatever this host is.
   std::string header;
@@ -1040,6 +1068,7 @@ void Transport::Impl::send_am(Conn* conn, unsigned am_id, std::string bytes) {
                                          op->bytes.data(), op->bytes.size(), &p);
   if (req == nullptr || UCS_PTR_IS_ERR(req)) {
     sends_.erase(op);
+    uncount_queued(op->queued);
     delete op;
   }
 }
@@ -1469,6 +1498,9 @@ uint16_t Transport::port() const {
 }
 Status Transport::send(int32_t to_rank, std::string frame) {
   return impl_->send(to_rank, std::move(frame));
+}
+uint64_t Transport::take_queued_peak() {
+  return impl_->take_queued_peak();
 }
 void Transport::stop() {
   impl_->stop();

@@ -105,6 +105,11 @@ class Transport {
   // this returns is reported through on_peer_failed only. Thread-safe.
   Status send(int32_t to_rank, std::string frame);
 
+  // The most bytes of frames queued at once (handed to send(), not yet sent)
+  // since the previous call, which starts the count again from what is
+  // queued now. Flow control bounds it during a load. Thread-safe.
+  uint64_t take_queued_peak();
+
   // Sends what is already queued, closes the endpoints (flushing to live
   // peers, bounded to a couple of seconds), closes the sockets, destroys the worker
   // and the context, and joins the thread. Idempotent; also run by the

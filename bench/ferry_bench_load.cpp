@@ -3,15 +3,21 @@
 // sequential O_DIRECT reader (8 MiB aligned preads of the same files into one
 // warm buffer, one thread).
 //
-//   ferry_bench_load [--bytes SIZE] [--tensors N] [--reshard] [--pool-mib N]
-//                    [--dir DIR] [--set K=V]...
+//   ferry_bench_load [--bytes SIZE] [--tensors N] [--reshard] [--ranks N]
+//                    [--pool-mib N] [--dir DIR] [--set K=V]...
 //
 // Order: allocate and touch the state and the tensors to load into, save
 // (not timed), evict the data files (posix_fadvise DONTNEED, then
 // drop_caches when root), load, check the bytes, evict again, raw read.
 // --reshard loads 1 -> 2: two Runtime instances in this process, each a
 // one-rank runtime loading half the rows of every tensor, at the same time;
-// the figures are their aggregate. Targets are reported as PASS/MISS and
+// the figures are their aggregate. --ranks N loads the whole state on each
+// of N local ranks (processes started with `ferry launch`, found next to this
+// binary's directory): replicated bytes are read once per node and passed
+// between the ranks through rank 0, so the figures are the load's wall time,
+// every rank's peak RSS and how much it grew during the load (rank 0 relays,
+// and share-window bounds that), and its transport's send-queue high-water
+// mark. Targets are reported as PASS/MISS and
 // never change the exit code; a load that fails or loads wrong bytes does.
 // The last line is one JSON object.
 #include <fcntl.h>
@@ -45,6 +51,9 @@ struct Flags {
   uint64_t bytes = 2048 * kMiB;
   uint32_t tensors = 120;
   bool reshard = false;
+  int ranks = 1;           // --ranks: local processes loading the whole state
+  std::string child_ckpt;  // --child: this process is one of those ranks
+  int64_t child_rows = 0;  // --rows: with --child
   uint64_t pool_mib = 256;
   std::string dir = "/var/tmp";
   std::vector<std::pair<std::string, std::string>> settings;
@@ -58,6 +67,7 @@ struct Flags {
                "  --bytes     state size (default 2GiB; suffixes KiB MiB GiB)\n"
                "  --tensors   number of f32 tensors (default 120; try 2000)\n"
                "  --reshard   load 1 -> 2 ranks: two runtimes each load half the rows\n"
+               "  --ranks N   N local ranks (processes) each load the whole state (replicated)\n"
                "  --pool-mib  staging pool per runtime (default 256)\n"
                "  --dir DIR   where to save (a fresh directory inside DIR, removed at the\n"
                "              end; default /var/tmp: a disk, not tmpfs)\n"
@@ -98,6 +108,12 @@ Flags parse(int argc, char** argv) {
       f.bytes = parse_size(v, flag);
     } else if (flag == "--tensors") {
       f.tensors = static_cast<uint32_t>(parse_size(v, flag));
+    } else if (flag == "--ranks") {
+      f.ranks = static_cast<int>(parse_size(v, flag));
+    } else if (flag == "--child") {
+      f.child_ckpt = v;
+    } else if (flag == "--rows") {
+      f.child_rows = static_cast<int64_t>(parse_size(v, flag));
     } else if (flag == "--pool-mib") {
       f.pool_mib = parse_size(v, flag);
     } else if (flag == "--dir") {
@@ -178,6 +194,16 @@ std::string kernel_split(const std::map<std::string, double>& before,
   return s + buf;
 }
 
+// VmHWM: peak resident memory so far, in MiB (the same as ru_maxrss, but
+// read the same way before and after a load to get its growth).
+double vm_hwm_mib() {
+  std::ifstream st("/proc/self/status");
+  std::string line;
+  while (std::getline(st, line))
+    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;
+  return 0;
+}
+
 double peak_rss_mib() {
   rusage ru{};
   ::getrusage(RUSAGE_SELF, &ru);
@@ -239,10 +265,118 @@ const char* verdict(bool ok) {
   return ok ? "PASS" : "MISS";
 }
 
+float expected_value(size_t i, uint32_t t) {
+  return static_cast<float>((i * 2654435761u + t) % 1000003);
+}
+
+// One rank of --ranks: loads the whole state into touched tensors, checks
+// every value, prints one RANKSTATS line.
+int child_main(const Flags& f) {
+  ferry::RuntimeArgs args;
+  args.set("pool-bytes", std::to_string(f.pool_mib) + "MiB");
+  for (const auto& [k, v] : f.settings) args.set(k, v);
+  auto rt = ferry::Runtime::from_env(args);
+  if (!rt.ok()) die("runtime: " + rt.status().to_string());
+  std::vector<std::vector<float>> out(f.tensors);
+  ferry::StateDict sd;
+  for (uint32_t t = 0; t < f.tensors; ++t) {
+    out[t].assign(static_cast<size_t>(f.child_rows * kCols), -1.0f);
+    if (!sd.add("layer." + std::to_string(t),
+                {out[t].data(), ferry::DType::f32, {f.child_rows, kCols}})
+             .ok())
+      die("state dict");
+  }
+  const double hwm0 = vm_hwm_mib();
+  const auto t0 = Clock::now();
+  auto report = (*rt)->load_report(sd, f.child_ckpt);
+  const double load_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  const double hwm1 = vm_hwm_mib();
+  if (!report.ok()) die("load: " + report.status().to_string());
+  for (uint32_t t = 0; t < f.tensors; ++t)
+    for (size_t i = 0; i < out[t].size(); ++i)
+      if (out[t][i] != expected_value(i, t))
+        die("tensor layer." + std::to_string(t) + " loaded wrong bytes");
+  std::printf(
+      "RANKSTATS load_s=%.4f peak_rss_mib=%.0f hwm_growth_mib=%.0f queue_peak_mib=%.1f "
+      "read_mib=%.1f received_mib=%.1f\n",
+      load_s, hwm1, hwm1 - hwm0, report->send_queue_peak / double(kMiB),
+      report->bytes_read / double(kMiB), report->bytes_received / double(kMiB));
+  return 0;
+}
+
+double field(const std::string& line, const std::string& name) {
+  const auto at = line.find(name + "=");
+  return at == std::string::npos ? -1 : std::stod(line.substr(at + name.size() + 1));
+}
+
+// --ranks: N local processes load the checkpoint, each the whole state.
+int ranks_main(const Flags& f, const std::string& ckpt, int64_t rows, uint64_t state_bytes,
+               const std::vector<std::string>& files) {
+  char self[4096] = {};
+  const ssize_t n = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (n <= 0) die("cannot find this program (/proc/self/exe)");
+  const std::string exe(self, static_cast<size_t>(n));
+  const std::string cli =
+      std::filesystem::path(exe).parent_path().parent_path().string() + "/ferry";
+  std::string cmd = cli + " launch -n " + std::to_string(f.ranks) + " -- " + exe + " --child " +
+                    ckpt + " --rows " + std::to_string(rows) + " --tensors " +
+                    std::to_string(f.tensors) + " --pool-mib " + std::to_string(f.pool_mib);
+  for (const auto& [k, v] : f.settings) cmd += " --set " + k + "=" + v;
+  const bool dropped = evict(files);
+  const Usage u0 = Usage::now();
+  const auto t0 = Clock::now();
+  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
+  if (!p) die("cannot start " + cli);
+  std::string out;
+  char buf[4096];
+  while (std::fgets(buf, sizeof(buf), p)) out += buf;
+  const int rc = ::pclose(p);
+  const double wall_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  const Usage u1 = Usage::now();
+  std::map<int, std::string> stats;
+  std::istringstream lines(out);
+  for (std::string line; std::getline(lines, line);) {
+    const auto at = line.find("] RANKSTATS ");
+    if (line.rfind("[rank ", 0) == 0 && at != std::string::npos)
+      stats[std::stoi(line.substr(6))] = line.substr(at + 2);
+  }
+  if (rc != 0 || static_cast<int>(stats.size()) != f.ranks) die("ranks failed:\n" + out);
+  double load_s = 0;
+  for (const auto& [r, l] : stats) load_s = std::max(load_s, field(l, "load_s"));
+  const std::string& r0 = stats[0];
+  std::printf("state: %.1f MiB in %u tensors of [%lld, %lld] f32, loaded whole by %d ranks\n",
+              state_bytes / double(kMiB), f.tensors, static_cast<long long>(rows),
+              static_cast<long long>(kCols), f.ranks);
+  std::printf("cache: evicted with posix_fadvise DONTNEED%s\n",
+              dropped ? " and drop_caches" : " (drop_caches not allowed: not root?)");
+  for (const auto& [r, l] : stats) std::printf("rank %d: %s\n", r, l.c_str());
+  std::printf(
+      "load (%d ranks, replicated): %.3f s (slowest rank), %.2f GB/s delivered to all "
+      "ranks; %.1f MiB read from disk by the ranks (one copy: %.1f MiB); launch wall "
+      "%.1f s\n",
+      f.ranks, load_s, state_bytes * double(f.ranks) / load_s / 1e9,
+      (u1.disk_read - u0.disk_read) / double(kMiB), state_bytes / double(kMiB), wall_s);
+  std::printf(
+      "rank 0: peak RSS %.0f MiB, grew %.0f MiB during the load, send queue peak %.1f "
+      "MiB\n",
+      field(r0, "peak_rss_mib"), field(r0, "hwm_growth_mib"), field(r0, "queue_peak_mib"));
+  std::printf(
+      "{\"bench\":\"load\",\"state_bytes\":%llu,\"tensors\":%u,\"ranks\":%d,\"replicated\":true,"
+      "\"load_s\":%.4f,\"rank0_peak_rss_mib\":%.0f,\"rank0_hwm_growth_mib\":%.0f,"
+      "\"rank0_queue_peak_mib\":%.1f,\"drop_caches\":%s}\n",
+      static_cast<unsigned long long>(state_bytes), f.tensors, f.ranks, load_s,
+      field(r0, "peak_rss_mib"), field(r0, "hwm_growth_mib"), field(r0, "queue_peak_mib"),
+      dropped ? "true" : "false");
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const Flags f = parse(argc, argv);
+  if (!f.child_ckpt.empty()) return child_main(f);
+  if (f.ranks < 1 || (f.ranks > 1 && f.reshard))
+    usage("--ranks wants 1 or more, without --reshard");
   const int64_t rows =
       std::max<int64_t>(2, static_cast<int64_t>(f.bytes / f.tensors / (kCols * sizeof(float))));
   const uint64_t state_bytes = static_cast<uint64_t>(rows) * kCols * 4 * f.tensors;
@@ -260,12 +394,12 @@ int main(int argc, char** argv) {
 
   // The state, and the tensors a load fills (touched, as a training job's
   // parameters are, so page faults are not what is measured).
-  std::vector<Tensor> state(f.tensors), out(f.tensors);
+  std::vector<Tensor> state(f.tensors), out(f.ranks > 1 ? 0 : f.tensors);
   for (uint32_t t = 0; t < f.tensors; ++t) {
     state[t].rows = rows;
     state[t].data.resize(static_cast<size_t>(rows * kCols));
-    for (size_t i = 0; i < state[t].data.size(); ++i)
-      state[t].data[i] = static_cast<float>((i * 2654435761u + t) % 1000003);
+    for (size_t i = 0; i < state[t].data.size(); ++i) state[t].data[i] = expected_value(i, t);
+    if (f.ranks > 1) continue;
     out[t].rows = rows;
     out[t].data.assign(state[t].data.size(), -1.0f);
   }
@@ -295,6 +429,12 @@ int main(int argc, char** argv) {
   const auto files = data_files(ckpt);
   uint64_t file_bytes = 0;
   for (const auto& p : files) file_bytes += std::filesystem::file_size(p);
+  if (f.ranks > 1) {
+    // The ranks hold the state now; this process need not.
+    rt.reset();
+    std::vector<Tensor>().swap(state);
+    return ranks_main(f, ckpt, rows, state_bytes, files);
+  }
 
   // Ranks: one runtime loading everything, or two each loading half the rows.
   const int ranks = f.reshard ? 2 : 1;

@@ -119,6 +119,19 @@ struct BlockShare {
   data @7 :Data;                   # whole checksum blocks (the receiver checks them)
 }
 
+# The receiver of BlockShare frames -> their sender (through rank 0, which
+# forwards by `to`): flow control. A sender keeps at most share-window bytes
+# per receiver unacknowledged, so no queue on the way (rank 0's relay
+# included) holds more than the sum of the windows.
+struct ShareAck {
+  jobId @0 :Text;                  # the receiver's job
+  loadId @1 :Text;                 # the load, as in BlockShare
+  from @2 :Int32;                  # the rank that took the bytes (the BlockShare's `to`)
+  to @3 :Int32;                    # the rank that sent them (the BlockShare's `from`)
+  bytes @4 :UInt64;                # BlockShare data bytes taken since the previous ack
+  status @5 :Status;               # not ok: the receiver takes no more bytes of this load (why)
+}
+
 # What one control frame holds: exactly one of these.
 struct ControlMessage {
   union {
@@ -129,5 +142,6 @@ struct ControlMessage {
     commit @4 :Commit;             # rank 0 -> every rank
     loadOutcome @5 :LoadOutcome;   # rank -> rank 0, then rank 0 -> every rank
     blockShare @6 :BlockShare;     # rank -> rank of its node (through rank 0)
+    shareAck @7 :ShareAck;         # receiver -> sender of BlockShare (through rank 0)
   }
 }

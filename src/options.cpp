@@ -292,6 +292,12 @@ const std::vector<KeySpec>& key_table() {
        [](const std::string& v, Options& o, std::string& why) {
          return parse_threads(v, o.readers, why);
        }},
+      {{"share-window", "8MiB",
+        "most bytes of replicated load data one rank sends another before the other has taken "
+        "them; bounds the memory of the ranks (rank 0 relays); a multiple of 4096, at most 1GiB"},
+       [](const std::string& v, Options& o, std::string& why) {
+         return parse_aligned_size(v, kMaxChunkBytes, o.share_window_bytes, why);
+       }},
       {{"coordinator-address", "", "address of rank 0; empty means MASTER_ADDR, else 127.0.0.1"},
        [](const std::string& v, Options& o, std::string&) {
          o.coordinator_address = v;

@@ -317,6 +317,18 @@ struct Encoder {
     b.setData(kj::arrayPtr(reinterpret_cast<const kj::byte*>(m.data.data()), m.data.size()));
     return frame(kControlProtocol, mb);
   }
+
+  std::string operator()(const ShareAckMsg& m) const {
+    capnp::MallocMessageBuilder mb;
+    auto b = mb.initRoot<proto::ControlMessage>().initShareAck();
+    b.setJobId(text(m.job_id));
+    b.setLoadId(text(m.load_id));
+    b.setFrom(m.from);
+    b.setTo(m.to);
+    b.setBytes(m.bytes);
+    set_status(b.initStatus(), m.status);
+    return frame(kControlProtocol, mb);
+  }
 };
 
 // --- decoding ---------------------------------------------------------------------
@@ -503,6 +515,19 @@ Result<WireMessage> read_control(proto::ControlMessage::Reader root) {
       if (m.offset + d.size() < m.offset)
         return Status::invalid_argument("BlockShare: offset plus data length overflows");
       m.data.assign(reinterpret_cast<const char*>(d.begin()), d.size());
+      return WireMessage(std::move(m));
+    }
+    case proto::ControlMessage::SHARE_ACK: {
+      auto r = root.getShareAck();
+      ShareAckMsg m;
+      m.job_id = str(r.getJobId());
+      m.load_id = str(r.getLoadId());
+      m.from = r.getFrom();
+      m.to = r.getTo();
+      FERRY_RETURN_IF_ERROR(read_rank(m.from, "ShareAck receiver"));
+      FERRY_RETURN_IF_ERROR(read_rank(m.to, "ShareAck sender"));
+      m.bytes = r.getBytes();
+      FERRY_RETURN_IF_ERROR(read_status(r.getStatus(), "ShareAck status", &m.status));
       return WireMessage(std::move(m));
     }
   }
@@ -712,7 +737,8 @@ constexpr bool kHasCheckpointId =
     std::is_same_v<T, PlanReply> || std::is_same_v<T, CommitRequest>;
 template <class T>
 constexpr bool kHasLoadId = std::is_same_v<T, LoadRequestMsg> || std::is_same_v<T, LoadReplyMsg> ||
-                            std::is_same_v<T, LoadOutcomeMsg> || std::is_same_v<T, BlockShareMsg>;
+                            std::is_same_v<T, LoadOutcomeMsg> || std::is_same_v<T, BlockShareMsg> ||
+                            std::is_same_v<T, ShareAckMsg>;
 
 }  // namespace
 
@@ -738,7 +764,8 @@ std::string_view message_checkpoint_id(const WireMessage& m) {
 const char* message_name(const WireMessage& m) {
   static const char* const kNames[] = {"Join",        "JoinAck",     "Heartbeat",   "Abort",
                                        "Commit",      "PlanRequest", "PlanReply",   "CommitRequest",
-                                       "LoadRequest", "LoadReply",   "LoadOutcome", "BlockShare"};
+                                       "LoadRequest", "LoadReply",   "LoadOutcome", "BlockShare",
+                                       "ShareAck"};
   static_assert(sizeof(kNames) / sizeof(kNames[0]) == std::variant_size_v<WireMessage>);
   return kNames[m.index()];
 }

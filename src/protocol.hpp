@@ -142,9 +142,21 @@ struct BlockShareMsg {
   std::string data;
 };
 
-using WireMessage =
-    std::variant<JoinMsg, JoinAckMsg, HeartbeatMsg, AbortMsg, CommitMsg, PlanRequest, PlanReply,
-                 CommitRequest, LoadRequestMsg, LoadReplyMsg, LoadOutcomeMsg, BlockShareMsg>;
+// The receiver of BlockShare bytes tells their sender what it took (flow
+// control: a sender keeps at most share-window bytes unacknowledged per
+// receiver); a non-ok status says it takes no more bytes of the load.
+struct ShareAckMsg {
+  std::string job_id;
+  std::string load_id;
+  int32_t from = 0;  // the receiver
+  int32_t to = 0;    // the sender
+  uint64_t bytes = 0;
+  Status status;
+};
+
+using WireMessage = std::variant<JoinMsg, JoinAckMsg, HeartbeatMsg, AbortMsg, CommitMsg,
+                                 PlanRequest, PlanReply, CommitRequest, LoadRequestMsg,
+                                 LoadReplyMsg, LoadOutcomeMsg, BlockShareMsg, ShareAckMsg>;
 
 // Job id and checkpoint/load id of any message ("" where it has none).
 std::string_view message_job_id(const WireMessage& m);

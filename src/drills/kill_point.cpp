@@ -33,6 +33,7 @@ const std::vector<KillPointInfo>& kill_points() {
       {"retention.delete", "retention moved an old checkpoint aside to delete it"},
       {"gc.delete", "gc took a directory out of sight and is about to delete it"},
       {"load.read", "a load's reader read a run, before it sends shared bytes on"},
+      {"load.receive", "a load's loader got shared bytes from another rank, before it takes them"},
   };
   return kPoints;
 }

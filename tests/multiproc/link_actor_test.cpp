@@ -161,3 +161,24 @@ TEST_CASE("link alone: leaving makes a later failure of rank 0 expected", "[link
                      caf::after(std::chrono::milliseconds(200)) >> [] {});
   CHECK_FALSE(heard);
 }
+
+TEST_CASE("link alone: forged or stray ShareAcks are dropped, the true one opens the window",
+          "[link][actor][flow]") {
+  Link l;
+  ferry::ShareWindows& w = *l.ctx->shares;
+  constexpr uint64_t kWindow = 1000;
+  w.open(1, "load-1", {0});
+  REQUIRE(w.acquire("load-1", 0, kWindow, kWindow, 30).ok());
+  using ferry::ShareAckMsg;
+  l.from_rank0(ShareAckMsg{"other-job", "load-1", 0, 1, 500, Status()});  // another job
+  l.from_rank0(ShareAckMsg{"job", "load-7", 0, 1, 500, Status()});        // a load not sending
+  l.from_rank0(ShareAckMsg{"job", "load-1", 0, 1, 5000, Status()});       // more than was sent
+  l.from_rank0(ShareAckMsg{"job", "load-1", 0, 9, 500, Status()});        // for a rank not here
+  caf::anon_send(l.link, ferry::atom::frame_v, int32_t{0}, std::string("FRY1 garbage"));
+  l.from_rank0(ShareAckMsg{"job", "load-1", 0, 1, 400, Status()});
+  // Only the last ack makes room for 400 bytes: the wait ends on it, and
+  // none of the others took anything off the window.
+  REQUIRE(w.acquire("load-1", 0, 400, kWindow, 30).ok());
+  CHECK(w.outstanding("load-1", 0) == kWindow);
+  w.close("load-1", Status());
+}

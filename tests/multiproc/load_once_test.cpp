@@ -2,6 +2,9 @@
 // (replicated) state read one copy from disk between them, the others get
 // the bytes from the rank that read them, and every rank checks every byte.
 // A reader that finds a corrupt block fails the load on every rank, naming it.
+// Shared bytes are flow-controlled (share-window): however large the state,
+// no rank queues more than its windows, rank 0 (which relays) included, and a
+// receiver that dies releases the ranks sending to it.
 
 #include <catch2/catch.hpp>
 
@@ -25,7 +28,7 @@ namespace {
 constexpr int kRanks = 4;
 
 struct LoadStats {
-  uint64_t read = 0, received = 0, disk = 0;
+  uint64_t read = 0, received = 0, disk = 0, queued = 0, hwm_growth = 0;
 };
 
 // The LOADSTATS line rank_worker prints for each rank.
@@ -43,6 +46,8 @@ std::map<int, LoadStats> load_stats(const std::string& out) {
     s.read = field("read");
     s.received = field("received");
     s.disk = field("disk");
+    s.queued = field("queued");
+    s.hwm_growth = field("hwm_growth");
     stats[r] = s;
   }
   return stats;
@@ -237,4 +242,82 @@ TEST_CASE("four local ranks loading a compressed replicated state each decode it
     INFO("rank " << rank);
     CHECK(s.received == 0);
   }
+}
+
+TEST_CASE(
+    "a replicated state many times the share window loads with every queue within the windows",
+    "[ranks][load][flow]") {
+  // 64 MiB of replicated bytes, a 1 MiB window: each rank reads a quarter and
+  // sends it to three others, 48 windows' worth per receiver.
+  constexpr uint64_t kWindow = 1 << 20;
+  constexpr int kBigMiB = 64;
+  TempDir d;
+  const std::string model = " --seed 5 --big-mib " + std::to_string(kBigMiB);
+  auto saved = launch(kRanks, "--mode save --root " + d.path() + " --step 1" + model);
+  INFO(saved.out);
+  REQUIRE(saved.code == 0);
+  auto latest = ferry::find_latest(*ferry::posix_filesystem(), d.path());
+  REQUIRE(latest.ok());
+  const uint64_t one_copy = data_bytes(manifest_of(latest->path));
+  REQUIRE(one_copy > 32 * kWindow);
+
+  auto l = launch(kRanks, "--mode load --layout full --root " + d.path() + model +
+                              " --set share-window=" + std::to_string(kWindow));
+  INFO(l.out);
+  REQUIRE(l.code == 0);
+  CHECK(count(l.out, "every byte equal") == kRanks);
+  const auto stats = load_stats(l.out);
+  REQUIRE(stats.size() == kRanks);
+  // Frames carry a little more than their data (header, Cap'n Proto); acks
+  // are a hundred bytes each.
+  constexpr uint64_t kSlack = 1 << 20;
+  for (const auto& [rank, s] : stats) {
+    INFO("rank " << rank << " queued at most " << s.queued << " bytes, VmHWM grew "
+                 << s.hwm_growth);
+    CHECK(s.read + s.received == one_copy);
+    CHECK(s.received >= (kRanks - 2) * one_copy / kRanks);
+    // Rank 0 sends its own reads to three ranks and passes on what the other
+    // three send each other (windows into ranks 1..3 from every other rank);
+    // a rank > 0 sends only its own reads, to three ranks.
+    const uint64_t windows = rank == 0 ? (kRanks - 1) * (kRanks - 1) : kRanks - 1;
+    CHECK(s.queued > 0);
+    CHECK(s.queued <= windows * kWindow + kSlack);
+  }
+  // Memory, as the kernel sees it: rank 0 holds at most the windows passing
+  // through it, in and out, a few copies each, plus fixed costs (threads,
+  // buffers); not the state (64 MiB), which it would hold several times over
+  // without flow control.
+  const uint64_t bound = 4 * (kRanks - 1) * (kRanks - 1) * kWindow + (24 << 20);
+  INFO("rank 0 VmHWM growth " << stats.at(0).hwm_growth << ", bound " << bound);
+  CHECK(stats.at(0).hwm_growth < bound);
+}
+
+TEST_CASE("a receiver that dies in a flow-controlled load releases the ranks sending to it",
+          "[ranks][load][flow]") {
+  TempDir d;
+  const std::string model = " --seed 9 --big-mib 32";
+  auto saved = launch(kRanks, "--mode save --root " + d.path() + " --step 1" + model);
+  INFO(saved.out);
+  REQUIRE(saved.code == 0);
+
+  // Rank 2 dies as its third frame of shared bytes arrives: the other ranks
+  // each have a full window toward it (256 KiB of 8 MiB to send it), so
+  // their readers wait for acks that will not come. Its death must end those
+  // waits, not write-timeout (30 s).
+  auto l = launch(
+      kRanks, "--mode load --layout full --root " + d.path() + model + " --set share-window=256KiB",
+      "FERRY_KILL_AT=load.receive:3@2");
+  INFO(l.out);
+  CHECK(l.code != 0);
+  CHECK(count(l.out, "killed by signal 9") == 1);
+  CHECK(count(l.out, "every byte equal") == 0);
+  for (int r = 0; r < kRanks; ++r) {
+    if (r == 2) continue;
+    INFO("rank " << r);
+    const auto errors = lines_with(l.out, "[rank " + std::to_string(r) + "] ERROR load:");
+    REQUIRE(errors.size() == 1);
+    CHECK_THAT(errors[0],
+               Catch::Contains("rank 2 failed") || Catch::Contains("failed peer: rank 2"));
+  }
+  CHECK(l.seconds < 20);  // the death ends the waits (heartbeats: 3 s), not write-timeout (30 s)
 }

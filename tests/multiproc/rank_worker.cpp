@@ -10,8 +10,10 @@
 //               [--evict 1]  (load: drop the checkpoint from the page cache first)
 //               [--bad-for-rank R]  (save: first a save where rank R alone passes a
 //               bad shard_size; every rank must fail naming it, then save again)
-// A load prints LOADSTATS with its LoadReport figures and the bytes this
-// process read from disk (/proc/self/io read_bytes).
+//               [--big-mib N]  (one more replicated f32 tensor, "rep_huge", of N MiB)
+// A load prints LOADSTATS with its LoadReport figures, the bytes this process
+// read from disk (/proc/self/io read_bytes) and how much its peak resident
+// memory (VmHWM) grew during the load.
 //   rank_worker --mode planner|planner-skip --root DIR [--skip-rank R] [--fn write|raise]
 //               (the save in SavePlanner's steps; planner-skip: rank R never
 //               calls barrier(), and every rank must see the checkpoint fail)
@@ -54,7 +56,12 @@ struct Spec {
   char split;  // 'r' rows, 'c' columns, 'x' replicated
 };
 
-std::vector<Spec> model(int many) {
+std::vector<Spec> model(int many, int64_t big_mib) {
+  if (big_mib > 0) {
+    auto v = model(many, 0);
+    v.push_back({"rep_huge", ferry::DType::f32, {big_mib * 256, 1024}, 'x'});
+    return v;
+  }
   if (many > 0) {
     std::vector<Spec> v;
     for (int i = 0; i < many; ++i)
@@ -138,6 +145,15 @@ uint64_t disk_read_bytes() {
   uint64_t v = 0;
   while (io >> key >> v)
     if (key == "read_bytes:") return v;
+  return 0;
+}
+
+// This process's peak resident memory so far, in bytes (VmHWM).
+uint64_t peak_rss_bytes() {
+  std::ifstream st("/proc/self/status");
+  std::string line;
+  while (std::getline(st, line))
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
   return 0;
 }
 
@@ -408,7 +424,7 @@ int main(int argc, char** argv) {
   auto& rt = *rt_or.value();
   const int rank = rt.rank(), world = rt.world_size();
 
-  const auto specs = model(many);
+  const auto specs = model(many, std::stoll(arg(argc, argv, "--big-mib", "0")));
   std::vector<Local> locals;
   ferry::StateDict sd;
   for (size_t k = 0; k < specs.size(); ++k) {
@@ -433,15 +449,18 @@ int main(int argc, char** argv) {
     if (kill_after == "load" && rank == kill_rank) std::raise(kill_signal);
     if (arg(argc, argv, "--evict", "0") == std::string("1")) evict(root);
     const uint64_t disk0 = disk_read_bytes();
+    const uint64_t hwm0 = peak_rss_bytes();
     auto report = rt.load_report(sd, root);
     if (!report.ok()) {
       std::printf("ERROR load: %s\n", report.status().to_string().c_str());
       return 1;
     }
-    std::printf("LOADSTATS read=%llu received=%llu disk=%llu\n",
+    std::printf("LOADSTATS read=%llu received=%llu disk=%llu queued=%llu hwm_growth=%llu\n",
                 static_cast<unsigned long long>(report->bytes_read),
                 static_cast<unsigned long long>(report->bytes_received),
-                static_cast<unsigned long long>(disk_read_bytes() - disk0));
+                static_cast<unsigned long long>(disk_read_bytes() - disk0),
+                static_cast<unsigned long long>(report->send_queue_peak),
+                static_cast<unsigned long long>(peak_rss_bytes() - hwm0));
     std::vector<uint8_t> expect;
     for (size_t k = 0; k < specs.size(); ++k) {
       fill_expected(specs[k], k, locals[k], seed, expect);

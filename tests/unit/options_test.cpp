@@ -37,6 +37,7 @@ void check_defaults(const Options& o) {
   CHECK(o.fail_fast == d.fail_fast);
   CHECK(o.lease_seconds == d.lease_seconds);
   CHECK(o.readers == d.readers);
+  CHECK(o.share_window_bytes == d.share_window_bytes);
   CHECK(o.filename_prefix == d.filename_prefix);
   CHECK(o.shard_size == d.shard_size);
   CHECK(o.compress == d.compress);
@@ -130,6 +131,7 @@ TEST_CASE("option_infos lists every key once, and its defaults resolve to Option
                                              "fail-fast",
                                              "lease-seconds",
                                              "readers",
+                                             "share-window",
                                              "coordinator-address",
                                              "port",
                                              "connect-timeout",
@@ -170,6 +172,7 @@ TEST_CASE("each key is parsed into its field", "[options]") {
       {"fail-fast", "yes", "code"},
       {"lease-seconds", "2.5", "code"},
       {"readers", "64", "code"},
+      {"share-window", "16MiB", "code"},
   });
   REQUIRE(r.ok());
   CHECK(r->root == "/ckpt/run 1");
@@ -184,6 +187,7 @@ TEST_CASE("each key is parsed into its field", "[options]") {
   CHECK(r->fail_fast);
   CHECK(r->lease_seconds == 2.5);
   CHECK(r->readers == 64);
+  CHECK(r->share_window_bytes == 16ull << 20);
 }
 
 TEST_CASE("save options: filename-prefix, shard-size and compress parse and normalize",
@@ -344,6 +348,9 @@ TEST_CASE("a bad value for any key names the key, the value and its origin", "[o
       {"lease-seconds", "1e3", "duration"},
       {"readers", "0", "1 to 64"},
       {"readers", "100", "1 to 64"},
+      {"share-window", "0", "multiple of 4096"},
+      {"share-window", "5000", "multiple of 4096"},
+      {"share-window", "2GiB", "at most 1GiB"},
       {"port", "65536", "port number"},
       {"port", "http", "port number"},
       {"heartbeat-timeout", "0", "greater than 0"},

@@ -192,11 +192,23 @@ LoadOutcomeMsg sample_load_outcome() {
   return m;
 }
 
+// Rank 2 read 64 KiB of a replicated tensor for rank 1.
+BlockShareMsg sample_block_share() {
+  return BlockShareMsg{
+      "job-7f3a", "load-0007", 2, 1, 3, 1 << 20, Status::ok_status(), std::string(64 * 8, '\x5a')};
+}
+
+// Rank 1 took those bytes; a second ack says it takes no more.
+ShareAckMsg sample_share_ack() {
+  return ShareAckMsg{"job-7f3a", "load-0007", 1, 2, 512, Status::ok_status()};
+}
+
 std::vector<WireMessage> all_samples() {
   return {sample_join(),       sample_join_ack(),       sample_heartbeat(),
           sample_abort(),      sample_commit(),         sample_plan_request(),
           sample_plan_reply(), sample_commit_request(), sample_load_request(),
-          sample_load_reply(), sample_load_outcome()};
+          sample_load_reply(), sample_load_outcome(),   sample_block_share(),
+          sample_share_ack()};
 }
 
 // --- field-by-field comparison, so that a dropped field names itself ---------------
@@ -368,6 +380,15 @@ void check_same(const BlockShareMsg& a, const BlockShareMsg& b) {
   CHECK(a.data == b.data);
 }
 
+void check_same(const ShareAckMsg& a, const ShareAckMsg& b) {
+  CHECK(a.job_id == b.job_id);
+  CHECK(a.load_id == b.load_id);
+  CHECK(a.from == b.from);
+  CHECK(a.to == b.to);
+  CHECK(a.bytes == b.bytes);
+  check_same(a.status, b.status);
+}
+
 void check_same(const WireMessage& a, const WireMessage& b) {
   REQUIRE(a.index() == b.index());
   std::visit(
@@ -410,7 +431,8 @@ const char* seed_name(const WireMessage& m) {
   static const char* const kFiles[] = {"join.bin",       "join_ack.bin",       "heartbeat.bin",
                                        "abort.bin",      "commit.bin",         "plan_request.bin",
                                        "plan_reply.bin", "commit_request.bin", "load_request.bin",
-                                       "load_reply.bin", "load_outcome.bin"};
+                                       "load_reply.bin", "load_outcome.bin",   "block_share.bin",
+                                       "share_ack.bin"};
   return kFiles[m.index()];
 }
 
@@ -771,9 +793,10 @@ TEST_CASE("4096-rank-sized plans and write results round trip", "[protocol]") {
 
 TEST_CASE("job id, checkpoint id and name of every message", "[protocol]") {
   const std::vector<WireMessage> all = all_samples();
-  const char* const names[] = {"Join",        "JoinAck",     "Heartbeat",  "Abort",
-                               "Commit",      "PlanRequest", "PlanReply",  "CommitRequest",
-                               "LoadRequest", "LoadReply",   "LoadOutcome"};
+  const char* const names[] = {"Join",        "JoinAck",     "Heartbeat",   "Abort",
+                               "Commit",      "PlanRequest", "PlanReply",   "CommitRequest",
+                               "LoadRequest", "LoadReply",   "LoadOutcome", "BlockShare",
+                               "ShareAck"};
   const char* const ids[] = {"",
                              "",
                              "",
@@ -784,8 +807,10 @@ TEST_CASE("job id, checkpoint id and name of every message", "[protocol]") {
                              "ckpt-000042",
                              "load-0007",
                              "load-0007",
+                             "load-0007",
+                             "load-0007",
                              "load-0007"};
-  REQUIRE(all.size() == 11);
+  REQUIRE(all.size() == 13);
   for (size_t i = 0; i < all.size(); ++i) {
     CHECK(std::string(message_name(all[i])) == names[i]);
     CHECK(message_job_id(all[i]) == "job-7f3a");
@@ -908,5 +933,42 @@ TEST_CASE("LoadOutcome carries the ranks' needs; BlockShare its bytes", "[protoc
     r.setOffset(~uint64_t{0});
     r.setLength(2);
     CHECK_THAT(error_of(frame(0, mb)), Catch::Contains("overflows"));
+  }
+}
+
+TEST_CASE("ShareAck round trips; bad ranks are refused, not trusted", "[protocol]") {
+  ShareAckMsg ack{"job", "load-3", 1, 2, 8 << 20, Status::ok_status()};
+  auto back = decode_message(encode_message(ack));
+  REQUIRE(back.ok());
+  check_same(WireMessage(ack), *back);
+  CHECK(std::string(message_name(*back)) == "ShareAck");
+  CHECK(message_checkpoint_id(*back) == "load-3");
+
+  // A receiver that gives up says why; the sender stops with that reason.
+  ack.bytes = 0;
+  ack.status = Status::timeout("rank 1: no bytes from rank(s) 2 within write-timeout");
+  back = decode_message(encode_message(ack));
+  REQUIRE(back.ok());
+  check_same(WireMessage(ack), *back);
+
+  SECTION("a negative receiver") {
+    capnp::MallocMessageBuilder mb;
+    mb.initRoot<proto::ControlMessage>().initShareAck().setFrom(-3);
+    CHECK_THAT(error_of(frame(0, mb)), Catch::Contains("ShareAck receiver"));
+  }
+  SECTION("a negative sender") {
+    capnp::MallocMessageBuilder mb;
+    mb.initRoot<proto::ControlMessage>().initShareAck().setTo(-1);
+    CHECK_THAT(error_of(frame(0, mb)), Catch::Contains("ShareAck sender"));
+  }
+  SECTION("a status code this build does not know") {
+    capnp::MallocMessageBuilder mb;
+    auto a = mb.initRoot<proto::ControlMessage>().initShareAck();
+    a.initStatus().setCode(static_cast<proto::Status::Code>(77));
+    CHECK_THAT(error_of(frame(0, mb)), Catch::Contains("ShareAck status"));
+  }
+  SECTION("every truncation of a valid frame is an error, never a crash") {
+    const std::string bytes = encode_message(WireMessage(ack));
+    for (size_t n = 0; n < bytes.size(); ++n) CHECK_FALSE(decode_message(bytes.substr(0, n)).ok());
   }
 }

@@ -27,6 +27,9 @@ struct Options {
   bool fail_fast = false;                      // fail-fast: 2nd save_async fails instead of waiting
   double lease_seconds = 30.0;                 // lease-seconds: pending directory lease
   uint32_t readers = 2;                        // readers: reader threads for load
+  // share-window: most bytes of a load's shared (replicated) data one rank
+  // has sent another and not yet heard taken; bounds every queue on the way.
+  uint64_t share_window_bytes = 8ull << 20;
   // Many ranks (torchrun-style environment fills what is left unset).
   std::string coordinator_address;  // coordinator-address: "" = MASTER_ADDR, else 127.0.0.1
   uint32_t port = 0;                // port: rank 0 listens here; 0 = MASTER_PORT + 1

@@ -110,6 +110,10 @@ struct LoadReport {
   std::vector<std::string> not_restored;  // checkpoint tensors the state dict did not ask for
   uint64_t bytes_read = 0;                // bytes this rank read from the data files
   uint64_t bytes_received = 0;  // bytes another rank of its node read for it (replicated ones)
+  // The most bytes this rank had queued to send to other ranks at once during
+  // the load (replicated bytes it read, and on rank 0 those it passes on
+  // between other ranks); share-window bounds it, whatever the state's size.
+  uint64_t send_queue_peak = 0;
 };
 
 struct RuntimeArgs {
