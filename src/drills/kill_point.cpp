@@ -44,11 +44,21 @@ struct Spec {
   std::string point;
   long nth = 1;
   int rank = -1;  // any
+  int signal = SIGKILL;
 };
 
 bool parse(const std::string& s, Spec* out, std::string* why) {
   Spec sp;
   std::string rest = s;
+  // "!stop": SIGSTOP, a process that hangs right there instead of dying.
+  if (auto bang = rest.find('!'); bang != std::string::npos) {
+    if (rest.substr(bang + 1) != "stop") {
+      *why = "bad signal in '" + s + "' (only !stop)";
+      return false;
+    }
+    sp.signal = SIGSTOP;
+    rest.resize(bang);
+  }
   if (auto at = rest.find('@'); at != std::string::npos) {
     char* end = nullptr;
     sp.rank = static_cast<int>(std::strtol(rest.c_str() + at + 1, &end, 10));
@@ -120,7 +130,7 @@ void kill_point(const char* name) {
   if (!g_armed.load(std::memory_order_relaxed)) return;
   if (g_spec.point != name) return;
   if (g_spec.rank >= 0 && g_spec.rank != g_rank.load()) return;
-  if (g_hits.fetch_add(1) + 1 == g_spec.nth) std::raise(SIGKILL);
+  if (g_hits.fetch_add(1) + 1 == g_spec.nth) std::raise(g_spec.signal);
 }
 
 }  // namespace ferry

@@ -2,10 +2,11 @@
 // process SIGKILL itself, to prove that a crash at any step leaves either the
 // new checkpoint complete or the previous one intact.
 //
-//   FERRY_KILL_AT=<point>[:<nth>][@<rank>]
+//   FERRY_KILL_AT=<point>[:<nth>][@<rank>][!stop]
 //
 // kills the process the nth time (default 1st) it passes <point>, only on
-// <rank> when given (every rank of a job inherits the variable). Unset, a
+// <rank> when given (every rank of a job inherits the variable); with !stop
+// it SIGSTOPs itself instead, a rank that hangs at that step. Unset, a
 // kill point costs one relaxed atomic load. Part of the drills library
 // (src/drills/kill_point.cpp), which the core's commit code calls into.
 #pragma once

@@ -642,3 +642,15 @@ TEST_CASE("a step moved aside by an older version is put back, or collected once
 
 }  // namespace
 }  // namespace ferry
+
+TEST_CASE("kill point specs: a typo is an error naming it, !stop is the one signal",
+          "[killpoints]") {
+  using ferry::check_kill_spec;
+  CHECK(check_kill_spec("writer.report").ok());
+  CHECK(check_kill_spec("writer.report:2@1!stop").ok());
+  ferry::Status bad_signal = check_kill_spec("writer.report@1!term");
+  CHECK_THAT(bad_signal.message(), Catch::Contains("bad signal") && Catch::Contains("!term"));
+  CHECK_THAT(check_kill_spec("writer.reprot").message(), Catch::Contains("'writer.reprot'"));
+  CHECK_THAT(check_kill_spec("plan.sent@x").message(), Catch::Contains("bad rank"));
+  CHECK_THAT(check_kill_spec("plan.sent:0").message(), Catch::Contains("bad count"));
+}

@@ -5,7 +5,7 @@
 //
 //   rank_worker --mode save|load|mismatch|kill --root DIR [--step S] [--seed X]
 //               [--layout save|swap|full] [--many N] [--kill-rank R]
-//               [--kill-after plan|snapshot|load] [--set key=value]...
+//               [--kill-after plan|snapshot|load|none] [--set key=value]...
 //               [--step-for-rank R=S] [--root-for-rank R=DIR]   (ranks that disagree)
 //               [--evict 1]  (load: drop the checkpoint from the page cache first)
 //               [--bad-for-rank R]  (save: first a save where rank R alone passes a
@@ -508,7 +508,8 @@ int main(int argc, char** argv) {
   }
   const auto t0 = std::chrono::steady_clock::now();
   auto h = rt.save_async(sd, my_step, so);
-  if (mode == "kill" && rank == kill_rank) {
+  // --kill-after none: FERRY_KILL_AT does it, at a step inside the save.
+  if (mode == "kill" && rank == kill_rank && kill_after != "none") {
     if (kill_after == "snapshot") h.wait_snapshot();
     std::raise(kill_signal);
   }

@@ -133,14 +133,14 @@ TEST_CASE("a hung (SIGSTOPped) rank: the others fail within the heartbeat timeou
   TempDir d;
   auto first = launch(2, save_args(d, 1, 11));
   REQUIRE(first.code == 0);
-  for (const char* when : {"plan", "snapshot"}) {
-    INFO("stopped after " << when);
+  for (const char* point : {"plan.sent", "writer.report"}) {
+    INFO("stopped at " << point);
     // heartbeat-timeout is 3 s in the worker; launch reaps the stopped rank
-    // 2 s after the others exit.
-    auto r = launch(3,
-                    "--mode kill --kill-signal stop --step 2 --seed 12 --kill-rank 1 --root " +
-                        d.path() + " --kill-after " + when,
-                    "", 2);
+    // 2 s after the others exit. Rank 1 stops itself inside the save (from
+    // the caller's thread, the whole save could be over first).
+    auto r = launch(
+        3, "--mode kill --step 2 --seed 12 --kill-rank 1 --kill-after none --root " + d.path(),
+        std::string("FERRY_KILL_AT='") + point + "@1!stop'", 2);
     INFO(r.out);
     CHECK(count(r.out, "FAILED as expected") == 2);
     CHECK_THAT(r.out, Catch::Contains("rank 1"));
