@@ -59,6 +59,8 @@ struct RankPlan {
 struct WrittenFile {
   name @0 :Text;                   # file name inside the pending directory
   size @1 :UInt64;                 # exact size in bytes
+  headerBytes @2 :UInt64;          # bytes of its header (0: none recorded)
+  headerChecksum @3 :UInt64;       # xxh3-64 of the header
 }
 
 # A chunk as written: where its bytes are and their checksums.

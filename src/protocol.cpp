@@ -232,6 +232,8 @@ struct Encoder {
     for (unsigned i = 0; i < files.size(); ++i) {
       files[i].setName(text(r.files[i].name));
       files[i].setSize(r.files[i].size);
+      files[i].setHeaderBytes(r.files[i].header_bytes);
+      files[i].setHeaderChecksum(r.files[i].header_checksum);
     }
     auto chunks = rb.initChunks(static_cast<unsigned>(r.chunks.size()));
     for (unsigned i = 0; i < chunks.size(); ++i) {
@@ -631,6 +633,13 @@ Result<WireMessage> read_commit_request(proto::CommitRequest::Reader r) {
     auto f = files[i];
     w.files[i].name = str(f.getName());
     w.files[i].size = f.getSize();
+    w.files[i].header_bytes = f.getHeaderBytes();
+    w.files[i].header_checksum = f.getHeaderChecksum();
+    if (w.files[i].header_bytes > w.files[i].size)
+      return Status::invalid_argument("CommitRequest result: file '" + w.files[i].name +
+                                      "' has a " + std::to_string(w.files[i].header_bytes) +
+                                      "-byte header in " + std::to_string(w.files[i].size) +
+                                      " bytes");
   }
   auto chunks = res.getChunks();
   w.chunks.resize(chunks.size());

@@ -72,6 +72,37 @@ TEST_CASE("2 ranks save one checkpoint and load it back in other shardings", "[r
   CHECK(full.code == 0);
 }
 
+TEST_CASE("every rank's file headers are checksummed: a flipped header byte fails the load",
+          "[ranks][corruption]") {
+  TempDir d;
+  auto r = launch(3, save_args(d, 1, 5));
+  INFO(r.out);
+  REQUIRE(r.code == 0);
+  auto m = manifest_of(d.path());
+  REQUIRE(m.files.size() == 3);
+  const ferry::ManifestFile* of_rank2 = nullptr;
+  for (const auto& f : m.files) {
+    INFO(f.name << " of rank " << f.rank);
+    CHECK(f.header_bytes > 0);
+    CHECK(f.header_checksum != 0);
+    if (f.rank == 2) of_rank2 = &f;
+  }
+  REQUIRE(of_rank2);
+  // A byte inside the JSON header of rank 2's file, which no chunk checksum covers.
+  const std::string path =
+      ferry::find_latest(*ferry::posix_filesystem(), d.path())->path + "/" + of_rank2->name;
+  {
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(12);
+    f.put('#');
+  }
+  auto l = launch(3, "--mode load --seed 5 --root " + d.path());
+  INFO(l.out);
+  CHECK(l.code != 0);
+  CHECK_THAT(l.out, Catch::Contains(of_rank2->name) &&
+                        Catch::Contains("does not match its checksum in the manifest"));
+}
+
 TEST_CASE("4 ranks save; 3 ranks load with a different sharding", "[ranks]") {
   TempDir d;
   auto r = launch(4, save_args(d));

@@ -132,7 +132,8 @@ CommitRequest sample_commit_request() {
   m.checkpoint_id = "ckpt-000042";
   WriteResult& r = m.result;
   r.rank = 2;
-  r.files = {{"rank-00002-0000.safetensors", 33558528}, {"rank-00002-0001.safetensors", 4104}};
+  r.files = {{"rank-00002-0000.safetensors", 33558528, 4096, 0x9e3779b97f4a7c15ull},
+             {"rank-00002-0001.safetensors", 4104, 4096, 7}};
   WrittenChunk c;
   c.key = "layer0.weight";
   c.dtype = DType::bf16;
@@ -313,6 +314,10 @@ void check_same(const CommitRequest& a, const CommitRequest& b) {
   for (size_t i = 0; i < x.files.size(); ++i) {
     CHECK(x.files[i].name == y.files[i].name);
     CHECK(x.files[i].size == y.files[i].size);
+    // Carried for every rank, so a flipped header byte is caught on load
+    // whichever rank wrote the file.
+    CHECK(x.files[i].header_bytes == y.files[i].header_bytes);
+    CHECK(x.files[i].header_checksum == y.files[i].header_checksum);
   }
   REQUIRE(x.chunks.size() == y.chunks.size());
   for (size_t i = 0; i < x.chunks.size(); ++i) {
@@ -679,6 +684,12 @@ TEST_CASE("content that Cap'n Proto accepts but Ferry cannot use is refused", "[
     m.plan.items[0].global_shape = {8192};
     CHECK_THAT(error_of(encode_message(m)),
                Catch::Contains("layer0.weight") && Catch::Contains("rank 2"));
+  }
+  SECTION("a header larger than its file") {
+    CommitRequest m = sample_commit_request();
+    m.result.files[1].header_bytes = 5000;
+    CHECK_THAT(error_of(encode_message(m)), Catch::Contains("rank-00002-0001.safetensors") &&
+                                                Catch::Contains("5000-byte header"));
   }
   SECTION("negative size") {
     CommitRequest m = sample_commit_request();
