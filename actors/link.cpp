@@ -266,7 +266,16 @@ void on_remote(link_ptr self, int32_t from, WireMessage m, std::string& raw) {
                        "' (this is job '" + st.ctx->job_id + "')");
   }
   if (auto* hb = std::get_if<HeartbeatMsg>(&m)) {
-    if (hb->leaving && st.ctx->rank == 0) mark_gone(self, from);
+    if (hb->leaving && st.ctx->rank == 0 && !st.gone[from]) {
+      // Its runtime shut down after its last save ended: a checkpoint or load
+      // that still needs it can never complete, so the others hear it now
+      // rather than at a timeout.
+      const Status why =
+          Status::aborted("rank " + std::to_string(from) + " left the job (its runtime shut down)");
+      self->send(st.coordinator, atom::rank_failed_v, from, why);
+      shared_reader_failed(self, from, why);
+      mark_gone(self, from);
+    }
     return;
   }
   if (std::holds_alternative<JoinMsg>(m) || std::holds_alternative<JoinAckMsg>(m)) return;

@@ -10,6 +10,8 @@
 //               [--evict 1]  (load: drop the checkpoint from the page cache first)
 //               [--bad-for-rank R]  (save: first a save where rank R alone passes a
 //               bad shard_size; every rank must fail naming it, then save again)
+//               [--leave-rank R]  (save: rank R exits after the save; the others
+//               save again, which must fail at once naming it)
 //               [--big-mib N]  (one more replicated f32 tensor, "rep_huge", of N MiB)
 // A load prints LOADSTATS with its LoadReport figures, the bytes this process
 // read from disk (/proc/self/io read_bytes) and how much its peak resident
@@ -524,7 +526,23 @@ int main(int argc, char** argv) {
     const auto m = h.metrics();
     std::printf("SAVED %s bytes=%llu total_ms=%.1f\n", h.path().c_str(),
                 static_cast<unsigned long long>(m.bytes), m.total_ms);
-    return 0;
+    const std::string leave = arg(argc, argv, "--leave-rank", "");
+    if (leave.empty()) return 0;
+    if (rank == std::stoi(leave)) {
+      std::printf("LEAVING\n");
+      return 0;
+    }
+    // The rank that left never joins this save: it fails at once, naming it.
+    const auto l0 = std::chrono::steady_clock::now();
+    ferry::Status again = rt.save_async(sd, my_step + 1, so).wait_committed();
+    std::printf(
+        "FAILED as expected after %.0f ms: %s\n",
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - l0).count(),
+        again.to_string().c_str());
+    return !again.ok() &&
+                   again.message().find("rank " + leave + " left the job") != std::string::npos
+               ? 0
+               : 1;
   }
   // mismatch / kill: the save must fail, quickly, naming what failed.
   std::printf("FAILED as expected after %.0f ms: %s\n", ms, st.to_string().c_str());

@@ -103,6 +103,19 @@ TEST_CASE("every rank's file headers are checksummed: a flipped header byte fail
                         Catch::Contains("does not match its checksum in the manifest"));
 }
 
+TEST_CASE("a rank that left the job fails the next save on the others at once, naming it",
+          "[ranks]") {
+  TempDir d;
+  auto r = launch(3, save_args(d, 1, 5) + " --leave-rank 2 --set plan-timeout=30s");
+  INFO(r.out);
+  CHECK(r.code == 0);
+  CHECK(count(r.out, "SAVED") == 3);
+  CHECK(count(r.out, "LEAVING") == 1);
+  CHECK(count(r.out, "FAILED as expected") == 2);
+  CHECK(r.seconds < 15);  // not plan-timeout
+  CHECK(manifest_of(d.path()).step == 1);
+}
+
 TEST_CASE("4 ranks save; 3 ranks load with a different sharding", "[ranks]") {
   TempDir d;
   auto r = launch(4, save_args(d));
