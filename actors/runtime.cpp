@@ -179,6 +179,10 @@ struct Runtime::Impl {
   bool joined = false;  // every rank connected: shutdown waits for them to leave
   std::mutex mu;        // serializes save_async callers
   std::shared_ptr<detail::SaveState> last;
+  // The last doomed save: its abort must reach rank 0 before this rank says
+  // goodbye, or the others hear "left the job" instead of why.
+  std::mutex doomed_mu;
+  std::shared_ptr<detail::SaveState> last_doomed;
   std::shared_ptr<SaveRegistry> saves = std::make_shared<SaveRegistry>();
 };
 
@@ -459,11 +463,17 @@ Runtime::~Runtime() {
     std::lock_guard<std::mutex> lock(impl_->mu);
     last = impl_->last;
   }
-  // A bounded wait: a save stuck on storage must not hang the process exit.
-  if (last) {
-    std::unique_lock<std::mutex> lock(last->mu);
-    last->cv.wait_for(lock, std::chrono::seconds(60), [&] { return last->done; });
+  std::shared_ptr<detail::SaveState> doomed;
+  {
+    std::lock_guard<std::mutex> lock(impl_->doomed_mu);
+    doomed = impl_->last_doomed;
   }
+  // A bounded wait: a save stuck on storage must not hang the process exit.
+  for (const auto& s : {last, doomed})
+    if (s) {
+      std::unique_lock<std::mutex> lock(s->mu);
+      s->cv.wait_for(lock, std::chrono::seconds(60), [&] { return s->done; });
+    }
   impl_->ctx->pool->set_release_hook(nullptr);
   if (impl_->link && impl_->joined) {
     caf::scoped_actor self{*impl_->sys};
@@ -585,6 +595,10 @@ std::shared_ptr<detail::SaveState> detail::RuntimeAccess::start_doomed_save(Runt
   state->step = step;
   state->started = detail::SaveState::clock::now();
   if (!rt.impl_->saves->add(state)) return state;
+  {
+    std::lock_guard<std::mutex> lock(rt.impl_->doomed_mu);
+    rt.impl_->last_doomed = state;
+  }
   SaveJob job;
   job.step = step;
   job.state = state;

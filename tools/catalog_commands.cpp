@@ -224,7 +224,9 @@ int cmd_gc(const Args& args) {
 }
 
 int cmd_kill_points(const Args&) {
-  std::printf("Kill points (FERRY_KILL_AT=<point>[:<nth>][@<rank>] SIGKILLs there):\n");
+  std::printf(
+      "Kill points (FERRY_KILL_AT=<point>[:<nth>][@<rank>][!stop] SIGKILLs, or SIGSTOPs, "
+      "there):\n");
   for (const auto& k : kill_points()) std::printf("  %-18s %s\n", k.name, k.where);
   return 0;
 }
