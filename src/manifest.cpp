@@ -2,6 +2,7 @@
 // The byte layout is specified in docs/format.md; keep the two in step.
 
 #include "manifest.hpp"
+#include "capnp_text.hpp"
 
 #include "box.hpp"
 
@@ -23,6 +24,10 @@
 
 namespace ferry {
 namespace {
+
+using capnp_util::fill;
+using capnp_util::str;
+using capnp_util::text;
 
 // Never changes with the format version: it only says "this is a Ferry
 // manifest", so a reader can tell a foreign file from a newer one.
@@ -84,18 +89,6 @@ Status truncated(const FrameReader& r, const char* what) {
   return Status::corruption("MANIFEST is truncated: " + std::string(what) + " at byte " +
                             std::to_string(r.position()) + " runs past the end (" +
                             std::to_string(r.remaining()) + " bytes left)");
-}
-
-capnp::Text::Reader text(const std::string& s) {
-  return capnp::Text::Reader(s.c_str(), s.size());
-}
-std::string str(capnp::Text::Reader t) {
-  return std::string(t.begin(), t.size());
-}
-
-template <class ListBuilder>
-void fill_i64(ListBuilder list, const std::vector<int64_t>& v) {
-  for (size_t i = 0; i < v.size(); ++i) list.set(static_cast<unsigned>(i), v[i]);
 }
 
 // Reads the payload into *out. Throws kj::Exception on a malformed message
@@ -421,13 +414,13 @@ std::string encode_manifest(const Manifest& m) {
     auto t = tensors[static_cast<unsigned>(i)];
     t.setKey(text(mt.key));
     t.setDtype(dtype_name(mt.dtype));
-    fill_i64(t.initGlobalShape(static_cast<unsigned>(mt.global_shape.size())), mt.global_shape);
+    fill(t.initGlobalShape(static_cast<unsigned>(mt.global_shape.size())), mt.global_shape);
     auto chunks = t.initChunks(static_cast<unsigned>(mt.chunks.size()));
     for (size_t j = 0; j < mt.chunks.size(); ++j) {
       const auto& mc = mt.chunks[j];
       auto c = chunks[static_cast<unsigned>(j)];
-      fill_i64(c.initOffsets(static_cast<unsigned>(mc.offsets.size())), mc.offsets);
-      fill_i64(c.initSizes(static_cast<unsigned>(mc.sizes.size())), mc.sizes);
+      fill(c.initOffsets(static_cast<unsigned>(mc.offsets.size())), mc.offsets);
+      fill(c.initSizes(static_cast<unsigned>(mc.sizes.size())), mc.sizes);
       c.setFile(mc.file);
       c.setByteOffset(mc.byte_offset);
       c.setByteLength(mc.byte_length);

@@ -3,6 +3,7 @@
 // Planning itself stays in plan.cpp.
 
 #include "planner_api.hpp"
+#include "capnp_text.hpp"
 
 #include <capnp/message.h>
 #include <capnp/serialize.h>
@@ -23,6 +24,11 @@
 namespace ferry {
 
 namespace {
+
+using capnp_util::fill;
+using capnp_util::i64s;
+using capnp_util::str;
+using capnp_util::text;
 
 Box box_of(const PlanItem& it) {
   return Box{it.offsets, it.sizes};
@@ -78,26 +84,6 @@ std::string framed(const char* magic, capnp::MessageBuilder& mb) {
   std::string out(magic, kMagicBytes);
   out.append(reinterpret_cast<const char*>(b.begin()), b.size());
   return out;
-}
-
-kj::StringPtr text(const std::string& s) {
-  return kj::StringPtr(s.c_str(), s.size());
-}
-
-std::string str(capnp::Text::Reader t) {
-  return std::string(t.cStr(), t.size());
-}
-
-std::vector<int64_t> i64s(capnp::List<int64_t>::Reader l) {
-  std::vector<int64_t> v;
-  v.reserve(l.size());
-  for (int64_t x : l) v.push_back(x);
-  return v;
-}
-
-template <class ListBuilder, class Vector>
-void fill(ListBuilder list, const Vector& values) {
-  for (size_t i = 0; i < values.size(); ++i) list.set(static_cast<unsigned>(i), values[i]);
 }
 
 void set_box(proto::Box::Builder b, const std::vector<int64_t>& offsets,

@@ -6,6 +6,7 @@
 // dtypes, status codes or file indices are out of range.
 
 #include "protocol.hpp"
+#include "capnp_text.hpp"
 
 #include <capnp/message.h>
 #include <capnp/serialize.h>
@@ -22,6 +23,11 @@
 
 namespace ferry {
 namespace {
+
+using capnp_util::fill;
+using capnp_util::i64s;
+using capnp_util::str;
+using capnp_util::text;
 
 constexpr char kMagic[4] = {'F', 'R', 'Y', '1'};
 constexpr size_t kHeaderBytes = 16;
@@ -62,15 +68,6 @@ static_assert(static_cast<int>(WireCode::INTERNAL) == static_cast<int>(StatusCod
 
 void put_u64(std::string& out, uint64_t v) {
   for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
-}
-
-kj::StringPtr text(const std::string& s) {
-  return kj::StringPtr(s.c_str(), s.size());
-}
-
-template <class ListBuilder, class Vector>
-void fill(ListBuilder list, const Vector& values) {
-  for (size_t i = 0; i < values.size(); ++i) list.set(static_cast<unsigned>(i), values[i]);
 }
 
 void set_status(proto::Status::Builder b, const Status& s) {
@@ -339,17 +336,6 @@ struct Encoder {
 // pointers, traversal or nesting limits); decode_message catches it. What
 // Cap'n Proto accepts but Ferry cannot use comes back as a Status naming the
 // field.
-
-std::string str(capnp::Text::Reader t) {
-  return std::string(t.cStr(), t.size());
-}
-
-std::vector<int64_t> i64s(capnp::List<int64_t>::Reader l) {
-  std::vector<int64_t> v;
-  v.reserve(l.size());
-  for (int64_t x : l) v.push_back(x);
-  return v;
-}
 
 std::string quoted(const std::string& s) {
   return "\"" + s + "\"";
