@@ -114,9 +114,10 @@ void ShareWindows::fail_rank(int32_t rank, const Status& why, bool every) {
   cv_.notify_all();
 }
 
-void ShareWindows::end_locked(const std::string& load, const Status& why) {
+// `load` by value: close_all passes the key of the entry this erases.
+void ShareWindows::end_locked(std::string load, const Status& why) {
   if (loads_.erase(load) == 0) return;
-  ended_.emplace_back(load, why);
+  ended_.emplace_back(std::move(load), why);
   if (ended_.size() > kEndedKept) ended_.pop_front();
 }
 

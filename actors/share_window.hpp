@@ -76,7 +76,7 @@ class ShareWindows {
     std::map<int32_t, Window> to;
   };
 
-  void end_locked(const std::string& load, const Status& why);
+  void end_locked(std::string load, const Status& why);
 
   std::mutex mu_;
   std::condition_variable cv_;

@@ -287,9 +287,13 @@ TEST_CASE(
   // through it, in and out, a few copies each, plus fixed costs (threads,
   // buffers); not the state (64 MiB), which it would hold several times over
   // without flow control.
+  // Not under AddressSanitizer, whose quarantine keeps freed memory
+  // resident (the queue bounds above still hold there).
+#ifndef __SANITIZE_ADDRESS__
   const uint64_t bound = 4 * (kRanks - 1) * (kRanks - 1) * kWindow + (24 << 20);
   INFO("rank 0 VmHWM growth " << stats.at(0).hwm_growth << ", bound " << bound);
   CHECK(stats.at(0).hwm_growth < bound);
+#endif
 }
 
 TEST_CASE("a receiver that dies in a flow-controlled load releases the ranks sending to it",
