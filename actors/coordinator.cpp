@@ -490,6 +490,9 @@ coordinator_actor::behavior_type coordinator_fun(coordinator_ptr self, ContextPt
       },
       [self](atom::commit, CommitRequest& req) -> caf::result<CommitMsg> {
         auto& st = self->state;
+        // Aborted already: the rank gets the cause, as the others did.
+        if (auto it = st.aborted.find(req.checkpoint_id); it != st.aborted.end())
+          return CommitMsg{st.ctx->job_id, req.checkpoint_id, it->second, "", 0};
         if (!st.active || st.active->id != req.checkpoint_id || st.active->phase != Phase::writing)
           return CommitMsg{st.ctx->job_id, req.checkpoint_id,
                            Status::aborted("checkpoint " + req.checkpoint_id + " is not active"),
