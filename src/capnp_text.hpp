@@ -3,9 +3,12 @@
 #pragma once
 
 #include <capnp/list.h>
+#include <capnp/message.h>
+#include <kj/array.h>
 #include <kj/string.h>
 
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -30,6 +33,26 @@ inline std::vector<int64_t> i64s(capnp::List<int64_t>::Reader l) {
 template <class ListBuilder, class Vector>
 void fill(ListBuilder list, const Vector& values) {
   for (size_t i = 0; i < values.size(); ++i) list.set(static_cast<unsigned>(i), values[i]);
+}
+
+// Cap'n Proto reads words in place, and bytes from a file or a frame may
+// sit at any address: an aligned copy of the whole words of `n` bytes.
+inline kj::Array<capnp::word> aligned_words(const void* data, size_t n) {
+  kj::Array<capnp::word> words = kj::heapArray<capnp::word>(n / sizeof(capnp::word));
+  std::memcpy(words.begin(), data, words.size() * sizeof(capnp::word));
+  return words;
+}
+
+// Decode limits for untrusted bytes: the traversal limit scales with the
+// input (each word is read about once; the factor covers list headers and
+// zero-sized elements, charged a word each; the margin tiny messages), so a
+// crafted message cannot make the reader loop, and our schemas nest at most
+// about seven levels, so anything deeper than 16 is not ours.
+inline capnp::ReaderOptions bounded_options(size_t words, uint64_t margin_words) {
+  capnp::ReaderOptions o;
+  o.traversalLimitInWords = words * 4 + margin_words;
+  o.nestingLimit = 16;
+  return o;
 }
 
 }  // namespace ferry::capnp_util

@@ -33,15 +33,9 @@ using capnp_util::text;
 // manifest", so a reader can tell a foreign file from a newer one.
 constexpr char kMagic[8] = {'F', 'E', 'R', 'R', 'Y', 'M', 'F', '1'};
 
-// Decode-time limits. The traversal limit must scale with the input because a
-// manifest of a 1,000-rank job is far larger than Cap'n Proto's 64 MiB
-// default; the factor leaves room for Cap'n Proto's accounting of pointers
-// and list headers, and the margin for tiny messages.
-constexpr uint64_t kTraversalFactor = 4;
-constexpr uint64_t kTraversalMarginWords = 4096;
-// The schema nests five levels deep (Manifest > tensors > Tensor > chunks >
-// Chunk > lists); anything much deeper is not ours.
-constexpr int kNestingLimit = 16;
+// The decode limits scale with the input (bounded_options): a manifest of a
+// 1,000-rank job is far larger than Cap'n Proto's 64 MiB default.
+constexpr uint64_t kMarginWords = 4096;
 
 void put_u16(std::string& out, uint16_t v) {
   for (int i = 0; i < 2; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
@@ -519,12 +513,9 @@ Result<Manifest> decode_manifest(std::string_view bytes) {
   const size_t nwords = payload_len / sizeof(capnp::word);
   Manifest m;
   try {
-    kj::Array<capnp::word> words = kj::heapArray<capnp::word>(nwords);
-    std::memcpy(words.begin(), payload.data(), payload_len);
-    capnp::ReaderOptions options;
-    options.traversalLimitInWords = nwords * kTraversalFactor + kTraversalMarginWords;
-    options.nestingLimit = kNestingLimit;
-    capnp::FlatArrayMessageReader reader(words.asPtr(), options);
+    kj::Array<capnp::word> words = capnp_util::aligned_words(payload.data(), payload_len);
+    capnp::FlatArrayMessageReader reader(words.asPtr(),
+                                         capnp_util::bounded_options(nwords, kMarginWords));
     if (reader.getEnd() != words.end())
       return Status::corruption("MANIFEST payload has " +
                                 std::to_string((words.end() - reader.getEnd()) * 8) +

@@ -63,13 +63,6 @@ constexpr char kLocalMagic[] = "FRYLPLN2";
 constexpr char kRankMagic[] = "FRYSPLN2";
 constexpr char kListMagic[] = "FRYGPLN2";
 
-// Each word is read about once; the factor covers list headers and
-// zero-sized elements (charged a word each), the margin tiny messages.
-constexpr uint64_t kTraversalFactor = 4;
-constexpr uint64_t kTraversalMarginWords = 1024;
-// SavePlanList > plans > SavePlan > items > WriteItem > Box > sizes.
-constexpr int kNestingLimit = 16;
-
 const char* kind_of(const std::string& bytes) {
   if (bytes.size() < kMagicBytes) return nullptr;
   if (bytes.compare(0, kMagicBytes, kLocalMagic) == 0) return "local plan";
@@ -282,13 +275,9 @@ Result<T> decode(const std::string& bytes, const char* magic, const char* what, 
     return Status::invalid_argument(w + ": truncated: " + std::to_string(payload) +
                                     " bytes after the magic, not a whole number of 8-byte words");
   try {
-    // Cap'n Proto reads words in place: an aligned copy.
-    kj::Array<capnp::word> words = kj::heapArray<capnp::word>(payload / sizeof(capnp::word));
-    std::memcpy(words.begin(), bytes.data() + kMagicBytes, payload);
-    capnp::ReaderOptions options;
-    options.traversalLimitInWords = words.size() * kTraversalFactor + kTraversalMarginWords;
-    options.nestingLimit = kNestingLimit;
-    capnp::FlatArrayMessageReader reader(words.asPtr(), options);
+    kj::Array<capnp::word> words = capnp_util::aligned_words(bytes.data() + kMagicBytes, payload);
+    capnp::FlatArrayMessageReader reader(words.asPtr(),
+                                         capnp_util::bounded_options(words.size(), 1024));
     if (reader.getEnd() != words.end())
       return Status::invalid_argument(
           w + ": " + std::to_string((words.end() - reader.getEnd()) * sizeof(capnp::word)) +

@@ -34,17 +34,9 @@ constexpr size_t kHeaderBytes = 16;
 constexpr uint8_t kControlProtocol = 0;
 constexpr uint8_t kPlanProtocol = 1;
 
-// The traversal limit scales with the payload because one rank's plan or
-// write result in a 4,096-rank job can exceed Cap'n Proto's 64 MiB default.
-// The decoder reads every pointer once, so each word is charged about once;
-// the factor covers list headers and zero-sized elements (charged one word
-// each) and the margin covers tiny messages. What matters is that the work
-// is linear in the input, so a crafted message cannot make it loop.
-constexpr uint64_t kTraversalFactor = 4;
-constexpr uint64_t kTraversalMarginWords = 1024;
-// The deepest path is PlanMessage > CommitRequest > WriteResult > chunks >
-// WrittenChunk > Box > sizes; anything much deeper is not ours.
-constexpr int kNestingLimit = 16;
+// The decode limits scale with the payload (bounded_options): one rank's
+// plan or write result in a 4,096-rank job can exceed Cap'n Proto's 64 MiB
+// default.
 
 // ferry::StatusCode and proto::Status::Code are converted by value.
 using WireCode = proto::Status::Code;
@@ -710,14 +702,10 @@ std::string hex(std::string_view bytes) {
 }
 
 Result<WireMessage> decode_payload(uint8_t protocol, std::string_view payload) {
-  // The frame may sit at any address (UCX hands over unaligned data) and
-  // Cap'n Proto reads words in place, so it gets an aligned copy.
-  kj::Array<capnp::word> words = kj::heapArray<capnp::word>(payload.size() / sizeof(capnp::word));
-  std::memcpy(words.begin(), payload.data(), payload.size());
-  capnp::ReaderOptions options;
-  options.traversalLimitInWords = words.size() * kTraversalFactor + kTraversalMarginWords;
-  options.nestingLimit = kNestingLimit;
-  capnp::FlatArrayMessageReader reader(words.asPtr(), options);
+  // UCX hands over frames at any address.
+  kj::Array<capnp::word> words = capnp_util::aligned_words(payload.data(), payload.size());
+  capnp::FlatArrayMessageReader reader(words.asPtr(),
+                                       capnp_util::bounded_options(words.size(), 1024));
   if (reader.getEnd() != words.end())
     return Status::invalid_argument(
         std::to_string((words.end() - reader.getEnd()) * sizeof(capnp::word)) +
