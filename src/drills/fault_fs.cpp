@@ -91,6 +91,7 @@ struct FaultFilesystem::Impl {
       }
     }
     if (d.fire) ++injected;
+    if (d.delay.count() > 0) ++delayed;
     return d;
   }
 
@@ -143,6 +144,7 @@ struct FaultFilesystem::Impl {
   std::vector<RuleState> rules;
   std::array<uint64_t, kFaultOpCount> calls{};
   uint64_t injected = 0;
+  uint64_t delayed = 0;
 
   // Guards the model and the journal. Held across namespace operations
   // (not across pwrite or fsync of files), so that the journal's order is
@@ -288,6 +290,11 @@ uint64_t FaultFilesystem::calls(FaultOp op) const {
 uint64_t FaultFilesystem::injected() const {
   std::lock_guard<std::mutex> lock(impl_->rules_mu);
   return impl_->injected;
+}
+
+uint64_t FaultFilesystem::delayed() const {
+  std::lock_guard<std::mutex> lock(impl_->rules_mu);
+  return impl_->delayed;
 }
 
 Result<std::unique_ptr<File>> FaultFilesystem::open(const std::string& path, const OpenOptions& o) {

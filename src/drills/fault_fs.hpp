@@ -129,9 +129,12 @@ class FaultFilesystem : public FilesystemWrapper {
 
   void add_rule(const FaultRule& rule);
   void clear_rules();
-  // Calls seen of one kind, faulted or not, and faults injected so far.
+  // Calls seen of one kind, faulted or not, faults injected so far, and
+  // calls a latency rule slowed down (a count, so tests need no upper bound
+  // on wall time, which a loaded machine cannot keep).
   uint64_t calls(FaultOp op) const;
   uint64_t injected() const;
+  uint64_t delayed() const;
 
   Result<std::unique_ptr<File>> open(const std::string& path, const OpenOptions& o) override;
   Status mkdir(const std::string& path) override;

@@ -302,18 +302,24 @@ TEST_CASE("fault fs: a short write leaves a prefix and names the file", "[faults
 
 TEST_CASE("fault fs: latency is added to matching calls only", "[faults]") {
   TempDir tmp;
-  auto fs_r = filesystem_from_spec(posix_filesystem(), "latency:write:20ms");
-  REQUIRE(fs_r.ok());
-  auto f = (*fs_r)->open(tmp.sub("slow"), writable());
+  FaultFilesystem fs(posix_filesystem());
+  FaultRule rule;
+  rule.action = FaultRule::Action::latency;
+  rule.op = FaultOp::write;
+  rule.latency = std::chrono::milliseconds(20);
+  fs.add_rule(rule);
+  auto f = fs.open(tmp.sub("slow"), writable());
   REQUIRE(f.ok());
+  CHECK(fs.delayed() == 0);
   using clock = std::chrono::steady_clock;
   auto t0 = clock::now();
   for (int i = 0; i < 3; ++i) REQUIRE((*f)->pwrite("x", 1, i).ok());
-  auto writes = clock::now() - t0;
-  CHECK(writes >= std::chrono::milliseconds(60));
-  t0 = clock::now();
+  CHECK(clock::now() - t0 >= std::chrono::milliseconds(60));
+  CHECK(fs.delayed() == 3);
   for (int i = 0; i < 3; ++i) REQUIRE((*f)->sync().ok());
-  CHECK(clock::now() - t0 < std::chrono::milliseconds(60));
+  REQUIRE((*f)->close().ok());
+  CHECK(fs.delayed() == 3);
+  CHECK(fs.calls(FaultOp::sync) == 3);
 }
 
 // ---- power cut ------------------------------------------------------------------------
