@@ -15,9 +15,11 @@
 // two and random bytes, the worst case), and runs the timed saves twice:
 // plain and with compress = zstd:<level>, each against the same raw writer.
 //
-// Order: allocate and touch the state, note the RSS (the baseline), create the
-// Runtime (it pre-faults the pool), one warm-up save (not counted), the timed
-// saves, then the raw writer and the memcpy. The pool defaults to the state
+// Order: allocate and touch the state and the limits' buffers, note the RSS
+// (the baseline), create the Runtime, one warm-up save (not counted), then
+// each rep: a Ferry save, the raw writer, the memcpy, so each ratio compares
+// moments a second apart (the reported ratio is the median of the reps'
+// ratios). The pool defaults to the state
 // plus its header, so the snapshot needs no block to be written first.
 // --rss-run is the memory run: a 4 GiB state through a 512 MiB pool.
 // Figures are the median over --reps (default: more reps for small states).
@@ -511,6 +513,18 @@ int run(const Flags& flags) {
       return 1;
     }
   }
+  // The limits' buffers exist (touched) before the baseline, so each rep can
+  // measure Ferry and both limits back to back: on a shared machine the load
+  // changes from second to second, and a limit measured minutes after the
+  // saves compares different moments. Their RSS is in the baseline.
+  Region raw_buf(kRawBlock, true);
+  fill_pattern(raw_buf.data(), kRawBlock);
+  // Huge pages where the kernel grants them, as the pool asks for them. The
+  // memory run copies into a pool-sized destination reused from its start.
+  const uint64_t dst_bytes =
+      flags.pool_mib ? std::min(state_bytes, flags.pool_mib * kMiB) : state_bytes;
+  Region dst((dst_bytes + kAlign - 1) / kAlign * kAlign, true);
+  std::memset(dst.data(), 1, dst.size());
   const uint64_t baseline_rss = current_rss_bytes();
 
   // --- Ferry ---------------------------------------------------------------
@@ -552,8 +566,14 @@ int run(const Flags& flags) {
         static_cast<unsigned long long>(warm.metrics.bytes));
 
   std::vector<SaveSample> saves;
+  std::vector<double> raw_v, memcpy_v;
+  bool raw_direct = true;
   for (uint32_t r = 0; r < flags.reps; ++r) {
     saves.push_back(timed_save(*rt, sd, step++));
+    const RawResult rr = raw_write(scratch.path() + "/raw.bin", state_bytes, raw_buf.data(), 1);
+    raw_direct = raw_direct && rr.direct;
+    raw_v.push_back(rr.ms);
+    memcpy_v.push_back(memcpy_state(state, tensors, dst));
     const SaveSample& s = saves.back();
     std::printf(
         "save %u: save_async %.3f ms, snapshot %.1f ms, committed %.1f ms "
@@ -580,41 +600,20 @@ int run(const Flags& flags) {
       std::fflush(stdout);
     }
   }
-  // Read before the raw writer and the memcpy buffers can raise it.
   const uint64_t peak_rss = peak_rss_bytes();
-  rt.reset();  // frees the pool before the limits are measured
+  rt.reset();  // frees the pool before the threaded writer runs
 
   auto pick = [&saves](double SaveSample::*field) { return pick_from(saves, field); };
   const std::vector<double> async_v = pick(&SaveSample::save_async_ms);
   const std::vector<double> snap_v = pick(&SaveSample::snapshot_ms);
   const std::vector<double> total_v = pick(&SaveSample::total_ms);
 
-  // --- the write limit -----------------------------------------------------
-  std::vector<double> raw_v, raw_par_v;
-  bool raw_direct = true;
+  // Not the target's reference; printed so a ratio above 1 can be read.
+  std::vector<double> raw_par_v;
   const uint32_t par = std::max<uint32_t>(opts.writers, 2);
-  {
-    Region buf(kRawBlock, true);
-    fill_pattern(buf.data(), kRawBlock);
-    for (uint32_t r = 0; r < flags.reps; ++r) {
-      const RawResult rr = raw_write(scratch.path() + "/raw.bin", state_bytes, buf.data(), 1);
-      raw_direct = raw_direct && rr.direct;
-      raw_v.push_back(rr.ms);
-    }
-    // Not the target's reference; printed so a ratio above 1 can be read.
-    for (uint32_t r = 0; r < flags.reps; ++r)
-      raw_par_v.push_back(raw_write(scratch.path() + "/raw.bin", state_bytes, buf.data(), par).ms);
-  }
-
-  // --- the snapshot limit --------------------------------------------------
-  std::vector<double> memcpy_v;
-  {
-    // Huge pages where the kernel grants them, as the pool asks for them.
-    Region dst(std::min(state_bytes, (opts.pool_bytes + kAlign - 1) / kAlign * kAlign), true);
-    std::memset(dst.data(), 1, dst.size());
-    for (uint32_t r = 0; r < std::max<uint32_t>(flags.reps, 3); ++r)
-      memcpy_v.push_back(memcpy_state(state, tensors, dst));
-  }
+  for (uint32_t r = 0; r < flags.reps; ++r)
+    raw_par_v.push_back(
+        raw_write(scratch.path() + "/raw.bin", state_bytes, raw_buf.data(), par).ms);
 
   // --- the codec alone ------------------------------------------------------
   std::vector<CodecFigures> codec;
@@ -631,9 +630,16 @@ int run(const Flags& flags) {
   const double save_async_ms = median(async_v);
   const double ferry_gbps = state_bytes / (ferry_ms * 1e6);
   const double raw_gbps = state_bytes / (raw_ms * 1e6);
-  const double persist_ratio = ferry_gbps / raw_gbps;
+  // Ratios of each rep's own pair, then their median: a pair ran within a
+  // second, under the same load.
+  std::vector<double> persist_r, snapshot_r;
+  for (size_t i = 0; i < saves.size(); ++i) {
+    persist_r.push_back(raw_v[i] / saves[i].total_ms);
+    snapshot_r.push_back(saves[i].snapshot_ms / memcpy_v[i]);
+  }
+  const double persist_ratio = median(persist_r);
   const double raw_par_gbps = state_bytes / (median(raw_par_v) * 1e6);
-  const double snapshot_ratio = snapshot_ms / memcpy_ms;
+  const double snapshot_ratio = median(snapshot_r);
   const double peak_mib = static_cast<double>(peak_rss) / kMiB;
   const double baseline_mib = static_cast<double>(baseline_rss) / kMiB;
   const double growth_mib = peak_mib - baseline_mib;
