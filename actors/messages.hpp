@@ -40,7 +40,6 @@ CAF_ADD_ATOM(ferry, ferry::atom, written, "written")
 CAF_ADD_ATOM(ferry, ferry::atom, sums, "sums")
 CAF_ADD_ATOM(ferry, ferry::atom, open, "open")
 CAF_ADD_ATOM(ferry, ferry::atom, seal, "seal")
-CAF_ADD_ATOM(ferry, ferry::atom, syncdir, "syncdir")
 CAF_ADD_ATOM(ferry, ferry::atom, drain, "drain")
 CAF_ADD_ATOM(ferry, ferry::atom, close, "close")
 CAF_ADD_ATOM(ferry, ferry::atom, abandon, "abandon")
@@ -102,7 +101,6 @@ struct SaveJob {
 struct CustomWrite {
   std::shared_ptr<CheckpointFnWriter> storage;
   std::vector<std::string> paths;
-  std::string pending_dir;
 };
 
 struct CustomWritten {

@@ -8,8 +8,9 @@
 //             part of the global plan and the pending directory.
 // opening:    a writer creates the data files.
 // streaming:  snapshot -> serializer -> writers; block reports come back here.
-// finishing:  each file is truncated, fsynced and closed, then the pending
-//             directory is fsynced; checksums arrive from the serializer.
+// finishing:  each file is truncated, fsynced and closed; checksums arrive
+//             from the serializer. (The pending directory is fsynced once,
+//             by rank 0 after MANIFEST, for every rank's files.)
 // committing: the write result goes to the coordinator, which commits.
 // planned, written: a save driven in steps (SavePlanner) waits here for its
 //             caller's next step (`proceed`); both count as the write phase,
@@ -319,25 +320,10 @@ void files_durable(planner_ptr self) {
 void maybe_finish(planner_ptr self) {
   auto& cur = self->state.cur;
   if (cur.phase != Phase::finishing || cur.files_left > 0 || !cur.have_sums) return;
-  if (!self->state.ctx->opts.fsync || cur.layouts.empty()) {
-    files_durable(self);
-    return;
-  }
-  // The files' directory entries must be durable before the coordinator
-  // commits: a rename of an unsynced directory may lose them.
-  const uint64_t id = cur.id;
-  self->request(self->state.writers[0], caf::infinite, atom::syncdir_v, cur.pending_dir)
-      .then(
-          [self, id](const Status& s) {
-            if (!live(self->state, id)) return;
-            if (!s.ok()) return fail(self, s);
-            files_durable(self);
-          },
-          [self, id, dir = cur.pending_dir](caf::error& e) {
-            if (live(self->state, id))
-              fail(self, Status::internal("syncing " + dir +
-                                          ": the writer: " + self->system().render(e)));
-          });
+  // The files' directory entries need no fsync here: rank 0 fsyncs the
+  // pending directory after writing MANIFEST into it, before the commit
+  // rename, and that one fsync covers every rank's entries.
+  files_durable(self);
 }
 
 void finish_file(planner_ptr self, uint32_t f) {
@@ -477,7 +463,7 @@ void start_custom_write(planner_ptr self) {
   cur.phase = Phase::opening;
   const uint64_t id = cur.id;
   self->request(st.writers[0], caf::infinite, atom::custom_v,
-                CustomWrite{std::move(storage), std::move(paths), cur.pending_dir})
+                CustomWrite{std::move(storage), std::move(paths)})
       .then(
           [self, id](CustomWritten& r) {
             auto& cur = self->state.cur;

@@ -14,7 +14,7 @@
 // scheduler thread): a failed save's drain then queues behind it, and ends
 // only once the caller's tensors are no longer read.
 //
-//   (stateless) write | open | seal | syncdir | drain | close | custom | compress, one at a time
+//   (stateless) write | open | seal | drain | close | custom | compress, one at a time
 
 #include <algorithm>
 #include <deque>
@@ -119,9 +119,6 @@ writer_actor::behavior_type writer_fun(writer_actor::stateful_pointer<writer_sta
         self->state.storage->abort(files);
         return true;
       },
-      [self](atom::syncdir, const std::string& dir) -> Status {
-        return self->state.storage->commit(dir);
-      },
       // Blocking like every other call here: the function writes the files.
       [self](atom::compress, CompressJob& job) -> CompressDone {
         CompressDone out;
@@ -141,7 +138,6 @@ writer_actor::behavior_type writer_fun(writer_actor::stateful_pointer<writer_sta
             out.sums.push_back(s.written_sums(f));
           }
         }
-        if (out.status.ok()) out.status = s.commit(w.pending_dir);
         if (!out.status.ok()) s.abort({});
         return out;
       },

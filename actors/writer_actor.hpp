@@ -20,14 +20,12 @@ using writer_actor = caf::typed_actor<
     caf::replies_to<atom::open, std::vector<std::string>>::with<FileSet>,
     // planner -> writer: truncate to the size, fsync and close one file.
     caf::replies_to<atom::seal, std::shared_ptr<File>, uint64_t>::with<Status>,
-    // planner -> writer: fsync the pending directory.
-    caf::replies_to<atom::syncdir, std::string>::with<Status>,
     // planner -> writer after a failure: a barrier behind every queued block,
     caf::replies_to<atom::drain>::with<bool>,
     // then the close of the failed save's files.
     caf::replies_to<atom::close, std::vector<std::shared_ptr<File>>>::with<bool>,
     // planner -> writer: the caller's checkpoint_fn writes the rank's files,
-    // made durable with their directory.
+    // made durable.
     caf::replies_to<atom::custom, CustomWrite>::with<CustomWritten>,
     // planner -> writer: compress a save's chunks from the caller's tensors.
     caf::replies_to<atom::compress, CompressJob>::with<CompressDone>>;

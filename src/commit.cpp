@@ -202,19 +202,36 @@ Result<CommitOutcome> commit_checkpoint(Filesystem& fs, const std::string& root,
 
   const std::string name = step_dir_name(manifest.step);
   const std::string step_dir = join_path(root, name);
+  // LATEST's new content is written (and fsynced) before the commit point,
+  // so after it one rename and one fsync of ROOT make both the commit and
+  // LATEST durable. LATEST is a hint (load trusts the manifests' sequence
+  // numbers), so failing to write it is only a warning.
+  const std::string latest_path = join_path(root, kLatestFileName);
+  Result<std::string> latest_tmp =
+      write_temp_file(fs, latest_path, name + "\n", opts.fsync, "latest");
+  auto drop_latest_tmp = [&] {
+    if (latest_tmp.ok()) (void)fs.unlink(*latest_tmp);
+  };
   std::string displaced;
   if (fs.stat(step_dir).ok()) {
-    if (!opts.overwrite)
+    if (!opts.overwrite) {
+      drop_latest_tmp();
       return Status::already_exists("checkpoint " + step_dir + " was committed by another save");
+    }
     // rename(2) cannot replace a non-empty directory: move the old one
     // aside first, under a name that says what it is, so that whoever finds
     // it without a step in its place (a crash right here) puts it back.
     displaced = join_path(root, displaced_dir_name(manifest.step, std::to_string(seq + 1)));
-    FERRY_RETURN_IF_ERROR(fs.rename(step_dir, displaced));
+    Status aside = fs.rename(step_dir, displaced);
+    if (!aside.ok()) {
+      drop_latest_tmp();
+      return aside;
+    }
     kill_point("overwrite.aside");
   }
   Status committed = fs.rename(pending_dir, step_dir);  // the commit point
   if (!committed.ok()) {
+    drop_latest_tmp();
     if (!displaced.empty()) {
       Status back = fs.rename(displaced, step_dir);
       if (!back.ok())
@@ -233,6 +250,16 @@ Result<CommitOutcome> commit_checkpoint(Filesystem& fs, const std::string& root,
   // rename leaves a directory gc may take once it expires); a committed
   // directory needs none. Not in the manifest, so a leftover is harmless.
   (void)fs.unlink(join_path(step_dir, kLeaseFileName));
+  Status latest = latest_tmp.status();
+  if (latest.ok()) {
+    latest = fs.rename(*latest_tmp, latest_path);
+    if (latest.ok())
+      kill_point("latest.rename");
+    else
+      drop_latest_tmp();
+  }
+  if (!latest.ok())
+    out.warnings.push_back(latest.with_context("committed " + step_dir + ", but LATEST: "));
   bool durable = true;
   if (opts.fsync) {
     Status st = fs.sync_dir(root);
@@ -242,10 +269,6 @@ Result<CommitOutcome> commit_checkpoint(Filesystem& fs, const std::string& root,
     }
   }
   kill_point("root.fsync");
-  Status latest =
-      write_file_atomic(fs, join_path(root, kLatestFileName), name + "\n", opts.fsync, "latest");
-  if (!latest.ok())
-    out.warnings.push_back(latest.with_context("committed " + step_dir + ", but LATEST: "));
   // Until ROOT is durable a power cut may undo the commit rename; the old
   // step must then still be there to come back.
   if (!displaced.empty() && durable) {

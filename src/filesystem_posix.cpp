@@ -341,11 +341,16 @@ Result<std::string> read_file(Filesystem& fs, const std::string& path, uint64_t 
   return out;
 }
 
-Status write_file_atomic(Filesystem& fs, const std::string& path, const std::string& bytes,
-                         bool sync, const char* kill_prefix) {
-  auto point = [kill_prefix](const char* step) {
-    if (kill_prefix) kill_point((std::string(kill_prefix) + "." + step).c_str());
-  };
+namespace {
+
+void kill_point_of(const char* prefix, const char* step) {
+  if (prefix) kill_point((std::string(prefix) + "." + step).c_str());
+}
+
+}  // namespace
+
+Result<std::string> write_temp_file(Filesystem& fs, const std::string& path,
+                                    const std::string& bytes, bool sync, const char* kill_prefix) {
   static std::atomic<uint64_t> counter{0};
   std::string tmp = path + ".tmp-" + std::to_string(::getpid()) + "-" +
                     std::to_string(counter.fetch_add(1, std::memory_order_relaxed));
@@ -355,21 +360,31 @@ Status write_file_atomic(Filesystem& fs, const std::string& path, const std::str
   o.exclusive = true;
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<File> f, fs.open(tmp, o));
   Status st = f->pwrite(bytes.data(), bytes.size(), 0);
-  if (st.ok()) point("write");
+  if (st.ok()) kill_point_of(kill_prefix, "write");
   if (st.ok() && sync) {
     st = f->sync();
-    if (st.ok()) point("fsync");
+    if (st.ok()) kill_point_of(kill_prefix, "fsync");
   }
   Status closed = f->close();
   if (st.ok()) st = closed;
-  if (st.ok()) st = fs.rename(tmp, path);
   if (!st.ok()) {
     (void)fs.unlink(tmp);  // best effort: the first error is the one to report
     return st;
   }
-  point("rename");
+  return tmp;
+}
+
+Status write_file_atomic(Filesystem& fs, const std::string& path, const std::string& bytes,
+                         bool sync, const char* kill_prefix) {
+  FERRY_ASSIGN_OR_RETURN(std::string tmp, write_temp_file(fs, path, bytes, sync, kill_prefix));
+  Status st = fs.rename(tmp, path);
+  if (!st.ok()) {
+    (void)fs.unlink(tmp);
+    return st;
+  }
+  kill_point_of(kill_prefix, "rename");
   if (sync) FERRY_RETURN_IF_ERROR(fs.sync_dir(parent_path(path)));
-  point("dirsync");
+  kill_point_of(kill_prefix, "dirsync");
   return Status::ok_status();
 }
 

@@ -37,12 +37,6 @@ Status PosixStorageWriter::finish_file(size_t, File* f, uint64_t size) {
   return Status();
 }
 
-Status PosixStorageWriter::commit(const std::string& pending_dir) {
-  FERRY_RETURN_IF_ERROR(fs_->sync_dir(pending_dir));
-  kill_point("dir.fsync");
-  return Status();
-}
-
 void PosixStorageWriter::abort(const std::vector<std::shared_ptr<File>>& files) {
   for (const auto& f : files) (void)f->close();
 }
@@ -74,10 +68,6 @@ Status CheckpointFnWriter::finish_file(size_t index, File*, uint64_t) {
                          adopt_written_file(*fs_, paths_[index], files_[index].layout,
                                             checksum_block_bytes_, &sums_[index], fsync_));
   return Status();
-}
-
-Status CheckpointFnWriter::commit(const std::string& pending_dir) {
-  return fsync_ ? fs_->sync_dir(pending_dir) : Status();
 }
 
 // What the function left behind stays in the pending directory, which the

@@ -1,8 +1,10 @@
 // Where one rank's data files of a checkpoint go, in the steps the planner
-// drives: open the checkpoint's files, write items' bytes, finish each file,
-// commit the rank's part, or abort. Two kinds: Ferry's own files on a
-// Filesystem (the writer actors run it, one call at a time per thread), and
-// the caller's checkpoint_fn, which writes a rank's file by itself.
+// drives: open the checkpoint's files, write items' bytes, finish each file
+// (durable and closed), or abort. The files' directory entries are made
+// durable once, by rank 0's fsync of the pending directory after it wrote
+// MANIFEST there, before the commit rename (one fsync for every rank's files). Two kinds: Ferry's
+// own files on a Filesystem (the writer actors run it, one call at a time per thread), and the
+// caller's checkpoint_fn, which writes a rank's file by itself.
 #pragma once
 
 #include <memory>
@@ -28,9 +30,6 @@ class StorageWriter {
   virtual Status write(File& f, const void* data, uint64_t len, uint64_t offset) = 0;
   // File `index` of open_checkpoint is complete at `size` bytes: durable and closed.
   virtual Status finish_file(size_t index, File* f, uint64_t size) = 0;
-  // Every file is finished: the rank's part (the directory entries too) is
-  // durable, so rank 0 may commit the checkpoint.
-  virtual Status commit(const std::string& pending_dir) = 0;
   // The save failed: close what is open; errors are moot.
   virtual void abort(const std::vector<std::shared_ptr<File>>& files) = 0;
 };
@@ -44,7 +43,6 @@ class PosixStorageWriter : public StorageWriter {
       const std::vector<std::string>& paths) override;
   Status write(File& f, const void* data, uint64_t len, uint64_t offset) override;
   Status finish_file(size_t index, File* f, uint64_t size) override;
-  Status commit(const std::string& pending_dir) override;
   void abort(const std::vector<std::shared_ptr<File>>& files) override;
 
  private:
@@ -78,7 +76,6 @@ class CheckpointFnWriter : public StorageWriter {
   // Refused: the function writes whole files.
   Status write(File& f, const void* data, uint64_t len, uint64_t offset) override;
   Status finish_file(size_t index, File* f, uint64_t size) override;
-  Status commit(const std::string& pending_dir) override;
   void abort(const std::vector<std::shared_ptr<File>>& files) override;
 
   const FileLayout& written_layout(size_t index) const { return written_[index]; }

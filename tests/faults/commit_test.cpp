@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <algorithm>
 
 #include <catch2/catch.hpp>
 #include <filesystem>
@@ -355,12 +356,18 @@ TEST_CASE("an overwrite killed after its commit rename leaves the new step whole
   commit_ok(*fs, root, 5, "old");
   overwrite_killed_at(*fs, root, 5, "commit.rename");
   require_latest(*fs, root, 5, "new");
-  // The replaced step is garbage; gc removes it and leaves the new one.
+  // The replaced step is garbage, and so is LATEST's temp file (written
+  // before the commit point, never renamed); gc removes both and leaves the
+  // new step.
   auto gc = collect_garbage(*fs, root, now_unix_ms());
   REQUIRE(gc.ok());
   CHECK(gc->restored.empty());
-  CHECK(gc->discarded.size() == 1);
+  REQUIRE(gc->discarded.size() == 2);
+  CHECK(std::count_if(gc->discarded.begin(), gc->discarded.end(), [](const std::string& p) {
+          return p.find("/LATEST.tmp-") != std::string::npos;
+        }) == 1);
   require_latest(*fs, root, 5, "new");
+  for (const std::string& name : names_in(root)) CHECK(name.find(".tmp-") == std::string::npos);
 }
 
 // ---- 3. nested root -----------------------------------------------------------------------
@@ -510,7 +517,10 @@ TEST_CASE("prepare_pending collects expired pending directories and LATEST temp 
 
 // ---- 6. errors after the commit point -------------------------------------------------------
 
-TEST_CASE("a failed LATEST write after the commit point is a warning", "[commit][warnings]") {
+// LATEST's temp file is written before the commit point and renamed after
+// it; either failing is only a warning (LATEST is a hint), and no temp file
+// is left behind.
+TEST_CASE("a failed LATEST write is a warning, not a failed commit", "[commit][warnings]") {
   TempDir tmp;
   auto fs = std::make_shared<FaultFilesystem>(posix_filesystem());
   const std::string root = tmp.path();
@@ -530,6 +540,25 @@ TEST_CASE("a failed LATEST write after the commit point is a warning", "[commit]
   require_latest(*fs, root, 2, "new");
   CHECK(out.retired == std::vector<std::string>{join_path(root, step_dir_name(1))});
   CHECK(slurp(join_path(root, kLatestFileName)) == "step-00000001\n");  // only a hint
+}
+
+TEST_CASE("a failed rename of LATEST after the commit point is a warning", "[commit][warnings]") {
+  TempDir tmp;
+  auto fs = std::make_shared<FaultFilesystem>(posix_filesystem());
+  const std::string root = tmp.path();
+  commit_ok(*fs, root, 1, "old");
+  FaultRule r;
+  r.op = FaultOp::rename;
+  r.nth = 1;
+  r.error = EIO;
+  r.path_contains = "/LATEST.tmp-";
+  fs->add_rule(r);
+  CommitOutcome out = commit_ok(*fs, root, 2, "new");
+  REQUIRE(out.warnings.size() == 1);
+  CHECK(contains(out.warnings[0].message(), "LATEST"));
+  require_latest(*fs, root, 2, "new");
+  CHECK(slurp(join_path(root, kLatestFileName)) == "step-00000001\n");
+  for (const std::string& name : names_in(root)) CHECK(name.find(".tmp-") == std::string::npos);
 }
 
 // ---- 7. no hangs ----------------------------------------------------------------------------

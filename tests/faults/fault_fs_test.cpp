@@ -642,7 +642,7 @@ TEST_CASE("power cut: a committed checkpoint survives, an unsynced commit vanish
   CHECK(slurp(join_path(latest->path, "rank-00000-0000.safetensors")) == "tensor bytes of step 1");
   CHECK(slurp(join_path(root, kLatestFileName)) == "step-00000001\n");
 
-  SECTION("the root's fsyncs after the commit rename fail: committed, with warnings") {
+  SECTION("the root's fsync after the commit rename fails: committed, with a warning") {
     pending = stage_checkpoint(*fs, root, 2, &m);
     FaultRule r = error_at(FaultOp::sync, 1, EIO);
     r.sticky = true;
@@ -654,10 +654,11 @@ TEST_CASE("power cut: a committed checkpoint survives, an unsynced commit vanish
     INFO(done2.status().to_string());
     REQUIRE(done2.ok());
     CHECK(done2->path == join_path(root, "step-00000002"));
-    REQUIRE(done2->warnings.size() == 2);  // ROOT fsync, then LATEST's
+    // One fsync of ROOT covers the commit rename and LATEST's.
+    REQUIRE(done2->warnings.size() == 1);
     CHECK(contains(done2->warnings[0].message(), "(injected)"));
     CHECK(contains(done2->warnings[0].message(), "fsync of ROOT"));
-    CHECK(contains(done2->warnings[1].message(), "LATEST"));
+    CHECK(fs->calls(FaultOp::sync) > 0);
     CHECK(find_latest(*fs, root)->step == 2);
     CHECK(exists(join_path(root, "step-00000002")));  // renamed, not yet durable
   }

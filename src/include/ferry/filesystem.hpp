@@ -115,6 +115,13 @@ Result<std::string> read_file(Filesystem& fs, const std::string& path,
 // passes the kill points <prefix>.write/.fsync/.rename/.dirsync.
 Status write_file_atomic(Filesystem& fs, const std::string& path, const std::string& bytes,
                          bool sync, const char* kill_prefix = nullptr);
+// The first half of write_file_atomic: the temp file beside `path`
+// ("<path>.tmp-<pid>-<n>"), written and fsynced (if `sync`); returns its
+// path. The caller renames it over `path` when it chooses (and removes it
+// if it does not), so that one directory fsync can cover several renames.
+Result<std::string> write_temp_file(Filesystem& fs, const std::string& path,
+                                    const std::string& bytes, bool sync,
+                                    const char* kill_prefix = nullptr);
 // Removes a file or a directory tree; not_found is not an error.
 Status remove_all(Filesystem& fs, const std::string& path);
 
