@@ -71,7 +71,11 @@ const char* kind_of(const std::string& bytes) {
   return nullptr;
 }
 
-std::string framed(const char* magic, capnp::MessageBuilder& mb) {
+// The magic, then the message whose root `build` fills in.
+template <class Root, class Build>
+std::string framed(const char* magic, Build build) {
+  capnp::MallocMessageBuilder mb;
+  build(mb.initRoot<Root>());
   kj::Array<capnp::word> words = capnp::messageToFlatArray(mb);
   kj::ArrayPtr<const kj::byte> b = words.asBytes();
   std::string out(magic, kMagicBytes);
@@ -385,9 +389,7 @@ std::string LocalSavePlan::to_string() const {
 }
 
 std::string LocalSavePlan::to_bytes() const {
-  capnp::MallocMessageBuilder mb;
-  set_local(mb.initRoot<proto::LocalPlan>(), *this);
-  return framed(kLocalMagic, mb);
+  return framed<proto::LocalPlan>(kLocalMagic, [this](auto b) { set_local(b, *this); });
 }
 
 Result<LocalSavePlan> LocalSavePlan::from_bytes(const std::string& bytes) {
@@ -413,9 +415,7 @@ std::string SavePlan::to_string() const {
 }
 
 std::string SavePlan::to_bytes() const {
-  capnp::MallocMessageBuilder mb;
-  set_rank_plan(mb.initRoot<proto::SavePlan>(), *this);
-  return framed(kRankMagic, mb);
+  return framed<proto::SavePlan>(kRankMagic, [this](auto b) { set_rank_plan(b, *this); });
 }
 
 Result<SavePlan> SavePlan::from_bytes(const std::string& bytes) {
@@ -423,10 +423,11 @@ Result<SavePlan> SavePlan::from_bytes(const std::string& bytes) {
 }
 
 std::string encode_save_plans(const std::vector<SavePlan>& plans) {
-  capnp::MallocMessageBuilder mb;
-  auto list = mb.initRoot<proto::SavePlanList>().initPlans(static_cast<unsigned>(plans.size()));
-  for (size_t i = 0; i < plans.size(); ++i) set_rank_plan(list[static_cast<unsigned>(i)], plans[i]);
-  return framed(kListMagic, mb);
+  return framed<proto::SavePlanList>(kListMagic, [&plans](auto b) {
+    auto list = b.initPlans(static_cast<unsigned>(plans.size()));
+    for (size_t i = 0; i < plans.size(); ++i)
+      set_rank_plan(list[static_cast<unsigned>(i)], plans[i]);
+  });
 }
 
 Result<std::vector<SavePlan>> decode_save_plans(const std::string& bytes) {
