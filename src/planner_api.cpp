@@ -187,25 +187,27 @@ Status read_rank(int32_t rank, const char* what) {
   return Status();
 }
 
+// The rank and the items, which a local plan and a rank's save plan share.
+template <class Reader, class Plan>
+Status read_rank_and_items(Reader r, const char* what, Plan* p) {
+  p->rank = r.getRank();
+  FERRY_RETURN_IF_ERROR(read_rank(p->rank, what));
+  for (auto item : r.getItems()) {
+    FERRY_ASSIGN_OR_RETURN(PlanItem it, read_item(item, p->items.size()));
+    p->items.push_back(std::move(it));
+  }
+  return Status();
+}
+
 Result<LocalSavePlan> read_local(proto::LocalPlan::Reader r) {
   LocalSavePlan p;
-  p.rank = r.getRank();
-  FERRY_RETURN_IF_ERROR(read_rank(p.rank, "local plan"));
-  for (auto item : r.getItems()) {
-    FERRY_ASSIGN_OR_RETURN(PlanItem it, read_item(item, p.items.size()));
-    p.items.push_back(std::move(it));
-  }
+  FERRY_RETURN_IF_ERROR(read_rank_and_items(r, "local plan", &p));
   return p;
 }
 
 Result<SavePlan> read_rank_plan(proto::SavePlan::Reader r) {
   SavePlan p;
-  p.rank = r.getRank();
-  FERRY_RETURN_IF_ERROR(read_rank(p.rank, "save plan"));
-  for (auto item : r.getItems()) {
-    FERRY_ASSIGN_OR_RETURN(PlanItem it, read_item(item, p.items.size()));
-    p.items.push_back(std::move(it));
-  }
+  FERRY_RETURN_IF_ERROR(read_rank_and_items(r, "save plan", &p));
   auto owners = r.getOwners();
   if (owners.size() != p.items.size())
     return Status::invalid_argument("save plan: " + std::to_string(owners.size()) +
