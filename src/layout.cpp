@@ -168,10 +168,7 @@ class HeaderParser {
     std::unordered_set<std::string> names;
     FERRY_RETURN_IF_ERROR(parse_members('}', [&]() -> Status {
       std::string name;
-      FERRY_RETURN_IF_ERROR(parse_string(&name));
-      skip_ws();
-      FERRY_RETURN_IF_ERROR(expect(':'));
-      skip_ws();
+      FERRY_RETURN_IF_ERROR(parse_key(&name));
       if (!names.insert(name).second) return error("duplicate name '" + name + "'");
       if (name == "__metadata__") return parse_metadata(&out->metadata);
       SafetensorsEntry e;
@@ -195,6 +192,15 @@ class HeaderParser {
   void skip_ws() {
     while (!at_end() && (*p_ == ' ' || *p_ == '\t' || *p_ == '\n' || *p_ == '\r')) ++p_;
   }
+  // An object member's name and the colon after it.
+  Status parse_key(std::string* out) {
+    FERRY_RETURN_IF_ERROR(parse_string(out));
+    skip_ws();
+    FERRY_RETURN_IF_ERROR(expect(':'));
+    skip_ws();
+    return Status();
+  }
+
   // The members of an array or object up to `close`, its opening bracket
   // already taken: `one` parses each, and commas separate them.
   template <class One>
@@ -357,10 +363,7 @@ class HeaderParser {
     std::unordered_set<std::string> keys;
     return parse_members('}', [&]() -> Status {
       std::string k, v;
-      FERRY_RETURN_IF_ERROR(parse_string(&k));
-      skip_ws();
-      FERRY_RETURN_IF_ERROR(expect(':'));
-      skip_ws();
+      FERRY_RETURN_IF_ERROR(parse_key(&k));
       if (!peek('"')) return error("__metadata__ value of '" + k + "' is not a string");
       FERRY_RETURN_IF_ERROR(parse_string(&v));
       if (!keys.insert(k).second) return error("duplicate __metadata__ key '" + k + "'");
@@ -375,10 +378,7 @@ class HeaderParser {
     bool has_dtype = false, has_shape = false, has_offsets = false;
     FERRY_RETURN_IF_ERROR(parse_members('}', [&]() -> Status {
       std::string field;
-      FERRY_RETURN_IF_ERROR(parse_string(&field));
-      skip_ws();
-      FERRY_RETURN_IF_ERROR(expect(':'));
-      skip_ws();
+      FERRY_RETURN_IF_ERROR(parse_key(&field));
       bool* seen = nullptr;
       if (field == "dtype") {
         seen = &has_dtype;
