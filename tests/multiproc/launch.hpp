@@ -38,6 +38,17 @@ inline std::vector<std::string> lines_with(const std::string& out, const std::st
   return lines;
 }
 
+// Launches `n` ranks that save (`args`: the worker's step, seed and model
+// flags) into `root`; the step directory of the checkpoint they committed.
+inline std::string save_latest(int n, const std::string& args, const std::string& root) {
+  const LaunchRun saved = launch(n, "--mode save --root " + root + " " + args);
+  INFO(saved.out);
+  REQUIRE(saved.code == 0);
+  auto latest = find_latest(*posix_filesystem(), root);
+  REQUIRE(latest.ok());
+  return latest->path;
+}
+
 // Launches `n` ranks that load the latest checkpoint of `root` (`args`: the
 // worker's seed and layout flags) and checks that each found every byte equal.
 inline void check_loads(int n, const std::string& args, const std::string& root) {
