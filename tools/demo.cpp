@@ -550,25 +550,16 @@ bool is_ferry_entry(const std::string& name) {
 int prepare_demo_root(const std::string& root) {
   auto fs = posix_filesystem();
   Result<FileInfo> st = fs->stat(root);
-  if (!st.ok() && st.status().code() != StatusCode::not_found) {
-    std::fprintf(stderr, "ferry demo: %s\n", st.status().to_string().c_str());
-    return 1;
-  }
+  if (!st.ok() && st.status().code() != StatusCode::not_found) return failed("demo", st.status());
   if (st.ok() && !st->is_dir) {
     std::fprintf(stderr, "ferry demo: --root %s is not a directory\n", root.c_str());
     return 2;
   }
   if (!st.ok()) {
-    if (Status s = fs->mkdirs(root); !s.ok()) {
-      std::fprintf(stderr, "ferry demo: %s\n", s.to_string().c_str());
-      return 1;
-    }
+    if (Status s = fs->mkdirs(root); !s.ok()) return failed("demo", s);
   }
   auto names = fs->list(root);
-  if (!names.ok()) {
-    std::fprintf(stderr, "ferry demo: %s\n", names.status().to_string().c_str());
-    return 1;
-  }
+  if (!names.ok()) return failed("demo", names.status());
   const bool ours = std::find(names->begin(), names->end(), kDemoMarker) != names->end();
   std::vector<std::string> leftovers;
   for (const auto& n : *names)
@@ -581,18 +572,12 @@ int prepare_demo_root(const std::string& root) {
     return 2;
   }
   for (const auto& n : leftovers) {
-    if (Status s = remove_all(*fs, join_path(root, n)); !s.ok()) {
-      std::fprintf(stderr, "ferry demo: %s\n", s.to_string().c_str());
-      return 1;
-    }
+    if (Status s = remove_all(*fs, join_path(root, n)); !s.ok()) return failed("demo", s);
   }
   if (!ours) {
     Status s = write_file_atomic(*fs, join_path(root, kDemoMarker),
                                  "checkpoints here were made by ferry demo\n", false);
-    if (!s.ok()) {
-      std::fprintf(stderr, "ferry demo: %s\n", s.to_string().c_str());
-      return 1;
-    }
+    if (!s.ok()) return failed("demo", s);
   }
   return -1;
 }
