@@ -35,7 +35,7 @@ struct ferry_manifest {
 namespace {
 
 thread_local std::string t_error;
-thread_local std::string t_string;  // backs ferry_latest's pointer
+thread_local std::string t_string;  // backs the strings handed out (string_out, plan bytes)
 
 ferry_status to_c(const ferry::Status& s) {
   if (s.ok()) {
@@ -49,6 +49,14 @@ ferry_status to_c(const ferry::Status& s) {
 ferry_status fail(ferry_status code, std::string msg) {
   t_error = std::move(msg);
   return code;
+}
+
+// Answers ok with `s`, which the caller may read until this thread's next
+// call that hands out a string.
+ferry_status string_out(std::string s, const char** out) {
+  t_string = std::move(s);
+  *out = t_string.c_str();
+  return to_c(ferry::Status());
 }
 
 // Runs f, turning any exception into FERRY_INTERNAL with its text.
@@ -344,9 +352,7 @@ ferry_status ferry_export(ferry_runtime* rt, const char* path, const char* out_d
     *index_out = "";
     auto r = ferry::export_checkpoint(*rt->rt, path, out_dir, o);
     if (!r.ok()) return to_c(r.status());
-    t_string = *r;
-    *index_out = t_string.c_str();
-    return to_c(ferry::Status());
+    return string_out(std::move(r).value(), index_out);
   });
 }
 
@@ -359,9 +365,7 @@ ferry_status ferry_latest(const char* root, const char** out) {
     *out = "";
     auto r = ferry::find_latest(*ferry::posix_filesystem(), root);
     if (!r.ok()) return to_c(r.status());
-    t_string = r->path;
-    *out = t_string.c_str();
-    return to_c(ferry::Status());
+    return string_out(r->path, out);
   });
 }
 
@@ -792,9 +796,7 @@ ferry_status ferry_plan_json(const char* bytes, size_t len, const char** json) {
     if (!bytes || !json) return null_arg("bytes or json");
     auto j = plan_json(std::string(bytes, len));
     if (!j.ok()) return to_c(j.status());
-    t_string = std::move(j).value();
-    *json = t_string.c_str();
-    return to_c(ferry::Status());
+    return string_out(std::move(j).value(), json);
   });
 }
 
@@ -803,9 +805,7 @@ ferry_status ferry_plan_text(const char* bytes, size_t len, const char** text) {
     if (!bytes || !text) return null_arg("bytes or text");
     auto t = plan_text(std::string(bytes, len));
     if (!t.ok()) return to_c(t.status());
-    t_string = std::move(t).value();
-    *text = t_string.c_str();
-    return to_c(ferry::Status());
+    return string_out(std::move(t).value(), text);
   });
 }
 

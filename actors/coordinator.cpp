@@ -251,7 +251,7 @@ void on_all_results(coordinator_ptr self) {
   Checkpoint& c = *st.active;
   std::vector<WriteResult> results;
   for (auto& r : c.results) results.push_back(std::move(*r));
-  ManifestHeader h;
+  Manifest h;
   h.step = c.step;
   h.world_size = st.ctx->world_size;
   h.job_id = st.ctx->job_id;

@@ -20,16 +20,8 @@ ManifestChunk manifest_chunk(const WrittenChunk& c, uint32_t file_base) {
 
 }  // namespace
 
-Result<Manifest> assemble_manifest(const ManifestHeader& header,
-                                   const std::vector<WriteResult>& results) {
-  Manifest m;
-  m.step = header.step;
-  m.world_size = header.world_size;
-  m.job_id = header.job_id;
-  m.checkpoint_id = header.checkpoint_id;
-  m.fsynced = header.fsynced;
-  m.checksum_block_bytes = header.checksum_block_bytes;
-  m.metadata = header.metadata;
+Result<Manifest> assemble_manifest(Manifest header, const std::vector<WriteResult>& results) {
+  Manifest m = std::move(header);
   m.created_unix_ms = now_unix_ms();
 
   std::map<std::string, size_t> tensor_index;

@@ -51,21 +51,13 @@ struct WriteResult {
   double ready_ms = 0;  // save_async -> files and directory durable
 };
 
-struct ManifestHeader {
-  uint64_t step = 0;
-  int32_t world_size = 1;
-  std::string job_id;
-  std::string checkpoint_id;
-  bool fsynced = true;
-  uint64_t checksum_block_bytes = 1ull << 20;
-  std::vector<std::pair<std::string, std::string>> metadata;
-};
-
-// Merges the ranks' reports (results[r].rank == r) into a manifest: files
-// renumbered globally, tensors sorted by key, chunks sorted by offsets.
-// commit_seq is filled in by commit_checkpoint.
-Result<Manifest> assemble_manifest(const ManifestHeader& header,
-                                   const std::vector<WriteResult>& results);
+// Merges the ranks' reports (results[r].rank == r) into `header`, a manifest
+// whose header fields the caller set (step, world size, ids, fsynced,
+// checksum block, metadata): files renumbered globally, tensors sorted by
+// key, chunks sorted by offsets, the codec's required feature, the creation
+// time. commit_seq is filled in by commit_checkpoint.
+// REQUIRES: header has no files and no tensors.
+Result<Manifest> assemble_manifest(Manifest header, const std::vector<WriteResult>& results);
 
 struct CommitOptions {
   bool fsync = true;

@@ -165,38 +165,18 @@ class HeaderParser {
   Status parse(SafetensorsHeader* out) {
     skip_ws();
     FERRY_RETURN_IF_ERROR(expect('{'));
-    skip_ws();
     std::unordered_set<std::string> names;
-    bool first = true;
-    while (true) {
-      if (first && peek('}')) {
-        ++p_;
-        break;
-      }
+    FERRY_RETURN_IF_ERROR(parse_members('}', [&]() -> Status {
       std::string name;
-      FERRY_RETURN_IF_ERROR(parse_string(&name));
-      skip_ws();
-      FERRY_RETURN_IF_ERROR(expect(':'));
-      skip_ws();
+      FERRY_RETURN_IF_ERROR(parse_key(&name));
       if (!names.insert(name).second) return error("duplicate name '" + name + "'");
-      if (name == "__metadata__") {
-        FERRY_RETURN_IF_ERROR(parse_metadata(&out->metadata));
-      } else {
-        SafetensorsEntry e;
-        e.name = std::move(name);
-        FERRY_RETURN_IF_ERROR(parse_entry(&e));
-        out->entries.push_back(std::move(e));
-      }
-      skip_ws();
-      if (peek(',')) {
-        ++p_;
-        skip_ws();
-        first = false;
-        continue;
-      }
-      FERRY_RETURN_IF_ERROR(expect('}'));
-      break;
-    }
+      if (name == "__metadata__") return parse_metadata(&out->metadata);
+      SafetensorsEntry e;
+      e.name = std::move(name);
+      FERRY_RETURN_IF_ERROR(parse_entry(&e));
+      out->entries.push_back(std::move(e));
+      return Status();
+    }));
     skip_ws();
     if (p_ != end_) return error("unexpected data after the header object");
     return Status();
@@ -212,6 +192,33 @@ class HeaderParser {
   void skip_ws() {
     while (!at_end() && (*p_ == ' ' || *p_ == '\t' || *p_ == '\n' || *p_ == '\r')) ++p_;
   }
+  // An object member's name and the colon after it.
+  Status parse_key(std::string* out) {
+    FERRY_RETURN_IF_ERROR(parse_string(out));
+    skip_ws();
+    FERRY_RETURN_IF_ERROR(expect(':'));
+    skip_ws();
+    return Status();
+  }
+
+  // The members of an array or object up to `close`, its opening bracket
+  // already taken: `one` parses each, and commas separate them.
+  template <class One>
+  Status parse_members(char close, One one) {
+    skip_ws();
+    if (peek(close)) {
+      ++p_;
+      return Status();
+    }
+    while (true) {
+      FERRY_RETURN_IF_ERROR(one());
+      skip_ws();
+      if (!peek(',')) return expect(close);
+      ++p_;
+      skip_ws();
+    }
+  }
+
   Status expect(char c) {
     if (at_end()) return error(std::string("expected '") + c + "', found the end");
     if (*p_ != c) return error(std::string("expected '") + c + "', found " + describe(*p_));
@@ -343,106 +350,66 @@ class HeaderParser {
 
   Status parse_uint_array(const char* what, std::vector<uint64_t>* out) {
     FERRY_RETURN_IF_ERROR(expect('['));
-    skip_ws();
-    if (peek(']')) {
-      ++p_;
-      return Status();
-    }
-    while (true) {
+    return parse_members(']', [&]() -> Status {
       uint64_t v = 0;
       FERRY_RETURN_IF_ERROR(parse_uint(what, &v));
       out->push_back(v);
-      skip_ws();
-      if (peek(',')) {
-        ++p_;
-        skip_ws();
-        continue;
-      }
-      return expect(']');
-    }
+      return Status();
+    });
   }
 
   Status parse_metadata(std::vector<std::pair<std::string, std::string>>* out) {
     FERRY_RETURN_IF_ERROR(expect('{'));
-    skip_ws();
-    if (peek('}')) {
-      ++p_;
-      return Status();
-    }
     std::unordered_set<std::string> keys;
-    while (true) {
+    return parse_members('}', [&]() -> Status {
       std::string k, v;
-      FERRY_RETURN_IF_ERROR(parse_string(&k));
-      skip_ws();
-      FERRY_RETURN_IF_ERROR(expect(':'));
-      skip_ws();
+      FERRY_RETURN_IF_ERROR(parse_key(&k));
       if (!peek('"')) return error("__metadata__ value of '" + k + "' is not a string");
       FERRY_RETURN_IF_ERROR(parse_string(&v));
       if (!keys.insert(k).second) return error("duplicate __metadata__ key '" + k + "'");
       out->emplace_back(std::move(k), std::move(v));
-      skip_ws();
-      if (peek(',')) {
-        ++p_;
-        skip_ws();
-        continue;
-      }
-      return expect('}');
-    }
+      return Status();
+    });
   }
 
   Status parse_entry(SafetensorsEntry* e) {
     if (!peek('{')) return error("entry '" + e->name + "' is not an object");
     ++p_;
-    skip_ws();
     bool has_dtype = false, has_shape = false, has_offsets = false;
-    if (!peek('}')) {
-      while (true) {
-        std::string field;
-        FERRY_RETURN_IF_ERROR(parse_string(&field));
-        skip_ws();
-        FERRY_RETURN_IF_ERROR(expect(':'));
-        skip_ws();
-        bool* seen = nullptr;
-        if (field == "dtype") {
-          seen = &has_dtype;
-          FERRY_RETURN_IF_ERROR(parse_string(&e->dtype));
-        } else if (field == "shape") {
-          seen = &has_shape;
-          std::vector<uint64_t> dims;
-          FERRY_RETURN_IF_ERROR(parse_uint_array("a shape dimension", &dims));
-          e->shape.clear();
-          for (uint64_t d : dims) {
-            if (d > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
-              return error("entry '" + e->name + "': shape dimension " + std::to_string(d) +
-                           " is too large");
-            e->shape.push_back(static_cast<int64_t>(d));
-          }
-        } else if (field == "data_offsets") {
-          seen = &has_offsets;
-          std::vector<uint64_t> offs;
-          FERRY_RETURN_IF_ERROR(parse_uint_array("a data offset", &offs));
-          if (offs.size() != 2)
-            return error("entry '" + e->name + "': data_offsets has " +
-                         std::to_string(offs.size()) + " values, expected 2");
-          e->begin = offs[0];
-          e->end = offs[1];
-        } else {
-          return error("entry '" + e->name + "': unexpected field '" + field + "'");
+    FERRY_RETURN_IF_ERROR(parse_members('}', [&]() -> Status {
+      std::string field;
+      FERRY_RETURN_IF_ERROR(parse_key(&field));
+      bool* seen = nullptr;
+      if (field == "dtype") {
+        seen = &has_dtype;
+        FERRY_RETURN_IF_ERROR(parse_string(&e->dtype));
+      } else if (field == "shape") {
+        seen = &has_shape;
+        std::vector<uint64_t> dims;
+        FERRY_RETURN_IF_ERROR(parse_uint_array("a shape dimension", &dims));
+        e->shape.clear();
+        for (uint64_t d : dims) {
+          if (d > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+            return error("entry '" + e->name + "': shape dimension " + std::to_string(d) +
+                         " is too large");
+          e->shape.push_back(static_cast<int64_t>(d));
         }
-        if (*seen) return error("entry '" + e->name + "': field '" + field + "' repeated");
-        *seen = true;
-        skip_ws();
-        if (peek(',')) {
-          ++p_;
-          skip_ws();
-          continue;
-        }
-        FERRY_RETURN_IF_ERROR(expect('}'));
-        break;
+      } else if (field == "data_offsets") {
+        seen = &has_offsets;
+        std::vector<uint64_t> offs;
+        FERRY_RETURN_IF_ERROR(parse_uint_array("a data offset", &offs));
+        if (offs.size() != 2)
+          return error("entry '" + e->name + "': data_offsets has " + std::to_string(offs.size()) +
+                       " values, expected 2");
+        e->begin = offs[0];
+        e->end = offs[1];
+      } else {
+        return error("entry '" + e->name + "': unexpected field '" + field + "'");
       }
-    } else {
-      ++p_;
-    }
+      if (*seen) return error("entry '" + e->name + "': field '" + field + "' repeated");
+      *seen = true;
+      return Status();
+    }));
     if (!has_dtype) return error("entry '" + e->name + "' has no dtype");
     if (!has_shape) return error("entry '" + e->name + "' has no shape");
     if (!has_offsets) return error("entry '" + e->name + "' has no data_offsets");

@@ -124,17 +124,7 @@ Status from_proto(proto::Manifest::Reader root, Manifest* out) {
       ManifestChunk mc;
       for (int64_t o : c.getOffsets()) mc.offsets.push_back(o);
       for (int64_t s : c.getSizes()) mc.sizes.push_back(s);
-      mc.file = c.getFile();
-      mc.byte_offset = c.getByteOffset();
-      mc.byte_length = c.getByteLength();
-      mc.entry = str(c.getEntry());
-      auto sums = c.getChecksums();
-      mc.checksums.reserve(sums.size());
-      for (uint64_t s : sums) mc.checksums.push_back(s);
-      mc.codec = str(c.getCodec());
-      mc.raw_length = c.getRawLength();
-      mc.frame_bytes = c.getFrameBytes();
-      for (uint64_t e : c.getFrameEnds()) mc.frame_ends.push_back(e);
+      capnp_util::get_stored_bytes(c, &mc);
       mt.chunks.push_back(std::move(mc));
     }
     m.tensors.push_back(std::move(mt));
@@ -415,21 +405,7 @@ std::string encode_manifest(const Manifest& m) {
       auto c = chunks[static_cast<unsigned>(j)];
       fill(c.initOffsets(static_cast<unsigned>(mc.offsets.size())), mc.offsets);
       fill(c.initSizes(static_cast<unsigned>(mc.sizes.size())), mc.sizes);
-      c.setFile(mc.file);
-      c.setByteOffset(mc.byte_offset);
-      c.setByteLength(mc.byte_length);
-      c.setEntry(text(mc.entry));
-      auto sums = c.initChecksums(static_cast<unsigned>(mc.checksums.size()));
-      for (size_t k = 0; k < mc.checksums.size(); ++k)
-        sums.set(static_cast<unsigned>(k), mc.checksums[k]);
-      if (!mc.codec.empty()) {
-        c.setCodec(text(mc.codec));
-        c.setRawLength(mc.raw_length);
-        c.setFrameBytes(mc.frame_bytes);
-        auto ends = c.initFrameEnds(static_cast<unsigned>(mc.frame_ends.size()));
-        for (size_t k = 0; k < mc.frame_ends.size(); ++k)
-          ends.set(static_cast<unsigned>(k), mc.frame_ends[k]);
-      }
+      capnp_util::set_stored_bytes(c, mc);
     }
   }
 

@@ -71,7 +71,11 @@ const char* kind_of(const std::string& bytes) {
   return nullptr;
 }
 
-std::string framed(const char* magic, capnp::MessageBuilder& mb) {
+// The magic, then the message whose root `build` fills in.
+template <class Root, class Build>
+std::string framed(const char* magic, Build build) {
+  capnp::MallocMessageBuilder mb;
+  build(mb.initRoot<Root>());
   kj::Array<capnp::word> words = capnp::messageToFlatArray(mb);
   kj::ArrayPtr<const kj::byte> b = words.asBytes();
   std::string out(magic, kMagicBytes);
@@ -183,25 +187,27 @@ Status read_rank(int32_t rank, const char* what) {
   return Status();
 }
 
+// The rank and the items, which a local plan and a rank's save plan share.
+template <class Reader, class Plan>
+Status read_rank_and_items(Reader r, const char* what, Plan* p) {
+  p->rank = r.getRank();
+  FERRY_RETURN_IF_ERROR(read_rank(p->rank, what));
+  for (auto item : r.getItems()) {
+    FERRY_ASSIGN_OR_RETURN(PlanItem it, read_item(item, p->items.size()));
+    p->items.push_back(std::move(it));
+  }
+  return Status();
+}
+
 Result<LocalSavePlan> read_local(proto::LocalPlan::Reader r) {
   LocalSavePlan p;
-  p.rank = r.getRank();
-  FERRY_RETURN_IF_ERROR(read_rank(p.rank, "local plan"));
-  for (auto item : r.getItems()) {
-    FERRY_ASSIGN_OR_RETURN(PlanItem it, read_item(item, p.items.size()));
-    p.items.push_back(std::move(it));
-  }
+  FERRY_RETURN_IF_ERROR(read_rank_and_items(r, "local plan", &p));
   return p;
 }
 
 Result<SavePlan> read_rank_plan(proto::SavePlan::Reader r) {
   SavePlan p;
-  p.rank = r.getRank();
-  FERRY_RETURN_IF_ERROR(read_rank(p.rank, "save plan"));
-  for (auto item : r.getItems()) {
-    FERRY_ASSIGN_OR_RETURN(PlanItem it, read_item(item, p.items.size()));
-    p.items.push_back(std::move(it));
-  }
+  FERRY_RETURN_IF_ERROR(read_rank_and_items(r, "save plan", &p));
   auto owners = r.getOwners();
   if (owners.size() != p.items.size())
     return Status::invalid_argument("save plan: " + std::to_string(owners.size()) +
@@ -385,9 +391,7 @@ std::string LocalSavePlan::to_string() const {
 }
 
 std::string LocalSavePlan::to_bytes() const {
-  capnp::MallocMessageBuilder mb;
-  set_local(mb.initRoot<proto::LocalPlan>(), *this);
-  return framed(kLocalMagic, mb);
+  return framed<proto::LocalPlan>(kLocalMagic, [this](auto b) { set_local(b, *this); });
 }
 
 Result<LocalSavePlan> LocalSavePlan::from_bytes(const std::string& bytes) {
@@ -413,9 +417,7 @@ std::string SavePlan::to_string() const {
 }
 
 std::string SavePlan::to_bytes() const {
-  capnp::MallocMessageBuilder mb;
-  set_rank_plan(mb.initRoot<proto::SavePlan>(), *this);
-  return framed(kRankMagic, mb);
+  return framed<proto::SavePlan>(kRankMagic, [this](auto b) { set_rank_plan(b, *this); });
 }
 
 Result<SavePlan> SavePlan::from_bytes(const std::string& bytes) {
@@ -423,10 +425,11 @@ Result<SavePlan> SavePlan::from_bytes(const std::string& bytes) {
 }
 
 std::string encode_save_plans(const std::vector<SavePlan>& plans) {
-  capnp::MallocMessageBuilder mb;
-  auto list = mb.initRoot<proto::SavePlanList>().initPlans(static_cast<unsigned>(plans.size()));
-  for (size_t i = 0; i < plans.size(); ++i) set_rank_plan(list[static_cast<unsigned>(i)], plans[i]);
-  return framed(kListMagic, mb);
+  return framed<proto::SavePlanList>(kListMagic, [&plans](auto b) {
+    auto list = b.initPlans(static_cast<unsigned>(plans.size()));
+    for (size_t i = 0; i < plans.size(); ++i)
+      set_rank_plan(list[static_cast<unsigned>(i)], plans[i]);
+  });
 }
 
 Result<std::vector<SavePlan>> decode_save_plans(const std::string& bytes) {

@@ -232,17 +232,7 @@ struct Encoder {
       cb.setDtype(dtype_name(c.dtype));
       fill(cb.initGlobalShape(static_cast<unsigned>(c.global_shape.size())), c.global_shape);
       set_box(cb.initBox(), c.box);
-      cb.setFile(c.file);
-      cb.setByteOffset(c.byte_offset);
-      cb.setByteLength(c.byte_length);
-      cb.setEntry(text(c.entry));
-      fill(cb.initChecksums(static_cast<unsigned>(c.checksums.size())), c.checksums);
-      if (!c.codec.empty()) {
-        cb.setCodec(text(c.codec));
-        cb.setRawLength(c.raw_length);
-        cb.setFrameBytes(c.frame_bytes);
-        fill(cb.initFrameEnds(static_cast<unsigned>(c.frame_ends.size())), c.frame_ends);
-      }
+      capnp_util::set_stored_bytes(cb, c);
     }
     return frame(kPlanProtocol, mb);
   }
@@ -630,21 +620,11 @@ Result<WireMessage> read_commit_request(proto::CommitRequest::Reader r) {
     wc.global_shape = i64s(c.getGlobalShape());
     FERRY_RETURN_IF_ERROR(read_box(c.getBox(), where, &wc.box));
     FERRY_RETURN_IF_ERROR(check_in_shape(wc.box, wc.global_shape, wc.dtype, where));
-    wc.file = c.getFile();
+    capnp_util::get_stored_bytes(c, &wc);
     if (wc.file >= w.files.size())
       return Status::invalid_argument(where + ": file " + std::to_string(wc.file) +
                                       " but the rank reports " + std::to_string(w.files.size()) +
                                       " files");
-    wc.byte_offset = c.getByteOffset();
-    wc.byte_length = c.getByteLength();
-    wc.entry = str(c.getEntry());
-    auto sums = c.getChecksums();
-    wc.checksums.reserve(sums.size());
-    for (uint64_t s : sums) wc.checksums.push_back(s);
-    wc.codec = str(c.getCodec());
-    wc.raw_length = c.getRawLength();
-    wc.frame_bytes = c.getFrameBytes();
-    for (uint64_t e : c.getFrameEnds()) wc.frame_ends.push_back(e);
   }
   return WireMessage(std::move(m));
 }

@@ -12,6 +12,28 @@ namespace {
 std::atomic<uint64_t> next_instance{1};
 thread_local std::map<uint64_t, int> current_device;
 
+// A new stream or event of `device`, owned by `live` (keyed by its handle).
+template <class T>
+T* add_handle(std::map<T*, std::unique_ptr<T>>& live, int device) {
+  auto owned = std::make_unique<T>();
+  owned->device = device;
+  T* h = owned.get();
+  live.emplace(h, std::move(owned));
+  return h;
+}
+
+// Ends `handle` for the caller; the object moves to `retired`, alive for ops
+// that still point at it.
+template <class T>
+int retire_handle(std::map<T*, std::unique_ptr<T>>& live, std::vector<std::unique_ptr<T>>& retired,
+                  void* handle) {
+  auto it = live.find(static_cast<T*>(handle));
+  if (it == live.end()) return cuda::kErrorInvalidValue;
+  retired.push_back(std::move(it->second));
+  live.erase(it);
+  return cuda::kSuccess;
+}
+
 }  // namespace
 
 FakeCuda::FakeCuda(int devices)
@@ -48,6 +70,19 @@ bool FakeCuda::injected_locked(const char* call, int* err) {
   *err = it->second;
   fail_calls_.erase(it);
   return true;
+}
+
+void FakeCuda::enqueue_locked(Stream* s, Op op) {
+  // Only copies count as copying: the worker takes a device's count down
+  // when it runs a copy, never for a record, a wait or a kernel.
+  if (op.kind == Op::copy) {
+    ++copies_pending_[s->device];
+    const int copying = static_cast<int>(
+        std::count_if(copies_pending_.begin(), copies_pending_.end(), [](int n) { return n > 0; }));
+    max_devices_copying_ = std::max(max_devices_copying_, copying);
+  }
+  s->ops.push_back(std::move(op));
+  cv_.notify_all();
 }
 
 FakeCuda::Stream* FakeCuda::stream_locked(cuda::StreamHandle s) {
@@ -87,44 +122,30 @@ int FakeCuda::stream_create_nonblocking(cuda::StreamHandle* stream) {
   std::lock_guard<std::mutex> lock(mu_);
   int err;
   if (injected_locked("cudaStreamCreateWithFlags", &err)) return err;
-  auto s = std::make_unique<Stream>();
-  s->device = current_device_locked();
-  *stream = s.get();
-  streams_.emplace(s.get(), std::move(s));
+  *stream = add_handle(streams_, current_device_locked());
   return cuda::kSuccess;
 }
 
 int FakeCuda::stream_destroy(cuda::StreamHandle stream) {
-  std::unique_lock<std::mutex> lock(mu_);
-  auto it = streams_.find(static_cast<Stream*>(stream));
-  if (it == streams_.end()) return cuda::kErrorInvalidValue;
+  std::lock_guard<std::mutex> lock(mu_);
   // CUDA lets the work already enqueued finish; tests drain before this. The
   // object outlives the handle in case the worker is running its last op.
-  retired_streams_.push_back(std::move(it->second));
-  streams_.erase(it);
-  return cuda::kSuccess;
+  return retire_handle(streams_, retired_streams_, stream);
 }
 
 int FakeCuda::event_create(cuda::EventHandle* event) {
   std::lock_guard<std::mutex> lock(mu_);
   int err;
   if (injected_locked("cudaEventCreateWithFlags", &err)) return err;
-  auto e = std::make_unique<Event>();
-  e->device = current_device_locked();
-  *event = e.get();
-  events_.emplace(e.get(), std::move(e));
+  *event = add_handle(events_, current_device_locked());
   return cuda::kSuccess;
 }
 
 int FakeCuda::event_destroy(cuda::EventHandle event) {
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = events_.find(static_cast<Event*>(event));
-  if (it == events_.end()) return cuda::kErrorInvalidValue;
   // Ops that still point at it are dropped from their streams' view by
   // keeping the object alive: CUDA defers the release the same way.
-  retired_events_.push_back(std::move(it->second));
-  events_.erase(it);
-  return cuda::kSuccess;
+  return retire_handle(events_, retired_events_, event);
 }
 
 int FakeCuda::event_record(cuda::EventHandle event, cuda::StreamHandle stream) {
@@ -137,12 +158,7 @@ int FakeCuda::event_record(cuda::EventHandle event, cuda::StreamHandle stream) {
   Event* e = it->second.get();
   if (e->device != s->device) return cuda::kErrorInvalidValue;
   Op op{Op::record, {}, e, ++e->recorded};
-  s->ops.push_back(std::move(op));
-  ++copies_pending_[s->device];
-  const int copying = static_cast<int>(
-      std::count_if(copies_pending_.begin(), copies_pending_.end(), [](int n) { return n > 0; }));
-  max_devices_copying_ = std::max(max_devices_copying_, copying);
-  cv_.notify_all();
+  enqueue_locked(s, std::move(op));
   return cuda::kSuccess;
 }
 
@@ -171,12 +187,7 @@ int FakeCuda::stream_wait_event(cuda::StreamHandle stream, cuda::EventHandle eve
   ++waits_;
   // The wait is for the record as of now; a later re-record does not move it.
   Op op{Op::wait, {}, it->second.get(), it->second->recorded};
-  s->ops.push_back(std::move(op));
-  ++copies_pending_[s->device];
-  const int copying = static_cast<int>(
-      std::count_if(copies_pending_.begin(), copies_pending_.end(), [](int n) { return n > 0; }));
-  max_devices_copying_ = std::max(max_devices_copying_, copying);
-  cv_.notify_all();
+  enqueue_locked(s, std::move(op));
   return cuda::kSuccess;
 }
 
@@ -223,12 +234,7 @@ int FakeCuda::enqueue_copy(const char* call, void* dst, const void* src, size_t 
                         static_cast<const uint8_t*>(src) + r * spitch, width);
         },
         nullptr, 0};
-  s->ops.push_back(std::move(op));
-  ++copies_pending_[s->device];
-  const int copying = static_cast<int>(
-      std::count_if(copies_pending_.begin(), copies_pending_.end(), [](int n) { return n > 0; }));
-  max_devices_copying_ = std::max(max_devices_copying_, copying);
-  cv_.notify_all();
+  enqueue_locked(s, std::move(op));
   return cuda::kSuccess;
 }
 
@@ -313,18 +319,12 @@ void* FakeCuda::device_alloc(int device, size_t bytes) {
 
 cuda::StreamHandle FakeCuda::user_stream(int device) {
   std::lock_guard<std::mutex> lock(mu_);
-  auto s = std::make_unique<Stream>();
-  s->device = device;
-  cuda::StreamHandle h = s.get();
-  streams_.emplace(s.get(), std::move(s));
-  return h;
+  return add_handle(streams_, device);
 }
 
 void FakeCuda::launch(cuda::StreamHandle stream, std::function<void()> fn) {
   std::lock_guard<std::mutex> lock(mu_);
-  Stream* s = stream_locked(stream);
-  s->ops.push_back(Op{Op::kernel, std::move(fn), nullptr, 0});
-  cv_.notify_all();
+  enqueue_locked(stream_locked(stream), Op{Op::kernel, std::move(fn), nullptr, 0});
 }
 
 void FakeCuda::write_on_stream(cuda::StreamHandle stream, void* dst, std::vector<uint8_t> bytes) {

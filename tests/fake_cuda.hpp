@@ -115,6 +115,8 @@ class FakeCuda final : public cuda::CudaApi {
   int current_device_locked();
   Stream* stream_locked(cuda::StreamHandle s);
   bool injected_locked(const char* call, int* err);
+  // Queues op on s and wakes the worker.
+  void enqueue_locked(Stream* s, Op op);
   int enqueue_copy(const char* call, void* dst, const void* src, size_t dpitch, size_t spitch,
                    size_t width, size_t height, cuda::CopyKind kind, cuda::StreamHandle stream);
   bool runnable_locked(const Stream& s) const;

@@ -1,12 +1,19 @@
 // Small helpers shared by the tests: a scratch directory removed at the end,
-// and a way for a test that cannot run here to say so.
+// a way for a test that cannot run here to say so, a wait for what another
+// thread makes true, and reproducible random bytes.
 #pragma once
 
 #include <catch2/catch.hpp>
 
+#include <chrono>
+#include <cstdint>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <random>
 #include <string>
+#include <thread>
+#include <vector>
 
 namespace ferry::testing {
 
@@ -48,5 +55,38 @@ class TempDir {
  private:
   std::string path_;
 };
+
+// Waits for a condition another thread makes true; false after 20 s, so that
+// the test fails instead of hanging when it never does.
+template <class Pred>
+bool eventually(Pred p) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (!p()) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::yield();
+  }
+  return true;
+}
+
+// Flips the bits of one byte of the file at `path` in place (a corrupt block).
+inline void flip_byte(const std::string& path, uint64_t offset) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  REQUIRE(f.good());
+  f.seekg(static_cast<std::streamoff>(offset));
+  char c = 0;
+  f.read(&c, 1);
+  c ^= 0x5a;
+  f.seekp(static_cast<std::streamoff>(offset));
+  f.write(&c, 1);
+  REQUIRE(f.good());
+}
+
+// `n` bytes that depend only on `seed`.
+inline std::vector<uint8_t> random_bytes(size_t n, uint64_t seed) {
+  std::vector<uint8_t> v(n);
+  std::mt19937_64 rng(seed);
+  for (auto& b : v) b = static_cast<uint8_t>(rng());
+  return v;
+}
 
 }  // namespace ferry::testing

@@ -26,6 +26,11 @@ std::string human_bytes(double b) {
   return buf;
 }
 
+int failed(const char* cmd, const Status& why) {
+  std::fprintf(stderr, "ferry %s: %s\n", cmd, why.to_string().c_str());
+  return 1;
+}
+
 namespace {
 
 int need_one(const Args& args, const char* what) {
@@ -49,10 +54,7 @@ int cmd_ls(const Args& all_args) {
   if (int rc = need_one(args, "ROOT [--verify]")) return rc;
   auto fs = posix_filesystem();
   auto list = list_checkpoints(*fs, args[0]);
-  if (!list.ok()) {
-    std::fprintf(stderr, "ferry ls: %s\n", list.status().to_string().c_str());
-    return 1;
-  }
+  if (!list.ok()) return failed("ls", list.status());
   auto latest = find_latest(*fs, args[0]);
   std::printf("%-16s %12s %10s %12s %8s  %s\n", "CHECKPOINT", "STEP", "SEQ", "SIZE", "TENSORS", "");
   bool valid_marked = false;
@@ -84,10 +86,7 @@ int cmd_ls(const Args& all_args) {
   if (list->empty()) std::printf("(no committed checkpoints in %s)\n", args[0].c_str());
   // Pending saves, so that a crashed one is visible before gc takes it.
   auto pending = list_pending(*fs, args[0]);
-  if (!pending.ok()) {
-    std::fprintf(stderr, "ferry ls: %s\n", pending.status().to_string().c_str());
-    return 1;
-  }
+  if (!pending.ok()) return failed("ls", pending.status());
   const int64_t now = now_unix_ms();
   for (const auto& p : *pending) {
     const std::string name = p.path.substr(p.path.find_last_of('/') + 1);
@@ -124,15 +123,9 @@ int cmd_inspect(const Args& args) {
   if (int rc = need_one(args, "CKPT|ROOT (a step directory, or a root: its latest)")) return rc;
   auto fs = posix_filesystem();
   auto dir = checkpoint_arg(*fs, args[0]);
-  if (!dir.ok()) {
-    std::fprintf(stderr, "ferry inspect: %s\n", dir.status().to_string().c_str());
-    return 1;
-  }
+  if (!dir.ok()) return failed("inspect", dir.status());
   auto m = read_manifest(*fs, *dir);
-  if (!m.ok()) {
-    std::fprintf(stderr, "ferry inspect: %s\n", m.status().to_string().c_str());
-    return 1;
-  }
+  if (!m.ok()) return failed("inspect", m.status());
   std::printf("checkpoint %s\n  step %" PRIu64 ", commit seq %" PRIu64
               ", world size %d, job %s, id %s\n  fsynced %s, checksum block %s, %zu files, %s\n",
               dir->c_str(), m->step, m->commit_seq, m->world_size, m->job_id.c_str(),
@@ -190,15 +183,9 @@ int cmd_verify(const Args& args) {
   if (int rc = need_one(args, "CKPT|ROOT (a step directory, or a root: its latest)")) return rc;
   auto fs = posix_filesystem();
   auto dir = checkpoint_arg(*fs, args[0]);
-  if (!dir.ok()) {
-    std::fprintf(stderr, "ferry verify: %s\n", dir.status().to_string().c_str());
-    return 1;
-  }
+  if (!dir.ok()) return failed("verify", dir.status());
   auto rep = verify_checkpoint(*fs, *dir);
-  if (!rep.ok()) {
-    std::fprintf(stderr, "ferry verify: %s\n", rep.status().to_string().c_str());
-    return 1;
-  }
+  if (!rep.ok()) return failed("verify", rep.status());
   for (const auto& p : rep->problems) std::printf("PROBLEM %s\n", p.to_string().c_str());
   std::printf("%s: %" PRIu64 " files, %" PRIu64 " chunks, %s checked, %zu problem(s) in %s\n",
               rep->ok() ? "OK" : "CORRUPT", rep->files, rep->chunks,
@@ -210,10 +197,7 @@ int cmd_gc(const Args& args) {
   if (int rc = need_one(args, "ROOT")) return rc;
   auto fs = posix_filesystem();
   auto rep = collect_garbage(*fs, args[0], now_unix_ms());
-  if (!rep.ok()) {
-    std::fprintf(stderr, "ferry gc: %s\n", rep.status().to_string().c_str());
-    return 1;
-  }
+  if (!rep.ok()) return failed("gc", rep.status());
   for (const auto& p : rep->restored)
     std::printf("restored %s (a crashed overwrite had moved it aside)\n", p.c_str());
   for (const auto& p : rep->removed) std::printf("removed %s (lease expired)\n", p.c_str());

@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include "ferry/status.hpp"
+
 namespace ferry::cli {
 
 using Args = std::vector<std::string>;
@@ -22,5 +24,9 @@ int cmd_export(const Args& args);
 
 // "1.50 GiB"
 std::string human_bytes(double bytes);
+
+// Prints "ferry CMD: <why>" to stderr; 1, the exit code of a command that
+// failed.
+int failed(const char* cmd, const Status& why);
 
 }  // namespace ferry::cli

@@ -253,6 +253,25 @@ std::unique_ptr<Runtime> start_runtime(const DemoFlags& f) {
   return std::move(rt).value();
 }
 
+// Waits for the save in flight (if any) to commit, prints its line with
+// `committed(step, metrics)` or its failure (counted in *failures), and
+// clears the handle for the next save.
+template <class Print>
+void finish_save(SaveHandle& inflight, int* failures, Print committed) {
+  if (!inflight.valid()) return;
+  const Status st = inflight.wait_committed();
+  const SaveMetrics m = inflight.metrics();
+  if (st.ok()) {
+    committed(inflight.step(), m);
+  } else {
+    std::printf("checkpoint step %" PRIu64 " FAILED: %s\n", inflight.step(),
+                st.to_string().c_str());
+    ++*failures;
+  }
+  std::fflush(stdout);
+  inflight = SaveHandle();
+}
+
 // --- one training rank ------------------------------------------------------------------
 
 int train(const DemoFlags& f) {
@@ -291,24 +310,16 @@ int train(const DemoFlags& f) {
       }
       return;
     }
-    const Status st = inflight.wait_committed();
-    const SaveMetrics m = inflight.metrics();
-    if (st.ok()) {
+    finish_save(inflight, &failures, [&](uint64_t step, const SaveMetrics& m) {
       std::printf("checkpoint step %-4" PRIu64
                   " save_async %.3f ms | snapshot %.1f ms | "
                   "persisted %s in %.0f ms (%.2f GB/s) | commit %.1f ms\n",
-                  inflight.step(), m.save_async_ms, m.snapshot_ms, human_bytes(m.bytes).c_str(),
-                  m.total_ms, m.persist_gbps(), m.commit_ms);
+                  step, m.save_async_ms, m.snapshot_ms, human_bytes(m.bytes).c_str(), m.total_ms,
+                  m.persist_gbps(), m.commit_ms);
       if (rank == 0 && world > 1)
         std::printf("checkpoint step %-4" PRIu64 " slowest rank %d: files durable after %.0f ms\n",
-                    inflight.step(), m.slowest_rank, m.slowest_rank_ms);
-    } else {
-      std::printf("checkpoint step %" PRIu64 " FAILED: %s\n", inflight.step(),
-                  st.to_string().c_str());
-      ++failures;
-    }
-    std::fflush(stdout);
-    inflight = SaveHandle();
+                    step, m.slowest_rank, m.slowest_rank_ms);
+    });
   };
 
   const auto t0 = std::chrono::steady_clock::now();
@@ -397,22 +408,13 @@ int train_cuda(const DemoFlags& f) {
   double blocked_ms = 0;
   int failures = 0, saves = 0;
   auto finish = [&] {
-    if (!inflight.valid()) return;
-    const Status st = inflight.wait_committed();
-    const SaveMetrics m = inflight.metrics();
-    if (st.ok()) {
+    finish_save(inflight, &failures, [&](uint64_t step, const SaveMetrics& m) {
       std::printf("checkpoint step %-4" PRIu64
                   " host blocked %.3f ms (save_async + wait_snapshot(stream)) | snapshot "
                   "%.1f ms | persisted %s in %.0f ms (%.2f GB/s)\n",
-                  inflight.step(), blocked_ms, m.snapshot_ms, human_bytes(m.bytes).c_str(),
-                  m.total_ms, m.persist_gbps());
-    } else {
-      std::printf("checkpoint step %" PRIu64 " FAILED: %s\n", inflight.step(),
-                  st.to_string().c_str());
-      ++failures;
-    }
-    std::fflush(stdout);
-    inflight = SaveHandle();
+                  step, blocked_ms, m.snapshot_ms, human_bytes(m.bytes).c_str(), m.total_ms,
+                  m.persist_gbps());
+    });
   };
   const auto t0 = std::chrono::steady_clock::now();
   for (uint32_t step = 1; step <= f.steps && rc == 0; ++step) {
@@ -548,25 +550,16 @@ bool is_ferry_entry(const std::string& name) {
 int prepare_demo_root(const std::string& root) {
   auto fs = posix_filesystem();
   Result<FileInfo> st = fs->stat(root);
-  if (!st.ok() && st.status().code() != StatusCode::not_found) {
-    std::fprintf(stderr, "ferry demo: %s\n", st.status().to_string().c_str());
-    return 1;
-  }
+  if (!st.ok() && st.status().code() != StatusCode::not_found) return failed("demo", st.status());
   if (st.ok() && !st->is_dir) {
     std::fprintf(stderr, "ferry demo: --root %s is not a directory\n", root.c_str());
     return 2;
   }
   if (!st.ok()) {
-    if (Status s = fs->mkdirs(root); !s.ok()) {
-      std::fprintf(stderr, "ferry demo: %s\n", s.to_string().c_str());
-      return 1;
-    }
+    if (Status s = fs->mkdirs(root); !s.ok()) return failed("demo", s);
   }
   auto names = fs->list(root);
-  if (!names.ok()) {
-    std::fprintf(stderr, "ferry demo: %s\n", names.status().to_string().c_str());
-    return 1;
-  }
+  if (!names.ok()) return failed("demo", names.status());
   const bool ours = std::find(names->begin(), names->end(), kDemoMarker) != names->end();
   std::vector<std::string> leftovers;
   for (const auto& n : *names)
@@ -579,18 +572,12 @@ int prepare_demo_root(const std::string& root) {
     return 2;
   }
   for (const auto& n : leftovers) {
-    if (Status s = remove_all(*fs, join_path(root, n)); !s.ok()) {
-      std::fprintf(stderr, "ferry demo: %s\n", s.to_string().c_str());
-      return 1;
-    }
+    if (Status s = remove_all(*fs, join_path(root, n)); !s.ok()) return failed("demo", s);
   }
   if (!ours) {
     Status s = write_file_atomic(*fs, join_path(root, kDemoMarker),
                                  "checkpoints here were made by ferry demo\n", false);
-    if (!s.ok()) {
-      std::fprintf(stderr, "ferry demo: %s\n", s.to_string().c_str());
-      return 1;
-    }
+    if (!s.ok()) return failed("demo", s);
   }
   return -1;
 }

@@ -50,15 +50,9 @@ int cmd_export(const Args& args) {
   RuntimeArgs ra;
   ra.set("pool-bytes", "64MiB");
   auto rt = Runtime::create(ra);
-  if (!rt.ok()) {
-    std::fprintf(stderr, "ferry export: %s\n", rt.status().to_string().c_str());
-    return 1;
-  }
+  if (!rt.ok()) return failed("export", rt.status());
   auto index = export_checkpoint(**rt, paths[0], paths[1], o);
-  if (!index.ok()) {
-    std::fprintf(stderr, "ferry export: %s\n", index.status().to_string().c_str());
-    return 1;
-  }
+  if (!index.ok()) return failed("export", index.status());
   std::printf("%s\n", index->c_str());
   return 0;
 }

@@ -225,6 +225,14 @@ class SavePlan(_Plan):
         return self._json["bytes"]
 
 
+def _fail(e, error, error_len):
+    """A callback's failure for Ferry: "Type: message" into the caller's
+    error buffer (cut to fit, NUL-terminated), and 1."""
+    msg = ("%s: %s" % (type(e).__name__, e)).encode("utf-8")[: max(error_len - 1, 0)]
+    ctypes.memmove(error, msg + b"\0", len(msg) + 1)
+    return 1
+
+
 def _wrap_checkpoint_fn(fn):
     def call(_user, tensors, n, filename, error, error_len):
         try:
@@ -248,9 +256,7 @@ def _wrap_checkpoint_fn(fn):
             fn(sd, filename.decode("utf-8"))
             return 0
         except BaseException as e:  # noqa: BLE001 - anything it raises fails the save
-            msg = ("%s: %s" % (type(e).__name__, e)).encode("utf-8")[: max(error_len - 1, 0)]
-            ctypes.memmove(error, msg + b"\0", len(msg) + 1)
-            return 1
+            return _fail(e, error, error_len)
 
     return _CHECKPOINT_FN(call)
 
@@ -273,9 +279,7 @@ def _wrap_transform(fn, keep):
             out_len[0] = len(got.to_bytes())
             return 0
         except BaseException as e:  # noqa: BLE001 - anything it raises fails the save
-            msg = ("%s: %s" % (type(e).__name__, e)).encode("utf-8")[: max(error_len - 1, 0)]
-            ctypes.memmove(error, msg + b"\0", len(msg) + 1)
-            return 1
+            return _fail(e, error, error_len)
 
     return _TRANSFORM_FN(call)
 

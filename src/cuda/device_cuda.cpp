@@ -148,6 +148,15 @@ bool CudaDevice::handles(const Device& d) const {
   return d.is_host() || (d.index >= 0 && d.index < devices_);
 }
 
+Status CudaDevice::check_stream_device(const char* op, const Device& d) const {
+  if (d.is_host() || !handles(d))
+    return Status::invalid_argument(std::string(op) + ": " + d.to_string() +
+                                    " is not a CUDA device of this process");
+  if (static_cast<int>(::getpid()) != pid_)
+    return Status::internal(d.to_string() + ": CUDA used in a forked child");
+  return Status();
+}
+
 void CudaDevice::copy_out(const TensorView& src, uint64_t offset, uint64_t len, void* dst,
                           Done done) {
   if (src.device.is_host()) return host_->copy_out(src, offset, len, dst, std::move(done));
@@ -408,11 +417,7 @@ class DeviceScope {
 }  // namespace
 
 Status CudaDevice::order_copies_after(const Device& d, void* stream) {
-  if (d.is_host() || !handles(d))
-    return Status::invalid_argument("order_copies_after: " + d.to_string() +
-                                    " is not a CUDA device of this process");
-  if (static_cast<int>(::getpid()) != pid_)
-    return Status::internal(d.to_string() + ": CUDA used in a forked child");
+  FERRY_RETURN_IF_ERROR(check_stream_device("order_copies_after", d));
   DeviceScope scope(*api_, d.index);
   if (scope.error() != cuda::kSuccess) return cuda_error(d.index, "cudaSetDevice", scope.error());
   std::lock_guard<std::mutex> lock(mu_);
@@ -433,11 +438,7 @@ Status CudaDevice::order_copies_after(const Device& d, void* stream) {
 }
 
 Status CudaDevice::order_stream_after(const Device& d, void* stream) {
-  if (d.is_host() || !handles(d))
-    return Status::invalid_argument("order_stream_after: " + d.to_string() +
-                                    " is not a CUDA device of this process");
-  if (static_cast<int>(::getpid()) != pid_)
-    return Status::internal(d.to_string() + ": CUDA used in a forked child");
+  FERRY_RETURN_IF_ERROR(check_stream_device("order_stream_after", d));
   DeviceScope scope(*api_, d.index);
   if (scope.error() != cuda::kSuccess) return cuda_error(d.index, "cudaSetDevice", scope.error());
   std::unique_lock<std::mutex> lock(mu_);

@@ -93,6 +93,9 @@ class CudaDevice final : public DeviceBackend {
   Status ensure_stream_locked(PerDevice& pd, int device);
   Result<cuda::EventHandle> take_event_locked(PerDevice& pd);
   Status cuda_error(int device, const char* call, int err) const;
+  // Why `op` may not order work on the caller's stream of `d`: not one of
+  // this process's CUDA devices, or called in a forked child.
+  Status check_stream_device(const char* op, const Device& d) const;
   bool use_device_on_worker(int device);
 
   std::shared_ptr<cuda::CudaApi> api_;

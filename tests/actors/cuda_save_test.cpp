@@ -11,7 +11,6 @@
 #include <cstring>
 #include <future>
 #include <map>
-#include <random>
 #include <thread>
 
 #include "cuda/device_cuda.hpp"
@@ -24,27 +23,12 @@
 using ferry::Device;
 using ferry::DType;
 using ferry::TensorView;
+using ferry::testing::eventually;
 using ferry::testing::FakeCuda;
+using ferry::testing::random_bytes;
 using ferry::testing::TempDir;
 
 namespace {
-
-template <class Pred>
-bool eventually(Pred p) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  while (!p()) {
-    if (std::chrono::steady_clock::now() > deadline) return false;
-    std::this_thread::yield();
-  }
-  return true;
-}
-
-std::vector<uint8_t> random_bytes(size_t n, uint64_t seed) {
-  std::vector<uint8_t> v(n);
-  std::mt19937_64 rng(seed);
-  for (auto& b : v) b = static_cast<uint8_t>(rng());
-  return v;
-}
 
 struct GpuRig {
   std::shared_ptr<FakeCuda> fake = std::make_shared<FakeCuda>(2);
@@ -77,6 +61,17 @@ struct GpuRig {
     void* p = fake->device_alloc(device, bytes.size());
     std::memcpy(p, bytes.data(), bytes.size());
     return TensorView(p, DType::u8, {static_cast<int64_t>(bytes.size())}, Device::cuda(device));
+  }
+  // Saves `bytes` from host memory as tensor "a" of checkpoint `step`; its
+  // path once committed.
+  std::string save_host_a(const std::vector<uint8_t>& bytes, uint64_t step) {
+    auto src = bytes;
+    ferry::StateDict sd;
+    REQUIRE(
+        sd.add("a", TensorView(src.data(), DType::u8, {static_cast<int64_t>(src.size())})).ok());
+    auto h = rt->save_async(sd, step);
+    REQUIRE(h.wait_committed().ok());
+    return h.path();
   }
   // A save ordered after the training stream, as a training loop asks for it.
   ferry::SaveHandle save(const ferry::StateDict& sd, uint64_t step) {
@@ -272,16 +267,12 @@ TEST_CASE("cuda load: device tensors get the checkpoint's bytes, after the calle
   TempDir dir;
   GpuRig rig(dir.path());
   const auto a = random_bytes(777777, 9);
-  ferry::StateDict sd;
-  auto src = a;
-  REQUIRE(sd.add("a", TensorView(src.data(), DType::u8, {777777})).ok());
-  auto h = rig.rt->save_async(sd, 4);
-  REQUIRE(h.wait_committed().ok());
+  const std::string path = rig.save_host_a(a, 4);
 
   auto target = rig.upload(1, std::vector<uint8_t>(a.size(), 0));
   ferry::StateDict out;
   REQUIRE(out.add("a", target).ok());
-  REQUIRE(rig.rt->load(out, h.path()).ok());
+  REQUIRE(rig.rt->load(out, path).ok());
   CHECK(bytes_of(target) == a);
   // The load's last copy is ordered before the caller's stream continues.
   REQUIRE(rig.dev->order_stream_after(Device::cuda(1), nullptr).ok());
@@ -348,23 +339,19 @@ TEST_CASE("cuda load: an asynchronous copy error names the tensor; the next load
   TempDir dir;
   GpuRig rig(dir.path());
   const auto a = random_bytes(300000, 13);
-  ferry::StateDict sd;
-  auto src = a;
-  REQUIRE(sd.add("a", TensorView(src.data(), DType::u8, {300000})).ok());
-  auto h = rig.rt->save_async(sd, 8);
-  REQUIRE(h.wait_committed().ok());
+  const std::string path = rig.save_host_a(a, 8);
 
   auto target = rig.upload(1, std::vector<uint8_t>(a.size(), 0));
   ferry::StateDict out;
   REQUIRE(out.add("a", target).ok());
   rig.fake->fail_async_copy(ferry::cuda::kErrorIllegalAddress, 0);
-  auto st = rig.rt->load(out, h.path());
+  auto st = rig.rt->load(out, path);
   REQUIRE_FALSE(st.ok());
   CHECK_THAT(st.message(), Catch::Contains("tensor 'a'") && Catch::Contains("cuda:1") &&
                                Catch::Contains("cudaErrorIllegalAddress") &&
                                Catch::Contains("an illegal memory access was encountered"));
   // The device is healthy again.
-  auto st2 = rig.rt->load(out, h.path());
+  auto st2 = rig.rt->load(out, path);
   INFO(st2.to_string());
   REQUIRE(st2.ok());
   CHECK(bytes_of(target) == a);

@@ -15,7 +15,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <future>
-#include <random>
 
 #include "cuda/device_cuda.hpp"
 #include "ferry/runtime.hpp"
@@ -26,18 +25,12 @@ using ferry::Device;
 using ferry::DType;
 using ferry::Status;
 using ferry::TensorView;
+using ferry::testing::random_bytes;
 using ferry::testing::TempDir;
 
 namespace {
 
 constexpr int kSkip = 77;
-
-std::vector<uint8_t> random_bytes(size_t n, uint64_t seed) {
-  std::vector<uint8_t> v(n);
-  std::mt19937_64 rng(seed);
-  for (auto& b : v) b = static_cast<uint8_t>(rng());
-  return v;
-}
 
 // Device memory freed at scope end.
 struct DevBuf {

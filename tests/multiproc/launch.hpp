@@ -3,9 +3,13 @@
 // multiproc test files.
 #pragma once
 
+#include <catch2/catch.hpp>
+
+#include <filesystem>
 #include <string>
 #include <vector>
 
+#include "catalog.hpp"
 #include "process.hpp"
 
 namespace ferry::testing {
@@ -32,6 +36,36 @@ inline std::vector<std::string> lines_with(const std::string& out, const std::st
   for (std::string& line : lines_of(out))
     if (line.find(what) != std::string::npos) lines.push_back(std::move(line));
   return lines;
+}
+
+// Launches `n` ranks that save (`args`: the worker's step, seed and model
+// flags) into `root`; the step directory of the checkpoint they committed.
+inline std::string save_latest(int n, const std::string& args, const std::string& root) {
+  const LaunchRun saved = launch(n, "--mode save --root " + root + " " + args);
+  INFO(saved.out);
+  REQUIRE(saved.code == 0);
+  auto latest = find_latest(*posix_filesystem(), root);
+  REQUIRE(latest.ok());
+  return latest->path;
+}
+
+// Launches `n` ranks that load the latest checkpoint of `root` (`args`: the
+// worker's seed and layout flags) and checks that each found every byte equal.
+inline void check_loads(int n, const std::string& args, const std::string& root) {
+  INFO("load into " << n << " ranks: " << args);
+  const LaunchRun l = launch(n, "--mode load " + args + " --root " + root);
+  INFO(l.out);
+  CHECK(l.code == 0);
+  CHECK(count(l.out, "every byte equal") == static_cast<size_t>(n));
+}
+
+// What a failed save must leave in `root`: no checkpoint and no pending
+// directory.
+inline void check_nothing_saved(const std::string& root) {
+  INFO("root " << root);
+  CHECK(list_checkpoints(*posix_filesystem(), root)->empty());
+  for (const auto& e : std::filesystem::directory_iterator(root))
+    CHECK_FALSE(is_pending_dir_name(e.path().filename().string()));
 }
 
 }  // namespace ferry::testing

@@ -8,7 +8,6 @@
 
 #include <catch2/catch.hpp>
 
-#include <fstream>
 #include <map>
 #include <sstream>
 
@@ -21,6 +20,7 @@
 using ferry::testing::count;
 using ferry::testing::launch;
 using ferry::testing::lines_with;
+using ferry::testing::save_latest;
 using ferry::testing::TempDir;
 
 namespace {
@@ -86,16 +86,20 @@ std::vector<ferry::ReadOp> whole_plan(const ferry::Manifest& m) {
   return ops.value();
 }
 
+// Who reads what for whom when kRanks ranks of one node load every tensor
+// whole, as rank 0 assigns it.
+std::vector<ferry::SharedRead> shared_reads(const ferry::Manifest& m) {
+  std::vector<ferry::RankNeeds> needs;
+  const auto ops = whole_plan(m);
+  for (int r = 0; r < kRanks; ++r) needs.push_back({r, "node", ferry::needed_ranges(ops, m)});
+  return ferry::assign_shared_reads(needs);
+}
+
 }  // namespace
 
 TEST_CASE("four local ranks loading a replicated state read it from disk once", "[ranks][load]") {
   TempDir d;
-  auto saved = launch(kRanks, "--mode save --root " + d.path() + " --step 1 --seed 7");
-  INFO(saved.out);
-  REQUIRE(saved.code == 0);
-  auto latest = ferry::find_latest(*ferry::posix_filesystem(), d.path());
-  REQUIRE(latest.ok());
-  const ferry::Manifest m = manifest_of(latest->path);
+  const ferry::Manifest m = manifest_of(save_latest(kRanks, "--step 1 --seed 7", d.path()));
   const uint64_t one_copy = data_bytes(m);
 
   auto l = launch(kRanks, "--mode load --layout full --evict 1 --seed 7 --root " + d.path());
@@ -129,40 +133,22 @@ TEST_CASE("four local ranks loading a replicated state read it from disk once", 
 TEST_CASE("a rank that reads shared bytes and finds them corrupt fails the load on every rank",
           "[ranks][load]") {
   TempDir d;
-  auto saved = launch(kRanks, "--mode save --root " + d.path() + " --step 1 --seed 7");
-  INFO(saved.out);
-  REQUIRE(saved.code == 0);
-  auto latest = ferry::find_latest(*ferry::posix_filesystem(), d.path());
-  REQUIRE(latest.ok());
-  const ferry::Manifest m = manifest_of(latest->path);
+  const std::string dir = save_latest(kRanks, "--step 1 --seed 7", d.path());
+  const ferry::Manifest m = manifest_of(dir);
 
   // A byte of the replicated "rep_big", and the rank that reads it for all.
   const ferry::ManifestTensor* t = m.find("rep_big");
   REQUIRE(t != nullptr);
   const ferry::ManifestChunk& c = t->chunks.back();
   const uint64_t bad = c.byte_offset + c.byte_length / 2;
-  std::vector<ferry::RankNeeds> needs;
-  const auto ops = whole_plan(m);
-  for (int r = 0; r < kRanks; ++r) needs.push_back({r, "node", ferry::needed_ranges(ops, m)});
   int reader = -1;
-  for (const auto& s : ferry::assign_shared_reads(needs))
+  for (const auto& s : shared_reads(m))
     if (s.range.file == c.file && s.range.offset <= bad && bad < s.range.offset + s.range.length) {
       CHECK(s.receivers.size() == kRanks - 1);
       reader = s.reader;
     }
   REQUIRE(reader >= 0);
-  {
-    std::fstream f(latest->path + "/" + m.files[c.file].name,
-                   std::ios::in | std::ios::out | std::ios::binary);
-    REQUIRE(f.good());
-    f.seekg(static_cast<std::streamoff>(bad));
-    char b = 0;
-    f.read(&b, 1);
-    b ^= 0x5a;
-    f.seekp(static_cast<std::streamoff>(bad));
-    f.write(&b, 1);
-    REQUIRE(f.good());
-  }
+  ferry::testing::flip_byte(dir + "/" + m.files[c.file].name, bad);
 
   auto l = launch(kRanks, "--mode load --layout full --evict 1 --seed 7 --root " + d.path());
   INFO(l.out << "\nreader of the corrupt byte: rank " << reader);
@@ -181,20 +167,12 @@ TEST_CASE("a rank that reads shared bytes and finds them corrupt fails the load 
 TEST_CASE("a rank that dies while it reads shared bytes fails the load on every other rank",
           "[ranks][load]") {
   TempDir d;
-  auto saved = launch(kRanks, "--mode save --root " + d.path() + " --step 1 --seed 7");
-  INFO(saved.out);
-  REQUIRE(saved.code == 0);
-  auto latest = ferry::find_latest(*ferry::posix_filesystem(), d.path());
-  REQUIRE(latest.ok());
-  const ferry::Manifest m = manifest_of(latest->path);
+  const ferry::Manifest m = manifest_of(save_latest(kRanks, "--step 1 --seed 7", d.path()));
 
   // A rank other than 0 (whose death ends the job anyway) that reads bytes
   // the others need.
-  std::vector<ferry::RankNeeds> needs;
-  const auto ops = whole_plan(m);
-  for (int r = 0; r < kRanks; ++r) needs.push_back({r, "node", ferry::needed_ranges(ops, m)});
   int reader = -1;
-  for (const auto& s : ferry::assign_shared_reads(needs))
+  for (const auto& s : shared_reads(m))
     if (s.reader > 0 && !s.receivers.empty()) reader = s.reader;
   REQUIRE(reader > 0);
 
@@ -221,13 +199,8 @@ TEST_CASE("a rank that dies while it reads shared bytes fails the load on every 
 TEST_CASE("four local ranks loading a compressed replicated state each decode it themselves",
           "[ranks][load][compress]") {
   TempDir d;
-  auto saved =
-      launch(kRanks, "--mode save --root " + d.path() + " --step 1 --seed 11 --set compress=zstd");
-  INFO(saved.out);
-  REQUIRE(saved.code == 0);
-  auto latest = ferry::find_latest(*ferry::posix_filesystem(), d.path());
-  REQUIRE(latest.ok());
-  const ferry::Manifest m = manifest_of(latest->path);
+  const ferry::Manifest m =
+      manifest_of(save_latest(kRanks, "--step 1 --seed 11 --set compress=zstd", d.path()));
   bool compressed = false;
   for (const auto& t : m.tensors)
     for (const auto& c : t.chunks) compressed |= !c.codec.empty();
@@ -253,12 +226,8 @@ TEST_CASE(
   constexpr int kBigMiB = 64;
   TempDir d;
   const std::string model = " --seed 5 --big-mib " + std::to_string(kBigMiB);
-  auto saved = launch(kRanks, "--mode save --root " + d.path() + " --step 1" + model);
-  INFO(saved.out);
-  REQUIRE(saved.code == 0);
-  auto latest = ferry::find_latest(*ferry::posix_filesystem(), d.path());
-  REQUIRE(latest.ok());
-  const uint64_t one_copy = data_bytes(manifest_of(latest->path));
+  const uint64_t one_copy =
+      data_bytes(manifest_of(save_latest(kRanks, "--step 1" + model, d.path())));
   REQUIRE(one_copy > 32 * kWindow);
 
   auto l = launch(kRanks, "--mode load --layout full --root " + d.path() + model +

@@ -5,7 +5,6 @@
 #include <catch2/catch.hpp>
 
 #include <filesystem>
-#include <fstream>
 
 #include "catalog.hpp"
 #include "manifest.hpp"
@@ -13,23 +12,13 @@
 #include "test_util.hpp"
 
 using ferry::testing::count;
+using ferry::testing::flip_byte;
 using ferry::testing::launch;
 using ferry::testing::lines_with;
+using ferry::testing::save_latest;
 using ferry::testing::TempDir;
 
 namespace {
-
-void flip_byte(const std::string& path, uint64_t offset) {
-  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
-  REQUIRE(f.good());
-  f.seekg(static_cast<std::streamoff>(offset));
-  char c = 0;
-  f.read(&c, 1);
-  c ^= 0x5a;
-  f.seekp(static_cast<std::streamoff>(offset));
-  f.write(&c, 1);
-  REQUIRE(f.good());
-}
 
 // Where rank 1's rows of `key` (row-split by rank_worker, rows [32, 96) of 96
 // with 2 ranks) lie on disk: the file name and the chunk's first byte.
@@ -49,14 +38,10 @@ std::pair<std::string, uint64_t> rank1_rows(const std::string& step_dir, const s
 TEST_CASE("a checksum mismatch on one rank fails the load on every rank, naming it",
           "[ranks][load]") {
   TempDir d;
-  auto saved = launch(2, "--mode save --root " + d.path() + " --step 1 --seed 7");
-  INFO(saved.out);
-  REQUIRE(saved.code == 0);
-  auto latest = ferry::find_latest(*ferry::posix_filesystem(), d.path());
-  REQUIRE(latest.ok());
+  const std::string dir = save_latest(2, "--step 1 --seed 7", d.path());
   const std::string key = "layers.0.w_row";
-  const auto [file, offset] = rank1_rows(latest->path, key);
-  flip_byte(latest->path + "/" + file, offset + 100);
+  const auto [file, offset] = rank1_rows(dir, key);
+  flip_byte(dir + "/" + file, offset + 100);
 
   // The saved sharding: rank 0 reads rows [0, 32) only, which are intact.
   auto l = launch(2, "--mode load --layout save --seed 7 --root " + d.path());

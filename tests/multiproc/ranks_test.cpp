@@ -60,13 +60,7 @@ TEST_CASE("2 ranks save one checkpoint and load it back in other shardings", "[r
   for (auto& e : fs::directory_iterator(d.path())) dirs += e.is_directory();
   CHECK(dirs == 1);  // one checkpoint directory, no pending leftovers
 
-  for (int m_ranks : {2, 1, 3}) {
-    INFO("load into " << m_ranks << " ranks");
-    auto l = launch(m_ranks, "--mode load --seed 7 --root " + d.path());
-    INFO(l.out);
-    CHECK(l.code == 0);
-    CHECK(count(l.out, "every byte equal") == static_cast<size_t>(m_ranks));
-  }
+  for (int m_ranks : {2, 1, 3}) ferry::testing::check_loads(m_ranks, "--seed 7", d.path());
   auto full = launch(2, "--mode load --layout full --seed 7 --root " + d.path());
   INFO(full.out);
   CHECK(full.code == 0);
@@ -123,10 +117,7 @@ TEST_CASE("4 ranks save; 3 ranks load with a different sharding", "[ranks]") {
   REQUIRE(r.code == 0);
   auto m = manifest_of(d.path());
   CHECK(m.world_size == 4);
-  auto l = launch(3, "--mode load --seed 7 --root " + d.path());
-  INFO(l.out);
-  CHECK(l.code == 0);
-  CHECK(count(l.out, "every byte equal") == 3);
+  ferry::testing::check_loads(3, "--seed 7", d.path());
 }
 
 TEST_CASE("a 2,000-tensor state across 4 ranks", "[ranks]") {

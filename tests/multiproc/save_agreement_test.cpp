@@ -46,8 +46,7 @@ TEST_CASE("ranks that pass different steps are refused at once, naming step and 
   CHECK_THAT(r.out, Catch::Contains("has 5") && Catch::Contains("has 6"));
   CHECK_THAT(r.out, Catch::Contains("rank 0 has") || Catch::Contains("rank 1 has"));
   CHECK(r.seconds < 10);  // not the 20 s plan timeout
-  CHECK(pending_dirs(d.path()).empty());
-  CHECK(ferry::list_checkpoints(*ferry::posix_filesystem(), d.path())->empty());
+  ferry::testing::check_nothing_saved(d.path());
 }
 
 TEST_CASE("ranks that pass different roots are refused at once, naming root and ranks",
@@ -61,10 +60,7 @@ TEST_CASE("ranks that pass different roots are refused at once, naming root and 
   CHECK(count(r.out, "disagree on the root") >= 2);
   CHECK_THAT(r.out, Catch::Contains(d.path()) && Catch::Contains(other.path()));
   CHECK(r.seconds < 10);
-  for (const auto& root : {d.path(), other.path()}) {
-    CHECK(pending_dirs(root).empty());
-    CHECK(ferry::list_checkpoints(*ferry::posix_filesystem(), root)->empty());
-  }
+  for (const auto& root : {d.path(), other.path()}) ferry::testing::check_nothing_saved(root);
 }
 
 TEST_CASE("a job restarted with the same token leaves its predecessor's pending directory alone",

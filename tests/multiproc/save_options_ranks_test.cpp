@@ -4,16 +4,12 @@
 
 #include <catch2/catch.hpp>
 
-#include <filesystem>
-
 #include "catalog.hpp"
 #include "codec.hpp"
 #include "launch.hpp"
 #include "manifest.hpp"
 #include "test_util.hpp"
 
-namespace fs = std::filesystem;
-using ferry::testing::count;
 using ferry::testing::launch;
 using ferry::testing::TempDir;
 
@@ -42,8 +38,5 @@ TEST_CASE("2 ranks save compressed, capped, prefixed files; 3 ranks load them",
   for (const auto& t : m->tensors)
     for (const auto& c : t.chunks) CHECK(c.codec == "zstd");
 
-  auto l = launch(3, "--mode load --seed 7 --root " + d.path());
-  INFO(l.out);
-  CHECK(l.code == 0);
-  CHECK(count(l.out, "every byte equal") == 3);
+  ferry::testing::check_loads(3, "--seed 7", d.path());
 }

@@ -6,13 +6,12 @@
 
 #include <catch2/catch.hpp>
 
-#include <filesystem>
-
 #include "catalog.hpp"
 #include "launch.hpp"
 #include "test_util.hpp"
 
-namespace fs = std::filesystem;
+using ferry::testing::check_loads;
+using ferry::testing::check_nothing_saved;
 using ferry::testing::count;
 using ferry::testing::launch;
 using ferry::testing::TempDir;
@@ -40,11 +39,7 @@ TEST_CASE("SavePlanner's steps on 2 and 4 ranks commit a checkpoint that loads r
     REQUIRE(cps->size() == 1);
     CHECK(cps->front().step == 0);
     // Another sharding (rows and columns swapped) on another rank count.
-    const int m = n == 2 ? 3 : 2;
-    auto l = launch(m, "--mode load --layout swap --seed 9 --root " + d.path());
-    INFO(l.out);
-    CHECK(l.code == 0);
-    CHECK(count(l.out, "every byte equal") == static_cast<size_t>(m));
+    check_loads(n == 2 ? 3 : 2, "--layout swap --seed 9", d.path());
   }
 }
 
@@ -58,9 +53,7 @@ TEST_CASE("a rank that never calls barrier() fails the checkpoint on every rank 
   CHECK(count(r.out, "skipped barrier") == 1);
   CHECK(count(r.out, "timed out") >= 3);
   CHECK(r.seconds < 20);  // the default write-timeout would be 30 s
-  CHECK(ferry::list_checkpoints(*ferry::posix_filesystem(), d.path())->empty());
-  for (auto& e : fs::directory_iterator(d.path()))
-    CHECK_FALSE(ferry::is_pending_dir_name(e.path().filename().string()));
+  check_nothing_saved(d.path());
 }
 
 TEST_CASE("checkpoint_fn on every rank: the files it writes commit and load resharded",
@@ -71,10 +64,7 @@ TEST_CASE("checkpoint_fn on every rank: the files it writes commit and load resh
   REQUIRE(r.code == 0);
   CHECK(count(r.out, "CHECKPOINT_FN got") == 2);
   CHECK(count(r.out, "SAVED") == 2);
-  auto l = launch(3, "--mode load --layout swap --seed 5 --root " + d.path());
-  INFO(l.out);
-  CHECK(l.code == 0);
-  CHECK(count(l.out, "every byte equal") == 3);
+  check_loads(3, "--layout swap --seed 5", d.path());
 }
 
 TEST_CASE("a checkpoint_fn that raises on one rank aborts the checkpoint on every rank",
@@ -86,9 +76,7 @@ TEST_CASE("a checkpoint_fn that raises on one rank aborts the checkpoint on ever
   CHECK(count(r.out, "FAILED as expected") == 3);
   CHECK(count(r.out, "user checkpoint_fn bug") >= 3);
   CHECK(r.seconds < 20);
-  CHECK(ferry::list_checkpoints(*ferry::posix_filesystem(), d.path())->empty());
-  for (auto& e : fs::directory_iterator(d.path()))
-    CHECK_FALSE(ferry::is_pending_dir_name(e.path().filename().string()));
+  check_nothing_saved(d.path());
 }
 
 TEST_CASE("the owner policy is a planner option every rank must agree on", "[ranks][planner_api]") {

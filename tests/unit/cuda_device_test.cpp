@@ -13,27 +13,17 @@
 #include "cuda/device_cuda.hpp"
 #include "fake_cuda.hpp"
 #include "pool.hpp"
+#include "test_util.hpp"
 
 using ferry::CudaDevice;
 using ferry::Device;
 using ferry::DType;
 using ferry::Status;
 using ferry::TensorView;
+using ferry::testing::eventually;
 using ferry::testing::FakeCuda;
 
 namespace {
-
-// Waits for a condition another thread makes true; fails the test instead of
-// hanging when it never does.
-template <class Pred>
-bool eventually(Pred p) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (!p()) {
-    if (std::chrono::steady_clock::now() > deadline) return false;
-    std::this_thread::yield();
-  }
-  return true;
-}
 
 // A copy's outcome, observable without blocking.
 struct Outcome {

@@ -54,6 +54,18 @@ ferry::LoadRequest request(const std::string& key, std::vector<int64_t> shape, f
   return r;
 }
 
+// A piece lies at its place in its chunk and, with checksums, starts at a
+// checksum block and names the blocks it covers, so that it verifies alone.
+void check_piece(const ferry::Manifest& m, const ferry::ReadOp& p, bool checksums) {
+  const auto& c = m.tensors[p.tensor].chunks[p.chunk];
+  CHECK(p.file_offset == c.byte_offset + p.chunk_offset);
+  if (checksums) {
+    CHECK(p.chunk_offset % kBlock == 0);
+    CHECK(p.first_block == p.chunk_offset / kBlock);
+    CHECK(p.nblocks == (p.length + kBlock - 1) / kBlock);
+  }
+}
+
 // Applies `ops` reading from `file`, each op from its own offset.
 std::map<uint32_t, std::vector<uint8_t>> apply_ops(const std::vector<ferry::ReadOp>& ops,
                                                    const std::vector<uint8_t>& file,
@@ -102,13 +114,9 @@ TEST_CASE("read runs are aligned, fit a block, and copy what the plan copies", "
     for (const auto& p : r.ops) {
       CHECK(p.file_offset >= r.offset);
       CHECK(p.file_offset + p.length <= r.offset + r.length);
-      const auto& c = m.tensors[p.tensor].chunks[p.chunk];
-      CHECK(p.file_offset == c.byte_offset + p.chunk_offset);
+      check_piece(m, p, checksums);
       if (checksums) {
-        // Cut only at checksum blocks, so each piece verifies alone.
-        CHECK(p.chunk_offset % kBlock == 0);
-        CHECK(p.first_block == p.chunk_offset / kBlock);
-        CHECK(p.nblocks == (p.length + kBlock - 1) / kBlock);
+        const auto& c = m.tensors[p.tensor].chunks[p.chunk];
         CHECK((p.length % kBlock == 0 || p.chunk_offset + p.length == c.byte_length));
       }
       piece_bytes += p.length;
@@ -248,13 +256,7 @@ TEST_CASE("shared reads: each byte a node needs has one reader, and every rank g
       pieces.push_back(p);
     }
     for (const auto& p : pieces) {
-      const auto& c = m.tensors[p.tensor].chunks[p.chunk];
-      CHECK(p.file_offset == c.byte_offset + p.chunk_offset);
-      if (checksums) {
-        CHECK(p.chunk_offset % kBlock == 0);
-        CHECK(p.first_block == p.chunk_offset / kBlock);
-        CHECK(p.nblocks == (p.length + kBlock - 1) / kBlock);
-      }
+      check_piece(m, p, checksums);
       for (int32_t to : p.share_with) CHECK(((to < 4) == (r < 4)));
     }
     read_bytes[r < 4 ? "n0" : "n1"] += rank_read[r];
