@@ -64,7 +64,7 @@ TEST_CASE("ferry ls lists committed checkpoints and marks LATEST", "[cli]") {
   CHECK_THAT(r.out, Catch::Contains("owner j/old (gc takes it)"));
 }
 
-TEST_CASE("ferry --help lists every command; CMD --help prints that command's help", "[cli]") {
+TEST_CASE("ferry --help lists every command, CMD --help prints that command's help", "[cli]") {
   auto r = run_shell(kCli + " --help");
   INFO(r.out);
   CHECK(r.code == 0);

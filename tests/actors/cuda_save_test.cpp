@@ -194,7 +194,7 @@ TEST_CASE("cuda save: host and device tensors in one save, loaded back into both
   CHECK(bytes_of(tiny_out) == tiny);
 }
 
-TEST_CASE("cuda save: an error reported at a later query ends the save; the last checkpoint stays",
+TEST_CASE("cuda save: an error reported at a later query ends the save, the last checkpoint stays",
           "[actors][cuda]") {
   TempDir dir;
   GpuRig rig(dir.path(), {{"chunk-bytes", "64KiB"}, {"pool-bytes", "1MiB"}});
@@ -334,7 +334,7 @@ TEST_CASE("cuda save: wait_snapshot(stream) with a host tensor in the save waits
   CHECK(load_host(*rig.rt, h.path(), {{"h", saved.size()}})[0] == saved);
 }
 
-TEST_CASE("cuda load: an asynchronous copy error names the tensor; the next load works",
+TEST_CASE("cuda load: an asynchronous copy error names the tensor, the next load works",
           "[actors][cuda]") {
   TempDir dir;
   GpuRig rig(dir.path());

@@ -88,7 +88,7 @@ class CountingDevice : public ferry::DeviceBackend {
 
 }  // namespace
 
-TEST_CASE("destroying the runtime with a save in flight ends it; no copy runs afterwards",
+TEST_CASE("destroying the runtime with a save in flight ends it, no copy runs afterwards",
           "[actors][save][contract]") {
   TempDir dir;
   auto device = std::make_shared<CountingDevice>();

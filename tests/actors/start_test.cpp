@@ -14,7 +14,7 @@ using ferry::DType;
 using ferry::TensorView;
 using ferry::testing::TempDir;
 
-TEST_CASE("runtime: create with a 2 GiB pool returns at once; a save right away works",
+TEST_CASE("runtime: create with a 2 GiB pool returns at once, a save right away works",
           "[actors][start]") {
   TempDir dir;
   ferry::RuntimeArgs args;

@@ -138,7 +138,7 @@ TEST_CASE("gpu: order_stream_after orders the caller's stream after the copies",
   cudaStreamDestroy(s);
 }
 
-TEST_CASE("gpu: refused copies name the device; the device stays usable", "[gpu]") {
+TEST_CASE("gpu: refused copies name the device, the device stays usable", "[gpu]") {
   auto dev = make_device();
   DevBuf t(4096);
   t.upload(random_bytes(4096, 4));
@@ -186,7 +186,7 @@ TEST_CASE("gpu: Runtime save larger than the pool, mixed host and device, loaded
   CHECK(lb == b);
 }
 
-TEST_CASE("gpu: Runtime wait_snapshot(stream) lets the host go on; the stream waits", "[gpu]") {
+TEST_CASE("gpu: Runtime wait_snapshot(stream) lets the host go on, the stream waits", "[gpu]") {
   TempDir dir;
   auto dev = make_device();
   ferry::RuntimeArgs args;

@@ -110,7 +110,7 @@ TEST_CASE("a rank that left the job fails the next save on the others at once, n
   CHECK(manifest_of(d.path()).step == 1);
 }
 
-TEST_CASE("4 ranks save; 3 ranks load with a different sharding", "[ranks]") {
+TEST_CASE("4 ranks save, 3 ranks load with a different sharding", "[ranks]") {
   TempDir d;
   auto r = launch(4, save_args(d));
   INFO(r.out);

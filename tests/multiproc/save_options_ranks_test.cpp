@@ -13,7 +13,7 @@
 using ferry::testing::launch;
 using ferry::testing::TempDir;
 
-TEST_CASE("2 ranks save compressed, capped, prefixed files; 3 ranks load them",
+TEST_CASE("2 ranks save compressed, capped, prefixed files, 3 ranks load them",
           "[ranks][compress]") {
   TempDir d;
   auto r = launch(2, "--mode save --root " + d.path() +

@@ -140,7 +140,7 @@ TEST_CASE("snapshot: copies run on the snapshot's copy lane, not the caller's or
   caf::anon_send_exit(rig.snapshot, caf::exit_reason::user_shutdown);
 }
 
-TEST_CASE("snapshot: abandon is answered once the running copy ends; queued copies are skipped",
+TEST_CASE("snapshot: abandon is answered once the running copy ends, queued copies are skipped",
           "[actors][snapshot]") {
   Rig rig;
   caf::anon_send(rig.snapshot, ferry::atom::stream_v, rig.job);

@@ -228,7 +228,7 @@ TEST_CASE("cuda device: an asynchronous error reported at a later query ends the
   CHECK(host == bytes);
 }
 
-TEST_CASE("cuda device: rows with a pitch go through cudaMemcpy2DAsync; other strides refuse",
+TEST_CASE("cuda device: rows with a pitch go through cudaMemcpy2DAsync, other strides refuse",
           "[cuda]") {
   Rig rig;
   // A 5 x 6 f32 slice of a 5 x 8 buffer (padded rows).
@@ -284,7 +284,7 @@ TEST_CASE("cuda device: copy_in lands in device memory after the caller's work",
   CHECK(std::memcmp(p, bytes.data(), 3000) == 0);
 }
 
-TEST_CASE("cuda device: host tensors take the host path; several devices each get a stream",
+TEST_CASE("cuda device: host tensors take the host path, several devices each get a stream",
           "[cuda]") {
   Rig rig(2);
   std::vector<uint8_t> src = pattern(100, 1), host(100, 0);

@@ -863,7 +863,7 @@ TEST_CASE("write the protocol fuzz seeds", "[.][write-seeds]") {
   }
 }
 
-TEST_CASE("Commit carries the slowest rank; write results their ready time", "[protocol]") {
+TEST_CASE("Commit carries the slowest rank, write results their ready time", "[protocol]") {
   ferry::CommitMsg c{"job", "ck", ferry::Status(), "/r/step-00000001", 9, 3, 1234.5};
   auto back = ferry::decode_message(ferry::encode_message(c));
   REQUIRE(back.ok());
@@ -916,7 +916,7 @@ TEST_CASE("LoadOutcome: reports and answers round trip, bad ranks are refused", 
   }
 }
 
-TEST_CASE("LoadOutcome carries the ranks' needs; BlockShare its bytes", "[protocol]") {
+TEST_CASE("LoadOutcome carries the ranks' needs, BlockShare its bytes", "[protocol]") {
   LoadOutcomeMsg needs{"job", "load-3/needs", 0, Status::ok_status(), -1};
   needs.needs = {{0, "node-a", {{0, 4096, 1 << 20}, {2, 0, 17}}}, {3, "node-b", {}}};
   round_trip(needs);
@@ -942,7 +942,7 @@ TEST_CASE("LoadOutcome carries the ranks' needs; BlockShare its bytes", "[protoc
   }
 }
 
-TEST_CASE("ShareAck round trips; bad ranks are refused, not trusted", "[protocol]") {
+TEST_CASE("ShareAck round trips, bad ranks are refused, not trusted", "[protocol]") {
   ShareAckMsg ack{"job", "load-3", 1, 2, 8 << 20, Status::ok_status()};
   const WireMessage back = round_trip(ack);
   CHECK(std::string(message_name(back)) == "ShareAck");
