@@ -520,45 +520,31 @@ TEST_CASE("prepare_pending collects expired pending directories and LATEST temp 
 // LATEST's temp file is written before the commit point and renamed after
 // it; either failing is only a warning (LATEST is a hint), and no temp file
 // is left behind.
-TEST_CASE("a failed LATEST write is a warning, not a failed commit", "[commit][warnings]") {
-  TempDir tmp;
-  auto fs = std::make_shared<FaultFilesystem>(posix_filesystem());
-  const std::string root = tmp.path();
-  commit_ok(*fs, root, 1, "old");
-  FaultRule r;
-  r.op = FaultOp::open;
-  r.nth = 1;
-  r.error = ENOSPC;
-  r.path_contains = "/LATEST.tmp-";
-  fs->add_rule(r);
-  CommitOptions opts;
-  opts.keep_last = 1;
-  CommitOutcome out = commit_ok(*fs, root, 2, "new", opts);
-  REQUIRE(out.warnings.size() == 1);
-  CHECK(contains(out.warnings[0].message(), "LATEST"));
-  CHECK(contains(out.warnings[0].message(), "(injected)"));
-  require_latest(*fs, root, 2, "new");
-  CHECK(out.retired == std::vector<std::string>{join_path(root, step_dir_name(1))});
-  CHECK(slurp(join_path(root, kLatestFileName)) == "step-00000001\n");  // only a hint
-}
-
-TEST_CASE("a failed rename of LATEST after the commit point is a warning", "[commit][warnings]") {
-  TempDir tmp;
-  auto fs = std::make_shared<FaultFilesystem>(posix_filesystem());
-  const std::string root = tmp.path();
-  commit_ok(*fs, root, 1, "old");
-  FaultRule r;
-  r.op = FaultOp::rename;
-  r.nth = 1;
-  r.error = EIO;
-  r.path_contains = "/LATEST.tmp-";
-  fs->add_rule(r);
-  CommitOutcome out = commit_ok(*fs, root, 2, "new");
-  REQUIRE(out.warnings.size() == 1);
-  CHECK(contains(out.warnings[0].message(), "LATEST"));
-  require_latest(*fs, root, 2, "new");
-  CHECK(slurp(join_path(root, kLatestFileName)) == "step-00000001\n");
-  for (const std::string& name : names_in(root)) CHECK(name.find(".tmp-") == std::string::npos);
+TEST_CASE("a failed LATEST write or rename is a warning, not a failed commit",
+          "[commit][warnings]") {
+  for (FaultOp op : {FaultOp::open, FaultOp::sync, FaultOp::rename}) {
+    INFO("failing " << fault_op_name(op) << " of LATEST's temp file");
+    TempDir tmp;
+    auto fs = std::make_shared<FaultFilesystem>(posix_filesystem());
+    const std::string root = tmp.path();
+    commit_ok(*fs, root, 1, "old");
+    FaultRule r;
+    r.op = op;
+    r.nth = 1;
+    r.error = op == FaultOp::open ? ENOSPC : EIO;
+    r.path_contains = "/LATEST.tmp-";
+    fs->add_rule(r);
+    CommitOptions opts;
+    opts.keep_last = 1;
+    CommitOutcome out = commit_ok(*fs, root, 2, "new", opts);
+    REQUIRE(out.warnings.size() == 1);
+    CHECK(contains(out.warnings[0].message(), "LATEST"));
+    CHECK(contains(out.warnings[0].message(), "(injected)"));
+    require_latest(*fs, root, 2, "new");
+    CHECK(out.retired == std::vector<std::string>{join_path(root, step_dir_name(1))});
+    CHECK(slurp(join_path(root, kLatestFileName)) == "step-00000001\n");  // only a hint
+    for (const std::string& name : names_in(root)) CHECK(name.find(".tmp-") == std::string::npos);
+  }
 }
 
 // ---- 7. no hangs ----------------------------------------------------------------------------
