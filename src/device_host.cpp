@@ -1,5 +1,8 @@
 #include "ferry/device.hpp"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cassert>
 #include <cstring>
@@ -153,6 +156,27 @@ void strided_copy(const TensorView& v, uint64_t offset, uint64_t len, uint8_t* h
   }
 }
 
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux 5.14; older kernels answer EINVAL
+#endif
+
+// A load often fills tensors the caller just allocated, whose pages are not
+// there yet: a memcpy then takes one page fault per 4 KiB, which costs more
+// than the copy on a VM. One madvise faults the whole range in from the
+// kernel instead (about a quarter less time measured here). It changes no
+// byte (missing anonymous pages read as zero either way, and the copy
+// overwrites them), and any error (an old kernel, a mapping that refuses it)
+// only means the copy faults the pages in itself.
+void populate_for_write(uint8_t* p, uint64_t len) {
+  constexpr uint64_t kWorthIt = 1 << 20;
+  static const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  if (len < kWorthIt) return;
+  const uint64_t begin = (reinterpret_cast<uint64_t>(p) + page - 1) / page * page;
+  const uint64_t end = (reinterpret_cast<uint64_t>(p) + len) / page * page;
+  if (end > begin)
+    (void)::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_WRITE);
+}
+
 class HostDevice final : public DeviceBackend {
  public:
   bool handles(const Device& d) const override { return d.is_host(); }
@@ -167,6 +191,8 @@ class HostDevice final : public DeviceBackend {
   void copy_in(const void* src, const TensorView& dst, uint64_t offset, uint64_t len,
                Done done) override {
     Status st = check(dst, offset, len);
+    if (st.ok() && dst.is_contiguous())
+      populate_for_write(static_cast<uint8_t*>(dst.data) + offset, len);
     if (st.ok()) strided_copy_in(src, dst, offset, len);
     done(std::move(st));
   }
