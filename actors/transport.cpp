@@ -373,11 +373,13 @@ class Transport::Impl {
     Status why;
   };
 
-  // A lane as callers see it (guarded by mu_). `open`: announced by rank 0
-  // and neither closed nor given up; frames for its peer go on it.
+  // A lane as callers see it (guarded by mu_). `open`: announced by rank 0;
+  // frames for its peer go on it. `failed`: closed by the layer above (its
+  // peer failed): frames for the peer fail. `closed`: given up or lost on
+  // its own: frames for the peer go through rank 0.
   struct LaneInfo {
-    enum State { none, open, closed } state = none;
-    Status why;        // closed
+    enum State { none, open, failed, closed } state = none;
+    Status why;        // failed, closed
     std::string info;  // ucp_ep_print_info once up
   };
 
@@ -528,7 +530,7 @@ Status Transport::Impl::init() {
   std::string mode = opts_.lanes;
   if (mode.empty()) {
     const char* env = std::getenv("FERRY_DIRECT_LANES");
-    mode = env != nullptr && *env != '\0' ? env : "shm";
+    mode = env != nullptr && *env != '\0' ? env : "tcp";
   }
   if (mode == "shm") {
     lane_mode_ = LaneMode::shm;
@@ -552,11 +554,13 @@ Status Transport::Impl::init() {
   if (st != UCS_OK) return Status::internal(ucx_error("transport: ucp_config_read", st));
   // Peer-failure detection needs tcp (shared memory lanes do not report a
   // dead peer): the endpoints to and from rank 0 use only tcp whatever the
-  // context offers. Shared memory is for the direct lanes between the ranks
-  // of a node.
+  // context offers. Shared memory is for shm-mode lanes, and without cma:
+  // UCX 1.13 aborts the process (an unhandled error is fatal there) when a
+  // cma rendezvous reads from a peer that died, on an endpoint without peer
+  // error handling.
   std::vector<std::pair<const char*, const char*>> settings;
   if (!user_set("TLS"))
-    settings.emplace_back("TLS", lane_mode_ == LaneMode::shm ? "tcp,sm" : "tcp");
+    settings.emplace_back("TLS", lane_mode_ == LaneMode::shm ? "tcp,posix,sysv" : "tcp");
   if (address_.loopback && !user_set("NET_DEVICES")) settings.emplace_back("NET_DEVICES", "lo");
   for (const auto& [name, value] : settings) {
     st = ucp_config_modify(config, name, value);
@@ -782,14 +786,14 @@ Status Transport::Impl::send(int32_t to_rank, std::string frame) {
   if (refused_) return Status::aborted(me + ": send: rank 0 refused this rank");
   if (opts_.rank != 0 && to_rank != 0) {
     const LaneInfo& lane = lanes_[to_rank];
-    if (lane.state == LaneInfo::closed) {
+    if (lane.state == LaneInfo::failed) {
       return Status::aborted(me + ": send to rank " + std::to_string(to_rank) +
                              ": its direct lane closed: " + lane.why.message());
     }
     if (lane.state != LaneInfo::open) {
       return Status::not_found(me + ": send to rank " + std::to_string(to_rank) +
-                               ": no direct lane to it (ranks of other nodes talk through "
-                               "rank 0)");
+                               ": no direct lane to it (frames to it go through rank 0)" +
+                               (lane.state == LaneInfo::closed ? ": " + lane.why.message() : ""));
     }
   } else {
     const PeerInfo& peer = peers_[to_rank];
@@ -811,7 +815,8 @@ Status Transport::Impl::send(int32_t to_rank, std::string frame) {
 int32_t Transport::Impl::next_hop(int32_t to_rank) {
   if (opts_.rank == 0 || to_rank <= 0 || to_rank >= opts_.world_size) return to_rank;
   std::lock_guard<std::mutex> lock(mu_);
-  return lanes_[to_rank].state == LaneInfo::open ? to_rank : 0;
+  const auto state = lanes_[to_rank].state;
+  return state == LaneInfo::open || state == LaneInfo::failed ? to_rank : 0;
 }
 
 void Transport::Impl::close_lane(int32_t rank, const Status& why) {
@@ -819,7 +824,7 @@ void Transport::Impl::close_lane(int32_t rank, const Status& why) {
   std::lock_guard<std::mutex> lock(mu_);
   if (stopped_ || lanes_[rank].state != LaneInfo::open) return;
   // Closed for callers at once: no frame queued from now on goes to it.
-  lanes_[rank].state = LaneInfo::closed;
+  lanes_[rank].state = LaneInfo::failed;
   lanes_[rank].why = why;
   commands_.push_back(Command{Command::close_lane, rank, {}, 0, why});
   ucp_worker_signal(worker_);
@@ -1195,7 +1200,7 @@ void Transport::Impl::close_lane_now(int32_t rank, const Status& why, bool relay
   Conn* conn = by_rank_[rank];
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (lanes_[rank].state != LaneInfo::closed) {
+    if (lanes_[rank].state == LaneInfo::open) {
       lanes_[rank].state = LaneInfo::closed;
       lanes_[rank].why = why;
     }
@@ -1213,9 +1218,7 @@ void Transport::Impl::close_lane_now(int32_t rank, const Status& why, bool relay
       }
     }
   }
-  // Without peer error handling UCX refuses a forced close; the flush then
-  // waits for the peer, bounded at stop() by kCloseGrace.
-  drop_conn(conn, /*force=*/conn->peer_mode);
+  drop_conn(conn, /*force=*/true);
 }
 
 void Transport::Impl::handle_frame(Conn* conn, std::string bytes) {
@@ -1413,6 +1416,13 @@ void Transport::Impl::drop_conn(Conn* conn, bool force) {
   if (req == nullptr || UCS_PTR_IS_ERR(req)) {
     // Closed at once; on error UCX has released the endpoint all the same.
     erase_conn(conn);
+  } else if (force && !conn->peer_mode) {
+    // A lane without peer error handling cannot be closed by force: its
+    // flush waits for a peer that may be dead. Nothing of ours is needed
+    // once it is released (no error callback points at the Conn): UCX ends
+    // it, at the latest with the worker.
+    ucp_request_free(req);
+    erase_conn(conn);
   } else {
     conn->close_request = req;
   }
@@ -1481,6 +1491,12 @@ void Transport::Impl::shutdown_endpoints() {
   if (!conns_.empty()) {
     log("%zu endpoint(s) still closing after %s; destroying the worker anyway", conns_.size(),
         format_seconds(seconds(kCloseGrace)).c_str());
+    // UCX asserts that a close still in progress when the worker goes was
+    // released by its owner.
+    for (auto& [id, conn] : conns_) {
+      if (conn->close_request != nullptr) ucp_request_free(conn->close_request);
+      conn->close_request = nullptr;
+    }
   }
 }
 

@@ -19,9 +19,11 @@
 // the other's address (UCX joins the two into one connection). A lane only
 // carries frames: liveness stays with rank 0 (no heartbeats, no failure
 // reports on lanes); the layer above closes a lane when rank 0 reports its
-// peer failed or gone (close_lane). In "shm" mode lanes have no peer error
-// handling, so UCX may pick shared memory (it excludes shm lanes from
-// endpoints with it); in "tcp" mode they have it and UCX uses tcp.
+// peer failed or gone (close_lane). In "tcp" mode (the default) lanes have
+// peer error handling and UCX uses tcp for them; in "shm" mode they have none,
+// so UCX may pick shared memory (it excludes shm from endpoints with it), and
+// cma is left out of the context (UCX 1.13 aborts on a cma read from a dead
+// peer when nothing handles the error).
 //
 // clang-format off
 // Connection life, seen from rank 0:
@@ -45,9 +47,10 @@
 //   lanes message from rank 0 --> joining --ready (or a frame) from S--> up
 //     (endpoint created, `ready` sent;  (frames held)  (ready echoed once)  |
 //      S may not know the session yet)     |                               |
-//        not up within handshake_timeout_s: held frames go to rank 0 (relay)|
-//                                          v                               v
-//                          closed <--close_lane(S), lane error, stop()-----+
+//        not up within handshake_timeout_s,|          lane error           |
+//        held frames go to rank 0          v                               |
+//                    closed (frames for S go through rank 0) <-------------+
+//   close_lane(S) from any state --> failed (frames for S fail, naming why)
 // clang-format on
 //
 // Threading: one progress thread owns the UCX worker and the sockets. send(),
@@ -79,11 +82,12 @@ struct TransportOptions {
   // The largest frame either way: send() refuses a larger one, and a peer
   // that announces one is failed before anything is allocated for it.
   uint64_t max_frame_bytes = uint64_t{1} << 30;
-  // Direct lanes between the ranks of one node: "shm" (endpoints without
-  // peer error handling, so UCX may use shared memory), "tcp" (with it: UCX
-  // uses tcp, and a lane closes by force), or "off" (frames between ranks > 0
-  // go through rank 0). Empty: $FERRY_DIRECT_LANES, else "shm". Two ranks get
-  // a lane only if both ask for the same mode on the same node.
+  // Direct lanes between the ranks of one node: "tcp" (endpoints with peer
+  // error handling: UCX uses tcp, and a lane closes by force), "shm" (without
+  // it, so UCX may use shared memory: posix or sysv, no cma), or "off"
+  // (frames between ranks > 0 go through rank 0). Empty: $FERRY_DIRECT_LANES,
+  // else "tcp". Two ranks get a lane only if both ask for the same mode on
+  // the same node.
   std::string lanes;
   // This rank's node; empty: the kernel's boot id and the host name.
   std::string node;
@@ -139,13 +143,15 @@ class Transport {
   Status send(int32_t to_rank, std::string frame);
 
   // Where a frame for `to_rank` goes first: `to_rank` itself from rank 0, to
-  // rank 0, or over a direct lane that is up or coming up; otherwise 0 (rank
+  // rank 0, or over a direct lane that is up or coming up (or that
+  // close_lane() closed: send() then fails, naming why); otherwise 0 (rank
   // 0 passes it on). Thread-safe.
   int32_t next_hop(int32_t to_rank);
 
   // The layer above learned that `rank` failed or left: the lane to it
-  // closes (frames held or queued for it are dropped) and later frames for
-  // it go through rank 0. No-op without a lane. Thread-safe.
+  // closes (frames held or queued for it are dropped; by force where the lane
+  // has peer error handling, else abandoned to UCX) and later sends to it
+  // fail with `why`. No-op without an open lane. Thread-safe.
   void close_lane(int32_t rank, const Status& why);
 
   // UCX's description of the lane to `rank` (ucp_ep_print_info: the

@@ -95,16 +95,17 @@ TEST_CASE("with direct lanes off rank 0 relays the shared bytes between the othe
   for (int r = 1; r < kRanks; ++r) CHECK(stats.at(r).relayed == 0);
 }
 
-TEST_CASE("a receiver that dies in a load over tcp lanes releases the ranks sending to it",
+TEST_CASE("a receiver that dies in a load over shm lanes releases the ranks sending to it",
           "[ranks][load][lanes]") {
-  // As load_once_test's receiver death (which runs over the default shm
-  // lanes), with lanes that have peer error handling.
+  // As load_once_test's receiver death (which runs over the default tcp
+  // lanes), with lanes that have no peer error handling: UCX must not abort
+  // the others (rank 2 is also a sender, so it dies mid-transfer too).
   TempDir d;
   const std::string model = " --seed 9 --big-mib 32";
   save_state(d, model);
   auto l = launch(
       kRanks, "--mode load --layout full --root " + d.path() + model + " --set share-window=256KiB",
-      "FERRY_DIRECT_LANES=tcp FERRY_KILL_AT=load.receive:3@2");
+      "FERRY_DIRECT_LANES=shm FERRY_KILL_AT=load.receive:3@2");
   INFO(l.out);
   CHECK(l.code != 0);
   CHECK(count(l.out, "killed by signal 9") == 1);
@@ -117,7 +118,6 @@ TEST_CASE("a receiver that dies in a load over tcp lanes releases the ranks send
     CHECK_THAT(errors[0],
                Catch::Contains("rank 2 failed") || Catch::Contains("failed peer: rank 2"));
   }
-  CHECK(count(l.out, "Assertion") == 0);
-  CHECK(count(l.out, "signal 6") == 0);
+  CHECK(count(l.out, "killed by signal") == 1);  // the others end by themselves
   CHECK(l.seconds < 20);
 }
