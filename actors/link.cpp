@@ -9,6 +9,10 @@
 //           aborts -> all ranks.
 // rank > 0: planner/runtime requests -> rank 0, answers -> their promises;
 //           rank 0 failing fails every pending request.
+// Shared load bytes (BlockShare, ShareAck) go straight between the ranks of a
+// node over the transport's direct lanes; where there is none, rank 0 passes
+// them on (relay), counting them. A rank told by rank 0 that another failed
+// closes its lane to it.
 //
 //   rank > 0: up --peer_failed(0)--> rank 0 failed (requests fail at once, naming rank 0)
 //              +---leave---> leaving (a failure of rank 0 is expected now, not reported)
@@ -197,7 +201,7 @@ void shared_reader_failed(link_ptr self, int32_t rank, const Status& why) {
       Status::aborted("rank " + std::to_string(rank) + " failed: " + why.message());
   BlockShareMsg m{st.ctx->job_id, kAnyLoad, rank, st.ctx->rank, 0, 0, reason, ""};
   // Readers here waiting for room toward it stop; on a rank > 0 every
-  // window needs rank 0, which carries the acks.
+  // window needs rank 0 (its load cannot complete without it).
   st.ctx->shares->fail_rank(rank, reason, st.ctx->rank != 0 && rank == 0);
   if (st.loader) self->send(st.loader, atom::share_v, m);
   if (st.ctx->rank != 0) return;
@@ -213,20 +217,36 @@ void shared_reader_failed(link_ptr self, int32_t rank, const Status& why) {
 void relay(link_ptr self, int32_t to, const WireMessage& m, std::string& raw) {
   auto& st = self->state;
   if (!st.transport) return log(st, std::string("no transport to send ") + message_name(m));
+  st.ctx->shares->count_relayed();
   Status s = st.transport->send(to, std::move(raw));
   if (!s.ok())
     log(st, std::string("passing ") + message_name(m) + " on to rank " + std::to_string(to) +
                 " failed: " + s.to_string());
 }
 
+// A frame that came over a direct lane (from a rank > 0 to a rank > 0): the
+// transport vouches for the sender, so it must speak for itself, and only
+// rank 0 reports failures.
+bool lane_frame_ok(const link_state& st, int32_t from, int32_t claims, const std::string& load,
+                   const char* what) {
+  if (st.ctx->rank == 0 || from == 0) return true;
+  if (claims == from && load != kAnyLoad) return true;
+  log(st, std::string("dropped ") + what + " from rank " + std::to_string(from) +
+              " claiming rank " + std::to_string(claims) +
+              (load == kAnyLoad ? " reporting a failure" : ""));
+  return false;
+}
+
 // Bytes one rank read for another of its node. Rank 0 forwards what is for
-// another rank (the transport is a star); only rank 0 may speak for others.
+// another rank (those without a direct lane between them); only rank 0 may
+// speak for others.
 void on_share(link_ptr self, int32_t from, BlockShareMsg share, const WireMessage& m,
               std::string& raw) {
   auto& st = self->state;
   if (st.ctx->rank == 0 && share.from != from)
     return log(st, "dropped BlockShare claiming rank " + std::to_string(share.from) +
                        " from rank " + std::to_string(from));
+  if (!lane_frame_ok(st, from, share.from, share.load_id, "BlockShare")) return;
   if (share.to != st.ctx->rank) {
     if (st.ctx->rank != 0 || share.to >= st.ctx->world_size)
       return log(st, "dropped BlockShare for rank " + std::to_string(share.to) + " from rank " +
@@ -234,9 +254,12 @@ void on_share(link_ptr self, int32_t from, BlockShareMsg share, const WireMessag
     return relay(self, share.to, m, raw);
   }
   if (!st.loader) return log(st, "no loader for a BlockShare from rank " + std::to_string(from));
-  // Rank 0 reports a failed rank to the others: readers here stop sending to it.
-  if (share.load_id == kAnyLoad && st.ctx->rank != 0)
+  // Rank 0 reports a failed rank to the others: readers here stop sending to
+  // it, and its lane closes (UCX would not notice a dead peer on it).
+  if (share.load_id == kAnyLoad && st.ctx->rank != 0) {
     st.ctx->shares->fail_rank(share.from, share.status);
+    if (st.transport) st.transport->close_lane(share.from, share.status);
+  }
   self->send(st.loader, atom::share_v, std::move(share));
 }
 
@@ -248,6 +271,7 @@ void on_share_ack(link_ptr self, int32_t from, const ShareAckMsg& ack, const Wir
   const std::string what = "ShareAck from rank " + std::to_string(from);
   if (st.ctx->rank == 0 && ack.from != from)
     return log(st, "dropped " + what + " claiming rank " + std::to_string(ack.from));
+  if (!lane_frame_ok(st, from, ack.from, ack.load_id, "ShareAck")) return;
   if (ack.to != st.ctx->rank) {
     if (st.ctx->rank != 0 || ack.to >= st.ctx->world_size)
       return log(st, "dropped " + what + " for rank " + std::to_string(ack.to));

@@ -72,12 +72,6 @@ constexpr uint64_t kShareFrameBytes = 8ull << 20;
 // of the earlier frames travel back.
 constexpr uint64_t kFramesPerWindow = 4;
 
-// Where a frame for rank `to` goes: the transport is a star, so a rank > 0
-// reaches the others through rank 0, which forwards by BlockShare.to.
-int32_t hop_to(const RankContext& ctx, int32_t to) {
-  return ctx.rank == 0 ? to : 0;
-}
-
 // Sends the verified bytes of `op` (at `buf`) to the ranks in op.share_with,
 // in frames cut on its chunk's checksum-block grid. Each frame waits for room
 // in the window toward its receiver (ShareWindows): the reader thread blocks
@@ -102,7 +96,9 @@ Status send_shared(const RankContext& ctx, Transport& t, const std::string& load
                         ctx.rank,   to,
                         op.file,    op.file_offset + at,
                         Status(),   std::string(reinterpret_cast<const char*>(buf + at), n)};
-      s = t.send(hop_to(ctx, to), encode_message(msg));
+      // Straight to `to` over a direct lane, else through rank 0, which
+      // passes it on by BlockShare.to.
+      s = t.send(t.next_hop(to), encode_message(msg));
       if (!s.ok()) return s.with_context(context());
     }
   }
@@ -504,7 +500,7 @@ struct ShareWait {
 void send_ack(const RankContext& ctx, Transport& t, const std::string& load_id, int32_t sender,
               uint64_t bytes, const Status& status) {
   Status s =
-      t.send(hop_to(ctx, sender),
+      t.send(t.next_hop(sender),
              encode_message(ShareAckMsg{ctx.job_id, load_id, ctx.rank, sender, bytes, status}));
   // A sender that is gone needs no ack; its failure reaches the load anyway.
   if (!s.ok())
@@ -540,7 +536,7 @@ void tell_receivers(const RankContext& ctx, LoadInFlight& load, const Status& wh
   if (!load.transport) return;
   for (int32_t to : load.receivers)
     (void)load.transport->send(
-        hop_to(ctx, to),
+        load.transport->next_hop(to),
         encode_message(BlockShareMsg{ctx.job_id, load.load_id, ctx.rank, to, 0, 0, why, ""}));
   load.receivers.clear();
 }

@@ -782,11 +782,13 @@ Result<LoadReport> Runtime::load_report(StateDict& sd, const std::string& path) 
                [&](caf::error& e) { reply.status = from_caf(self, e, "load: resolving " + path); });
   LoadReport report;
   if (im.transport) im.transport->take_queued_peak();
+  im.ctx->shares->take_relayed();
   Status s = load_local(im, self, sd, id, reply, &report);
   // Every rank reports, failed or not: a rank that skipped the round trip
   // would leave the others waiting for it.
   if (im.ctx->world_size > 1) s = collective_outcome(im, self, id, s);
   if (im.transport) report.send_queue_peak = im.transport->take_queued_peak();
+  report.share_frames_relayed = im.ctx->shares->take_relayed();
   if (!s.ok()) return s;
   return report;
 }

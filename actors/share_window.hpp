@@ -2,8 +2,9 @@
 // its node (BlockShare frames). Per load and receiver a sender keeps at most a
 // window of bytes sent and not yet acknowledged by the receiver (ShareAck);
 // a reader thread that would pass it waits here. Every queue on the way (the
-// sender's transport, rank 0's relay, the receiver's mailboxes) then holds at
-// most the sum of the windows, whatever the size of the state.
+// sender's transport, rank 0's relay where two ranks have no direct lane, the
+// receiver's mailboxes) then holds at most the sum of the windows, whatever
+// the size of the state.
 //
 // A wait always ends: an ack that makes room, the receiver's failure or its
 // refusal of more bytes (an ack with an error), the load's end on this rank,
@@ -16,6 +17,7 @@
 // blocks, so it belongs on a reader's own thread, never on a scheduler's.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -64,6 +66,12 @@ class ShareWindows {
   // Bytes outstanding toward `to` in `load` (0 when not open); for tests.
   uint64_t outstanding(const std::string& load, int32_t to);
 
+  // Rank 0 passed a frame of shared bytes (or an ack) on between two other
+  // ranks, which had no direct lane. take_relayed(): how many since the
+  // previous call (a load's report).
+  void count_relayed() { relayed_.fetch_add(1, std::memory_order_relaxed); }
+  uint64_t take_relayed() { return relayed_.exchange(0); }
+
  private:
   using Clock = std::chrono::steady_clock;
   struct Window {
@@ -86,6 +94,7 @@ class ShareWindows {
   // Loads that ended lately, with why: a waiter woken by the end reports it,
   // and acks still in flight for them are not mistaken for forged ones.
   std::deque<std::pair<std::string, Status>> ended_;
+  std::atomic<uint64_t> relayed_{0};
 };
 
 }  // namespace ferry

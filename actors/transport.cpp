@@ -14,7 +14,8 @@
 // length is checked against a cap before anything is buffered, every
 // connection has a deadline, and only kMaxHandshakes are served at once.
 // UCX messages carry the session number rank 0 handed out with its worker
-// address; without it a message is dropped before its length is looked at.
+// address (or, on a direct lane, the pair's session it handed out with the
+// lane); without it a message is dropped before its length is looked at.
 
 #include "actors/transport.hpp"
 
@@ -64,14 +65,18 @@ using Clock = std::chrono::steady_clock;
 // above's bytes; "ready" (no payload) is a rank's first message on its new
 // endpoint: rank 0 holds frames to it until then, because a frame that
 // overtook the handshake reply would find no session to match.
+// "lanes" (rank 0 to a rank, once every rank joined) lists the direct lanes
+// of that rank: peer, session, worker address (docs/protocol.md).
 constexpr unsigned kFrameAmId = 1;
 constexpr unsigned kReadyAmId = 2;
+constexpr unsigned kLanesAmId = 3;
 
 // The handshake on rank 0's TCP socket (docs/protocol.md, "Joining").
 constexpr char kHelloMagic[4] = {'F', 'R', 'Y', 'H'};
 constexpr char kReplyMagic[4] = {'F', 'R', 'Y', 'A'};
-constexpr uint8_t kHandshakeVersion = 1;
-// magic, version, 3 reserved, hello length (u32 LE), address length (u32 LE)
+constexpr uint8_t kHandshakeVersion = 2;
+// magic, version, node length (u8), 2 reserved, hello length (u32 LE),
+// address length (u32 LE); then hello, address, node
 constexpr size_t kHelloHeaderBytes = 16;
 // magic, version, verdict, 2 reserved, reply length, address length, session (u64 LE)
 constexpr size_t kReplyHeaderBytes = 24;
@@ -82,6 +87,8 @@ constexpr uint8_t kVerdictRefused = 1;
 constexpr uint32_t kMaxHelloBytes = 16 << 10;
 constexpr uint32_t kMaxReplyBytes = 16 << 10;
 constexpr uint32_t kMaxAddressBytes = 4 << 10;
+// A node identity: the lane mode, the boot id and the host name.
+constexpr size_t kMaxNodeBytes = 255;
 // Unauthenticated connections served at once; more are closed at once, and
 // their ranks retry. Bounds rank 0's memory and descriptors under a flood.
 constexpr size_t kMaxHandshakes = 32;
@@ -231,6 +238,21 @@ std::string describe(const sockaddr_storage& s) {
   return std::string(host) + ":" + std::to_string(port_of(s));
 }
 
+// Two processes are on one node when they saw the same boot (the boot id
+// tells apart containers' hosts that share a name) under the same host name.
+std::string this_node() {
+  std::string boot;
+  if (FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
+    char buf[64] = {0};
+    if (std::fgets(buf, sizeof(buf), f) != nullptr) boot = buf;
+    std::fclose(f);
+  }
+  while (!boot.empty() && (boot.back() == '\n' || boot.back() == ' ')) boot.pop_back();
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  return boot + ":" + host;
+}
+
 }  // namespace
 
 class Transport::Impl {
@@ -241,6 +263,7 @@ class Transport::Impl {
         heartbeat_(std::move(heartbeat)),
         cb_(std::move(cb)),
         peers_(static_cast<size_t>(opts_.world_size)),
+        lanes_(static_cast<size_t>(opts_.world_size)),
         by_rank_(static_cast<size_t>(opts_.world_size), nullptr),
         reported_(static_cast<size_t>(opts_.world_size), false),
         rng_(std::random_device{}()) {}
@@ -257,6 +280,10 @@ class Transport::Impl {
   }
   Status wait_peers(double timeout_s);
   Status send(int32_t to_rank, std::string frame);
+  Status send_on_lane(int32_t to_rank, std::string frame, uint64_t session);
+  int32_t next_hop(int32_t to_rank);
+  void close_lane(int32_t rank, const Status& why);
+  std::string lane_info(int32_t rank);
   void stop();
   uint16_t port() const { return port_; }
   uint64_t take_queued_peak() {
@@ -266,8 +293,19 @@ class Transport::Impl {
 
  private:
   enum class Phase {
-    joining,  // rank 0: accepted, endpoint created, no message from the peer on it yet
+    joining,  // rank 0: accepted, endpoint created, no message from the peer on it yet;
+              // a lane: created, no message from the peer on it yet
     up,
+  };
+
+  // What a lane's endpoint is for: frames only (see transport.hpp).
+  enum class LaneMode { off, tcp, shm };
+
+  // A message waiting for its endpoint to come up.
+  struct Held {
+    unsigned am_id;
+    std::string bytes;
+    bool queued;  // counted in queued_ (a frame from send())
   };
 
   // One endpoint. Owned by conns_ until its close request completed, because
@@ -280,9 +318,12 @@ class Transport::Impl {
     Phase phase = Phase::up;
     int32_t rank = -1;
     Clock::time_point last_rx;
+    bool lane = false;      // a direct lane between two ranks > 0
+    bool peer_mode = true;  // created with peer error handling (may be closed by force)
+    Clock::time_point due;  // a lane: up by then, or its frames go to rank 0
     bool closing = false;
     void* close_request = nullptr;
-    std::deque<std::string> held;  // frames sent while joining
+    std::deque<Held> held;  // messages sent while joining
   };
 
   // One connection on the handshake socket: rank 0's side of a rank joining,
@@ -305,7 +346,7 @@ class Transport::Impl {
   };
 
   struct Event {
-    enum Kind { frame, ready, error, oversize } kind;
+    enum Kind { frame, ready, lanes, error, oversize } kind;
     uint64_t conn_id;
     std::string bytes;     // frame
     ucs_status_t status;   // error
@@ -324,6 +365,7 @@ class Transport::Impl {
     Impl* owner;
     uint64_t conn_id;
     std::string bytes;
+    Event::Kind kind;  // frame or lanes
   };
 
   struct PeerInfo {
@@ -331,9 +373,22 @@ class Transport::Impl {
     Status why;
   };
 
+  // A lane as callers see it (guarded by mu_). `open`: announced by rank 0;
+  // frames for its peer go on it. `failed`: closed by the layer above (its
+  // peer failed): frames for the peer fail. `closed`: given up or lost on
+  // its own: frames for the peer go through rank 0.
+  struct LaneInfo {
+    enum State { none, open, failed, closed } state = none;
+    Status why;        // failed, closed
+    std::string info;  // ucp_ep_print_info once up
+  };
+
   struct Command {
+    enum Kind { send, close_lane, forged } kind = send;
     int32_t rank;
     std::string frame;
+    uint64_t session = 0;  // forged
+    Status why;            // close_lane
   };
 
   // UCX callbacks (progress thread, inside ucp_worker_progress).
@@ -342,6 +397,10 @@ class Transport::Impl {
                                   size_t length, const ucp_am_recv_param_t* param);
   static ucs_status_t on_ready_am(void* arg, const void* header, size_t header_length, void* data,
                                   size_t length, const ucp_am_recv_param_t* param);
+  static ucs_status_t on_lanes_am(void* arg, const void* header, size_t header_length, void* data,
+                                  size_t length, const ucp_am_recv_param_t* param);
+  ucs_status_t receive(Conn* conn, Event::Kind kind, void* data, size_t length,
+                       const ucp_am_recv_param_t* param);
   static void on_send_done(void* request, ucs_status_t status, void* user_data);
   static void on_recv_done(void* request, ucs_status_t status, size_t length, void* user_data);
   Conn* conn_for_session(const void* header, size_t header_length);
@@ -351,10 +410,15 @@ class Transport::Impl {
   void dispatch_events();
   void handle_frame(Conn* conn, std::string bytes);
   void mark_ready(Conn* conn);
+  void distribute_lanes();
+  void install_lanes(const std::string& bytes);
+  void lane_ready(Conn* conn);
+  void close_lane_now(int32_t rank, const Status& why, bool relay_held);
   void run_commands();
   void on_tick(Clock::time_point now);
   void fail_peer(int32_t rank, Status why);
-  Result<Conn*> connect_to(int32_t rank, const std::string& address, uint64_t session);
+  Result<Conn*> connect_to(int32_t rank, const std::string& address, uint64_t session,
+                           bool lane = false);
   void drop_conn(Conn* conn, bool force);
   void reap_closed();
   void erase_conn(Conn* conn);
@@ -394,9 +458,11 @@ class Transport::Impl {
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   std::string my_address_;  // this worker's UCX address
-  int epoll_fd_ = -1;       // the loop sleeps on it: the worker's fd and sock_epoll_
-  int sock_epoll_ = -1;     // the handshake sockets; polled without sleeping every turn
-  int listen_fd_ = -1;      // rank 0
+  LaneMode lane_mode_ = LaneMode::shm;
+  std::string node_;     // sent in the hello: lane mode and node; "" without lanes
+  int epoll_fd_ = -1;    // the loop sleeps on it: the worker's fd and sock_epoll_
+  int sock_epoll_ = -1;  // the handshake sockets; polled without sleeping every turn
+  int listen_fd_ = -1;   // rank 0
   std::thread thread_;
 
   // Shared with callers; guarded by mu_.
@@ -404,6 +470,7 @@ class Transport::Impl {
   std::condition_variable cv_;
   bool stopped_ = false;
   std::vector<PeerInfo> peers_;
+  std::vector<LaneInfo> lanes_;
   std::deque<Command> commands_;
   bool ack_delivered_ = false;  // rank > 0: rank 0's reply went to on_frame
   bool refused_ = false;        // rank > 0: rank 0 refused us
@@ -429,7 +496,12 @@ class Transport::Impl {
   std::unordered_set<SendOp*> sends_;
   std::unordered_set<RecvOp*> recvs_;
   std::map<uint64_t, Handshake> handshakes_;
-  uint64_t client_handshake_ = 0;  // rank > 0: the attempt in progress, 0 when none
+  // rank 0: what each rank presented at its join, for the lanes.
+  std::vector<std::string> joined_address_;
+  std::vector<std::string> joined_node_;
+  std::unordered_set<uint64_t> issued_;  // rank 0: every session handed out
+  bool lanes_done_ = false;              // rank 0: sent; a rank > 0: received (once only)
+  uint64_t client_handshake_ = 0;        // rank > 0: the attempt in progress, 0 when none
   uint64_t next_conn_id_ = 1;
   uint64_t next_handshake_id_ = 1;  // 0 is the listening socket in sock_epoll_
   std::mt19937_64 rng_;
@@ -455,13 +527,40 @@ Status Transport::Impl::init() {
   make_ucx_a_good_guest();
   FERRY_ASSIGN_OR_RETURN(address_, resolve(opts_.host, opts_.port));
 
+  std::string mode = opts_.lanes;
+  if (mode.empty()) {
+    const char* env = std::getenv("FERRY_DIRECT_LANES");
+    mode = env != nullptr && *env != '\0' ? env : "tcp";
+  }
+  if (mode == "shm") {
+    lane_mode_ = LaneMode::shm;
+  } else if (mode == "tcp") {
+    lane_mode_ = LaneMode::tcp;
+  } else if (mode == "off") {
+    lane_mode_ = LaneMode::off;
+  } else {
+    return Status::invalid_argument(
+        "transport: direct lanes (FERRY_DIRECT_LANES) must be shm, "
+        "tcp or off, got '" +
+        mode + "'");
+  }
+  if (lane_mode_ != LaneMode::off) {
+    node_ = mode + "|" + (opts_.node.empty() ? this_node() : opts_.node);
+    if (node_.size() > kMaxNodeBytes) node_.resize(kMaxNodeBytes);
+  }
+
   ucp_config_t* config = nullptr;
   ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
   if (st != UCS_OK) return Status::internal(ucx_error("transport: ucp_config_read", st));
   // Peer-failure detection needs tcp (shared memory lanes do not report a
-  // dead peer), and the control plane needs nothing else.
+  // dead peer): the endpoints to and from rank 0 use only tcp whatever the
+  // context offers. Shared memory is for shm-mode lanes, and without cma:
+  // UCX 1.13 aborts the process (an unhandled error is fatal there) when a
+  // cma rendezvous reads from a peer that died, on an endpoint without peer
+  // error handling.
   std::vector<std::pair<const char*, const char*>> settings;
-  if (!user_set("TLS")) settings.emplace_back("TLS", "tcp");
+  if (!user_set("TLS"))
+    settings.emplace_back("TLS", lane_mode_ == LaneMode::shm ? "tcp,posix,sysv" : "tcp");
   if (address_.loopback && !user_set("NET_DEVICES")) settings.emplace_back("NET_DEVICES", "lo");
   for (const auto& [name, value] : settings) {
     st = ucp_config_modify(config, name, value);
@@ -477,7 +576,8 @@ Status Transport::Impl::init() {
                       UCP_PARAM_FIELD_ESTIMATED_NUM_EPS | UCP_PARAM_FIELD_NAME;
   params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
   params.mt_workers_shared = 0;
-  params.estimated_num_eps = static_cast<size_t>(opts_.rank == 0 ? opts_.world_size : 1);
+  params.estimated_num_eps =
+      static_cast<size_t>(opts_.rank == 0 || lane_mode_ != LaneMode::off ? opts_.world_size : 1);
   params.name = "ferry";
   st = ucp_init(&params, config, &context_);
   ucp_config_release(config);
@@ -498,7 +598,8 @@ Status Transport::Impl::init() {
   using Handler =
       ucs_status_t (*)(void*, const void*, size_t, void*, size_t, const ucp_am_recv_param_t*);
   for (auto [id, cb] : {std::pair<unsigned, Handler>{kFrameAmId, &Impl::on_frame_am},
-                        std::pair<unsigned, Handler>{kReadyAmId, &Impl::on_ready_am}}) {
+                        std::pair<unsigned, Handler>{kReadyAmId, &Impl::on_ready_am},
+                        std::pair<unsigned, Handler>{kLanesAmId, &Impl::on_lanes_am}}) {
     ucp_am_handler_param_t am{};
     am.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
                     UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
@@ -540,6 +641,8 @@ Status Transport::Impl::init() {
   }
 
   if (opts_.rank == 0 && opts_.world_size > 1) FERRY_RETURN_IF_ERROR(open_listener());
+  joined_address_.resize(static_cast<size_t>(opts_.world_size));
+  joined_node_.resize(static_cast<size_t>(opts_.world_size));
 
   auto now = Clock::now();
   last_tick_ = now;
@@ -673,10 +776,6 @@ Status Transport::Impl::send(int32_t to_rank, std::string frame) {
   if (to_rank == opts_.rank) {
     return Status::invalid_argument(me + ": send to itself");
   }
-  if (opts_.rank != 0 && to_rank != 0) {
-    return Status::invalid_argument(me + ": send to rank " + std::to_string(to_rank) +
-                                    ": ranks other than 0 only talk to rank 0");
-  }
   if (frame.size() > opts_.max_frame_bytes) {
     return Status::invalid_argument(me + ": send to rank " + std::to_string(to_rank) + ": " +
                                     std::to_string(frame.size()) + "-byte frame, the limit is " +
@@ -685,17 +784,67 @@ Status Transport::Impl::send(int32_t to_rank, std::string frame) {
   std::lock_guard<std::mutex> lock(mu_);
   if (stopped_) return Status::aborted(me + ": send: transport stopped");
   if (refused_) return Status::aborted(me + ": send: rank 0 refused this rank");
-  const PeerInfo& peer = peers_[to_rank];
-  if (peer.state == PeerInfo::failed) {
-    return Status::aborted(me + ": send to failed peer: " + peer.why.message());
-  }
-  if (peer.state != PeerInfo::up) {
-    return Status::not_found(me + ": send to rank " + std::to_string(to_rank) +
-                             ": not connected (yet)");
+  if (opts_.rank != 0 && to_rank != 0) {
+    const LaneInfo& lane = lanes_[to_rank];
+    if (lane.state == LaneInfo::failed) {
+      return Status::aborted(me + ": send to rank " + std::to_string(to_rank) +
+                             ": its direct lane closed: " + lane.why.message());
+    }
+    if (lane.state != LaneInfo::open) {
+      return Status::not_found(me + ": send to rank " + std::to_string(to_rank) +
+                               ": no direct lane to it (frames to it go through rank 0)" +
+                               (lane.state == LaneInfo::closed ? ": " + lane.why.message() : ""));
+    }
+  } else {
+    const PeerInfo& peer = peers_[to_rank];
+    if (peer.state == PeerInfo::failed) {
+      return Status::aborted(me + ": send to failed peer: " + peer.why.message());
+    }
+    if (peer.state != PeerInfo::up) {
+      return Status::not_found(me + ": send to rank " + std::to_string(to_rank) +
+                               ": not connected (yet)");
+    }
   }
   count_queued(frame.size());
-  commands_.push_back(Command{to_rank, std::move(frame)});
+  commands_.push_back(Command{Command::send, to_rank, std::move(frame)});
   // Under mu_: the worker outlives every send() that saw stopped_ == false.
+  ucp_worker_signal(worker_);
+  return Status::ok_status();
+}
+
+int32_t Transport::Impl::next_hop(int32_t to_rank) {
+  if (opts_.rank == 0 || to_rank <= 0 || to_rank >= opts_.world_size) return to_rank;
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto state = lanes_[to_rank].state;
+  return state == LaneInfo::open || state == LaneInfo::failed ? to_rank : 0;
+}
+
+void Transport::Impl::close_lane(int32_t rank, const Status& why) {
+  if (opts_.rank == 0 || rank <= 0 || rank >= opts_.world_size || rank == opts_.rank) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stopped_ || lanes_[rank].state != LaneInfo::open) return;
+  // Closed for callers at once: no frame queued from now on goes to it.
+  lanes_[rank].state = LaneInfo::failed;
+  lanes_[rank].why = why;
+  commands_.push_back(Command{Command::close_lane, rank, {}, 0, why});
+  ucp_worker_signal(worker_);
+}
+
+std::string Transport::Impl::lane_info(int32_t rank) {
+  if (rank < 0 || rank >= opts_.world_size) return "";
+  std::lock_guard<std::mutex> lock(mu_);
+  return lanes_[rank].info;
+}
+
+Status Transport::Impl::send_on_lane(int32_t to_rank, std::string frame, uint64_t session) {
+  if (to_rank <= 0 || to_rank >= opts_.world_size || to_rank == opts_.rank)
+    return Status::invalid_argument("send_on_lane_for_test: no lane to rank " +
+                                    std::to_string(to_rank));
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stopped_ || lanes_[to_rank].state != LaneInfo::open)
+    return Status::not_found("send_on_lane_for_test: no open lane to rank " +
+                             std::to_string(to_rank));
+  commands_.push_back(Command{Command::forged, to_rank, std::move(frame), session});
   ucp_worker_signal(worker_);
   return Status::ok_status();
 }
@@ -720,11 +869,25 @@ ucs_status_t Transport::Impl::on_ready_am(void* arg, const void* header, size_t 
   auto* self = static_cast<Impl*>(arg);
   Conn* conn = self->conn_for_session(header, header_length);
   if (conn == nullptr) {
-    ++self->stray_messages_;
+    // Not counted as foreign: the first `ready` on a lane reaches a peer that
+    // has not learnt the lane yet whenever this end learnt it first.
     return UCS_OK;
   }
   self->events_.push_back(Event{Event::ready, conn->id, {}, UCS_OK});
   return UCS_OK;
+}
+
+ucs_status_t Transport::Impl::on_lanes_am(void* arg, const void* header, size_t header_length,
+                                          void* data, size_t length,
+                                          const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<Impl*>(arg);
+  Conn* conn = self->conn_for_session(header, header_length);
+  // Only rank 0 hands out lanes, on its own endpoint.
+  if (conn == nullptr || conn->lane || conn->rank != 0 || self->opts_.rank == 0) {
+    ++self->stray_messages_;
+    return UCS_OK;
+  }
+  return self->receive(conn, Event::lanes, data, length, param);
 }
 
 ucs_status_t Transport::Impl::on_frame_am(void* arg, const void* header, size_t header_length,
@@ -739,32 +902,36 @@ ucs_status_t Transport::Impl::on_frame_am(void* arg, const void* header, size_t 
     ++self->stray_messages_;
     return UCS_OK;
   }
-  if (length > self->opts_.max_frame_bytes) {
-    self->events_.push_back(Event{Event::oversize, conn->id, {}, UCS_OK, length});
+  return self->receive(conn, Event::frame, data, length, param);
+}
+
+ucs_status_t Transport::Impl::receive(Conn* conn, Event::Kind kind, void* data, size_t length,
+                                      const ucp_am_recv_param_t* param) {
+  if (length > opts_.max_frame_bytes) {
+    events_.push_back(Event{Event::oversize, conn->id, {}, UCS_OK, length});
     return UCS_OK;
   }
   if (!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
-    self->events_.push_back(
-        Event{Event::frame, conn->id, std::string(static_cast<const char*>(data), length), UCS_OK});
+    events_.push_back(
+        Event{kind, conn->id, std::string(static_cast<const char*>(data), length), UCS_OK});
     return UCS_OK;
   }
   // A large frame: only its announcement is here; fetch the bytes into the
   // string that will be delivered, so they are copied once.
-  auto* op = new RecvOp{self, conn->id, std::string(length, '\0')};
-  self->recvs_.insert(op);
+  auto* op = new RecvOp{this, conn->id, std::string(length, '\0'), kind};
+  recvs_.insert(op);
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   p.cb.recv_am = &Impl::on_recv_done;
   p.user_data = op;
-  ucs_status_ptr_t req = ucp_am_recv_data_nbx(self->worker_, data, op->bytes.data(), length, &p);
+  ucs_status_ptr_t req = ucp_am_recv_data_nbx(worker_, data, op->bytes.data(), length, &p);
   if (req == nullptr) {
-    self->events_.push_back(Event{Event::frame, conn->id, std::move(op->bytes), UCS_OK});
-    self->recvs_.erase(op);
+    events_.push_back(Event{kind, conn->id, std::move(op->bytes), UCS_OK});
+    recvs_.erase(op);
     delete op;
   } else if (UCS_PTR_IS_ERR(req)) {
-    self->log("cannot receive a %zu-byte frame: %s", length,
-              ucs_status_string(UCS_PTR_STATUS(req)));
-    self->recvs_.erase(op);
+    log("cannot receive a %zu-byte frame: %s", length, ucs_status_string(UCS_PTR_STATUS(req)));
+    recvs_.erase(op);
     delete op;
   }
   return UCS_INPROGRESS;
@@ -786,7 +953,7 @@ void Transport::Impl::on_recv_done(void* request, ucs_status_t status, size_t le
   if (status == UCS_OK) {
     // Never more than was allocated: UCX copies at most the announced length.
     op->bytes.resize(std::min(length, op->bytes.size()));
-    self->events_.push_back(Event{Event::frame, op->conn_id, std::move(op->bytes), UCS_OK});
+    self->events_.push_back(Event{op->kind, op->conn_id, std::move(op->bytes), UCS_OK});
   } else if (!self->stopping_ && status != UCS_ERR_CANCELED) {
     self->log("lost a %zu-byte frame: %s", op->bytes.size(), ucs_status_string(status));
   }
@@ -847,19 +1014,40 @@ void Transport::Impl::dispatch_events() {
           continue;
         case Event::ready:
           conn->last_rx = Clock::now();
-          mark_ready(conn);
+          if (conn->lane) {
+            lane_ready(conn);
+          } else {
+            mark_ready(conn);
+          }
           continue;
-        case Event::oversize:
-          fail_peer(conn->rank, Status::invalid_argument(
-                                    "rank " + std::to_string(conn->rank) + " announced a " +
-                                    std::to_string(e.announced) + "-byte frame; the limit is " +
-                                    std::to_string(opts_.max_frame_bytes)));
+        case Event::lanes:
+          conn->last_rx = Clock::now();
+          install_lanes(e.bytes);
+          continue;
+        case Event::oversize: {
+          Status why = Status::invalid_argument(
+              "rank " + std::to_string(conn->rank) + " announced a " + std::to_string(e.announced) +
+              "-byte frame; the limit is " + std::to_string(opts_.max_frame_bytes));
+          // Whether a rank failed is rank 0's word: a lane only closes.
+          if (conn->lane) {
+            log("closed the direct lane to rank %d: %s", conn->rank, why.message().c_str());
+            close_lane_now(conn->rank, why, false);
+            continue;
+          }
+          fail_peer(conn->rank, std::move(why));
           break;
-        case Event::error:
-          fail_peer(conn->rank,
-                    Status::aborted("rank " + std::to_string(conn->rank) +
-                                    ": connection lost: " + ucs_status_string(e.status)));
+        }
+        case Event::error: {
+          Status why = Status::aborted("rank " + std::to_string(conn->rank) +
+                                       ": connection lost: " + ucs_status_string(e.status));
+          if (conn->lane) {
+            log("closed the direct lane to rank %d: %s", conn->rank, why.message().c_str());
+            close_lane_now(conn->rank, why, false);
+            continue;
+          }
+          fail_peer(conn->rank, std::move(why));
           break;
+        }
       }
       drop_conn(conn, /*force=*/true);
     }
@@ -869,10 +1057,168 @@ void Transport::Impl::dispatch_events() {
 void Transport::Impl::mark_ready(Conn* conn) {
   if (conn->phase == Phase::up) return;
   conn->phase = Phase::up;
-  while (!conn->held.empty()) {
-    send_am(conn, kFrameAmId, std::move(conn->held.front()), true);
-    conn->held.pop_front();
+  if (conn->lane) {
+    // What UCX chose for this lane, for lane_info() and the logs.
+    std::string info;
+    char* text = nullptr;
+    size_t size = 0;
+    if (FILE* f = open_memstream(&text, &size)) {
+      ucp_ep_print_info(conn->ep, f);
+      std::fclose(f);
+      if (text != nullptr) info.assign(text, size);
+    }
+    std::free(text);
+    if (std::getenv("FERRY_LANE_INFO") != nullptr) {
+      log("direct lane to rank %d is up:\n%s", conn->rank, info.c_str());
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    lanes_[conn->rank].info = std::move(info);
   }
+  while (!conn->held.empty()) {
+    Held h = std::move(conn->held.front());
+    conn->held.pop_front();
+    send_am(conn, h.am_id, std::move(h.bytes), h.queued);
+  }
+}
+
+// A `ready` on a lane: the peer knows the session. The first one brings the
+// lane up and is answered, since our own first `ready` may have reached the
+// peer before it knew the lane (and been dropped there).
+void Transport::Impl::lane_ready(Conn* conn) {
+  if (conn->phase == Phase::up) return;
+  mark_ready(conn);
+  send_am(conn, kReadyAmId, std::string());
+}
+
+// Rank 0, once every rank joined: each rank learns the ranks of its node,
+// their worker addresses and one session per pair. Sent on rank 0's endpoint
+// to the rank, after the rank's `ready` (held until then like a frame).
+void Transport::Impl::distribute_lanes() {
+  if (lanes_done_) return;
+  lanes_done_ = true;
+  const int32_t n = opts_.world_size;
+  std::vector<std::string> body(static_cast<size_t>(n));
+  std::vector<uint32_t> count(static_cast<size_t>(n), 0);
+  for (int32_t a = 1; a < n; ++a) {
+    for (int32_t b = a + 1; b < n; ++b) {
+      if (joined_node_[a].empty() || joined_node_[a] != joined_node_[b]) continue;
+      uint64_t session = 0;
+      while (session == 0 || issued_.count(session) != 0) session = rng_();
+      issued_.insert(session);
+      for (auto [me, peer] : {std::pair<int32_t, int32_t>{a, b}, {b, a}}) {
+        std::string& out = body[me];
+        put_le(&out, static_cast<uint64_t>(peer), 4);
+        put_le(&out, session, 8);
+        put_le(&out, joined_address_[peer].size(), 4);
+        out += joined_address_[peer];
+        ++count[me];
+      }
+    }
+  }
+  for (int32_t r = 1; r < n; ++r) {
+    Conn* conn = by_rank_[r];
+    if (count[r] == 0 || conn == nullptr || conn->closing) continue;
+    std::string msg;
+    put_le(&msg, count[r], 4);
+    msg += body[r];
+    if (conn->phase == Phase::joining) {
+      conn->held.push_back(Held{kLanesAmId, std::move(msg), false});
+    } else {
+      send_am(conn, kLanesAmId, std::move(msg));
+    }
+  }
+}
+
+// A rank > 0: rank 0's list of lanes. Anything malformed leaves this rank
+// without lanes (everything goes through rank 0), with one log line.
+void Transport::Impl::install_lanes(const std::string& bytes) {
+  if (lanes_done_ || stopping_) return;
+  lanes_done_ = true;
+  struct Entry {
+    int32_t rank;
+    uint64_t session;
+    std::string address;
+  };
+  std::vector<Entry> entries;
+  std::string bad;
+  size_t at = 4;
+  const uint64_t count = bytes.size() >= 4 ? get_le(bytes.data(), 4) : 0;
+  if (bytes.size() < 4 || count >= static_cast<uint64_t>(opts_.world_size)) {
+    bad = "bad lane count";
+  }
+  std::vector<bool> seen(static_cast<size_t>(opts_.world_size), false);
+  for (uint64_t i = 0; bad.empty() && i < count; ++i) {
+    if (bytes.size() - at < 16) {
+      bad = "truncated";
+      break;
+    }
+    Entry e;
+    const uint64_t rank = get_le(&bytes[at], 4);
+    e.session = get_le(&bytes[at + 4], 8);
+    const uint64_t len = get_le(&bytes[at + 12], 4);
+    at += 16;
+    if (rank == 0 || rank >= static_cast<uint64_t>(opts_.world_size) ||
+        static_cast<int32_t>(rank) == opts_.rank || seen[rank]) {
+      bad = "rank " + std::to_string(rank) + " out of range or repeated";
+    } else if (e.session == 0 || by_session_.count(e.session) != 0) {
+      bad = "session in use";
+    } else if (len == 0 || len > kMaxAddressBytes || bytes.size() - at < len) {
+      bad = "worker address of " + std::to_string(len) + " bytes";
+    } else {
+      seen[rank] = true;
+      e.rank = static_cast<int32_t>(rank);
+      e.address = bytes.substr(at, len);
+      at += len;
+      entries.push_back(std::move(e));
+    }
+  }
+  if (bad.empty() && at != bytes.size()) bad = "trailing bytes";
+  if (!bad.empty()) {
+    log("ignored rank 0's list of direct lanes (%s): frames to other ranks go through rank 0",
+        bad.c_str());
+    return;
+  }
+  for (const Entry& e : entries) {
+    Result<Conn*> conn = connect_to(e.rank, e.address, e.session, /*lane=*/true);
+    if (!conn.ok()) {
+      log("no direct lane to rank %d (frames to it go through rank 0): %s", e.rank,
+          conn.status().to_string().c_str());
+      continue;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      lanes_[e.rank].state = LaneInfo::open;
+    }
+    send_am(*conn, kReadyAmId, std::string());
+  }
+}
+
+// Closes the lane to `rank` here (progress thread). Frames held for it are
+// dropped, or (`relay_held`, the lane never came up) go to rank 0, which
+// passes them on as it does any frame for another rank.
+void Transport::Impl::close_lane_now(int32_t rank, const Status& why, bool relay_held) {
+  Conn* conn = by_rank_[rank];
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (lanes_[rank].state == LaneInfo::open) {
+      lanes_[rank].state = LaneInfo::closed;
+      lanes_[rank].why = why;
+    }
+  }
+  if (conn == nullptr || !conn->lane || conn->closing) return;
+  Conn* hub = by_rank_[0];
+  if (relay_held && hub != nullptr && !hub->closing) {
+    while (!conn->held.empty()) {
+      Held h = std::move(conn->held.front());
+      conn->held.pop_front();
+      if (h.am_id == kFrameAmId) {
+        send_am(hub, kFrameAmId, std::move(h.bytes), h.queued);
+      } else if (h.queued) {
+        uncount_queued(h.bytes.size());
+      }
+    }
+  }
+  drop_conn(conn, /*force=*/true);
 }
 
 void Transport::Impl::handle_frame(Conn* conn, std::string bytes) {
@@ -890,14 +1236,28 @@ void Transport::Impl::run_commands() {
     batch.swap(commands_);
   }
   for (Command& c : batch) {
+    if (c.kind == Command::close_lane) {
+      close_lane_now(c.rank, c.why, false);
+      continue;
+    }
     Conn* conn = by_rank_[c.rank];
-    // A peer that failed since send() returned: on_peer_failed says so.
-    if (conn == nullptr || conn->closing) {
-      uncount_queued(c.frame.size());
+    const bool queued = c.kind == Command::send;
+    // A peer that failed since send() returned: on_peer_failed says so (or,
+    // for a lane, the layer above closed it).
+    if (conn == nullptr || conn->closing || (c.kind == Command::forged && !conn->lane)) {
+      if (queued) uncount_queued(c.frame.size());
+      continue;
+    }
+    if (c.kind == Command::forged) {
+      // Tests: the frame as a stranger who guessed this lane would send it.
+      const uint64_t real = conn->session;
+      conn->session = c.session;
+      send_am(conn, kFrameAmId, std::move(c.frame));
+      conn->session = real;
       continue;
     }
     if (conn->phase == Phase::joining) {
-      conn->held.push_back(std::move(c.frame));
+      conn->held.push_back(Held{kFrameAmId, std::move(c.frame), true});
     } else {
       send_am(conn, kFrameAmId, std::move(c.frame), true);
     }
@@ -945,7 +1305,7 @@ void Transport::Impl::on_tick(Clock::time_point now) {
   if (now >= next_heartbeat_) {
     next_heartbeat_ = now + from_seconds(opts_.heartbeat_interval_s);
     for (Conn* conn : by_rank_) {
-      if (conn != nullptr && !conn->closing && conn->phase == Phase::up) {
+      if (conn != nullptr && !conn->closing && !conn->lane && conn->phase == Phase::up) {
         send_am(conn, kFrameAmId, heartbeat_);
       }
     }
@@ -958,10 +1318,26 @@ void Transport::Impl::on_tick(Clock::time_point now) {
     next_stray_log_ = now + std::chrono::seconds(5);
   }
 
+  // A lane that does not come up is given up: what waits for it goes to
+  // rank 0. Lanes are never silent-checked: liveness is rank 0's.
+  std::vector<int32_t> late_lanes;
+  for (auto& [id, conn] : conns_) {
+    if (conn->lane && !conn->closing && conn->phase == Phase::joining && now >= conn->due)
+      late_lanes.push_back(conn->rank);
+  }
+  for (int32_t rank : late_lanes) {
+    log("the direct lane to rank %d did not come up within %s; frames to it go through rank 0",
+        rank, format_seconds(opts_.handshake_timeout_s).c_str());
+    close_lane_now(
+        rank,
+        Status::timeout("the direct lane to rank " + std::to_string(rank) + " did not come up"),
+        true);
+  }
+
   const auto limit = from_seconds(opts_.heartbeat_timeout_s);
   std::vector<Conn*> silent;
   for (auto& [id, conn] : conns_) {
-    if (!conn->closing && now - conn->last_rx > limit) silent.push_back(conn.get());
+    if (!conn->closing && !conn->lane && now - conn->last_rx > limit) silent.push_back(conn.get());
   }
   for (Conn* conn : silent) {
     const char* what = conn->phase == Phase::up ? " silent for " : " joined but not connected for ";
@@ -986,22 +1362,30 @@ void Transport::Impl::fail_peer(int32_t rank, Status why) {
 }
 
 Result<Transport::Impl::Conn*> Transport::Impl::connect_to(int32_t rank, const std::string& address,
-                                                           uint64_t session) {
+                                                           uint64_t session, bool lane) {
   auto owned = std::make_unique<Conn>();
   Conn* conn = owned.get();
   conn->owner = this;
   conn->id = next_conn_id_++;
   conn->session = session;
   conn->rank = rank;
-  conn->phase = opts_.rank == 0 ? Phase::joining : Phase::up;
+  conn->lane = lane;
+  conn->phase = opts_.rank == 0 || lane ? Phase::joining : Phase::up;
   conn->last_rx = Clock::now();
+  conn->due = conn->last_rx + from_seconds(opts_.handshake_timeout_s);
+  // Every endpoint of the star has peer error handling: that is how a rank's
+  // death is seen. A lane in shm mode has none, so UCX may use shared memory
+  // for it (both ends of a lane use one mode: UCX refuses a mismatch).
+  conn->peer_mode = !lane || lane_mode_ == LaneMode::tcp;
   ucp_ep_params_t p{};
-  p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                 UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
   p.address = reinterpret_cast<const ucp_address_t*>(address.data());
-  p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-  p.err_handler.cb = &Impl::on_ep_error;
-  p.err_handler.arg = conn;
+  if (conn->peer_mode) {
+    p.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    p.err_handler.cb = &Impl::on_ep_error;
+    p.err_handler.arg = conn;
+  }
   ucs_status_t st = ucp_ep_create(worker_, &p, &conn->ep);
   if (st != UCS_OK) {
     return Status::io_error(
@@ -1019,16 +1403,25 @@ Result<Transport::Impl::Conn*> Transport::Impl::connect_to(int32_t rank, const s
 void Transport::Impl::drop_conn(Conn* conn, bool force) {
   if (conn->closing) return;
   conn->closing = true;
+  for (const Held& h : conn->held)
+    if (h.queued) uncount_queued(h.bytes.size());
   conn->held.clear();
   if (conn->rank >= 0 && by_rank_[conn->rank] == conn) by_rank_[conn->rank] = nullptr;
   auto s = by_session_.find(conn->session);
   if (s != by_session_.end() && s->second == conn) by_session_.erase(s);
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  p.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+  p.flags = force && conn->peer_mode ? UCP_EP_CLOSE_FLAG_FORCE : 0;
   ucs_status_ptr_t req = ucp_ep_close_nbx(conn->ep, &p);
   if (req == nullptr || UCS_PTR_IS_ERR(req)) {
     // Closed at once; on error UCX has released the endpoint all the same.
+    erase_conn(conn);
+  } else if (force && !conn->peer_mode) {
+    // A lane without peer error handling cannot be closed by force: its
+    // flush waits for a peer that may be dead. Nothing of ours is needed
+    // once it is released (no error callback points at the Conn): UCX ends
+    // it, at the latest with the worker.
+    ucp_request_free(req);
     erase_conn(conn);
   } else {
     conn->close_request = req;
@@ -1048,7 +1441,8 @@ void Transport::Impl::reap_closed() {
 }
 
 void Transport::Impl::erase_conn(Conn* conn) {
-  for (const std::string& f : conn->held) uncount_queued(f.size());
+  for (const Held& h : conn->held)
+    if (h.queued) uncount_queued(h.bytes.size());
   conns_.erase(conn->id);
 }
 
@@ -1097,6 +1491,12 @@ void Transport::Impl::shutdown_endpoints() {
   if (!conns_.empty()) {
     log("%zu endpoint(s) still closing after %s; destroying the worker anyway", conns_.size(),
         format_seconds(seconds(kCloseGrace)).c_str());
+    // UCX asserts that a close still in progress when the worker goes was
+    // released by its owner.
+    for (auto& [id, conn] : conns_) {
+      if (conn->close_request != nullptr) ucp_request_free(conn->close_request);
+      conn->close_request = nullptr;
+    }
   }
 }
 
@@ -1239,6 +1639,8 @@ void Transport::Impl::service_handshake(uint64_t id) {
     const char* magic = client ? kReplyMagic : kHelloMagic;
     uint32_t body = static_cast<uint32_t>(get_le(&h.in[8], 4));
     uint32_t addr = static_cast<uint32_t>(get_le(&h.in[12], 4));
+    // The hello's node length is a byte: never over kMaxNodeBytes.
+    uint32_t node = client ? 0 : static_cast<uint8_t>(h.in[5]);
     const uint32_t max_body = client ? kMaxReplyBytes : kMaxHelloBytes;
     std::string bad;
     if (std::memcmp(h.in.data(), magic, 4) != 0) {
@@ -1258,7 +1660,7 @@ void Transport::Impl::service_handshake(uint64_t id) {
       log_foreign("closed a connection from %s: %s", h.from.c_str(), bad.c_str());
       return close_handshake(id);
     }
-    h.want = header + body + addr;
+    h.want = header + body + addr + node;
     if (r > 0) r = pump_in(h, SIZE_MAX);
   }
   if (h.header_checked && h.in.size() == h.want) {
@@ -1276,8 +1678,10 @@ void Transport::Impl::service_handshake(uint64_t id) {
 void Transport::Impl::on_hello(uint64_t id) {
   Handshake& h = handshakes_.at(id);
   const uint32_t body = static_cast<uint32_t>(get_le(&h.in[8], 4));
+  const uint32_t addr = static_cast<uint32_t>(get_le(&h.in[12], 4));
   const std::string hello = h.in.substr(kHelloHeaderBytes, body);
-  const std::string address = h.in.substr(kHelloHeaderBytes + body);
+  const std::string address = h.in.substr(kHelloHeaderBytes + body, addr);
+  const std::string node = h.in.substr(kHelloHeaderBytes + body + addr);
   std::string reply;
   Result<int32_t> verdict = cb_.accept(hello, &reply);
   if (reply.size() > kMaxReplyBytes) reply.resize(kMaxReplyBytes);
@@ -1308,7 +1712,8 @@ void Transport::Impl::on_hello(uint64_t id) {
       return close_handshake(id);
     }
     uint64_t session = 0;
-    while (session == 0 || by_session_.count(session) != 0) session = rng_();
+    while (session == 0 || issued_.count(session) != 0) session = rng_();
+    issued_.insert(session);
     Result<Conn*> conn = connect_to(rank, address, session);
     if (!conn.ok()) {
       log("refused rank %d from %s: %s", rank, h.from.c_str(), conn.status().to_string().c_str());
@@ -1321,9 +1726,18 @@ void Transport::Impl::on_hello(uint64_t id) {
     put_le(&out, session, 8);
     out += reply;
     out += my_address_;
-    std::lock_guard<std::mutex> lock(mu_);
-    peers_[rank].state = PeerInfo::up;
-    cv_.notify_all();
+    joined_address_[rank] = address;
+    joined_node_[rank] = node;
+    bool all = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      peers_[rank].state = PeerInfo::up;
+      all = all_peers_up_locked();
+      cv_.notify_all();
+    }
+    // Before wait_peers() can return here: the lanes reach every rank ahead
+    // of any frame the layer above sends it once all joined.
+    if (all) distribute_lanes();
   }
   h.in.clear();
   h.in.shrink_to_fit();
@@ -1383,11 +1797,13 @@ void Transport::Impl::connect_attempt(Clock::time_point now) {
   h.deadline = connect_deadline_;
   h.out.assign(kHelloMagic, 4);
   h.out.push_back(static_cast<char>(kHandshakeVersion));
-  h.out.append(3, '\0');
+  h.out.push_back(static_cast<char>(node_.size()));
+  h.out.append(2, '\0');
   put_le(&h.out, hello_.size(), 4);
   put_le(&h.out, my_address_.size(), 4);
   h.out += hello_;
   h.out += my_address_;
+  h.out += node_;
   client_handshake_ = id;
   int rc = connect(fd, reinterpret_cast<const sockaddr*>(&address_.storage), address_.length);
   if (rc != 0 && errno != EINPROGRESS) return retry_connect(std::strerror(errno));
@@ -1498,6 +1914,18 @@ uint16_t Transport::port() const {
 }
 Status Transport::send(int32_t to_rank, std::string frame) {
   return impl_->send(to_rank, std::move(frame));
+}
+int32_t Transport::next_hop(int32_t to_rank) {
+  return impl_->next_hop(to_rank);
+}
+void Transport::close_lane(int32_t rank, const Status& why) {
+  impl_->close_lane(rank, why);
+}
+std::string Transport::lane_info(int32_t rank) {
+  return impl_->lane_info(rank);
+}
+Status Transport::send_on_lane_for_test(int32_t to_rank, uint64_t session, std::string frame) {
+  return impl_->send_on_lane(to_rank, std::move(frame), session);
 }
 uint64_t Transport::take_queued_peak() {
   return impl_->take_queued_peak();

@@ -1,15 +1,29 @@
 // Transport: carries opaque byte frames between the ranks of one job, in a
-// star (rank 0 listens, every other rank connects to rank 0). The only code in
-// Ferry that knows UCX; it knows nothing about the bytes it carries (the layer
-// above hands it pre-encoded Cap'n Proto messages).
+// star (rank 0 listens, every other rank connects to rank 0), plus direct
+// lanes between the ranks of one node. The only code in Ferry that knows UCX;
+// it knows nothing about the bytes it carries (the layer above hands it
+// pre-encoded Cap'n Proto messages).
 //
 // Rank 0 exposes no UCX listener: UCX 1.13's socket connection manager aborts
 // the process on a few crafted bytes. It listens on a small TCP socket of its
-// own instead, where a rank presents its hello (the Join) and its UCX worker
-// address; only a rank that accept() lets in learns rank 0's worker address
-// and a session number, and both sides then connect UCX endpoints by worker
-// address. UCX frames without that session number are dropped unread.
-// docs/protocol.md ("Joining") has the wire format.
+// own instead, where a rank presents its hello (the Join), its UCX worker
+// address and its node; only a rank that accept() lets in learns rank 0's
+// worker address and a session number, and both sides then connect UCX
+// endpoints by worker address. UCX frames without that session number are
+// dropped unread. docs/protocol.md ("Joining", "Direct lanes") has the wire
+// format.
+//
+// Direct lanes: once every rank joined, rank 0 sends each rank the worker
+// addresses of the other ranks on its node (same node identity in the hello)
+// and one session number per pair; both ends of a pair create an endpoint to
+// the other's address (UCX joins the two into one connection). A lane only
+// carries frames: liveness stays with rank 0 (no heartbeats, no failure
+// reports on lanes); the layer above closes a lane when rank 0 reports its
+// peer failed or gone (close_lane). In "tcp" mode (the default) lanes have
+// peer error handling and UCX uses tcp for them; in "shm" mode they have none,
+// so UCX may pick shared memory (it excludes shm from endpoints with it), and
+// cma is left out of the context (UCX 1.13 aborts on a cma read from a dead
+// peer when nothing handles the error).
 //
 // clang-format off
 // Connection life, seen from rank 0:
@@ -27,11 +41,22 @@
 //     |   |             +--refused: the reply is the first frame; sends fail.
 //     +---+ no answer, closed early: retry until connect_timeout_s, then failed
 //           (on_peer_failed(0, timeout)).
+//
+// A lane of rank R to rank S (both > 0, same node), on R:
+//
+//   lanes message from rank 0 --> joining --ready (or a frame) from S--> up
+//     (endpoint created, `ready` sent;  (frames held)  (ready echoed once)  |
+//      S may not know the session yet)     |                               |
+//        not up within handshake_timeout_s,|          lane error           |
+//        held frames go to rank 0          v                               |
+//                    closed (frames for S go through rank 0) <-------------+
+//   close_lane(S) from any state --> failed (frames for S fail, naming why)
 // clang-format on
 //
-// Threading: one progress thread owns the UCX worker and the sockets. send()
-// and wait_peers() may be called from any thread; callbacks run on the
-// progress thread and must be quick. No callback runs once stop() has begun.
+// Threading: one progress thread owns the UCX worker and the sockets. send(),
+// next_hop(), close_lane() and wait_peers() may be called from any thread;
+// callbacks run on the progress thread and must be quick. No callback runs
+// once stop() has begun.
 #pragma once
 
 #include <cstdint>
@@ -57,6 +82,15 @@ struct TransportOptions {
   // The largest frame either way: send() refuses a larger one, and a peer
   // that announces one is failed before anything is allocated for it.
   uint64_t max_frame_bytes = uint64_t{1} << 30;
+  // Direct lanes between the ranks of one node: "tcp" (endpoints with peer
+  // error handling: UCX uses tcp, and a lane closes by force), "shm" (without
+  // it, so UCX may use shared memory: posix or sysv, no cma), or "off"
+  // (frames between ranks > 0 go through rank 0). Empty: $FERRY_DIRECT_LANES,
+  // else "tcp". Two ranks get a lane only if both ask for the same mode on
+  // the same node.
+  std::string lanes;
+  // This rank's node; empty: the kernel's boot id and the host name.
+  std::string node;
 };
 
 struct TransportCallbacks {
@@ -99,11 +133,34 @@ class Transport {
   uint16_t port() const;
 
   // Queues `frame` for `to_rank` and returns at once; frames to one peer
-  // arrive in order. Errors: a rank out of range, this rank, a rank other
-  // than 0 from a rank > 0, a frame over max_frame_bytes, a peer not (yet)
-  // connected, failed or that refused this rank, or a stopped transport. A peer that fails after
-  // this returns is reported through on_peer_failed only. Thread-safe.
+  // arrive in order. A rank > 0 reaches another rank > 0 only by a direct
+  // lane (next_hop says whether there is one; while it comes up, frames are
+  // held, and if it does not, they go to rank 0). Errors: a rank out of
+  // range, this rank, a rank > 0 without a lane from a rank > 0, a frame over
+  // max_frame_bytes, a peer not (yet) connected, failed or that refused this
+  // rank, or a stopped transport. A peer that fails after this returns is
+  // reported through on_peer_failed only. Thread-safe.
   Status send(int32_t to_rank, std::string frame);
+
+  // Where a frame for `to_rank` goes first: `to_rank` itself from rank 0, to
+  // rank 0, or over a direct lane that is up or coming up (or that
+  // close_lane() closed: send() then fails, naming why); otherwise 0 (rank
+  // 0 passes it on). Thread-safe.
+  int32_t next_hop(int32_t to_rank);
+
+  // The layer above learned that `rank` failed or left: the lane to it
+  // closes (frames held or queued for it are dropped; by force where the lane
+  // has peer error handling, else abandoned to UCX) and later sends to it
+  // fail with `why`. No-op without an open lane. Thread-safe.
+  void close_lane(int32_t rank, const Status& why);
+
+  // UCX's description of the lane to `rank` (ucp_ep_print_info: the
+  // transports its UCX lanes use), taken when it came up; "" while none is up.
+  std::string lane_info(int32_t rank);
+
+  // Tests only: sends `frame` on the lane to `to_rank` with `session` in
+  // place of the pair's session (the receiver must drop it unread).
+  Status send_on_lane_for_test(int32_t to_rank, uint64_t session, std::string frame);
 
   // The most bytes of frames queued at once (handed to send(), not yet sent)
   // since the previous call, which starts the count again from what is

@@ -457,12 +457,14 @@ int main(int argc, char** argv) {
       std::printf("ERROR load: %s\n", report.status().to_string().c_str());
       return 1;
     }
-    std::printf("LOADSTATS read=%llu received=%llu disk=%llu queued=%llu hwm_growth=%llu\n",
-                static_cast<unsigned long long>(report->bytes_read),
-                static_cast<unsigned long long>(report->bytes_received),
-                static_cast<unsigned long long>(disk_read_bytes() - disk0),
-                static_cast<unsigned long long>(report->send_queue_peak),
-                static_cast<unsigned long long>(peak_rss_bytes() - hwm0));
+    std::printf(
+        "LOADSTATS read=%llu received=%llu disk=%llu queued=%llu hwm_growth=%llu relayed=%llu\n",
+        static_cast<unsigned long long>(report->bytes_read),
+        static_cast<unsigned long long>(report->bytes_received),
+        static_cast<unsigned long long>(disk_read_bytes() - disk0),
+        static_cast<unsigned long long>(report->send_queue_peak),
+        static_cast<unsigned long long>(peak_rss_bytes() - hwm0),
+        static_cast<unsigned long long>(report->share_frames_relayed));
     std::vector<uint8_t> expect;
     for (size_t k = 0; k < specs.size(); ++k) {
       fill_expected(specs[k], k, locals[k], seed, expect);

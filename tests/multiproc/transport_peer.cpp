@@ -2,9 +2,10 @@
 // transport_test.cpp.
 //
 //   ferry_transport_peer --rank R --world W --port P [--host H]
-//                        [--mode echo|kill-self|stop-self|bad-hello|serve]
+//                        [--mode echo|kill-self|stop-self|bad-hello|serve|lane]
 //                        [--connect-timeout S] [--hb-interval S] [--hb-timeout S]
 //                        [--handshake-timeout S] [--max-frame BYTES]
+//                        [--lanes shm|tcp|off] [--node NAME]
 //
 // Ranks > 0: every mode joins with the hello "hello R" (bad-hello: a hello
 // rank 0 must refuse) and sends "hb" as heartbeat. After rank 0's first frame
@@ -12,6 +13,15 @@
 // with N bytes of 'x'; kill-self SIGKILLs itself on "die", stop-self SIGSTOPs
 // itself on "freeze" (a hung process, not a dead one). The process ends when
 // rank 0 goes away or sends "bye".
+//
+// lane: the direct lanes between ranks > 0. Commands from rank 0: "to S TEXT"
+// sends TEXT to rank S (on the lane), "forge S TEXT" sends it on the lane
+// with a made-up session, "flood S N" sends N frames of 1 MiB, "close S"
+// closes the lane (answered "closed S"), "info S" is answered "info S:
+// <lane_info>", "die" SIGKILLs this process; a failed send is answered
+// "no lane: <error>". A frame from another rank S is reported to rank 0 as
+// "from S: TEXT" (frames over 64 bytes as "from S: N bytes"). Anything else
+// from rank 0 is echoed.
 //
 // serve (rank 0, so that a test can watch it from outside: its listening
 // sockets, its memory, whether it is alive): accepts "hello N" as rank N,
@@ -69,13 +79,17 @@ bool parse(int argc, char** argv, Args* a) {
       a->opts.handshake_timeout_s = std::atof(v);
     } else if (key == "--max-frame") {
       a->opts.max_frame_bytes = std::strtoull(v, nullptr, 10);
+    } else if (key == "--lanes") {
+      a->opts.lanes = v;
+    } else if (key == "--node") {
+      a->opts.node = v;
     } else {
       std::fprintf(stderr, "transport_peer: unknown argument %s\n", key.c_str());
       return false;
     }
   }
   return a->mode == "echo" || a->mode == "kill-self" || a->mode == "stop-self" ||
-         a->mode == "bad-hello" || a->mode == "serve";
+         a->mode == "bad-hello" || a->mode == "serve" || a->mode == "lane";
 }
 
 int serve(const ferry::TransportOptions& opts) {
@@ -139,6 +153,44 @@ int serve(const ferry::TransportOptions& opts) {
   return 0;
 }
 
+// lane mode: one frame; rank 0's commands, other ranks' frames reported.
+void on_lane_frame(ferry::Transport& t, int32_t from, const std::string& frame) {
+  auto report = [&](const std::string& what) {
+    ferry::Status st = t.send(0, what);
+    if (!st.ok()) std::fprintf(stderr, "lane peer: report: %s\n", st.to_string().c_str());
+  };
+  if (from != 0) {
+    report("from " + std::to_string(from) + ": " +
+           (frame.size() > 64 ? std::to_string(frame.size()) + " bytes" : frame));
+    return;
+  }
+  // "<verb> <rank> <rest>"
+  const size_t sp1 = frame.find(' ');
+  const std::string verb = frame.substr(0, sp1);
+  const int32_t to = sp1 == std::string::npos ? -1 : std::atoi(frame.c_str() + sp1 + 1);
+  const size_t sp2 = sp1 == std::string::npos ? std::string::npos : frame.find(' ', sp1 + 1);
+  const std::string rest = sp2 == std::string::npos ? "" : frame.substr(sp2 + 1);
+  ferry::Status st;
+  if (verb == "die") {
+    raise(SIGKILL);
+  } else if (verb == "to") {
+    st = t.send(to, rest);
+  } else if (verb == "forge") {
+    st = t.send_on_lane_for_test(to, 0x5eed5eed5eed5eedull, rest);
+  } else if (verb == "flood") {
+    for (int i = 0, n = std::atoi(rest.c_str()); i < n && st.ok(); ++i)
+      st = t.send(to, std::string(1 << 20, 'f'));
+  } else if (verb == "close") {
+    t.close_lane(to, ferry::Status::aborted("rank " + std::to_string(to) + " failed (test)"));
+    return report("closed " + std::to_string(to));
+  } else if (verb == "info") {
+    return report("info " + std::to_string(to) + ": " + t.lane_info(to));
+  } else {
+    st = t.send(0, frame);
+  }
+  if (!st.ok()) report("no lane: " + st.to_string());
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -181,6 +233,7 @@ int main(int argc, char** argv) {
       return;
     }
     if (tp == nullptr) return;
+    if (mode == "lane") return on_lane_frame(*tp, from, frame);
     if (frame.rfind("send ", 0) == 0)
       frame.assign(std::strtoull(frame.c_str() + 5, nullptr, 10), 'x');
     ferry::Status st = tp->send(from, std::move(frame));

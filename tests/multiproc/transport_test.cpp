@@ -137,6 +137,33 @@ class Recorder {
     });
   }
 
+  // Waits until a frame from `from` starting with `prefix` arrived, and
+  // removes and returns it.
+  std::optional<std::string> wait_prefix(int32_t from, const std::string& prefix,
+                                         double timeout_s) {
+    std::unique_lock<std::mutex> lock(mu_);
+    std::optional<std::string> found;
+    cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), [&] {
+      for (auto it = frames_.begin(); it != frames_.end(); ++it) {
+        if (it->first == from && it->second.rfind(prefix, 0) == 0) {
+          found = std::move(it->second);
+          frames_.erase(it);
+          return true;
+        }
+      }
+      return false;
+    });
+    return found;
+  }
+
+  // Whether a frame from `from` equal to `bytes` arrived (and is not taken yet).
+  bool has_frame(int32_t from, const std::string& bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [f, b] : frames_)
+      if (f == from && b == bytes) return true;
+    return false;
+  }
+
   std::optional<std::pair<Clock::time_point, Status>> wait_failed(int32_t rank, double timeout_s) {
     std::unique_lock<std::mutex> lock(mu_);
     bool ok = cv_.wait_for(lock, std::chrono::duration<double>(timeout_s),
@@ -742,4 +769,121 @@ TEST_CASE("a frame over the size limit fails its sender and is never allocated",
   CHECK(failed->second.code() == StatusCode::invalid_argument);
   CHECK_THAT(failed->second.message(), Catch::Contains("67108864"));
   CHECK(peer.wait_exit(30) == std::optional<int>(0));
+}
+
+// --- direct lanes between the ranks of one node ---------------------------------------
+
+namespace {
+
+std::vector<std::string> lane_args(const std::string& lanes, const std::string& node = "") {
+  std::vector<std::string> a = peer_timing();
+  a.insert(a.end(), {"--lanes", lanes});
+  if (!node.empty()) a.insert(a.end(), {"--node", node});
+  return a;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "ranks of one node talk over a direct lane; a frame without the pair's session is dropped",
+    "[transport][lanes]") {
+  const std::string mode = GENERATE(std::string("shm"), std::string("tcp"));
+  INFO("lanes " << mode);
+  Recorder rec;
+  auto t = start_rank0(3, rec);
+  PeerProcess p1(1, 3, t->port(), "lane", lane_args(mode));
+  PeerProcess p2(2, 3, t->port(), "lane", lane_args(mode));
+  REQUIRE(t->wait_peers(kDeadline).ok());
+
+  // Rank 1 reaches rank 2 (a rank > 0 can only do so on a lane), both ways.
+  REQUIRE(t->send(1, "to 2 hello").ok());
+  REQUIRE(rec.wait_frame(2, "from 1: hello", kDeadline));
+  REQUIRE(t->send(2, "to 1 hello back").ok());
+  REQUIRE(rec.wait_frame(1, "from 2: hello back", kDeadline));
+  // And a frame that UCX sends in rendezvous.
+  REQUIRE(t->send(1, "flood 2 3").ok());
+  for (int i = 0; i < 3; ++i) CHECK(rec.wait_frame(2, "from 1: 1048576 bytes", kDeadline));
+
+  // A frame on the same endpoint with another session, then a true one:
+  // frames on one lane arrive in order, so when the true one is in, the
+  // forged one was dropped unread, not delayed.
+  REQUIRE(t->send(1, "forge 2 forged").ok());
+  REQUIRE(t->send(1, "to 2 genuine").ok());
+  REQUIRE(rec.wait_frame(2, "from 1: genuine", kDeadline));
+  CHECK_FALSE(rec.has_frame(2, "from 1: forged"));
+  CHECK_FALSE(rec.has_frame(1, "no lane: forged"));
+
+  // What UCX chose for the lane (its own account, ucp_ep_print_info).
+  REQUIRE(t->send(1, "info 2").ok());
+  auto info = rec.wait_prefix(1, "info 2: ", kDeadline);
+  REQUIRE(info);
+  WARN("lane 1 -> 2 (" << mode << "):\n" << *info);
+  if (mode == "shm") {
+    CHECK_THAT(*info, Catch::Contains("posix") || Catch::Contains("sysv"));
+    CHECK_THAT(*info, !Catch::Contains("cma"));
+  } else {
+    CHECK_THAT(*info, Catch::Contains("tcp"));
+    CHECK_THAT(*info, !Catch::Contains("posix") && !Catch::Contains("sysv"));
+  }
+  CHECK(rec.failures() == 0);
+  t->stop();
+  CHECK(p1.wait_exit(kDeadline) == std::optional<int>(0));
+  CHECK(p2.wait_exit(kDeadline) == std::optional<int>(0));
+}
+
+TEST_CASE("ranks of different nodes, or with lanes off, have no lane and say so",
+          "[transport][lanes]") {
+  Recorder rec;
+  auto t = start_rank0(4, rec);
+  PeerProcess p1(1, 4, t->port(), "lane", lane_args("shm", "node-a"));
+  PeerProcess p2(2, 4, t->port(), "lane", lane_args("shm", "node-b"));
+  PeerProcess p3(3, 4, t->port(), "lane", lane_args("off", "node-a"));
+  REQUIRE(t->wait_peers(kDeadline).ok());
+  for (const char* cmd : {"to 2 x", "to 3 x"}) {
+    INFO(cmd);
+    REQUIRE(t->send(1, cmd).ok());
+    auto err = rec.wait_prefix(1, "no lane: ", kDeadline);
+    REQUIRE(err);
+    CHECK_THAT(*err, Catch::Contains("no direct lane to it"));
+  }
+  CHECK(rec.failures() == 0);
+}
+
+TEST_CASE("a lane whose peer was killed closes without crashing or hanging the survivor",
+          "[transport][lanes]") {
+  const std::string mode = GENERATE(std::string("shm"), std::string("tcp"));
+  INFO("lanes " << mode);
+  Recorder rec;
+  auto t = start_rank0(3, rec);
+  PeerProcess p1(1, 3, t->port(), "lane", lane_args(mode));
+  PeerProcess p2(2, 3, t->port(), "lane", lane_args(mode));
+  REQUIRE(t->wait_peers(kDeadline).ok());
+  REQUIRE(t->send(1, "to 2 hello").ok());
+  REQUIRE(rec.wait_frame(2, "from 1: hello", kDeadline));
+
+  // Rank 2 dies; rank 0 sees it (peer error handling on its endpoint).
+  p2.signal(SIGKILL);
+  REQUIRE(rec.wait_failed(2, kDeadline));
+  CHECK(p2.wait_exit(kDeadline) == std::optional<int>(128 + SIGKILL));
+  // Rank 1 has not heard yet: 16 MiB go into the lane of a dead process
+  // (shared memory takes them without complaint; they never complete).
+  REQUIRE(t->send(1, "flood 2 16").ok());
+  // Then it is told, as the link does on rank 0's word: the lane closes,
+  // later frames for rank 2 fail at once, naming why (a tcp lane may have
+  // closed already on its own error: UCX's keepalive sees the death).
+  REQUIRE(t->send(1, "close 2").ok());
+  REQUIRE(rec.wait_frame(1, "closed 2", kDeadline));
+  REQUIRE(t->send(1, "to 2 late").ok());
+  auto err = rec.wait_prefix(1, "no lane: ", kDeadline);
+  REQUIRE(err);
+  CHECK_THAT(*err, Catch::Contains("send to rank 2: ") && Catch::Contains("lane"));
+  if (mode == "shm") CHECK_THAT(*err, Catch::Contains("direct lane closed: rank 2 failed (test)"));
+  // Rank 1 still serves, and stops within the close grace when rank 0 goes.
+  REQUIRE(t->send(1, "still there").ok());
+  CHECK(rec.wait_frame(1, "still there", kDeadline));
+  CHECK(rec.failures() == 1);
+  const auto stopped_at = Clock::now();
+  t->stop();
+  CHECK(p1.wait_exit(kDeadline) == std::optional<int>(0));
+  CHECK(since(stopped_at) < kDetectBound);
 }

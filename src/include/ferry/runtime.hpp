@@ -114,6 +114,10 @@ struct LoadReport {
   // the load (replicated bytes it read, and on rank 0 those it passes on
   // between other ranks); share-window bounds it, whatever the state's size.
   uint64_t send_queue_peak = 0;
+  // Rank 0: frames of shared bytes (and their acks) it passed on between two
+  // other ranks during the load; 0 when the ranks of a node reach each other
+  // over direct lanes. 0 on other ranks.
+  uint64_t share_frames_relayed = 0;
 };
 
 struct RuntimeArgs {

@@ -1,0 +1,123 @@
+// Replicated bytes of a load travel between the ranks of a node over direct
+// lanes (shared memory, or tcp with peer error handling), not through rank 0:
+// four local ranks each get every byte, one copy is read from disk, and rank 0
+// passes no shared frame on. With lanes off rank 0 relays them, as before.
+
+#include <catch2/catch.hpp>
+
+#include "multiproc/launch.hpp"
+#include "multiproc/load_stats.hpp"
+#include "test_util.hpp"
+
+using ferry::testing::count;
+using ferry::testing::data_bytes;
+using ferry::testing::launch;
+using ferry::testing::lines_with;
+using ferry::testing::load_stats;
+using ferry::testing::manifest_of;
+using ferry::testing::TempDir;
+
+namespace {
+
+constexpr int kRanks = 4;
+
+// Saves a replicated state; returns its checkpoint directory.
+std::string save_state(const TempDir& d, const std::string& model) {
+  auto saved = launch(kRanks, "--mode save --root " + d.path() + " --step 1" + model);
+  INFO(saved.out);
+  REQUIRE(saved.code == 0);
+  auto latest = ferry::find_latest(*ferry::posix_filesystem(), d.path());
+  REQUIRE(latest.ok());
+  return latest->path;
+}
+
+}  // namespace
+
+TEST_CASE("four local ranks share replicated bytes over direct lanes; rank 0 relays none",
+          "[ranks][load][lanes]") {
+  const std::string mode = GENERATE(std::string("shm"), std::string("tcp"));
+  INFO("FERRY_DIRECT_LANES=" << mode);
+  TempDir d;
+  // 16 MiB of replicated bytes in 1 MiB windows: many frames each way.
+  const std::string model = " --seed 3 --big-mib 16";
+  const ferry::Manifest m = manifest_of(save_state(d, model));
+  const uint64_t one_copy = data_bytes(m);
+
+  auto l = launch(
+      kRanks,
+      "--mode load --layout full --evict 1 --root " + d.path() + model + " --set share-window=1MiB",
+      "FERRY_DIRECT_LANES=" + mode);
+  INFO(l.out);
+  REQUIRE(l.code == 0);
+  CHECK(count(l.out, "every byte equal") == kRanks);
+  const auto stats = load_stats(l.out, kRanks);
+  REQUIRE(stats.size() == kRanks);
+  uint64_t read = 0, received = 0, disk = 0;
+  for (const auto& [rank, s] : stats) {
+    INFO("rank " << rank << " read " << s.read << " received " << s.received << " relayed "
+                 << s.relayed);
+    CHECK(s.read + s.received == one_copy);
+    CHECK(s.relayed == 0);
+    read += s.read;
+    received += s.received;
+    disk += s.disk;
+  }
+  CHECK(read == one_copy);
+  CHECK(received == (kRanks - 1) * one_copy);
+  // What the kernel saw read: one copy plus alignment, headers and readahead
+  // (a few hundred KiB here), not four.
+  INFO("disk bytes " << disk << ", one copy " << one_copy);
+  if (disk != 0) {
+    CHECK(disk >= one_copy);
+    CHECK(disk <= one_copy + one_copy / 20);
+  }
+}
+
+TEST_CASE("with direct lanes off rank 0 relays the shared bytes between the others",
+          "[ranks][load][lanes]") {
+  TempDir d;
+  const std::string model = " --seed 3 --big-mib 16";
+  const uint64_t one_copy = data_bytes(manifest_of(save_state(d, model)));
+  auto l = launch(
+      kRanks, "--mode load --layout full --root " + d.path() + model + " --set share-window=1MiB",
+      "FERRY_DIRECT_LANES=off");
+  INFO(l.out);
+  REQUIRE(l.code == 0);
+  CHECK(count(l.out, "every byte equal") == kRanks);
+  const auto stats = load_stats(l.out, kRanks);
+  REQUIRE(stats.size() == kRanks);
+  uint64_t received = 0;
+  for (const auto& [rank, s] : stats) received += s.received;
+  CHECK(received == (kRanks - 1) * one_copy);
+  // What ranks 1..3 read for each other, and their acks, all pass rank 0.
+  INFO("rank 0 relayed " << stats.at(0).relayed << " frames");
+  CHECK(stats.at(0).relayed > 0);
+  for (int r = 1; r < kRanks; ++r) CHECK(stats.at(r).relayed == 0);
+}
+
+TEST_CASE("a receiver that dies in a load over shm lanes releases the ranks sending to it",
+          "[ranks][load][lanes]") {
+  // As load_once_test's receiver death (which runs over the default tcp
+  // lanes), with lanes that have no peer error handling: UCX must not abort
+  // the others (rank 2 is also a sender, so it dies mid-transfer too).
+  TempDir d;
+  const std::string model = " --seed 9 --big-mib 32";
+  save_state(d, model);
+  auto l = launch(
+      kRanks, "--mode load --layout full --root " + d.path() + model + " --set share-window=256KiB",
+      "FERRY_DIRECT_LANES=shm FERRY_KILL_AT=load.receive:3@2");
+  INFO(l.out);
+  CHECK(l.code != 0);
+  CHECK(count(l.out, "killed by signal 9") == 1);
+  CHECK(count(l.out, "every byte equal") == 0);
+  for (int r = 0; r < kRanks; ++r) {
+    if (r == 2) continue;
+    INFO("rank " << r);
+    const auto errors = lines_with(l.out, "[rank " + std::to_string(r) + "] ERROR load:");
+    REQUIRE(errors.size() == 1);
+    CHECK_THAT(errors[0],
+               Catch::Contains("rank 2 failed") || Catch::Contains("failed peer: rank 2"));
+  }
+  CHECK(count(l.out, "killed by signal") == 1);  // the others end by themselves
+  CHECK(l.seconds < 20);
+}

@@ -1,0 +1,58 @@
+// What the ranks of a launched load printed about it (rank_worker's LOADSTATS
+// line), and the checkpoint figures to compare it with; shared by the
+// multiproc load tests.
+#pragma once
+
+#include <catch2/catch.hpp>
+
+#include <map>
+#include <string>
+
+#include "catalog.hpp"
+#include "manifest.hpp"
+#include "multiproc/launch.hpp"
+
+namespace ferry::testing {
+
+struct LoadStats {
+  uint64_t read = 0, received = 0, disk = 0, queued = 0, hwm_growth = 0, relayed = 0;
+};
+
+// The LOADSTATS line of each of ranks 0..ranks-1 that printed exactly one.
+inline std::map<int, LoadStats> load_stats(const std::string& out, int ranks) {
+  std::map<int, LoadStats> stats;
+  for (int r = 0; r < ranks; ++r) {
+    const auto lines = lines_with(out, "[rank " + std::to_string(r) + "] LOADSTATS");
+    if (lines.size() != 1) continue;
+    LoadStats s;
+    const std::string& l = lines[0];
+    auto field = [&](const std::string& name) {
+      const auto at = l.find(" " + name + "=");
+      return at == std::string::npos ? 0 : std::stoull(l.substr(at + name.size() + 2));
+    };
+    s.read = field("read");
+    s.received = field("received");
+    s.disk = field("disk");
+    s.queued = field("queued");
+    s.hwm_growth = field("hwm_growth");
+    s.relayed = field("relayed");
+    stats[r] = s;
+  }
+  return stats;
+}
+
+inline Manifest manifest_of(const std::string& step_dir) {
+  auto m = read_manifest(*posix_filesystem(), step_dir);
+  REQUIRE(m.ok());
+  return std::move(m).value();
+}
+
+// The data bytes of a checkpoint: one copy of the state.
+inline uint64_t data_bytes(const Manifest& m) {
+  uint64_t n = 0;
+  for (const auto& t : m.tensors)
+    for (const auto& c : t.chunks) n += c.byte_length;
+  return n;
+}
+
+}  // namespace ferry::testing
