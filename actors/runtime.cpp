@@ -581,7 +581,7 @@ std::shared_ptr<detail::SaveState> detail::RuntimeAccess::start_save(
   if (!impl_->saves->add(state)) return state;
   caf::anon_send(impl_->planner, atom::save_v,
                  SaveJob{sd, step, std::move(job_opts), root, state, std::move(local), staged,
-                         std::move(checkpoint_fn), owner_policy});
+                         std::move(checkpoint_fn), owner_policy, Status()});
   const double ms =
       std::chrono::duration<double, std::milli>(detail::SaveState::clock::now() - t0).count();
   state->update_metrics([ms](SaveMetrics& m) { m.save_async_ms = ms; });

@@ -806,7 +806,7 @@ Status Transport::Impl::send(int32_t to_rank, std::string frame) {
     }
   }
   count_queued(frame.size());
-  commands_.push_back(Command{Command::send, to_rank, std::move(frame)});
+  commands_.push_back(Command{Command::send, to_rank, std::move(frame), 0, Status()});
   // Under mu_: the worker outlives every send() that saw stopped_ == false.
   ucp_worker_signal(worker_);
   return Status::ok_status();
@@ -844,7 +844,7 @@ Status Transport::Impl::send_on_lane(int32_t to_rank, std::string frame, uint64_
   if (stopped_ || lanes_[to_rank].state != LaneInfo::open)
     return Status::not_found("send_on_lane_for_test: no open lane to rank " +
                              std::to_string(to_rank));
-  commands_.push_back(Command{Command::forged, to_rank, std::move(frame), session});
+  commands_.push_back(Command{Command::forged, to_rank, std::move(frame), session, Status()});
   ucp_worker_signal(worker_);
   return Status::ok_status();
 }
