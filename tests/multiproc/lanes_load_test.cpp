@@ -33,7 +33,7 @@ std::string save_state(const TempDir& d, const std::string& model) {
 
 }  // namespace
 
-TEST_CASE("four local ranks share replicated bytes over direct lanes; rank 0 relays none",
+TEST_CASE("four local ranks share replicated bytes over direct lanes, rank 0 relays none",
           "[ranks][load][lanes]") {
   const std::string mode = GENERATE(std::string("shm"), std::string("tcp"));
   INFO("FERRY_DIRECT_LANES=" << mode);

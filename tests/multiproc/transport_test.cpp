@@ -785,7 +785,7 @@ std::vector<std::string> lane_args(const std::string& lanes, const std::string& 
 }  // namespace
 
 TEST_CASE(
-    "ranks of one node talk over a direct lane; a frame without the pair's session is dropped",
+    "ranks of one node talk over a direct lane, a frame without the pair's session is dropped",
     "[transport][lanes]") {
   const std::string mode = GENERATE(std::string("shm"), std::string("tcp"));
   INFO("lanes " << mode);
