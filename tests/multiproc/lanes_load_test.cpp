@@ -103,21 +103,5 @@ TEST_CASE("a receiver that dies in a load over shm lanes releases the ranks send
   TempDir d;
   const std::string model = " --seed 9 --big-mib 32";
   save_state(d, model);
-  auto l = launch(
-      kRanks, "--mode load --layout full --root " + d.path() + model + " --set share-window=256KiB",
-      "FERRY_DIRECT_LANES=shm FERRY_KILL_AT=load.receive:3@2");
-  INFO(l.out);
-  CHECK(l.code != 0);
-  CHECK(count(l.out, "killed by signal 9") == 1);
-  CHECK(count(l.out, "every byte equal") == 0);
-  for (int r = 0; r < kRanks; ++r) {
-    if (r == 2) continue;
-    INFO("rank " << r);
-    const auto errors = lines_with(l.out, "[rank " + std::to_string(r) + "] ERROR load:");
-    REQUIRE(errors.size() == 1);
-    CHECK_THAT(errors[0],
-               Catch::Contains("rank 2 failed") || Catch::Contains("failed peer: rank 2"));
-  }
-  CHECK(count(l.out, "killed by signal") == 1);  // the others end by themselves
-  CHECK(l.seconds < 20);
+  ferry::testing::check_receiver_death_releases_senders(d.path(), model, "FERRY_DIRECT_LANES=shm");
 }

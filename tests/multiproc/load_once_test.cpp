@@ -244,26 +244,6 @@ TEST_CASE("a receiver that dies in a flow-controlled load releases the ranks sen
   INFO(saved.out);
   REQUIRE(saved.code == 0);
 
-  // Rank 2 dies as its third frame of shared bytes arrives: the other ranks
-  // each have a full window toward it (256 KiB of 8 MiB to send it), so
-  // their readers wait for acks that will not come. Its death must end those
-  // waits, not write-timeout (30 s).
-  auto l = launch(
-      kRanks, "--mode load --layout full --root " + d.path() + model + " --set share-window=256KiB",
-      "FERRY_KILL_AT=load.receive:3@2");
-  INFO(l.out);
-  CHECK(l.code != 0);
-  CHECK(count(l.out, "killed by signal 9") == 1);
-  // The others end by themselves: no abort (UCX asserts), no kill.
-  CHECK(count(l.out, "killed by signal") == 1);
-  CHECK(count(l.out, "every byte equal") == 0);
-  for (int r = 0; r < kRanks; ++r) {
-    if (r == 2) continue;
-    INFO("rank " << r);
-    const auto errors = lines_with(l.out, "[rank " + std::to_string(r) + "] ERROR load:");
-    REQUIRE(errors.size() == 1);
-    CHECK_THAT(errors[0],
-               Catch::Contains("rank 2 failed") || Catch::Contains("failed peer: rank 2"));
-  }
-  CHECK(l.seconds < 20);  // the death ends the waits (heartbeats: 3 s), not write-timeout (30 s)
+  // Over the default (tcp) direct lanes.
+  ferry::testing::check_receiver_death_releases_senders(d.path(), model);
 }

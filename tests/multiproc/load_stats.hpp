@@ -55,4 +55,32 @@ inline uint64_t data_bytes(const Manifest& m) {
   return n;
 }
 
+// Four ranks load every tensor whole from `root` (saved with `model`) with a
+// 256 KiB share window, and rank 2 dies as its third frame of shared bytes
+// arrives: the others each have a full window toward it, so their readers
+// wait for acks that will not come. Its death must end those waits (the
+// heartbeat timeout is 3 s), not write-timeout (30 s), and must crash or
+// abort no other rank. `env` picks the lanes.
+inline void check_receiver_death_releases_senders(const std::string& root, const std::string& model,
+                                                  const std::string& env = "") {
+  constexpr int kRanks = 4;
+  auto l = launch(kRanks,
+                  "--mode load --layout full --root " + root + model + " --set share-window=256KiB",
+                  env + (env.empty() ? "" : " ") + "FERRY_KILL_AT=load.receive:3@2");
+  INFO(l.out);
+  CHECK(l.code != 0);
+  CHECK(count(l.out, "killed by signal 9") == 1);
+  CHECK(count(l.out, "killed by signal") == 1);  // the others end by themselves
+  CHECK(count(l.out, "every byte equal") == 0);
+  for (int r = 0; r < kRanks; ++r) {
+    if (r == 2) continue;
+    INFO("rank " << r);
+    const auto errors = lines_with(l.out, "[rank " + std::to_string(r) + "] ERROR load:");
+    REQUIRE(errors.size() == 1);
+    CHECK_THAT(errors[0],
+               Catch::Contains("rank 2 failed") || Catch::Contains("failed peer: rank 2"));
+  }
+  CHECK(l.seconds < 20);
+}
+
 }  // namespace ferry::testing

@@ -782,6 +782,22 @@ std::vector<std::string> lane_args(const std::string& lanes, const std::string& 
   return a;
 }
 
+// Rank 0 here and ranks 1 and 2 of one node in peer processes, with lanes in
+// `mode`; rank 1 has said hello to rank 2 over theirs.
+struct LaneTrio {
+  explicit LaneTrio(const std::string& mode)
+      : t(start_rank0(3, rec)),
+        p1(1, 3, t->port(), "lane", lane_args(mode)),
+        p2(2, 3, t->port(), "lane", lane_args(mode)) {
+    REQUIRE(t->wait_peers(kDeadline).ok());
+    REQUIRE(t->send(1, "to 2 hello").ok());
+    REQUIRE(rec.wait_frame(2, "from 1: hello", kDeadline));
+  }
+  Recorder rec;
+  std::unique_ptr<Transport> t;
+  PeerProcess p1, p2;
+};
+
 }  // namespace
 
 TEST_CASE(
@@ -789,15 +805,9 @@ TEST_CASE(
     "[transport][lanes]") {
   const std::string mode = GENERATE(std::string("shm"), std::string("tcp"));
   INFO("lanes " << mode);
-  Recorder rec;
-  auto t = start_rank0(3, rec);
-  PeerProcess p1(1, 3, t->port(), "lane", lane_args(mode));
-  PeerProcess p2(2, 3, t->port(), "lane", lane_args(mode));
-  REQUIRE(t->wait_peers(kDeadline).ok());
-
   // Rank 1 reaches rank 2 (a rank > 0 can only do so on a lane), both ways.
-  REQUIRE(t->send(1, "to 2 hello").ok());
-  REQUIRE(rec.wait_frame(2, "from 1: hello", kDeadline));
+  LaneTrio job(mode);
+  auto& [rec, t, p1, p2] = job;
   REQUIRE(t->send(2, "to 1 hello back").ok());
   REQUIRE(rec.wait_frame(1, "from 2: hello back", kDeadline));
   // And a frame that UCX sends in rendezvous.
@@ -853,13 +863,8 @@ TEST_CASE("a lane whose peer was killed closes without crashing or hanging the s
           "[transport][lanes]") {
   const std::string mode = GENERATE(std::string("shm"), std::string("tcp"));
   INFO("lanes " << mode);
-  Recorder rec;
-  auto t = start_rank0(3, rec);
-  PeerProcess p1(1, 3, t->port(), "lane", lane_args(mode));
-  PeerProcess p2(2, 3, t->port(), "lane", lane_args(mode));
-  REQUIRE(t->wait_peers(kDeadline).ok());
-  REQUIRE(t->send(1, "to 2 hello").ok());
-  REQUIRE(rec.wait_frame(2, "from 1: hello", kDeadline));
+  LaneTrio job(mode);
+  auto& [rec, t, p1, p2] = job;
 
   // Rank 2 dies; rank 0 sees it (peer error handling on its endpoint).
   p2.signal(SIGKILL);
