@@ -323,12 +323,25 @@ void ferry_save_release(ferry_save* s) {
 
 ferry_status ferry_load(ferry_runtime* rt, const ferry_tensor* tensors, size_t num_tensors,
                         const char* path) {
+  return ferry_load_with_stats(rt, tensors, num_tensors, path, nullptr);
+}
+
+ferry_status ferry_load_with_stats(ferry_runtime* rt, const ferry_tensor* tensors,
+                                   size_t num_tensors, const char* path, ferry_load_stats* stats) {
   return guarded([&] {
     if (!rt) return null_arg("runtime");
     if (!path) return null_arg("path");
     ferry::StateDict sd;
     if (auto st = to_state_dict(tensors, num_tensors, &sd); !st.ok()) return to_c(st);
-    return to_c(rt->rt->load(sd, path));
+    // Without stats, as Runtime::load: checkpoint tensors left out are
+    // logged. A caller that asks for the figures has its own account.
+    if (!stats) return to_c(rt->rt->load(sd, path));
+    ferry::Result<ferry::LoadReport> r = rt->rt->load_report(sd, path);
+    if (r.ok()) {
+      *stats = ferry_load_stats{r->step,           r->tensors_restored, r->bytes_read,
+                                r->bytes_received, r->send_queue_peak,  r->share_frames_relayed};
+    }
+    return to_c(r.status());
   });
 }
 

@@ -586,7 +586,17 @@ def apply_retention(root, keep_last):
 
 # --- load --------------------------------------------------------------------------
 
-LoadResult = namedtuple("LoadResult", "missing_keys unexpected_keys")
+class LoadResult(namedtuple("LoadResult", "missing_keys unexpected_keys")):
+    """What load did: the keys it left alone (strict=False), and in `stats`
+    this rank's figures (step, tensors_restored, bytes_read, bytes_received:
+    replicated bytes another rank of its node read for it, send_queue_peak,
+    share_frames_relayed). Compares and unpacks as the pair of lists."""
+
+    stats = None
+
+
+def _load_stats(st):
+    return {name: getattr(st, name) for name, _ in _lib.LoadStats._fields_}
 
 
 def _map_key(key_map, key):
@@ -686,7 +696,12 @@ def _load(rt, state_dict, path, strict, cast, key_map):
         items.append((ck, t, None, None))
 
     entries = _Entries(items)
-    check(lib().ferry_load(ptr, entries.array, len(items), man.path.encode("utf-8")))
+    stats = _lib.LoadStats()
+    check(
+        lib().ferry_load_with_stats(
+            ptr, entries.array, len(items), man.path.encode("utf-8"), ctypes.byref(stats)
+        )
+    )
     with torch.no_grad():
         for dest, buf in copy_back:
             dest.copy_(buf)
@@ -719,7 +734,9 @@ def _load(rt, state_dict, path, strict, cast, key_map):
         paths = {ck: man.paths.get(ck) or flat.paths.get(claims.get(ck, ""), [ck]) for ck in values}
         sub = _tree.build(values, paths, strip=depth)
         obj.load_state_dict(sub)
-    return LoadResult(missing, unexpected)
+    result = LoadResult(missing, unexpected)
+    result.stats = _load_stats(stats)
+    return result
 
 
 def load_state_dict(path, runtime=None, prefix=None):

@@ -90,6 +90,17 @@ class SaveMetrics(ctypes.Structure):
     ]
 
 
+class LoadStats(ctypes.Structure):
+    _fields_ = [
+        ("step", ctypes.c_uint64),
+        ("tensors_restored", ctypes.c_uint64),
+        ("bytes_read", ctypes.c_uint64),
+        ("bytes_received", ctypes.c_uint64),
+        ("send_queue_peak", ctypes.c_uint64),
+        ("share_frames_relayed", ctypes.c_uint64),
+    ]
+
+
 class TensorInfo(ctypes.Structure):
     _fields_ = [
         ("key", ctypes.c_char_p),
@@ -167,6 +178,7 @@ def _declare(L):
         "ferry_save_metrics_get": (None, [vp, ctypes.POINTER(SaveMetrics)]),
         "ferry_save_release": (None, [vp]),
         "ferry_load": (st, [vp, tp, sz, ctypes.c_char_p]),
+        "ferry_load_with_stats": (st, [vp, tp, sz, ctypes.c_char_p, ctypes.POINTER(LoadStats)]),
         "ferry_export": (
             st,
             [vp, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_uint64, ctypes.c_uint64,

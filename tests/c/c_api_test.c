@@ -128,9 +128,16 @@ int main(void) {
   int64_t st1[1] = {2};
   ferry_tensor sl = {"b",  strided, FERRY_DTYPE_I16, 1, bshape, st1, FERRY_DEVICE_HOST, 0,
                      NULL, NULL};
-  CHECK_OK(ferry_load(rt, &sl, 1, root));
+  ferry_load_stats ls_stats;
+  memset(&ls_stats, 0xff, sizeof ls_stats);
+  CHECK_OK(ferry_load_with_stats(rt, &sl, 1, root, &ls_stats));
   for (int i = 0; i < 5; ++i) CHECK(strided[2 * i] == b[i]);
   CHECK(strided[1] == (int16_t)0x5555);
+  CHECK(ls_stats.step == 7);
+  CHECK(ls_stats.tensors_restored == 1);
+  CHECK(ls_stats.bytes_read >= sizeof b); /* b's bytes, in whole read runs */
+  CHECK(ls_stats.bytes_received == 0);    /* one rank: nobody reads for it */
+  CHECK(ls_stats.share_frames_relayed == 0);
 
   /* Errors come back as a status and a message naming the thing. */
   int64_t bad_shape[1] = {5};

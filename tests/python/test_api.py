@@ -80,6 +80,13 @@ class RoundTrip(Base):
         target = {k: torch.zeros_like(v) for k, v in sd.items()}
         res = ferry.load(target, self.root)
         self.assertEqual(res, ferry.LoadResult([], []))
+        missing, unexpected = res
+        self.assertEqual((missing, unexpected), ([], []))
+        self.assertEqual(res.stats["step"], 1)
+        self.assertEqual(res.stats["tensors_restored"], len(sd))
+        nbytes = sum(v.numel() * v.element_size() for v in sd.values())
+        self.assertGreaterEqual(res.stats["bytes_read"], nbytes)
+        self.assertEqual(res.stats["bytes_received"], 0)
         for k in sd:
             self.assertTrue(same_bytes(sd[k], target[k]), k)
 

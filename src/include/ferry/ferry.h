@@ -196,6 +196,26 @@ FERRY_API void ferry_save_release(ferry_save* s);
 FERRY_API ferry_status ferry_load(ferry_runtime* rt, const ferry_tensor* tensors,
                                   size_t num_tensors, const char* path);
 
+/* What one load did on this rank. */
+typedef struct ferry_load_stats {
+  uint64_t step;             /* of the checkpoint loaded */
+  uint64_t tensors_restored; /* the tensors given, every one filled */
+  uint64_t bytes_read;       /* from the data files, by this rank */
+  uint64_t bytes_received;   /* replicated bytes another rank of its node read for it */
+  /* The most bytes this rank had queued for other ranks at once (bounded by
+   * the share-window option whatever the state's size). */
+  uint64_t send_queue_peak;
+  /* Rank 0: frames of shared bytes it passed on between two other ranks (0
+   * when the ranks of a node reach each other over direct lanes). */
+  uint64_t share_frames_relayed;
+} ferry_load_stats;
+/* ferry_load, which also fills *stats when the load succeeds. Unlike
+ * ferry_load it does not log the checkpoint tensors left out (the caller
+ * chose them). With stats NULL it is ferry_load. */
+FERRY_API ferry_status ferry_load_with_stats(ferry_runtime* rt, const ferry_tensor* tensors,
+                                             size_t num_tensors, const char* path,
+                                             ferry_load_stats* stats);
+
 /* Writes the checkpoint at `path` (or a root's latest) consolidated into
  * out_dir: model-0000i-of-0000N.safetensors files of at most
  * max_shard_bytes each (0: 5 GiB) and model.safetensors.index.json, whose
