@@ -93,9 +93,12 @@ constexpr uint64_t kBlock = 4096;
 constexpr int kTensors = 512;  // one block each, after the header's block
 
 struct Rig {
+  // Declared first, so freed last: after `sys`, whose end waits for the
+  // snapshot actor and joins its copy lane, which may still be copying from
+  // them when a test ends (ASan saw it).
+  std::vector<std::vector<uint8_t>> tensors;
   ActorSystem sys;
   std::shared_ptr<GatedDevice> device = std::make_shared<GatedDevice>();
-  std::vector<std::vector<uint8_t>> tensors;
   ferry::StreamJob job;
   ferry::snapshot_actor snapshot;
   caf::scoped_actor parent{*sys.sys};
