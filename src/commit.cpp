@@ -201,29 +201,27 @@ Result<CommitOutcome> commit_checkpoint(Filesystem& fs, const std::string& root,
   const std::string latest_path = join_path(root, kLatestFileName);
   Result<std::string> latest_tmp =
       write_temp_file(fs, latest_path, name + "\n", opts.fsync, "latest");
-  auto drop_latest_tmp = [&] {
-    if (latest_tmp.ok()) (void)fs.unlink(*latest_tmp);
-  };
+  // Whatever way this returns, the temp file goes unless it became LATEST.
+  struct Unlinked {
+    Filesystem& fs;
+    std::string path;
+    ~Unlinked() {
+      if (!path.empty()) (void)fs.unlink(path);
+    }
+  } leftover{fs, latest_tmp.ok() ? *latest_tmp : std::string()};
   std::string displaced;
   if (fs.stat(step_dir).ok()) {
-    if (!opts.overwrite) {
-      drop_latest_tmp();
+    if (!opts.overwrite)
       return Status::already_exists("checkpoint " + step_dir + " was committed by another save");
-    }
     // rename(2) cannot replace a non-empty directory: move the old one
     // aside first, under a name that says what it is, so that whoever finds
     // it without a step in its place (a crash right here) puts it back.
     displaced = join_path(root, displaced_dir_name(manifest.step, std::to_string(seq + 1)));
-    Status aside = fs.rename(step_dir, displaced);
-    if (!aside.ok()) {
-      drop_latest_tmp();
-      return aside;
-    }
+    FERRY_RETURN_IF_ERROR(fs.rename(step_dir, displaced));
     kill_point("overwrite.aside");
   }
   Status committed = fs.rename(pending_dir, step_dir);  // the commit point
   if (!committed.ok()) {
-    drop_latest_tmp();
     if (!displaced.empty()) {
       Status back = fs.rename(displaced, step_dir);
       if (!back.ok())
@@ -243,12 +241,10 @@ Result<CommitOutcome> commit_checkpoint(Filesystem& fs, const std::string& root,
   // directory needs none. Not in the manifest, so a leftover is harmless.
   (void)fs.unlink(join_path(step_dir, kLeaseFileName));
   Status latest = latest_tmp.status();
+  if (latest.ok()) latest = fs.rename(*latest_tmp, latest_path);
   if (latest.ok()) {
-    latest = fs.rename(*latest_tmp, latest_path);
-    if (latest.ok())
-      kill_point("latest.rename");
-    else
-      drop_latest_tmp();
+    leftover.path.clear();
+    kill_point("latest.rename");
   }
   if (!latest.ok())
     out.warnings.push_back(latest.with_context("committed " + step_dir + ", but LATEST: "));
