@@ -1,11 +1,12 @@
 // Saves a synthetic host state through Ferry and compares it, in the same
 // run, with the two limits it can at best reach on this machine:
-//   - persist: a plain sequential O_DIRECT writer (8 MiB aligned pwrites from
-//     warm memory the size of the state into one file, then fsync) writing
-//     the same number of bytes (and, for context only, the same with one
-//     thread per Ferry writer, and from one 8 MiB buffer written again and
-//     again, which no writer of a real state can do: on a VM the host reads
-//     that buffer from its cache, 5-8% faster here);
+//   - persist: a plain sequential O_DIRECT writer (aligned pwrites of
+//     Ferry's write size, its chunk-bytes, from warm memory the size of the
+//     state into one file, then fsync) writing the same number of bytes (and,
+//     for context only, the same with one thread per Ferry writer, and from
+//     one buffer written again and again, which no writer of a real state
+//     can do: on a VM the host reads that buffer from its cache, 5-8% faster
+//     here);
 //   - snapshot: memcpy of the same tensors into warm (pre-touched) memory.
 //
 //   ferry_bench_save [--state-mib N] [--tensors N] [--pool-mib N] [--chunk-mib N]
@@ -54,7 +55,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr uint64_t kMiB = 1ull << 20;
-constexpr uint64_t kRawBlock = 8 * kMiB;
 constexpr uint64_t kAlign = 4096;
 
 // Thrown after the message is printed, so main unwinds and the scratch
@@ -398,12 +398,13 @@ struct RawResult {
   bool direct;
 };
 
-// The machine's write limit for this many bytes: one file, 8 MiB aligned
-// pwrites from `src` (block b from its block b, wrapping round when it is
-// smaller than `bytes`), one fsync; open to close timed. With
+// The machine's write limit for this many bytes: one file, aligned pwrites
+// of `block` bytes from `src` (block b from its block b, wrapping round when
+// it is smaller than `bytes`), one fsync; open to close timed. With
 // `threads` > 1, thread t writes blocks t, t + threads, ... (as Ferry spreads
 // blocks over its writers), which shows what a deeper queue gains.
-RawResult raw_write(const std::string& path, uint64_t bytes, const Region& src, uint32_t threads) {
+RawResult raw_write(const std::string& path, uint64_t bytes, uint64_t block, const Region& src,
+                    uint32_t threads) {
   const auto t0 = Clock::now();
   bool direct = true;
   int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_DIRECT, 0644);
@@ -415,14 +416,14 @@ RawResult raw_write(const std::string& path, uint64_t bytes, const Region& src, 
     std::fprintf(stderr, "open %s: %s\n", path.c_str(), std::strerror(errno));
     throw Fatal{};
   }
-  const uint64_t blocks = (bytes + kRawBlock - 1) / kRawBlock;
-  const uint64_t src_blocks = std::max<uint64_t>(1, src.size() / kRawBlock);
+  const uint64_t blocks = (bytes + block - 1) / block;
+  const uint64_t src_blocks = std::max<uint64_t>(1, src.size() / block);
   std::atomic<bool> failed{false};  // threads cannot throw: they report here
   auto write_blocks = [&](uint32_t first) {
     for (uint64_t b = first; b < blocks && !failed; b += threads) {
-      const uint64_t off = b * kRawBlock;
-      const uint64_t len = std::min(kRawBlock, (bytes - off + kAlign - 1) / kAlign * kAlign);
-      const uint8_t* buf = src.data() + (b % src_blocks) * kRawBlock;
+      const uint64_t off = b * block;
+      const uint64_t len = std::min(block, (bytes - off + kAlign - 1) / kAlign * kAlign);
+      const uint8_t* buf = src.data() + (b % src_blocks) * block;
       for (uint64_t done = 0; done < len;) {
         const ssize_t n = ::pwrite(fd, buf + done, len - done, static_cast<off_t>(off + done));
         if (n < 0 && errno == EINTR) continue;
@@ -519,15 +520,13 @@ int run(const Flags& flags) {
       return 1;
     }
   }
-  // The limits' buffers exist (touched) before the baseline, so each rep can
+  // The limits' buffer exists (touched) before the baseline, so each rep can
   // measure Ferry and both limits back to back: on a shared machine the load
   // changes from second to second, and a limit measured minutes after the
-  // saves compares different moments. Their RSS is in the baseline.
-  Region raw_buf(kRawBlock, true);
-  fill_pattern(raw_buf.data(), kRawBlock);
-  // Huge pages where the kernel grants them, as the pool asks for them. The
-  // memcpy's destination is also the raw writer's source, as Ferry's pool
-  // is both. The memory run copies into a pool-sized destination reused from
+  // saves compares different moments. Its RSS is in the baseline. It is the
+  // memcpy's destination and the raw writer's source, as Ferry's pool is
+  // both; huge pages where the kernel grants them, as the pool asks for
+  // them. The memory run copies into a pool-sized destination reused from
   // its start.
   const uint64_t dst_bytes =
       flags.pool_mib ? std::min(state_bytes, flags.pool_mib * kMiB) : state_bytes;
@@ -538,7 +537,8 @@ int run(const Flags& flags) {
   // --- Ferry ---------------------------------------------------------------
   ferry::RuntimeArgs args;
   args.set("root", root);
-  const uint64_t chunk_bytes = flags.chunk_mib ? flags.chunk_mib * kMiB : 8 * kMiB;
+  const uint64_t chunk_bytes =
+      flags.chunk_mib ? flags.chunk_mib * kMiB : ferry::Options{}.chunk_bytes;
   if (flags.chunk_mib) args.set("chunk-bytes", std::to_string(chunk_bytes));
   if (flags.writers) args.set("writers", std::to_string(flags.writers));
   // Room for the state, its safetensors header (about 100 bytes a tensor,
@@ -578,7 +578,8 @@ int run(const Flags& flags) {
   bool raw_direct = true;
   for (uint32_t r = 0; r < flags.reps; ++r) {
     saves.push_back(timed_save(*rt, sd, step++));
-    const RawResult rr = raw_write(scratch.path() + "/raw.bin", state_bytes, dst, 1);
+    const RawResult rr =
+        raw_write(scratch.path() + "/raw.bin", state_bytes, opts.chunk_bytes, dst, 1);
     raw_direct = raw_direct && rr.direct;
     raw_v.push_back(rr.ms);
     memcpy_v.push_back(memcpy_state(state, tensors, dst));
@@ -618,10 +619,14 @@ int run(const Flags& flags) {
 
   // Not the target's reference; printed so a ratio above 1 can be read.
   std::vector<double> raw_par_v, raw_hot_v;
+  Region raw_buf(opts.chunk_bytes, true);
+  fill_pattern(raw_buf.data(), opts.chunk_bytes);
   const uint32_t par = std::max<uint32_t>(opts.writers, 2);
   for (uint32_t r = 0; r < flags.reps; ++r) {
-    raw_par_v.push_back(raw_write(scratch.path() + "/raw.bin", state_bytes, dst, par).ms);
-    raw_hot_v.push_back(raw_write(scratch.path() + "/raw.bin", state_bytes, raw_buf, 1).ms);
+    raw_par_v.push_back(
+        raw_write(scratch.path() + "/raw.bin", state_bytes, opts.chunk_bytes, dst, par).ms);
+    raw_hot_v.push_back(
+        raw_write(scratch.path() + "/raw.bin", state_bytes, opts.chunk_bytes, raw_buf, 1).ms);
   }
 
   // --- the codec alone ------------------------------------------------------
@@ -661,10 +666,11 @@ int run(const Flags& flags) {
               state_bytes / (best(raw_v) * 1e6), raw_direct ? "" : "  (O_DIRECT refused)");
   std::printf("  raw write x%-3u  %8.1f ms  %6.2f GB/s  [%.2f GB/s]  (%u threads, for context)\n",
               par, median(raw_par_v), raw_par_gbps, state_bytes / (best(raw_par_v) * 1e6), par);
-  std::printf("  raw write 8MiB  %8.1f ms  %6.2f GB/s  [%.2f GB/s]  (one buffer again and again, "
-              "for context)\n",
-              median(raw_hot_v), state_bytes / (median(raw_hot_v) * 1e6),
-              state_bytes / (best(raw_hot_v) * 1e6));
+  std::printf(
+      "  raw write 1buf  %8.1f ms  %6.2f GB/s  [%.2f GB/s]  (one buffer again and again, "
+      "for context)\n",
+      median(raw_hot_v), state_bytes / (median(raw_hot_v) * 1e6),
+      state_bytes / (best(raw_hot_v) * 1e6));
   std::printf("  persist ratio   %8.3f  (%.3f against %u writing threads)\n", persist_ratio,
               ferry_gbps / raw_par_gbps, par);
   std::printf("  save_async      %8.3f ms  [%.3f ms]\n", save_async_ms, best(async_v));
