@@ -12,7 +12,7 @@
 //   4. End-to-end save to local disk vs a raw O_DIRECT writer (both fsync).
 // Ends with one JSON line. Without a usable GPU it says so and exits 77.
 // Environment: FERRY_BENCH_GPU_BYTES (default 4 GiB), FERRY_BENCH_DIR
-// (default /tmp/ferry-bench-gpu), FERRY_BENCH_CHUNK (default 8 MiB).
+// (default /tmp/ferry-bench-gpu), FERRY_BENCH_CHUNK (default: Ferry's chunk-bytes).
 
 #include <cuda_runtime_api.h>
 #include <fcntl.h>
@@ -136,7 +136,7 @@ int main() {
   CK(cudaSetDevice(0));
   cudaDeviceProp prop{};
   CK(cudaGetDeviceProperties(&prop, 0));
-  const uint64_t chunk = env_u64("FERRY_BENCH_CHUNK", 8ull << 20);
+  const uint64_t chunk = env_u64("FERRY_BENCH_CHUNK", ferry::Options{}.chunk_bytes);
   uint64_t bytes = env_u64("FERRY_BENCH_GPU_BYTES", 4ull << 30);
   bytes = std::max(chunk, bytes / chunk * chunk);
   const uint64_t small = std::min<uint64_t>(bytes, 256ull << 20);

@@ -30,6 +30,12 @@ constexpr uint64_t kTiB = 1ull << 40;
 // boundaries must be multiples of it.
 constexpr uint64_t kAlign = 4096;
 constexpr uint64_t kMaxChunkBytes = kGiB;
+// chunk-bytes = auto: 32 MiB writes reached 0.95-0.98 of a raw O_DIRECT
+// writer where 8 MiB ones reached 0.89-0.93 (ferry_bench_save, 1 GiB), but a
+// small pool still wants several blocks in flight: at least this many.
+constexpr uint64_t kAutoChunkBytes = 32 * kMiB;
+constexpr uint64_t kMinAutoBlocks = 8;
+constexpr uint64_t kMinAutoChunkBytes = 64 * kKiB;
 constexpr uint32_t kMaxThreads = 64;
 
 std::string lower(std::string s) {
@@ -234,9 +240,14 @@ const std::vector<KeySpec>& key_table() {
          o.pool_bytes = n;
          return true;
        }},
-      {{"chunk-bytes", "8MiB",
-        "pool block size and size of one data write; a multiple of 4096, at most 1GiB"},
+      {{"chunk-bytes", "auto",
+        "pool block size and size of one data write; a multiple of 4096, at most 1GiB, or "
+        "auto: 32MiB, halved while the pool would hold fewer than 8 blocks (not below 64KiB)"},
        [](const std::string& v, Options& o, std::string& why) {
+         if (lower(v) == "auto") {
+           o.chunk_bytes = 0;  // sized once pool-bytes is known
+           return true;
+         }
          return parse_aligned_size(v, kMaxChunkBytes, o.chunk_bytes, why);
        }},
       {{"writers", "2", "writer threads per rank, 1 to 64"},
@@ -470,6 +481,7 @@ const std::vector<OptionInfo>& option_infos() {
 
 Result<Options> resolve_options(const std::vector<Setting>& settings) {
   Options opts;
+  opts.chunk_bytes = 0;  // auto, unless a setting names a size
   // Where pool-bytes and chunk-bytes last came from, for the cross-key check.
   std::pair<std::string, std::string> pool_src{find_key("pool-bytes")->info.default_value,
                                                "default"};
@@ -495,6 +507,12 @@ Result<Options> resolve_options(const std::vector<Setting>& settings) {
   }
 
   // Checked after all sources so that raising both in different files works.
+  if (opts.chunk_bytes == 0) {
+    uint64_t c = kAutoChunkBytes;
+    while (c > kMinAutoChunkBytes && c * kMinAutoBlocks > opts.pool_bytes) c /= 2;
+    opts.chunk_bytes = c;
+    chunk_src.first = "auto (" + std::to_string(c / kKiB) + "KiB)";
+  }
   if (opts.pool_bytes < opts.chunk_bytes) {
     return Status::invalid_argument(
         "ferry.pool-bytes = " + quote_value(pool_src.first) + from(pool_src.second) +

@@ -114,7 +114,7 @@ TEST_CASE("no settings give the documented defaults", "[options]") {
   REQUIRE(r.ok());
   check_defaults(*r);
   CHECK(r->pool_bytes == (1ull << 30));
-  CHECK(r->chunk_bytes == (8ull << 20));
+  CHECK(r->chunk_bytes == (32ull << 20));
   CHECK(r->lease_seconds == 30.0);
 }
 
@@ -282,6 +282,37 @@ TEST_CASE("sizes accept decimal and binary suffixes in any case", "[options]") {
   }
 }
 
+TEST_CASE("chunk-bytes auto sizes the block to the pool, and a set size is kept", "[options]") {
+  struct Case {
+    const char* pool;
+    uint64_t chunk;
+  };
+  // 32 MiB, halved while the pool would hold fewer than 8 blocks.
+  for (const Case& c :
+       {Case{"1GiB", 32ull << 20}, Case{"256MiB", 32ull << 20}, Case{"255MiB", 16ull << 20},
+        Case{"16MiB", 2ull << 20}, Case{"1MiB", 128ull << 10}, Case{"512KiB", 64ull << 10},
+        Case{"64KiB", 64ull << 10}}) {
+    INFO(c.pool);
+    for (bool spelled : {false, true}) {
+      std::vector<ferry::Setting> s = {{"pool-bytes", c.pool, "code"}};
+      if (spelled) s.push_back({"chunk-bytes", "Auto", "code"});
+      auto r = ferry::resolve_options(s);
+      REQUIRE(r.ok());
+      CHECK(r->chunk_bytes == c.chunk);
+    }
+  }
+  // A size set in one place and auto in a later one: the later wins.
+  auto later =
+      ferry::resolve_options({{"chunk-bytes", "1MiB", "a.ini:2"}, {"chunk-bytes", "auto", "code"}});
+  REQUIRE(later.ok());
+  CHECK(later->chunk_bytes == 32ull << 20);
+  // A size the user set is never shrunk.
+  auto kept =
+      ferry::resolve_options({{"pool-bytes", "64MiB", "code"}, {"chunk-bytes", "32MiB", "code"}});
+  REQUIRE(kept.ok());
+  CHECK(kept->chunk_bytes == 32ull << 20);
+}
+
 TEST_CASE("booleans and durations accept their spellings", "[options]") {
   for (const char* t : {"true", "TRUE", "on", "On", "yes", "1"}) {
     INFO(t);
@@ -401,11 +432,16 @@ TEST_CASE("an unknown key is named, with a suggestion and the known keys", "[opt
 }
 
 TEST_CASE("pool smaller than a chunk names both keys and where they came from", "[options]") {
-  auto r = ferry::resolve_options({{"pool-bytes", "4MiB", "code"}});
+  auto r = ferry::resolve_options(
+      {{"pool-bytes", "16MiB", "code"}, {"chunk-bytes", "32MiB", "a.ini:4"}});
   REQUIRE_FALSE(r.ok());
   const std::string& m = r.status().message();
-  CHECK(contains(m, "ferry.pool-bytes = \"4MiB\" (from code)"));
-  CHECK(contains(m, "ferry.chunk-bytes = \"8MiB\" (from default)"));
+  CHECK(contains(m, "ferry.pool-bytes = \"16MiB\" (from code)"));
+  CHECK(contains(m, "ferry.chunk-bytes = \"32MiB\" (from a.ini:4)"));
+  // Below the smallest block auto picks, auto cannot help either.
+  auto tiny = resolve1("pool-bytes", "32KiB");
+  REQUIRE_FALSE(tiny.ok());
+  CHECK(contains(tiny.status().message(), "ferry.chunk-bytes = \"auto (64KiB)\" (from default)"));
 
   // Checked after every source: a file lowering chunk-bytes later is fine.
   auto ok = ferry::resolve_options(

@@ -17,7 +17,7 @@ namespace ferry {
 struct Options {
   std::string root;                   // root: checkpoint directory ("" = must be given per call)
   uint64_t pool_bytes = 1ull << 30;   // pool-bytes: staging pool size
-  uint64_t chunk_bytes = 8ull << 20;  // chunk-bytes: pool block = write size
+  uint64_t chunk_bytes = 32ull << 20;  // chunk-bytes: pool block = write size
   uint32_t writers = 2;               // writers: writer threads per rank
   bool direct_io = true;              // direct-io: O_DIRECT data writes and load reads
   bool fsync = true;                  // fsync: data, manifest, directories
