@@ -11,6 +11,8 @@
 #include <cinttypes>
 #include <cstdio>
 #include <limits>
+#include <mutex>
+#include <unordered_map>
 
 namespace ferry {
 namespace {
@@ -187,6 +189,48 @@ Result<std::vector<CheckpointInfo>> list_checkpoints(Filesystem& fs, const std::
     return a.step < b.step;
   });
   return out;
+}
+
+Result<uint64_t> highest_commit_seq(Filesystem& fs, const std::string& root) {
+  // Commit sequences by payload checksum, for every root this process
+  // committed into. A manifest is never rewritten in place, so its frame's
+  // checksum names its content. One corrupted in place since it was read
+  // keeps its old number here: that can only make the next number larger
+  // than needed, never equal to one in use. (Reading every manifest whole
+  // took 5 ms per kept checkpoint of 5,000 tensors, each commit.)
+  static std::mutex mu;
+  static std::unordered_map<uint64_t, uint64_t> seq_by_sum;
+  constexpr size_t kMaxRemembered = 1 << 16;
+  constexpr uint64_t kFrameHeadBytes = 4096;
+
+  FERRY_ASSIGN_OR_RETURN(std::vector<std::string> names, fs.list(root));
+  uint64_t highest = 0;
+  for (const std::string& name : names) {
+    if (!parse_step_dir_name(name, nullptr)) continue;
+    const std::string dir = join_path(root, name);
+    // Not a directory (a stray file with a step-like name): no MANIFEST.
+    Result<std::string> head =
+        read_file_head(fs, join_path(dir, kManifestFileName), kFrameHeadBytes);
+    if (!head.ok()) continue;
+    Result<uint64_t> sum = manifest_payload_sum(*head);
+    if (sum.ok()) {
+      std::lock_guard<std::mutex> lock(mu);
+      auto it = seq_by_sum.find(*sum);
+      if (it != seq_by_sum.end()) {
+        highest = std::max(highest, it->second);
+        continue;
+      }
+    }
+    Result<Manifest> m = read_manifest(fs, dir);
+    if (!m.ok()) continue;
+    highest = std::max(highest, m->commit_seq);
+    if (sum.ok()) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (seq_by_sum.size() >= kMaxRemembered) seq_by_sum.clear();
+      seq_by_sum.emplace(*sum, m->commit_seq);
+    }
+  }
+  return highest;
 }
 
 Result<CheckpointInfo> find_latest(Filesystem& fs, const std::string& root) {

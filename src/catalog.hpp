@@ -59,6 +59,13 @@ struct CheckpointInfo {
 // their status set (so `ferry ls` can show them) and never chosen as latest.
 Result<std::vector<CheckpointInfo>> list_checkpoints(Filesystem& fs, const std::string& root);
 
+// The highest commit sequence of the committed checkpoints in `root` (0 if
+// none), for the next commit to exceed. Unreadable manifests count for
+// nothing, as in list_checkpoints. A manifest read once is known by its
+// frame's payload checksum after that: a commit reads each manifest's first
+// 4 KiB, not all of it, so it does not slow down as checkpoints accumulate.
+Result<uint64_t> highest_commit_seq(Filesystem& fs, const std::string& root);
+
 // The committed checkpoint with the highest commit sequence whose manifest
 // decodes, or not_found.
 Result<CheckpointInfo> find_latest(Filesystem& fs, const std::string& root);

@@ -182,9 +182,7 @@ Result<CommitOutcome> commit_checkpoint(Filesystem& fs, const std::string& root,
 
   // The sequence must exceed every committed one, so "latest" is well defined
   // even when steps go backwards (a job restarted from an older checkpoint).
-  uint64_t seq = 0;
-  FERRY_ASSIGN_OR_RETURN(auto existing, list_checkpoints(fs, root));
-  for (const auto& c : existing) seq = std::max(seq, c.commit_seq);
+  FERRY_ASSIGN_OR_RETURN(const uint64_t seq, highest_commit_seq(fs, root));
   manifest.commit_seq = seq + 1;
   manifest.fsynced = opts.fsync;
 

@@ -306,11 +306,32 @@ std::string parent_path(const std::string& p) {
   return p.substr(0, last + 1);
 }
 
-Result<std::string> read_file(Filesystem& fs, const std::string& path, uint64_t max_bytes) {
+namespace {
+
+// Opening a FIFO for reading would wait for a writer: only a regular file
+// is opened.
+Result<FileInfo> regular_file(Filesystem& fs, const std::string& path) {
   FERRY_ASSIGN_OR_RETURN(FileInfo info, fs.stat(path));
   if (info.is_dir) return Status::invalid_argument("read_file " + path + ": is a directory");
   if (!info.is_regular)
     return Status::invalid_argument("read_file " + path + ": not a regular file");
+  return info;
+}
+
+}  // namespace
+
+Result<std::string> read_file_head(Filesystem& fs, const std::string& path, uint64_t max_bytes) {
+  FERRY_ASSIGN_OR_RETURN(FileInfo info, regular_file(fs, path));
+  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<File> f, fs.open(path, OpenOptions{}));
+  std::string out(static_cast<size_t>(std::min(info.size, max_bytes)), '\0');
+  FERRY_ASSIGN_OR_RETURN(size_t n, f->pread(out.data(), out.size(), 0));
+  out.resize(n);
+  FERRY_RETURN_IF_ERROR(f->close());
+  return out;
+}
+
+Result<std::string> read_file(Filesystem& fs, const std::string& path, uint64_t max_bytes) {
+  FERRY_ASSIGN_OR_RETURN(FileInfo info, regular_file(fs, path));
   if (info.size > max_bytes)
     return Status::invalid_argument("read_file " + path + ": " + std::to_string(info.size) +
                                     " bytes, more than the " + std::to_string(max_bytes) +

@@ -438,24 +438,33 @@ std::string encode_manifest(const Manifest& m) {
   return out;
 }
 
-Result<Manifest> decode_manifest(std::string_view bytes) {
-  FrameReader r(bytes);
+namespace {
+
+// The frame before the payload: magic, version, required features, payload
+// length and checksum. `bytes` may end anywhere after that (a file's head).
+struct Frame {
+  uint32_t version = 0;
+  std::vector<std::string> features;
+  uint64_t payload_len = 0;
+  uint64_t payload_sum = 0;
+};
+
+Result<Frame> read_frame(FrameReader& r, size_t total_bytes) {
+  Frame fr;
   std::string_view magic;
   if (!r.take(sizeof(kMagic), &magic) || std::memcmp(magic.data(), kMagic, sizeof(kMagic)) != 0)
     return Status::corruption("MANIFEST has a bad magic (not a Ferry manifest, " +
-                              std::to_string(bytes.size()) + " bytes)");
+                              std::to_string(total_bytes) + " bytes)");
 
-  uint32_t version = 0;
-  if (!r.take_le(&version)) return truncated(r, "format version");
-  if (version == 0) return Status::corruption("MANIFEST format version is 0");
-  if (version > kManifestFormatVersion)
-    return Status::unsupported("MANIFEST format version " + std::to_string(version) +
+  if (!r.take_le(&fr.version)) return truncated(r, "format version");
+  if (fr.version == 0) return Status::corruption("MANIFEST format version is 0");
+  if (fr.version > kManifestFormatVersion)
+    return Status::unsupported("MANIFEST format version " + std::to_string(fr.version) +
                                " is newer than this build supports (version " +
                                std::to_string(kManifestFormatVersion) + ")");
 
   uint32_t feature_count = 0;
   if (!r.take_le(&feature_count)) return truncated(r, "required feature count");
-  std::vector<std::string> features;
   const auto& known = known_manifest_features();
   for (uint32_t i = 0; i < feature_count; ++i) {
     uint16_t len = 0;
@@ -465,11 +474,28 @@ Result<Manifest> decode_manifest(std::string_view bytes) {
     if (std::find(known.begin(), known.end(), name) == known.end())
       return Status::unsupported("MANIFEST requires feature '" + std::string(name) +
                                  "', which this build does not know");
-    features.emplace_back(name);
+    fr.features.emplace_back(name);
   }
 
-  uint64_t payload_len = 0, payload_sum = 0;
-  if (!r.take_le(&payload_len) || !r.take_le(&payload_sum)) return truncated(r, "payload header");
+  if (!r.take_le(&fr.payload_len) || !r.take_le(&fr.payload_sum))
+    return truncated(r, "payload header");
+  return fr;
+}
+
+}  // namespace
+
+Result<uint64_t> manifest_payload_sum(std::string_view head) {
+  FrameReader r(head);
+  FERRY_ASSIGN_OR_RETURN(Frame fr, read_frame(r, head.size()));
+  return fr.payload_sum;
+}
+
+Result<Manifest> decode_manifest(std::string_view bytes) {
+  FrameReader r(bytes);
+  FERRY_ASSIGN_OR_RETURN(Frame fr, read_frame(r, bytes.size()));
+  const uint32_t version = fr.version;
+  const std::vector<std::string>& features = fr.features;
+  const uint64_t payload_len = fr.payload_len, payload_sum = fr.payload_sum;
   if (payload_len != r.remaining())
     return Status::corruption("MANIFEST payload length is " + std::to_string(payload_len) +
                               " but " + std::to_string(r.remaining()) + " bytes follow");

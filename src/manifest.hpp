@@ -85,4 +85,9 @@ std::string encode_manifest(const Manifest& m);
 // Status (corruption / unsupported) naming what is wrong; never throws.
 Result<Manifest> decode_manifest(std::string_view bytes);
 
+// The payload checksum from a manifest's frame, which `head` (the file's
+// first bytes, 4 KiB hold any frame this build writes) need only contain:
+// it names the manifest's content without reading or decoding the rest.
+Result<uint64_t> manifest_payload_sum(std::string_view head);
+
 }  // namespace ferry

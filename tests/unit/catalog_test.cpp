@@ -270,5 +270,81 @@ TEST_CASE("catalog works through a wrapped filesystem", "[catalog]") {
   CHECK(fs.lists >= 1);
 }
 
+TEST_CASE("highest_commit_seq reads each manifest whole once, then only its frame", "[catalog]") {
+  // Counts the bytes read from MANIFEST files.
+  struct CountingFile : File {
+    std::unique_ptr<File> f;
+    uint64_t* bytes;
+    CountingFile(std::unique_ptr<File> file, uint64_t* n) : f(std::move(file)), bytes(n) {}
+    const std::string& path() const override { return f->path(); }
+    bool direct() const override { return f->direct(); }
+    Status pwrite(const void* d, size_t n, uint64_t o) override { return f->pwrite(d, n, o); }
+    Result<size_t> pread(void* d, size_t n, uint64_t o) override {
+      Result<size_t> r = f->pread(d, n, o);
+      if (r.ok()) *bytes += *r;
+      return r;
+    }
+    Status truncate(uint64_t n) override { return f->truncate(n); }
+    Status sync() override { return f->sync(); }
+    Status close() override { return f->close(); }
+  };
+  struct CountingFilesystem : FilesystemWrapper {
+    using FilesystemWrapper::FilesystemWrapper;
+    uint64_t manifest_bytes = 0;
+    Result<std::unique_ptr<File>> open(const std::string& p, const OpenOptions& o) override {
+      FERRY_ASSIGN_OR_RETURN(std::unique_ptr<File> f, FilesystemWrapper::open(p, o));
+      if (p.size() >= 8 && p.compare(p.size() - 8, 8, "MANIFEST") == 0)
+        return std::unique_ptr<File>(new CountingFile(std::move(f), &manifest_bytes));
+      return f;
+    }
+  };
+  TempDir tmp;
+  CountingFilesystem fs(posix_filesystem());
+  const std::string& root = tmp.path();
+  CHECK(*highest_commit_seq(fs, root) == 0);
+  // Manifests of 64 KiB (metadata makes them big), the highest not the last
+  // step; a stray file with a step-like name is no checkpoint.
+  const int n = 6;
+  for (int i = 1; i <= n; ++i) {
+    Manifest m;
+    m.step = 100 * i;
+    m.commit_seq = i == 2 ? 40 : i;
+    m.metadata.push_back({"blob", std::string(64 * 1024, static_cast<char>('a' + i))});
+    const std::string dir = join_path(root, step_dir_name(m.step));
+    REQUIRE(fs.mkdirs(dir).ok());
+    REQUIRE(
+        write_file_atomic(fs, join_path(dir, kManifestFileName), encode_manifest(m), false).ok());
+  }
+  REQUIRE(write_file_atomic(fs, join_path(root, step_dir_name(999)), "not a dir", false).ok());
+
+  fs.manifest_bytes = 0;
+  CHECK(*highest_commit_seq(fs, root) == 40);
+  CHECK(fs.manifest_bytes > n * 64 * 1024);  // the first time: whole
+  for (int again = 0; again < 2; ++again) {
+    fs.manifest_bytes = 0;
+    CHECK(*highest_commit_seq(fs, root) == 40);
+    CHECK(fs.manifest_bytes <= n * 4096);  // then: each frame only
+  }
+
+  // A checkpoint replaced by one with a higher number (a new manifest, so a
+  // new payload checksum) is read again; a manifest corrupt before it was
+  // ever read counts for nothing.
+  Manifest m;
+  m.step = 300;
+  m.commit_seq = 41;
+  REQUIRE(write_file_atomic(fs, join_path(root, join_path(step_dir_name(300), kManifestFileName)),
+                            encode_manifest(m), false)
+              .ok());
+  m.step = 700;
+  m.commit_seq = 99;
+  std::string bad = encode_manifest(m);
+  bad.back() = static_cast<char>(bad.back() ^ 0x5a);
+  REQUIRE(fs.mkdirs(join_path(root, step_dir_name(700))).ok());
+  REQUIRE(write_file_atomic(fs, join_path(root, join_path(step_dir_name(700), kManifestFileName)),
+                            bad, false)
+              .ok());
+  CHECK(*highest_commit_seq(fs, root) == 41);
+}
+
 }  // namespace
 }  // namespace ferry

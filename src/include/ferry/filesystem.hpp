@@ -110,6 +110,9 @@ std::string parent_path(const std::string& p);
 constexpr uint64_t kMaxReadFileBytes = 1ull << 30;
 Result<std::string> read_file(Filesystem& fs, const std::string& path,
                               uint64_t max_bytes = kMaxReadFileBytes);
+// The first `max_bytes` bytes of a regular file (all of a shorter one),
+// refusing what read_file refuses.
+Result<std::string> read_file_head(Filesystem& fs, const std::string& path, uint64_t max_bytes);
 // temp file in the same directory, write, fsync (if `sync`), rename over
 // `path`, fsync the directory (if `sync`). With `kill_prefix` ("manifest"),
 // passes the kill points <prefix>.write/.fsync/.rename/.dirsync.
