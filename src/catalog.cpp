@@ -191,53 +191,86 @@ Result<std::vector<CheckpointInfo>> list_checkpoints(Filesystem& fs, const std::
   return out;
 }
 
-Result<uint64_t> highest_commit_seq(Filesystem& fs, const std::string& root) {
-  // Commit sequences by payload checksum, for every root this process
-  // committed into. A manifest is never rewritten in place, so its frame's
-  // checksum names its content. One corrupted in place since it was read
-  // keeps its old number here: that can only make the next number larger
-  // than needed, never equal to one in use. (Reading every manifest whole
-  // took 5 ms per kept checkpoint of 5,000 tensors, each commit.)
+namespace {
+
+// A committed checkpoint's summary, from its manifest's 4 KiB frame once the
+// manifest was read whole in this process. Summaries are kept by payload
+// checksum: a manifest is never rewritten in place, so that names its
+// content. One corrupted in place since keeps its old summary here: a commit
+// then at most picks a larger number than needed, and find_latest still
+// decodes its choice whole. (Reading and decoding every manifest took 5 ms
+// per kept checkpoint of 5,000 tensors, on every commit and load.)
+Result<ManifestSummary> read_summary(Filesystem& fs, const std::string& dir) {
   static std::mutex mu;
-  static std::unordered_map<uint64_t, uint64_t> seq_by_sum;
+  static std::unordered_map<uint64_t, ManifestSummary> by_sum;
   constexpr size_t kMaxRemembered = 1 << 16;
   constexpr uint64_t kFrameHeadBytes = 4096;
 
+  const std::string path = join_path(dir, kManifestFileName);
+  // Fails for a stray file with a step-like name: it has no MANIFEST.
+  FERRY_ASSIGN_OR_RETURN(std::string head, read_file_head(fs, path, kFrameHeadBytes));
+  Result<uint64_t> sum = manifest_payload_sum(head);
+  if (sum.ok()) {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = by_sum.find(*sum);
+    if (it != by_sum.end()) return it->second;
+  }
+  // One buffer for every manifest this thread reads (see read_file_into).
+  static thread_local std::string bytes;
+  FERRY_RETURN_IF_ERROR(read_file_into(fs, path, &bytes));
+  Result<ManifestSummary> s = summarize_manifest(bytes);
+  if (bytes.capacity() > (64u << 20)) std::string().swap(bytes);
+  if (!s.ok()) return s.status().with_context(path + ": ");
+  std::lock_guard<std::mutex> lock(mu);
+  if (by_sum.size() >= kMaxRemembered) by_sum.clear();
+  by_sum.emplace(s->payload_sum, *s);
+  return s;
+}
+
+struct Candidate {
+  std::string name;
+  ManifestSummary summary;
+};
+
+// Step directories whose manifests summarize, highest (commit_seq, step) first.
+Result<std::vector<Candidate>> committed_by_seq(Filesystem& fs, const std::string& root) {
   FERRY_ASSIGN_OR_RETURN(std::vector<std::string> names, fs.list(root));
-  uint64_t highest = 0;
+  std::vector<Candidate> out;
   for (const std::string& name : names) {
     if (!parse_step_dir_name(name, nullptr)) continue;
-    const std::string dir = join_path(root, name);
-    // Not a directory (a stray file with a step-like name): no MANIFEST.
-    Result<std::string> head =
-        read_file_head(fs, join_path(dir, kManifestFileName), kFrameHeadBytes);
-    if (!head.ok()) continue;
-    Result<uint64_t> sum = manifest_payload_sum(*head);
-    if (sum.ok()) {
-      std::lock_guard<std::mutex> lock(mu);
-      auto it = seq_by_sum.find(*sum);
-      if (it != seq_by_sum.end()) {
-        highest = std::max(highest, it->second);
-        continue;
-      }
-    }
-    Result<Manifest> m = read_manifest(fs, dir);
-    if (!m.ok()) continue;
-    highest = std::max(highest, m->commit_seq);
-    if (sum.ok()) {
-      std::lock_guard<std::mutex> lock(mu);
-      if (seq_by_sum.size() >= kMaxRemembered) seq_by_sum.clear();
-      seq_by_sum.emplace(*sum, m->commit_seq);
-    }
+    Result<ManifestSummary> s = read_summary(fs, join_path(root, name));
+    if (s.ok()) out.push_back({name, *s});
   }
-  return highest;
+  std::sort(out.begin(), out.end(), [](const Candidate& a, const Candidate& b) {
+    if (a.summary.commit_seq != b.summary.commit_seq)
+      return a.summary.commit_seq > b.summary.commit_seq;
+    return a.summary.step > b.summary.step;
+  });
+  return out;
+}
+
+}  // namespace
+
+Result<uint64_t> highest_commit_seq(Filesystem& fs, const std::string& root) {
+  FERRY_ASSIGN_OR_RETURN(std::vector<Candidate> all, committed_by_seq(fs, root));
+  return all.empty() ? 0 : all.front().summary.commit_seq;
 }
 
 Result<CheckpointInfo> find_latest(Filesystem& fs, const std::string& root) {
-  FERRY_ASSIGN_OR_RETURN(std::vector<CheckpointInfo> all, list_checkpoints(fs, root));
-  // Sorted by (commit_seq, step): the last readable one wins.
-  for (auto it = all.rbegin(); it != all.rend(); ++it) {
-    if (it->status.ok()) return *it;
+  FERRY_ASSIGN_OR_RETURN(std::vector<Candidate> all, committed_by_seq(fs, root));
+  const std::string hint = read_latest_hint(fs, root);
+  // Only the choice is decoded whole; one that fails gives way to the next.
+  for (const Candidate& c : all) {
+    CheckpointInfo info;
+    info.path = join_path(root, c.name);
+    Result<Manifest> m = read_manifest(fs, info.path);
+    if (!m.ok()) continue;
+    parse_step_dir_name(c.name, &info.step);
+    info.commit_seq = m->commit_seq;
+    info.bytes = m->total_bytes();
+    info.tensors = m->tensors.size();
+    info.latest_hint = (c.name == hint);
+    return info;
   }
   return Status::not_found("no committed checkpoint with a readable manifest in " + root);
 }

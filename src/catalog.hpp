@@ -61,9 +61,10 @@ Result<std::vector<CheckpointInfo>> list_checkpoints(Filesystem& fs, const std::
 
 // The highest commit sequence of the committed checkpoints in `root` (0 if
 // none), for the next commit to exceed. Unreadable manifests count for
-// nothing, as in list_checkpoints. A manifest read once is known by its
-// frame's payload checksum after that: a commit reads each manifest's first
-// 4 KiB, not all of it, so it does not slow down as checkpoints accumulate.
+// nothing, as in list_checkpoints. Neither this nor find_latest decodes every
+// manifest: each is summarized (ManifestSummary) once per process, and after
+// that known by the first 4 KiB of its file, so commits and loads do not slow
+// down as checkpoints accumulate.
 Result<uint64_t> highest_commit_seq(Filesystem& fs, const std::string& root);
 
 // The committed checkpoint with the highest commit sequence whose manifest

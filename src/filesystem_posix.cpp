@@ -330,7 +330,8 @@ Result<std::string> read_file_head(Filesystem& fs, const std::string& path, uint
   return out;
 }
 
-Result<std::string> read_file(Filesystem& fs, const std::string& path, uint64_t max_bytes) {
+Status read_file_into(Filesystem& fs, const std::string& path, std::string* out,
+                      uint64_t max_bytes) {
   FERRY_ASSIGN_OR_RETURN(FileInfo info, regular_file(fs, path));
   if (info.size > max_bytes)
     return Status::invalid_argument("read_file " + path + ": " + std::to_string(info.size) +
@@ -339,26 +340,31 @@ Result<std::string> read_file(Filesystem& fs, const std::string& path, uint64_t 
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<File> f, fs.open(path, OpenOptions{}));
   // The size is a hint: the file may have grown since stat, so read to EOF
   // through a small probe instead of doubling a possibly large buffer.
-  std::string out(static_cast<size_t>(info.size), '\0');
+  out->resize(static_cast<size_t>(info.size));
   size_t have = 0;
   while (true) {
-    if (have < out.size()) {
-      FERRY_ASSIGN_OR_RETURN(size_t n, f->pread(&out[have], out.size() - have, have));
+    if (have < out->size()) {
+      FERRY_ASSIGN_OR_RETURN(size_t n, f->pread(&(*out)[have], out->size() - have, have));
       have += n;
-      if (have < out.size()) break;  // pread stops short only at end of file
+      if (have < out->size()) break;  // pread stops short only at end of file
     } else {
       char probe[4096];
       FERRY_ASSIGN_OR_RETURN(size_t n, f->pread(probe, sizeof(probe), have));
       if (n == 0) break;
-      out.append(probe, n);
+      out->append(probe, n);
       have += n;
       if (have > max_bytes)
         return Status::invalid_argument("read_file " + path + ": grew past " +
                                         std::to_string(max_bytes) + " bytes while read");
     }
   }
-  out.resize(have);
-  FERRY_RETURN_IF_ERROR(f->close());
+  out->resize(have);
+  return f->close();
+}
+
+Result<std::string> read_file(Filesystem& fs, const std::string& path, uint64_t max_bytes) {
+  std::string out;
+  FERRY_RETURN_IF_ERROR(read_file_into(fs, path, &out, max_bytes));
   return out;
 }
 

@@ -490,12 +490,40 @@ Result<uint64_t> manifest_payload_sum(std::string_view head) {
   return fr.payload_sum;
 }
 
-Result<Manifest> decode_manifest(std::string_view bytes) {
+namespace {
+
+// Payloads are read in place when aligned, else copied into a buffer this
+// thread keeps (up to 64 MiB): ordering many checkpoints reads many
+// manifests, and a fresh buffer for each cost more in page faults than
+// everything else.
+std::vector<capnp::word>& payload_scratch() {
+  static thread_local std::vector<capnp::word> scratch;
+  return scratch;
+}
+
+kj::ArrayPtr<const capnp::word> payload_words(std::string_view payload) {
+  const size_t nwords = payload.size() / sizeof(capnp::word);
+  if (reinterpret_cast<uintptr_t>(payload.data()) % alignof(capnp::word) == 0)
+    return {reinterpret_cast<const capnp::word*>(payload.data()), nwords};
+  std::vector<capnp::word>& scratch = payload_scratch();
+  scratch.resize(nwords);
+  std::memcpy(scratch.data(), payload.data(), nwords * sizeof(capnp::word));
+  return {scratch.data(), nwords};
+}
+
+void trim_payload_scratch() {
+  std::vector<capnp::word>& scratch = payload_scratch();
+  if (scratch.capacity() * sizeof(capnp::word) > (64u << 20))
+    std::vector<capnp::word>().swap(scratch);
+}
+
+// Checks the frame, the payload's length and checksum, then hands the
+// payload's root to `read` (which may throw what Cap'n Proto throws).
+template <class Read>
+Status read_checked_payload(std::string_view bytes, Frame* fr, Read&& read) {
   FrameReader r(bytes);
-  FERRY_ASSIGN_OR_RETURN(Frame fr, read_frame(r, bytes.size()));
-  const uint32_t version = fr.version;
-  const std::vector<std::string>& features = fr.features;
-  const uint64_t payload_len = fr.payload_len, payload_sum = fr.payload_sum;
+  FERRY_ASSIGN_OR_RETURN(*fr, read_frame(r, bytes.size()));
+  const uint64_t payload_len = fr->payload_len;
   if (payload_len != r.remaining())
     return Status::corruption("MANIFEST payload length is " + std::to_string(payload_len) +
                               " but " + std::to_string(r.remaining()) + " bytes follow");
@@ -505,30 +533,54 @@ Result<Manifest> decode_manifest(std::string_view bytes) {
   std::string_view payload;
   r.take(payload_len, &payload);
   const uint64_t actual_sum = xxh3_64(payload.data(), payload.size());
-  if (actual_sum != payload_sum)
+  if (actual_sum != fr->payload_sum)
     return Status::corruption("MANIFEST payload checksum mismatch (stored " +
-                              std::to_string(payload_sum) + ", computed " +
+                              std::to_string(fr->payload_sum) + ", computed " +
                               std::to_string(actual_sum) + ")");
 
   // Cap'n Proto reads words in place, so it needs 8-byte alignment the input
   // string does not promise.
   const size_t nwords = payload_len / sizeof(capnp::word);
-  Manifest m;
+  struct Trim {
+    ~Trim() { trim_payload_scratch(); }
+  } trim;
   try {
-    kj::Array<capnp::word> words = capnp_util::aligned_words(payload.data(), payload_len);
-    capnp::FlatArrayMessageReader reader(words.asPtr(),
-                                         capnp_util::bounded_options(nwords, kMarginWords));
+    const kj::ArrayPtr<const capnp::word> words = payload_words(payload);
+    capnp::FlatArrayMessageReader reader(words, capnp_util::bounded_options(nwords, kMarginWords));
     if (reader.getEnd() != words.end())
       return Status::corruption("MANIFEST payload has " +
                                 std::to_string((words.end() - reader.getEnd()) * 8) +
                                 " bytes after the message");
-    FERRY_RETURN_IF_ERROR(from_proto(reader.getRoot<proto::Manifest>(), &m));
+    return read(reader.getRoot<proto::Manifest>());
   } catch (const kj::Exception& e) {
     return Status::corruption("MANIFEST payload does not decode: " +
                               std::string(e.getDescription().cStr()));
   } catch (const std::exception& e) {
     return Status::corruption(std::string("MANIFEST payload does not decode: ") + e.what());
   }
+}
+
+}  // namespace
+
+Result<ManifestSummary> summarize_manifest(std::string_view bytes) {
+  Frame fr;
+  ManifestSummary out;
+  FERRY_RETURN_IF_ERROR(read_checked_payload(bytes, &fr, [&out](proto::Manifest::Reader root) {
+    out.step = root.getStep();
+    out.commit_seq = root.getCommitSeq();
+    return Status();
+  }));
+  out.payload_sum = fr.payload_sum;
+  return out;
+}
+
+Result<Manifest> decode_manifest(std::string_view bytes) {
+  Frame fr;
+  Manifest m;
+  FERRY_RETURN_IF_ERROR(read_checked_payload(
+      bytes, &fr, [&m](proto::Manifest::Reader root) { return from_proto(root, &m); }));
+  const uint32_t version = fr.version;
+  const std::vector<std::string>& features = fr.features;
 
   // The payload repeats the frame's version and features so that a frame
   // edited without the payload (which the checksum cannot see) is caught.

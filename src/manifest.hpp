@@ -85,6 +85,17 @@ std::string encode_manifest(const Manifest& m);
 // Status (corruption / unsupported) naming what is wrong; never throws.
 Result<Manifest> decode_manifest(std::string_view bytes);
 
+// What ordering checkpoints needs, for a fraction of decode_manifest's
+// cost: the frame and the payload checksum are checked, and of the payload
+// only the root's step and commit sequence are read. A manifest it accepts
+// may still fail decode_manifest's checks of the tensors.
+struct ManifestSummary {
+  uint64_t step = 0;
+  uint64_t commit_seq = 0;
+  uint64_t payload_sum = 0;
+};
+Result<ManifestSummary> summarize_manifest(std::string_view bytes);
+
 // The payload checksum from a manifest's frame, which `head` (the file's
 // first bytes, 4 KiB hold any frame this build writes) need only contain:
 // it names the manifest's content without reading or decoding the rest.

@@ -270,7 +270,7 @@ TEST_CASE("catalog works through a wrapped filesystem", "[catalog]") {
   CHECK(fs.lists >= 1);
 }
 
-TEST_CASE("highest_commit_seq reads each manifest whole once, then only its frame", "[catalog]") {
+TEST_CASE("commit sequences: each manifest is read whole once, then only its frame", "[catalog]") {
   // Counts the bytes read from MANIFEST files.
   struct CountingFile : File {
     std::unique_ptr<File> f;
@@ -344,6 +344,23 @@ TEST_CASE("highest_commit_seq reads each manifest whole once, then only its fram
                             bad, false)
               .ok());
   CHECK(*highest_commit_seq(fs, root) == 41);
+  CHECK(find_latest(fs, root)->step == 300);
+
+  // Intact frame and checksum, contents that fail decode_manifest's checks:
+  // its number counts for the next commit, but find_latest decodes its
+  // choice whole and passes it over.
+  m.step = 800;
+  m.commit_seq = 50;
+  m.checksum_block_bytes = 0;
+  REQUIRE(fs.mkdirs(join_path(root, step_dir_name(800))).ok());
+  REQUIRE(write_file_atomic(fs, join_path(root, join_path(step_dir_name(800), kManifestFileName)),
+                            encode_manifest(m), false)
+              .ok());
+  CHECK(*highest_commit_seq(fs, root) == 50);
+  auto latest = find_latest(fs, root);
+  REQUIRE(latest.ok());
+  CHECK(latest->step == 300);
+  CHECK(latest->commit_seq == 41);
 }
 
 }  // namespace
