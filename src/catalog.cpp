@@ -201,8 +201,13 @@ namespace {
 // decodes its choice whole. (Reading and decoding every manifest took 5 ms
 // per kept checkpoint of 5,000 tensors, on every commit and load.)
 Result<ManifestSummary> read_summary(Filesystem& fs, const std::string& dir) {
-  static std::mutex mu;
-  static std::unordered_map<uint64_t, ManifestSummary> by_sum;
+  // Never destroyed: a thread may still read a catalog while the process
+  // exits.
+  struct Known {
+    std::mutex mu;
+    std::unordered_map<uint64_t, ManifestSummary> by_sum;
+  };
+  static Known* const known = new Known;
   constexpr size_t kMaxRemembered = 1 << 16;
   constexpr uint64_t kFrameHeadBytes = 4096;
 
@@ -211,9 +216,9 @@ Result<ManifestSummary> read_summary(Filesystem& fs, const std::string& dir) {
   FERRY_ASSIGN_OR_RETURN(std::string head, read_file_head(fs, path, kFrameHeadBytes));
   Result<uint64_t> sum = manifest_payload_sum(head);
   if (sum.ok()) {
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = by_sum.find(*sum);
-    if (it != by_sum.end()) return it->second;
+    std::lock_guard<std::mutex> lock(known->mu);
+    auto it = known->by_sum.find(*sum);
+    if (it != known->by_sum.end()) return it->second;
   }
   // One buffer for every manifest this thread reads (see read_file_into).
   static thread_local std::string bytes;
@@ -221,9 +226,9 @@ Result<ManifestSummary> read_summary(Filesystem& fs, const std::string& dir) {
   Result<ManifestSummary> s = summarize_manifest(bytes);
   if (bytes.capacity() > (64u << 20)) std::string().swap(bytes);
   if (!s.ok()) return s.status().with_context(path + ": ");
-  std::lock_guard<std::mutex> lock(mu);
-  if (by_sum.size() >= kMaxRemembered) by_sum.clear();
-  by_sum.emplace(s->payload_sum, *s);
+  std::lock_guard<std::mutex> lock(known->mu);
+  if (known->by_sum.size() >= kMaxRemembered) known->by_sum.clear();
+  known->by_sum.emplace(s->payload_sum, *s);
   return s;
 }
 
