@@ -15,13 +15,13 @@
 namespace ferry {
 
 struct Options {
-  std::string root;                   // root: checkpoint directory ("" = must be given per call)
-  uint64_t pool_bytes = 1ull << 30;   // pool-bytes: staging pool size
+  std::string root;                    // root: checkpoint directory ("" = must be given per call)
+  uint64_t pool_bytes = 1ull << 30;    // pool-bytes: staging pool size
   uint64_t chunk_bytes = 32ull << 20;  // chunk-bytes: pool block = write size
-  uint32_t writers = 2;               // writers: writer threads per rank
-  bool direct_io = true;              // direct-io: O_DIRECT data writes and load reads
-  bool fsync = true;                  // fsync: data, manifest, directories
-  bool checksum = true;               // checksum: xxh3-64 per checksum block
+  uint32_t writers = 2;                // writers: writer threads per rank
+  bool direct_io = true;               // direct-io: O_DIRECT data writes and load reads
+  bool fsync = true;                   // fsync: data, manifest, directories
+  bool checksum = true;                // checksum: xxh3-64 per checksum block
   uint64_t checksum_block_bytes = 1ull << 20;  // checksum-block-bytes
   uint32_t keep_last = 0;                      // keep-last: retention, 0 keeps all
   bool fail_fast = false;                      // fail-fast: 2nd save_async fails instead of waiting
