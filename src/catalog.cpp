@@ -224,7 +224,7 @@ Result<ManifestSummary> read_summary(Filesystem& fs, const std::string& dir) {
   static thread_local std::string bytes;
   FERRY_RETURN_IF_ERROR(read_file_into(fs, path, &bytes));
   Result<ManifestSummary> s = summarize_manifest(bytes);
-  if (bytes.capacity() > (64u << 20)) std::string().swap(bytes);
+  if (bytes.capacity() > kKeptManifestBufferBytes) std::string().swap(bytes);
   if (!s.ok()) return s.status().with_context(path + ": ");
   std::lock_guard<std::mutex> lock(known->mu);
   if (known->by_sum.size() >= kMaxRemembered) known->by_sum.clear();

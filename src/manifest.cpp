@@ -493,7 +493,7 @@ Result<uint64_t> manifest_payload_sum(std::string_view head) {
 namespace {
 
 // Payloads are read in place when aligned, else copied into a buffer this
-// thread keeps (up to 64 MiB): ordering many checkpoints reads many
+// thread keeps (up to kKeptManifestBufferBytes): ordering many checkpoints reads many
 // manifests, and a fresh buffer for each cost more in page faults than
 // everything else.
 std::vector<capnp::word>& payload_scratch() {
@@ -513,7 +513,7 @@ kj::ArrayPtr<const capnp::word> payload_words(std::string_view payload) {
 
 void trim_payload_scratch() {
   std::vector<capnp::word>& scratch = payload_scratch();
-  if (scratch.capacity() * sizeof(capnp::word) > (64u << 20))
+  if (scratch.capacity() * sizeof(capnp::word) > kKeptManifestBufferBytes)
     std::vector<capnp::word>().swap(scratch);
 }
 
@@ -579,15 +579,13 @@ Result<Manifest> decode_manifest(std::string_view bytes) {
   Manifest m;
   FERRY_RETURN_IF_ERROR(read_checked_payload(
       bytes, &fr, [&m](proto::Manifest::Reader root) { return from_proto(root, &m); }));
-  const uint32_t version = fr.version;
-  const std::vector<std::string>& features = fr.features;
 
   // The payload repeats the frame's version and features so that a frame
   // edited without the payload (which the checksum cannot see) is caught.
-  if (m.format_version != version)
-    return Status::corruption("MANIFEST frame says version " + std::to_string(version) +
+  if (m.format_version != fr.version)
+    return Status::corruption("MANIFEST frame says version " + std::to_string(fr.version) +
                               " but its payload says " + std::to_string(m.format_version));
-  if (m.required_features != features)
+  if (m.required_features != fr.features)
     return Status::corruption("MANIFEST frame and payload list different required features");
 
   FERRY_RETURN_IF_ERROR(check_semantics(m));

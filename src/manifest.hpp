@@ -95,6 +95,9 @@ struct ManifestSummary {
   uint64_t payload_sum = 0;
 };
 Result<ManifestSummary> summarize_manifest(std::string_view bytes);
+// The most a thread keeps of the buffers it reads manifests through, between
+// reads (decode_manifest's aligned copy, the catalog's file bytes).
+constexpr size_t kKeptManifestBufferBytes = 64u << 20;
 
 // The payload checksum from a manifest's frame, which `head` (the file's
 // first bytes, 4 KiB hold any frame this build writes) need only contain:
