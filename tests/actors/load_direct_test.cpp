@@ -317,6 +317,11 @@ TEST_CASE("corruption in one block is detected and named", "[actors][load][corru
     CHECK_THAT(st.message(), Catch::Contains("block 5"));
     CHECK_THAT(st.message(), Catch::Contains("rank 0"));
     CHECK_THAT(st.message(), Catch::Contains(fs::path(data).filename().string()));
+    // Blocks are checked before their bytes are copied: none of block 5
+    // reached the tensor, whatever landed before it.
+    const Buf fresh({512, 512}, 3);
+    const size_t b5 = 5 * (64 << 10);
+    CHECK(std::memcmp(o.bytes.data() + b5, fresh.bytes.data() + b5, 64 << 10) == 0);
   }
   SECTION("a shard that does not touch the block loads") {
     // Rows [0, 64) are blocks 0..1; the flipped byte is in block 5.
