@@ -5,9 +5,13 @@
 // filesystem takes it), keeps several reads in flight on helper threads
 // while it verifies the checksum blocks of the run that landed and copies the
 // requested bytes into the caller's tensors through the device. The pool is
-// bounded: a load larger than it streams through the same few blocks.
+// bounded: a load larger than it streams through the same few blocks. A
+// large op that fills a whole contiguous range of a host tensor the file's
+// reads can write to (its alignment, read-into-tensors) skips the staging
+// block: it is read straight into the tensor and verified there.
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -15,6 +19,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <functional>
 #include <future>
@@ -193,11 +198,36 @@ Status verify_and_copy(const RankContext& ctx, const Manifest& m, const ReadOp& 
   return s;
 }
 
+// What a read straight into a caller's memory must respect: the alignment
+// of the memory and of the file offset. O_DIRECT's come from statx
+// (STATX_DIOALIGN, Linux 6.1; an NVMe drive takes any 4-byte aligned
+// memory), else the 4096 the rest of the reader assumes; a buffered read
+// takes any.
+struct ReadAlign {
+  uint64_t memory = 1, offset = 1;
+};
+
+ReadAlign direct_align(const std::string& path) {
+  ReadAlign a{kAlign, kAlign};
+#ifdef STATX_DIOALIGN
+  struct statx sx {};
+  if (::statx(AT_FDCWD, path.c_str(), 0, STATX_DIOALIGN, &sx) == 0 &&
+      (sx.stx_mask & STATX_DIOALIGN) && sx.stx_dio_mem_align > 0 &&
+      sx.stx_dio_mem_align <= kAlign && sx.stx_dio_offset_align > 0 &&
+      sx.stx_dio_offset_align <= kAlign) {
+    a.memory = sx.stx_dio_mem_align;
+    a.offset = sx.stx_dio_offset_align;
+  }
+#endif
+  return a;
+}
+
 // A data file as one reader uses it. `cache_fd` is a plain descriptor kept
 // only to drop the pages a buffered read left in the page cache.
 struct OpenFile {
   std::unique_ptr<File> file;
   std::string path;
+  ReadAlign align;
   int cache_fd = -1;
   ~OpenFile() {
     if (cache_fd >= 0) ::close(cache_fd);
@@ -256,9 +286,23 @@ class PreadThreads {
   std::vector<std::thread> threads_;
 };
 
+// A read of the reader's list: a run into a staging block, or one op read
+// straight into its tensor at `direct` (the run then holds that op alone and
+// its length is what one aligned pread takes of it; the rest, less than an
+// alignment unit, is read apart).
+struct Work {
+  ReadRun run;
+  uint8_t* direct = nullptr;
+};
+
+// Ops smaller than this (or than a staging block, which bounds every op)
+// share staged runs: one pread for many small tensors costs less than a
+// pread each, and their copies are cheap.
+constexpr uint64_t kDirectMinBytes = 1ull << 20;
+
 // One pread in flight: the block it reads into and its outcome.
 struct InFlight {
-  const ReadRun* run = nullptr;
+  const Work* work = nullptr;
   OpenFile* file = nullptr;
   std::optional<Lease> lease;
   std::unique_ptr<AlignedBuffer> heap;  // only for a run larger than a pool block
@@ -290,7 +334,7 @@ class RunReader {
         compressed.push_back(&op);
     }
     FERRY_RETURN_IF_ERROR(read_compressed_ops(compressed));
-    runs_ = make_read_runs(std::move(ops), *task_.manifest, block, kAlign);
+    FERRY_RETURN_IF_ERROR(plan_work(std::move(ops), block));
     size_t next = 0;
     while (next < runs_.size() || !inflight_.empty()) {
       while (next < runs_.size() && inflight_.size() < kReadsInFlight) {
@@ -338,16 +382,68 @@ class RunReader {
     o.no_readahead = true;
     FERRY_ASSIGN_OR_RETURN(f->file, ctx_.fs->open(f->path, o));
     FERRY_RETURN_IF_ERROR(verify_header(*f->file, task_.manifest->files[index], f->path));
-    if (!f->file->direct()) f->cache_fd = ::open(f->path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (f->file->direct())
+      f->align = direct_align(f->path);
+    else
+      f->cache_fd = ::open(f->path.c_str(), O_RDONLY | O_CLOEXEC);
     slot = std::move(f);
     return slot.get();
   }
 
-  // Starts the read of `run`; false when no staging block is free now.
-  Result<bool> start(const ReadRun& run, uint64_t block) {
+  // Where `op` can be read straight into its tensor, that tensor's bytes:
+  // a large op that fills one contiguous host range whose address and file
+  // offset the file's reads accept. The copy out of a staging block then
+  // goes away, and on a fast disk that copy is what limits a load.
+  uint8_t* direct_target(const ReadOp& op, const OpenFile& f, uint64_t block) const {
+    const TensorView& t = task_.targets[op.entry];
+    if (!ctx_.opts.read_into_tensors || op.length < std::min(kDirectMinBytes, block) ||
+        !t.device.is_host() || !t.is_contiguous())
+      return nullptr;
+    int pieces = 0;
+    bool whole = false;
+    uint64_t at = 0;
+    for_each_copy(op, dtype_size(t.dtype), [&](uint64_t src, uint64_t dst, uint64_t n) {
+      ++pieces;
+      whole = src == 0 && n == op.length;
+      at = dst;
+    });
+    uint8_t* p = static_cast<uint8_t*>(t.data) + at;
+    if (pieces != 1 || !whole || reinterpret_cast<uintptr_t>(p) % f.align.memory != 0 ||
+        op.file_offset % f.align.offset != 0)
+      return nullptr;
+    return p;
+  }
+
+  // The reader's list, in file order: ops read straight into their tensors,
+  // and runs of the others through staging blocks.
+  Status plan_work(std::vector<ReadOp> ops, uint64_t block) {
+    std::vector<ReadOp> staged;
+    for (ReadOp& op : ops) {
+      FERRY_ASSIGN_OR_RETURN(OpenFile * f, open(op.file));
+      uint8_t* p = direct_target(op, *f, block);
+      if (!p) {
+        staged.push_back(std::move(op));
+        continue;
+      }
+      const uint64_t head = op.length / f->align.offset * f->align.offset;
+      runs_.push_back({ReadRun{op.file, op.file_offset, head, {std::move(op)}}, p});
+    }
+    for (ReadRun& r : make_read_runs(std::move(staged), *task_.manifest, block, kAlign))
+      runs_.push_back({std::move(r), nullptr});
+    std::stable_sort(runs_.begin(), runs_.end(), [](const Work& a, const Work& b) {
+      return std::tie(a.run.file, a.run.offset) < std::tie(b.run.file, b.run.offset);
+    });
+    return Status();
+  }
+
+  // Starts the read of `w`; false when no staging block is free now.
+  Result<bool> start(const Work& w, uint64_t block) {
+    const ReadRun& run = w.run;
     InFlight f;
-    f.run = &run;
-    if (run.length <= block) {
+    f.work = &w;
+    if (w.direct) {
+      f.buf = w.direct;
+    } else if (run.length <= block) {
       f.lease = ctx_.pool->try_acquire();
       if (!f.lease) return false;
       auto data = ctx_.pool->data(*f.lease);
@@ -375,20 +471,19 @@ class RunReader {
   }
 
   Status finish(InFlight& f) {
-    const ReadRun& run = *f.run;
+    const ReadRun& run = f.work->run;
     const Manifest& m = *task_.manifest;
     const std::string& path = f.file->path;
     Result<size_t> got = f.got.get();
     if (!got.ok()) return got.status();
     kill_point("load.read");
+    if (f.work->direct) return finish_direct(*f.file, run, f.work->direct, got.value());
     CopyLatch latch;
     Status s;
     for (const ReadOp& op : run.ops) {
       const uint64_t at = op.file_offset - run.offset;
       if (got.value() < at + op.length) {
-        s = Status::corruption("rank " + std::to_string(ctx_.rank) + ": file " + path +
-                               " is truncated: tensor '" + m.tensors[op.tensor].key +
-                               "' needs bytes up to " + std::to_string(op.file_offset + op.length));
+        s = truncated(path, op);
         break;
       }
       s = verify_and_copy(ctx_, m, op, path, f.buf + at, task_.targets[op.entry], latch);
@@ -404,11 +499,47 @@ class RunReader {
     Status copied = latch.wait();
     FERRY_RETURN_IF_ERROR(s);
     FERRY_RETURN_IF_ERROR(copied);
-    // A buffered read leaves the checkpoint in the page cache, where it would
-    // push out what the job needs: drop the pages of this run.
-    if (f.file->cache_fd >= 0)
-      ::posix_fadvise(f.file->cache_fd, static_cast<off_t>(run.offset),
-                      static_cast<off_t>(run.length), POSIX_FADV_DONTNEED);
+    drop_cached(*f.file, run.offset, run.length);
+    return Status();
+  }
+
+  Status truncated(const std::string& path, const ReadOp& op) const {
+    return Status::corruption("rank " + std::to_string(ctx_.rank) + ": file " + path +
+                              " is truncated: tensor '" + task_.manifest->tensors[op.tensor].key +
+                              "' needs bytes up to " + std::to_string(op.file_offset + op.length));
+  }
+
+  // A buffered read leaves the checkpoint in the page cache, where it would
+  // push out what the job needs: drop the pages it read.
+  static void drop_cached(const OpenFile& f, uint64_t offset, uint64_t length) {
+    if (f.cache_fd >= 0)
+      ::posix_fadvise(f.cache_fd, static_cast<off_t>(offset), static_cast<off_t>(length),
+                      POSIX_FADV_DONTNEED);
+  }
+
+  // The op of `run` was read straight into its tensor at `p`, all but its
+  // last partial alignment unit: read that apart, then check the checksums
+  // in place. Bytes that fail them stay in the tensor (what a failed load
+  // leaves in its targets is undefined anyway); the error names the block.
+  Status finish_direct(OpenFile& f, const ReadRun& run, uint8_t* p, size_t got) {
+    const ReadOp& op = run.ops.front();
+    if (got < run.length) return truncated(f.path, op);
+    if (run.length < op.length) {
+      const uint64_t rest = op.length - run.length;
+      AlignedBuffer tail(kAlign);
+      if (!tail.p) return Status::internal("no memory for the end of a read of " + f.path);
+      const uint64_t len = (rest + f.align.offset - 1) / f.align.offset * f.align.offset;
+      FERRY_ASSIGN_OR_RETURN(size_t n, f.file->pread(tail.p, len, op.file_offset + run.length));
+      if (n < rest) return truncated(f.path, op);
+      std::memcpy(p + run.length, tail.p, rest);
+    }
+    const Manifest& m = *task_.manifest;
+    if (!m.tensors[op.tensor].chunks[op.chunk].checksums.empty())
+      for (uint32_t i = 0; i < op.nblocks; ++i)
+        FERRY_RETURN_IF_ERROR(verify_block(ctx_, m, op, f.path, p, i));
+    if (!op.share_with.empty() && task_.transport)
+      FERRY_RETURN_IF_ERROR(send_shared(ctx_, *task_.transport, task_.load_id, m, op, p));
+    drop_cached(f, op.file_offset, op.length);
     return Status();
   }
 
@@ -471,7 +602,7 @@ class RunReader {
   const RankContext& ctx_;
   const ReadTask& task_;
   PreadThreads io_;  // outlives no read: the destructor waits for every one first
-  std::vector<ReadRun> runs_;
+  std::vector<Work> runs_;
   std::map<uint32_t, std::unique_ptr<OpenFile>> files_;
   std::deque<InFlight> inflight_;
   std::optional<std::chrono::steady_clock::time_point> waiting_since_;

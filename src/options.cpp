@@ -303,6 +303,13 @@ const std::vector<KeySpec>& key_table() {
        [](const std::string& v, Options& o, std::string& why) {
          return parse_threads(v, o.readers, why);
        }},
+      {{"read-into-tensors", "true",
+        "load reads large host tensors whose memory and file offset O_DIRECT accepts straight "
+        "into them, without a staging copy; false stages every read (faster on virtual disks "
+        "that split reads into scattered pages)"},
+       [](const std::string& v, Options& o, std::string& why) {
+         return parse_bool(v, o.read_into_tensors, why);
+       }},
       {{"share-window", "8MiB",
         "most bytes of replicated load data one rank sends another before the other has taken "
         "them; bounds the memory of the ranks (rank 0 relays); a multiple of 4096, at most 1GiB"},

@@ -131,6 +131,7 @@ TEST_CASE("option_infos lists every key once, and its defaults resolve to Option
                                              "fail-fast",
                                              "lease-seconds",
                                              "readers",
+                                             "read-into-tensors",
                                              "share-window",
                                              "coordinator-address",
                                              "port",

@@ -27,6 +27,7 @@ struct Options {
   bool fail_fast = false;                      // fail-fast: 2nd save_async fails instead of waiting
   double lease_seconds = 30.0;                 // lease-seconds: pending directory lease
   uint32_t readers = 2;                        // readers: reader threads for load
+  bool read_into_tensors = true;  // read-into-tensors: load reads straight into aligned tensors
   // share-window: most bytes of a load's shared (replicated) data one rank
   // has sent another and not yet heard taken; bounds every queue on the way.
   uint64_t share_window_bytes = 8ull << 20;
