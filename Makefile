@@ -24,6 +24,7 @@ test: build
 
 bench: build
 	$(BUILD)/bench/ferry_bench_save
+	$(BUILD)/bench/ferry_bench_load
 	$(BUILD)/bench/ferry_bench_plan
 
 # Kills every rank role at every kill point RUNS times and prints a table
