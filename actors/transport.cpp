@@ -1411,7 +1411,12 @@ void Transport::Impl::drop_conn(Conn* conn, bool force) {
   if (s != by_session_.end() && s->second == conn) by_session_.erase(s);
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  p.flags = force && conn->peer_mode ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+  // Lanes are closed by flush even when forced: UCX 1.13 aborts the process
+  // (a debug assertion, dropped upstream later) when a forced close purges a
+  // wireup reply still queued to a peer that stopped answering mid-wireup,
+  // which a lane to a hung rank can be. The flush ends with the lane's
+  // error, and reap_closed releases it then.
+  p.flags = force && conn->peer_mode && !conn->lane ? UCP_EP_CLOSE_FLAG_FORCE : 0;
   ucs_status_ptr_t req = ucp_ep_close_nbx(conn->ep, &p);
   if (req == nullptr || UCS_PTR_IS_ERR(req)) {
     // Closed at once; on error UCX has released the endpoint all the same.
