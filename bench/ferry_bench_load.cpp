@@ -247,23 +247,26 @@ bool evict(const std::vector<std::string>& files) {
   return static_cast<bool>(dc);
 }
 
-// Warm (touched) aligned memory for the raw reader to read into.
-struct RawDestination {
+// Warm (touched) page-aligned memory: what the raw reader reads into, and
+// what holds each tensor a load fills.
+struct WarmMemory {
   uint8_t* data = nullptr;
   uint64_t bytes = 0;
-  RawDestination(uint64_t n, uint64_t block) : bytes((n + block - 1) / block * block) {
+  explicit WarmMemory(uint64_t n) : bytes(n) {
     void* mem = nullptr;
-    if (::posix_memalign(&mem, kAlign, bytes) != 0) die("no memory for the raw reader");
+    if (::posix_memalign(&mem, kAlign, bytes) != 0) die("no memory for " + std::to_string(n));
     data = static_cast<uint8_t*>(mem);
     std::memset(data, 0, bytes);
   }
-  ~RawDestination() { std::free(data); }
+  ~WarmMemory() { std::free(data); }
+  WarmMemory(const WarmMemory&) = delete;
+  WarmMemory& operator=(const WarmMemory&) = delete;
 };
 
 // The reference: each file read front to back with one O_DIRECT pread of
 // `block` bytes at a time, one block after the other into `dst` (which
 // holds a block more than the bytes per file).
-uint64_t raw_read(const std::vector<std::string>& files, RawDestination& dst, uint64_t block) {
+uint64_t raw_read(const std::vector<std::string>& files, WarmMemory& dst, uint64_t block) {
   uint64_t total = 0, at = 0;
   for (const auto& p : files) {
     const int fd = ::open(p.c_str(), O_RDONLY | O_DIRECT);
@@ -289,19 +292,13 @@ struct Tensor {
 // page, where torch's CPU allocator leaves its tensors; with --page-aligned
 // on a page, which O_DIRECT can read into straight.
 struct Target {
-  uint8_t* base = nullptr;
-  float* data = nullptr;
-  size_t count = 0;
-  Target(size_t n, bool page_aligned) : count(n) {
-    void* mem = nullptr;
-    if (::posix_memalign(&mem, kAlign, n * sizeof(float) + kAlign) != 0) die("no memory");
-    base = static_cast<uint8_t*>(mem);
-    data = reinterpret_cast<float*>(base + (page_aligned ? 0 : 64));
-    std::fill(data, data + n, -1.0f);  // touched, as a training job's parameters are
+  WarmMemory mem;
+  float* data;
+  Target(size_t n, bool page_aligned)
+      : mem(n * sizeof(float) + kAlign),
+        data(reinterpret_cast<float*>(mem.data + (page_aligned ? 0 : 64))) {
+    std::fill(data, data + n, -1.0f);  // as a training job's parameters are
   }
-  ~Target() { std::free(base); }
-  Target(const Target&) = delete;
-  Target& operator=(const Target&) = delete;
 };
 
 // What O_DIRECT asks of memory for `path` (statx STATX_DIOALIGN), 0 if unknown.
@@ -517,7 +514,7 @@ int main(int argc, char** argv) {
   }
 
   const uint64_t block = rts[0]->options().chunk_bytes;
-  RawDestination raw_dst(file_bytes + files.size() * block, block);
+  WarmMemory raw_dst((file_bytes + files.size() * block + block - 1) / block * block);
   const bool dropped = evict(files);
   const auto threads0 = kernel_by_thread();
   const Usage u0 = Usage::now();
