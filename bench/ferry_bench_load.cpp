@@ -6,11 +6,14 @@
 // buffer, which on a VM the host fills from its cache faster).
 //
 //   ferry_bench_load [--bytes SIZE] [--tensors N] [--reshard] [--ranks N]
-//                    [--page-aligned] [--pool-mib N] [--dir DIR] [--set K=V]...
+//                    [--page-aligned] [--pool-mib N] [--rounds N] [--dir DIR]
+//                    [--set K=V]...
 //
 // Order: allocate and touch the state and the tensors to load into, save
-// (not timed), evict the data files (posix_fadvise DONTNEED, then
-// drop_caches when root), load, check the bytes, evict again, raw read.
+// (not timed), then --rounds times (default 5): reset the targets, evict
+// the data files (posix_fadvise DONTNEED, then drop_caches when root), load,
+// check the bytes, evict again, raw read. The figures are the median round's
+// (by ratio): on a shared machine one pair can be off by 2x either way.
 // The tensors loaded into sit 64 bytes past a page, as torch's CPU tensors
 // do: where O_DIRECT wants more alignment of memory than that (512 bytes on
 // a virtio disk, 4 on NVMe), the load reads into staging blocks and copies;
@@ -31,6 +34,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -62,6 +66,7 @@ struct Flags {
   std::string child_ckpt;     // --child: this process is one of those ranks
   int64_t child_rows = 0;     // --rows: with --child
   uint64_t pool_mib = 256;
+  int rounds = 5;  // --rounds: load and raw read pairs; medians are reported
   std::string dir = "/var/tmp";
   std::vector<std::pair<std::string, std::string>> settings;
 };
@@ -78,6 +83,8 @@ struct Flags {
                "              page, like torch's CPU tensors)\n"
                "  --ranks N   N local ranks (processes) each load the whole state (replicated)\n"
                "  --pool-mib  staging pool per runtime (default 256)\n"
+               "  --rounds N  load, then raw read, N times; the figures are the median\n"
+               "              round's (default 5; --ranks runs one round)\n"
                "  --dir DIR   where to save (a fresh directory inside DIR, removed at the\n"
                "              end; default /var/tmp: a disk, not tmpfs)\n"
                "  --set K=V   any other [ferry] setting, e.g. --set direct-io=false\n",
@@ -127,6 +134,8 @@ Flags parse(int argc, char** argv) {
       f.child_ckpt = v;
     } else if (flag == "--rows") {
       f.child_rows = static_cast<int64_t>(parse_size(v, flag));
+    } else if (flag == "--rounds") {
+      f.rounds = static_cast<int>(parse_size(v, flag));
     } else if (flag == "--pool-mib") {
       f.pool_mib = parse_size(v, flag);
     } else if (flag == "--dir") {
@@ -310,6 +319,29 @@ uint32_t direct_memory_align(const std::string& path) {
     return sx.stx_dio_mem_align;
 #endif
   return 0;
+}
+
+// One load and the raw read right after it.
+struct Round {
+  double load_s = 0, raw_s = 0, load_gbps = 0, raw_gbps = 0, ratio = 0;
+  double load_kernel = 0, raw_kernel = 0, kernel_ratio = 0;
+  uint64_t load_disk = 0, raw_disk = 0;
+  std::map<std::string, double> threads0, threads1;
+};
+
+const Round& median_round(const std::vector<Round>& rounds) {
+  std::vector<const Round*> by(rounds.size());
+  for (size_t i = 0; i < rounds.size(); ++i) by[i] = &rounds[i];
+  std::sort(by.begin(), by.end(),
+            [](const Round* a, const Round* b) { return a->ratio < b->ratio; });
+  return *by[by.size() / 2];
+}
+
+double median(const std::vector<Round>& rounds, double Round::*field) {
+  std::vector<double> v;
+  for (const Round& r : rounds) v.push_back(r.*field);
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
 }
 
 const char* verdict(bool ok) {
@@ -515,41 +547,57 @@ int main(int argc, char** argv) {
 
   const uint64_t block = rts[0]->options().chunk_bytes;
   WarmMemory raw_dst((file_bytes + files.size() * block + block - 1) / block * block);
-  const bool dropped = evict(files);
-  const auto threads0 = kernel_by_thread();
-  const Usage u0 = Usage::now();
-  const auto t0 = Clock::now();
-  std::vector<ferry::Status> results(ranks);
-  {
-    std::vector<std::thread> threads;
+  // Each round loads, then reads raw right after: a pair sees the same state
+  // of the machine, and the median pair is the figure, not one lucky run.
+  std::vector<Round> rounds(static_cast<size_t>(f.rounds));
+  bool dropped = true;
+  for (Round& rd : rounds) {
+    // Targets hold the wrong bytes again, or a load that wrote nothing in a
+    // later round would pass the byte check.
+    for (uint32_t t = 0; t < f.tensors; ++t)
+      std::fill(out[t]->data, out[t]->data + state[t].data.size(), -1.0f);
+    dropped = evict(files) && dropped;
+    rd.threads0 = kernel_by_thread();
+    const Usage u0 = Usage::now();
+    const auto t0 = Clock::now();
+    std::vector<ferry::Status> results(ranks);
+    {
+      std::vector<std::thread> threads;
+      for (int r = 0; r < ranks; ++r)
+        threads.emplace_back([&, r] { results[r] = rts[r]->load(sds[r], ckpt); });
+      for (auto& th : threads) th.join();
+    }
+    rd.load_s = std::chrono::duration<double>(Clock::now() - t0).count();
+    const Usage u1 = Usage::now();
+    rd.threads1 = kernel_by_thread();
     for (int r = 0; r < ranks; ++r)
-      threads.emplace_back([&, r] { results[r] = rts[r]->load(sds[r], ckpt); });
-    for (auto& th : threads) th.join();
+      if (!results[r].ok()) die("load (rank " + std::to_string(r) + "): " + results[r].to_string());
+    for (uint32_t t = 0; t < f.tensors; ++t)
+      if (std::memcmp(out[t]->data, state[t].data.data(), state[t].data.size() * 4) != 0)
+        die("tensor layer." + std::to_string(t) + " loaded wrong bytes");
+
+    evict(files);
+    const Usage u2 = Usage::now();
+    const auto t1 = Clock::now();
+    const uint64_t raw_bytes = raw_read(files, raw_dst, block);
+    rd.raw_s = std::chrono::duration<double>(Clock::now() - t1).count();
+    const Usage u3 = Usage::now();
+    rd.load_gbps = static_cast<double>(state_bytes) / rd.load_s / 1e9;
+    rd.raw_gbps = static_cast<double>(raw_bytes) / rd.raw_s / 1e9;
+    rd.ratio = rd.load_gbps / rd.raw_gbps;
+    rd.load_kernel = u1.kernel_s - u0.kernel_s;
+    rd.raw_kernel = u3.kernel_s - u2.kernel_s;
+    rd.kernel_ratio = rd.raw_kernel > 0 ? rd.load_kernel / rd.raw_kernel : 0;
+    rd.load_disk = u1.disk_read - u0.disk_read;
+    rd.raw_disk = u3.disk_read - u2.disk_read;
   }
-  const double load_s = std::chrono::duration<double>(Clock::now() - t0).count();
-  const Usage u1 = Usage::now();
-  const auto threads1 = kernel_by_thread();
-  for (int r = 0; r < ranks; ++r)
-    if (!results[r].ok()) die("load (rank " + std::to_string(r) + "): " + results[r].to_string());
-  for (uint32_t t = 0; t < f.tensors; ++t)
-    if (std::memcmp(out[t]->data, state[t].data.data(), state[t].data.size() * 4) != 0)
-      die("tensor layer." + std::to_string(t) + " loaded wrong bytes");
-
-  evict(files);
-  const Usage u2 = Usage::now();
-  const auto t1 = Clock::now();
-  const uint64_t raw_bytes = raw_read(files, raw_dst, block);
-  const double raw_s = std::chrono::duration<double>(Clock::now() - t1).count();
-  const Usage u3 = Usage::now();
-
-  const double load_gbps = static_cast<double>(state_bytes) / load_s / 1e9;
-  const double raw_gbps = static_cast<double>(raw_bytes) / raw_s / 1e9;
-  const double ratio = load_gbps / raw_gbps;
-  const double load_kernel = u1.kernel_s - u0.kernel_s;
-  const double raw_kernel = u3.kernel_s - u2.kernel_s;
-  const double kernel_ratio = raw_kernel > 0 ? load_kernel / raw_kernel : 0;
-  const uint64_t load_disk = u1.disk_read - u0.disk_read;
-  const uint64_t raw_disk = u3.disk_read - u2.disk_read;
+  const Round& mid = median_round(rounds);
+  const double load_s = mid.load_s, load_gbps = mid.load_gbps, raw_s = mid.raw_s,
+               raw_gbps = mid.raw_gbps, ratio = mid.ratio;
+  const double load_kernel = median(rounds, &Round::load_kernel);
+  const double raw_kernel = median(rounds, &Round::raw_kernel);
+  const double kernel_ratio = median(rounds, &Round::kernel_ratio);
+  const uint64_t load_disk = mid.load_disk, raw_disk = mid.raw_disk;
   const double target = f.reshard ? 0.85 : 0.9;
   const double rss = peak_rss_mib();
 
@@ -566,17 +614,27 @@ int main(int argc, char** argv) {
       dio_mem && (f.page_aligned ? kAlign : 64) % dio_mem == 0
           ? "read straight into"
           : "read into staging blocks and copied (--page-aligned to read straight into them)");
+  std::string each;
+  for (const Round& rd : rounds) {
+    char one[96];
+    std::snprintf(one, sizeof(one), "%s%.3f/%.3f s = %.2f", each.empty() ? "" : ", ", rd.load_s,
+                  rd.raw_s, rd.ratio);
+    each += one;
+  }
+  std::printf("rounds (load/raw s = ratio): %s\n", each.c_str());
+  std::printf("median round of %zu:\n", rounds.size());
   std::printf("load (%s): %.3f s, %.2f GB/s, %.1f MiB read from disk, kernel CPU %.2f s\n",
               f.reshard ? "1 -> 2 ranks, aggregate" : "same sharding", load_s, load_gbps,
-              load_disk / double(kMiB), load_kernel);
+              load_disk / double(kMiB), mid.load_kernel);
   std::printf("load kernel CPU by thread: %s\n",
-              kernel_split(threads0, threads1, load_kernel).c_str());
+              kernel_split(mid.threads0, mid.threads1, mid.load_kernel).c_str());
   std::printf(
       "raw O_DIRECT reader: %.3f s, %.2f GB/s, %.1f MiB read from disk, kernel CPU %.2f s\n", raw_s,
-      raw_gbps, raw_disk / double(kMiB), raw_kernel);
+      raw_gbps, raw_disk / double(kMiB), mid.raw_kernel);
   std::printf("load / raw: %.2f (target >= %.2f: %s)\n", ratio, target, verdict(ratio >= target));
-  std::printf("kernel CPU load / raw: %.2f (target <= 2: %s)\n", kernel_ratio,
-              verdict(kernel_ratio <= 2.0));
+  std::printf(
+      "kernel CPU load / raw, median of the rounds: %.2f (%.2f s / %.2f s; target <= 2: %s)\n",
+      kernel_ratio, load_kernel, raw_kernel, verdict(kernel_ratio <= 2.0));
   std::printf(
       "peak RSS: %.0f MiB (state, load targets and the raw reader's memory %.0f MiB, pool %llu "
       "MiB x %d)\n",
@@ -584,14 +642,14 @@ int main(int argc, char** argv) {
       static_cast<unsigned long long>(f.pool_mib), ranks);
   std::printf(
       "{\"bench\":\"load\",\"state_bytes\":%llu,\"tensors\":%u,\"ranks\":%d,\"reshard\":%s,"
-      "\"page_aligned\":%s,"
+      "\"page_aligned\":%s,\"rounds\":%zu,"
       "\"load_s\":%.4f,\"load_gbps\":%.3f,\"raw_s\":%.4f,\"raw_gbps\":%.3f,\"ratio\":%.3f,"
       "\"ratio_target\":%.2f,\"load_disk_read_bytes\":%llu,\"raw_disk_read_bytes\":%llu,"
       "\"load_kernel_s\":%.3f,\"raw_kernel_s\":%.3f,\"kernel_ratio\":%.2f,\"peak_rss_mib\":%.0f,"
       "\"drop_caches\":%s}\n",
       static_cast<unsigned long long>(state_bytes), f.tensors, ranks, f.reshard ? "true" : "false",
-      f.page_aligned ? "true" : "false", load_s, load_gbps, raw_s, raw_gbps, ratio, target,
-      static_cast<unsigned long long>(load_disk), static_cast<unsigned long long>(raw_disk),
+      f.page_aligned ? "true" : "false", rounds.size(), load_s, load_gbps, raw_s, raw_gbps, ratio,
+      target, static_cast<unsigned long long>(load_disk), static_cast<unsigned long long>(raw_disk),
       load_kernel, raw_kernel, kernel_ratio, rss, dropped ? "true" : "false");
   return 0;
 }
