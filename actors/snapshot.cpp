@@ -9,8 +9,10 @@
 //                     +--abandon--> idle (blocks it holds go back to the pool)
 //
 // Where copies run. The actor never copies: host tensors' copies go to the
-// host copy lane, a thread of the snapshot's own with a FIFO queue, so a
-// snapshot neither waits for a busy scheduler nor holds one of its threads;
+// host copy lanes (copy-threads of them, blocks dealt in turn), threads of
+// the snapshot's own with a FIFO queue each, so a snapshot neither waits for
+// a busy scheduler nor holds one of its threads, and one core's memory
+// bandwidth does not bound it (the writes it feeds can go faster);
 // the copies of tensors on cuda:N go to the GPU snapshot actor of device N
 // (spawned when a save first uses it), which hands them to that device's
 // copy stream in the backend (its per-device bound on copies in flight
@@ -171,8 +173,9 @@ struct snapshot_state {
   std::vector<int> job_devices;            // the current save's: -1 host, N cuda:N
   std::map<int, gpu_snapshot_actor> gpus;  // by CUDA device index
   // Last: destroyed (joined) first, while the pool the copies write to and
-  // the device they use are still held above.
-  std::unique_ptr<CopyLane> host_lane;
+  // the device they use are still held above. Blocks go to them in turn.
+  std::vector<std::unique_ptr<CopyLane>> host_lanes;
+  size_t next_lane = 0;
 
   bool all_issued() const { return next_file >= job.files.size(); }
 };
@@ -309,10 +312,12 @@ void issue_block(snapshot_ptr self) {
       self->send(gpu, atom::gpu_copy_v, GpuCopies{std::move(block_copies), done, st.cancelled});
       continue;
     }
-    if (!st.host_lane) st.host_lane = std::make_unique<CopyLane>("ferry.copy");
-    st.host_lane->post([device = st.ctx->device, cancelled = st.cancelled, done,
-                        block_copies = std::move(block_copies),
-                        me = caf::actor_cast<caf::actor>(self)] {
+    if (st.host_lanes.empty())
+      for (uint32_t i = 0; i < st.ctx->opts.copy_threads; ++i)
+        st.host_lanes.push_back(std::make_unique<CopyLane>("ferry.copy"));
+    CopyLane& lane = *st.host_lanes[st.next_lane++ % st.host_lanes.size()];
+    lane.post([device = st.ctx->device, cancelled = st.cancelled, done,
+               block_copies = std::move(block_copies), me = caf::actor_cast<caf::actor>(self)] {
       if (cancelled->load()) {
         for (size_t i = 0; i < block_copies.size(); ++i) done->done(abandoned());
         return;
@@ -327,17 +332,20 @@ void issue_block(snapshot_ptr self) {
     });
   }
   // Once the last copy is queued with its device, wait_snapshot(stream) can
-  // order the caller's stream after it: the host lane and each GPU actor say
+  // order the caller's stream after it: the host lanes and each GPU actor say
   // so after they handed on what came before (both are FIFO).
   if (!st.all_issued() || !st.job.state) return;
   if (st.job_devices.empty()) return st.job.state->mark_copies_issued();
-  IssuedMark mark{std::make_shared<std::atomic<size_t>>(st.job_devices.size()), st.job.state};
-  for (int device : st.job_devices) {
-    if (device >= 0)
-      self->send(st.gpus[device], atom::gpu_issued_v, mark);
-    else
-      st.host_lane->post([mark] { mark.arrive(); });
-  }
+  // Every host lane says so, not only the one with the last block: the
+  // others may still copy earlier ones.
+  const bool host =
+      std::find(st.job_devices.begin(), st.job_devices.end(), -1) != st.job_devices.end();
+  const size_t marks = st.job_devices.size() - (host ? 1 : 0) + (host ? st.host_lanes.size() : 0);
+  IssuedMark mark{std::make_shared<std::atomic<size_t>>(marks), st.job.state};
+  for (int device : st.job_devices)
+    if (device >= 0) self->send(st.gpus[device], atom::gpu_issued_v, mark);
+  if (host)
+    for (auto& lane : st.host_lanes) lane->post([mark] { mark.arrive(); });
 }
 
 snapshot_actor::behavior_type snapshot_fun(snapshot_ptr self, ContextPtr ctx,

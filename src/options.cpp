@@ -254,6 +254,11 @@ const std::vector<KeySpec>& key_table() {
        [](const std::string& v, Options& o, std::string& why) {
          return parse_threads(v, o.writers, why);
        }},
+      {{"copy-threads", "2",
+        "threads per rank copying host tensors into the staging pool during a snapshot, 1 to 64"},
+       [](const std::string& v, Options& o, std::string& why) {
+         return parse_threads(v, o.copy_threads, why);
+       }},
       {{"direct-io", "true",
         "write and load data with O_DIRECT, bypassing the page cache, where the filesystem takes "
         "it"},

@@ -43,6 +43,7 @@ class GatedDevice : public ferry::DeviceBackend {
       ++started_;
       ++running_;
       threads_.insert(thread_name());
+      thread_ids_.insert(std::this_thread::get_id());
       cv_.notify_all();
       cv_.wait(lock, [this] { return open_; });
     }
@@ -79,6 +80,10 @@ class GatedDevice : public ferry::DeviceBackend {
     std::lock_guard<std::mutex> lock(mu_);
     return threads_;
   }
+  size_t thread_count() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return thread_ids_.size();
+  }
 
  private:
   mutable std::mutex mu_;
@@ -87,6 +92,7 @@ class GatedDevice : public ferry::DeviceBackend {
   int started_ = 0;
   int running_ = 0;
   std::set<std::string> threads_;
+  std::set<std::thread::id> thread_ids_;
 };
 
 constexpr uint64_t kBlock = 4096;
@@ -103,8 +109,9 @@ struct Rig {
   ferry::snapshot_actor snapshot;
   caf::scoped_actor parent{*sys.sys};
 
-  Rig() {
+  explicit Rig(uint32_t lanes) {
     auto ctx = ferry::testing::rank_context(0, 1);
+    ctx->opts.copy_threads = lanes;
     ctx->device = device;
     auto pool = ferry::StagingPool::create(2 * kTensors * kBlock, kBlock);
     REQUIRE(pool.ok());
@@ -133,21 +140,25 @@ struct Rig {
 
 }  // namespace
 
-TEST_CASE("snapshot: copies run on the snapshot's copy lane, not the caller's or a scheduler's",
+TEST_CASE("snapshot: copies run on the snapshot's copy lanes, not the caller's or a scheduler's",
           "[actors][snapshot]") {
-  Rig rig;
+  const uint32_t lanes = GENERATE(1u, 3u);
+  Rig rig(lanes);
   rig.device->open();
   caf::anon_send(rig.snapshot, ferry::atom::stream_v, rig.job);
   rig.device->wait_started(kTensors);
   CHECK(rig.device->threads() == std::set<std::string>{"ferry.copy"});
+  // Blocks are dealt to the lanes in turn: every lane copied some.
+  CHECK(rig.device->thread_count() == lanes);
   caf::anon_send_exit(rig.snapshot, caf::exit_reason::user_shutdown);
 }
 
 TEST_CASE("snapshot: abandon is answered once the running copy ends, queued copies are skipped",
           "[actors][snapshot]") {
-  Rig rig;
+  const uint32_t lanes = GENERATE(1u, 3u);
+  Rig rig(lanes);
   caf::anon_send(rig.snapshot, ferry::atom::stream_v, rig.job);
-  rig.device->wait_started(1);  // the lane is inside the first copy
+  rig.device->wait_started(static_cast<int>(lanes));  // each lane is inside its first copy
   Ask<bool> abandon(*rig.sys.sys, rig.snapshot, ferry::atom::abandon_v, rig.job.save);
   // Another save's abandon is answered at once, and after the first one was
   // handled (one mailbox, in order): the save is abandoned now.
@@ -156,13 +167,13 @@ TEST_CASE("snapshot: abandon is answered once the running copy ends, queued copi
   rig.device->open();
   CHECK(abandon.answer());
   CHECK(rig.device->running() == 0);
-  CHECK(rig.device->started() == 1);
+  CHECK(rig.device->started() == static_cast<int>(lanes));
   caf::anon_send_exit(rig.snapshot, caf::exit_reason::user_shutdown);
 }
 
-TEST_CASE("snapshot: exiting with copies queued joins the lane and runs none of them",
+TEST_CASE("snapshot: exiting with copies queued joins the lanes and runs none of them",
           "[actors][snapshot]") {
-  Rig rig;
+  Rig rig(2);
   // Long enough that the queued copies cannot all run before the exit.
   rig.device->copy_time = std::chrono::milliseconds(2);
   caf::anon_send(rig.snapshot, ferry::atom::stream_v, rig.job);

@@ -19,6 +19,7 @@ struct Options {
   uint64_t pool_bytes = 1ull << 30;    // pool-bytes: staging pool size
   uint64_t chunk_bytes = 32ull << 20;  // chunk-bytes: pool block = write size
   uint32_t writers = 2;                // writers: writer threads per rank
+  uint32_t copy_threads = 2;           // copy-threads: snapshot copies of host tensors
   bool direct_io = true;               // direct-io: O_DIRECT data writes and load reads
   bool fsync = true;                   // fsync: data, manifest, directories
   bool checksum = true;                // checksum: xxh3-64 per checksum block
