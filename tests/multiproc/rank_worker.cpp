@@ -393,6 +393,11 @@ int planner_steps(ferry::Runtime& rt, const ferry::StateDict& sd,
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Line by line to the pipe `ferry launch` reads: a rank that printed its
+  // result and is then killed while its runtime shuts down (the launcher
+  // stops the others 2 s after the first exits, and closing a lane to a
+  // stopped rank can take the transport's 2 s grace) keeps its result.
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
   const std::string mode = arg(argc, argv, "--mode", "save");
   const std::string root = arg(argc, argv, "--root", "");
   const uint64_t step = std::stoull(arg(argc, argv, "--step", "1"));
