@@ -338,14 +338,15 @@ void issue_block(snapshot_ptr self) {
   if (st.job_devices.empty()) return st.job.state->mark_copies_issued();
   // Every host lane says so, not only the one with the last block: the
   // others may still copy earlier ones.
-  const bool host =
-      std::find(st.job_devices.begin(), st.job_devices.end(), -1) != st.job_devices.end();
-  const size_t marks = st.job_devices.size() - (host ? 1 : 0) + (host ? st.host_lanes.size() : 0);
+  size_t marks = 0;
+  for (int device : st.job_devices) marks += device >= 0 ? 1 : st.host_lanes.size();
   IssuedMark mark{std::make_shared<std::atomic<size_t>>(marks), st.job.state};
-  for (int device : st.job_devices)
-    if (device >= 0) self->send(st.gpus[device], atom::gpu_issued_v, mark);
-  if (host)
-    for (auto& lane : st.host_lanes) lane->post([mark] { mark.arrive(); });
+  for (int device : st.job_devices) {
+    if (device >= 0)
+      self->send(st.gpus[device], atom::gpu_issued_v, mark);
+    else
+      for (auto& lane : st.host_lanes) lane->post([mark] { mark.arrive(); });
+  }
 }
 
 snapshot_actor::behavior_type snapshot_fun(snapshot_ptr self, ContextPtr ctx,
