@@ -93,21 +93,37 @@ void say(const std::string& msg) {
 
 // --- setup helpers -----------------------------------------------------------
 
-bool port_free(int port) {
+// A socket bound to `port` on loopback with SO_REUSEADDR and never listening,
+// or -1. While it is open, no bind(0) and no outgoing connect of any process
+// is given the port, and a bind without SO_REUSEADDR fails; rank 0's listener,
+// which sets SO_REUSEADDR, still binds and listens there.
+int reserve_port(int port) {
   const int s = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (s < 0) return false;
+  if (s < 0) return -1;
+  const int one = 1;
+  ::setsockopt(s, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   a.sin_port = htons(static_cast<uint16_t>(port));
-  const bool ok = ::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
-  ::close(s);
-  return ok;
+  if (::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+    ::close(s);
+    return -1;
+  }
+  return s;
 }
 
+struct PickedPort {
+  int port;
+  int reservation;  // holds port + 1 until the launcher exits
+};
+
 // A free MASTER_PORT whose successor is free too: Ferry's ranks meet on
-// MASTER_PORT + 1 while torch-style code may use MASTER_PORT itself.
-std::optional<int> free_port() {
+// MASTER_PORT + 1 while torch-style code may use MASTER_PORT itself. The
+// successor stays reserved for the job: checked and let go, it was taken
+// by another process's connect or listener often enough, under parallel
+// jobs, that rank 0 failed with "Address already in use" (CI, once).
+std::optional<PickedPort> free_port() {
   for (int attempt = 0; attempt < 64; ++attempt) {
     const int s = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (s < 0) return std::nullopt;
@@ -120,7 +136,8 @@ std::optional<int> free_port() {
         ::getsockname(s, reinterpret_cast<sockaddr*>(&a), &len) == 0)
       port = ntohs(a.sin_port);
     ::close(s);
-    if (port > 0 && port < 65535 && port_free(port + 1)) return port;
+    if (port <= 0 || port >= 65535) continue;
+    if (const int held = reserve_port(port + 1); held >= 0) return PickedPort{port, held};
   }
   return std::nullopt;
 }
@@ -423,7 +440,7 @@ int cmd_launch(const Args& args) {
   } else if (const char* p = env_or_null("MASTER_PORT")) {
     port = p;
   } else if (auto p = free_port()) {
-    port = std::to_string(*p);
+    port = std::to_string(p->port);  // p->reservation closes when the launcher exits
   } else {
     std::fprintf(stderr, "ferry launch: no free port on 127.0.0.1: %s (use --port)\n",
                  std::strerror(errno));

@@ -93,6 +93,37 @@ TEST_CASE("launch gives every rank the same MASTER_PORT and address", "[launch]"
   }
 }
 
+// Ranks meet on MASTER_PORT + 1. A free port picked and let go before the
+// ranks start can be taken by any other process's connect or listener in
+// between (rank 0 then fails with "Address already in use"): the launcher
+// holds it for the job, so that a plain bind fails while a listener that
+// sets SO_REUSEADDR, as rank 0's does, binds, listens and is reached.
+TEST_CASE("launch holds MASTER_PORT + 1 for the job's rank 0 alone", "[launch]") {
+  ferry::testing::TempDir dir;
+  const std::string script = dir.sub("probe.py");
+  std::ofstream(script) << R"(import os, socket
+port = int(os.environ["MASTER_PORT"]) + 1
+plain = socket.socket()
+try:
+    plain.bind(("127.0.0.1", port))
+    print("plain bind: taken")
+except OSError:
+    print("plain bind: refused")
+lis = socket.socket()
+lis.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+lis.bind(("127.0.0.1", port))
+lis.listen(1)
+conn = socket.create_connection(("127.0.0.1", port))
+lis.accept()
+print("rank 0 listener: reached")
+)";
+  const Run r = launch("-n 1 -- python3 " + script);
+  INFO(dump(r));
+  CHECK(r.code == 0);
+  CHECK(has(r, "[rank 0] plain bind: refused"));
+  CHECK(has(r, "[rank 0] rank 0 listener: reached"));
+}
+
 TEST_CASE("launch forwards stderr and a last line without newline", "[launch]") {
   const Run r = launch("-n 2 -- sh -c 'echo out-$RANK; echo err-$RANK >&2; printf tail-$RANK'");
   INFO(dump(r));

@@ -238,9 +238,11 @@ namespace {
 void crash_at_kill_point(const std::string& point) {
   const char* runs_env = std::getenv("FERRY_CRASH_RUNS");
   const int runs = runs_env ? std::max(1, std::atoi(runs_env)) : 1;
-  // The saves below use a 1 s lease: gc is asked about a moment past its
-  // expiry instead of the test sleeping until then.
-  const int64_t lease_ms = 1000;
+  // The saves below use a short lease: gc is asked about a moment past its
+  // expiry instead of the test sleeping until then. Not shorter: a commit
+  // whose lease lapsed is refused, and under ASan on a loaded machine the
+  // manifest's write and fsync alone can outlast one refresh period.
+  const int64_t lease_ms = 3000;
   int torn = 0, lost = 0;
   for (int role : {0, 1}) {
     int killed = 0, p_torn = 0, p_lost = 0;
@@ -251,8 +253,10 @@ void crash_at_kill_point(const std::string& point) {
         TempDir d, side;
         const std::string journal = side.sub("journal");
         const std::string faults = cut ? "FERRY_FAULTS=journal=" + journal + " " : "";
-        const std::string opts = " --set keep-last=1 --set lease-seconds=1";
+        const std::string opts =
+            " --set keep-last=1 --set lease-seconds=" + std::to_string(lease_ms) + "ms";
         auto first = launch(2, save_args(d, 1, 11) + opts, faults);
+        INFO("the first save:\n" << first.out);
         REQUIRE(first.code == 0);
         const std::string env = faults + "FERRY_KILL_AT=" + point + "@" + std::to_string(role);
         auto r = launch(2, save_args(d, 2, 12) + opts, env);
