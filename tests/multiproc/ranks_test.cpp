@@ -193,14 +193,16 @@ TEST_CASE("a hung (SIGSTOPped) rank: the others fail within the heartbeat timeou
 
 TEST_CASE("a process with the wrong job token is refused", "[ranks]") {
   TempDir d;
-  // Rank 0 and rank 1 started by hand with different tokens.
-  const std::string port = std::to_string(20000 + (getpid() % 20000));
-  const std::string common = "WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port + " ";
+  // Rank 0 and rank 1 started by hand with different tokens, inside a
+  // one-rank `ferry launch` for the free MASTER_PORT it picks and holds.
+  const std::string common =
+      "env -u LOCAL_RANK -u LOCAL_WORLD_SIZE WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 ";
   const std::string w = std::string(FERRY_RANK_WORKER_PATH) + " --mode save --root " + d.path() +
                         " --set connect-timeout=4s";
-  const std::string cmd = common + "RANK=0 FERRY_JOB_TOKEN=aaaa " + w + " > " + d.sub("r0") +
-                          " 2>&1 & r0=$!; " + common + "RANK=1 FERRY_JOB_TOKEN=bbbb " + w + " > " +
-                          d.sub("r1") + " 2>&1; wait $r0; true";
+  const std::string inner = common + "RANK=0 FERRY_JOB_TOKEN=aaaa " + w + " > " + d.sub("r0") +
+                            " 2>&1 & r0=$!; " + common + "RANK=1 FERRY_JOB_TOKEN=bbbb " + w +
+                            " > " + d.sub("r1") + " 2>&1; wait $r0; true";
+  const std::string cmd = std::string(FERRY_CLI_PATH) + " launch -n 1 -- sh -c '" + inner + "'";
   REQUIRE(std::system(cmd.c_str()) == 0);
   auto slurp = [](const std::string& p) {
     std::ifstream f(p);
