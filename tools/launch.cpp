@@ -93,9 +93,10 @@ void say(const std::string& msg) {
 
 // --- setup helpers -----------------------------------------------------------
 
-// A socket bound to `port` on loopback with SO_REUSEADDR and never listening,
-// or -1. While it is open, no bind(0) and no outgoing connect of any process
-// is given the port, and a bind without SO_REUSEADDR fails; rank 0's listener,
+// A socket bound to `port` on every IPv4 address (rank 0 may listen on
+// MASTER_ADDR, not loopback) with SO_REUSEADDR and never listening, or -1.
+// While it is open, no bind(0) and no outgoing connect of any process is
+// given the port, and a bind without SO_REUSEADDR fails; rank 0's listener,
 // which sets SO_REUSEADDR, still binds and listens there.
 int reserve_port(int port) {
   const int s = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -104,7 +105,7 @@ int reserve_port(int port) {
   ::setsockopt(s, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
   sockaddr_in a{};
   a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_addr.s_addr = htonl(INADDR_ANY);
   a.sin_port = htons(static_cast<uint16_t>(port));
   if (::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
     ::close(s);
