@@ -262,6 +262,7 @@ void on_all_results(coordinator_ptr self) {
   auto m = assemble_manifest(h, results);
   if (!m.ok()) return abort_active(self, m.status());
   CommitOptions co{st.ctx->opts.fsync, c.overwrite, st.ctx->opts.keep_last, c.lease_owner};
+  co.renew_lease_ms = lease_ms(st);
   const auto commit_started = std::chrono::steady_clock::now();
   auto out = commit_checkpoint(*st.ctx->fs, c.root, c.pending_dir, std::move(m).value(), co);
   const double commit_s =

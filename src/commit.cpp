@@ -100,6 +100,29 @@ void remove_created(Filesystem& fs, const std::string& root,
   for (auto it = created.rbegin(); it != created.rend(); ++it) (void)fs.rmdir(*it);
 }
 
+int64_t now_of(const CommitOptions& opts) {
+  return opts.now_unix_ms != 0 ? opts.now_unix_ms : now_unix_ms();
+}
+
+// The save still owns `pending_dir`: its lease reads, is this save's and has
+// not lapsed. Returns the lease.
+Result<PendingLease> check_lease(Filesystem& fs, const std::string& pending_dir,
+                                 const CommitOptions& opts) {
+  Result<PendingLease> lease = read_lease(fs, pending_dir);
+  if (!lease.ok())
+    return Status::aborted("commit refused: the lease of " + pending_dir +
+                           " is unreadable (gc may have taken it): " + lease.status().to_string());
+  if (!opts.lease_owner.empty() && lease->owner != opts.lease_owner)
+    return Status::aborted("commit refused: " + pending_dir + " is leased by '" + lease->owner +
+                           "', not by this save ('" + opts.lease_owner + "')");
+  const int64_t now = now_of(opts);
+  if (lease->expires_unix_ms < now)
+    return Status::aborted("commit refused: the lease of " + pending_dir + " expired " +
+                           std::to_string(now - lease->expires_unix_ms) +
+                           " ms ago (the save could not keep it fresh; gc may take its files)");
+  return lease;
+}
+
 // What must hold just before the commit rename: the files the manifest names
 // are all there, whole, and the save still owns its directory.
 Status check_pending(Filesystem& fs, const std::string& pending_dir, const Manifest& m,
@@ -117,19 +140,7 @@ Status check_pending(Filesystem& fs, const std::string& pending_dir, const Manif
                              std::to_string(st->size) + " bytes, the manifest says " +
                              std::to_string(f.size));
   }
-  Result<PendingLease> lease = read_lease(fs, pending_dir);
-  if (!lease.ok())
-    return Status::aborted("commit refused: the lease of " + pending_dir +
-                           " is unreadable (gc may have taken it): " + lease.status().to_string());
-  if (!opts.lease_owner.empty() && lease->owner != opts.lease_owner)
-    return Status::aborted("commit refused: " + pending_dir + " is leased by '" + lease->owner +
-                           "', not by this save ('" + opts.lease_owner + "')");
-  const int64_t now = opts.now_unix_ms != 0 ? opts.now_unix_ms : now_unix_ms();
-  if (lease->expires_unix_ms < now)
-    return Status::aborted("commit refused: the lease of " + pending_dir + " expired " +
-                           std::to_string(now - lease->expires_unix_ms) +
-                           " ms ago (the save could not keep it fresh; gc may take its files)");
-  return Status::ok_status();
+  return check_lease(fs, pending_dir, opts).status();
 }
 
 }  // namespace
@@ -186,6 +197,14 @@ Result<CommitOutcome> commit_checkpoint(Filesystem& fs, const std::string& root,
   manifest.commit_seq = seq + 1;
   manifest.fsynced = opts.fsync;
 
+  // A lease that held when the commit began must not lapse during it: the
+  // manifest's write and fsync can take seconds on a loaded machine, longer
+  // than a short lease has left since its last refresh.
+  if (opts.renew_lease_ms > 0) {
+    FERRY_ASSIGN_OR_RETURN(PendingLease lease, check_lease(fs, pending_dir, opts));
+    FERRY_RETURN_IF_ERROR(
+        write_lease(fs, pending_dir, now_of(opts) + opts.renew_lease_ms, lease.owner));
+  }
   FERRY_RETURN_IF_ERROR(write_file_atomic(fs, join_path(pending_dir, kManifestFileName),
                                           encode_manifest(manifest), opts.fsync, "manifest"));
   FERRY_RETURN_IF_ERROR(check_pending(fs, pending_dir, manifest, opts));

@@ -70,6 +70,10 @@ struct CommitOptions {
   std::string lease_owner;
   // The clock the lease is checked against; 0 reads the system clock.
   int64_t now_unix_ms = 0;
+  // When > 0, a lease that holds when the commit begins is renewed for this
+  // long before the manifest is written, so the commit's own time cannot
+  // make it lapse; the check before the commit rename still applies.
+  int64_t renew_lease_ms = 0;
   // How long to wait for another job's commit in the same root (ROOT's
   // lock) before failing with busy.
   int64_t lock_wait_ms = 30'000;

@@ -167,6 +167,53 @@ TEST_CASE("commit refuses a pending directory that is not whole or not ours", "[
   CHECK(slurp(join_path(root, kLatestFileName)) == "step-00000001\n");
 }
 
+// The coordinator refreshes a lease every third of its length, so a commit
+// can begin with two thirds of it left; a slow manifest fsync (a loaded
+// machine, a busy disk) then outlasts a short lease. Renewed as the commit
+// begins, the lease covers the commit; without the renewal the same commit
+// is refused, which is the window the renewal closes.
+TEST_CASE("a commit renews a lease that holds: a slow manifest sync cannot make it lapse",
+          "[commit]") {
+  TempDir tmp;
+  auto fs = std::make_shared<FaultFilesystem>(posix_filesystem());
+  const std::string root = tmp.sub("root");
+  Manifest m;
+  std::string pending = stage(*fs, root, 1, &m);
+  REQUIRE(write_lease(*fs, pending, now_unix_ms() + 2000, "job/ckpt").ok());
+  FaultRule slow;
+  slow.action = FaultRule::Action::latency;
+  slow.op = FaultOp::sync;
+  slow.path_contains = kManifestFileName;
+  slow.latency = std::chrono::milliseconds(3000);
+  fs->add_rule(slow);
+  CommitOptions opts;
+  opts.lease_owner = "job/ckpt";
+  SECTION("renewed as the commit begins: committed") {
+    opts.renew_lease_ms = kMinute;
+    auto out = commit_checkpoint(*fs, root, pending, m, opts);
+    INFO(out.status().to_string());
+    REQUIRE(out.ok());
+    CHECK(fs->delayed() > 0);
+    require_latest(*fs, root, 1, "new");
+  }
+  SECTION("not renewed: the lease lapses during the commit, which is refused") {
+    auto out = commit_checkpoint(*fs, root, pending, m, opts);
+    REQUIRE_FALSE(out.ok());
+    CHECK(contains(out.status().message(), "expired"));
+    CHECK(fs->delayed() > 0);
+    CHECK_FALSE(exists(join_path(root, step_dir_name(1))));
+  }
+  SECTION("a lease that lapsed before the commit began is not renewed") {
+    fs->clear_rules();
+    REQUIRE(write_lease(*fs, pending, now_unix_ms() - 1, "job/ckpt").ok());
+    opts.renew_lease_ms = kMinute;
+    auto out = commit_checkpoint(*fs, root, pending, m, opts);
+    REQUIRE_FALSE(out.ok());
+    CHECK(contains(out.status().message(), "expired"));
+    CHECK_FALSE(exists(join_path(root, step_dir_name(1))));
+  }
+}
+
 TEST_CASE("commit checks the lease owner it is given and accepts its own", "[commit]") {
   TempDir tmp;
   auto fs = posix_filesystem();

@@ -241,9 +241,9 @@ void crash_at_kill_point(const std::string& point) {
   const char* runs_env = std::getenv("FERRY_CRASH_RUNS");
   const int runs = runs_env ? std::max(1, std::atoi(runs_env)) : 1;
   // The saves below use a short lease: gc is asked about a moment past its
-  // expiry instead of the test sleeping until then. Not shorter: a commit
-  // whose lease lapsed is refused, and under ASan on a loaded machine the
-  // manifest's write and fsync alone can outlast one refresh period.
+  // expiry instead of the test sleeping until then. Not shorter: a save whose
+  // lease lapsed fails, and under ASan on a loaded machine a refresh timer
+  // can run late.
   const int64_t lease_ms = 3000;
   int torn = 0, lost = 0;
   for (int role : {0, 1}) {
