@@ -11,6 +11,7 @@
 #include "catalog.hpp"
 #include "ferry/filesystem.hpp"
 #include "ferry/runtime.hpp"
+#include "manifest.hpp"
 #include "runtime_rig.hpp"
 #include "test_util.hpp"
 
@@ -341,6 +342,38 @@ TEST_CASE("corruption is detected and names tensor and file", "[actors][corrupti
     auto st = rt->load(out, h.path());
     CHECK(st.code() == ferry::StatusCode::corruption);
   }
+}
+
+// The header's check runs beside the first data reads: whatever the read
+// path (plain chunks, compressed ones), no byte is loaded past a header that
+// fails it.
+TEST_CASE("a damaged safetensors header fails the load on every read path",
+          "[actors][corruption]") {
+  TempDir dir;
+  auto rt = make_runtime(dir.path());
+  Buf a(ferry::DType::f32, {512, 512}, 1);
+  ferry::StateDict sd;
+  REQUIRE(sd.add("weights", a.view()).ok());
+  const bool compressed = GENERATE(false, true);
+  ferry::SaveOptions so;
+  if (compressed) so.compress = "zstd:1";
+  auto h = rt->save_async(sd, 1, so);
+  REQUIRE(h.wait_committed().ok());
+  // rank-00000-0000.safetensors, or .ferryz when compressed.
+  auto m = ferry::read_manifest(*ferry::posix_filesystem(), h.path());
+  REQUIRE(m.ok());
+  REQUIRE(m->files.size() == 1);
+  const std::string name = m->files[0].name;
+  REQUIRE(m->files[0].header_bytes > 20);
+  flip_byte(h.path() + "/" + name, 20);
+  Buf b(ferry::DType::f32, {512, 512}, 2);
+  ferry::StateDict out;
+  REQUIRE(out.add("weights", b.view()).ok());
+  auto st = rt->load(out, h.path());
+  INFO((compressed ? "compressed: " : "plain: ") << st.to_string());
+  CHECK(st.code() == ferry::StatusCode::corruption);
+  CHECK_THAT(st.message(), Catch::Contains("safetensors header of file") && Catch::Contains(name));
+  CHECK(b.bytes != a.bytes);
 }
 
 TEST_CASE("2,000 small tensors round trip", "[actors][save]") {
