@@ -101,7 +101,7 @@ void remove_created(Filesystem& fs, const std::string& root,
 }
 
 int64_t now_of(const CommitOptions& opts) {
-  return opts.now_unix_ms != 0 ? opts.now_unix_ms : now_unix_ms();
+  return opts.clock ? opts.clock() : now_unix_ms();
 }
 
 // The save still owns `pending_dir`: its lease reads, is this save's and has

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -68,8 +69,9 @@ struct CommitOptions {
   // another owner's or has expired: a save that could not keep its lease
   // fresh may have lost its files to gc and must fail, not commit.
   std::string lease_owner;
-  // The clock the lease is checked against; 0 reads the system clock.
-  int64_t now_unix_ms = 0;
+  // The clock (unix ms) the lease is checked and renewed against; empty
+  // reads the system clock.
+  std::function<int64_t()> clock = nullptr;
   // When > 0, a lease that holds when the commit begins is renewed for this
   // long before the manifest is written, so the commit's own time cannot
   // make it lapse; the check before the commit rename still applies.
