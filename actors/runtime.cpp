@@ -357,6 +357,10 @@ Status start_transport(Runtime::Impl& impl, const std::string& token) {
   if (!verdict->all_joined)
     return Status::timeout(me + ": not every rank joined within " +
                            std::to_string(ctx.opts.connect_timeout_s) + " s");
+  // Lanes are a shortcut (frames go through rank 0 without them), so one that
+  // is late costs a log line, not the start.
+  if (Status l = impl.transport->wait_lanes(ctx.opts.connect_timeout_s); !l.ok())
+    std::fprintf(stderr, "ferry[rank %d]: %s\n", ctx.rank, l.message().c_str());
   return Status();
 }
 

@@ -279,6 +279,7 @@ class Transport::Impl {
     thread_ = std::thread([this] { run(); });
   }
   Status wait_peers(double timeout_s);
+  Status wait_lanes(double timeout_s);
   Status send(int32_t to_rank, std::string frame);
   Status send_on_lane(int32_t to_rank, std::string frame, uint64_t session);
   int32_t next_hop(int32_t to_rank);
@@ -381,6 +382,7 @@ class Transport::Impl {
     enum State { none, open, failed, closed } state = none;
     Status why;        // failed, closed
     std::string info;  // ucp_ep_print_info once up
+    bool up = false;   // the peer's `ready` (or a frame) came on it
   };
 
   struct Command {
@@ -767,6 +769,24 @@ Status Transport::Impl::wait_peers(double timeout_s) {
   return Status::timeout(what);
 }
 
+Status Transport::Impl::wait_lanes(double timeout_s) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto settled = [this] {
+    for (const LaneInfo& l : lanes_)
+      if (l.state == LaneInfo::open && !l.up) return false;
+    return true;
+  };
+  if (cv_.wait_until(lock, Clock::now() + from_seconds(std::max(0.0, timeout_s)),
+                     [&] { return stopped_ || settled(); }))
+    return Status::ok_status();
+  std::string late;
+  for (size_t r = 0; r < lanes_.size(); ++r)
+    if (lanes_[r].state == LaneInfo::open && !lanes_[r].up)
+      late += (late.empty() ? "" : ", ") + std::to_string(r);
+  return Status::timeout("rank " + std::to_string(opts_.rank) + ": the direct lane(s) to rank(s) " +
+                         late + " did not come up within " + format_seconds(timeout_s));
+}
+
 Status Transport::Impl::send(int32_t to_rank, std::string frame) {
   const std::string me = "rank " + std::to_string(opts_.rank);
   if (to_rank < 0 || to_rank >= opts_.world_size) {
@@ -826,6 +846,7 @@ void Transport::Impl::close_lane(int32_t rank, const Status& why) {
   // Closed for callers at once: no frame queued from now on goes to it.
   lanes_[rank].state = LaneInfo::failed;
   lanes_[rank].why = why;
+  cv_.notify_all();
   commands_.push_back(Command{Command::close_lane, rank, {}, 0, why});
   ucp_worker_signal(worker_);
 }
@@ -1073,6 +1094,8 @@ void Transport::Impl::mark_ready(Conn* conn) {
     }
     std::lock_guard<std::mutex> lock(mu_);
     lanes_[conn->rank].info = std::move(info);
+    lanes_[conn->rank].up = true;
+    cv_.notify_all();
   }
   while (!conn->held.empty()) {
     Held h = std::move(conn->held.front());
@@ -1203,6 +1226,7 @@ void Transport::Impl::close_lane_now(int32_t rank, const Status& why, bool relay
     if (lanes_[rank].state == LaneInfo::open) {
       lanes_[rank].state = LaneInfo::closed;
       lanes_[rank].why = why;
+      cv_.notify_all();
     }
   }
   if (conn == nullptr || !conn->lane || conn->closing) return;
@@ -1913,6 +1937,9 @@ Transport::~Transport() {
 }
 Status Transport::wait_peers(double timeout_s) {
   return impl_->wait_peers(timeout_s);
+}
+Status Transport::wait_lanes(double timeout_s) {
+  return impl_->wait_lanes(timeout_s);
 }
 uint16_t Transport::port() const {
   return impl_->port();

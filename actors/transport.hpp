@@ -54,7 +54,7 @@
 // clang-format on
 //
 // Threading: one progress thread owns the UCX worker and the sockets. send(),
-// next_hop(), close_lane() and wait_peers() may be called from any thread;
+// next_hop(), close_lane(), wait_peers() and wait_lanes() may be called from any thread;
 // callbacks run on the progress thread and must be quick. No callback runs
 // once stop() has begun.
 #pragma once
@@ -127,6 +127,14 @@ class Transport {
   // failure of a peer that failed (connect deadline included), or
   // Status::timeout naming the missing ranks. Thread-safe.
   Status wait_peers(double timeout_s);
+
+  // A rank > 0, after wait_peers(): until each direct lane rank 0 announced
+  // is up or closed (a lane that does not come up closes after
+  // handshake_timeout_s), or timeout_s passed (Status::timeout naming the
+  // ranks). A rank that dies while its lanes are still wiring up can make
+  // UCX 1.13 abort its peers (an assertion in its tcp transport), so the
+  // start barrier includes the lanes. Thread-safe.
+  Status wait_lanes(double timeout_s);
 
   // The listening port on rank 0 (the chosen one when options.port was 0);
   // 0 on other ranks and on a rank 0 with world_size 1 (nothing to listen for).

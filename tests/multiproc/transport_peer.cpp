@@ -19,7 +19,9 @@
 // with a made-up session, "flood S N" sends N frames of 1 MiB, "close S"
 // closes the lane (answered "closed S"), "info S" is answered "info S:
 // <lane_info>", "die" SIGKILLs this process; a failed send is answered
-// "no lane: <error>". A frame from another rank S is reported to rank 0 as
+// "no lane: <error>"; "waitlanes" is answered, once wait_lanes() returned, with
+// "lanes ok" (or its error) and a line "S: <lane_info>" per other rank S > 0.
+// A frame from another rank S is reported to rank 0 as
 // "from S: TEXT" (frames over 64 bytes as "from S: N bytes"). Anything else
 // from rank 0 is echoed.
 //
@@ -207,6 +209,7 @@ int main(int argc, char** argv) {
   std::condition_variable cv;
   bool done = false;
   bool got_ack = false;
+  bool lanes_asked = false;  // lane mode: "waitlanes" came, answered from the main thread
   std::string first_frame;
   ferry::Transport* transport = nullptr;  // set before any frame can arrive
 
@@ -233,6 +236,13 @@ int main(int argc, char** argv) {
       return;
     }
     if (tp == nullptr) return;
+    if (mode == "lane" && from == 0 && frame == "waitlanes") {
+      // wait_lanes blocks, which a callback must not: the main thread runs it.
+      std::lock_guard<std::mutex> relock(mu);
+      lanes_asked = true;
+      cv.notify_all();
+      return;
+    }
     if (mode == "lane") return on_lane_frame(*tp, from, frame);
     if (frame.rfind("send ", 0) == 0)
       frame.assign(std::strtoull(frame.c_str() + 5, nullptr, 10), 'x');
@@ -269,7 +279,22 @@ int main(int argc, char** argv) {
     t->stop();
     return refused ? 0 : 4;
   }
-  bool finished = cv.wait_for(lock, std::chrono::seconds(60), [&] { return done; });
+  const auto limit = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  bool finished = false;
+  while (cv.wait_until(lock, limit, [&] { return done || lanes_asked; })) {
+    if (done) {
+      finished = true;
+      break;
+    }
+    lanes_asked = false;
+    lock.unlock();
+    const ferry::Status st = t->wait_lanes(10);
+    std::string answer = "lanes " + (st.ok() ? std::string("ok") : st.to_string());
+    for (int32_t r = 1; r < args.opts.world_size; ++r)
+      if (r != rank) answer += "\n" + std::to_string(r) + ": " + t->lane_info(r);
+    (void)t->send(0, answer);
+    lock.lock();
+  }
   lock.unlock();
   t->stop();
   return finished ? 0 : 5;
