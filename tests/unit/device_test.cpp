@@ -120,6 +120,44 @@ TEST_CASE("strided copy: contiguous, sliced and degenerate views", "[device]") {
   }
 }
 
+TEST_CASE("copies out of a megabyte or more are exact at every alignment, nothing past them",
+          "[device]") {
+  // From a megabyte on, the copy out uses streaming stores with an aligned
+  // middle and copied ends: every split of head, body and tail is tried.
+  constexpr uint64_t kMiB = 1 << 20;
+  std::mt19937 rng(11);
+  std::vector<uint8_t> storage(kMiB + 4096);
+  for (auto& b : storage) b = static_cast<uint8_t>(rng());
+  TensorView t{storage.data(), DType::u8, {static_cast<int64_t>(storage.size())}};
+  std::vector<uint8_t> out(kMiB + 4096 + 64);
+  for (uint64_t len : {kMiB - 1, kMiB, kMiB + 1, kMiB + 127, kMiB + 128, kMiB + 131}) {
+    for (uint64_t from : {0, 1, 31, 32, 63}) {
+      for (uint64_t to : {0, 1, 17, 31, 32}) {
+        INFO("len " << len << " from " << from << " to " << to);
+        std::fill(out.begin(), out.end(), 0xEE);
+        ferry::strided_copy_out(t, from, len, out.data() + to);
+        CHECK(std::equal(out.begin() + to, out.begin() + to + len, storage.begin() + from));
+        CHECK(std::all_of(out.begin(), out.begin() + to, [](uint8_t b) { return b == 0xEE; }));
+        CHECK(std::all_of(out.begin() + to + len, out.end(), [](uint8_t b) { return b == 0xEE; }));
+      }
+    }
+  }
+  SECTION("rows of a megabyte and more from a wider matrix") {
+    // 3 rows of 1 MiB + 40 bytes out of rows 1 MiB + 100 wide: dense rows.
+    const int64_t cols = kMiB + 100, width = kMiB + 40;
+    std::vector<uint8_t> wide(3 * cols);
+    for (auto& b : wide) b = static_cast<uint8_t>(rng());
+    TensorView rows{wide.data() + 7, DType::u8, {3, width}, ferry::Device::host(), {cols, 1}};
+    std::vector<uint8_t> got(3 * width + 5);
+    ferry::strided_copy_out(rows, 0, 3 * width, got.data() + 5);
+    for (int64_t r = 0; r < 3; ++r) {
+      INFO("row " << r);
+      CHECK(std::equal(got.begin() + 5 + r * width, got.begin() + 5 + (r + 1) * width,
+                       wide.begin() + 7 + r * cols));
+    }
+  }
+}
+
 TEST_CASE("host device copies synchronously and reports", "[device]") {
   auto dev = ferry::host_device();
   CHECK(dev->handles(ferry::Device::host()));
