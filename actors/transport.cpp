@@ -280,6 +280,7 @@ class Transport::Impl {
   }
   Status wait_peers(double timeout_s);
   Status wait_lanes(double timeout_s);
+  std::string pending_lanes_locked() const;
   Status send(int32_t to_rank, std::string frame);
   Status send_on_lane(int32_t to_rank, std::string frame, uint64_t session);
   int32_t next_hop(int32_t to_rank);
@@ -769,22 +770,23 @@ Status Transport::Impl::wait_peers(double timeout_s) {
   return Status::timeout(what);
 }
 
-Status Transport::Impl::wait_lanes(double timeout_s) {
-  std::unique_lock<std::mutex> lock(mu_);
-  auto settled = [this] {
-    for (const LaneInfo& l : lanes_)
-      if (l.state == LaneInfo::open && !l.up) return false;
-    return true;
-  };
-  if (cv_.wait_until(lock, Clock::now() + from_seconds(std::max(0.0, timeout_s)),
-                     [&] { return stopped_ || settled(); }))
-    return Status::ok_status();
-  std::string late;
+// The ranks whose lane is announced but not up yet, "" when none (mu_ held).
+std::string Transport::Impl::pending_lanes_locked() const {
+  std::string out;
   for (size_t r = 0; r < lanes_.size(); ++r)
     if (lanes_[r].state == LaneInfo::open && !lanes_[r].up)
-      late += (late.empty() ? "" : ", ") + std::to_string(r);
+      out += (out.empty() ? "" : ", ") + std::to_string(r);
+  return out;
+}
+
+Status Transport::Impl::wait_lanes(double timeout_s) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (cv_.wait_until(lock, Clock::now() + from_seconds(std::max(0.0, timeout_s)),
+                     [&] { return stopped_ || pending_lanes_locked().empty(); }))
+    return Status::ok_status();
   return Status::timeout("rank " + std::to_string(opts_.rank) + ": the direct lane(s) to rank(s) " +
-                         late + " did not come up within " + format_seconds(timeout_s));
+                         pending_lanes_locked() + " did not come up within " +
+                         format_seconds(timeout_s));
 }
 
 Status Transport::Impl::send(int32_t to_rank, std::string frame) {
