@@ -214,6 +214,7 @@ void shared_reader_failed(link_ptr self, int32_t rank, const Status& why) {
 
 // Rank 0 passes a frame it checked on to `to` as it came: encoding it
 // again would cost another copy of up to a window of bytes.
+// The frame moves on: what of `m` views it (a BlockShare's data) is not read after.
 void relay(link_ptr self, int32_t to, const WireMessage& m, std::string& raw) {
   auto& st = self->state;
   if (!st.transport) return log(st, std::string("no transport to send ") + message_name(m));
@@ -395,7 +396,9 @@ link_actor::behavior_type link_fun(link_ptr self, ContextPtr ctx, coordinator_ac
       },
       [self](atom::attach_loader, loader_actor loader) { self->state.loader = std::move(loader); },
       [self](atom::frame, int32_t from, std::string& bytes) {
-        auto m = decode_message(bytes);
+        // Shared: a BlockShare's data stays in the frame it came in.
+        auto frame = std::make_shared<std::string>(std::move(bytes));
+        auto m = decode_message(std::shared_ptr<const std::string>(frame));
         if (!m.ok()) {
           auto& st = self->state;
           log(st, "malformed message from rank " + std::to_string(from) + ": " +
@@ -407,7 +410,7 @@ link_actor::behavior_type link_fun(link_ptr self, ContextPtr ctx, coordinator_ac
                                                       " could not decode a message: ")});
           return;
         }
-        on_remote(self, from, std::move(m).value(), bytes);
+        on_remote(self, from, std::move(m).value(), *frame);
       },
       [self](atom::peer_failed, int32_t rank, const Status& why) {
         auto& st = self->state;

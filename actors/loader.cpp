@@ -94,10 +94,11 @@ Status send_shared(const RankContext& ctx, Transport& t, const std::string& load
       };
       Status s = ctx.shares->acquire(load_id, to, n, window, ctx.opts.write_timeout_s);
       if (!s.ok()) return s.with_context(context());
-      BlockShareMsg msg{ctx.job_id, load_id,
-                        ctx.rank,   to,
-                        op.file,    op.file_offset + at,
-                        Status(),   std::string(reinterpret_cast<const char*>(buf + at), n)};
+      BlockShareMsg msg{
+          ctx.job_id, load_id,
+          ctx.rank,   to,
+          op.file,    op.file_offset + at,
+          Status(),   SharedBytes(nullptr, {reinterpret_cast<const char*>(buf + at), n})};
       // Straight to `to` over a direct lane, else through rank 0, which
       // passes it on by BlockShare.to.
       s = t.send(t.next_hop(to), encode_message(msg));

@@ -72,16 +72,29 @@ void set_box(proto::Box::Builder b, const Box& box) {
   fill(b.initSizes(static_cast<unsigned>(box.sizes.size())), box.sizes);
 }
 
+// Appends what writeMessage writes, so the message is copied once on its
+// way into the frame.
+class AppendTo final : public kj::OutputStream {
+ public:
+  explicit AppendTo(std::string& out) : out_(out) {}
+  void write(const void* buffer, size_t size) override {
+    out_.append(static_cast<const char*>(buffer), size);
+  }
+
+ private:
+  std::string& out_;
+};
+
 std::string frame(uint8_t protocol, capnp::MessageBuilder& builder) {
-  kj::Array<capnp::word> words = capnp::messageToFlatArray(builder);
-  kj::ArrayPtr<const kj::byte> bytes = words.asBytes();
+  const size_t bytes = capnp::computeSerializedSizeInWords(builder) * sizeof(capnp::word);
   std::string out;
-  out.reserve(kHeaderBytes + bytes.size());
+  out.reserve(kHeaderBytes + bytes);
   out.append(kMagic, sizeof(kMagic));
   out.push_back(static_cast<char>(protocol));
   out.append(3, '\0');
-  put_u64(out, bytes.size());
-  out.append(reinterpret_cast<const char*>(bytes.begin()), bytes.size());
+  put_u64(out, bytes);
+  AppendTo sink(out);
+  capnp::writeMessage(sink, builder);
   return out;
 }
 
@@ -295,7 +308,15 @@ struct Encoder {
     b.setFile(m.file);
     b.setOffset(m.offset);
     set_status(b.initStatus(), m.status);
-    b.setData(kj::arrayPtr(reinterpret_cast<const kj::byte*>(m.data.data()), m.data.size()));
+    const auto data = kj::arrayPtr(reinterpret_cast<const kj::byte*>(m.data.data()), m.data.size());
+    // Whole words in place become a segment of their own, copied once, into
+    // the frame; others (a chunk's odd tail) are copied into the message.
+    // (Never an empty one: its segment would be empty, which readers refuse.)
+    if (data.size() > 0 && reinterpret_cast<uintptr_t>(data.begin()) % sizeof(capnp::word) == 0 &&
+        data.size() % sizeof(capnp::word) == 0)
+      b.adoptData(mb.getOrphanage().referenceExternalData(capnp::Data::Reader(data)));
+    else
+      b.setData(data);
     return frame(kControlProtocol, mb);
   }
 
@@ -383,7 +404,11 @@ Status check_in_shape(const Box& box, const std::vector<int64_t>& shape, DType d
   return Status();
 }
 
-Result<WireMessage> read_control(proto::ControlMessage::Reader root) {
+// `frame` holds the bytes `root` reads, or is null where they are a copy
+// that ends with the decode: a BlockShare's data then views the frame, or
+// is copied out.
+Result<WireMessage> read_control(proto::ControlMessage::Reader root,
+                                 const std::shared_ptr<const std::string>& frame) {
   switch (root.which()) {
     case proto::ControlMessage::JOIN: {
       auto r = root.getJoin();
@@ -484,7 +509,8 @@ Result<WireMessage> read_control(proto::ControlMessage::Reader root) {
       auto d = r.getData();
       if (m.offset + d.size() < m.offset)
         return Status::invalid_argument("BlockShare: offset plus data length overflows");
-      m.data.assign(reinterpret_cast<const char*>(d.begin()), d.size());
+      const std::string_view bytes(reinterpret_cast<const char*>(d.begin()), d.size());
+      m.data = frame ? SharedBytes(frame, bytes) : SharedBytes(std::string(bytes));
       return WireMessage(std::move(m));
     }
     case proto::ControlMessage::SHARE_ACK: {
@@ -681,17 +707,70 @@ std::string hex(std::string_view bytes) {
   return out;
 }
 
-Result<WireMessage> decode_payload(uint8_t protocol, std::string_view payload) {
-  // UCX hands over frames at any address.
-  kj::Array<capnp::word> words = capnp_util::aligned_words(payload.data(), payload.size());
-  capnp::FlatArrayMessageReader reader(words.asPtr(),
-                                       capnp_util::bounded_options(words.size(), 1024));
+Result<WireMessage> decode_payload(uint8_t protocol, std::string_view payload,
+                                   const std::shared_ptr<const std::string>& frame) {
+  // Cap'n Proto reads words in place; UCX hands over frames at any address,
+  // a frame of our own (a heap string) is aligned and read where it is.
+  kj::Array<capnp::word> copy;
+  kj::ArrayPtr<const capnp::word> words;
+  const bool aligned = reinterpret_cast<uintptr_t>(payload.data()) % sizeof(capnp::word) == 0;
+  if (frame && aligned) {
+    words = kj::arrayPtr(reinterpret_cast<const capnp::word*>(payload.data()),
+                         payload.size() / sizeof(capnp::word));
+  } else {
+    copy = capnp_util::aligned_words(payload.data(), payload.size());
+    words = copy.asPtr();
+  }
+  capnp::FlatArrayMessageReader reader(words, capnp_util::bounded_options(words.size(), 1024));
   if (reader.getEnd() != words.end())
     return Status::invalid_argument(
         std::to_string((words.end() - reader.getEnd()) * sizeof(capnp::word)) +
         " trailing bytes after the message");
-  if (protocol == kControlProtocol) return read_control(reader.getRoot<proto::ControlMessage>());
+  if (protocol == kControlProtocol)
+    return read_control(reader.getRoot<proto::ControlMessage>(),
+                        frame && aligned ? frame : nullptr);
   return read_plan(reader.getRoot<proto::PlanMessage>());
+}
+
+Result<WireMessage> decode_frame(std::string_view bytes,
+                                 const std::shared_ptr<const std::string>& frame) {
+  if (bytes.size() < kHeaderBytes)
+    return Status::invalid_argument("message frame truncated: " + std::to_string(bytes.size()) +
+                                    " bytes, the header alone is " + std::to_string(kHeaderBytes));
+  if (std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) != 0)
+    return Status::invalid_argument("bad message magic: expected \"FRY1\" (46525931), got " +
+                                    hex(bytes.substr(0, sizeof(kMagic))));
+  const auto protocol = static_cast<uint8_t>(bytes[4]);
+  if (protocol != kControlProtocol && protocol != kPlanProtocol)
+    return Status::invalid_argument("unknown message protocol byte " + std::to_string(protocol) +
+                                    " (0 control, 1 plan)");
+  if (bytes[5] != 0 || bytes[6] != 0 || bytes[7] != 0)
+    return Status::invalid_argument("reserved message frame bytes are not zero: " +
+                                    hex(bytes.substr(5, 3)));
+  const uint64_t length = get_u64_le(bytes.data() + 8);
+  const uint64_t remaining = bytes.size() - kHeaderBytes;
+  if (length != remaining)
+    return Status::invalid_argument("message payload length " + std::to_string(length) +
+                                    " does not match the " + std::to_string(remaining) +
+                                    " bytes after the header");
+  if (length == 0 || length % sizeof(capnp::word) != 0)
+    return Status::invalid_argument("message payload length " + std::to_string(length) +
+                                    " is not a positive multiple of 8");
+
+  const std::string what = protocol == kControlProtocol ? "control" : "plan";
+  try {
+    Result<WireMessage> out = decode_payload(protocol, bytes.substr(kHeaderBytes), frame);
+    if (!out.ok()) return out.status().with_context("malformed " + what + " message: ");
+    return out;
+  } catch (const kj::Exception& e) {
+    return Status::invalid_argument("malformed " + what +
+                                    " message: " + std::string(e.getDescription().cStr()));
+  } catch (const std::bad_alloc&) {
+    return Status::internal("out of memory decoding a " + std::to_string(length) + "-byte " + what +
+                            " message");
+  } catch (const std::exception& e) {
+    return Status::invalid_argument("malformed " + what + " message: " + e.what());
+  }
 }
 
 template <class T>
@@ -738,43 +817,13 @@ std::string encode_message(const WireMessage& m) {
 }
 
 Result<WireMessage> decode_message(std::string_view bytes) {
-  if (bytes.size() < kHeaderBytes)
-    return Status::invalid_argument("message frame truncated: " + std::to_string(bytes.size()) +
-                                    " bytes, the header alone is " + std::to_string(kHeaderBytes));
-  if (std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) != 0)
-    return Status::invalid_argument("bad message magic: expected \"FRY1\" (46525931), got " +
-                                    hex(bytes.substr(0, sizeof(kMagic))));
-  const auto protocol = static_cast<uint8_t>(bytes[4]);
-  if (protocol != kControlProtocol && protocol != kPlanProtocol)
-    return Status::invalid_argument("unknown message protocol byte " + std::to_string(protocol) +
-                                    " (0 control, 1 plan)");
-  if (bytes[5] != 0 || bytes[6] != 0 || bytes[7] != 0)
-    return Status::invalid_argument("reserved message frame bytes are not zero: " +
-                                    hex(bytes.substr(5, 3)));
-  const uint64_t length = get_u64_le(bytes.data() + 8);
-  const uint64_t remaining = bytes.size() - kHeaderBytes;
-  if (length != remaining)
-    return Status::invalid_argument("message payload length " + std::to_string(length) +
-                                    " does not match the " + std::to_string(remaining) +
-                                    " bytes after the header");
-  if (length == 0 || length % sizeof(capnp::word) != 0)
-    return Status::invalid_argument("message payload length " + std::to_string(length) +
-                                    " is not a positive multiple of 8");
+  return decode_frame(bytes, nullptr);
+}
 
-  const std::string what = protocol == kControlProtocol ? "control" : "plan";
-  try {
-    Result<WireMessage> out = decode_payload(protocol, bytes.substr(kHeaderBytes));
-    if (!out.ok()) return out.status().with_context("malformed " + what + " message: ");
-    return out;
-  } catch (const kj::Exception& e) {
-    return Status::invalid_argument("malformed " + what +
-                                    " message: " + std::string(e.getDescription().cStr()));
-  } catch (const std::bad_alloc&) {
-    return Status::internal("out of memory decoding a " + std::to_string(length) + "-byte " + what +
-                            " message");
-  } catch (const std::exception& e) {
-    return Status::invalid_argument("malformed " + what + " message: " + e.what());
-  }
+Result<WireMessage> decode_message(std::shared_ptr<const std::string> frame) {
+  if (!frame) return Status::invalid_argument("no message frame");
+  const std::string_view bytes(*frame);
+  return decode_frame(bytes, frame);
 }
 
 }  // namespace ferry

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -129,6 +130,30 @@ struct LoadOutcomeMsg {
   std::vector<RankNeeds> needs = {};
 };
 
+// Bytes that may lie inside a buffer they share with others: a BlockShare's
+// data inside the frame it arrived in, so a load's shared bytes are not
+// copied out of every frame (at a gigabyte a rank, each copy showed). A null
+// owner is a view of memory its user keeps alive while the value is used
+// (the sender's staging block, until encode_message returned).
+class SharedBytes {
+ public:
+  SharedBytes() = default;
+  SharedBytes(std::string bytes)  // NOLINT: owns its bytes, as a string would
+      : owner_(std::make_shared<const std::string>(std::move(bytes))), view_(*owner_) {}
+  SharedBytes(const char* bytes) : SharedBytes(std::string(bytes)) {}  // NOLINT
+  SharedBytes(std::shared_ptr<const std::string> owner, std::string_view view)
+      : owner_(std::move(owner)), view_(view) {}
+  const char* data() const { return view_.data(); }
+  size_t size() const { return view_.size(); }
+  bool empty() const { return view_.empty(); }
+  std::string_view view() const { return view_; }
+  friend bool operator==(const SharedBytes& a, const SharedBytes& b) { return a.view_ == b.view_; }
+
+ private:
+  std::shared_ptr<const std::string> owner_;
+  std::string_view view_;
+};
+
 // Bytes one rank read and verified for another of its node; a failed reader
 // sends its status and no data.
 struct BlockShareMsg {
@@ -139,7 +164,7 @@ struct BlockShareMsg {
   uint32_t file = 0;
   uint64_t offset = 0;
   Status status;
-  std::string data;
+  SharedBytes data;
 };
 
 // The receiver of BlockShare bytes tells their sender what it took (flow
@@ -171,5 +196,8 @@ std::string encode_message(const WireMessage& m);
 // words), traversal/nesting limits sized from the input, unknown union
 // member, invalid enum/dtype/status code -> invalid_argument naming what.
 Result<WireMessage> decode_message(std::string_view bytes);
+// The same, for a frame the result may keep: a BlockShare's data is then a
+// view into `frame` (word-aligned, as a heap string is), not a copy.
+Result<WireMessage> decode_message(std::shared_ptr<const std::string> frame);
 
 }  // namespace ferry

@@ -533,6 +533,7 @@ TEST_CASE("random byte flips never crash the decoder", "[protocol]") {
         ++decoded;
         // Whatever was accepted must be usable: it encodes and decodes again.
         Result<WireMessage> again = decode_message(encode_message(*r));
+        INFO(message_name(*r) << ": " << (again.ok() ? "" : again.status().to_string()));
         CHECK(again.ok());
       } else {
         ++refused;
@@ -939,6 +940,47 @@ TEST_CASE("LoadOutcome carries the ranks' needs, BlockShare its bytes", "[protoc
     r.setOffset(~uint64_t{0});
     r.setLength(2);
     CHECK_THAT(error_of(frame(0, mb)), Catch::Contains("overflows"));
+  }
+}
+
+TEST_CASE("BlockShare data is read where its frame holds it, and encodes from a view",
+          "[protocol]") {
+  // A staging block's bytes: whole words at a word boundary (referenced, not
+  // copied, by the encoder), and an odd tail one byte past it (copied).
+  std::vector<uint64_t> block(1 << 14);
+  for (size_t i = 0; i < block.size(); ++i) block[i] = i * 0x9e3779b97f4a7c15ull;
+  const char* bytes = reinterpret_cast<const char*>(block.data());
+  for (const std::string_view view :
+       {std::string_view(bytes, block.size() * 8), std::string_view(bytes + 1, 4093)}) {
+    BlockShareMsg share{
+        "job", "load-9", 2, 1, 0, 4096, Status::ok_status(), SharedBytes(nullptr, view)};
+    auto frame = std::make_shared<const std::string>(encode_message(share));
+    CHECK(frame->size() >= view.size());
+    // No data at a word boundary (a failed reader's report) decodes too.
+    BlockShareMsg report = share;
+    report.data = SharedBytes(nullptr, view.substr(0, 0));
+    CHECK(decode_message(encode_message(report)).ok());
+    Result<WireMessage> back = decode_message(frame);
+    REQUIRE(back.ok());
+    const auto& got = std::get<BlockShareMsg>(*back);
+    CHECK(got.data.view() == view);
+    // In place: the data lies inside the frame, which it keeps alive.
+    CHECK(got.data.data() >= frame->data());
+    CHECK(got.data.data() + got.data.size() <= frame->data() + frame->size());
+    const std::weak_ptr<const std::string> held = frame;
+    const BlockShareMsg kept = got;
+    back = Status::internal("dropped");
+    frame.reset();
+    CHECK_FALSE(held.expired());
+    CHECK(kept.data.view() == view);
+    // From a plain view the decoder copies: the data outlives the bytes.
+    std::string raw = encode_message(share);
+    Result<WireMessage> copied = decode_message(std::string_view(raw));
+    REQUIRE(copied.ok());
+    const char* at = std::get<BlockShareMsg>(*copied).data.data();
+    CHECK((at < raw.data() || at >= raw.data() + raw.size()));
+    raw.assign(raw.size(), '\0');
+    CHECK(std::get<BlockShareMsg>(*copied).data.view() == view);
   }
 }
 
