@@ -26,7 +26,9 @@
 // between the ranks through rank 0, so the figures are the load's wall time,
 // every rank's peak RSS and how much it grew during the load (rank 0 relays,
 // and share-window bounds that), and its transport's send-queue high-water
-// mark. Targets are reported as PASS/MISS and
+// mark, beside its peer: the same number of plain O_DIRECT readers at once,
+// each reading the whole state (what ranks that pass nothing between them
+// could at best do). Targets are reported as PASS/MISS and
 // never change the exit code; a load that fails or loads wrong bytes does.
 // The last line is one JSON object.
 #include <fcntl.h>
@@ -406,7 +408,7 @@ double field(const std::string& line, const std::string& name) {
 
 // --ranks: N local processes load the checkpoint, each the whole state.
 int ranks_main(const Flags& f, const std::string& ckpt, int64_t rows, uint64_t state_bytes,
-               const std::vector<std::string>& files) {
+               const std::vector<std::string>& files, uint64_t file_bytes, uint64_t block) {
   char self[4096] = {};
   const ssize_t n = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
   if (n <= 0) die("cannot find this program (/proc/self/exe)");
@@ -439,6 +441,22 @@ int ranks_main(const Flags& f, const std::string& ckpt, int64_t rows, uint64_t s
   double load_s = 0;
   for (const auto& [r, l] : stats) load_s = std::max(load_s, field(l, "load_s"));
   const std::string& r0 = stats[0];
+  // The peer: what the ranks could at best do reading the whole state each
+  // (no bytes passed between them), N plain O_DIRECT readers at once.
+  double each_s = 0;
+  {
+    std::vector<std::unique_ptr<WarmMemory>> dst;
+    for (int r = 0; r < f.ranks; ++r)
+      dst.push_back(std::make_unique<WarmMemory>((file_bytes + files.size() * block + block - 1) /
+                                                 block * block));
+    evict(files);
+    const auto t1 = Clock::now();
+    std::vector<std::thread> readers;
+    for (int r = 0; r < f.ranks; ++r)
+      readers.emplace_back([&, r] { raw_read(files, *dst[r], block); });
+    for (auto& th : readers) th.join();
+    each_s = std::chrono::duration<double>(Clock::now() - t1).count();
+  }
   std::printf("state: %.1f MiB in %u tensors of [%lld, %lld] f32, loaded whole by %d ranks\n",
               state_bytes / double(kMiB), f.tensors, static_cast<long long>(rows),
               static_cast<long long>(kCols), f.ranks);
@@ -451,6 +469,10 @@ int ranks_main(const Flags& f, const std::string& ckpt, int64_t rows, uint64_t s
       "%.1f s\n",
       f.ranks, load_s, state_bytes * double(f.ranks) / load_s / 1e9,
       (u1.disk_read - u0.disk_read) / double(kMiB), state_bytes / double(kMiB), wall_s);
+  std::printf(
+      "peer: %d raw O_DIRECT readers at once, each the whole state: %.3f s; their time / the "
+      "load's: %.2f (above 1: reading once and passing bytes on beats reading them %d times)\n",
+      f.ranks, each_s, each_s / load_s, f.ranks);
   // Frames of shared bytes and acks rank 0 passed on between other ranks:
   // 0 when the ranks reach each other over direct lanes (FERRY_DIRECT_LANES).
   const double relayed = std::max(0.0, field(r0, "relayed_frames"));
@@ -460,11 +482,12 @@ int ranks_main(const Flags& f, const std::string& ckpt, int64_t rows, uint64_t s
       field(r0, "peak_rss_mib"), field(r0, "hwm_growth_mib"), field(r0, "queue_peak_mib"), relayed);
   std::printf(
       "{\"bench\":\"load\",\"state_bytes\":%llu,\"tensors\":%u,\"ranks\":%d,\"replicated\":true,"
-      "\"load_s\":%.4f,\"rank0_peak_rss_mib\":%.0f,\"rank0_hwm_growth_mib\":%.0f,"
+      "\"load_s\":%.4f,\"raw_each_s\":%.4f,\"raw_each_over_load\":%.3f,\"rank0_peak_rss_mib\":%.0f,"
+      "\"rank0_hwm_growth_mib\":%.0f,"
       "\"rank0_queue_peak_mib\":%.1f,\"rank0_relayed_frames\":%.0f,\"drop_caches\":%s}\n",
-      static_cast<unsigned long long>(state_bytes), f.tensors, f.ranks, load_s,
-      field(r0, "peak_rss_mib"), field(r0, "hwm_growth_mib"), field(r0, "queue_peak_mib"), relayed,
-      dropped ? "true" : "false");
+      static_cast<unsigned long long>(state_bytes), f.tensors, f.ranks, load_s, each_s,
+      each_s / load_s, field(r0, "peak_rss_mib"), field(r0, "hwm_growth_mib"),
+      field(r0, "queue_peak_mib"), relayed, dropped ? "true" : "false");
   return 0;
 }
 
@@ -532,9 +555,10 @@ int main(int argc, char** argv) {
   for (const auto& p : files) file_bytes += std::filesystem::file_size(p);
   if (f.ranks > 1) {
     // The ranks hold the state now; this process need not.
+    const uint64_t block = rt->options().chunk_bytes;
     rt.reset();
     std::vector<Tensor>().swap(state);
-    return ranks_main(f, ckpt, rows, state_bytes, files);
+    return ranks_main(f, ckpt, rows, state_bytes, files, file_bytes, block);
   }
 
   // Ranks: one runtime loading everything, or two each loading half the rows.
