@@ -294,6 +294,12 @@ uint64_t raw_read(const std::vector<std::string>& files, WarmMemory& dst, uint64
   return total;
 }
 
+// What raw_read needs of `dst` for `files` of `file_bytes` in all: a block
+// more per file (each file's last read is a whole block), in whole blocks.
+uint64_t raw_memory_bytes(uint64_t file_bytes, size_t files, uint64_t block) {
+  return (file_bytes + files * block + block - 1) / block * block;
+}
+
 struct Tensor {
   std::vector<float> data;
   int64_t rows = 0;
@@ -447,8 +453,8 @@ int ranks_main(const Flags& f, const std::string& ckpt, int64_t rows, uint64_t s
   {
     std::vector<std::unique_ptr<WarmMemory>> dst;
     for (int r = 0; r < f.ranks; ++r)
-      dst.push_back(std::make_unique<WarmMemory>((file_bytes + files.size() * block + block - 1) /
-                                                 block * block));
+      dst.push_back(
+          std::make_unique<WarmMemory>(raw_memory_bytes(file_bytes, files.size(), block)));
     evict(files);
     const auto t1 = Clock::now();
     std::vector<std::thread> readers;
@@ -581,7 +587,7 @@ int main(int argc, char** argv) {
   }
 
   const uint64_t block = rts[0]->options().chunk_bytes;
-  WarmMemory raw_dst((file_bytes + files.size() * block + block - 1) / block * block);
+  WarmMemory raw_dst(raw_memory_bytes(file_bytes, files.size(), block));
   // Each round loads, then reads raw right after: a pair sees the same state
   // of the machine, and the median pair is the figure, not one lucky run.
   std::vector<Round> rounds(static_cast<size_t>(f.rounds));

@@ -713,8 +713,9 @@ Result<WireMessage> decode_payload(uint8_t protocol, std::string_view payload,
   // a frame of our own (a heap string) is aligned and read where it is.
   kj::Array<capnp::word> copy;
   kj::ArrayPtr<const capnp::word> words;
-  const bool aligned = reinterpret_cast<uintptr_t>(payload.data()) % sizeof(capnp::word) == 0;
-  if (frame && aligned) {
+  const bool in_place =
+      frame && reinterpret_cast<uintptr_t>(payload.data()) % sizeof(capnp::word) == 0;
+  if (in_place) {
     words = kj::arrayPtr(reinterpret_cast<const capnp::word*>(payload.data()),
                          payload.size() / sizeof(capnp::word));
   } else {
@@ -727,8 +728,7 @@ Result<WireMessage> decode_payload(uint8_t protocol, std::string_view payload,
         std::to_string((words.end() - reader.getEnd()) * sizeof(capnp::word)) +
         " trailing bytes after the message");
   if (protocol == kControlProtocol)
-    return read_control(reader.getRoot<proto::ControlMessage>(),
-                        frame && aligned ? frame : nullptr);
+    return read_control(reader.getRoot<proto::ControlMessage>(), in_place ? frame : nullptr);
   return read_plan(reader.getRoot<proto::PlanMessage>());
 }
 
