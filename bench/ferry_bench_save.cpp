@@ -19,11 +19,6 @@
 // two and random bytes, the worst case), and runs the timed saves twice:
 // plain and with compress = zstd:<level>, each against the same raw writer.
 //
-// Beside the ratios it prints the disk's write rate while the snapshot
-// copies and after it: on a machine whose disk writes go through host memory
-// (a VM), the copies' memory traffic slows the writes beside them, and that,
-// not the writers, is then where persist loses to the raw writer.
-//
 // Order: allocate and touch the state and the limits' buffers, note the RSS
 // (the baseline), create the Runtime, one warm-up save (not counted), then
 // each rep: a Ferry save, the raw writer, the memcpy, so each ratio compares
@@ -369,12 +364,6 @@ struct SaveSample {
   double snapshot_ms;
   double total_ms;
   ferry::SaveMetrics metrics;
-  // Write rates (GB/s) from save_async to the end of the snapshot, and from
-  // there to the commit: what the snapshot's copies cost the disk beside them.
-  // Counted in whole blocks written, so the first reads low (and the second
-  // high) by at most a block per writer still in flight at the snapshot's end.
-  double during_snapshot_gbps;
-  double after_snapshot_gbps;
 };
 
 // One save, timed from the caller's side; the checkpoint is removed after
@@ -386,7 +375,6 @@ SaveSample timed_save(ferry::Runtime& rt, const ferry::StateDict& sd, uint64_t s
   const double async_ms = ms_since(t0);
   const ferry::Status snap = h.wait_snapshot();
   const double snap_ms = ms_since(t0);
-  const uint64_t written_at_snap = h.bytes_persisted();
   const ferry::Status done = h.wait_committed();
   const double total_ms = ms_since(t0);
   if (!snap.ok() || !done.ok()) {
@@ -396,14 +384,7 @@ SaveSample timed_save(ferry::Runtime& rt, const ferry::StateDict& sd, uint64_t s
   }
   std::error_code ec;
   std::filesystem::remove_all(h.path(), ec);
-  const uint64_t total = h.bytes_total();
-  const double after_ms = total_ms - snap_ms;
-  return {async_ms,
-          snap_ms,
-          total_ms,
-          h.metrics(),
-          written_at_snap / (snap_ms * 1e6),
-          after_ms > 0 ? (total - written_at_snap) / (after_ms * 1e6) : 0};
+  return {async_ms, snap_ms, total_ms, h.metrics()};
 }
 
 std::vector<double> pick_from(const std::vector<SaveSample>& v, double SaveSample::*field) {
@@ -673,8 +654,6 @@ int run(const Flags& flags) {
   const double persist_ratio = median(persist_r);
   const double raw_par_gbps = state_bytes / (median(raw_par_v) * 1e6);
   const double snapshot_ratio = median(snapshot_r);
-  const double during_gbps = median(pick(&SaveSample::during_snapshot_gbps));
-  const double after_gbps = median(pick(&SaveSample::after_snapshot_gbps));
   const double peak_mib = static_cast<double>(peak_rss) / kMiB;
   const double baseline_mib = static_cast<double>(baseline_rss) / kMiB;
   const double growth_mib = peak_mib - baseline_mib;
@@ -694,10 +673,6 @@ int run(const Flags& flags) {
       state_bytes / (best(raw_hot_v) * 1e6));
   std::printf("  persist ratio   %8.3f  (%.3f against %u writing threads)\n", persist_ratio,
               ferry_gbps / raw_par_gbps, par);
-  std::printf(
-      "  write rate      %8.2f GB/s while the snapshot copies, %.2f GB/s after it (disk writes "
-      "beside the copies)\n",
-      during_gbps, after_gbps);
   std::printf("  save_async      %8.3f ms  [%.3f ms]\n", save_async_ms, best(async_v));
   std::printf("  snapshot        %8.1f ms  %6.2f GB/s  [%.1f ms]\n", snapshot_ms,
               state_bytes / (snapshot_ms * 1e6), best(snap_v));
@@ -758,7 +733,6 @@ int run(const Flags& flags) {
       "{\"bench\":\"save\",\"state_mib\":%llu,\"pool_mib\":%.0f,\"chunk_mib\":%.0f,"
       "\"writers\":%u,\"tensors\":%u,\"reps\":%u,\"rss_run\":%s,"
       "\"ferry_persist_gbps\":%.3f,\"raw_write_gbps\":%.3f,\"persist_ratio\":%.3f,"
-      "\"write_gbps_during_snapshot\":%.3f,\"write_gbps_after_snapshot\":%.3f,"
       "\"raw_write_par_gbps\":%.3f,\"raw_par_threads\":%u,\"raw_direct\":%s,\"save_async_ms\":%.3f,"
       "\"snapshot_ms\":%.1f,\"memcpy_ms\":%.1f,"
       "\"snapshot_ratio\":%.3f,\"total_ms\":%.1f,\"raw_ms\":%.1f,\"peak_rss_mib\":%.0f,"
@@ -767,10 +741,10 @@ int run(const Flags& flags) {
       "\"compressed_state_ratio\":%.3f,\"codec\":[%s]}\n",
       static_cast<unsigned long long>(flags.state_mib), pool_mib,
       static_cast<double>(opts.chunk_bytes) / kMiB, opts.writers, flags.tensors, flags.reps,
-      flags.rss_run ? "true" : "false", ferry_gbps, raw_gbps, persist_ratio, during_gbps,
-      after_gbps, raw_par_gbps, par, raw_direct ? "true" : "false", save_async_ms, snapshot_ms,
-      memcpy_ms, snapshot_ratio, ferry_ms, raw_ms, peak_mib, baseline_mib, growth_mib,
-      flags.compress ? "true" : "false", z_ms, z_persist_ratio, z_ratio, codec_json.c_str());
+      flags.rss_run ? "true" : "false", ferry_gbps, raw_gbps, persist_ratio, raw_par_gbps, par,
+      raw_direct ? "true" : "false", save_async_ms, snapshot_ms, memcpy_ms, snapshot_ratio,
+      ferry_ms, raw_ms, peak_mib, baseline_mib, growth_mib, flags.compress ? "true" : "false", z_ms,
+      z_persist_ratio, z_ratio, codec_json.c_str());
   return 0;
 }
 
