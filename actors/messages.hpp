@@ -175,6 +175,12 @@ struct WriteBlock {
   block_return_actor return_to;  // when set, the written block goes back there, not to the pool
 };
 
+// The data files of a save, and the bytes each will hold (reserved at once).
+struct OpenFiles {
+  std::vector<std::string> paths;
+  std::vector<uint64_t> sizes;
+};
+
 struct FileSet {
   Status status;
   std::vector<std::shared_ptr<File>> files;
@@ -226,6 +232,7 @@ CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::PlanReply)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::StreamJob)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::BlockMsg)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::WriteBlock)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::OpenFiles)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::FileSet)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::ChecksumSet)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::CommitRequest)

@@ -567,10 +567,13 @@ void start_write(planner_ptr self) {
     return maybe_finish(self);
   }
   cur.phase = Phase::opening;
-  std::vector<std::string> paths;
-  for (const auto& l : cur.layouts) paths.push_back(join_path(cur.pending_dir, l.name));
+  OpenFiles files;
+  for (const auto& l : cur.layouts) {
+    files.paths.push_back(join_path(cur.pending_dir, l.name));
+    files.sizes.push_back(l.size);
+  }
   const uint64_t id = cur.id;
-  self->request(st.writers[0], caf::infinite, atom::open_v, paths)
+  self->request(st.writers[0], caf::infinite, atom::open_v, std::move(files))
       .then(
           [self, id](const FileSet& fs) {
             auto& cur = self->state.cur;

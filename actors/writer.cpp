@@ -99,13 +99,26 @@ writer_actor::behavior_type writer_fun(writer_actor::stateful_pointer<writer_sta
           st.ctx->pool->release(w.block.lease);
         self->send(st.planner, atom::written_v, w.block.save, w.block.file, w.block.len, status);
       },
-      [self](atom::open, const std::vector<std::string>& paths) -> FileSet {
+      [self](atom::open, const OpenFiles& req) -> FileSet {
         FileSet out;
-        auto files = self->state.storage->open_checkpoint(paths);
-        if (files.ok())
-          out.files = std::move(files).value();
-        else
+        auto files = self->state.storage->open_checkpoint(req.paths);
+        if (!files.ok()) {
           out.status = files.status();
+          return out;
+        }
+        // Allocated up front (to the O_DIRECT padding) so that the writers'
+        // blocks of one file are written side by side, not one at a time,
+        // and a disk too full for the save fails it before any write.
+        for (size_t f = 0; f < files->size() && f < req.sizes.size(); ++f) {
+          File& file = *(*files)[f];
+          uint64_t size = req.sizes[f];
+          if (file.direct()) size = (size + kDataAlignment - 1) / kDataAlignment * kDataAlignment;
+          if (Status s = file.reserve(size); !s.ok()) {
+            out.status = std::move(s);
+            return out;  // the files close as they go out of scope
+          }
+        }
+        out.files = std::move(files).value();
         return out;
       },
       [self](atom::seal, const std::shared_ptr<File>& f, uint64_t size) -> Status {

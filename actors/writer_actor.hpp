@@ -16,8 +16,9 @@ namespace ferry {
 using writer_actor = caf::typed_actor<
     // serializer -> writer: pwrite one block; the planner hears `written`.
     caf::reacts_to<atom::write, WriteBlock>,
-    // planner -> writer: create the data files of a save.
-    caf::replies_to<atom::open, std::vector<std::string>>::with<FileSet>,
+    // planner -> writer: create the data files of a save, each allocated
+    // to its size.
+    caf::replies_to<atom::open, OpenFiles>::with<FileSet>,
     // planner -> writer: truncate to the size, fsync and close one file.
     caf::replies_to<atom::seal, std::shared_ptr<File>, uint64_t>::with<Status>,
     // planner -> writer after a failure: a barrier behind every queued block,

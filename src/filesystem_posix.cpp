@@ -71,6 +71,18 @@ class PosixFile : public File {
     return Status::ok_status();
   }
 
+  // fallocate(2), not posix_fallocate: where the filesystem has no fallocate
+  // glibc would write every byte, which is the writers' job.
+  Status reserve(uint64_t size) override {
+    while (::fallocate(fd_, 0, 0, static_cast<off_t>(size)) != 0) {
+      if (errno == EINTR) continue;
+      if (errno == EOPNOTSUPP || errno == ENOSYS) return Status::ok_status();
+      return Status::from_errno(errno, "fallocate (reserving " + std::to_string(size) + " bytes)",
+                                path_);
+    }
+    return Status::ok_status();
+  }
+
   // fsync, not fdatasync: a truncate changes the size, which is metadata
   // that fdatasync may leave behind on some filesystems.
   Status sync() override {

@@ -198,6 +198,15 @@ class FaultFile : public File {
     return note(size, &CutModel::truncated, drills::journal_truncated);
   }
 
+  // A size change, faulted as truncate is; like a write, it grows the file
+  // without making anything durable.
+  Status reserve(uint64_t size) override {
+    FERRY_RETURN_IF_ERROR(impl_->check(FaultOp::truncate, "fallocate", path(), norm_path_));
+    Status st = base_->reserve(size);
+    note_write(st.ok(), size);
+    return st;
+  }
+
   Status sync() override {
     FERRY_RETURN_IF_ERROR(impl_->check(FaultOp::sync, "fsync", path(), norm_path_));
     uint64_t size = 0;

@@ -100,6 +100,44 @@ TEST_CASE("ENOSPC and EIO at every operation kind fail the save cleanly", "[acto
   }
 }
 
+TEST_CASE("a disk too full for a save fails it as its files are allocated, before any write",
+          "[actors][faults]") {
+  TempDir dir;
+  auto faults = std::make_shared<ferry::FaultFilesystem>(ferry::posix_filesystem());
+  auto rt = runtime(dir.path(), faults);
+  Model m1(1);
+  REQUIRE(rt->save_async(m1.sd, 1).wait_committed().ok());
+  const std::string before = rt->latest();
+  // The 1st size change of a data file is its allocation, the 2nd the cut
+  // to its length after the last write.
+  for (uint64_t nth : {1, 2}) {
+    ferry::FaultRule rule;
+    rule.op = ferry::FaultOp::truncate;
+    rule.error = ENOSPC;
+    rule.nth = nth;
+    rule.path_contains = ".safetensors";
+    faults->add_rule(rule);
+    Model m2(2);
+    auto h = rt->save_async(m2.sd, 2);
+    const ferry::Status st = h.wait_committed();
+    INFO(st.to_string());
+    CHECK(st.code() == ferry::StatusCode::io_error);
+    CHECK_THAT(st.message(), Catch::Contains(nth == 1 ? "fallocate" : "truncate"));
+    CHECK_THAT(st.message(), Catch::Contains(".safetensors"));
+    CHECK_THAT(st.message(), Catch::Contains("No space left"));
+    // Found before the first block: nothing of the save was written.
+    if (nth == 1) CHECK(h.bytes_persisted() == 0);
+    CHECK(rt->latest() == before);
+    CHECK(loads_as(*rt, dir.path(), 1));
+    for (auto& e : fs::directory_iterator(dir.path()))
+      CHECK_FALSE(ferry::is_pending_dir_name(e.path().filename().string()));
+    faults->clear_rules();
+  }
+  Model m3(3);
+  REQUIRE(rt->save_async(m3.sd, 3).wait_committed().ok());
+  CHECK(loads_as(*rt, dir.path(), 3));
+}
+
 TEST_CASE("a disk that fills mid-write (short write) fails the save", "[actors][faults]") {
   TempDir dir;
   auto faults = std::make_shared<ferry::FaultFilesystem>(ferry::posix_filesystem());

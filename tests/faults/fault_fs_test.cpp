@@ -799,6 +799,19 @@ TEST_CASE("real ENOSPC on a full tmpfs (inner)", "[.faults-real-enospc]") {
   CHECK_FALSE(contains(st.message(), "(injected)"));
   REQUIRE((*f)->close().ok());
 
+  // Allocating more than the disk holds fails at once, naming the call, the
+  // bytes and the file.
+  auto r = fs.open(join_path(dir, "reserved.bin"), writable());
+  REQUIRE(r.ok());
+  Status full = (*r)->reserve(4 << 20);
+  REQUIRE_FALSE(full.ok());
+  CHECK(contains(full.message(), "fallocate"));
+  CHECK(contains(full.message(), std::to_string(4 << 20)));
+  CHECK(contains(full.message(), "reserved.bin"));
+  CHECK(contains(full.message(), std::strerror(ENOSPC)));
+  REQUIRE((*r)->close().ok());
+  REQUIRE(fs.unlink(join_path(dir, "reserved.bin")).ok());
+
   // An atomic write that does not fit leaves no temp file behind.
   Status w = write_file_atomic(fs, join_path(dir, "MANIFEST"), std::string(512 * 1024, 'm'), true);
   CHECK_FALSE(w.ok());

@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cstring>
 #include <memory>
@@ -72,6 +73,36 @@ void filesystem_conformance(Filesystem& fs, const std::string& dir) {
     auto contents = read_file(fs, path);
     REQUIRE(contents.ok());
     CHECK(*contents == "hello");
+  }
+
+  SECTION("reserve: the file grows to the size, reading as zeros, and never shrinks") {
+    std::string path = join_path(dir, "r.bin");
+    auto f = fs.open(path, writable());
+    REQUIRE(f.ok());
+    REQUIRE((*f)->pwrite("head", 4, 0).ok());
+    const uint64_t size = (1 << 20) + 5;
+    REQUIRE((*f)->reserve(size).ok());
+    auto info = fs.stat(path);
+    REQUIRE(info.ok());
+    // A filesystem without fallocate reserves nothing, and says ok.
+    if (info->size == 4) return;
+    CHECK(info->size == size);
+    std::vector<char> buf(size + 10, 'x');
+    auto n = (*f)->pread(buf.data(), buf.size(), 0);
+    REQUIRE(n.ok());
+    CHECK(*n == size);
+    CHECK(std::string(buf.data(), 4) == "head");  // what was written stays
+    CHECK(std::all_of(buf.begin() + 4, buf.begin() + size, [](char c) { return c == 0; }));
+    REQUIRE((*f)->reserve(100).ok());  // smaller: nothing changes
+    CHECK(fs.stat(path)->size == size);
+    // Written into and cut to its length, as a save's data file is.
+    REQUIRE((*f)->pwrite("tail", 4, 4096).ok());
+    REQUIRE((*f)->truncate(4100).ok());
+    REQUIRE((*f)->close().ok());
+    auto contents = read_file(fs, path);
+    REQUIRE(contents.ok());
+    CHECK(contents->size() == 4100);
+    CHECK(contents->substr(4096) == "tail");
   }
 
   SECTION("open options: exclusive, truncate, read-only") {

@@ -35,6 +35,13 @@ class File {
   // Reads up to `len` bytes; fewer only at end of file.
   virtual Result<size_t> pread(void* data, size_t len, uint64_t offset) = 0;
   virtual Status truncate(uint64_t size) = 0;
+  // Allocates the file's first `size` bytes on disk, growing it to at least
+  // `size` (reading as zeros). Later writes there neither extend the file nor
+  // allocate, so concurrent writes to it run side by side (an extending or
+  // allocating O_DIRECT write holds the file's lock to the end of its I/O),
+  // and a full disk fails here, before any byte is written. Where the
+  // filesystem cannot allocate ahead it does nothing and returns ok.
+  virtual Status reserve(uint64_t /*size*/) { return Status(); }
   virtual Status sync() = 0;   // fsync
   virtual Status close() = 0;  // idempotent; the destructor closes too
 };
