@@ -57,6 +57,28 @@ void flip(const std::string& path, uint64_t off) {
   f.write(&c, 1);
 }
 
+// A runtime on the fault filesystem, with Model(1) committed as step 1.
+struct Faulty {
+  TempDir dir;
+  std::shared_ptr<ferry::FaultFilesystem> faults =
+      std::make_shared<ferry::FaultFilesystem>(ferry::posix_filesystem());
+  std::unique_ptr<ferry::Runtime> rt = runtime(dir.path(), faults);
+  std::string before;
+  Faulty() {
+    Model m1(1);
+    REQUIRE(rt->save_async(m1.sd, 1).wait_committed().ok());
+    before = rt->latest();
+  }
+  // After a failed save: step 1 is untouched and still the latest, and no
+  // pending directory is left.
+  void check_untouched() {
+    CHECK(rt->latest() == before);
+    CHECK(loads_as(*rt, dir.path(), 1));
+    for (auto& e : fs::directory_iterator(dir.path()))
+      CHECK_FALSE(ferry::is_pending_dir_name(e.path().filename().string()));
+  }
+};
+
 }  // namespace
 
 TEST_CASE("ENOSPC and EIO at every operation kind fail the save cleanly", "[actors][faults]") {
@@ -67,13 +89,10 @@ TEST_CASE("ENOSPC and EIO at every operation kind fail the save cleanly", "[acto
   };
   for (int err : {ENOSPC, EIO}) {
     for (const auto& [op, opname] : kinds) {
-      TempDir dir;
-      auto faults = std::make_shared<ferry::FaultFilesystem>(ferry::posix_filesystem());
-      auto rt = runtime(dir.path(), faults);
-      Model m1(1);
-      REQUIRE(rt->save_async(m1.sd, 1).wait_committed().ok());
-      const std::string before = rt->latest();
-
+      Faulty t;
+      const std::string dir = t.dir.path();
+      auto& faults = t.faults;
+      auto& rt = t.rt;
       ferry::FaultRule rule;
       rule.op = op;
       rule.error = err;
@@ -85,29 +104,23 @@ TEST_CASE("ENOSPC and EIO at every operation kind fail the save cleanly", "[acto
       INFO(ferry::fault_op_name(op) << " errno " << err << ": " << st.to_string());
       CHECK_FALSE(st.ok());
       CHECK_THAT(st.message(), Catch::Contains("(injected)"));
-      CHECK_THAT(st.message(), Catch::Contains(dir.path()));
-      // The previous checkpoint is untouched and still the latest.
-      CHECK(rt->latest() == before);
-      CHECK(loads_as(*rt, dir.path(), 1));
-      for (auto& e : fs::directory_iterator(dir.path()))
-        CHECK_FALSE(ferry::is_pending_dir_name(e.path().filename().string()));
+      CHECK_THAT(st.message(), Catch::Contains(dir));
+      t.check_untouched();
 
       // The fault gone, training goes on and the next save works.
       faults->clear_rules();
       REQUIRE(rt->save_async(m2.sd, 3).wait_committed().ok());
-      CHECK(loads_as(*rt, dir.path(), 2));
+      CHECK(loads_as(*rt, dir, 2));
     }
   }
 }
 
 TEST_CASE("a disk too full for a save fails it as its files are allocated, before any write",
           "[actors][faults]") {
-  TempDir dir;
-  auto faults = std::make_shared<ferry::FaultFilesystem>(ferry::posix_filesystem());
-  auto rt = runtime(dir.path(), faults);
-  Model m1(1);
-  REQUIRE(rt->save_async(m1.sd, 1).wait_committed().ok());
-  const std::string before = rt->latest();
+  Faulty t;
+  const std::string dir = t.dir.path();
+  auto& faults = t.faults;
+  auto& rt = t.rt;
   // The 1st size change of a data file is its allocation, the 2nd the cut
   // to its length after the last write.
   for (uint64_t nth : {1, 2}) {
@@ -127,15 +140,12 @@ TEST_CASE("a disk too full for a save fails it as its files are allocated, befor
     CHECK_THAT(st.message(), Catch::Contains("No space left"));
     // Found before the first block: nothing of the save was written.
     if (nth == 1) CHECK(h.bytes_persisted() == 0);
-    CHECK(rt->latest() == before);
-    CHECK(loads_as(*rt, dir.path(), 1));
-    for (auto& e : fs::directory_iterator(dir.path()))
-      CHECK_FALSE(ferry::is_pending_dir_name(e.path().filename().string()));
+    t.check_untouched();
     faults->clear_rules();
   }
   Model m3(3);
   REQUIRE(rt->save_async(m3.sd, 3).wait_committed().ok());
-  CHECK(loads_as(*rt, dir.path(), 3));
+  CHECK(loads_as(*rt, dir, 3));
 }
 
 TEST_CASE("a disk that fills mid-write (short write) fails the save", "[actors][faults]") {
