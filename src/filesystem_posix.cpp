@@ -72,12 +72,16 @@ class PosixFile : public File {
   }
 
   // fallocate(2), not posix_fallocate: where the filesystem has no fallocate
-  // glibc would write every byte, which is the writers' job.
+  // glibc would write every byte, which is the writers' job. Only a lack of
+  // space or a failing device is an error; any other refusal (no support,
+  // a mode this filesystem lacks) leaves the file to grow as it is written.
   Status reserve(uint64_t size) override {
+    if (size == 0) return Status::ok_status();  // fallocate refuses an empty range
     while (::fallocate(fd_, 0, 0, static_cast<off_t>(size)) != 0) {
-      if (errno == EINTR) continue;
-      if (errno == EOPNOTSUPP || errno == ENOSYS) return Status::ok_status();
-      return Status::from_errno(errno, "fallocate (reserving " + std::to_string(size) + " bytes)",
+      const int err = errno;
+      if (err == EINTR) continue;
+      if (err != ENOSPC && err != EDQUOT && err != EFBIG && err != EIO) return Status::ok_status();
+      return Status::from_errno(err, "fallocate (reserving " + std::to_string(size) + " bytes)",
                                 path_);
     }
     return Status::ok_status();

@@ -40,7 +40,8 @@ class File {
   // allocate, so concurrent writes to it run side by side (an extending or
   // allocating O_DIRECT write holds the file's lock to the end of its I/O),
   // and a full disk fails here, before any byte is written. Where the
-  // filesystem cannot allocate ahead it does nothing and returns ok.
+  // filesystem cannot allocate ahead it does nothing and returns ok; only a
+  // lack of space (or quota) or a failing device is an error.
   virtual Status reserve(uint64_t /*size*/) { return Status(); }
   virtual Status sync() = 0;   // fsync
   virtual Status close() = 0;  // idempotent; the destructor closes too
