@@ -142,7 +142,7 @@ serializer_actor::behavior_type serializer_fun(serializer_ptr self, ContextPtr c
         const auto& file = st.job.handles[b.file];
         uint64_t write_len = b.len;
         if (file->direct()) {
-          write_len = (b.len + kDataAlignment - 1) / kDataAlignment * kDataAlignment;
+          write_len = direct_io_bytes(b.len);
           std::memset(*data + b.len, 0, write_len - b.len);
         }
         // Spread blocks over the writers; each file's blocks go round-robin

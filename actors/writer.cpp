@@ -111,8 +111,7 @@ writer_actor::behavior_type writer_fun(writer_actor::stateful_pointer<writer_sta
         // and a disk too full for the save fails it before any write.
         for (size_t f = 0; f < files->size() && f < req.sizes.size(); ++f) {
           File& file = *(*files)[f];
-          uint64_t size = req.sizes[f];
-          if (file.direct()) size = (size + kDataAlignment - 1) / kDataAlignment * kDataAlignment;
+          const uint64_t size = file.direct() ? direct_io_bytes(req.sizes[f]) : req.sizes[f];
           if (Status s = file.reserve(size); !s.ok()) {
             out.status = std::move(s);
             return out;  // the files close as they go out of scope

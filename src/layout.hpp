@@ -17,6 +17,12 @@ namespace ferry {
 
 constexpr uint64_t kDataAlignment = 4096;
 
+// What an O_DIRECT write of `n` bytes at an aligned offset covers: the last
+// block of a data file is padded to this, and its file allocated to it.
+constexpr uint64_t direct_io_bytes(uint64_t n) {
+  return (n + kDataAlignment - 1) / kDataAlignment * kDataAlignment;
+}
+
 struct Compressed;  // codec.hpp
 
 struct ChunkRef {
