@@ -147,7 +147,7 @@ struct CompressDone {
 struct StreamJob {
   uint64_t save = 0;
   std::vector<FileLayout> files;
-  std::vector<std::shared_ptr<File>> handles;     // [file], opened by a writer
+  std::vector<std::shared_ptr<File>> handles;     // [file]: the serializer's, from `open`
   std::vector<std::vector<ChunkSource>> sources;  // [file][chunk]
   uint64_t block_bytes = 0;
   uint64_t checksum_block_bytes = 0;         // 0: no checksums

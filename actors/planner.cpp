@@ -6,7 +6,7 @@
 //
 // planning:   local plan, sent to the coordinator; its reply is this rank's
 //             part of the global plan and the pending directory.
-// opening:    a writer creates the data files.
+// opening:    a writer creates the data files; the snapshot already copies.
 // streaming:  snapshot -> serializer -> writers; block reports come back here.
 // finishing:  each file is truncated, fsynced and closed; checksums arrive
 //             from the serializer. (The pending directory is fsynced once,
@@ -346,14 +346,14 @@ void finish_file(planner_ptr self, uint32_t f) {
           });
 }
 
+// The copies start while a writer creates the files: the serializer holds
+// the filled blocks until it has them (`open`).
 void start_streaming(planner_ptr self) {
   auto& st = self->state;
   auto& cur = st.cur;
-  cur.phase = Phase::streaming;
   StreamJob job;
   job.save = cur.id;
   job.files = cur.layouts;
-  job.handles = cur.files;
   job.block_bytes = st.ctx->pool->block_bytes();
   job.checksum_block_bytes = st.ctx->opts.checksum ? st.ctx->opts.checksum_block_bytes : 0;
   job.sources = cur.sources;
@@ -585,13 +585,15 @@ void start_write(planner_ptr self) {
             }
             if (!fs.status.ok()) return fail(self, fs.status);
             cur.files = fs.files;
-            start_streaming(self);
+            cur.phase = Phase::streaming;
+            self->send(self->state.serializer, atom::open_v, id, fs);
           },
           [self, id](caf::error& e) {
             if (live(self->state, id))
               fail(self, Status::internal("opening the data files: the writer: " +
                                           self->system().render(e)));
           });
+  start_streaming(self);
 }
 
 void start_next(planner_ptr self) {

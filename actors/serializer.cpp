@@ -4,7 +4,7 @@
 // to a writer. When the last block has gone by, the checksums go to the
 // planner for its write result.
 //
-//   idle --stream--> active --(last block handed on)--> idle
+//   idle --stream--> active --(last block handed on, or hashed)--> idle
 //                    +--abandon (answered)--> idle: later blocks of the save
 //                                           go back to the pool, not on
 
@@ -33,17 +33,27 @@ struct serializer_state {
 
   bool active = false;
   StreamJob job;
+  // Blocks filled before a writer has created the files, in file order.
+  bool files_open = false;
+  std::vector<BlockMsg> before_open;
   std::vector<FileCursor> cursors;
   ChecksumSet sums;
   uint64_t blocks_left = 0;
-  // When the whole save fits in the pool, hashing waits until every block is
-  // written: the snapshot then copies on a core of its own (the caller waits
-  // for the snapshot, not for the checksums). Written blocks come back here,
-  // by (file, index), and are hashed in file order at the end.
+  // When the whole save fits in the pool, hashing waits until the snapshot
+  // is over: the snapshot then copies on a core of its own (the caller waits
+  // for the snapshot, not for the checksums). Then every block of the save
+  // is here or with a writer, and is hashed in file order while the writers
+  // write it (both only read it); it goes back to the pool once written and
+  // hashed. The checksums are then ready long before the last write ends.
   bool defer = false;
   uint64_t blocks_hashed = 0;
   std::pair<uint32_t, uint64_t> next_hash{0, 0};  // (file, index) hashed next
-  std::map<std::pair<uint32_t, uint64_t>, BlockMsg> written;
+  struct Held {
+    BlockMsg msg;
+    bool written = false;
+  };
+  std::map<std::pair<uint32_t, uint64_t>, Held> held;  // by (file, index)
+  bool hash_queued = false;
 };
 
 using serializer_ptr = serializer_actor::stateful_pointer<serializer_state>;
@@ -82,18 +92,20 @@ uint64_t blocks_of(const serializer_state& st, uint32_t file) {
   return (st.job.files[file].size + st.job.block_bytes - 1) / st.job.block_bytes;
 }
 
-// Deferred hashing: once the snapshot is over (every block came through),
-// hashes the written blocks in file order as they come back, overlapping the
-// remaining writes; ends the job after the last one.
-void drain(serializer_ptr self) {
+// Deferred hashing, once the snapshot is over: one block per message, so
+// the mailbox (written blocks, an abandon) is served between them; ends the
+// job after the last one.
+void hash_next(serializer_ptr self) {
   auto& st = self->state;
-  if (!st.defer || st.blocks_left > 0) return;
-  for (auto it = st.written.find(st.next_hash); it != st.written.end();
-       it = st.written.find(st.next_hash)) {
-    auto data = st.ctx->pool->data(it->second.lease);
-    if (data.ok()) hash_block(st, it->second, *data);
-    st.ctx->pool->release(it->second.lease);
-    st.written.erase(it);
+  if (!st.active || !st.defer || st.blocks_left > 0) return;
+  auto it = st.held.find(st.next_hash);
+  if (it != st.held.end()) {
+    auto data = st.ctx->pool->data(it->second.msg.lease);
+    if (data.ok()) hash_block(st, it->second.msg, *data);
+    if (it->second.written) {
+      st.ctx->pool->release(it->second.msg.lease);
+      st.held.erase(it);
+    }
     ++st.blocks_hashed;
     if (++st.next_hash.second == blocks_of(st, st.next_hash.first))
       st.next_hash = {st.next_hash.first + 1, 0};
@@ -103,7 +115,42 @@ void drain(serializer_ptr self) {
   if (st.blocks_hashed == total) {
     self->send(st.planner, atom::sums_v, st.sums);
     st.active = false;
+    // The blocks left are still being written: each goes back to the pool
+    // as it comes back (the save is no longer active then).
+    st.held.clear();
+    return;
   }
+  if (!st.hash_queued) {
+    st.hash_queued = true;
+    self->send(serializer_actor{self}, atom::fill_v, st.job.save);
+  }
+}
+
+// Hashes (unless deferred), pads and hands on one filled block.
+void take_block(serializer_ptr self, const BlockMsg& b) {
+  auto& st = self->state;
+  uint8_t* data = *st.ctx->pool->data(b.lease);
+  if (st.job.checksum_block_bytes > 0 && !st.defer) hash_block(st, b, data);
+  const auto& file = st.job.handles[b.file];
+  uint64_t write_len = b.len;
+  if (file->direct()) {
+    write_len = direct_io_bytes(b.len);
+    std::memset(data + b.len, 0, write_len - b.len);
+  }
+  // Spread blocks over the writers; each file's blocks go round-robin
+  // so one large file is written by all of them.
+  const auto& w = st.writers[b.index % st.writers.size()];
+  block_return_actor back;
+  if (st.defer) {
+    back = self;
+    st.held.emplace(std::make_pair(b.file, b.index), serializer_state::Held{b});
+  }
+  self->send(w, atom::write_v, WriteBlock{b, file, write_len, back});
+  if (--st.blocks_left == 0 && !st.defer) {
+    self->send(st.planner, atom::sums_v, st.sums);
+    st.active = false;
+  }
+  hash_next(self);
 }
 
 serializer_actor::behavior_type serializer_fun(serializer_ptr self, ContextPtr ctx,
@@ -125,46 +172,53 @@ serializer_actor::behavior_type serializer_fun(serializer_ptr self, ContextPtr c
           st.sums.sums.emplace_back(f.chunks.size());
           st.blocks_left += (f.size + job.block_bytes - 1) / job.block_bytes;
         }
-        st.written.clear();
+        st.held.clear();
         st.blocks_hashed = 0;
         st.next_hash = {0, 0};
+        st.hash_queued = false;
+        st.files_open = false;
+        for (const BlockMsg& b : st.before_open) st.ctx->pool->release(b.lease);
+        st.before_open.clear();
         st.defer = job.checksum_block_bytes > 0 && st.blocks_left <= st.ctx->pool->blocks();
         if (st.blocks_left == 0) self->send(st.planner, atom::sums_v, st.sums);
       },
       [self](atom::block, const BlockMsg& b) {
         auto& st = self->state;
-        auto data = st.ctx->pool->data(b.lease);
-        if (!st.active || b.save != st.job.save || !data.ok()) {
+        if (!st.active || b.save != st.job.save || !st.ctx->pool->data(b.lease).ok()) {
           st.ctx->pool->release(b.lease);  // a block of an abandoned save
           return;
         }
-        if (st.job.checksum_block_bytes > 0 && !st.defer) hash_block(st, b, *data);
-        const auto& file = st.job.handles[b.file];
-        uint64_t write_len = b.len;
-        if (file->direct()) {
-          write_len = direct_io_bytes(b.len);
-          std::memset(*data + b.len, 0, write_len - b.len);
-        }
-        // Spread blocks over the writers; each file's blocks go round-robin
-        // so one large file is written by all of them.
-        const auto& w = st.writers[b.index % st.writers.size()];
-        block_return_actor back;
-        if (st.defer) back = self;
-        self->send(w, atom::write_v, WriteBlock{b, file, write_len, back});
-        if (--st.blocks_left == 0 && !st.defer) {
-          self->send(st.planner, atom::sums_v, st.sums);
-          st.active = false;
-        }
-        drain(self);
+        if (!st.files_open) return st.before_open.push_back(b);
+        take_block(self, b);
+      },
+      [self](atom::open, uint64_t save, const FileSet& files) {
+        auto& st = self->state;
+        if (!st.active || save != st.job.save || st.files_open) return;
+        st.job.handles = files.files;
+        st.files_open = true;
+        std::vector<BlockMsg> queued;
+        queued.swap(st.before_open);
+        for (const BlockMsg& b : queued) take_block(self, b);
       },
       [self](atom::back, const BlockMsg& b) {
         auto& st = self->state;
-        if (!st.active || !st.defer || b.save != st.job.save) {
+        auto it = st.held.find({b.file, b.index});
+        if (!st.active || !st.defer || b.save != st.job.save || it == st.held.end()) {
           st.ctx->pool->release(b.lease);
           return;
         }
-        st.written.emplace(std::make_pair(b.file, b.index), b);
-        drain(self);
+        // Hashed already (everything before next_hash is): done with it.
+        if (std::make_pair(b.file, b.index) < st.next_hash) {
+          st.ctx->pool->release(b.lease);
+          st.held.erase(it);
+        } else {
+          it->second.written = true;
+        }
+      },
+      [self](atom::fill, uint64_t save) {
+        auto& st = self->state;
+        st.hash_queued = false;
+        if (save == st.job.save) hash_next(self);
       },
       // Answered once no block of `save` will go to a writer any more:
       // everything sent before is already in the writers' mailboxes.
@@ -172,8 +226,12 @@ serializer_actor::behavior_type serializer_fun(serializer_ptr self, ContextPtr c
         auto& st = self->state;
         if (!st.active || st.job.save != save) return true;
         st.active = false;
-        for (const auto& [key, blk] : st.written) st.ctx->pool->release(blk.lease);
-        st.written.clear();
+        for (const BlockMsg& b : st.before_open) st.ctx->pool->release(b.lease);
+        st.before_open.clear();
+        // Those not written yet go back to the pool as they come back.
+        for (const auto& [key, blk] : st.held)
+          if (blk.written) st.ctx->pool->release(blk.msg.lease);
+        st.held.clear();
         return true;
       },
   };

@@ -17,8 +17,13 @@ namespace ferry {
 using serializer_actor = block_return_actor::extend<
     // planner -> serializer: the files of a save; sent before the snapshot's.
     caf::reacts_to<atom::stream, StreamJob>,
+    // planner -> serializer: the save's files, opened (when the job came
+    // without them); blocks wait here until then.
+    caf::reacts_to<atom::open, uint64_t, FileSet>,
     // snapshot -> serializer: a filled block, in file order.
     caf::reacts_to<atom::block, BlockMsg>,
+    // serializer -> itself: hash the next block of save (deferred hashing).
+    caf::reacts_to<atom::fill, uint64_t>,
     // planner -> serializer: stop the save; answered once no block of it
     // goes to a writer any more.
     caf::replies_to<atom::abandon, uint64_t>::with<bool>>;

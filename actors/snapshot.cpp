@@ -140,6 +140,31 @@ gpu_snapshot_actor::behavior_type gpu_snapshot_fun(
 
 constexpr int kBlocksPerFill = 16;
 
+// The copies into a block at `base` of `len` bytes, cut into `parts` runs,
+// each of one stretch of the block. The cuts fall at multiples of 64 KiB of
+// the block, as the block's own edges do at multiples of its size: on whole
+// elements, and aligned for the streaming stores.
+std::vector<std::vector<BlockCopy>> split_copies(std::vector<BlockCopy> copies, const uint8_t* base,
+                                                 uint64_t len, size_t parts) {
+  constexpr uint64_t kGrain = 64 * 1024;
+  const uint64_t share = std::max<uint64_t>(kGrain, (len / parts + kGrain - 1) / kGrain * kGrain);
+  std::vector<std::vector<BlockCopy>> out((len + share - 1) / share);
+  for (BlockCopy& c : copies) {
+    while (c.len > 0) {
+      const uint64_t at = static_cast<uint64_t>(c.dst - base);
+      BlockCopy piece = c;
+      piece.len = std::min(c.len, (at / share + 1) * share - at);
+      c.src_off += piece.len;
+      c.dst += piece.len;
+      c.len -= piece.len;
+      out[at / share].push_back(std::move(piece));
+    }
+  }
+  out.erase(std::remove_if(out.begin(), out.end(), [](const auto& r) { return r.empty(); }),
+            out.end());
+  return out;
+}
+
 struct InFlight {
   BlockMsg msg;
   uint32_t outstanding = 0;
@@ -285,6 +310,9 @@ void issue_block(snapshot_ptr self) {
         {&sources[i], &c.chunk.key, sources[i].offset + (lo - c.offset), hi - lo, lo - off});
   }
   st.inflight.push_back(std::move(b));
+  // The first writes wait for the save's first block alone: its copies are
+  // shared by every lane. Later blocks are dealt whole, one per lane.
+  const bool first_block = st.next_file == 0 && off == 0;
 
   st.next_offset += len;
   ++st.next_index;
@@ -305,8 +333,8 @@ void issue_block(snapshot_ptr self) {
   for (auto& [device, block_copies] : by_device) {
     if (std::find(st.job_devices.begin(), st.job_devices.end(), device) == st.job_devices.end())
       st.job_devices.push_back(device);
-    auto done = std::make_shared<BlockCopies>(self, save, seq, block_copies.size());
     if (device >= 0) {
+      auto done = std::make_shared<BlockCopies>(self, save, seq, block_copies.size());
       auto& gpu = st.gpus[device];
       if (!gpu) gpu = self->spawn<caf::linked>(gpu_snapshot_fun, st.ctx);
       self->send(gpu, atom::gpu_copy_v, GpuCopies{std::move(block_copies), done, st.cancelled});
@@ -315,21 +343,31 @@ void issue_block(snapshot_ptr self) {
     if (st.host_lanes.empty())
       for (uint32_t i = 0; i < st.ctx->opts.copy_threads; ++i)
         st.host_lanes.push_back(std::make_unique<CopyLane>("ferry.copy"));
-    CopyLane& lane = *st.host_lanes[st.next_lane++ % st.host_lanes.size()];
-    lane.post([device = st.ctx->device, cancelled = st.cancelled, done,
-               block_copies = std::move(block_copies), me = caf::actor_cast<caf::actor>(self)] {
-      if (cancelled->load()) {
-        for (size_t i = 0; i < block_copies.size(); ++i) done->done(abandoned());
-        return;
-      }
-      try {
-        for (const BlockCopy& c : block_copies) copy_out(*device, c, done);
-      } catch (...) {
-        // A backend that throws is a bug: end the snapshot actor as if it
-        // had thrown there, so the planner linked to it fails every wait.
-        caf::anon_send_exit(me, caf::exit_reason::unhandled_exception);
-      }
-    });
+    std::vector<std::vector<BlockCopy>> runs;
+    if (first_block && st.host_lanes.size() > 1)
+      runs = split_copies(std::move(block_copies), dst, len, st.host_lanes.size());
+    else
+      runs.push_back(std::move(block_copies));
+    size_t pieces = 0;
+    for (const auto& run : runs) pieces += run.size();
+    auto done = std::make_shared<BlockCopies>(self, save, seq, pieces);
+    for (auto& run : runs) {
+      CopyLane& lane = *st.host_lanes[st.next_lane++ % st.host_lanes.size()];
+      lane.post([device = st.ctx->device, cancelled = st.cancelled, done, run = std::move(run),
+                 me = caf::actor_cast<caf::actor>(self)] {
+        if (cancelled->load()) {
+          for (size_t i = 0; i < run.size(); ++i) done->done(abandoned());
+          return;
+        }
+        try {
+          for (const BlockCopy& c : run) copy_out(*device, c, done);
+        } catch (...) {
+          // A backend that throws is a bug: end the snapshot actor as if it
+          // had thrown there, so the planner linked to it fails every wait.
+          caf::anon_send_exit(me, caf::exit_reason::unhandled_exception);
+        }
+      });
+    }
   }
   // Once the last copy is queued with its device, wait_snapshot(stream) can
   // order the caller's stream after it: the host lanes and each GPU actor say

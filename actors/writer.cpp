@@ -91,8 +91,8 @@ writer_actor::behavior_type writer_fun(writer_actor::stateful_pointer<writer_sta
         else
           status = st.storage->write(*w.file, *data, w.write_len, w.block.offset);
         // Returning the block first lets the snapshot refill it while the
-        // planner handles the report (or the serializer hash it, when it
-        // deferred that to keep the snapshot's core free).
+        // planner handles the report (or the serializer release it once
+        // hashed, when it deferred hashing to keep the snapshot's core free).
         if (w.return_to)
           self->send(w.return_to, atom::back_v, w.block);
         else

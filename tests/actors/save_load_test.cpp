@@ -9,6 +9,7 @@
 #include <random>
 
 #include "catalog.hpp"
+#include "drills/fault_fs.hpp"
 #include "ferry/filesystem.hpp"
 #include "ferry/runtime.hpp"
 #include "manifest.hpp"
@@ -113,6 +114,66 @@ TEST_CASE("a state 4x larger than the pool streams through it", "[actors][save]"
   REQUIRE(rt->load(out, dir.path()).ok());
   CHECK(big2.bytes == big.bytes);
   CHECK(small2.bytes == small.bytes);
+}
+
+TEST_CASE("the first block, cut between the copy lanes, and checksums hashed ahead of the writes",
+          "[actors][save]") {
+  // The first 256 KiB block holds the header, odd-sized tensors and the
+  // start of a transposed one, so the lanes' cuts fall inside tensors and
+  // across a strided view. Slowed writes leave the checksums (hashed once
+  // the snapshot is over, when the pool holds the whole save) done before
+  // most blocks are written; a 512 KiB pool streams the save instead. Load
+  // verifies every checksum.
+  const std::string lanes = GENERATE("1", "2", "3", "5");
+  const std::string faults = GENERATE(std::string(), std::string("latency:write:5ms"));
+  const std::string pool = GENERATE("4MiB", "512KiB");
+  INFO("copy-threads " << lanes << ", faults '" << faults << "', pool " << pool);
+  TempDir dir;
+  auto fsys = ferry::filesystem_from_spec(ferry::posix_filesystem(), faults);
+  REQUIRE(fsys.ok());
+  auto rt = ferry::testing::make_test_runtime(
+      dir.path(), {{{"copy-threads", lanes}, {"pool-bytes", pool}}, *fsys});
+  Buf a(ferry::DType::f32, {37, 129}, 1);
+  Buf b(ferry::DType::bf16, {1001}, 2);
+  Buf c(ferry::DType::u8, {70001}, 3);
+  const int64_t R = 300, C = 217;
+  std::vector<int32_t> cols(R * C);  // {R, C} stored column-major
+  for (size_t i = 0; i < cols.size(); ++i) cols[i] = static_cast<int32_t>(i * 2654435761u);
+  Buf d(ferry::DType::f64, {513, 65}, 4);
+  ferry::StateDict sd;
+  REQUIRE(sd.add("a", a.view()).ok());
+  REQUIRE(sd.add("b", b.view()).ok());
+  REQUIRE(sd.add("c", c.view()).ok());
+  REQUIRE(
+      sd.add("m", {cols.data(), ferry::DType::i32, {R, C}, ferry::Device::host(), {1, R}}).ok());
+  REQUIRE(sd.add("d", d.view()).ok());
+  auto h = rt->save_async(sd, 1);
+  const ferry::Status st = h.wait_committed();
+  INFO(st.to_string());
+  REQUIRE(st.ok());
+
+  Buf a2(ferry::DType::f32, {37, 129}, 11);
+  Buf b2(ferry::DType::bf16, {1001}, 12);
+  Buf c2(ferry::DType::u8, {70001}, 13);
+  std::vector<int32_t> m2(R * C, -1);
+  Buf d2(ferry::DType::f64, {513, 65}, 14);
+  ferry::StateDict out;
+  REQUIRE(out.add("a", a2.view()).ok());
+  REQUIRE(out.add("b", b2.view()).ok());
+  REQUIRE(out.add("c", c2.view()).ok());
+  REQUIRE(out.add("m", {m2.data(), ferry::DType::i32, {R, C}}).ok());
+  REQUIRE(out.add("d", d2.view()).ok());
+  const ferry::Status ls = rt->load(out, dir.path());
+  INFO(ls.to_string());
+  REQUIRE(ls.ok());
+  CHECK(a2.bytes == a.bytes);
+  CHECK(b2.bytes == b.bytes);
+  CHECK(c2.bytes == c.bytes);
+  CHECK(d2.bytes == d.bytes);
+  bool same = true;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t k = 0; k < C; ++k) same = same && m2[r * C + k] == cols[k * R + r];
+  CHECK(same);
 }
 
 TEST_CASE("mutating after wait_snapshot does not change what was saved", "[actors][save]") {
