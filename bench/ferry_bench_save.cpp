@@ -93,7 +93,7 @@ struct Flags {
                "               --rss-run)\n"
                "  --chunk-mib  pool block / write size (default: the runtime's)\n"
                "  --writers    writer threads (default: the runtime's)\n"
-               "  --reps       timed saves (default 9 up to 512 MiB, 5 up to 2 GiB, else 1)\n"
+               "  --reps       timed saves (default 9 up to 2 GiB, else 1)\n"
                "  --dir DIR    where to write (a fresh directory inside DIR, removed at the\n"
                "               end; default $TMPDIR or /tmp)\n"
                "  --compress   realistic values; zstd codec figures; saves plain and compressed\n"
@@ -161,7 +161,7 @@ Flags parse(int argc, char** argv) {
   if (f.state_mib * kMiB / f.tensors < 256)
     usage("--tensors " + std::to_string(f.tensors) + " is too many for " +
           std::to_string(f.state_mib) + " MiB (each tensor needs at least 256 bytes)");
-  if (f.reps == 0) f.reps = f.state_mib <= 512 ? 9 : f.state_mib <= 2048 ? 5 : 1;
+  if (f.reps == 0) f.reps = f.state_mib <= 2048 ? 9 : 1;
   return f;
 }
 
