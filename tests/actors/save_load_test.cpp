@@ -122,10 +122,13 @@ TEST_CASE("the first block, cut between the copy lanes, and checksums hashed ahe
   // start of a transposed one, so the lanes' cuts fall inside tensors and
   // across a strided view. Slowed writes leave the checksums (hashed once
   // the snapshot is over, when the pool holds the whole save) done before
-  // most blocks are written; a 512 KiB pool streams the save instead. Load
+  // most blocks are written; a 512 KiB pool streams the save instead. A slow
+  // fallocate holds the data file's creation until the snapshot has filled
+  // every block it can: they wait in the serializer for the files. Load
   // verifies every checksum.
   const std::string lanes = GENERATE("1", "2", "3", "5");
-  const std::string faults = GENERATE(std::string(), std::string("latency:write:5ms"));
+  const std::string faults = GENERATE(std::string(), std::string("latency:write:5ms"),
+                                      std::string("latency:truncate:30ms"));
   const std::string pool = GENERATE("4MiB", "512KiB");
   INFO("copy-threads " << lanes << ", faults '" << faults << "', pool " << pool);
   TempDir dir;
