@@ -26,6 +26,7 @@
 
 #include "actors/link_actor.hpp"
 #include "actors/messages.hpp"
+#include "frame_buffers.hpp"
 
 namespace ferry {
 
@@ -396,8 +397,9 @@ link_actor::behavior_type link_fun(link_ptr self, ContextPtr ctx, coordinator_ac
       },
       [self](atom::attach_loader, loader_actor loader) { self->state.loader = std::move(loader); },
       [self](atom::frame, int32_t from, std::string& bytes) {
-        // Shared: a BlockShare's data stays in the frame it came in.
-        auto frame = std::make_shared<std::string>(std::move(bytes));
+        // Shared: a BlockShare's data stays in the frame it came in, and the
+        // frame's buffer serves a later one once the loader is done with it.
+        auto frame = frame_owner(std::move(bytes));
         auto m = decode_message(std::shared_ptr<const std::string>(frame));
         if (!m.ok()) {
           auto& st = self->state;

@@ -19,6 +19,8 @@
 
 #include "actors/transport.hpp"
 
+#include "frame_buffers.hpp"
+
 #include <arpa/inet.h>
 #include <dlfcn.h>
 #include <fcntl.h>
@@ -940,8 +942,9 @@ ucs_status_t Transport::Impl::receive(Conn* conn, Event::Kind kind, void* data, 
     return UCS_OK;
   }
   // A large frame: only its announcement is here; fetch the bytes into the
-  // string that will be delivered, so they are copied once.
-  auto* op = new RecvOp{this, conn->id, std::string(length, '\0'), kind};
+  // string that will be delivered, so they are copied once (a buffer an
+  // earlier frame used: FrameBuffers).
+  auto* op = new RecvOp{this, conn->id, FrameBuffers::instance().take(length), kind};
   recvs_.insert(op);
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
@@ -965,6 +968,7 @@ void Transport::Impl::on_send_done(void* request, ucs_status_t, void* user_data)
   auto* op = static_cast<SendOp*>(user_data);
   op->owner->sends_.erase(op);
   op->owner->uncount_queued(op->queued);
+  FrameBuffers::instance().give(std::move(op->bytes));  // encoded in one (protocol.cpp)
   delete op;
   ucp_request_free(request);
 }

@@ -7,6 +7,7 @@
 
 #include "protocol.hpp"
 #include "capnp_text.hpp"
+#include "frame_buffers.hpp"
 
 #include <capnp/message.h>
 #include <capnp/serialize.h>
@@ -87,8 +88,7 @@ class AppendTo final : public kj::OutputStream {
 
 std::string frame(uint8_t protocol, capnp::MessageBuilder& builder) {
   const size_t bytes = capnp::computeSerializedSizeInWords(builder) * sizeof(capnp::word);
-  std::string out;
-  out.reserve(kHeaderBytes + bytes);
+  std::string out = FrameBuffers::instance().take_empty(kHeaderBytes + bytes);
   out.append(kMagic, sizeof(kMagic));
   out.push_back(static_cast<char>(protocol));
   out.append(3, '\0');
