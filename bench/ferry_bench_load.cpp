@@ -377,12 +377,12 @@ int child_main(const Flags& f) {
   const int64_t rank = (*rt)->rank(), world = (*rt)->world_size();
   const int64_t r0 = f.reshard ? f.child_rows * rank / world : 0;
   const int64_t n = f.reshard ? f.child_rows * (rank + 1) / world - r0 : f.child_rows;
+  const ferry::Shard shard{{f.child_rows, kCols}, {r0, 0}};
   std::vector<std::vector<float>> out(f.tensors);
   ferry::StateDict sd;
   for (uint32_t t = 0; t < f.tensors; ++t) {
     out[t].assign(static_cast<size_t>(n * kCols), -1.0f);
-    if (!sd.add("layer." + std::to_string(t), {out[t].data(), ferry::DType::f32, {n, kCols}},
-                ferry::Shard{{f.child_rows, kCols}, {r0, 0}})
+    if (!sd.add("layer." + std::to_string(t), {out[t].data(), ferry::DType::f32, {n, kCols}}, shard)
              .ok())
       die("state dict");
   }
@@ -392,10 +392,7 @@ int child_main(const Flags& f) {
   {
     std::vector<float> one(static_cast<size_t>(n * kCols));
     ferry::StateDict first;
-    if (!first
-             .add("layer.0", {one.data(), ferry::DType::f32, {n, kCols}},
-                  ferry::Shard{{f.child_rows, kCols}, {r0, 0}})
-             .ok())
+    if (!first.add("layer.0", {one.data(), ferry::DType::f32, {n, kCols}}, shard).ok())
       die("state dict");
     auto warm = (*rt)->load_report(first, f.child_ckpt);
     if (!warm.ok()) die("warm-up load: " + warm.status().to_string());
@@ -459,11 +456,12 @@ int ranks_main(const Flags& f, const std::string& ckpt, int64_t rows, uint64_t s
       stats[std::stoi(line.substr(6))] = line.substr(at + 2);
   }
   if (rc != 0 || static_cast<int>(stats.size()) != f.ranks) die("ranks failed:\n" + out);
-  double load_s = 0;
-  for (const auto& [r, l] : stats) load_s = std::max(load_s, field(l, "load_s"));
+  double load_s = 0, read_mib = 0;  // the slowest rank's time; what all the ranks read
+  for (const auto& [r, l] : stats) {
+    load_s = std::max(load_s, field(l, "load_s"));
+    read_mib += field(l, "read_mib");
+  }
   const std::string& r0 = stats[0];
-  double read_mib = 0;  // what the ranks' runtimes read, all of them
-  for (const auto& [r, l] : stats) read_mib += field(l, "read_mib");
   // The peer: replicated, what the ranks could at best do reading the whole
   // state each (no bytes passed between them), N plain O_DIRECT readers at
   // once; resharded, one such reader of the whole state (the disk's limit

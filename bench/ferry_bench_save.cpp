@@ -492,6 +492,13 @@ std::string tensor_key(size_t i) {
   return "model.layers." + std::to_string(i / 8) + ".p" + std::to_string(i % 8) + ".weight";
 }
 
+// Tensor `t` as rows of 64 elements, its bytes at `data`.
+ferry::TensorView view_of(const Tensor& t, uint8_t* data) {
+  const int64_t cols = 64;
+  const int64_t rows = static_cast<int64_t>(t.bytes / ferry::dtype_size(t.dtype)) / cols;
+  return ferry::TensorView{data, t.dtype, {rows, cols}};
+}
+
 // A save that is fast but wrong must not pass for a result: loads the
 // checkpoint at `path` back, as many tensors at a time as `dst` holds (a
 // larger one into a buffer of its own), compares every byte with the
@@ -516,10 +523,7 @@ bool verify_saved(ferry::Runtime& rt, const std::string& path, const Region& sta
       } else {
         break;
       }
-      const int64_t cols = 64;
-      const int64_t rows = static_cast<int64_t>(t.bytes / ferry::dtype_size(t.dtype)) / cols;
-      if (auto st = group.add(tensor_key(next), ferry::TensorView{into, t.dtype, {rows, cols}});
-          !st.ok()) {
+      if (auto st = group.add(tensor_key(next), view_of(t, into)); !st.ok()) {
         std::fprintf(stderr, "verify: %s\n", st.to_string().c_str());
         return false;
       }
@@ -586,10 +590,7 @@ int run(const Flags& flags) {
   ferry::StateDict sd;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const Tensor& t = tensors[i];
-    const int64_t cols = 64;
-    const int64_t rows = static_cast<int64_t>(t.bytes / ferry::dtype_size(t.dtype)) / cols;
-    auto st =
-        sd.add(tensor_key(i), ferry::TensorView{state.data() + t.offset, t.dtype, {rows, cols}});
+    auto st = sd.add(tensor_key(i), view_of(t, state.data() + t.offset));
     if (!st.ok()) {
       std::fprintf(stderr, "state dict: %s\n", st.to_string().c_str());
       return 1;
