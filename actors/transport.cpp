@@ -407,6 +407,8 @@ class Transport::Impl {
   ucs_status_t receive(Conn* conn, Event::Kind kind, void* data, size_t length,
                        const ucp_am_recv_param_t* param);
   static void on_send_done(void* request, ucs_status_t status, void* user_data);
+  // The end of a send, however it ended: UCX holds its bytes no longer.
+  void end_send(SendOp* op);
   static void on_recv_done(void* request, ucs_status_t status, size_t length, void* user_data);
   Conn* conn_for_session(const void* header, size_t header_length);
 
@@ -966,11 +968,15 @@ ucs_status_t Transport::Impl::receive(Conn* conn, Event::Kind kind, void* data, 
 void Transport::Impl::on_send_done(void* request, ucs_status_t, void* user_data) {
   // A failed send needs no action here: the endpoint's error callback reports the peer.
   auto* op = static_cast<SendOp*>(user_data);
-  op->owner->sends_.erase(op);
-  op->owner->uncount_queued(op->queued);
+  op->owner->end_send(op);
+  ucp_request_free(request);
+}
+
+void Transport::Impl::end_send(SendOp* op) {
+  sends_.erase(op);
+  uncount_queued(op->queued);
   FrameBuffers::instance().give(std::move(op->bytes));  // encoded in one (protocol.cpp)
   delete op;
-  ucp_request_free(request);
 }
 
 void Transport::Impl::on_recv_done(void* request, ucs_status_t status, size_t length,
@@ -1495,11 +1501,7 @@ void Transport::Impl::send_am(Conn* conn, unsigned am_id, std::string bytes, boo
   p.user_data = op;
   ucs_status_ptr_t req = ucp_am_send_nbx(conn->ep, am_id, &op->session, sizeof(op->session),
                                          op->bytes.data(), op->bytes.size(), &p);
-  if (req == nullptr || UCS_PTR_IS_ERR(req)) {
-    sends_.erase(op);
-    uncount_queued(op->queued);
-    delete op;
-  }
+  if (req == nullptr || UCS_PTR_IS_ERR(req)) end_send(op);
 }
 
 void Transport::Impl::shutdown_endpoints() {
