@@ -67,45 +67,65 @@ Status verify_block(const RankContext& ctx, const Manifest& m, const ReadOp& op,
   return Status();
 }
 
-// Shared bytes travel in frames of at most this many bytes of data (whole
-// checksum blocks, at least one), so a large read never becomes one huge frame.
+// Shared bytes travel in frames of at most this many bytes of data, so a
+// large read never becomes one huge frame.
 constexpr uint64_t kShareFrameBytes = 8ull << 20;
 // Frames in flight per window, at least: the sender goes on while the acks
 // of the earlier frames travel back.
 constexpr uint64_t kFramesPerWindow = 4;
 
 // Sends the verified bytes of `op` (at `buf`) to the ranks in op.share_with,
-// in frames cut on its chunk's checksum-block grid. Each frame waits for room
-// in the window toward its receiver (ShareWindows): the reader thread blocks
-// there, and no queue grows past the windows.
+// each only its used bytes, in frames that carry their own checksum (the
+// receiver cannot check a part of a checksum block against the manifest).
+// The receivers' frames take turns, so all of them progress together. Each
+// frame waits for room in the window toward its receiver (ShareWindows):
+// the reader thread blocks there, and no queue grows past the windows.
 Status send_shared(const RankContext& ctx, Transport& t, const std::string& load_id,
                    const Manifest& m, const ReadOp& op, const uint8_t* buf) {
-  const ManifestChunk& c = m.tensors[op.tensor].chunks[op.chunk];
-  const uint64_t bb = c.checksums.empty() ? 0 : m.checksum_block_bytes;
   const uint64_t window = ctx.opts.share_window_bytes;
-  const uint64_t cap = std::min(kShareFrameBytes, std::max<uint64_t>(1, window / kFramesPerWindow));
-  const uint64_t step = bb ? std::max(bb, cap / bb * bb) : cap;
-  for (uint64_t at = 0; at < op.length; at += step) {
-    const uint64_t n = std::min(step, op.length - at);
-    for (int32_t to : op.share_with) {
+  const uint64_t step =
+      std::min(kShareFrameBytes, std::max<uint64_t>(1, window / kFramesPerWindow));
+  // `op` may be a piece of the shared read (a reader cuts its runs): each
+  // receiver gets the part of its bytes inside it, [lo, hi) of `buf`.
+  auto part = [&op](const ShareTo& to) {
+    const uint64_t lo = std::max(to.offset, op.file_offset);
+    const uint64_t hi = std::min(to.offset + to.length, op.file_offset + op.length);
+    return std::make_pair(lo - op.file_offset, std::max(lo, hi) - op.file_offset);
+  };
+  // Receivers of a replicated tensor take the same frames: one sum serves all.
+  uint64_t summed_at = 0, summed_n = 0, sum = 0;
+  for (uint64_t at = 0;; at += step) {
+    bool more = false;
+    for (const ShareTo& to : op.share_with) {
+      const auto [lo, hi] = part(to);
+      if (lo + at >= hi) continue;
+      more = true;
+      const uint64_t n = std::min(step, hi - lo - at);
+      const uint64_t from = lo + at;
+      const char* bytes = reinterpret_cast<const char*>(buf + from);
+      if (summed_n != n || summed_at != from) {
+        sum = xxh3_64(bytes, n);
+        summed_at = from;
+        summed_n = n;
+      }
       auto context = [&] {
         return "rank " + std::to_string(ctx.rank) + ": sending bytes of tensor '" +
-               m.tensors[op.tensor].key + "' to rank " + std::to_string(to) + ": ";
+               m.tensors[op.tensor].key + "' to rank " + std::to_string(to.rank) + ": ";
       };
-      Status s = ctx.shares->acquire(load_id, to, n, window, ctx.opts.write_timeout_s);
+      Status s = ctx.shares->acquire(load_id, to.rank, n, window, ctx.opts.write_timeout_s);
       if (!s.ok()) return s.with_context(context());
-      BlockShareMsg msg{
-          ctx.job_id, load_id,
-          ctx.rank,   to,
-          op.file,    op.file_offset + at,
-          Status(),   SharedBytes(nullptr, {reinterpret_cast<const char*>(buf + at), n})};
+      BlockShareMsg msg{ctx.job_id, load_id,
+                        ctx.rank,   to.rank,
+                        op.file,    op.file_offset + from,
+                        Status(),   SharedBytes(nullptr, {bytes, n}),
+                        sum};
       // Straight to `to` over a direct lane, else through rank 0, which
       // passes it on by BlockShare.to.
-      s = t.send(t.next_hop(to), encode_message(msg));
+      s = t.send(t.next_hop(to.rank), encode_message(msg));
       if (!s.ok()) return s.with_context(context());
     }
+    if (!more) return Status();
   }
-  return Status();
 }
 
 // Heap memory aligned for O_DIRECT, for what is not a pool block (the
@@ -165,10 +185,12 @@ class CopyLatch {
 // has just left it in the CPU's cache, which saved a sixth of the time of
 // hashing all and then copying all (2 GiB, measured here). No byte reaches
 // the tensor before its block checked out. Copies started report to `latch`.
+// Without `verify` (bytes checked already: another rank's, under their
+// frame's sum) it only copies.
 Status verify_and_copy(const RankContext& ctx, const Manifest& m, const ReadOp& op,
                        const std::string& path, const uint8_t* buf, const TensorView& target,
-                       CopyLatch& latch) {
-  const bool checked = !m.tensors[op.tensor].chunks[op.chunk].checksums.empty();
+                       CopyLatch& latch, bool verify = true) {
+  const bool checked = verify && !m.tensors[op.tensor].chunks[op.chunk].checksums.empty();
   const uint64_t cb = checked ? m.checksum_block_bytes : op.length;
   uint64_t verified = checked ? 0 : op.length;  // bytes of the read checked so far
   Status s;
@@ -740,8 +762,8 @@ void finish_task(const RankContext& ctx, ReaderTasks& tasks, uint64_t id, Status
   }
 }
 
-// Checks and copies one frame of shared bytes into the tensors of every
-// piece it belongs to. Errors name the sending rank.
+// Checks one frame of shared bytes against its sum and copies it into the
+// tensors of every piece it belongs to. Errors name the sending rank.
 Status take_share(const RankContext& ctx, ShareWait& w, const BlockShareMsg& msg) {
   const std::string sender = "rank " + std::to_string(msg.from);
   if (!msg.status.ok())
@@ -756,6 +778,9 @@ Status take_share(const RankContext& ctx, ShareWait& w, const BlockShareMsg& msg
   auto owed = w.owed.find(msg.from);
   if (len == 0 || owed == w.owed.end() || owed->second < len)
     return Status::corruption("rank " + std::to_string(ctx.rank) + ": unexpected " + what);
+  if (xxh3_64(msg.data.data(), len) != msg.checksum)
+    return Status::corruption("rank " + std::to_string(ctx.rank) + ": " + what +
+                              " do not match their checksum");
   // The pieces holding the frame: the last starting at or before it, and any
   // others with the same range (two entries reading the same bytes).
   auto key = [](const std::pair<int32_t, ReadOp>& p) {
@@ -772,10 +797,10 @@ Status take_share(const RankContext& ctx, ShareWait& w, const BlockShareMsg& msg
     const auto& [from, op] = *it;
     if (op.file != msg.file || op.file_offset + op.length <= msg.offset) break;
     if (from != msg.from) continue;
-    auto part = slice_op(op, msg.offset, len, m);
+    auto part = cut_op(op, msg.offset, len);
     if (!part) continue;
     s = verify_and_copy(ctx, m, *part, what, reinterpret_cast<const uint8_t*>(msg.data.data()),
-                        w.targets[part->entry], latch);
+                        w.targets[part->entry], latch, /*verify=*/false);
     if (!s.ok()) break;
     any = true;
   }
@@ -950,7 +975,7 @@ loader_actor::behavior_type loader_fun(loader_ptr self, ContextPtr ctx) {
         uint64_t total = 0;
         for (const auto& op : ops) {
           total += op.length;
-          load->receivers.insert(load->receivers.end(), op.share_with.begin(), op.share_with.end());
+          for (const ShareTo& to : op.share_with) load->receivers.push_back(to.rank);
         }
         std::sort(load->receivers.begin(), load->receivers.end());
         load->receivers.erase(std::unique(load->receivers.begin(), load->receivers.end()),

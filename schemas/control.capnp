@@ -103,10 +103,14 @@ struct FileRange {
   file @0 :UInt32;                 # index into the manifest's files
   offset @1 :UInt64;               # byte offset in that file
   length @2 :UInt64;               # bytes
+  # The hull of the bytes the rank copies out of the range (inside it): all
+  # that travels to it when another rank reads the range.
+  usedOffset @3 :UInt64;           # byte offset in the file
+  usedLength @4 :UInt64;           # bytes; 0: it copies none
 }
 
 # Bytes of a data file one rank read and verified for another rank of its
-# node (ranks > 0 send through rank 0, which forwards by `to`). A reader
+# node (only those the receiver copies from) (ranks > 0 send through rank 0, which forwards by `to`). A reader
 # that failed sends a status instead, so its receivers fail naming it.
 struct BlockShare {
   jobId @0 :Text;                  # the sender's job
@@ -116,7 +120,8 @@ struct BlockShare {
   file @4 :UInt32;                 # index into the manifest's files
   offset @5 :UInt64;               # where `data` starts in that file
   status @6 :Status;               # not ok: the sender's reads failed; no data
-  data @7 :Data;                   # whole checksum blocks (the receiver checks them)
+  data @7 :Data;                   # bytes the receiver copies from (the sender verified them)
+  checksum @8 :UInt64;             # xxh3-64 of data: the receiver checks it
 }
 
 # The receiver of BlockShare frames -> their sender (through rank 0, which

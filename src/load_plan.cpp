@@ -307,12 +307,23 @@ std::vector<std::string> tensors_not_requested(const Manifest& m,
   return left;
 }
 
-std::vector<FileRange> needed_ranges(const std::vector<ReadOp>& ops, const Manifest& m) {
-  std::vector<FileRange> out;
+std::vector<NeededRange> needed_ranges(const std::vector<ReadOp>& ops, const Manifest& m) {
+  std::vector<NeededRange> out;
   out.reserve(ops.size());
-  for (const auto& op : ops)
-    if (m.tensors[op.tensor].chunks[op.chunk].codec.empty())
-      out.push_back(FileRange{op.file, op.file_offset, op.length});
+  for (const auto& op : ops) {
+    const ManifestTensor& t = m.tensors[op.tensor];
+    if (!t.chunks[op.chunk].codec.empty()) continue;
+    // Copies run in file order: the hull is the first one's start to the
+    // last one's end.
+    uint64_t lo = op.length, hi = 0;
+    for_each_copy(op, dtype_size(t.dtype), [&](uint64_t src, uint64_t, uint64_t n) {
+      lo = std::min(lo, src);
+      hi = std::max(hi, src + n);
+    });
+    NeededRange nr{FileRange{op.file, op.file_offset, op.length}, op.file_offset, 0};
+    if (lo < hi) nr = NeededRange{nr.range, op.file_offset + lo, hi - lo};
+    out.push_back(nr);
+  }
   return out;
 }
 
@@ -328,33 +339,50 @@ std::vector<SharedRead> assign_shared_reads(std::vector<RankNeeds> needs) {
     // neighbouring cuts the set of ranks needing the bytes is constant.
     std::map<uint32_t, std::vector<uint64_t>> cuts;
     for (size_t r = first; r < last; ++r)
-      for (const auto& fr : needs[r].ranges) {
+      for (const auto& [fr, used_offset, used_length] : needs[r].ranges) {
         if (fr.length == 0) continue;
         cuts[fr.file].push_back(fr.offset);
         cuts[fr.file].push_back(fr.offset + fr.length);
       }
-    std::map<uint32_t, std::vector<std::vector<int32_t>>> who;  // [file][segment]
+    // [file][segment]: the ranks needing it, ascending, and the bytes of it
+    // each uses (the hull of its used bytes there, should two of its ranges
+    // hold the segment).
+    std::map<uint32_t, std::vector<std::vector<ShareTo>>> who;
     for (auto& [file, c] : cuts) {
       std::sort(c.begin(), c.end());
       c.erase(std::unique(c.begin(), c.end()), c.end());
       who[file].resize(c.size() - 1);
     }
     for (size_t r = first; r < last; ++r)
-      for (const auto& fr : needs[r].ranges) {
+      for (const auto& [fr, used_offset, used_length] : needs[r].ranges) {
         if (fr.length == 0) continue;
         const auto& c = cuts[fr.file];
         auto& w = who[fr.file];
         const size_t i = std::lower_bound(c.begin(), c.end(), fr.offset) - c.begin();
         const size_t j = std::lower_bound(c.begin(), c.end(), fr.offset + fr.length) - c.begin();
-        for (size_t k = i; k < j; ++k)
-          if (w[k].empty() || w[k].back() != needs[r].rank) w[k].push_back(needs[r].rank);
+        for (size_t k = i; k < j; ++k) {
+          if (w[k].empty() || w[k].back().rank != needs[r].rank)
+            w[k].push_back(ShareTo{needs[r].rank, 0, 0});
+          ShareTo& u = w[k].back();
+          const uint64_t lo = std::max(c[k], used_offset);
+          const uint64_t hi = std::min(c[k + 1], used_offset + used_length);
+          if (hi <= lo) continue;
+          const uint64_t end = u.length > 0 ? std::max(u.offset + u.length, hi) : hi;
+          u.offset = u.length > 0 ? std::min(u.offset, lo) : lo;
+          u.length = end - u.offset;
+        }
       }
     // Bytes each set of ranks shares, so each set's bytes split into equal
     // contiguous stretches, one per rank of the set.
+    auto ranks_of = [](const std::vector<ShareTo>& w) {
+      std::vector<int32_t> ranks;
+      for (const ShareTo& t : w) ranks.push_back(t.rank);
+      return ranks;
+    };
     std::map<std::vector<int32_t>, uint64_t> total, seen;
     for (const auto& [file, w] : who)
       for (size_t k = 0; k < w.size(); ++k)
-        if (w[k].size() > 1) total[w[k]] += cuts[file][k + 1] - cuts[file][k];
+        if (w[k].size() > 1) total[ranks_of(w[k])] += cuts[file][k + 1] - cuts[file][k];
     for (const auto& [file, w] : who) {
       const auto& c = cuts[file];
       for (size_t k = 0; k < w.size(); ++k) {
@@ -362,15 +390,16 @@ std::vector<SharedRead> assign_shared_reads(std::vector<RankNeeds> needs) {
         SharedRead sr;
         sr.range = FileRange{file, c[k], c[k + 1] - c[k]};
         if (w[k].size() == 1) {
-          sr.reader = w[k][0];
+          sr.reader = w[k][0].rank;
         } else {
-          const uint64_t n = w[k].size();
-          uint64_t& at = seen[w[k]];
-          const size_t pick = static_cast<size_t>(std::min<uint64_t>(n - 1, at * n / total[w[k]]));
+          const std::vector<int32_t> ranks = ranks_of(w[k]);
+          const uint64_t n = ranks.size();
+          uint64_t& at = seen[ranks];
+          const size_t pick = static_cast<size_t>(std::min<uint64_t>(n - 1, at * n / total[ranks]));
           at += sr.range.length;
-          sr.reader = w[k][pick];
-          for (int32_t r : w[k])
-            if (r != sr.reader) sr.receivers.push_back(r);
+          sr.reader = ranks[pick];
+          for (const ShareTo& t : w[k])
+            if (t.rank != sr.reader) sr.receivers.push_back(t);
         }
         out.push_back(std::move(sr));
       }
@@ -380,34 +409,43 @@ std::vector<SharedRead> assign_shared_reads(std::vector<RankNeeds> needs) {
   return out;
 }
 
-std::optional<ReadOp> slice_op(const ReadOp& op, uint64_t file_offset, uint64_t length,
-                               const Manifest& m) {
+std::optional<ReadOp> cut_op(const ReadOp& op, uint64_t file_offset, uint64_t length) {
   if (length == 0 || file_offset < op.file_offset ||
       file_offset + length > op.file_offset + op.length)
     return std::nullopt;
-  const ManifestChunk& c = m.tensors[op.tensor].chunks[op.chunk];
-  const uint64_t bb = c.checksums.empty() ? 0 : m.checksum_block_bytes;
   ReadOp piece = op;
   piece.file_offset = file_offset;
   piece.chunk_offset = op.chunk_offset + (file_offset - op.file_offset);
   piece.length = length;
+  return piece;
+}
+
+std::optional<ReadOp> slice_op(const ReadOp& op, uint64_t file_offset, uint64_t length,
+                               const Manifest& m) {
+  auto piece = cut_op(op, file_offset, length);
+  if (!piece) return std::nullopt;
+  const ManifestChunk& c = m.tensors[op.tensor].chunks[op.chunk];
+  const uint64_t bb = c.checksums.empty() ? 0 : m.checksum_block_bytes;
   if (bb > 0) {
-    const uint64_t end = piece.chunk_offset + length;
-    if (piece.chunk_offset % bb != 0 || (end % bb != 0 && end != op.chunk_offset + op.length))
+    const uint64_t end = piece->chunk_offset + length;
+    if (piece->chunk_offset % bb != 0 || (end % bb != 0 && end != op.chunk_offset + op.length))
       return std::nullopt;
-    piece.first_block = static_cast<uint32_t>(piece.chunk_offset / bb);
-    piece.nblocks = static_cast<uint32_t>((length + bb - 1) / bb);
+    piece->first_block = static_cast<uint32_t>(piece->chunk_offset / bb);
+    piece->nblocks = static_cast<uint32_t>((length + bb - 1) / bb);
   }
   return piece;
 }
 
 RankShare split_for_rank(const std::vector<ReadOp>& ops, const std::vector<SharedRead>& shared,
                          int32_t rank, const Manifest& m) {
+  auto receiving = [rank](const SharedRead& s) -> const ShareTo* {
+    for (const ShareTo& t : s.receivers)
+      if (t.rank == rank) return &t;
+    return nullptr;
+  };
   std::vector<const SharedRead*> mine;
   for (const auto& s : shared)
-    if (s.reader == rank ||
-        std::find(s.receivers.begin(), s.receivers.end(), rank) != s.receivers.end())
-      mine.push_back(&s);
+    if (s.reader == rank || receiving(s)) mine.push_back(&s);
   std::sort(mine.begin(), mine.end(), [](const SharedRead* a, const SharedRead* b) {
     return std::tie(a->range.file, a->range.offset) < std::tie(b->range.file, b->range.offset);
   });
@@ -440,10 +478,14 @@ RankShare split_for_rank(const std::vector<ReadOp>& ops, const std::vector<Share
     for (auto& [k, piece] : pieces) {
       const SharedRead& s = *mine[k];
       if (s.reader != rank) {
-        out.receive.emplace_back(s.reader, std::move(piece));
+        const ShareTo* t = receiving(s);
+        if (auto used = cut_op(piece, t->offset, t->length))
+          out.receive.emplace_back(s.reader, std::move(*used));
         continue;
       }
-      if (!sent[k]) piece.share_with = s.receivers;
+      if (!sent[k])
+        for (const ShareTo& t : s.receivers)
+          if (t.length > 0) piece.share_with.push_back(t);
       sent[k] = true;
       out.read.push_back(std::move(piece));
     }

@@ -29,6 +29,18 @@ struct LoadRequest {
 // tensor). Errors name the key.
 Result<std::vector<LoadRequest>> make_load_requests(const StateDict& sd);
 
+// A rank of this node that receives bytes of a shared read, and which:
+// [offset, offset + length) of the file, the hull of what it copies out of
+// the read. Only those travel; length 0: it copies nothing there.
+struct ShareTo {
+  int32_t rank = 0;
+  uint64_t offset = 0;
+  uint64_t length = 0;
+  friend bool operator==(const ShareTo& a, const ShareTo& b) {
+    return a.rank == b.rank && a.offset == b.offset && a.length == b.length;
+  }
+};
+
 // One read of a contiguous range of whole checksum blocks of one chunk, and
 // what to copy out of it into one entry.
 struct ReadOp {
@@ -44,9 +56,9 @@ struct ReadOp {
   Box region;      // the part of the tensor both have (global coords)
   Box chunk_box;   // the saved chunk's box
   Box target_box;  // the caller's box
-  // Ranks of this node that receive these bytes from this rank once it has
-  // read and verified them (assign_shared_reads); empty for most reads.
-  std::vector<int32_t> share_with;
+  // Ranks of this node that receive bytes of this read from this rank once
+  // it has verified them (assign_shared_reads); empty for most reads.
+  std::vector<ShareTo> share_with;
 };
 
 struct LoadPlanOptions {
@@ -109,25 +121,36 @@ struct FileRange {
   uint64_t length = 0;
 };
 
+// A range one rank's plan reads (whole checksum blocks), and the hull of the
+// bytes it copies out of it: when another rank reads the range, only those
+// travel to this one. [used_offset, used_offset + used_length) lies inside
+// the range.
+struct NeededRange {
+  FileRange range;
+  uint64_t used_offset = 0;
+  uint64_t used_length = 0;
+};
+
 // The ranges one rank's plan reads, and the node it runs on.
 struct RankNeeds {
   int32_t rank = 0;
   std::string host;
-  std::vector<FileRange> ranges;
+  std::vector<NeededRange> ranges;
 };
 
 // The ranges of `ops` that may be shared, in the ops' order. Ops of
 // compressed chunks are left out: their stored bytes are frames that each
 // rank decodes itself, so each rank reads them alone.
-std::vector<FileRange> needed_ranges(const std::vector<ReadOp>& ops, const Manifest& m);
+std::vector<NeededRange> needed_ranges(const std::vector<ReadOp>& ops, const Manifest& m);
 
 // A range needed by `reader` and `receivers` (ranks of one node, ascending),
 // cut where any of their ranges starts or ends, so it lies inside one op of
-// each of them and on their chunk's checksum-block grid.
+// each of them and on their chunk's checksum-block grid. Each receiver's
+// bytes are its used bytes of the range.
 struct SharedRead {
   FileRange range;
   int32_t reader = 0;
-  std::vector<int32_t> receivers;  // empty: only the reader needs it
+  std::vector<ShareTo> receivers;  // empty: only the reader needs it
 };
 
 // Deterministic in its input (order of `needs` aside): per node and per set
@@ -142,13 +165,18 @@ struct RankShare {
   // in share_with (only one piece per shared range does, should two entries
   // read the same bytes).
   std::vector<ReadOp> read;
-  // The pieces it receives, with the rank each comes from.
+  // The pieces it receives, with the rank each comes from: each is cut to
+  // the bytes that travel (its ShareTo), so it lies off the checksum-block
+  // grid; the sender verified those bytes, and a sum of each frame guards
+  // their way here.
   std::vector<std::pair<int32_t, ReadOp>> receive;
 };
 
 // Cuts `ops` (this rank's plan, whose ranges it reported) at the boundaries
 // of `shared` and splits the pieces into those `rank` reads and those it
-// receives. A piece starts and ends on its chunk's checksum-block grid.
+// receives. A piece it reads starts and ends on its chunk's checksum-block
+// grid; one it receives is that piece cut to its used bytes (none, when it
+// copies nothing there: it is left out).
 RankShare split_for_rank(const std::vector<ReadOp>& ops, const std::vector<SharedRead>& shared,
                          int32_t rank, const Manifest& m);
 
@@ -157,5 +185,10 @@ RankShare split_for_rank(const std::vector<ReadOp>& ops, const std::vector<Share
 // op's end; nullopt otherwise.
 std::optional<ReadOp> slice_op(const ReadOp& op, uint64_t file_offset, uint64_t length,
                                const Manifest& m);
+
+// The same cut anywhere inside `op` (nullopt outside it or empty): a piece
+// whose bytes are not checked against the chunk's checksums (first_block
+// and nblocks are those of `op`), such as received bytes.
+std::optional<ReadOp> cut_op(const ReadOp& op, uint64_t file_offset, uint64_t length);
 
 }  // namespace ferry

@@ -289,9 +289,12 @@ struct Encoder {
         nb.setHost(text(n.host));
         auto rs = nb.initRanges(static_cast<unsigned>(n.ranges.size()));
         for (unsigned j = 0; j < n.ranges.size(); ++j) {
-          rs[j].setFile(n.ranges[j].file);
-          rs[j].setOffset(n.ranges[j].offset);
-          rs[j].setLength(n.ranges[j].length);
+          const NeededRange& nr = n.ranges[j];
+          rs[j].setFile(nr.range.file);
+          rs[j].setOffset(nr.range.offset);
+          rs[j].setLength(nr.range.length);
+          rs[j].setUsedOffset(nr.used_offset);
+          rs[j].setUsedLength(nr.used_length);
         }
       }
     }
@@ -307,6 +310,7 @@ struct Encoder {
     b.setTo(m.to);
     b.setFile(m.file);
     b.setOffset(m.offset);
+    b.setChecksum(m.checksum);
     set_status(b.initStatus(), m.status);
     const auto data = kj::arrayPtr(reinterpret_cast<const kj::byte*>(m.data.data()), m.data.size());
     // Whole words in place become a segment of their own, copied once, into
@@ -485,10 +489,20 @@ Result<WireMessage> read_control(proto::ControlMessage::Reader root,
         FERRY_RETURN_IF_ERROR(read_rank(rn.rank, "LoadOutcome needs"));
         rn.host = str(n.getHost());
         for (auto fr : n.getRanges()) {
-          if (fr.getOffset() + fr.getLength() < fr.getOffset())
+          const NeededRange nr{FileRange{fr.getFile(), fr.getOffset(), fr.getLength()},
+                               fr.getUsedOffset(), fr.getUsedLength()};
+          const uint64_t end = nr.range.offset + nr.range.length;
+          const uint64_t used_end = nr.used_offset + nr.used_length;
+          if (end < nr.range.offset || used_end < nr.used_offset)
             return Status::invalid_argument("LoadOutcome needs of rank " + std::to_string(rn.rank) +
                                             ": range overflows");
-          rn.ranges.push_back(FileRange{fr.getFile(), fr.getOffset(), fr.getLength()});
+          if (nr.used_length > 0 && (nr.used_offset < nr.range.offset || used_end > end))
+            return Status::invalid_argument(
+                "LoadOutcome needs of rank " + std::to_string(rn.rank) + ": used bytes " +
+                std::to_string(nr.used_offset) + "+" + std::to_string(nr.used_length) +
+                " lie outside their range " + std::to_string(nr.range.offset) + "+" +
+                std::to_string(nr.range.length));
+          rn.ranges.push_back(nr);
         }
         m.needs.push_back(std::move(rn));
       }
@@ -505,6 +519,7 @@ Result<WireMessage> read_control(proto::ControlMessage::Reader root,
       FERRY_RETURN_IF_ERROR(read_rank(m.to, "BlockShare receiver"));
       m.file = r.getFile();
       m.offset = r.getOffset();
+      m.checksum = r.getChecksum();
       FERRY_RETURN_IF_ERROR(read_status(r.getStatus(), "BlockShare status", &m.status));
       auto d = r.getData();
       if (m.offset + d.size() < m.offset)

@@ -165,6 +165,7 @@ struct BlockShareMsg {
   uint64_t offset = 0;
   Status status;
   SharedBytes data;
+  uint64_t checksum = 0;  // xxh3-64 of data
 };
 
 // The receiver of BlockShare bytes tells their sender what it took (flow

@@ -474,7 +474,13 @@ int main(int argc, char** argv) {
     for (size_t k = 0; k < specs.size(); ++k) {
       fill_expected(specs[k], k, locals[k], seed, expect);
       if (expect != locals[k].bytes) {
-        std::printf("ERROR tensor %s differs from what was saved\n", specs[k].key.c_str());
+        // Where it differs tells a wrong place from a wrong byte.
+        const size_t n = std::min(expect.size(), locals[k].bytes.size());
+        size_t first = 0, last = n;
+        while (first < n && expect[first] == locals[k].bytes[first]) ++first;
+        while (last > first && expect[last - 1] == locals[k].bytes[last - 1]) --last;
+        std::printf("ERROR tensor %s differs from what was saved (bytes %zu to %zu of %zu)\n",
+                    specs[k].key.c_str(), first, last, expect.size());
         return 1;
       }
     }

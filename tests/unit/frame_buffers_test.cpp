@@ -38,6 +38,28 @@ TEST_CASE("a large frame buffer given back serves the next frame and small ones 
   CHECK(fb.kept_bytes() <= FrameBuffers::kMaxKeptBytes);
   CHECK(fb.kept_bytes() >= FrameBuffers::kMaxKeptBytes - (4u << 20) - 64);
 
+  SECTION("a used buffer taken for no more than it held is not written again") {
+    while (fb.kept_bytes() > 0) (void)fb.take(FrameBuffers::kMinBytes);
+    std::string frame(1 << 20, 'f');
+    frame[(1 << 20) - 1] = 'e';
+    const char* p = frame.data();
+    fb.give(std::move(frame));
+    std::string same = fb.take(1 << 20);
+    REQUIRE(same.data() == p);
+    // Its old bytes are there still: no zeroing pass over a buffer the
+    // transport overwrites anyway.
+    CHECK(same.find_first_not_of('f') == (1u << 20) - 1);
+    fb.give(std::move(same));
+    // Grown past its old size, only the new bytes are zeroed.
+    std::string shorter = fb.take(300 << 10);
+    REQUIRE(shorter.data() == p);
+    fb.give(std::move(shorter));
+    std::string grown = fb.take(512 << 10);
+    REQUIRE(grown.data() == p);
+    CHECK(grown.find_first_not_of('f') == (300u << 10));
+    CHECK(grown.substr(300 << 10) == std::string(212 << 10, '\0'));
+  }
+
   SECTION("frame_owner returns the buffer when its last holder lets go") {
     while (fb.kept_bytes() > 0) (void)fb.take(FrameBuffers::kMinBytes);
     std::string bytes(2 << 20, 'z');

@@ -195,8 +195,15 @@ LoadOutcomeMsg sample_load_outcome() {
 
 // Rank 2 read 64 KiB of a replicated tensor for rank 1.
 BlockShareMsg sample_block_share() {
-  return BlockShareMsg{
-      "job-7f3a", "load-0007", 2, 1, 3, 1 << 20, Status::ok_status(), std::string(64 * 8, '\x5a')};
+  return BlockShareMsg{"job-7f3a",
+                       "load-0007",
+                       2,
+                       1,
+                       3,
+                       1 << 20,
+                       Status::ok_status(),
+                       std::string(64 * 8, '\x5a'),
+                       0x9e3779b97f4a7c15ull};
 }
 
 // Rank 1 took those bytes; a second ack says it takes no more.
@@ -367,9 +374,13 @@ void check_same(const LoadOutcomeMsg& a, const LoadOutcomeMsg& b) {
     CHECK(a.needs[i].host == b.needs[i].host);
     REQUIRE(a.needs[i].ranges.size() == b.needs[i].ranges.size());
     for (size_t j = 0; j < a.needs[i].ranges.size(); ++j) {
-      CHECK(a.needs[i].ranges[j].file == b.needs[i].ranges[j].file);
-      CHECK(a.needs[i].ranges[j].offset == b.needs[i].ranges[j].offset);
-      CHECK(a.needs[i].ranges[j].length == b.needs[i].ranges[j].length);
+      const NeededRange& x = a.needs[i].ranges[j];
+      const NeededRange& y = b.needs[i].ranges[j];
+      CHECK(x.range.file == y.range.file);
+      CHECK(x.range.offset == y.range.offset);
+      CHECK(x.range.length == y.range.length);
+      CHECK(x.used_offset == y.used_offset);
+      CHECK(x.used_length == y.used_length);
     }
   }
 }
@@ -383,6 +394,7 @@ void check_same(const BlockShareMsg& a, const BlockShareMsg& b) {
   CHECK(a.offset == b.offset);
   check_same(a.status, b.status);
   CHECK(a.data == b.data);
+  CHECK(a.checksum == b.checksum);
 }
 
 void check_same(const ShareAckMsg& a, const ShareAckMsg& b) {
@@ -919,11 +931,12 @@ TEST_CASE("LoadOutcome: reports and answers round trip, bad ranks are refused", 
 
 TEST_CASE("LoadOutcome carries the ranks' needs, BlockShare its bytes", "[protocol]") {
   LoadOutcomeMsg needs{"job", "load-3/needs", 0, Status::ok_status(), -1};
-  needs.needs = {{0, "node-a", {{0, 4096, 1 << 20}, {2, 0, 17}}}, {3, "node-b", {}}};
+  needs.needs = {{0, "node-a", {{{0, 4096, 1 << 20}, 8192, 4000}, {{2, 0, 17}, 0, 17}}},
+                 {3, "node-b", {}}};
   round_trip(needs);
 
   BlockShareMsg share{
-      "job", "load-3", 2, 1, 4, 65536, Status::ok_status(), std::string("\0\x01 bytes\xff", 9)};
+      "job", "load-3", 2, 1, 4, 65536, Status::ok_status(), std::string("\0\x01 bytes\xff", 9), 77};
   const WireMessage back = round_trip(share);
   CHECK(std::string(message_name(back)) == "BlockShare");
   CHECK(message_checkpoint_id(back) == "load-3");
@@ -940,6 +953,18 @@ TEST_CASE("LoadOutcome carries the ranks' needs, BlockShare its bytes", "[protoc
     r.setOffset(~uint64_t{0});
     r.setLength(2);
     CHECK_THAT(error_of(frame(0, mb)), Catch::Contains("overflows"));
+  }
+  SECTION("used bytes outside their range") {
+    capnp::MallocMessageBuilder mb;
+    auto n = mb.initRoot<proto::ControlMessage>().initLoadOutcome().initNeeds(1)[0];
+    n.setRank(5);
+    auto r = n.initRanges(1)[0];
+    r.setOffset(4096);
+    r.setLength(4096);
+    r.setUsedOffset(8000);
+    r.setUsedLength(200);
+    CHECK_THAT(error_of(frame(0, mb)),
+               Catch::Contains("rank 5") && Catch::Contains("used bytes 8000+200"));
   }
 }
 

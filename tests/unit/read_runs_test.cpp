@@ -219,7 +219,15 @@ TEST_CASE("shared reads: each byte a node needs has one reader, and every rank g
           break;
         }
     }
-    std::vector<int32_t> got = s.receivers;
+    std::vector<int32_t> got;
+    for (const ferry::ShareTo& t : s.receivers) {
+      got.push_back(t.rank);
+      // What travels lies inside the range.
+      if (t.length > 0) {
+        CHECK(t.offset >= s.range.offset);
+        CHECK(t.offset + t.length <= s.range.offset + s.range.length);
+      }
+    }
     got.push_back(s.reader);
     std::sort(got.begin(), got.end());
     CHECK(got == needers);
@@ -249,15 +257,29 @@ TEST_CASE("shared reads: each byte a node needs has one reader, and every rank g
     const auto part = ferry::split_for_rank(plans[r], shared, r, m);
     std::vector<ferry::ReadOp> pieces = part.read;
     for (const auto& p : part.read) rank_read[r] += p.length;
+    for (const auto& p : part.read) {
+      check_piece(m, p, checksums);
+      for (const ferry::ShareTo& to : p.share_with) {
+        CHECK(((to.rank < 4) == (r < 4)));
+        CHECK(to.length > 0);
+        CHECK(to.offset >= p.file_offset);
+        CHECK(to.offset + to.length <= p.file_offset + p.length);
+      }
+    }
     for (const auto& [from, p] : part.receive) {
       CHECK(from != r);
       CHECK(((from < 4) == (r < 4)));  // only from its own node
       CHECK(p.share_with.empty());
+      // Cut to what the reader sends this rank, at the same place in its chunk.
+      const auto& c = m.tensors[p.tensor].chunks[p.chunk];
+      CHECK(p.file_offset == c.byte_offset + p.chunk_offset);
+      bool sent = false;
+      for (const auto& s : shared)
+        if (s.reader == from)
+          for (const ferry::ShareTo& t : s.receivers)
+            sent = sent || (t.rank == r && t.offset == p.file_offset && t.length == p.length);
+      CHECK(sent);
       pieces.push_back(p);
-    }
-    for (const auto& p : pieces) {
-      check_piece(m, p, checksums);
-      for (int32_t to : p.share_with) CHECK(((to < 4) == (r < 4)));
     }
     read_bytes[r < 4 ? "n0" : "n1"] += rank_read[r];
     CHECK(apply_ops(pieces, file, kRankTargetBytes) == apply_ops(plans[r], file, kRankTargetBytes));
@@ -289,6 +311,60 @@ TEST_CASE("shared reads: a replicated state splits evenly across the ranks of a 
     INFO("rank " << r);
     CHECK(read[r] >= 9 * one);
     CHECK(read[r] <= 11 * one);
+  }
+}
+
+TEST_CASE("shared reads: ranks splitting a block between them receive only the bytes they copy",
+          "[load_plan]") {
+  // 40 rows of 4 KiB (a chunk of 2.5 checksum blocks) split by rows between
+  // two ranks: the block holding row 20 is needed by both, read by one, and
+  // the other gets only its rows of it.
+  const ferry::Manifest m = make_manifest({{"a", {40, 1024}}}, true);
+  const uint64_t start = m.tensors[0].chunks[0].byte_offset;
+  const uint64_t split = start + 20 * 4096;  // rank 1's first byte
+  std::vector<std::vector<ferry::ReadOp>> plans;
+  std::vector<ferry::RankNeeds> needs;
+  for (int r = 0; r < 2; ++r) {
+    auto ops = ferry::make_load_plan(
+        m, {request("a", {40, 1024}, ferry::Box{{r * 20, 0}, {20, 1024}}, 0)});
+    REQUIRE(ops.ok());
+    plans.push_back(ops.value());
+    needs.push_back({r, "n0", ferry::needed_ranges(ops.value(), m)});
+    REQUIRE(needs[r].ranges.size() == 1);
+    CHECK(needs[r].ranges[0].used_offset == start + r * 20 * 4096);
+    CHECK(needs[r].ranges[0].used_length == 20 * 4096);
+  }
+  const auto shared = ferry::assign_shared_reads(needs);
+  const ferry::SharedRead* both = nullptr;
+  for (const auto& s : shared)
+    if (!s.receivers.empty()) both = &s;
+  REQUIRE(both != nullptr);
+  CHECK(both->range.offset == start + kBlock);
+  CHECK(both->range.length == kBlock);
+  REQUIRE(both->receivers.size() == 1);
+  const ferry::ShareTo& to = both->receivers[0];
+  const uint64_t block_end = start + 2 * kBlock;
+  if (to.rank == 0) {
+    CHECK(to.offset == start + kBlock);
+    CHECK(to.length == split - (start + kBlock));
+  } else {
+    CHECK(to.offset == split);
+    CHECK(to.length == block_end - split);
+  }
+  std::vector<uint8_t> file(m.files[0].size + 8192);
+  for (size_t i = 0; i < file.size(); ++i) file[i] = static_cast<uint8_t>(i * 40503u >> 7);
+  for (int r = 0; r < 2; ++r) {
+    INFO("rank " << r);
+    const auto part = ferry::split_for_rank(plans[r], shared, r, m);
+    std::vector<ferry::ReadOp> pieces = part.read;
+    uint64_t received = 0;
+    for (const auto& [from, p] : part.receive) {
+      CHECK(from == both->reader);
+      received += p.length;
+      pieces.push_back(p);
+    }
+    CHECK(received == (r == to.rank ? to.length : 0));
+    CHECK(apply_ops(pieces, file, {20 * 4096}) == apply_ops(plans[r], file, {20 * 4096}));
   }
 }
 
