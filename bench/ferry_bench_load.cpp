@@ -5,7 +5,7 @@
 // thread: a reader of a real state cannot read it all into one small hot
 // buffer, which on a VM the host fills from its cache faster).
 //
-//   ferry_bench_load [--bytes SIZE] [--tensors N] [--reshard] [--ranks N]
+//   ferry_bench_load [--bytes SIZE] [--tensors N] [--reshard [--by-cols]] [--ranks N]
 //                    [--page-aligned] [--pool-mib N] [--rounds N] [--dir DIR]
 //                    [--set K=V]...
 //
@@ -24,8 +24,9 @@
 // reads the checksum blocks at its split row itself, which with many small
 // tensors is most of them). --ranks N --reshard is the same split over N
 // ranks of one job, against one raw reader of the whole state: blocks two
-// ranks share are read once, by one of them. --ranks N loads the whole state on each
-// of N local ranks (processes started with `ferry launch`, found next to this
+// ranks share are read once, by one of them. --by-cols splits the columns
+// instead (strided stretches, as a row-parallel layer's weight is loaded). --ranks N loads the
+// whole state on each of N local ranks (processes started with `ferry launch`, found next to this
 // binary's directory): replicated bytes are read once per node and passed
 // between the ranks through rank 0, so the figures are the load's wall time,
 // every rank's peak RSS and how much it grew during the load (rank 0 relays,
@@ -67,6 +68,7 @@ struct Flags {
   uint64_t bytes = 2048 * kMiB;
   uint32_t tensors = 120;
   bool reshard = false;
+  bool by_cols = false;       // --by-cols: --reshard splits columns, not rows
   bool page_aligned = false;  // --page-aligned: load targets on page boundaries
   int ranks = 1;              // --ranks: local processes loading the whole state
   std::string child_ckpt;     // --child: this process is one of those ranks
@@ -86,6 +88,7 @@ struct Flags {
                "  --tensors   number of f32 tensors (default 120; try 2000)\n"
                "  --reshard   load 1 -> 2 ranks: two runtimes each load half the rows;\n"
                "              with --ranks N, N ranks of one job each load 1/N of them\n"
+               "  --by-cols   with --reshard: split the columns instead (strided stretches)\n"
                "  --page-aligned  load into page-aligned tensors (default: 64 bytes past a\n"
                "              page, like torch's CPU tensors)\n"
                "  --ranks N   N local ranks (processes) each load the whole state (replicated)\n"
@@ -127,6 +130,10 @@ Flags parse(int argc, char** argv) {
     }
     if (flag == "--page-aligned") {
       f.page_aligned = true;
+      continue;
+    }
+    if (flag == "--by-cols") {
+      f.by_cols = true;
       continue;
     }
     if (i + 1 >= argc) usage("missing value for " + flag);
@@ -365,6 +372,29 @@ float expected_value(size_t i, uint32_t t) {
   return static_cast<float>((i * 2654435761u + t) % 1000003);
 }
 
+// What rank `r` of `world` loads of every [rows, kCols] tensor: all of it,
+// or under --reshard its stretch of the rows (--by-cols: of the columns).
+struct Stretch {
+  int64_t row0 = 0, rows = 0, col0 = 0, cols = kCols;
+};
+
+Stretch stretch_of(const Flags& f, int64_t rows, int64_t r, int64_t world) {
+  Stretch s{0, rows, 0, kCols};
+  if (!f.reshard) return s;
+  if (f.by_cols) {
+    s.col0 = kCols * r / world;
+    s.cols = kCols * (r + 1) / world - s.col0;
+  } else {
+    s.row0 = rows * r / world;
+    s.rows = rows * (r + 1) / world - s.row0;
+  }
+  return s;
+}
+
+const char* split_name(const Flags& f) {
+  return f.by_cols ? "columns" : "rows";
+}
+
 // One rank of --ranks: loads the whole state (with --reshard, its stretch
 // of every tensor's rows) into touched tensors, checks every value, prints
 // one RANKSTATS line.
@@ -374,15 +404,14 @@ int child_main(const Flags& f) {
   for (const auto& [k, v] : f.settings) args.set(k, v);
   auto rt = ferry::Runtime::from_env(args);
   if (!rt.ok()) die("runtime: " + rt.status().to_string());
-  const int64_t rank = (*rt)->rank(), world = (*rt)->world_size();
-  const int64_t r0 = f.reshard ? f.child_rows * rank / world : 0;
-  const int64_t n = f.reshard ? f.child_rows * (rank + 1) / world - r0 : f.child_rows;
-  const ferry::Shard shard{{f.child_rows, kCols}, {r0, 0}};
+  const Stretch s = stretch_of(f, f.child_rows, (*rt)->rank(), (*rt)->world_size());
+  const ferry::Shard shard{{f.child_rows, kCols}, {s.row0, s.col0}};
   std::vector<std::vector<float>> out(f.tensors);
   ferry::StateDict sd;
   for (uint32_t t = 0; t < f.tensors; ++t) {
-    out[t].assign(static_cast<size_t>(n * kCols), -1.0f);
-    if (!sd.add("layer." + std::to_string(t), {out[t].data(), ferry::DType::f32, {n, kCols}}, shard)
+    out[t].assign(static_cast<size_t>(s.rows * s.cols), -1.0f);
+    if (!sd.add("layer." + std::to_string(t), {out[t].data(), ferry::DType::f32, {s.rows, s.cols}},
+                shard)
              .ok())
       die("state dict");
   }
@@ -390,9 +419,9 @@ int child_main(const Flags& f) {
   // targets and its pool is faulted in before the timed load starts, so a
   // rank's time is the load's, not its peers' setup (load is collective).
   {
-    std::vector<float> one(static_cast<size_t>(n * kCols));
+    std::vector<float> one(static_cast<size_t>(s.rows * s.cols));
     ferry::StateDict first;
-    if (!first.add("layer.0", {one.data(), ferry::DType::f32, {n, kCols}}, shard).ok())
+    if (!first.add("layer.0", {one.data(), ferry::DType::f32, {s.rows, s.cols}}, shard).ok())
       die("state dict");
     auto warm = (*rt)->load_report(first, f.child_ckpt);
     if (!warm.ok()) die("warm-up load: " + warm.status().to_string());
@@ -404,9 +433,11 @@ int child_main(const Flags& f) {
   const double hwm1 = vm_hwm_mib();
   if (!report.ok()) die("load: " + report.status().to_string());
   for (uint32_t t = 0; t < f.tensors; ++t)
-    for (size_t i = 0; i < out[t].size(); ++i)
-      if (out[t][i] != expected_value(static_cast<size_t>(r0 * kCols) + i, t))
-        die("tensor layer." + std::to_string(t) + " loaded wrong bytes");
+    for (int64_t a = 0; a < s.rows; ++a)
+      for (int64_t b = 0; b < s.cols; ++b)
+        if (out[t][static_cast<size_t>(a * s.cols + b)] !=
+            expected_value(static_cast<size_t>((s.row0 + a) * kCols + s.col0 + b), t))
+          die("tensor layer." + std::to_string(t) + " loaded wrong bytes");
   std::printf(
       "RANKSTATS load_s=%.4f peak_rss_mib=%.0f hwm_growth_mib=%.0f queue_peak_mib=%.1f "
       "read_mib=%.1f received_mib=%.1f relayed_frames=%llu\n",
@@ -435,7 +466,7 @@ int ranks_main(const Flags& f, const std::string& ckpt, int64_t rows, uint64_t s
   std::string cmd = cli + " launch -n " + std::to_string(f.ranks) + " -- " + exe + " --child " +
                     ckpt + " --rows " + std::to_string(rows) + " --tensors " +
                     std::to_string(f.tensors) + " --pool-mib " + std::to_string(f.pool_mib) +
-                    (f.reshard ? " --reshard" : "");
+                    (f.reshard ? " --reshard" : "") + (f.by_cols ? " --by-cols" : "");
   for (const auto& [k, v] : f.settings) cmd += " --set " + k + "=" + v;
   const bool dropped = evict(files);
   const Usage u0 = Usage::now();
@@ -483,29 +514,30 @@ int ranks_main(const Flags& f, const std::string& ckpt, int64_t rows, uint64_t s
   }
   std::printf("state: %.1f MiB in %u tensors of [%lld, %lld] f32, loaded %s by %d ranks\n",
               state_bytes / double(kMiB), f.tensors, static_cast<long long>(rows),
-              static_cast<long long>(kCols), f.reshard ? "split by rows" : "whole", f.ranks);
+              static_cast<long long>(kCols),
+              f.reshard ? (std::string("split by ") + split_name(f)).c_str() : "whole", f.ranks);
   std::printf("cache: evicted with posix_fadvise DONTNEED%s\n",
               dropped ? " and drop_caches" : " (drop_caches not allowed: not root?)");
   for (const auto& [r, l] : stats) std::printf("rank %d: %s\n", r, l.c_str());
   if (f.reshard) {
     const double ratio = each_s / load_s;
     std::printf(
-        "load (%d ranks, resharded by rows): %.3f s (slowest rank), %.2f GB/s aggregate; the "
+        "load (%d ranks, resharded by %s): %.3f s (slowest rank), %.2f GB/s aggregate; the "
         "ranks' runtimes read %.1f MiB (one copy: %.1f MiB), the kernel saw %.1f MiB read\n",
-        f.ranks, load_s, state_bytes / load_s / 1e9, read_mib, state_bytes / double(kMiB),
-        (u1.disk_read - u0.disk_read) / double(kMiB));
+        f.ranks, split_name(f), load_s, state_bytes / load_s / 1e9, read_mib,
+        state_bytes / double(kMiB), (u1.disk_read - u0.disk_read) / double(kMiB));
     std::printf("raw: one O_DIRECT reader of the whole state: %.3f s, %.2f GB/s\n", each_s,
                 state_bytes / each_s / 1e9);
     std::printf("\ntargets:\n  %s aggregate load / raw >= 0.85 (issue 12)  (%.3f)\n",
                 verdict(ratio >= 0.85), ratio);
     std::printf(
         "{\"bench\":\"load\",\"state_bytes\":%llu,\"tensors\":%u,\"ranks\":%d,"
-        "\"replicated\":false,\"reshard\":true,\"load_s\":%.4f,\"raw_s\":%.4f,\"ratio\":%.3f,"
-        "\"ratio_target\":0.85,\"ranks_read_bytes\":%.0f,\"disk_read_bytes\":%llu,"
+        "\"replicated\":false,\"reshard\":true,\"split\":\"%s\",\"load_s\":%.4f,\"raw_s\":%.4f,"
+        "\"ratio\":%.3f,\"ratio_target\":0.85,\"ranks_read_bytes\":%.0f,\"disk_read_bytes\":%llu,"
         "\"drop_caches\":%s}\n",
-        static_cast<unsigned long long>(state_bytes), f.tensors, f.ranks, load_s, each_s, ratio,
-        read_mib * kMiB, static_cast<unsigned long long>(u1.disk_read - u0.disk_read),
-        dropped ? "true" : "false");
+        static_cast<unsigned long long>(state_bytes), f.tensors, f.ranks, split_name(f), load_s,
+        each_s, ratio, read_mib * kMiB,
+        static_cast<unsigned long long>(u1.disk_read - u0.disk_read), dropped ? "true" : "false");
     return 0;
   }
   std::printf(
@@ -542,6 +574,7 @@ int main(int argc, char** argv) {
   const Flags f = parse(argc, argv);
   if (!f.child_ckpt.empty()) return child_main(f);
   if (f.ranks < 1) usage("--ranks wants 1 or more");
+  if (f.by_cols && !f.reshard) usage("--by-cols goes with --reshard");
   const int64_t rows =
       std::max<int64_t>(2, static_cast<int64_t>(f.bytes / f.tensors / (kCols * sizeof(float))));
   const uint64_t state_bytes = static_cast<uint64_t>(rows) * kCols * 4 * f.tensors;
@@ -611,14 +644,17 @@ int main(int argc, char** argv) {
   rts.push_back(std::move(rt));
   if (f.reshard) rts.push_back(std::move(second));
   std::vector<ferry::StateDict> sds(ranks);
-  const int64_t half = rows / 2;
   for (int r = 0; r < ranks; ++r) {
-    const int64_t r0 = f.reshard ? r * half : 0;
-    const int64_t n = f.reshard ? (r == 0 ? half : rows - half) : rows;
+    // Stretches of one target each: the columns' are strided views of it.
+    const Stretch s = stretch_of(f, rows, r, ranks);
     for (uint32_t t = 0; t < f.tensors; ++t) {
-      ferry::TensorView v{out[t]->data + r0 * kCols, ferry::DType::f32, {n, kCols}};
+      ferry::TensorView v{out[t]->data + s.row0 * kCols + s.col0,
+                          ferry::DType::f32,
+                          {s.rows, s.cols},
+                          ferry::Device::host(),
+                          {kCols, 1}};
       const ferry::Status st = f.reshard ? sds[r].add("layer." + std::to_string(t), v,
-                                                      ferry::Shard{{rows, kCols}, {r0, 0}})
+                                                      ferry::Shard{{rows, kCols}, {s.row0, s.col0}})
                                          : sds[r].add("layer." + std::to_string(t), v);
       if (!st.ok()) die("state dict: " + st.to_string());
     }
@@ -703,8 +739,9 @@ int main(int argc, char** argv) {
   std::printf("rounds (load/raw s = ratio): %s\n", each.c_str());
   std::printf("median round of %zu:\n", rounds.size());
   std::printf("load (%s): %.3f s, %.2f GB/s, %.1f MiB read from disk, kernel CPU %.2f s\n",
-              f.reshard ? "1 -> 2 ranks, aggregate" : "same sharding", load_s, load_gbps,
-              load_disk / double(kMiB), mid.load_kernel);
+              f.reshard ? (std::string("1 -> 2 ranks by ") + split_name(f) + ", aggregate").c_str()
+                        : "same sharding",
+              load_s, load_gbps, load_disk / double(kMiB), mid.load_kernel);
   std::printf("load kernel CPU by thread: %s\n",
               kernel_split(mid.threads0, mid.threads1, mid.load_kernel).c_str());
   std::printf(
@@ -721,14 +758,15 @@ int main(int argc, char** argv) {
       static_cast<unsigned long long>(f.pool_mib), ranks);
   std::printf(
       "{\"bench\":\"load\",\"state_bytes\":%llu,\"tensors\":%u,\"ranks\":%d,\"reshard\":%s,"
-      "\"page_aligned\":%s,\"rounds\":%zu,"
+      "\"split\":\"%s\",\"page_aligned\":%s,\"rounds\":%zu,"
       "\"load_s\":%.4f,\"load_gbps\":%.3f,\"raw_s\":%.4f,\"raw_gbps\":%.3f,\"ratio\":%.3f,"
       "\"ratio_target\":%.2f,\"load_disk_read_bytes\":%llu,\"raw_disk_read_bytes\":%llu,"
       "\"load_kernel_s\":%.3f,\"raw_kernel_s\":%.3f,\"kernel_ratio\":%.2f,\"peak_rss_mib\":%.0f,"
       "\"drop_caches\":%s}\n",
       static_cast<unsigned long long>(state_bytes), f.tensors, ranks, f.reshard ? "true" : "false",
-      f.page_aligned ? "true" : "false", rounds.size(), load_s, load_gbps, raw_s, raw_gbps, ratio,
-      target, static_cast<unsigned long long>(load_disk), static_cast<unsigned long long>(raw_disk),
-      load_kernel, raw_kernel, kernel_ratio, rss, dropped ? "true" : "false");
+      f.reshard ? split_name(f) : "none", f.page_aligned ? "true" : "false", rounds.size(), load_s,
+      load_gbps, raw_s, raw_gbps, ratio, target, static_cast<unsigned long long>(load_disk),
+      static_cast<unsigned long long>(raw_disk), load_kernel, raw_kernel, kernel_ratio, rss,
+      dropped ? "true" : "false");
   return 0;
 }
