@@ -74,58 +74,109 @@ constexpr uint64_t kShareFrameBytes = 8ull << 20;
 // of the earlier frames travel back.
 constexpr uint64_t kFramesPerWindow = 4;
 
+// One receiver's part of a read being sent: the runs of its shared stream
+// in the read buffer, and how far they have gone.
+struct OutStream {
+  const ShareTo* to = nullptr;
+  std::vector<std::pair<uint64_t, uint64_t>> runs;  // (offset in the buffer, bytes)
+  size_t run = 0;  // the next byte to send: runs[run], `into` bytes in
+  uint64_t into = 0;
+};
+
 // Sends the verified bytes of `op` (at `buf`) to the ranks in op.share_with,
-// each only its used bytes, in frames that carry their own checksum (the
-// receiver cannot check a part of a checksum block against the manifest).
-// The receivers' frames take turns, so all of them progress together. Each
-// frame waits for room in the window toward its receiver (ShareWindows):
-// the reader thread blocks there, and no queue grows past the windows.
+// each only the elements of its box (its shared stream), in frames that
+// carry their own checksum: the receiver cannot check part of a checksum
+// block against the manifest. A frame's bytes are one stretch of the
+// stream: a view of the buffer where they lie together there (rows), else
+// gathered (columns). The receivers' frames take turns, so all of them
+// progress together. Each frame waits for room in the window toward its
+// receiver (ShareWindows): the reader thread blocks there, and no queue
+// grows past the windows.
 Status send_shared(const RankContext& ctx, Transport& t, const std::string& load_id,
                    const Manifest& m, const ReadOp& op, const uint8_t* buf) {
   const uint64_t window = ctx.opts.share_window_bytes;
   const uint64_t step =
       std::min(kShareFrameBytes, std::max<uint64_t>(1, window / kFramesPerWindow));
-  // `op` may be a piece of the shared read (a reader cuts its runs): each
-  // receiver gets the part of its bytes inside it, [lo, hi) of `buf`.
-  auto part = [&op](const ShareTo& to) {
-    const uint64_t lo = std::max(to.offset, op.file_offset);
-    const uint64_t hi = std::min(to.offset + to.length, op.file_offset + op.length);
-    return std::make_pair(lo - op.file_offset, std::max(lo, hi) - op.file_offset);
-  };
-  // Receivers of a replicated tensor take the same frames: one sum serves all.
-  uint64_t summed_at = 0, summed_n = 0, sum = 0;
-  for (uint64_t at = 0;; at += step) {
-    bool more = false;
-    for (const ShareTo& to : op.share_with) {
-      const auto [lo, hi] = part(to);
-      if (lo + at >= hi) continue;
+  const size_t es = dtype_size(m.tensors[op.tensor].dtype);
+  std::vector<OutStream> streams;
+  for (const ShareTo& to : op.share_with) {
+    OutStream o;
+    o.to = &to;
+    for_each_shared_run(op, to.box, es, [&o](uint64_t src, uint64_t, uint64_t n) {
+      if (!o.runs.empty() && o.runs.back().first + o.runs.back().second == src)
+        o.runs.back().second += n;
+      else
+        o.runs.emplace_back(src, n);
+    });
+    if (!o.runs.empty()) streams.push_back(std::move(o));
+  }
+  std::string gathered;
+  // Receivers of a replicated tensor take the same frames: one sum (and
+  // gather) serves all. The frame last built: whose box, where, its sum.
+  const Box* built_box = nullptr;
+  size_t built_run = 0;
+  uint64_t built_into = 0, built_n = 0, sum = 0;
+  const char* built = nullptr;
+  for (bool more = true; more;) {
+    more = false;
+    for (OutStream& o : streams) {
+      if (o.run == o.runs.size()) continue;
       more = true;
-      const uint64_t n = std::min(step, hi - lo - at);
-      const uint64_t from = lo + at;
-      const char* bytes = reinterpret_cast<const char*>(buf + from);
-      if (summed_n != n || summed_at != from) {
-        sum = xxh3_64(bytes, n);
-        summed_at = from;
-        summed_n = n;
+      const uint64_t first = o.runs[o.run].first + o.into;
+      uint64_t n = std::min(step, o.runs[o.run].second - o.into);
+      const bool apart = n < step && o.run + 1 < o.runs.size();
+      if (apart) {
+        for (size_t r = o.run + 1; r < o.runs.size() && n < step; ++r)
+          n += std::min(step - n, o.runs[r].second);
       }
+      if (!(built_box && *built_box == o.to->box && built_run == o.run && built_into == o.into &&
+            built_n == n)) {
+        built = reinterpret_cast<const char*>(buf + first);
+        if (apart) {
+          gathered.clear();
+          uint64_t left = n;
+          for (size_t r = o.run; left > 0; ++r) {
+            const uint64_t from = o.runs[r].first + (r == o.run ? o.into : 0);
+            const uint64_t k = std::min(left, o.runs[r].second - (r == o.run ? o.into : 0));
+            gathered.append(reinterpret_cast<const char*>(buf + from), k);
+            left -= k;
+          }
+          built = gathered.data();
+        }
+        sum = xxh3_64(built, n);
+        built_box = &o.to->box;
+        built_run = o.run;
+        built_into = o.into;
+        built_n = n;
+      }
+      for (uint64_t left = n; left > 0;) {  // the cursor moves past the frame
+        const uint64_t k = std::min(left, o.runs[o.run].second - o.into);
+        left -= k;
+        o.into += k;
+        if (o.into == o.runs[o.run].second) {
+          ++o.run;
+          o.into = 0;
+        }
+      }
+      const int32_t to = o.to->rank;
       auto context = [&] {
         return "rank " + std::to_string(ctx.rank) + ": sending bytes of tensor '" +
-               m.tensors[op.tensor].key + "' to rank " + std::to_string(to.rank) + ": ";
+               m.tensors[op.tensor].key + "' to rank " + std::to_string(to) + ": ";
       };
-      Status s = ctx.shares->acquire(load_id, to.rank, n, window, ctx.opts.write_timeout_s);
+      Status s = ctx.shares->acquire(load_id, to, n, window, ctx.opts.write_timeout_s);
       if (!s.ok()) return s.with_context(context());
       BlockShareMsg msg{ctx.job_id, load_id,
-                        ctx.rank,   to.rank,
-                        op.file,    op.file_offset + from,
-                        Status(),   SharedBytes(nullptr, {bytes, n}),
+                        ctx.rank,   to,
+                        op.file,    op.file_offset + first,
+                        Status(),   SharedBytes(nullptr, {built, n}),
                         sum};
       // Straight to `to` over a direct lane, else through rank 0, which
       // passes it on by BlockShare.to.
-      s = t.send(t.next_hop(to.rank), encode_message(msg));
+      s = t.send(t.next_hop(to), encode_message(msg));
       if (!s.ok()) return s.with_context(context());
     }
-    if (!more) return Status();
   }
+  return Status();
 }
 
 // Heap memory aligned for O_DIRECT, for what is not a pool block (the
@@ -180,17 +231,27 @@ class CopyLatch {
   Status first_;
 };
 
+// Copies `n` bytes at `src` to byte `dst` of `target` through the device;
+// the copy reports to `latch`.
+void copy_to(const RankContext& ctx, const std::string& key, const uint8_t* src,
+             const TensorView& target, uint64_t dst, uint64_t n, CopyLatch& latch) {
+  latch.add();
+  ctx.device->copy_in(src, target, dst, n, [&latch, key](Status st) {
+    // The device names itself and the CUDA error; only we know the tensor.
+    if (!st.ok()) st = st.with_context("tensor '" + key + "': ");
+    latch.arrive(std::move(st));
+  });
+}
+
 // Verifies the checksum blocks of one read (at `buf`) and copies its bytes
 // into `target`, a block at a time: the copy reads each block while the hash
 // has just left it in the CPU's cache, which saved a sixth of the time of
 // hashing all and then copying all (2 GiB, measured here). No byte reaches
 // the tensor before its block checked out. Copies started report to `latch`.
-// Without `verify` (bytes checked already: another rank's, under their
-// frame's sum) it only copies.
 Status verify_and_copy(const RankContext& ctx, const Manifest& m, const ReadOp& op,
                        const std::string& path, const uint8_t* buf, const TensorView& target,
-                       CopyLatch& latch, bool verify = true) {
-  const bool checked = verify && !m.tensors[op.tensor].chunks[op.chunk].checksums.empty();
+                       CopyLatch& latch) {
+  const bool checked = !m.tensors[op.tensor].chunks[op.chunk].checksums.empty();
   const uint64_t cb = checked ? m.checksum_block_bytes : op.length;
   uint64_t verified = checked ? 0 : op.length;  // bytes of the read checked so far
   Status s;
@@ -206,12 +267,7 @@ Status verify_and_copy(const RankContext& ctx, const Manifest& m, const ReadOp& 
       verify_to(src + 1);
       if (!s.ok()) return;
       const uint64_t k = std::min(n, verified - src);
-      latch.add();
-      ctx.device->copy_in(buf + src, target, dst, k, [&latch, key](Status st) {
-        // The device names itself and the CUDA error; only we know the tensor.
-        if (!st.ok()) st = st.with_context("tensor '" + key + "': ");
-        latch.arrive(std::move(st));
-      });
+      copy_to(ctx, key, buf + src, target, dst, k, latch);
       src += k;
       dst += k;
       n -= k;
@@ -762,6 +818,15 @@ void finish_task(const RankContext& ctx, ReaderTasks& tasks, uint64_t id, Status
   }
 }
 
+// Where a received piece's shared stream ends: past its last element in
+// the piece.
+uint64_t shared_stream_end(const ReadOp& piece, size_t es) {
+  uint64_t end = 0;
+  for_each_shared_run(piece, piece.shared_box, es,
+                      [&end](uint64_t, uint64_t at, uint64_t n) { end = at + n; });
+  return end;
+}
+
 // Checks one frame of shared bytes against its sum and copies it into the
 // tensors of every piece it belongs to. Errors name the sending rank.
 Status take_share(const RankContext& ctx, ShareWait& w, const BlockShareMsg& msg) {
@@ -789,6 +854,7 @@ Status take_share(const RankContext& ctx, ShareWait& w, const BlockShareMsg& msg
   auto it = std::upper_bound(
       w.pieces.begin(), w.pieces.end(), std::make_pair(msg.file, msg.offset),
       [&](const std::pair<uint32_t, uint64_t>& v, const auto& p) { return v < key(p); });
+  const auto* data = reinterpret_cast<const uint8_t*>(msg.data.data());
   CopyLatch latch;
   Status s;
   bool any = false;
@@ -797,10 +863,25 @@ Status take_share(const RankContext& ctx, ShareWait& w, const BlockShareMsg& msg
     const auto& [from, op] = *it;
     if (op.file != msg.file || op.file_offset + op.length <= msg.offset) break;
     if (from != msg.from) continue;
-    auto part = cut_op(op, msg.offset, len);
-    if (!part) continue;
-    s = verify_and_copy(ctx, m, *part, what, reinterpret_cast<const uint8_t*>(msg.data.data()),
-                        w.targets[part->entry], latch, /*verify=*/false);
+    // The frame is a stretch of the piece's shared stream, from the element
+    // at its offset on; this rank's own copies out of the piece lie in it.
+    const ManifestTensor& t = m.tensors[op.tensor];
+    const size_t es = dtype_size(t.dtype);
+    auto at = packed_position(op, op.shared_box, msg.offset - op.file_offset, es);
+    if (!at || *at + len > shared_stream_end(op, es)) continue;
+    const uint64_t lo = *at, hi = lo + len;
+    for_each_copy(op, es, [&](uint64_t src, uint64_t dst, uint64_t n) {
+      auto q = packed_position(op, op.shared_box, src, es);
+      if (!q) {
+        if (s.ok())
+          s = Status::internal("rank " + std::to_string(ctx.rank) + ": tensor '" + t.key +
+                               "' copies bytes outside the box it receives");
+        return;
+      }
+      const uint64_t a = std::max(*q, lo), b = std::min(*q + n, hi);
+      if (a < b)
+        copy_to(ctx, t.key, data + (a - lo), w.targets[op.entry], dst + (a - *q), b - a, latch);
+    });
     if (!s.ok()) break;
     any = true;
   }
@@ -901,7 +982,8 @@ void expect_shares(loader_ptr self, const LoadJob& job, const std::shared_ptr<Lo
     const auto& [from, op] = w.pieces[i];
     const bool again = i > 0 && w.pieces[i - 1].second.file == op.file &&
                        w.pieces[i - 1].second.file_offset == op.file_offset;
-    if (!again) w.owed[from] += op.length;
+    if (!again)
+      w.owed[from] += shared_bytes(op, dtype_size(job.manifest->tensors[op.tensor].dtype));
   }
   w.last = std::chrono::steady_clock::now();
   w.task = st.next_task++;

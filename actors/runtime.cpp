@@ -717,7 +717,8 @@ Status load_local(Runtime::Impl& im, caf::scoped_actor& self, StateDict& sd, con
   report->tensors_restored = requests.size();
   report->not_restored = tensors_not_requested(*manifest, requests);
   for (const auto& op : job.ops) report->bytes_read += op.length;
-  for (const auto& [from, op] : job.receive) report->bytes_received += op.length;
+  for (const auto& [from, op] : job.receive)
+    report->bytes_received += shared_bytes(op, dtype_size(manifest->tensors[op.tensor].dtype));
   for (const auto& e : sd.entries()) job.targets.push_back(e.view);
 
   // No deadline: reads take as long as the checkpoint is large, and the

@@ -103,10 +103,11 @@ struct FileRange {
   file @0 :UInt32;                 # index into the manifest's files
   offset @1 :UInt64;               # byte offset in that file
   length @2 :UInt64;               # bytes
-  # The hull of the bytes the rank copies out of the range (inside it): all
-  # that travels to it when another rank reads the range.
-  usedOffset @3 :UInt64;           # byte offset in the file
-  usedLength @4 :UInt64;           # bytes; 0: it copies none
+  # In needs: the box of the tensor the rank copies out of the range
+  # (global coordinates, as plan.capnp's Box): its elements in the range are
+  # all that travels to it when another rank reads the range.
+  regionOffsets @3 :List(Int64);
+  regionSizes @4 :List(Int64);
 }
 
 # Bytes of a data file one rank read and verified for another rank of its
@@ -118,9 +119,9 @@ struct BlockShare {
   from @2 :Int32;                  # the rank that read the bytes
   to @3 :Int32;                    # the rank they are for
   file @4 :UInt32;                 # index into the manifest's files
-  offset @5 :UInt64;               # where `data` starts in that file
+  offset @5 :UInt64;               # the file offset of data's first element
   status @6 :Status;               # not ok: the sender's reads failed; no data
-  data @7 :Data;                   # bytes the receiver copies from (the sender verified them)
+  data @7 :Data;                   # the receiver's box's elements from there on, packed (verified)
   checksum @8 :UInt64;             # xxh3-64 of data: the receiver checks it
 }
 

@@ -71,6 +71,16 @@ std::optional<Box> intersect(const Box& a, const Box& b) {
   return r;
 }
 
+Box bounding_box(const Box& a, const Box& b) {
+  if (a.rank() != b.rank()) return a;
+  Box r = a;
+  for (size_t i = 0; i < a.rank(); ++i) {
+    r.offsets[i] = std::min(a.offsets[i], b.offsets[i]);
+    r.sizes[i] = std::max(a.offsets[i] + a.sizes[i], b.offsets[i] + b.sizes[i]) - r.offsets[i];
+  }
+  return r;
+}
+
 void for_each_run(const Box& region, const Box& src, const Box& dst,
                   const std::function<void(int64_t, int64_t, int64_t)>& fn) {
   RunCursor c(region, src, dst);

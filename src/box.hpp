@@ -36,6 +36,9 @@ std::string box_to_string(const int64_t* offsets, const int64_t* sizes, size_t r
 // The common part of two boxes of the same rank, or nullopt when it is empty.
 std::optional<Box> intersect(const Box& a, const Box& b);
 
+// The smallest box holding both (of the same rank; else `a`).
+Box bounding_box(const Box& a, const Box& b);
+
 // The runs of for_each_run(region, src, dst), addressable by index. A read
 // holds a slice of a chunk; seeking straight to its first run keeps copying a
 // chunk split into many reads linear in the runs instead of reads x runs.

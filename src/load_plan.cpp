@@ -310,20 +310,9 @@ std::vector<std::string> tensors_not_requested(const Manifest& m,
 std::vector<NeededRange> needed_ranges(const std::vector<ReadOp>& ops, const Manifest& m) {
   std::vector<NeededRange> out;
   out.reserve(ops.size());
-  for (const auto& op : ops) {
-    const ManifestTensor& t = m.tensors[op.tensor];
-    if (!t.chunks[op.chunk].codec.empty()) continue;
-    // Copies run in file order: the hull is the first one's start to the
-    // last one's end.
-    uint64_t lo = op.length, hi = 0;
-    for_each_copy(op, dtype_size(t.dtype), [&](uint64_t src, uint64_t, uint64_t n) {
-      lo = std::min(lo, src);
-      hi = std::max(hi, src + n);
-    });
-    NeededRange nr{FileRange{op.file, op.file_offset, op.length}, op.file_offset, 0};
-    if (lo < hi) nr = NeededRange{nr.range, op.file_offset + lo, hi - lo};
-    out.push_back(nr);
-  }
+  for (const auto& op : ops)
+    if (m.tensors[op.tensor].chunks[op.chunk].codec.empty())
+      out.push_back(NeededRange{FileRange{op.file, op.file_offset, op.length}, op.region});
   return out;
 }
 
@@ -339,14 +328,14 @@ std::vector<SharedRead> assign_shared_reads(std::vector<RankNeeds> needs) {
     // neighbouring cuts the set of ranks needing the bytes is constant.
     std::map<uint32_t, std::vector<uint64_t>> cuts;
     for (size_t r = first; r < last; ++r)
-      for (const auto& [fr, used_offset, used_length] : needs[r].ranges) {
+      for (const auto& [fr, region] : needs[r].ranges) {
         if (fr.length == 0) continue;
         cuts[fr.file].push_back(fr.offset);
         cuts[fr.file].push_back(fr.offset + fr.length);
       }
-    // [file][segment]: the ranks needing it, ascending, and the bytes of it
-    // each uses (the hull of its used bytes there, should two of its ranges
-    // hold the segment).
+    // [file][segment]: the ranks needing it, ascending, and the box of what
+    // each copies out of it (the bounding box, should two of its ranges hold
+    // the segment).
     std::map<uint32_t, std::vector<std::vector<ShareTo>>> who;
     for (auto& [file, c] : cuts) {
       std::sort(c.begin(), c.end());
@@ -354,7 +343,7 @@ std::vector<SharedRead> assign_shared_reads(std::vector<RankNeeds> needs) {
       who[file].resize(c.size() - 1);
     }
     for (size_t r = first; r < last; ++r)
-      for (const auto& [fr, used_offset, used_length] : needs[r].ranges) {
+      for (const auto& [fr, region] : needs[r].ranges) {
         if (fr.length == 0) continue;
         const auto& c = cuts[fr.file];
         auto& w = who[fr.file];
@@ -362,14 +351,9 @@ std::vector<SharedRead> assign_shared_reads(std::vector<RankNeeds> needs) {
         const size_t j = std::lower_bound(c.begin(), c.end(), fr.offset + fr.length) - c.begin();
         for (size_t k = i; k < j; ++k) {
           if (w[k].empty() || w[k].back().rank != needs[r].rank)
-            w[k].push_back(ShareTo{needs[r].rank, 0, 0});
-          ShareTo& u = w[k].back();
-          const uint64_t lo = std::max(c[k], used_offset);
-          const uint64_t hi = std::min(c[k + 1], used_offset + used_length);
-          if (hi <= lo) continue;
-          const uint64_t end = u.length > 0 ? std::max(u.offset + u.length, hi) : hi;
-          u.offset = u.length > 0 ? std::min(u.offset, lo) : lo;
-          u.length = end - u.offset;
+            w[k].push_back(ShareTo{needs[r].rank, region});
+          else
+            w[k].back().box = bounding_box(w[k].back().box, region);
         }
       }
     // Bytes each set of ranks shares, so each set's bytes split into equal
@@ -409,35 +393,68 @@ std::vector<SharedRead> assign_shared_reads(std::vector<RankNeeds> needs) {
   return out;
 }
 
-std::optional<ReadOp> cut_op(const ReadOp& op, uint64_t file_offset, uint64_t length) {
+std::optional<ReadOp> slice_op(const ReadOp& op, uint64_t file_offset, uint64_t length,
+                               const Manifest& m) {
   if (length == 0 || file_offset < op.file_offset ||
       file_offset + length > op.file_offset + op.length)
     return std::nullopt;
+  const ManifestChunk& c = m.tensors[op.tensor].chunks[op.chunk];
+  const uint64_t bb = c.checksums.empty() ? 0 : m.checksum_block_bytes;
   ReadOp piece = op;
   piece.file_offset = file_offset;
   piece.chunk_offset = op.chunk_offset + (file_offset - op.file_offset);
   piece.length = length;
-  return piece;
-}
-
-std::optional<ReadOp> slice_op(const ReadOp& op, uint64_t file_offset, uint64_t length,
-                               const Manifest& m) {
-  auto piece = cut_op(op, file_offset, length);
-  if (!piece) return std::nullopt;
-  const ManifestChunk& c = m.tensors[op.tensor].chunks[op.chunk];
-  const uint64_t bb = c.checksums.empty() ? 0 : m.checksum_block_bytes;
   if (bb > 0) {
-    const uint64_t end = piece->chunk_offset + length;
-    if (piece->chunk_offset % bb != 0 || (end % bb != 0 && end != op.chunk_offset + op.length))
+    const uint64_t end = piece.chunk_offset + length;
+    if (piece.chunk_offset % bb != 0 || (end % bb != 0 && end != op.chunk_offset + op.length))
       return std::nullopt;
-    piece->first_block = static_cast<uint32_t>(piece->chunk_offset / bb);
-    piece->nblocks = static_cast<uint32_t>((length + bb - 1) / bb);
+    piece.first_block = static_cast<uint32_t>(piece.chunk_offset / bb);
+    piece.nblocks = static_cast<uint32_t>((length + bb - 1) / bb);
   }
   return piece;
 }
 
+void for_each_shared_run(const ReadOp& op, const Box& box, size_t elem_size,
+                         const std::function<void(uint64_t, uint64_t, uint64_t)>& fn) {
+  auto b = intersect(box, op.chunk_box);
+  if (!b) return;
+  // The box's elements are copied "into" the box itself: the destination
+  // offsets are the packed stream's.
+  ReadOp q = op;
+  q.region = *b;
+  q.target_box = *b;
+  for_each_copy(q, elem_size, fn);
+}
+
+std::optional<uint64_t> packed_position(const ReadOp& op, const Box& box, uint64_t offset,
+                                        size_t elem_size) {
+  auto b = intersect(box, op.chunk_box);
+  if (!b || offset >= op.length || elem_size == 0) return std::nullopt;
+  const uint64_t at = op.chunk_offset + offset;
+  uint64_t elem = at / elem_size;
+  uint64_t packed = 0, stride = 1;
+  for (size_t d = op.chunk_box.rank(); d-- > 0;) {
+    const uint64_t n = static_cast<uint64_t>(op.chunk_box.sizes[d]);
+    const int64_t g = op.chunk_box.offsets[d] + static_cast<int64_t>(elem % n);
+    elem /= n;
+    if (g < b->offsets[d] || g >= b->offsets[d] + b->sizes[d]) return std::nullopt;
+    packed += static_cast<uint64_t>(g - b->offsets[d]) * stride;
+    stride *= static_cast<uint64_t>(b->sizes[d]);
+  }
+  if (elem != 0) return std::nullopt;  // past the chunk's last element
+  return packed * elem_size + at % elem_size;
+}
+
+uint64_t shared_bytes(const ReadOp& piece, size_t elem_size) {
+  uint64_t n = 0;
+  for_each_shared_run(piece, piece.shared_box, elem_size,
+                      [&n](uint64_t, uint64_t, uint64_t k) { n += k; });
+  return n;
+}
+
 RankShare split_for_rank(const std::vector<ReadOp>& ops, const std::vector<SharedRead>& shared,
                          int32_t rank, const Manifest& m) {
+  auto elem_size = [&m](const ReadOp& op) { return dtype_size(m.tensors[op.tensor].dtype); };
   auto receiving = [rank](const SharedRead& s) -> const ShareTo* {
     for (const ShareTo& t : s.receivers)
       if (t.rank == rank) return &t;
@@ -478,14 +495,12 @@ RankShare split_for_rank(const std::vector<ReadOp>& ops, const std::vector<Share
     for (auto& [k, piece] : pieces) {
       const SharedRead& s = *mine[k];
       if (s.reader != rank) {
-        const ShareTo* t = receiving(s);
-        if (auto used = cut_op(piece, t->offset, t->length))
-          out.receive.emplace_back(s.reader, std::move(*used));
+        piece.shared_box = receiving(s)->box;
+        if (shared_bytes(piece, elem_size(piece)) > 0)
+          out.receive.emplace_back(s.reader, std::move(piece));
         continue;
       }
-      if (!sent[k])
-        for (const ShareTo& t : s.receivers)
-          if (t.length > 0) piece.share_with.push_back(t);
+      if (!sent[k]) piece.share_with = s.receivers;
       sent[k] = true;
       out.read.push_back(std::move(piece));
     }

@@ -29,15 +29,16 @@ struct LoadRequest {
 // tensor). Errors name the key.
 Result<std::vector<LoadRequest>> make_load_requests(const StateDict& sd);
 
-// A rank of this node that receives bytes of a shared read, and which:
-// [offset, offset + length) of the file, the hull of what it copies out of
-// the read. Only those travel; length 0: it copies nothing there.
+// A rank of this node that receives bytes of a shared read, and which: the
+// elements of `box` (global coordinates) that lie in the read, packed in
+// row-major order (its shared stream, for_each_shared_run). Only those
+// travel: a rank loading a stretch of columns gets its columns of a block,
+// not the block. An empty box: it copies nothing there.
 struct ShareTo {
   int32_t rank = 0;
-  uint64_t offset = 0;
-  uint64_t length = 0;
+  Box box;
   friend bool operator==(const ShareTo& a, const ShareTo& b) {
-    return a.rank == b.rank && a.offset == b.offset && a.length == b.length;
+    return a.rank == b.rank && a.box == b.box;
   }
 };
 
@@ -59,6 +60,9 @@ struct ReadOp {
   // Ranks of this node that receive bytes of this read from this rank once
   // it has verified them (assign_shared_reads); empty for most reads.
   std::vector<ShareTo> share_with;
+  // A piece another rank reads for this one: the box whose elements in it
+  // travel (this rank's ShareTo, inside chunk_box).
+  Box shared_box;
 };
 
 struct LoadPlanOptions {
@@ -121,14 +125,12 @@ struct FileRange {
   uint64_t length = 0;
 };
 
-// A range one rank's plan reads (whole checksum blocks), and the hull of the
-// bytes it copies out of it: when another rank reads the range, only those
-// travel to this one. [used_offset, used_offset + used_length) lies inside
-// the range.
+// A range one rank's plan reads (whole checksum blocks), and the part of the
+// tensor it copies out of it (global coordinates): when another rank reads
+// the range, only those elements travel to this one.
 struct NeededRange {
   FileRange range;
-  uint64_t used_offset = 0;
-  uint64_t used_length = 0;
+  Box region;
 };
 
 // The ranges one rank's plan reads, and the node it runs on.
@@ -145,8 +147,9 @@ std::vector<NeededRange> needed_ranges(const std::vector<ReadOp>& ops, const Man
 
 // A range needed by `reader` and `receivers` (ranks of one node, ascending),
 // cut where any of their ranges starts or ends, so it lies inside one op of
-// each of them and on their chunk's checksum-block grid. Each receiver's
-// bytes are its used bytes of the range.
+// each of them and on their chunk's checksum-block grid. A receiver's box is
+// its region there (their bounding box, should two of its entries read the
+// range).
 struct SharedRead {
   FileRange range;
   int32_t reader = 0;
@@ -165,18 +168,16 @@ struct RankShare {
   // in share_with (only one piece per shared range does, should two entries
   // read the same bytes).
   std::vector<ReadOp> read;
-  // The pieces it receives, with the rank each comes from: each is cut to
-  // the bytes that travel (its ShareTo), so it lies off the checksum-block
-  // grid; the sender verified those bytes, and a sum of each frame guards
-  // their way here.
+  // The pieces it receives, with the rank each comes from, each with its
+  // shared_box: the sender verified the piece's blocks, and a sum of each
+  // frame guards their way here.
   std::vector<std::pair<int32_t, ReadOp>> receive;
 };
 
 // Cuts `ops` (this rank's plan, whose ranges it reported) at the boundaries
 // of `shared` and splits the pieces into those `rank` reads and those it
-// receives. A piece it reads starts and ends on its chunk's checksum-block
-// grid; one it receives is that piece cut to its used bytes (none, when it
-// copies nothing there: it is left out).
+// receives. Pieces start and end on their chunk's checksum-block grid; one
+// whose shared box holds nothing of it is left out.
 RankShare split_for_rank(const std::vector<ReadOp>& ops, const std::vector<SharedRead>& shared,
                          int32_t rank, const Manifest& m);
 
@@ -186,9 +187,19 @@ RankShare split_for_rank(const std::vector<ReadOp>& ops, const std::vector<Share
 std::optional<ReadOp> slice_op(const ReadOp& op, uint64_t file_offset, uint64_t length,
                                const Manifest& m);
 
-// The same cut anywhere inside `op` (nullopt outside it or empty): a piece
-// whose bytes are not checked against the chunk's checksums (first_block
-// and nblocks are those of `op`), such as received bytes.
-std::optional<ReadOp> cut_op(const ReadOp& op, uint64_t file_offset, uint64_t length);
+// The runs of `box`'s elements (global coordinates; the part inside
+// op.chunk_box) that lie in the bytes of `op`, in file order: fn(offset in
+// the read buffer, position in box's packed row-major byte stream, bytes).
+// Consecutive runs are consecutive in the stream.
+void for_each_shared_run(const ReadOp& op, const Box& box, size_t elem_size,
+                         const std::function<void(uint64_t, uint64_t, uint64_t)>& fn);
+
+// Where byte `offset` of `op`'s read lies in box's packed stream; nullopt
+// when it is not an element of `box` (or lies outside the read).
+std::optional<uint64_t> packed_position(const ReadOp& op, const Box& box, uint64_t offset,
+                                        size_t elem_size);
+
+// The bytes of a received piece that travel: its shared_box's elements in it.
+uint64_t shared_bytes(const ReadOp& piece, size_t elem_size);
 
 }  // namespace ferry

@@ -16,6 +16,7 @@
 
 #include <cstring>
 #include <exception>
+#include <limits>
 #include <new>
 #include <type_traits>
 
@@ -293,8 +294,10 @@ struct Encoder {
           rs[j].setFile(nr.range.file);
           rs[j].setOffset(nr.range.offset);
           rs[j].setLength(nr.range.length);
-          rs[j].setUsedOffset(nr.used_offset);
-          rs[j].setUsedLength(nr.used_length);
+          fill(rs[j].initRegionOffsets(static_cast<unsigned>(nr.region.offsets.size())),
+               nr.region.offsets);
+          fill(rs[j].initRegionSizes(static_cast<unsigned>(nr.region.sizes.size())),
+               nr.region.sizes);
         }
       }
     }
@@ -373,9 +376,11 @@ Status read_dtype(capnp::Text::Reader t, const std::string& where, DType* out) {
   return Status();
 }
 
-Status read_box(proto::Box::Reader r, const std::string& where, Box* out) {
-  out->offsets = i64s(r.getOffsets());
-  out->sizes = i64s(r.getSizes());
+// A box's offsets and sizes, each non-negative.
+Status read_box(capnp::List<int64_t>::Reader offsets, capnp::List<int64_t>::Reader sizes,
+                const std::string& where, Box* out) {
+  out->offsets = i64s(offsets);
+  out->sizes = i64s(sizes);
   if (out->offsets.size() != out->sizes.size())
     return Status::invalid_argument(where + ": box has " + std::to_string(out->offsets.size()) +
                                     " offsets but " + std::to_string(out->sizes.size()) + " sizes");
@@ -384,6 +389,10 @@ Status read_box(proto::Box::Reader r, const std::string& where, Box* out) {
       return Status::invalid_argument(where + ": negative offset or size in box dim " +
                                       std::to_string(d));
   return Status();
+}
+
+Status read_box(proto::Box::Reader r, const std::string& where, Box* out) {
+  return read_box(r.getOffsets(), r.getSizes(), where, out);
 }
 
 // A box that lies inside its tensor, and a tensor whose byte size fits in
@@ -489,19 +498,19 @@ Result<WireMessage> read_control(proto::ControlMessage::Reader root,
         FERRY_RETURN_IF_ERROR(read_rank(rn.rank, "LoadOutcome needs"));
         rn.host = str(n.getHost());
         for (auto fr : n.getRanges()) {
-          const NeededRange nr{FileRange{fr.getFile(), fr.getOffset(), fr.getLength()},
-                               fr.getUsedOffset(), fr.getUsedLength()};
-          const uint64_t end = nr.range.offset + nr.range.length;
-          const uint64_t used_end = nr.used_offset + nr.used_length;
-          if (end < nr.range.offset || used_end < nr.used_offset)
+          NeededRange nr{FileRange{fr.getFile(), fr.getOffset(), fr.getLength()}, Box{}};
+          if (nr.range.offset + nr.range.length < nr.range.offset)
             return Status::invalid_argument("LoadOutcome needs of rank " + std::to_string(rn.rank) +
                                             ": range overflows");
-          if (nr.used_length > 0 && (nr.used_offset < nr.range.offset || used_end > end))
-            return Status::invalid_argument(
-                "LoadOutcome needs of rank " + std::to_string(rn.rank) + ": used bytes " +
-                std::to_string(nr.used_offset) + "+" + std::to_string(nr.used_length) +
-                " lie outside their range " + std::to_string(nr.range.offset) + "+" +
-                std::to_string(nr.range.length));
+          FERRY_RETURN_IF_ERROR(read_box(fr.getRegionOffsets(), fr.getRegionSizes(),
+                                         "LoadOutcome needs of rank " + std::to_string(rn.rank),
+                                         &nr.region));
+          // Box arithmetic on it (bounding boxes, intersections) cannot overflow.
+          for (size_t d = 0; d < nr.region.rank(); ++d)
+            if (nr.region.offsets[d] > std::numeric_limits<int64_t>::max() - nr.region.sizes[d])
+              return Status::invalid_argument("LoadOutcome needs of rank " +
+                                              std::to_string(rn.rank) + ": region dim " +
+                                              std::to_string(d) + " overflows");
           rn.ranges.push_back(nr);
         }
         m.needs.push_back(std::move(rn));

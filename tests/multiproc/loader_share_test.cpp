@@ -1,9 +1,10 @@
 // The loader alone, on rank 1 of 2, receiving the bytes rank 0 read for it:
 // BlockShare frames are fed in as the link would. Rank 1 loads the second
-// half of a tensor's rows whose one checksum block both ranks need, so only
-// its rows travel, under each frame's own checksum: the rows land, and a
-// frame changed on its way, or one that is not what rank 1 expects, fails
-// the load naming rank 0, leaving no byte of it in the tensor.
+// half of a tensor's rows (or of its columns) whose one checksum block both
+// ranks need, so only its rows (its columns, packed) travel, under each
+// frame's own checksum: they land, and a frame changed on its way, or one
+// that is not what rank 1 expects, fails the load naming rank 0, leaving no
+// byte of it in the tensor.
 
 #include <catch2/catch.hpp>
 
@@ -44,64 +45,82 @@ ferry::Manifest one_tensor() {
   return m;
 }
 
-// Rank r loads rows [r * 32, r * 32 + 32).
-std::vector<ferry::ReadOp> plan_of(const ferry::Manifest& m, int r) {
+// Rank r loads rows [r * 32, r * 32 + 32), or by columns [r * 512, r * 512 + 512).
+ferry::Box box_of(int r, bool by_cols) {
+  return by_cols ? ferry::Box{{0, r * kCols / 2}, {kRows, kCols / 2}}
+                 : ferry::Box{{r * kRows / 2, 0}, {kRows / 2, kCols}};
+}
+
+std::vector<ferry::ReadOp> plan_of(const ferry::Manifest& m, int r, bool by_cols) {
   ferry::LoadRequest req;
   req.key = "w";
   req.dtype = ferry::DType::f32;
   req.global_shape = {kRows, kCols};
-  req.box = ferry::Box{{r * kRows / 2, 0}, {kRows / 2, kCols}};
+  req.box = box_of(r, by_cols);
   auto ops = ferry::make_load_plan(m, {req});
   REQUIRE(ops.ok());
   return ops.value();
 }
 
 struct Receiver : ferry::testing::ActorSystem {
+  bool by_cols = false;
   std::shared_ptr<ferry::RankContext> ctx = ferry::testing::rank_context(1, 2);
   std::shared_ptr<const ferry::Manifest> manifest =
       std::make_shared<const ferry::Manifest>(one_tensor());
-  std::vector<float> rows = std::vector<float>(kRows / 2 * kCols, -1.0f);
+  std::vector<float> got = std::vector<float>(kRows / 2 * kCols, -1.0f);
   std::vector<char> file = std::vector<char>(kStart + kRows * kCols * 4);
   ferry::loader_actor loader;
   ferry::LoadJob job;
 
-  Receiver() {
+  explicit Receiver(bool cols = false) : by_cols(cols) {
     ctx->device = ferry::host_device();
     for (size_t i = 0; i < file.size(); ++i) file[i] = static_cast<char>(i * 2654435761u >> 11);
     loader = ferry::spawn_loader(*sys, ctx);
     std::vector<ferry::RankNeeds> needs;
     for (int r = 0; r < 2; ++r)
-      needs.push_back({r, "node", ferry::needed_ranges(plan_of(*manifest, r), *manifest)});
+      needs.push_back({r, "node", ferry::needed_ranges(plan_of(*manifest, r, by_cols), *manifest)});
     const auto shared = ferry::assign_shared_reads(needs);
     REQUIRE(shared.size() == 1);
     REQUIRE(shared[0].reader == 0);  // rank 0 reads the block for both
-    auto part = ferry::split_for_rank(plan_of(*manifest, 1), shared, 1, *manifest);
+    auto part = ferry::split_for_rank(plan_of(*manifest, 1, by_cols), shared, 1, *manifest);
     REQUIRE(part.read.empty());
     REQUIRE(part.receive.size() == 1);
     job.manifest = manifest;
     job.receive = part.receive;
     job.load_id = "load-1";
-    job.targets = {ferry::TensorView(rows.data(), ferry::DType::f32, {kRows / 2, kCols})};
+    const ferry::Box mine = box_of(1, by_cols);
+    job.targets = {ferry::TensorView(got.data(), ferry::DType::f32, mine.sizes)};
   }
   ~Receiver() { caf::anon_send_exit(loader, caf::exit_reason::user_shutdown); }
 
-  // The bytes rank 0 sends rank 1: its rows, and nothing before them.
-  uint64_t first() const { return kStart + kRows / 2 * kCols * 4; }
-  uint64_t length() const { return kRows / 2 * kCols * 4; }
+  // What rank 0 sends rank 1: its box's elements, packed in row-major
+  // order (its rows: one stretch of the file; its columns: half of each row).
+  std::string stream() const {
+    std::string out;
+    const ferry::Box mine = box_of(1, by_cols);
+    for (int64_t i = mine.offsets[0]; i < mine.offsets[0] + mine.sizes[0]; ++i)
+      out.append(file.data() + kStart + (i * kCols + mine.offsets[1]) * 4, mine.sizes[1] * 4);
+    return out;
+  }
+  // Where stream byte `at` lies in the file.
+  uint64_t file_offset(uint64_t at) const {
+    const ferry::Box mine = box_of(1, by_cols);
+    const uint64_t row = at / (mine.sizes[1] * 4), in = at % (mine.sizes[1] * 4);
+    return kStart + ((mine.offsets[0] + row) * kCols + mine.offsets[1]) * 4 + in;
+  }
 
-  ferry::BlockShareMsg frame(uint64_t offset, uint64_t n) const {
-    std::string bytes(file.data() + offset, n);
+  // Stream bytes [at, at + n) as one frame.
+  ferry::BlockShareMsg frame(uint64_t at, uint64_t n) const {
+    std::string bytes = stream().substr(at, n);
     const uint64_t sum = ferry::xxh3_64(bytes.data(), bytes.size());
-    return ferry::BlockShareMsg{"job",    job.load_id,      0,  1, 0, offset,
+    return ferry::BlockShareMsg{"job",    job.load_id,      0,  1, 0, file_offset(at),
                                 Status(), std::move(bytes), sum};
   }
   void send(const ferry::BlockShareMsg& m) { caf::anon_send(loader, ferry::atom::share_v, m); }
 
-  bool rows_landed() const {
-    return std::memcmp(rows.data(), file.data() + first(), length()) == 0;
-  }
-  bool rows_untouched() const {
-    for (float v : rows)
+  bool landed() const { return std::memcmp(got.data(), stream().data(), stream().size()) == 0; }
+  bool untouched() const {
+    for (float v : got)
       if (v != -1.0f) return false;
     return true;
   }
@@ -109,28 +128,30 @@ struct Receiver : ferry::testing::ActorSystem {
 
 }  // namespace
 
-TEST_CASE("a receiver gets only its rows of a shared block, each frame under its own checksum",
+TEST_CASE("a receiver gets only its rows or columns of a shared block, under frame checksums",
           "[load][share]") {
-  Receiver r;
+  const bool by_cols = GENERATE(false, true);
+  INFO((by_cols ? "columns" : "rows"));
+  Receiver r(by_cols);
   REQUIRE(r.job.receive[0].first == 0);
-  CHECK(r.job.receive[0].second.file_offset == r.first());
-  CHECK(r.job.receive[0].second.length == r.length());
+  const uint64_t n = kRows * kCols * 4 / 2;
+  CHECK(ferry::shared_bytes(r.job.receive[0].second, 4) == n);
 
   ferry::testing::Ask<Status> load(*r.sys, r.loader, ferry::atom::load_v, r.job);
-  // Two frames, cut where no row ends, the second first.
+  // Two frames, cut inside a row, the second first.
   const uint64_t cut = 40000;
-  r.send(r.frame(r.first() + cut, r.length() - cut));
-  r.send(r.frame(r.first(), cut));
+  r.send(r.frame(cut, n - cut));
+  r.send(r.frame(0, cut));
   const Status s = load.answer();
   INFO(s.to_string());
   CHECK(s.ok());
-  CHECK(r.rows_landed());
+  CHECK(r.landed());
 }
 
 TEST_CASE("a shared frame changed on its way fails the load naming its sender", "[load][share]") {
-  Receiver r;
+  Receiver r(true);
   ferry::testing::Ask<Status> load(*r.sys, r.loader, ferry::atom::load_v, r.job);
-  ferry::BlockShareMsg m = r.frame(r.first(), r.length());
+  ferry::BlockShareMsg m = r.frame(0, kRows * kCols * 4 / 2);
   std::string bytes(m.data.view());
   bytes[12345] ^= 0x10;
   m.data = std::move(bytes);
@@ -139,18 +160,39 @@ TEST_CASE("a shared frame changed on its way fails the load naming its sender", 
   CHECK(s.code() == ferry::StatusCode::corruption);
   CHECK_THAT(s.to_string(), Catch::Contains("rank 1") && Catch::Contains("from rank 0") &&
                                 Catch::Contains("do not match their checksum"));
-  CHECK(r.rows_untouched());
+  CHECK(r.untouched());
 }
 
 TEST_CASE("shared bytes rank 1 did not ask for fail the load naming their sender",
           "[load][share]") {
-  Receiver r;
+  const bool by_cols = GENERATE(false, true);
+  INFO((by_cols ? "columns" : "rows"));
+  Receiver r(by_cols);
   ferry::testing::Ask<Status> load(*r.sys, r.loader, ferry::atom::load_v, r.job);
-  // Rank 0's own rows: inside the block both ranks need, outside rank 1's part.
-  r.send(r.frame(kStart, 4096));
+  // Rank 0's own first element: inside the block both ranks need, outside
+  // rank 1's box. (Its sum is right: the bytes are whole, just not asked for.)
+  ferry::BlockShareMsg m = r.frame(0, 4096);
+  m.offset = kStart;
+  r.send(m);
   const Status s = load.answer();
   CHECK(s.code() == ferry::StatusCode::corruption);
   CHECK_THAT(s.to_string(), Catch::Contains("from rank 0") &&
                                 Catch::Contains("match no piece it expects from that rank"));
-  CHECK(r.rows_untouched());
+  CHECK(r.untouched());
+}
+
+TEST_CASE("a shared frame running past the bytes rank 1 expects fails the load", "[load][share]") {
+  Receiver r(true);
+  ferry::testing::Ask<Status> load(*r.sys, r.loader, ferry::atom::load_v, r.job);
+  // Starts at rank 1's last row, and is longer than what is left of its stream.
+  const uint64_t row = kCols * 4 / 2;
+  ferry::BlockShareMsg m = r.frame(kRows * row - row, row);
+  std::string bytes = std::string(m.data.view()) + std::string(64, 'x');
+  m.checksum = ferry::xxh3_64(bytes.data(), bytes.size());
+  m.data = std::move(bytes);
+  r.send(m);
+  const Status s = load.answer();
+  CHECK(s.code() == ferry::StatusCode::corruption);
+  CHECK_THAT(s.to_string(), Catch::Contains("from rank 0") && Catch::Contains("match no piece"));
+  CHECK(r.untouched());
 }

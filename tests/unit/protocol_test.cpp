@@ -6,6 +6,8 @@
 
 #include <catch2/catch.hpp>
 
+#include <limits>
+
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -379,8 +381,7 @@ void check_same(const LoadOutcomeMsg& a, const LoadOutcomeMsg& b) {
       CHECK(x.range.file == y.range.file);
       CHECK(x.range.offset == y.range.offset);
       CHECK(x.range.length == y.range.length);
-      CHECK(x.used_offset == y.used_offset);
-      CHECK(x.used_length == y.used_length);
+      CHECK(x.region == y.region);
     }
   }
 }
@@ -931,8 +932,9 @@ TEST_CASE("LoadOutcome: reports and answers round trip, bad ranks are refused", 
 
 TEST_CASE("LoadOutcome carries the ranks' needs, BlockShare its bytes", "[protocol]") {
   LoadOutcomeMsg needs{"job", "load-3/needs", 0, Status::ok_status(), -1};
-  needs.needs = {{0, "node-a", {{{0, 4096, 1 << 20}, 8192, 4000}, {{2, 0, 17}, 0, 17}}},
-                 {3, "node-b", {}}};
+  needs.needs = {
+      {0, "node-a", {{{0, 4096, 1 << 20}, {{0, 512}, {64, 512}}}, {{2, 0, 17}, {{}, {}}}}},
+      {3, "node-b", {}}};
   round_trip(needs);
 
   BlockShareMsg share{
@@ -954,17 +956,25 @@ TEST_CASE("LoadOutcome carries the ranks' needs, BlockShare its bytes", "[protoc
     r.setLength(2);
     CHECK_THAT(error_of(frame(0, mb)), Catch::Contains("overflows"));
   }
-  SECTION("used bytes outside their range") {
+  SECTION("a needs region whose end overflows") {
     capnp::MallocMessageBuilder mb;
     auto n = mb.initRoot<proto::ControlMessage>().initLoadOutcome().initNeeds(1)[0];
     n.setRank(5);
     auto r = n.initRanges(1)[0];
-    r.setOffset(4096);
     r.setLength(4096);
-    r.setUsedOffset(8000);
-    r.setUsedLength(200);
+    r.initRegionOffsets(2).set(1, std::numeric_limits<int64_t>::max() - 3);
+    auto sizes = r.initRegionSizes(2);
+    sizes.set(0, 1);
+    sizes.set(1, 8);
     CHECK_THAT(error_of(frame(0, mb)),
-               Catch::Contains("rank 5") && Catch::Contains("used bytes 8000+200"));
+               Catch::Contains("needs of rank 5") && Catch::Contains("region dim 1 overflows"));
+  }
+  SECTION("a needs region with more sizes than offsets") {
+    capnp::MallocMessageBuilder mb;
+    auto n = mb.initRoot<proto::ControlMessage>().initLoadOutcome().initNeeds(1)[0];
+    auto r = n.initRanges(1)[0];
+    r.initRegionSizes(1).set(0, 3);
+    CHECK_THAT(error_of(frame(0, mb)), Catch::Contains("0 offsets but 1 sizes"));
   }
 }
 

@@ -220,14 +220,7 @@ TEST_CASE("shared reads: each byte a node needs has one reader, and every rank g
         }
     }
     std::vector<int32_t> got;
-    for (const ferry::ShareTo& t : s.receivers) {
-      got.push_back(t.rank);
-      // What travels lies inside the range.
-      if (t.length > 0) {
-        CHECK(t.offset >= s.range.offset);
-        CHECK(t.offset + t.length <= s.range.offset + s.range.length);
-      }
-    }
+    for (const ferry::ShareTo& t : s.receivers) got.push_back(t.rank);
     got.push_back(s.reader);
     std::sort(got.begin(), got.end());
     CHECK(got == needers);
@@ -248,41 +241,66 @@ TEST_CASE("shared reads: each byte a node needs has one reader, and every rank g
     CHECK(node_bytes[node] == union_bytes[node]);
   }
 
-  // Each rank's read and received pieces copy exactly what its plan copies,
-  // and the ranks of a node read the node's bytes once, spread over them.
+  // Each rank's read pieces, and the streams its readers send it scattered
+  // as it scatters them, copy exactly what its plan copies; the ranks of a
+  // node read the node's bytes once, spread over them; and a rank loading a
+  // window of columns ("d") gets fewer bytes than the blocks it needs.
+  std::vector<ferry::RankShare> parts;
+  for (int r = 0; r < kRanks; ++r) parts.push_back(ferry::split_for_rank(plans[r], shared, r, m));
   std::map<std::string, uint64_t> read_bytes;
   std::vector<uint64_t> rank_read(kRanks, 0);
   for (int r = 0; r < kRanks; ++r) {
     INFO("rank " << r);
-    const auto part = ferry::split_for_rank(plans[r], shared, r, m);
-    std::vector<ferry::ReadOp> pieces = part.read;
+    const auto& part = parts[r];
     for (const auto& p : part.read) rank_read[r] += p.length;
     for (const auto& p : part.read) {
       check_piece(m, p, checksums);
-      for (const ferry::ShareTo& to : p.share_with) {
-        CHECK(((to.rank < 4) == (r < 4)));
-        CHECK(to.length > 0);
-        CHECK(to.offset >= p.file_offset);
-        CHECK(to.offset + to.length <= p.file_offset + p.length);
-      }
+      for (const ferry::ShareTo& to : p.share_with) CHECK(((to.rank < 4) == (r < 4)));
     }
+    auto got = apply_ops(part.read, file, kRankTargetBytes);
+    uint64_t blocks = 0, received = 0;
     for (const auto& [from, p] : part.receive) {
       CHECK(from != r);
       CHECK(((from < 4) == (r < 4)));  // only from its own node
       CHECK(p.share_with.empty());
-      // Cut to what the reader sends this rank, at the same place in its chunk.
-      const auto& c = m.tensors[p.tensor].chunks[p.chunk];
-      CHECK(p.file_offset == c.byte_offset + p.chunk_offset);
-      bool sent = false;
-      for (const auto& s : shared)
-        if (s.reader == from)
-          for (const ferry::ShareTo& t : s.receivers)
-            sent = sent || (t.rank == r && t.offset == p.file_offset && t.length == p.length);
-      CHECK(sent);
-      pieces.push_back(p);
+      check_piece(m, p, checksums);
+      // The sender's piece of the same bytes, and the stream it sends.
+      const ferry::ReadOp* sent = nullptr;
+      const ferry::ShareTo* to = nullptr;
+      for (const auto& q : parts[from].read)
+        for (const ferry::ShareTo& t : q.share_with)
+          if (t.rank == r && q.file_offset == p.file_offset) {
+            sent = &q;
+            to = &t;
+          }
+      REQUIRE(sent != nullptr);
+      CHECK(sent->length == p.length);
+      CHECK(to->box == p.shared_box);
+      // Positions are the box's stream's (the whole box, not this piece):
+      // the piece's part of it starts at `base`.
+      std::vector<uint8_t> stream;
+      uint64_t base = 0;
+      ferry::for_each_shared_run(*sent, to->box, 4, [&](uint64_t src, uint64_t at, uint64_t n) {
+        if (stream.empty()) base = at;
+        CHECK(at == base + stream.size());  // runs are consecutive in the stream
+        stream.insert(stream.end(), file.begin() + sent->file_offset + src,
+                      file.begin() + sent->file_offset + src + n);
+      });
+      CHECK(stream.size() == ferry::shared_bytes(p, 4));
+      CHECK(stream.size() <= p.length);
+      ferry::for_each_copy(p, 4, [&](uint64_t src, uint64_t dst, uint64_t n) {
+        auto at = ferry::packed_position(p, p.shared_box, src, 4);
+        REQUIRE(at.has_value());
+        REQUIRE(*at >= base);
+        REQUIRE(*at - base + n <= stream.size());
+        std::memcpy(got[p.entry].data() + dst, stream.data() + (*at - base), n);
+      });
+      blocks += p.length;
+      received += stream.size();
     }
     read_bytes[r < 4 ? "n0" : "n1"] += rank_read[r];
-    CHECK(apply_ops(pieces, file, kRankTargetBytes) == apply_ops(plans[r], file, kRankTargetBytes));
+    CHECK(got == apply_ops(plans[r], file, kRankTargetBytes));
+    if (blocks > 0) CHECK(received < blocks);
   }
   CHECK(read_bytes["n0"] == union_bytes["n0"]);
   CHECK(read_bytes["n1"] == union_bytes["n1"]);
@@ -316,56 +334,76 @@ TEST_CASE("shared reads: a replicated state splits evenly across the ranks of a 
 
 TEST_CASE("shared reads: ranks splitting a block between them receive only the bytes they copy",
           "[load_plan]") {
-  // 40 rows of 4 KiB (a chunk of 2.5 checksum blocks) split by rows between
-  // two ranks: the block holding row 20 is needed by both, read by one, and
-  // the other gets only its rows of it.
+  // 40 rows of 4 KiB (a chunk of 2.5 checksum blocks) split between two
+  // ranks by rows, or by columns: a block both need is read by one, and the
+  // other gets only its rows (one stretch) or its columns (one per row).
+  const bool by_cols = GENERATE(false, true);
+  INFO((by_cols ? "columns" : "rows"));
   const ferry::Manifest m = make_manifest({{"a", {40, 1024}}}, true);
   const uint64_t start = m.tensors[0].chunks[0].byte_offset;
-  const uint64_t split = start + 20 * 4096;  // rank 1's first byte
+  auto box_of = [&](int r) {
+    return by_cols ? ferry::Box{{0, r * 512}, {40, 512}} : ferry::Box{{r * 20, 0}, {20, 1024}};
+  };
   std::vector<std::vector<ferry::ReadOp>> plans;
   std::vector<ferry::RankNeeds> needs;
   for (int r = 0; r < 2; ++r) {
-    auto ops = ferry::make_load_plan(
-        m, {request("a", {40, 1024}, ferry::Box{{r * 20, 0}, {20, 1024}}, 0)});
+    auto ops = ferry::make_load_plan(m, {request("a", {40, 1024}, box_of(r), 0)});
     REQUIRE(ops.ok());
     plans.push_back(ops.value());
     needs.push_back({r, "n0", ferry::needed_ranges(ops.value(), m)});
     REQUIRE(needs[r].ranges.size() == 1);
-    CHECK(needs[r].ranges[0].used_offset == start + r * 20 * 4096);
-    CHECK(needs[r].ranges[0].used_length == 20 * 4096);
+    CHECK(needs[r].ranges[0].region == box_of(r));
   }
   const auto shared = ferry::assign_shared_reads(needs);
-  const ferry::SharedRead* both = nullptr;
-  for (const auto& s : shared)
-    if (!s.receivers.empty()) both = &s;
-  REQUIRE(both != nullptr);
-  CHECK(both->range.offset == start + kBlock);
-  CHECK(both->range.length == kBlock);
-  REQUIRE(both->receivers.size() == 1);
-  const ferry::ShareTo& to = both->receivers[0];
-  const uint64_t block_end = start + 2 * kBlock;
-  if (to.rank == 0) {
-    CHECK(to.offset == start + kBlock);
-    CHECK(to.length == split - (start + kBlock));
-  } else {
-    CHECK(to.offset == split);
-    CHECK(to.length == block_end - split);
-  }
   std::vector<uint8_t> file(m.files[0].size + 8192);
   for (size_t i = 0; i < file.size(); ++i) file[i] = static_cast<uint8_t>(i * 40503u >> 7);
+  uint64_t received = 0, shared_blocks = 0;
   for (int r = 0; r < 2; ++r) {
     INFO("rank " << r);
     const auto part = ferry::split_for_rank(plans[r], shared, r, m);
-    std::vector<ferry::ReadOp> pieces = part.read;
-    uint64_t received = 0;
+    auto got = apply_ops(part.read, file, {20 * 4096});
     for (const auto& [from, p] : part.receive) {
-      CHECK(from == both->reader);
-      received += p.length;
-      pieces.push_back(p);
+      CHECK(from == 1 - r);
+      CHECK(p.shared_box == box_of(r));
+      shared_blocks += p.length;
+      received += ferry::shared_bytes(p, 4);
+      // The packed stream of this rank's box in the piece, as the reader
+      // builds it from its own copy of the bytes.
+      std::vector<uint8_t> stream;
+      uint64_t base = 0;
+      ferry::for_each_shared_run(p, box_of(r), 4, [&](uint64_t src, uint64_t at, uint64_t n) {
+        if (stream.empty()) base = at;
+        stream.insert(stream.end(), file.begin() + p.file_offset + src,
+                      file.begin() + p.file_offset + src + n);
+      });
+      ferry::for_each_copy(p, 4, [&](uint64_t src, uint64_t dst, uint64_t n) {
+        auto at = ferry::packed_position(p, p.shared_box, src, 4);
+        REQUIRE(at.has_value());
+        REQUIRE(*at - base + n <= stream.size());
+        std::memcpy(got[0].data() + dst, stream.data() + (*at - base), n);
+      });
     }
-    CHECK(received == (r == to.rank ? to.length : 0));
-    CHECK(apply_ops(pieces, file, {20 * 4096}) == apply_ops(plans[r], file, {20 * 4096}));
+    CHECK(got == apply_ops(plans[r], file, {20 * 4096}));
   }
+  if (by_cols) {
+    // Every block is needed by both: each rank reads half the chunk and
+    // gets its half of every row of the other half.
+    CHECK(shared_blocks == 40 * 4096);
+    CHECK(received == 20 * 4096);
+  } else {
+    // The block holding row 20 is the only one both need; it travels once,
+    // and what travels is the receiver's rows of it.
+    CHECK(shared_blocks == kBlock);
+    const uint64_t split = start + 20 * 4096;
+    CHECK((received == split - (start + kBlock) || received == start + 2 * kBlock - split));
+  }
+  // Rank 1's first element is the first of its box's stream; it has no
+  // place in rank 0's.
+  const ferry::ReadOp& op = plans[1][0];
+  const uint64_t first = by_cols ? 512 * 4 : 20 * 4096 - op.chunk_offset;
+  CHECK(ferry::packed_position(op, box_of(1), first, 4) == uint64_t{0});
+  CHECK(ferry::packed_position(op, box_of(1), first + 4, 4) == uint64_t{4});
+  CHECK_FALSE(ferry::packed_position(op, box_of(0), first, 4).has_value());
 }
 
 TEST_CASE("slice_op takes pieces on the checksum-block grid only", "[load_plan]") {
