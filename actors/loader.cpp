@@ -818,15 +818,6 @@ void finish_task(const RankContext& ctx, ReaderTasks& tasks, uint64_t id, Status
   }
 }
 
-// Where a received piece's shared stream ends: past its last element in
-// the piece.
-uint64_t shared_stream_end(const ReadOp& piece, size_t es) {
-  uint64_t end = 0;
-  for_each_shared_run(piece, piece.shared_box, es,
-                      [&end](uint64_t, uint64_t at, uint64_t n) { end = at + n; });
-  return end;
-}
-
 // Checks one frame of shared bytes against its sum and copies it into the
 // tensors of every piece it belongs to. Errors name the sending rank.
 Status take_share(const RankContext& ctx, ShareWait& w, const BlockShareMsg& msg) {
@@ -867,11 +858,19 @@ Status take_share(const RankContext& ctx, ShareWait& w, const BlockShareMsg& msg
     // at its offset on; this rank's own copies out of the piece lie in it.
     const ManifestTensor& t = m.tensors[op.tensor];
     const size_t es = dtype_size(t.dtype);
-    auto at = packed_position(op, op.shared_box, msg.offset - op.file_offset, es);
-    if (!at || *at + len > shared_stream_end(op, es)) continue;
+    const uint64_t first = msg.offset - op.file_offset;
+    auto at = packed_position(op, op.shared_box, first, es);
+    auto last = at ? unpacked_offset(op, op.shared_box, *at + len - 1, es) : std::nullopt;
+    if (!last) continue;
     const uint64_t lo = *at, hi = lo + len;
-    for_each_copy(op, es, [&](uint64_t src, uint64_t dst, uint64_t n) {
-      auto q = packed_position(op, op.shared_box, src, es);
+    // Only the stretch of the piece the frame spans is walked: a piece of
+    // many short runs (narrow columns) is not walked whole for every frame.
+    ReadOp span = op;
+    span.file_offset += first;
+    span.chunk_offset += first;
+    span.length = *last + 1 - first;
+    for_each_copy(span, es, [&](uint64_t src, uint64_t dst, uint64_t n) {
+      auto q = packed_position(span, op.shared_box, src, es);
       if (!q) {
         if (s.ok())
           s = Status::internal("rank " + std::to_string(ctx.rank) + ": tensor '" + t.key +

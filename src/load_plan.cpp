@@ -445,6 +445,25 @@ std::optional<uint64_t> packed_position(const ReadOp& op, const Box& box, uint64
   return packed * elem_size + at % elem_size;
 }
 
+std::optional<uint64_t> unpacked_offset(const ReadOp& op, const Box& box, uint64_t position,
+                                        size_t elem_size) {
+  auto b = intersect(box, op.chunk_box);
+  if (!b || elem_size == 0) return std::nullopt;
+  uint64_t elem = position / elem_size;
+  uint64_t at = 0, stride = 1;  // the element's index in the chunk
+  for (size_t d = b->rank(); d-- > 0;) {
+    const uint64_t n = static_cast<uint64_t>(b->sizes[d]);
+    const int64_t g = b->offsets[d] + static_cast<int64_t>(elem % n);
+    elem /= n;
+    at += static_cast<uint64_t>(g - op.chunk_box.offsets[d]) * stride;
+    stride *= static_cast<uint64_t>(op.chunk_box.sizes[d]);
+  }
+  if (elem != 0) return std::nullopt;  // past the box's last element
+  const uint64_t byte = at * elem_size + position % elem_size;
+  if (byte < op.chunk_offset || byte >= op.chunk_offset + op.length) return std::nullopt;
+  return byte - op.chunk_offset;
+}
+
 uint64_t shared_bytes(const ReadOp& piece, size_t elem_size) {
   uint64_t n = 0;
   for_each_shared_run(piece, piece.shared_box, elem_size,

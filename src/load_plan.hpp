@@ -199,6 +199,11 @@ void for_each_shared_run(const ReadOp& op, const Box& box, size_t elem_size,
 std::optional<uint64_t> packed_position(const ReadOp& op, const Box& box, uint64_t offset,
                                         size_t elem_size);
 
+// The inverse: the byte of `op`'s read at `position` of box's packed
+// stream; nullopt when that byte lies outside the read (or the box).
+std::optional<uint64_t> unpacked_offset(const ReadOp& op, const Box& box, uint64_t position,
+                                        size_t elem_size);
+
 // The bytes of a received piece that travel: its shared_box's elements in it.
 uint64_t shared_bytes(const ReadOp& piece, size_t elem_size);
 

@@ -404,6 +404,17 @@ TEST_CASE("shared reads: ranks splitting a block between them receive only the b
   CHECK(ferry::packed_position(op, box_of(1), first, 4) == uint64_t{0});
   CHECK(ferry::packed_position(op, box_of(1), first + 4, 4) == uint64_t{4});
   CHECK_FALSE(ferry::packed_position(op, box_of(0), first, 4).has_value());
+  // Every byte of the box in the read, and back.
+  uint64_t seen = 0;
+  ferry::for_each_shared_run(op, box_of(1), 4, [&](uint64_t src, uint64_t at, uint64_t n) {
+    for (uint64_t k = 0; k < n; k += 1021) {
+      CHECK(ferry::packed_position(op, box_of(1), src + k, 4) == at + k);
+      CHECK(ferry::unpacked_offset(op, box_of(1), at + k, 4) == src + k);
+    }
+    seen += n;
+  });
+  CHECK(seen == 20 * 4096);
+  CHECK_FALSE(ferry::unpacked_offset(op, box_of(1), seen, 4).has_value());  // past the box
 }
 
 TEST_CASE("slice_op takes pieces on the checksum-block grid only", "[load_plan]") {
