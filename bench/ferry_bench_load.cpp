@@ -33,8 +33,10 @@
 // and share-window bounds that), and its transport's send-queue high-water
 // mark, beside its peer: the same number of plain O_DIRECT readers at once,
 // each reading the whole state (what ranks that pass nothing between them
-// could at best do). Targets are reported as PASS/MISS and
-// never change the exit code; a load that fails or loads wrong bytes does.
+// could at best do). With --ranks each round launches the job and then
+// reads raw, and the median round is the figure, as without. Targets are
+// reported as PASS/MISS and never change the exit code; a load that fails
+// or loads wrong bytes does.
 // The last line is one JSON object.
 #include <fcntl.h>
 #include <sys/resource.h>
@@ -94,7 +96,7 @@ struct Flags {
                "  --ranks N   N local ranks (processes) each load the whole state (replicated)\n"
                "  --pool-mib  staging pool per runtime (default 256)\n"
                "  --rounds N  load, then raw read, N times; the figures are the median\n"
-               "              round's (default 5; --ranks runs one round)\n"
+               "              round's (default 5; with --ranks, 5 launches of the job)\n"
                "  --dir DIR   where to save (a fresh directory inside DIR, removed at the\n"
                "              end; default /var/tmp: a disk, not tmpfs)\n"
                "  --set K=V   any other [ferry] setting, e.g. --set direct-io=false\n",
@@ -468,49 +470,72 @@ int ranks_main(const Flags& f, const std::string& ckpt, int64_t rows, uint64_t s
                     std::to_string(f.tensors) + " --pool-mib " + std::to_string(f.pool_mib) +
                     (f.reshard ? " --reshard" : "") + (f.by_cols ? " --by-cols" : "");
   for (const auto& [k, v] : f.settings) cmd += " --set " + k + "=" + v;
-  const bool dropped = evict(files);
-  const Usage u0 = Usage::now();
-  const auto t0 = Clock::now();
-  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
-  if (!p) die("cannot start " + cli);
-  std::string out;
-  char buf[4096];
-  while (std::fgets(buf, sizeof(buf), p)) out += buf;
-  const int rc = ::pclose(p);
-  const double wall_s = std::chrono::duration<double>(Clock::now() - t0).count();
-  const Usage u1 = Usage::now();
-  std::map<int, std::string> stats;
-  std::istringstream lines(out);
-  for (std::string line; std::getline(lines, line);) {
-    const auto at = line.find("] RANKSTATS ");
-    if (line.rfind("[rank ", 0) == 0 && at != std::string::npos)
-      stats[std::stoi(line.substr(6))] = line.substr(at + 2);
-  }
-  if (rc != 0 || static_cast<int>(stats.size()) != f.ranks) die("ranks failed:\n" + out);
-  double load_s = 0, read_mib = 0;  // the slowest rank's time; what all the ranks read
-  for (const auto& [r, l] : stats) {
-    load_s = std::max(load_s, field(l, "load_s"));
-    read_mib += field(l, "read_mib");
-  }
-  const std::string& r0 = stats[0];
   // The peer: replicated, what the ranks could at best do reading the whole
   // state each (no bytes passed between them), N plain O_DIRECT readers at
   // once; resharded, one such reader of the whole state (the disk's limit
   // for one copy, which the ranks share between them).
   const int peers = f.reshard ? 1 : f.ranks;
-  double each_s = 0;
-  {
-    std::vector<std::unique_ptr<WarmMemory>> dst;
-    for (int r = 0; r < peers; ++r)
-      dst.push_back(
-          std::make_unique<WarmMemory>(raw_memory_bytes(file_bytes, files.size(), block)));
+  std::vector<std::unique_ptr<WarmMemory>> dst;
+  for (int r = 0; r < peers; ++r)
+    dst.push_back(std::make_unique<WarmMemory>(raw_memory_bytes(file_bytes, files.size(), block)));
+  // Each round launches the job, then reads raw right after; the median
+  // round (by ratio) is the figure.
+  struct JobRound {
+    std::map<int, std::string> stats;  // each rank's RANKSTATS
+    double load_s = 0, read_mib = 0;   // the slowest rank's time; what all the ranks read
+    double each_s = 0, wall_s = 0;
+    uint64_t disk_read = 0;
+    bool dropped = false;
+  };
+  std::vector<JobRound> rounds(static_cast<size_t>(std::max(1, f.rounds)));
+  for (JobRound& rd : rounds) {
+    rd.dropped = evict(files);
+    const Usage u0 = Usage::now();
+    const auto t0 = Clock::now();
+    FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
+    if (!p) die("cannot start " + cli);
+    std::string out;
+    char buf[4096];
+    while (std::fgets(buf, sizeof(buf), p)) out += buf;
+    const int rc = ::pclose(p);
+    rd.wall_s = std::chrono::duration<double>(Clock::now() - t0).count();
+    rd.disk_read = Usage::now().disk_read - u0.disk_read;
+    std::istringstream lines(out);
+    for (std::string line; std::getline(lines, line);) {
+      const auto at = line.find("] RANKSTATS ");
+      if (line.rfind("[rank ", 0) == 0 && at != std::string::npos)
+        rd.stats[std::stoi(line.substr(6))] = line.substr(at + 2);
+    }
+    if (rc != 0 || static_cast<int>(rd.stats.size()) != f.ranks) die("ranks failed:\n" + out);
+    for (const auto& [r, l] : rd.stats) {
+      rd.load_s = std::max(rd.load_s, field(l, "load_s"));
+      rd.read_mib += field(l, "read_mib");
+    }
     evict(files);
     const auto t1 = Clock::now();
     std::vector<std::thread> readers;
     for (int r = 0; r < peers; ++r)
       readers.emplace_back([&, r] { raw_read(files, *dst[r], block); });
     for (auto& th : readers) th.join();
-    each_s = std::chrono::duration<double>(Clock::now() - t1).count();
+    rd.each_s = std::chrono::duration<double>(Clock::now() - t1).count();
+  }
+  std::vector<const JobRound*> by;
+  for (const JobRound& rd : rounds) by.push_back(&rd);
+  std::sort(by.begin(), by.end(), [](const JobRound* a, const JobRound* b) {
+    return a->each_s / a->load_s < b->each_s / b->load_s;
+  });
+  const JobRound& mid = *by[by.size() / 2];
+  const std::map<int, std::string>& stats = mid.stats;
+  const std::string& r0 = stats.at(0);
+  const double load_s = mid.load_s, read_mib = mid.read_mib, each_s = mid.each_s;
+  const double wall_s = mid.wall_s;
+  const bool dropped = mid.dropped;
+  std::string each;
+  for (const JobRound& rd : rounds) {
+    char one[96];
+    std::snprintf(one, sizeof(one), "%s%.3f/%.3f s = %.2f", each.empty() ? "" : ", ", rd.load_s,
+                  rd.each_s, rd.each_s / rd.load_s);
+    each += one;
   }
   std::printf("state: %.1f MiB in %u tensors of [%lld, %lld] f32, loaded %s by %d ranks\n",
               state_bytes / double(kMiB), f.tensors, static_cast<long long>(rows),
@@ -518,6 +543,7 @@ int ranks_main(const Flags& f, const std::string& ckpt, int64_t rows, uint64_t s
               f.reshard ? (std::string("split by ") + split_name(f)).c_str() : "whole", f.ranks);
   std::printf("cache: evicted with posix_fadvise DONTNEED%s\n",
               dropped ? " and drop_caches" : " (drop_caches not allowed: not root?)");
+  std::printf("rounds (load/raw s = raw / load): %s; the median round's:\n", each.c_str());
   for (const auto& [r, l] : stats) std::printf("rank %d: %s\n", r, l.c_str());
   if (f.reshard) {
     const double ratio = each_s / load_s;
@@ -525,7 +551,7 @@ int ranks_main(const Flags& f, const std::string& ckpt, int64_t rows, uint64_t s
         "load (%d ranks, resharded by %s): %.3f s (slowest rank), %.2f GB/s aggregate; the "
         "ranks' runtimes read %.1f MiB (one copy: %.1f MiB), the kernel saw %.1f MiB read\n",
         f.ranks, split_name(f), load_s, state_bytes / load_s / 1e9, read_mib,
-        state_bytes / double(kMiB), (u1.disk_read - u0.disk_read) / double(kMiB));
+        state_bytes / double(kMiB), mid.disk_read / double(kMiB));
     std::printf("raw: one O_DIRECT reader of the whole state: %.3f s, %.2f GB/s\n", each_s,
                 state_bytes / each_s / 1e9);
     std::printf("\ntargets:\n  %s aggregate load / raw >= 0.85 (issue 12)  (%.3f)\n",
@@ -534,18 +560,18 @@ int ranks_main(const Flags& f, const std::string& ckpt, int64_t rows, uint64_t s
         "{\"bench\":\"load\",\"state_bytes\":%llu,\"tensors\":%u,\"ranks\":%d,"
         "\"replicated\":false,\"reshard\":true,\"split\":\"%s\",\"load_s\":%.4f,\"raw_s\":%.4f,"
         "\"ratio\":%.3f,\"ratio_target\":0.85,\"ranks_read_bytes\":%.0f,\"disk_read_bytes\":%llu,"
-        "\"drop_caches\":%s}\n",
+        "\"rounds\":%zu,\"drop_caches\":%s}\n",
         static_cast<unsigned long long>(state_bytes), f.tensors, f.ranks, split_name(f), load_s,
-        each_s, ratio, read_mib * kMiB,
-        static_cast<unsigned long long>(u1.disk_read - u0.disk_read), dropped ? "true" : "false");
+        each_s, ratio, read_mib * kMiB, static_cast<unsigned long long>(mid.disk_read),
+        rounds.size(), dropped ? "true" : "false");
     return 0;
   }
   std::printf(
       "load (%d ranks, replicated): %.3f s (slowest rank), %.2f GB/s delivered to all "
       "ranks; %.1f MiB read from disk by the ranks (one copy: %.1f MiB); launch wall "
       "%.1f s\n",
-      f.ranks, load_s, state_bytes * double(f.ranks) / load_s / 1e9,
-      (u1.disk_read - u0.disk_read) / double(kMiB), state_bytes / double(kMiB), wall_s);
+      f.ranks, load_s, state_bytes * double(f.ranks) / load_s / 1e9, mid.disk_read / double(kMiB),
+      state_bytes / double(kMiB), wall_s);
   std::printf(
       "peer: %d raw O_DIRECT readers at once, each the whole state: %.3f s; their time / the "
       "load's: %.2f (above 1: reading once and passing bytes on beats reading them %d times)\n",
@@ -561,10 +587,11 @@ int ranks_main(const Flags& f, const std::string& ckpt, int64_t rows, uint64_t s
       "{\"bench\":\"load\",\"state_bytes\":%llu,\"tensors\":%u,\"ranks\":%d,\"replicated\":true,"
       "\"load_s\":%.4f,\"raw_each_s\":%.4f,\"raw_each_over_load\":%.3f,\"rank0_peak_rss_mib\":%.0f,"
       "\"rank0_hwm_growth_mib\":%.0f,"
-      "\"rank0_queue_peak_mib\":%.1f,\"rank0_relayed_frames\":%.0f,\"drop_caches\":%s}\n",
+      "\"rank0_queue_peak_mib\":%.1f,\"rank0_relayed_frames\":%.0f,\"rounds\":%zu,"
+      "\"drop_caches\":%s}\n",
       static_cast<unsigned long long>(state_bytes), f.tensors, f.ranks, load_s, each_s,
       each_s / load_s, field(r0, "peak_rss_mib"), field(r0, "hwm_growth_mib"),
-      field(r0, "queue_peak_mib"), relayed, dropped ? "true" : "false");
+      field(r0, "queue_peak_mib"), relayed, rounds.size(), dropped ? "true" : "false");
   return 0;
 }
 
