@@ -111,52 +111,46 @@ Status send_shared(const RankContext& ctx, Transport& t, const std::string& load
     if (!o.runs.empty()) streams.push_back(std::move(o));
   }
   std::string gathered;
+  std::vector<std::pair<uint64_t, uint64_t>> parts;  // one frame's (offset in the buffer, bytes)
   // Receivers of a replicated tensor take the same frames: one sum (and
-  // gather) serves all. The frame last built: whose box, where, its sum.
+  // gather) serves all. The frame last built: whose box, from where.
   const Box* built_box = nullptr;
   size_t built_run = 0;
-  uint64_t built_into = 0, built_n = 0, sum = 0;
+  uint64_t built_into = 0, sum = 0;
   const char* built = nullptr;
   for (bool more = true; more;) {
     more = false;
     for (OutStream& o : streams) {
       if (o.run == o.runs.size()) continue;
       more = true;
-      const uint64_t first = o.runs[o.run].first + o.into;
-      uint64_t n = std::min(step, o.runs[o.run].second - o.into);
-      const bool apart = n < step && o.run + 1 < o.runs.size();
-      if (apart) {
-        for (size_t r = o.run + 1; r < o.runs.size() && n < step; ++r)
-          n += std::min(step - n, o.runs[r].second);
-      }
-      if (!(built_box && *built_box == o.to->box && built_run == o.run && built_into == o.into &&
-            built_n == n)) {
-        built = reinterpret_cast<const char*>(buf + first);
-        if (apart) {
-          gathered.clear();
-          uint64_t left = n;
-          for (size_t r = o.run; left > 0; ++r) {
-            const uint64_t from = o.runs[r].first + (r == o.run ? o.into : 0);
-            const uint64_t k = std::min(left, o.runs[r].second - (r == o.run ? o.into : 0));
-            gathered.append(reinterpret_cast<const char*>(buf + from), k);
-            left -= k;
-          }
-          built = gathered.data();
-        }
-        sum = xxh3_64(built, n);
-        built_box = &o.to->box;
-        built_run = o.run;
-        built_into = o.into;
-        built_n = n;
-      }
-      for (uint64_t left = n; left > 0;) {  // the cursor moves past the frame
-        const uint64_t k = std::min(left, o.runs[o.run].second - o.into);
-        left -= k;
+      const size_t run = o.run;
+      const uint64_t into = o.into;
+      // The next frame: up to `step` bytes of the stream, the cursor past them.
+      parts.clear();
+      uint64_t n = 0;
+      while (n < step && o.run < o.runs.size()) {
+        const uint64_t k = std::min(step - n, o.runs[o.run].second - o.into);
+        parts.emplace_back(o.runs[o.run].first + o.into, k);
+        n += k;
         o.into += k;
         if (o.into == o.runs[o.run].second) {
           ++o.run;
           o.into = 0;
         }
+      }
+      const uint64_t first = parts.front().first;
+      if (!(built_box && *built_box == o.to->box && built_run == run && built_into == into)) {
+        built = reinterpret_cast<const char*>(buf + first);
+        if (parts.size() > 1) {
+          gathered.clear();
+          for (const auto& [from, k] : parts)
+            gathered.append(reinterpret_cast<const char*>(buf + from), k);
+          built = gathered.data();
+        }
+        sum = xxh3_64(built, n);
+        built_box = &o.to->box;
+        built_run = run;
+        built_into = into;
       }
       const int32_t to = o.to->rank;
       auto context = [&] {

@@ -426,20 +426,35 @@ void for_each_shared_run(const ReadOp& op, const Box& box, size_t elem_size,
   for_each_copy(q, elem_size, fn);
 }
 
+namespace {
+
+// Dimension d of box ∩ chunk_box: its first index and extent (at most 0:
+// empty). packed_position and unpacked_offset run once per copied run, so
+// they clip in place instead of building the intersection (two vectors).
+std::pair<int64_t, int64_t> clipped(const Box& box, const Box& chunk_box, size_t d) {
+  const int64_t lo = std::max(box.offsets[d], chunk_box.offsets[d]);
+  const int64_t hi =
+      std::min(box.offsets[d] + box.sizes[d], chunk_box.offsets[d] + chunk_box.sizes[d]);
+  return {lo, hi - lo};
+}
+
+}  // namespace
+
 std::optional<uint64_t> packed_position(const ReadOp& op, const Box& box, uint64_t offset,
                                         size_t elem_size) {
-  auto b = intersect(box, op.chunk_box);
-  if (!b || offset >= op.length || elem_size == 0) return std::nullopt;
+  if (box.rank() != op.chunk_box.rank() || offset >= op.length || elem_size == 0)
+    return std::nullopt;
   const uint64_t at = op.chunk_offset + offset;
   uint64_t elem = at / elem_size;
   uint64_t packed = 0, stride = 1;
   for (size_t d = op.chunk_box.rank(); d-- > 0;) {
+    const auto [lo, extent] = clipped(box, op.chunk_box, d);
     const uint64_t n = static_cast<uint64_t>(op.chunk_box.sizes[d]);
     const int64_t g = op.chunk_box.offsets[d] + static_cast<int64_t>(elem % n);
     elem /= n;
-    if (g < b->offsets[d] || g >= b->offsets[d] + b->sizes[d]) return std::nullopt;
-    packed += static_cast<uint64_t>(g - b->offsets[d]) * stride;
-    stride *= static_cast<uint64_t>(b->sizes[d]);
+    if (g < lo || g >= lo + extent) return std::nullopt;
+    packed += static_cast<uint64_t>(g - lo) * stride;
+    stride *= static_cast<uint64_t>(extent);
   }
   if (elem != 0) return std::nullopt;  // past the chunk's last element
   return packed * elem_size + at % elem_size;
@@ -447,13 +462,14 @@ std::optional<uint64_t> packed_position(const ReadOp& op, const Box& box, uint64
 
 std::optional<uint64_t> unpacked_offset(const ReadOp& op, const Box& box, uint64_t position,
                                         size_t elem_size) {
-  auto b = intersect(box, op.chunk_box);
-  if (!b || elem_size == 0) return std::nullopt;
+  if (box.rank() != op.chunk_box.rank() || elem_size == 0) return std::nullopt;
   uint64_t elem = position / elem_size;
   uint64_t at = 0, stride = 1;  // the element's index in the chunk
-  for (size_t d = b->rank(); d-- > 0;) {
-    const uint64_t n = static_cast<uint64_t>(b->sizes[d]);
-    const int64_t g = b->offsets[d] + static_cast<int64_t>(elem % n);
+  for (size_t d = box.rank(); d-- > 0;) {
+    const auto [lo, extent] = clipped(box, op.chunk_box, d);
+    if (extent <= 0) return std::nullopt;
+    const uint64_t n = static_cast<uint64_t>(extent);
+    const int64_t g = lo + static_cast<int64_t>(elem % n);
     elem /= n;
     at += static_cast<uint64_t>(g - op.chunk_box.offsets[d]) * stride;
     stride *= static_cast<uint64_t>(op.chunk_box.sizes[d]);
