@@ -87,8 +87,8 @@ struct OutStream {
 // each only the elements of its box (its shared stream), in frames that
 // carry their own checksum: the receiver cannot check part of a checksum
 // block against the manifest. A frame's bytes are one stretch of the
-// stream: a view of the buffer where they lie together there (rows), else
-// gathered (columns). The receivers' frames take turns, so all of them
+// stream, copied from the buffer into the frame once, from wherever they lie
+// (together for rows, apart for columns). The receivers' frames take turns, so all of them
 // progress together. Each frame waits for room in the window toward its
 // receiver (ShareWindows): the reader thread blocks there, and no queue
 // grows past the windows.
@@ -110,14 +110,13 @@ Status send_shared(const RankContext& ctx, Transport& t, const std::string& load
     });
     if (!o.runs.empty()) streams.push_back(std::move(o));
   }
-  std::string gathered;
-  std::vector<std::pair<uint64_t, uint64_t>> parts;  // one frame's (offset in the buffer, bytes)
-  // Receivers of a replicated tensor take the same frames: one sum (and
-  // gather) serves all. The frame last built: whose box, from where.
-  const Box* built_box = nullptr;
-  size_t built_run = 0;
-  uint64_t built_into = 0, sum = 0;
-  const char* built = nullptr;
+  std::vector<std::string_view> parts;  // one frame's bytes in the buffer, in stream order
+  StreamingChecksum hash;
+  // Receivers of a replicated tensor take the same frames: one sum serves
+  // all. The frame last summed: whose box, from where.
+  const Box* summed_box = nullptr;
+  size_t summed_run = 0;
+  uint64_t summed_into = 0, sum = 0;
   for (bool more = true; more;) {
     more = false;
     for (OutStream& o : streams) {
@@ -130,7 +129,7 @@ Status send_shared(const RankContext& ctx, Transport& t, const std::string& load
       uint64_t n = 0;
       while (n < step && o.run < o.runs.size()) {
         const uint64_t k = std::min(step - n, o.runs[o.run].second - o.into);
-        parts.emplace_back(o.runs[o.run].first + o.into, k);
+        parts.emplace_back(reinterpret_cast<const char*>(buf + o.runs[o.run].first + o.into), k);
         n += k;
         o.into += k;
         if (o.into == o.runs[o.run].second) {
@@ -138,19 +137,17 @@ Status send_shared(const RankContext& ctx, Transport& t, const std::string& load
           o.into = 0;
         }
       }
-      const uint64_t first = parts.front().first;
-      if (!(built_box && *built_box == o.to->box && built_run == run && built_into == into)) {
-        built = reinterpret_cast<const char*>(buf + first);
-        if (parts.size() > 1) {
-          gathered.clear();
-          for (const auto& [from, k] : parts)
-            gathered.append(reinterpret_cast<const char*>(buf + from), k);
-          built = gathered.data();
+      if (!(summed_box && *summed_box == o.to->box && summed_run == run && summed_into == into)) {
+        if (parts.size() == 1) {
+          sum = xxh3_64(parts.front().data(), n);
+        } else {
+          hash.reset();
+          for (std::string_view p : parts) hash.update(p.data(), p.size());
+          sum = hash.digest();
         }
-        sum = xxh3_64(built, n);
-        built_box = &o.to->box;
-        built_run = run;
-        built_into = into;
+        summed_box = &o.to->box;
+        summed_run = run;
+        summed_into = into;
       }
       const int32_t to = o.to->rank;
       auto context = [&] {
@@ -159,14 +156,13 @@ Status send_shared(const RankContext& ctx, Transport& t, const std::string& load
       };
       Status s = ctx.shares->acquire(load_id, to, n, window, ctx.opts.write_timeout_s);
       if (!s.ok()) return s.with_context(context());
-      BlockShareMsg msg{ctx.job_id, load_id,
-                        ctx.rank,   to,
-                        op.file,    op.file_offset + first,
-                        Status(),   SharedBytes(nullptr, {built, n}),
-                        sum};
+      const uint64_t first =
+          static_cast<uint64_t>(reinterpret_cast<const uint8_t*>(parts.front().data()) - buf);
+      BlockShareMsg msg{ctx.job_id, load_id, ctx.rank, to, op.file, op.file_offset + first,
+                        Status(),   {},      sum};
       // Straight to `to` over a direct lane, else through rank 0, which
-      // passes it on by BlockShare.to.
-      s = t.send(t.next_hop(to), encode_message(msg));
+      // passes it on by BlockShare.to. Gathered straight into the frame.
+      s = t.send(t.next_hop(to), encode_gathered(msg, parts));
       if (!s.ok()) return s.with_context(context());
     }
   }

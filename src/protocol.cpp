@@ -75,28 +75,84 @@ void set_box(proto::Box::Builder b, const Box& box) {
 }
 
 // Appends what writeMessage writes, so the message is copied once on its
-// way into the frame.
+// way into the frame. A gathered BlockShare's data segment references the
+// first of its parts as a stand-in for the whole (capnp only passes the
+// segment on): the parts are appended in its place.
 class AppendTo final : public kj::OutputStream {
  public:
-  explicit AppendTo(std::string& out) : out_(out) {}
+  explicit AppendTo(std::string& out, const std::vector<std::string_view>* parts = nullptr)
+      : out_(out), parts_(parts) {}
   void write(const void* buffer, size_t size) override {
+    if (parts_ != nullptr && !parts_->empty() && buffer == parts_->front().data()) {
+      for (std::string_view p : *parts_) out_.append(p);
+      return;
+    }
     out_.append(static_cast<const char*>(buffer), size);
   }
 
  private:
   std::string& out_;
+  const std::vector<std::string_view>* parts_;
 };
 
-std::string frame(uint8_t protocol, capnp::MessageBuilder& builder) {
+std::string frame(uint8_t protocol, capnp::MessageBuilder& builder,
+                  const std::vector<std::string_view>* parts = nullptr) {
   const size_t bytes = capnp::computeSerializedSizeInWords(builder) * sizeof(capnp::word);
   std::string out = FrameBuffers::instance().take_empty(kHeaderBytes + bytes);
   out.append(kMagic, sizeof(kMagic));
   out.push_back(static_cast<char>(protocol));
   out.append(3, '\0');
   put_u64(out, bytes);
-  AppendTo sink(out);
+  AppendTo sink(out, parts);
   capnp::writeMessage(sink, builder);
   return out;
+}
+
+bool whole_words(const char* p, size_t n) {
+  return n > 0 && reinterpret_cast<uintptr_t>(p) % sizeof(capnp::word) == 0 &&
+         n % sizeof(capnp::word) == 0;
+}
+
+// A BlockShare frame whose data is `parts` one after another (m.data when
+// `parts` is null). Data of whole words becomes a segment of its own, written
+// straight into the frame (from the parts, which lie in order in one buffer,
+// so the first and the bytes after it are a readable stand-in); other data
+// (an odd tail) is copied into the message first.
+std::string block_share_frame(const BlockShareMsg& m, const std::vector<std::string_view>* parts) {
+  capnp::MallocMessageBuilder mb;
+  auto b = mb.initRoot<proto::ControlMessage>().initBlockShare();
+  b.setJobId(text(m.job_id));
+  b.setLoadId(text(m.load_id));
+  b.setFrom(m.from);
+  b.setTo(m.to);
+  b.setFile(m.file);
+  b.setOffset(m.offset);
+  b.setChecksum(m.checksum);
+  set_status(b.initStatus(), m.status);
+  size_t n = m.data.size();
+  const char* first = m.data.data();
+  if (parts != nullptr) {
+    n = 0;
+    for (std::string_view p : *parts) n += p.size();
+    first = parts->empty() ? nullptr : parts->front().data();
+  }
+  // (Never an empty segment: readers refuse one.)
+  if (whole_words(first, n)) {
+    const auto stand_in = kj::arrayPtr(reinterpret_cast<const kj::byte*>(first), n);
+    b.adoptData(mb.getOrphanage().referenceExternalData(capnp::Data::Reader(stand_in)));
+    return frame(kControlProtocol, mb, parts);
+  }
+  auto data = b.initData(static_cast<unsigned>(n));
+  if (parts == nullptr) {
+    if (n > 0) std::memcpy(data.begin(), first, n);
+  } else {
+    size_t at = 0;
+    for (std::string_view p : *parts) {
+      std::memcpy(data.begin() + at, p.data(), p.size());
+      at += p.size();
+    }
+  }
+  return frame(kControlProtocol, mb);
 }
 
 struct Encoder {
@@ -304,28 +360,7 @@ struct Encoder {
     return frame(kControlProtocol, mb);
   }
 
-  std::string operator()(const BlockShareMsg& m) const {
-    capnp::MallocMessageBuilder mb;
-    auto b = mb.initRoot<proto::ControlMessage>().initBlockShare();
-    b.setJobId(text(m.job_id));
-    b.setLoadId(text(m.load_id));
-    b.setFrom(m.from);
-    b.setTo(m.to);
-    b.setFile(m.file);
-    b.setOffset(m.offset);
-    b.setChecksum(m.checksum);
-    set_status(b.initStatus(), m.status);
-    const auto data = kj::arrayPtr(reinterpret_cast<const kj::byte*>(m.data.data()), m.data.size());
-    // Whole words in place become a segment of their own, copied once, into
-    // the frame; others (a chunk's odd tail) are copied into the message.
-    // (Never an empty one: its segment would be empty, which readers refuse.)
-    if (data.size() > 0 && reinterpret_cast<uintptr_t>(data.begin()) % sizeof(capnp::word) == 0 &&
-        data.size() % sizeof(capnp::word) == 0)
-      b.adoptData(mb.getOrphanage().referenceExternalData(capnp::Data::Reader(data)));
-    else
-      b.setData(data);
-    return frame(kControlProtocol, mb);
-  }
+  std::string operator()(const BlockShareMsg& m) const { return block_share_frame(m, nullptr); }
 
   std::string operator()(const ShareAckMsg& m) const {
     capnp::MallocMessageBuilder mb;
@@ -838,6 +873,10 @@ const char* message_name(const WireMessage& m) {
 
 std::string encode_message(const WireMessage& m) {
   return std::visit(Encoder{}, m);
+}
+
+std::string encode_gathered(const BlockShareMsg& m, const std::vector<std::string_view>& parts) {
+  return block_share_frame(m, &parts);
 }
 
 Result<WireMessage> decode_message(std::string_view bytes) {

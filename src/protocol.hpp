@@ -192,6 +192,10 @@ const char* message_name(const WireMessage& m);  // "Join", "PlanRequest", ...
 // Frame: magic "FRY1" (4 bytes), u8 protocol (0 control, 1 plan), 3 bytes
 // reserved (0), u64 LE payload length, then the Cap'n Proto flat array.
 std::string encode_message(const WireMessage& m);
+// A BlockShare whose data (m.data is ignored) is `parts`, in order, lying in
+// increasing order in one buffer: copied into the frame once, as a sender
+// gathering a stretch of columns would otherwise copy it twice.
+std::string encode_gathered(const BlockShareMsg& m, const std::vector<std::string_view>& parts);
 
 // Never throws: bad magic, length, alignment-agnostic (copies into aligned
 // words), traversal/nesting limits sized from the input, unknown union

@@ -1019,6 +1019,46 @@ TEST_CASE("BlockShare data is read where its frame holds it, and encodes from a 
   }
 }
 
+TEST_CASE("A gathered BlockShare carries its parts one after another", "[protocol]") {
+  // Columns of a row-major block: every row's stretch, apart in the buffer.
+  std::vector<uint64_t> block(1 << 12);
+  for (size_t i = 0; i < block.size(); ++i) block[i] = i * 0xc2b2ae3d27d4eb4full + 7;
+  const char* bytes = reinterpret_cast<const char*>(block.data());
+  struct Case {
+    size_t start, width, stride, rows;
+  };
+  // Whole words from a word boundary (written into the frame from the parts)
+  // and stretches that start off a word or end in an odd tail (copied into
+  // the message first): both must carry the same stream.
+  for (const Case c : {Case{256, 512, 2048, 12}, Case{260, 512, 2048, 12}, Case{256, 300, 2048, 5},
+                       Case{8, 24, 24, 1}}) {
+    std::vector<std::string_view> parts;
+    std::string expect;
+    for (size_t r = 0; r < c.rows; ++r) {
+      parts.emplace_back(bytes + c.start + r * c.stride, c.width);
+      expect.append(parts.back());
+    }
+    INFO("start " << c.start << " width " << c.width << " rows " << c.rows);
+    BlockShareMsg share{"job", "load-4", 0, 1, 3, 1 << 20, Status::ok_status(), {}, 99};
+    auto frame = std::make_shared<const std::string>(encode_gathered(share, parts));
+    Result<WireMessage> back = decode_message(frame);
+    REQUIRE(back.ok());
+    const auto& got = std::get<BlockShareMsg>(*back);
+    CHECK(got.data.view() == expect);
+    CHECK(got.file == 3);
+    CHECK(got.offset == 1u << 20);
+    CHECK(got.checksum == 99);
+    CHECK(got.from == 0);
+    CHECK(got.to == 1);
+  }
+  // No parts: a frame with no data, as a failed reader's report.
+  BlockShareMsg none{"job", "load-4", 0, 1, 0, 0, Status::io_error("disk"), {}, 0};
+  Result<WireMessage> back = decode_message(encode_gathered(none, {}));
+  REQUIRE(back.ok());
+  CHECK(std::get<BlockShareMsg>(*back).data.empty());
+  CHECK(std::get<BlockShareMsg>(*back).status.code() == StatusCode::io_error);
+}
+
 TEST_CASE("ShareAck round trips, bad ranks are refused, not trusted", "[protocol]") {
   ShareAckMsg ack{"job", "load-3", 1, 2, 8 << 20, Status::ok_status()};
   const WireMessage back = round_trip(ack);
