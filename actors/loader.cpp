@@ -67,13 +67,6 @@ Status verify_block(const RankContext& ctx, const Manifest& m, const ReadOp& op,
   return Status();
 }
 
-// Shared bytes travel in frames of at most this many bytes of data, so a
-// large read never becomes one huge frame.
-constexpr uint64_t kShareFrameBytes = 8ull << 20;
-// Frames in flight per window, at least: the sender goes on while the acks
-// of the earlier frames travel back.
-constexpr uint64_t kFramesPerWindow = 4;
-
 // One receiver's part of a read being sent: the runs of its shared stream
 // in the read buffer, and how far they have gone.
 struct OutStream {
@@ -92,11 +85,12 @@ struct OutStream {
 // progress together. Each frame waits for room in the window toward its
 // receiver (ShareWindows): the reader thread blocks there, and no queue
 // grows past the windows.
-Status send_shared(const RankContext& ctx, Transport& t, const std::string& load_id,
-                   const Manifest& m, const ReadOp& op, const uint8_t* buf) {
+Status send_shared(const RankContext& ctx, const ReadTask& task, const Manifest& m,
+                   const ReadOp& op, const uint8_t* buf) {
+  Transport& t = *task.transport;
+  const std::string& load_id = task.load_id;
   const uint64_t window = ctx.opts.share_window_bytes;
-  const uint64_t step =
-      std::min(kShareFrameBytes, std::max<uint64_t>(1, window / kFramesPerWindow));
+  const uint64_t step = share_frame_bytes(window);
   const size_t es = dtype_size(m.tensors[op.tensor].dtype);
   std::vector<OutStream> streams;
   for (const ShareTo& to : op.share_with) {
@@ -154,6 +148,9 @@ Status send_shared(const RankContext& ctx, Transport& t, const std::string& load
         return "rank " + std::to_string(ctx.rank) + ": sending bytes of tensor '" +
                m.tensors[op.tensor].key + "' to rank " + std::to_string(to) + ": ";
       };
+      // A ring's lock is held until the frame went: frames leave in the
+      // order they take its room.
+      PeerRings::Lease ring = task.peer_rings ? task.peer_rings->get(to) : PeerRings::Lease{};
       Status s = ctx.shares->acquire(load_id, to, n, window, ctx.opts.write_timeout_s);
       if (!s.ok()) return s.with_context(context());
       const uint64_t first =
@@ -161,8 +158,21 @@ Status send_shared(const RankContext& ctx, Transport& t, const std::string& load
       BlockShareMsg msg{ctx.job_id, load_id, ctx.rank, to, op.file, op.file_offset + first,
                         Status(),   {},      sum};
       // Straight to `to` over a direct lane, else through rank 0, which
-      // passes it on by BlockShare.to. Gathered straight into the frame.
-      s = t.send(t.next_hop(to), encode_gathered(msg, parts));
+      // passes it on by BlockShare.to: the bytes in its ring, else gathered
+      // straight into the frame.
+      if (ring.ring != nullptr) {
+        msg.ring_offset = ring.ring->place(n);
+        msg.ring_length = n;
+        uint8_t* into = ring.ring->at(msg.ring_offset);
+        for (std::string_view p : parts) {
+          std::memcpy(into, p.data(), p.size());
+          into += p.size();
+        }
+        s = t.send(t.next_hop(to), encode_message(msg));
+        if (s.ok()) ctx.shares->count_in_memory(n);
+      } else {
+        s = t.send(t.next_hop(to), encode_gathered(msg, parts));
+      }
       if (!s.ok()) return s.with_context(context());
     }
   }
@@ -573,7 +583,7 @@ class RunReader {
       if (!s.ok()) break;
       // Every block of the op checked out: its bytes may go to other ranks.
       if (!op.share_with.empty() && task_.transport) {
-        s = send_shared(ctx_, *task_.transport, task_.load_id, m, op, f.buf + at);
+        s = send_shared(ctx_, task_, m, op, f.buf + at);
         if (!s.ok()) break;
       }
     }
@@ -621,7 +631,7 @@ class RunReader {
       for (uint32_t i = 0; i < op.nblocks; ++i)
         FERRY_RETURN_IF_ERROR(verify_block(ctx_, m, op, f.path, p, i));
     if (!op.share_with.empty() && task_.transport)
-      FERRY_RETURN_IF_ERROR(send_shared(ctx_, *task_.transport, task_.load_id, m, op, p));
+      FERRY_RETURN_IF_ERROR(send_shared(ctx_, task_, m, op, p));
     drop_cached(f, op.file_offset, op.length);
     return Status();
   }
@@ -742,6 +752,7 @@ struct ShareWait {
   std::map<int32_t, uint64_t> owed;                // bytes each reader has yet to send
   std::chrono::steady_clock::time_point last;      // when bytes last arrived
   std::shared_ptr<Transport> transport;            // acks go back on it
+  std::shared_ptr<const ShareRing> ring;           // where ring frames' bytes lie
 };
 
 // Tells the sender of shared bytes what this rank took (flow control), or,
@@ -816,7 +827,7 @@ Status take_share(const RankContext& ctx, ShareWait& w, const BlockShareMsg& msg
     return msg.status.with_context(sender + " failed to read bytes rank " +
                                    std::to_string(ctx.rank) + " needs from it: ");
   const Manifest& m = *w.manifest;
-  const uint64_t len = msg.data.size();
+  const uint64_t len = msg.length();
   const std::string what =
       "bytes " + std::to_string(msg.offset) + "+" + std::to_string(len) + " of file " +
       (msg.file < m.files.size() ? m.files[msg.file].name : "#" + std::to_string(msg.file)) +
@@ -824,7 +835,14 @@ Status take_share(const RankContext& ctx, ShareWait& w, const BlockShareMsg& msg
   auto owed = w.owed.find(msg.from);
   if (len == 0 || owed == w.owed.end() || owed->second < len)
     return Status::corruption("rank " + std::to_string(ctx.rank) + ": unexpected " + what);
-  if (xxh3_64(msg.data.data(), len) != msg.checksum)
+  const auto* data = msg.ring_length == 0
+                         ? reinterpret_cast<const uint8_t*>(msg.data.data())
+                         : (w.ring ? w.ring->frame(msg.from, msg.ring_offset, len) : nullptr);
+  if (data == nullptr)
+    return Status::corruption("rank " + std::to_string(ctx.rank) + ": " + what + " lie at " +
+                              std::to_string(msg.ring_offset) +
+                              " of its share ring, outside that rank's region");
+  if (xxh3_64(data, len) != msg.checksum)
     return Status::corruption("rank " + std::to_string(ctx.rank) + ": " + what +
                               " do not match their checksum");
   // The pieces holding the frame: the last starting at or before it, and any
@@ -835,7 +853,6 @@ Status take_share(const RankContext& ctx, ShareWait& w, const BlockShareMsg& msg
   auto it = std::upper_bound(
       w.pieces.begin(), w.pieces.end(), std::make_pair(msg.file, msg.offset),
       [&](const std::pair<uint32_t, uint64_t>& v, const auto& p) { return v < key(p); });
-  const auto* data = reinterpret_cast<const uint8_t*>(msg.data.data());
   CopyLatch latch;
   Status s;
   bool any = false;
@@ -927,7 +944,7 @@ void on_share(loader_ptr self, const BlockShareMsg& msg) {
   kill_point("load.receive");
   Status s = take_share(*st.ctx, w, msg);
   if (!s.ok()) return end_share(self, msg.load_id, std::move(s));
-  if (w.transport) send_ack(*st.ctx, *w.transport, msg.load_id, msg.from, msg.data.size(), s);
+  if (w.transport) send_ack(*st.ctx, *w.transport, msg.load_id, msg.from, msg.length(), s);
   for (const auto& [from, n] : w.owed)
     if (n > 0) return;
   end_share(self, msg.load_id, Status());
@@ -963,6 +980,7 @@ void expect_shares(loader_ptr self, const LoadJob& job, const std::shared_ptr<Lo
   w.targets = job.targets;
   w.pieces = job.receive;
   w.transport = job.transport;
+  w.ring = job.ring;
   std::sort(w.pieces.begin(), w.pieces.end(), [](const auto& a, const auto& b) {
     return std::tie(a.second.file, a.second.file_offset) <
            std::tie(b.second.file, b.second.file_offset);
@@ -1068,6 +1086,7 @@ loader_actor::behavior_type loader_fun(loader_ptr self, ContextPtr ctx) {
           tasks[i].targets = job.targets;
           tasks[i].load_id = job.load_id;
           tasks[i].transport = job.transport;
+          tasks[i].peer_rings = job.peer_rings;
           const uint64_t id = st.next_task++;
           st.tasks->emplace(id, ReaderTask{i, load});
           self->request(st.readers[i], caf::infinite, atom::read_v, std::move(tasks[i]))

@@ -203,6 +203,10 @@ struct LoadJob {
   std::string load_id;
   std::vector<std::pair<int32_t, ReadOp>> receive;
   std::shared_ptr<Transport> transport;
+  // The ring this rank offered for the bytes it receives, and the rings its
+  // receivers offered (share_ring.hpp). Null: frames carry the bytes.
+  std::shared_ptr<const ShareRing> ring;
+  std::shared_ptr<PeerRings> peer_rings;
 };
 
 // The load id of a BlockShare that says its sender failed (sent by the link
@@ -216,6 +220,7 @@ struct ReadTask {
   std::vector<TensorView> targets;
   std::string load_id;
   std::shared_ptr<Transport> transport;
+  std::shared_ptr<PeerRings> peer_rings;
 };
 
 }  // namespace ferry

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <fstream>
+#include <map>
 #include <random>
 
 #include "actors/actors.hpp"
@@ -698,10 +699,30 @@ Status load_local(Runtime::Impl& im, caf::scoped_actor& self, StateDict& sd, con
   job.dir = reply.dir;
   job.manifest = manifest;
   if (im.ctx->world_size > 1) {
-    auto needs =
-        exchange_needs(im, self, id + "/needs", planned,
-                       RankNeeds{im.ctx->rank, host_name(), needed_ranges(ops, *manifest)});
+    const Options& o = im.ctx->opts;
+    const std::string host = host_name();
+    RankNeeds mine{im.ctx->rank, host, {}, {}};
+    if (planned.ok()) {
+      mine.ranges = needed_ranges(ops, *manifest);
+      // A ring for what others read for this rank, offered whether or not
+      // they will: its memory is touched only by senders that use it.
+      if (o.share_memory) {
+        auto ring = ShareRing::create(im.ctx->world_size, o.share_window_bytes);
+        if (ring.ok()) {
+          job.ring = std::move(ring).value();
+          mine.ring = job.ring->info();
+        }
+      }
+    }
+    auto needs = exchange_needs(im, self, id + "/needs", planned, std::move(mine));
     if (!needs.ok()) return needs.status();
+    std::map<int32_t, RingInfo> rings;
+    for (const RankNeeds& n : *needs)
+      if (o.share_memory && n.rank != im.ctx->rank && n.host == host && n.ring.offered())
+        rings[n.rank] = n.ring;
+    if (!rings.empty())
+      job.peer_rings =
+          std::make_shared<PeerRings>(im.ctx->rank, o.share_window_bytes, std::move(rings));
     RankShare part =
         split_for_rank(ops, assign_shared_reads(std::move(needs).value()), im.ctx->rank, *manifest);
     job.ops = std::move(part.read);
@@ -788,12 +809,14 @@ Result<LoadReport> Runtime::load_report(StateDict& sd, const std::string& path) 
   LoadReport report;
   if (im.transport) im.transport->take_queued_peak();
   im.ctx->shares->take_relayed();
+  im.ctx->shares->take_in_memory();
   Status s = load_local(im, self, sd, id, reply, &report);
   // Every rank reports, failed or not: a rank that skipped the round trip
   // would leave the others waiting for it.
   if (im.ctx->world_size > 1) s = collective_outcome(im, self, id, s);
   if (im.transport) report.send_queue_peak = im.transport->take_queued_peak();
   report.share_frames_relayed = im.ctx->shares->take_relayed();
+  report.shared_in_memory = im.ctx->shares->take_in_memory();
   if (!s.ok()) return s;
   return report;
 }

@@ -71,6 +71,9 @@ class ShareWindows {
   // previous call (a load's report).
   void count_relayed() { relayed_.fetch_add(1, std::memory_order_relaxed); }
   uint64_t take_relayed() { return relayed_.exchange(0); }
+  // Bytes this rank put in its receivers' share rings since the previous call.
+  void count_in_memory(uint64_t n) { in_memory_.fetch_add(n, std::memory_order_relaxed); }
+  uint64_t take_in_memory() { return in_memory_.exchange(0); }
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -95,6 +98,7 @@ class ShareWindows {
   // and acks still in flight for them are not mistaken for forged ones.
   std::deque<std::pair<std::string, Status>> ended_;
   std::atomic<uint64_t> relayed_{0};
+  std::atomic<uint64_t> in_memory_{0};
 };
 
 }  // namespace ferry

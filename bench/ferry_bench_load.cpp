@@ -442,10 +442,11 @@ int child_main(const Flags& f) {
           die("tensor layer." + std::to_string(t) + " loaded wrong bytes");
   std::printf(
       "RANKSTATS load_s=%.4f peak_rss_mib=%.0f hwm_growth_mib=%.0f queue_peak_mib=%.1f "
-      "read_mib=%.1f received_mib=%.1f relayed_frames=%llu\n",
+      "read_mib=%.1f received_mib=%.1f relayed_frames=%llu in_memory_mib=%.1f\n",
       load_s, hwm1, hwm1 - hwm0, report->send_queue_peak / double(kMiB),
       report->bytes_read / double(kMiB), report->bytes_received / double(kMiB),
-      static_cast<unsigned long long>(report->share_frames_relayed));
+      static_cast<unsigned long long>(report->share_frames_relayed),
+      report->shared_in_memory / double(kMiB));
   return 0;
 }
 

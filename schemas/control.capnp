@@ -97,6 +97,13 @@ struct RankNeeds {
   rank @0 :Int32;                  # the rank
   host @1 :Text;                   # its node: ranks of one node read shared bytes once
   ranges @2 :List(FileRange);      # what its plan reads
+  # Its share ring for this load (ringBytes 0: none): a sealed memfd that
+  # ranks of its node map through /proc/<ringPid>/fd/<ringFd> and write the
+  # bytes they read for it into; it starts with ringToken. See share_ring.hpp.
+  ringPid @3 :UInt32;
+  ringFd @4 :Int32;
+  ringBytes @5 :UInt64;
+  ringToken @6 :UInt64;
 }
 
 struct FileRange {
@@ -123,6 +130,11 @@ struct BlockShare {
   status @6 :Status;               # not ok: the sender's reads failed; no data
   data @7 :Data;                   # the receiver's box's elements from there on, packed (verified)
   checksum @8 :UInt64;             # xxh3-64 of data: the receiver checks it
+  # ringLength > 0: data is empty, and the bytes lie in the receiver's share
+  # ring (its needs' ring), ringLength of them at ringOffset, inside the
+  # sender's region.
+  ringOffset @9 :UInt64;
+  ringLength @10 :UInt64;
 }
 
 # The receiver of BlockShare frames -> their sender (through rank 0, which

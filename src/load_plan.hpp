@@ -13,6 +13,7 @@
 #include "ferry/status.hpp"
 #include "ferry/tensor.hpp"
 #include "manifest.hpp"
+#include "share_ring.hpp"
 
 namespace ferry {
 
@@ -138,6 +139,7 @@ struct RankNeeds {
   int32_t rank = 0;
   std::string host;
   std::vector<NeededRange> ranges;
+  RingInfo ring;  // where ranks of its node may put the bytes they read for it
 };
 
 // The ranges of `ops` that may be shared, in the ops' order. Ops of

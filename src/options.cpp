@@ -321,6 +321,13 @@ const std::vector<KeySpec>& key_table() {
        [](const std::string& v, Options& o, std::string& why) {
          return parse_aligned_size(v, kMaxChunkBytes, o.share_window_bytes, why);
        }},
+      {{"share-memory", "true",
+        "ranks of one node pass the replicated load data they read for each other through "
+        "shared memory (a memfd each receiver offers, mapped by its senders through /proc); "
+        "false, or a rank that cannot map its peer's, sends it over the lanes"},
+       [](const std::string& v, Options& o, std::string& why) {
+         return parse_bool(v, o.share_memory, why);
+       }},
       {{"coordinator-address", "", "address of rank 0; empty means MASTER_ADDR, else 127.0.0.1"},
        [](const std::string& v, Options& o, std::string&) {
          o.coordinator_address = v;

@@ -128,6 +128,8 @@ std::string block_share_frame(const BlockShareMsg& m, const std::vector<std::str
   b.setFile(m.file);
   b.setOffset(m.offset);
   b.setChecksum(m.checksum);
+  b.setRingOffset(m.ring_offset);
+  b.setRingLength(m.ring_length);
   set_status(b.initStatus(), m.status);
   size_t n = m.data.size();
   const char* first = m.data.data();
@@ -355,6 +357,10 @@ struct Encoder {
           fill(rs[j].initRegionSizes(static_cast<unsigned>(nr.region.sizes.size())),
                nr.region.sizes);
         }
+        nb.setRingPid(n.ring.pid);
+        nb.setRingFd(n.ring.fd);
+        nb.setRingBytes(n.ring.bytes);
+        nb.setRingToken(n.ring.token);
       }
     }
     return frame(kControlProtocol, mb);
@@ -532,6 +538,7 @@ Result<WireMessage> read_control(proto::ControlMessage::Reader root,
         rn.rank = n.getRank();
         FERRY_RETURN_IF_ERROR(read_rank(rn.rank, "LoadOutcome needs"));
         rn.host = str(n.getHost());
+        rn.ring = RingInfo{n.getRingPid(), n.getRingFd(), n.getRingBytes(), n.getRingToken()};
         for (auto fr : n.getRanges()) {
           NeededRange nr{FileRange{fr.getFile(), fr.getOffset(), fr.getLength()}, Box{}};
           if (nr.range.offset + nr.range.length < nr.range.offset)
@@ -566,7 +573,12 @@ Result<WireMessage> read_control(proto::ControlMessage::Reader root,
       m.checksum = r.getChecksum();
       FERRY_RETURN_IF_ERROR(read_status(r.getStatus(), "BlockShare status", &m.status));
       auto d = r.getData();
-      if (m.offset + d.size() < m.offset)
+      m.ring_offset = r.getRingOffset();
+      m.ring_length = r.getRingLength();
+      if (m.ring_length > 0 && d.size() > 0)
+        return Status::invalid_argument("BlockShare: data both in the frame and in the ring");
+      const uint64_t n = m.ring_length > 0 ? m.ring_length : d.size();
+      if (m.offset + n < m.offset || m.ring_offset + m.ring_length < m.ring_offset)
         return Status::invalid_argument("BlockShare: offset plus data length overflows");
       const std::string_view bytes(reinterpret_cast<const char*>(d.begin()), d.size());
       m.data = frame ? SharedBytes(frame, bytes) : SharedBytes(std::string(bytes));

@@ -166,6 +166,10 @@ struct BlockShareMsg {
   Status status;
   SharedBytes data;
   uint64_t checksum = 0;  // xxh3-64 of data
+  // ring_length > 0: no data; the bytes lie in the receiver's share ring.
+  uint64_t ring_offset = 0;
+  uint64_t ring_length = 0;
+  uint64_t length() const { return ring_length > 0 ? ring_length : data.size(); }
 };
 
 // The receiver of BlockShare bytes tells their sender what it took (flow

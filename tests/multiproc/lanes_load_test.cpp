@@ -2,6 +2,8 @@
 // lanes (shared memory, or tcp with peer error handling), not through rank 0:
 // four local ranks each get every byte, one copy is read from disk, and rank 0
 // passes no shared frame on. With lanes off rank 0 relays them, as before.
+// With share-memory (the default) the bytes themselves lie in the receivers'
+// share rings, and the frames only say where.
 
 #include <catch2/catch.hpp>
 
@@ -36,34 +38,40 @@ std::string save_state(const TempDir& d, const std::string& model) {
 TEST_CASE("four local ranks share replicated bytes over direct lanes, rank 0 relays none",
           "[ranks][load][lanes]") {
   const std::string mode = GENERATE(std::string("shm"), std::string("tcp"));
-  INFO("FERRY_DIRECT_LANES=" << mode);
+  // The bytes themselves in the receivers' share rings, or in the frames.
+  const bool in_memory = GENERATE(true, false);
+  INFO("FERRY_DIRECT_LANES=" << mode << " share-memory=" << in_memory);
   TempDir d;
   // 16 MiB of replicated bytes in 1 MiB windows: many frames each way.
   const std::string model = " --seed 3 --big-mib 16";
   const ferry::Manifest m = manifest_of(save_state(d, model));
   const uint64_t one_copy = data_bytes(m);
 
-  auto l = launch(
-      kRanks,
-      "--mode load --layout full --evict 1 --root " + d.path() + model + " --set share-window=1MiB",
-      "FERRY_DIRECT_LANES=" + mode);
+  auto l =
+      launch(kRanks,
+             "--mode load --layout full --evict 1 --root " + d.path() + model +
+                 " --set share-window=1MiB --set share-memory=" + (in_memory ? "true" : "false"),
+             "FERRY_DIRECT_LANES=" + mode);
   INFO(l.out);
   REQUIRE(l.code == 0);
   CHECK(count(l.out, "every byte equal") == kRanks);
   const auto stats = load_stats(l.out, kRanks);
   REQUIRE(stats.size() == kRanks);
-  uint64_t read = 0, received = 0, disk = 0;
+  uint64_t read = 0, received = 0, disk = 0, rings = 0;
   for (const auto& [rank, s] : stats) {
     INFO("rank " << rank << " read " << s.read << " received " << s.received << " relayed "
-                 << s.relayed);
+                 << s.relayed << " in memory " << s.in_memory);
     CHECK(s.read + s.received == one_copy);
     CHECK(s.relayed == 0);
     read += s.read;
     received += s.received;
     disk += s.disk;
+    rings += s.in_memory;
   }
   CHECK(read == one_copy);
   CHECK(received == (kRanks - 1) * one_copy);
+  // Every shared byte went through the rings, or none did.
+  CHECK(rings == (in_memory ? received : 0));
   // What the kernel saw read: one copy plus alignment, headers and readahead
   // (a few hundred KiB here), not four.
   INFO("disk bytes " << disk << ", one copy " << one_copy);
@@ -86,9 +94,14 @@ TEST_CASE("with direct lanes off rank 0 relays the shared bytes between the othe
   CHECK(count(l.out, "every byte equal") == kRanks);
   const auto stats = load_stats(l.out, kRanks);
   REQUIRE(stats.size() == kRanks);
-  uint64_t received = 0;
-  for (const auto& [rank, s] : stats) received += s.received;
+  uint64_t received = 0, rings = 0;
+  for (const auto& [rank, s] : stats) {
+    received += s.received;
+    rings += s.in_memory;
+  }
   CHECK(received == (kRanks - 1) * one_copy);
+  // Only where the bytes lie passes rank 0 then: they are in the rings.
+  CHECK(rings == received);
   // What ranks 1..3 read for each other, and their acks, all pass rank 0.
   INFO("rank 0 relayed " << stats.at(0).relayed << " frames");
   CHECK(stats.at(0).relayed > 0);

@@ -16,6 +16,7 @@ namespace ferry::testing {
 
 struct LoadStats {
   uint64_t read = 0, received = 0, disk = 0, queued = 0, hwm_growth = 0, relayed = 0;
+  uint64_t in_memory = 0;  // bytes it put in its receivers' share rings
 };
 
 // The LOADSTATS line of each of ranks 0..ranks-1 that printed exactly one.
@@ -36,6 +37,7 @@ inline std::map<int, LoadStats> load_stats(const std::string& out, int ranks) {
     s.queued = field("queued");
     s.hwm_growth = field("hwm_growth");
     s.relayed = field("relayed");
+    s.in_memory = field("in_memory");
     stats[r] = s;
   }
   return stats;

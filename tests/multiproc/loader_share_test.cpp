@@ -15,6 +15,7 @@
 #include "checksum.hpp"
 #include "load_plan.hpp"
 #include "protocol.hpp"
+#include "share_ring.hpp"
 
 namespace {
 
@@ -116,6 +117,27 @@ struct Receiver : ferry::testing::ActorSystem {
     return ferry::BlockShareMsg{"job",    job.load_id,      0,  1, 0, file_offset(at),
                                 Status(), std::move(bytes), sum};
   }
+  // The same bytes put in rank 1's share ring by rank 0 (its mapping of
+  // the ring, opened as a sender of another process would, by /proc); the
+  // frame says where. Needs offer_ring() first.
+  ferry::BlockShareMsg ring_frame(uint64_t at, uint64_t n) {
+    ferry::BlockShareMsg m = frame(at, n);
+    m.ring_offset = sender->place(n);
+    m.ring_length = n;
+    std::memcpy(sender->at(m.ring_offset), m.data.data(), n);
+    m.data = ferry::SharedBytes();
+    return m;
+  }
+  void offer_ring() {
+    auto ring = ferry::ShareRing::create(2, ctx->opts.share_window_bytes);
+    REQUIRE(ring.ok());
+    job.ring = std::move(ring).value();
+    auto peer = ferry::PeerRing::open(job.ring->info(), 0, ctx->opts.share_window_bytes);
+    INFO(peer.status().to_string());
+    REQUIRE(peer.ok());
+    sender = std::move(peer).value();
+  }
+  std::unique_ptr<ferry::PeerRing> sender;
   void send(const ferry::BlockShareMsg& m) { caf::anon_send(loader, ferry::atom::share_v, m); }
 
   bool landed() const { return std::memcmp(got.data(), stream().data(), stream().size()) == 0; }
@@ -194,5 +216,61 @@ TEST_CASE("a shared frame running past the bytes rank 1 expects fails the load",
   const Status s = load.answer();
   CHECK(s.code() == ferry::StatusCode::corruption);
   CHECK_THAT(s.to_string(), Catch::Contains("from rank 0") && Catch::Contains("match no piece"));
+  CHECK(r.untouched());
+}
+
+TEST_CASE("bytes rank 0 put in rank 1's share ring land, under the frame's checksum",
+          "[load][share]") {
+  const bool by_cols = GENERATE(false, true);
+  INFO((by_cols ? "columns" : "rows"));
+  Receiver r(by_cols);
+  r.offer_ring();
+  const uint64_t n = kRows * kCols * 4 / 2;
+  ferry::testing::Ask<Status> load(*r.sys, r.loader, ferry::atom::load_v, r.job);
+  const uint64_t cut = 40000;
+  r.send(r.ring_frame(cut, n - cut));
+  r.send(r.ring_frame(0, cut));
+  const Status s = load.answer();
+  INFO(s.to_string());
+  CHECK(s.ok());
+  CHECK(r.landed());
+}
+
+TEST_CASE("a share ring frame outside its sender's region or changed in the ring fails the load",
+          "[load][share]") {
+  const int how = GENERATE(0, 1, 2, 3);
+  Receiver r(true);
+  const uint64_t n = kRows * kCols * 4 / 2;
+  std::string expect;
+  ferry::BlockShareMsg m;
+  if (how == 3) {
+    // A ring frame to a rank that offered no ring.
+    m = r.frame(0, n);
+    m.ring_offset = ferry::ring_region_offset(0, r.ctx->opts.share_window_bytes);
+    m.ring_length = n;
+    m.data = ferry::SharedBytes();
+    expect = "outside that rank's region";
+  } else {
+    r.offer_ring();
+    m = r.ring_frame(0, n);
+    const uint64_t window = r.ctx->opts.share_window_bytes;
+    if (how == 0) {
+      m.ring_offset = ferry::ring_region_offset(1, window);  // rank 1's own region
+      expect = "outside that rank's region";
+    } else if (how == 1) {
+      // Starts in rank 0's region, runs past it.
+      m.ring_offset = ferry::ring_region_offset(1, window) - n / 2;
+      expect = "outside that rank's region";
+    } else {
+      r.sender->at(m.ring_offset)[777] ^= 0x01;
+      expect = "do not match their checksum";
+    }
+  }
+  INFO("case " << how);
+  ferry::testing::Ask<Status> load(*r.sys, r.loader, ferry::atom::load_v, r.job);
+  r.send(m);
+  const Status s = load.answer();
+  CHECK(s.code() == ferry::StatusCode::corruption);
+  CHECK_THAT(s.to_string(), Catch::Contains("from rank 0") && Catch::Contains(expect));
   CHECK(r.untouched());
 }

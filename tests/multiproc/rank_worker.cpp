@@ -463,13 +463,15 @@ int main(int argc, char** argv) {
       return 1;
     }
     std::printf(
-        "LOADSTATS read=%llu received=%llu disk=%llu queued=%llu hwm_growth=%llu relayed=%llu\n",
+        "LOADSTATS read=%llu received=%llu disk=%llu queued=%llu hwm_growth=%llu relayed=%llu "
+        "in_memory=%llu\n",
         static_cast<unsigned long long>(report->bytes_read),
         static_cast<unsigned long long>(report->bytes_received),
         static_cast<unsigned long long>(disk_read_bytes() - disk0),
         static_cast<unsigned long long>(report->send_queue_peak),
         static_cast<unsigned long long>(peak_rss_bytes() - hwm0),
-        static_cast<unsigned long long>(report->share_frames_relayed));
+        static_cast<unsigned long long>(report->share_frames_relayed),
+        static_cast<unsigned long long>(report->shared_in_memory));
     std::vector<uint8_t> expect;
     for (size_t k = 0; k < specs.size(); ++k) {
       fill_expected(specs[k], k, locals[k], seed, expect);

@@ -38,6 +38,7 @@ void check_defaults(const Options& o) {
   CHECK(o.lease_seconds == d.lease_seconds);
   CHECK(o.readers == d.readers);
   CHECK(o.share_window_bytes == d.share_window_bytes);
+  CHECK(o.share_memory == d.share_memory);
   CHECK(o.filename_prefix == d.filename_prefix);
   CHECK(o.shard_size == d.shard_size);
   CHECK(o.compress == d.compress);
@@ -134,6 +135,7 @@ TEST_CASE("option_infos lists every key once, and its defaults resolve to Option
                                              "readers",
                                              "read-into-tensors",
                                              "share-window",
+                                             "share-memory",
                                              "coordinator-address",
                                              "port",
                                              "connect-timeout",

@@ -32,6 +32,9 @@ struct Options {
   // share-window: most bytes of a load's shared (replicated) data one rank
   // has sent another and not yet heard taken; bounds every queue on the way.
   uint64_t share_window_bytes = 8ull << 20;
+  // share-memory: ranks of one node pass those bytes through shared memory
+  // (a ring each receiver offers), not over the network.
+  bool share_memory = true;
   // Many ranks (torchrun-style environment fills what is left unset).
   std::string coordinator_address;  // coordinator-address: "" = MASTER_ADDR, else 127.0.0.1
   uint32_t port = 0;                // port: rank 0 listens here; 0 = MASTER_PORT + 1

@@ -118,6 +118,9 @@ struct LoadReport {
   // other ranks during the load; 0 when the ranks of a node reach each other
   // over direct lanes. 0 on other ranks.
   uint64_t share_frames_relayed = 0;
+  // Bytes this rank read for others of its node and put in their share rings
+  // (share-memory), not in frames over the network.
+  uint64_t shared_in_memory = 0;
 };
 
 struct RuntimeArgs {
