@@ -4,7 +4,8 @@
 // ranks need, so only its rows (its columns, packed) travel, under each
 // frame's own checksum: they land, and a frame changed on its way, or one
 // that is not what rank 1 expects, fails the load naming rank 0, leaving no
-// byte of it in the tensor.
+// byte of it in the tensor. The same holds for bytes rank 0 put in rank 1's
+// share ring, which the frame only points at.
 
 #include <catch2/catch.hpp>
 
@@ -153,8 +154,11 @@ struct Receiver : ferry::testing::ActorSystem {
 TEST_CASE("a receiver gets only its rows or columns of a shared block, under frame checksums",
           "[load][share]") {
   const bool by_cols = GENERATE(false, true);
-  INFO((by_cols ? "columns" : "rows"));
+  // The bytes in the frames, or put in rank 1's share ring by rank 0.
+  const bool in_ring = GENERATE(false, true);
+  INFO((by_cols ? "columns" : "rows") << (in_ring ? ", in the ring" : ", in the frames"));
   Receiver r(by_cols);
+  if (in_ring) r.offer_ring();
   REQUIRE(r.job.receive[0].first == 0);
   const uint64_t n = kRows * kCols * 4 / 2;
   CHECK(ferry::shared_bytes(r.job.receive[0].second, 4) == n);
@@ -162,8 +166,11 @@ TEST_CASE("a receiver gets only its rows or columns of a shared block, under fra
   ferry::testing::Ask<Status> load(*r.sys, r.loader, ferry::atom::load_v, r.job);
   // Two frames, cut inside a row, the second first.
   const uint64_t cut = 40000;
-  r.send(r.frame(cut, n - cut));
-  r.send(r.frame(0, cut));
+  auto frame = [&](uint64_t at, uint64_t len) {
+    return in_ring ? r.ring_frame(at, len) : r.frame(at, len);
+  };
+  r.send(frame(cut, n - cut));
+  r.send(frame(0, cut));
   const Status s = load.answer();
   INFO(s.to_string());
   CHECK(s.ok());
@@ -217,23 +224,6 @@ TEST_CASE("a shared frame running past the bytes rank 1 expects fails the load",
   CHECK(s.code() == ferry::StatusCode::corruption);
   CHECK_THAT(s.to_string(), Catch::Contains("from rank 0") && Catch::Contains("match no piece"));
   CHECK(r.untouched());
-}
-
-TEST_CASE("bytes rank 0 put in rank 1's share ring land, under the frame's checksum",
-          "[load][share]") {
-  const bool by_cols = GENERATE(false, true);
-  INFO((by_cols ? "columns" : "rows"));
-  Receiver r(by_cols);
-  r.offer_ring();
-  const uint64_t n = kRows * kCols * 4 / 2;
-  ferry::testing::Ask<Status> load(*r.sys, r.loader, ferry::atom::load_v, r.job);
-  const uint64_t cut = 40000;
-  r.send(r.ring_frame(cut, n - cut));
-  r.send(r.ring_frame(0, cut));
-  const Status s = load.answer();
-  INFO(s.to_string());
-  CHECK(s.ok());
-  CHECK(r.landed());
 }
 
 TEST_CASE("a share ring frame outside its sender's region or changed in the ring fails the load",
