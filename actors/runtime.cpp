@@ -721,8 +721,8 @@ Status load_local(Runtime::Impl& im, caf::scoped_actor& self, StateDict& sd, con
       if (o.share_memory && n.rank != im.ctx->rank && n.host == host && n.ring.offered())
         rings[n.rank] = n.ring;
     if (!rings.empty())
-      job.peer_rings =
-          std::make_shared<PeerRings>(im.ctx->rank, o.share_window_bytes, std::move(rings));
+      job.peer_rings = std::make_shared<PeerRings>(im.ctx->rank, im.ctx->world_size,
+                                                   o.share_window_bytes, std::move(rings));
     RankShare part =
         split_for_rank(ops, assign_shared_reads(std::move(needs).value()), im.ctx->rank, *manifest);
     job.ops = std::move(part.read);

@@ -85,15 +85,21 @@ const uint8_t* ShareRing::frame(int32_t from, uint64_t offset, uint64_t n) const
   return base_ + offset;
 }
 
-Result<std::unique_ptr<PeerRing>> PeerRing::open(const RingInfo& info, int32_t me,
+Result<std::unique_ptr<PeerRing>> PeerRing::open(const RingInfo& info, int32_t me, int32_t world,
                                                  uint64_t window) {
   const std::string path = "/proc/" + std::to_string(info.pid) + "/fd/" + std::to_string(info.fd);
-  const uint64_t region = ring_region_offset(me, window);
-  if (!info.offered() || me < 0 || region + ring_region_bytes(window) > info.bytes ||
-      info.bytes < kRingHeaderBytes)
-    return Status::invalid_argument("share ring " + path + ": no region for rank " +
-                                    std::to_string(me) + " in " + std::to_string(info.bytes) +
-                                    " bytes");
+  // The receiver sized its regions by its own share-window: they may be
+  // larger than this sender needs, never smaller.
+  uint64_t region_bytes = 0;
+  if (info.offered() && world > 0 && info.bytes > kRingHeaderBytes &&
+      (info.bytes - kRingHeaderBytes) % static_cast<uint64_t>(world) == 0)
+    region_bytes = (info.bytes - kRingHeaderBytes) / static_cast<uint64_t>(world);
+  if (me < 0 || me >= world || region_bytes < ring_region_bytes(window))
+    return Status::invalid_argument("share ring " + path + " of " + std::to_string(info.bytes) +
+                                    " bytes: no region of " +
+                                    std::to_string(ring_region_bytes(window)) + " bytes for rank " +
+                                    std::to_string(me) + " of " + std::to_string(world));
+  const uint64_t region = kRingHeaderBytes + static_cast<uint64_t>(me) * region_bytes;
   const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
   if (fd < 0) return Status::unsupported("share ring " + path + ": " + errno_text(errno));
   struct stat sb {};
@@ -118,7 +124,7 @@ Result<std::unique_ptr<PeerRing>> PeerRing::open(const RingInfo& info, int32_t m
     return Status::unsupported("share ring " + path +
                                ": not the ring announced (its token differs)");
   ring->region_ = region;
-  ring->region_bytes_ = ring_region_bytes(window);
+  ring->region_bytes_ = region_bytes;
   return ring;
 }
 
@@ -133,8 +139,9 @@ uint64_t PeerRing::place(uint64_t n) {
   return at;
 }
 
-PeerRings::PeerRings(int32_t me, uint64_t window, std::map<int32_t, RingInfo> offered)
-    : me_(me), window_(window) {
+PeerRings::PeerRings(int32_t me, int32_t world, uint64_t window,
+                     std::map<int32_t, RingInfo> offered)
+    : me_(me), world_(world), window_(window) {
   for (const auto& [rank, info] : offered) peers_[rank].info = info;
 }
 
@@ -146,7 +153,7 @@ PeerRings::Lease PeerRings::get(int32_t to) {
   lease.lock = std::unique_lock<std::mutex>(p.mu);
   if (!p.tried) {
     p.tried = true;
-    auto r = PeerRing::open(p.info, me_, window_);
+    auto r = PeerRing::open(p.info, me_, world_, window_);
     if (r.ok())
       p.ring = std::move(r).value();
     else

@@ -76,8 +76,10 @@ class PeerRing {
  public:
   // Fails (the caller sends frames instead) unless the file at
   // /proc/<pid>/fd/<fd> is a sealed memfd of the announced size that starts
-  // with the token.
-  static Result<std::unique_ptr<PeerRing>> open(const RingInfo& info, int32_t me, uint64_t window);
+  // with the token, with `world` regions each large enough for `window`
+  // (this sender's share-window; the receiver's may differ).
+  static Result<std::unique_ptr<PeerRing>> open(const RingInfo& info, int32_t me, int32_t world,
+                                                uint64_t window);
   ~PeerRing();
   PeerRing(const PeerRing&) = delete;
   PeerRing& operator=(const PeerRing&) = delete;
@@ -100,7 +102,7 @@ class PeerRing {
 // each opened the first time it sends to that receiver. Thread-safe.
 class PeerRings {
  public:
-  PeerRings(int32_t me, uint64_t window, std::map<int32_t, RingInfo> offered);
+  PeerRings(int32_t me, int32_t world, uint64_t window, std::map<int32_t, RingInfo> offered);
 
   // The ring of `to`, with its lock held until the frame placed in it went
   // (so frames go in the order they were placed), or no ring: `to` offered
@@ -119,6 +121,7 @@ class PeerRings {
     std::mutex mu;
   };
   int32_t me_;
+  int32_t world_;
   uint64_t window_;
   std::map<int32_t, Peer> peers_;  // fixed at construction; each Peer has its own lock
 };

@@ -133,7 +133,7 @@ struct Receiver : ferry::testing::ActorSystem {
     auto ring = ferry::ShareRing::create(2, ctx->opts.share_window_bytes);
     REQUIRE(ring.ok());
     job.ring = std::move(ring).value();
-    auto peer = ferry::PeerRing::open(job.ring->info(), 0, ctx->opts.share_window_bytes);
+    auto peer = ferry::PeerRing::open(job.ring->info(), 0, 2, ctx->opts.share_window_bytes);
     INFO(peer.status().to_string());
     REQUIRE(peer.ok());
     sender = std::move(peer).value();

@@ -39,7 +39,7 @@ TEST_CASE("share ring: a sender's bytes are what the receiver reads, in its regi
   const RingInfo info = ring->info();
   CHECK(info.offered());
   CHECK(info.bytes == ferry::ring_region_offset(3, kWindow));
-  auto peer = PeerRing::open(info, 2, kWindow);
+  auto peer = PeerRing::open(info, 2, 3, kWindow);
   INFO(peer.status().to_string());
   REQUIRE(peer.ok());
   const uint64_t at = (*peer)->place(1000);
@@ -58,8 +58,25 @@ TEST_CASE("share ring: a sender's bytes are what the receiver reads, in its regi
   CHECK(ring->frame(3, ferry::ring_region_offset(3, kWindow), 1) == nullptr);
   CHECK(ring->frame(-1, 0, 1) == nullptr);
   CHECK(ring->frame(2, ~uint64_t{0} - 4, 8) == nullptr);
-  // A rank with no region in it.
-  CHECK_FALSE(PeerRing::open(info, 3, kWindow).ok());
+  // A rank with no region in it, or a world it was not made for.
+  CHECK_FALSE(PeerRing::open(info, 3, 3, kWindow).ok());
+  CHECK_FALSE(PeerRing::open(info, 1, 4, kWindow).ok());
+}
+
+TEST_CASE("share ring: a sender whose share-window differs uses the receiver's regions",
+          "[share_ring]") {
+  auto ring = make_ring(2);
+  // Smaller: it fits in the receiver's region, which it uses whole.
+  auto small = PeerRing::open(ring->info(), 1, 2, kWindow / 4);
+  INFO(small.status().to_string());
+  REQUIRE(small.ok());
+  const uint64_t at = (*small)->place(100);
+  CHECK(at == ferry::ring_region_offset(1, kWindow));
+  CHECK(ring->frame(1, at, 100) != nullptr);
+  // Larger: its frames in flight would not fit; it sends frames instead.
+  auto large = PeerRing::open(ring->info(), 1, 2, kWindow * 2);
+  REQUIRE_FALSE(large.ok());
+  CHECK_THAT(large.status().message(), Catch::Contains("no region of"));
 }
 
 TEST_CASE("share ring: another process writes it through /proc", "[share_ring]") {
@@ -68,7 +85,7 @@ TEST_CASE("share ring: another process writes it through /proc", "[share_ring]")
   const pid_t child = ::fork();
   REQUIRE(child >= 0);
   if (child == 0) {
-    auto peer = PeerRing::open(info, 1, kWindow);
+    auto peer = PeerRing::open(info, 1, 2, kWindow);
     if (!peer.ok()) _exit(2);
     const uint64_t at = (*peer)->place(64);
     std::memcpy((*peer)->at(at), "written by the sender process", 30);
@@ -88,14 +105,14 @@ TEST_CASE("share ring: a sender refuses what is not the ring announced", "[share
   SECTION("another token") {
     RingInfo info = ring->info();
     info.token ^= 1;
-    auto peer = PeerRing::open(info, 1, kWindow);
+    auto peer = PeerRing::open(info, 1, 2, kWindow);
     REQUIRE_FALSE(peer.ok());
     CHECK_THAT(peer.status().message(), Catch::Contains("token"));
   }
   SECTION("another size") {
     RingInfo info = ring->info();
     info.bytes += 4096;
-    auto peer = PeerRing::open(info, 1, kWindow);
+    auto peer = PeerRing::open(info, 1, 2, kWindow);
     REQUIRE_FALSE(peer.ok());
     CHECK_THAT(peer.status().message(), Catch::Contains("not the sealed ring"));
   }
@@ -105,7 +122,7 @@ TEST_CASE("share ring: a sender refuses what is not the ring announced", "[share
     const RingInfo real = ring->info();
     REQUIRE(::ftruncate(fd, static_cast<off_t>(real.bytes)) == 0);
     RingInfo info{static_cast<uint32_t>(::getpid()), fd, real.bytes, real.token};
-    auto peer = PeerRing::open(info, 1, kWindow);
+    auto peer = PeerRing::open(info, 1, 2, kWindow);
     ::close(fd);
     REQUIRE_FALSE(peer.ok());
     CHECK_THAT(peer.status().message(), Catch::Contains("not the sealed ring"));
@@ -113,17 +130,17 @@ TEST_CASE("share ring: a sender refuses what is not the ring announced", "[share
   SECTION("no such descriptor") {
     RingInfo info = ring->info();
     info.fd = 100000;
-    CHECK_FALSE(PeerRing::open(info, 1, kWindow).ok());
+    CHECK_FALSE(PeerRing::open(info, 1, 2, kWindow).ok());
   }
   SECTION("nothing offered") {
-    CHECK_FALSE(PeerRing::open(RingInfo{}, 1, kWindow).ok());
+    CHECK_FALSE(PeerRing::open(RingInfo{}, 1, 2, kWindow).ok());
   }
 }
 
 TEST_CASE("share ring: frames within a window never overlap those not yet acknowledged",
           "[share_ring]") {
   auto ring = make_ring(1);
-  auto peer = PeerRing::open(ring->info(), 0, kWindow);
+  auto peer = PeerRing::open(ring->info(), 0, 1, kWindow);
   REQUIRE(peer.ok());
   const uint64_t step = ferry::share_frame_bytes(kWindow);
   const uint64_t lo = ferry::ring_region_offset(0, kWindow);
