@@ -113,12 +113,12 @@ bool whole_words(const char* p, size_t n) {
          n % sizeof(capnp::word) == 0;
 }
 
-// A BlockShare frame whose data is `parts` one after another (m.data when
-// `parts` is null). Data of whole words becomes a segment of its own, written
+// A BlockShare frame whose data is `parts` one after another (m.data itself
+// is not sent). Data of whole words becomes a segment of its own, written
 // straight into the frame (from the parts, which lie in order in one buffer,
 // so the first and the bytes after it are a readable stand-in); other data
 // (an odd tail) is copied into the message first.
-std::string block_share_frame(const BlockShareMsg& m, const std::vector<std::string_view>* parts) {
+std::string block_share_frame(const BlockShareMsg& m, const std::vector<std::string_view>& parts) {
   capnp::MallocMessageBuilder mb;
   auto b = mb.initRoot<proto::ControlMessage>().initBlockShare();
   b.setJobId(text(m.job_id));
@@ -131,28 +131,21 @@ std::string block_share_frame(const BlockShareMsg& m, const std::vector<std::str
   b.setRingOffset(m.ring_offset);
   b.setRingLength(m.ring_length);
   set_status(b.initStatus(), m.status);
-  size_t n = m.data.size();
-  const char* first = m.data.data();
-  if (parts != nullptr) {
-    n = 0;
-    for (std::string_view p : *parts) n += p.size();
-    first = parts->empty() ? nullptr : parts->front().data();
-  }
+  size_t n = 0;
+  for (std::string_view p : parts) n += p.size();
+  const char* first = parts.empty() ? nullptr : parts.front().data();
   // (Never an empty segment: readers refuse one.)
   if (whole_words(first, n)) {
     const auto stand_in = kj::arrayPtr(reinterpret_cast<const kj::byte*>(first), n);
     b.adoptData(mb.getOrphanage().referenceExternalData(capnp::Data::Reader(stand_in)));
-    return frame(kControlProtocol, mb, parts);
+    return frame(kControlProtocol, mb, &parts);
   }
   auto data = b.initData(static_cast<unsigned>(n));
-  if (parts == nullptr) {
-    if (n > 0) std::memcpy(data.begin(), first, n);
-  } else {
-    size_t at = 0;
-    for (std::string_view p : *parts) {
-      std::memcpy(data.begin() + at, p.data(), p.size());
-      at += p.size();
-    }
+  size_t at = 0;
+  for (std::string_view p : parts) {
+    if (p.empty()) continue;
+    std::memcpy(data.begin() + at, p.data(), p.size());
+    at += p.size();
   }
   return frame(kControlProtocol, mb);
 }
@@ -366,7 +359,9 @@ struct Encoder {
     return frame(kControlProtocol, mb);
   }
 
-  std::string operator()(const BlockShareMsg& m) const { return block_share_frame(m, nullptr); }
+  std::string operator()(const BlockShareMsg& m) const {
+    return block_share_frame(m, {m.data.view()});
+  }
 
   std::string operator()(const ShareAckMsg& m) const {
     capnp::MallocMessageBuilder mb;
@@ -888,7 +883,7 @@ std::string encode_message(const WireMessage& m) {
 }
 
 std::string encode_gathered(const BlockShareMsg& m, const std::vector<std::string_view>& parts) {
-  return block_share_frame(m, &parts);
+  return block_share_frame(m, parts);
 }
 
 Result<WireMessage> decode_message(std::string_view bytes) {
