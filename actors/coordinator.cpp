@@ -16,6 +16,11 @@
 // commit:   commit_checkpoint, which refuses a lease that is not ours any
 //           more; failures after the commit point are warnings of a
 //           committed save, logged here once and sent to every rank.
+//           What retention (or an overwrite) moved to trash is deleted
+//           after the ranks have their answer, a file per message (tidy),
+//           so a save never waits for it and plans and loads are served
+//           in between; the next save's gc deletes what is left before its
+//           files take space, and so does the exit of the runtime.
 // Each phase has its deadline (plan-timeout, write-timeout; the commit is
 // one blocking call here, so commit-timeout is enforced where the ranks wait
 // for it, by their planners). An aborted checkpoint's error is kept for a
@@ -104,6 +109,14 @@ struct coordinator_state {
   // Aborted pending directories not removed yet; shared with the exit
   // handler, which tries once more when the runtime shuts down first.
   std::shared_ptr<std::set<std::string>> unswept = std::make_shared<std::set<std::string>>();
+  // Committed saves' trash directories still to delete, oldest first, with
+  // the names left in the first one once listed; shared with the exit
+  // handler too.
+  struct Trash {
+    std::string dir;
+    std::optional<std::vector<std::string>> names;
+  };
+  std::shared_ptr<std::deque<Trash>> trash = std::make_shared<std::deque<Trash>>();
 };
 
 using coordinator_ptr = coordinator_actor::stateful_pointer<coordinator_state>;
@@ -166,6 +179,42 @@ void sweep(coordinator_ptr self, const std::string& dir, int32_t tries_left) {
   }
   unswept.insert(dir);
   self->delayed_send(me(self), std::chrono::milliseconds(250), atom::sweep_v, dir, tries_left - 1);
+}
+
+// Deletes one file of the oldest trash directory (or the directory, once
+// empty) and asks for the next step: a checkpoint of thousands of files,
+// each taking a while to free on a disk that discards, never holds a plan
+// or a load for longer than one file. A failure leaves the directory to gc.
+void tidy(coordinator_ptr self) {
+  auto& trash = *self->state.trash;
+  if (trash.empty()) return;
+  Filesystem& fs = *self->state.ctx->fs;
+  auto& t = trash.front();
+  Status s;
+  // A link put in its place is removed, never followed (as remove_all).
+  if (!t.names && fs.unlink(t.dir).ok()) t.names.emplace();
+  if (!t.names) {
+    auto names = fs.list(t.dir);
+    if (names.ok())
+      t.names = std::move(*names);
+    else if (names.status().code() == StatusCode::not_found)
+      t.names.emplace();  // gc was first
+    else
+      s = names.status();
+  }
+  bool done = !s.ok();
+  if (s.ok() && !t.names->empty()) {
+    s = remove_all(fs, join_path(t.dir, t.names->back()));
+    t.names->pop_back();
+  } else if (s.ok()) {
+    s = remove_all(fs, t.dir);
+    done = true;
+  }
+  if (!s.ok())
+    std::fprintf(stderr, "ferry[rank 0]: warning: deleting %s (left for gc): %s\n", t.dir.c_str(),
+                 s.to_string().c_str());
+  if (done || !s.ok()) trash.pop_front();
+  if (!trash.empty()) self->send(me(self), atom::tidy_v);
 }
 
 // An aborted checkpoint's error, kept for a while, so that a rank whose plan
@@ -295,6 +344,9 @@ void on_all_results(coordinator_ptr self) {
     p.deliver(CommitMsg{st.ctx->job_id, c.id, Status(), out->path, out->commit_seq, slowest,
                         slowest_ms, warnings});
   st.active.reset();
+  // Sent after the answers: the ranks hear of the commit first.
+  if (!out->trash.empty() && st.trash->empty()) self->send(me(self), atom::tidy_v);
+  for (std::string& dir : out->trash) st.trash->push_back({std::move(dir), std::nullopt});
 }
 
 // --- load outcomes -----------------------------------------------------------------
@@ -427,9 +479,11 @@ void fail_loads(coordinator_ptr self, int32_t rank, const Status& why) {
 
 coordinator_actor::behavior_type coordinator_fun(coordinator_ptr self, ContextPtr ctx) {
   self->state.ctx = std::move(ctx);
-  self->attach_functor([fs = self->state.ctx->fs, unswept = self->state.unswept] {
-    for (const auto& dir : *unswept) (void)remove_all(*fs, dir);
-  });
+  self->attach_functor(
+      [fs = self->state.ctx->fs, unswept = self->state.unswept, trash = self->state.trash] {
+        for (const auto& dir : *unswept) (void)remove_all(*fs, dir);
+        for (const auto& t : *trash) (void)remove_all(*fs, t.dir);
+      });
   return {
       [self](atom::plan, PlanRequest& req) -> caf::result<PlanReply> {
         auto& st = self->state;
@@ -599,6 +653,7 @@ coordinator_actor::behavior_type coordinator_fun(coordinator_ptr self, ContextPt
       [self](atom::sweep, const std::string& dir, int32_t tries_left) {
         sweep(self, dir, tries_left);
       },
+      [self](atom::tidy) { tidy(self); },
   };
 }
 

@@ -44,7 +44,9 @@ using coordinator_actor = coordinator_api::extend<
     caf::reacts_to<atom::lease, std::string>,
     // coordinator -> itself: remove this aborted pending directory again
     // (tries left), a rank may have been writing into it.
-    caf::reacts_to<atom::sweep, std::string, int32_t>>;
+    caf::reacts_to<atom::sweep, std::string, int32_t>,
+    // coordinator -> itself: delete the next file of a committed save's trash.
+    caf::reacts_to<atom::tidy>>;
 
 // Rank 0 only. Detached: the commit protocol is blocking I/O.
 coordinator_actor spawn_coordinator(caf::actor_system& sys, ContextPtr ctx);

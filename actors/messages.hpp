@@ -62,6 +62,7 @@ CAF_ADD_ATOM(ferry, ferry::atom, ckpt_due, "ckptdue")
 CAF_ADD_ATOM(ferry, ferry::atom, load_due, "loaddue")
 CAF_ADD_ATOM(ferry, ferry::atom, lease, "lease")
 CAF_ADD_ATOM(ferry, ferry::atom, sweep, "sweep")
+CAF_ADD_ATOM(ferry, ferry::atom, tidy, "tidy")
 // The link's own.
 CAF_ADD_ATOM(ferry, ferry::atom, broadcast, "broadcast")
 CAF_ADD_ATOM(ferry, ferry::atom, attach_net, "attachnet")

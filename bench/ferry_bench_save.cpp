@@ -100,7 +100,8 @@ struct Flags {
                "               end; default $TMPDIR or /tmp)\n"
                "  --compress   realistic values; zstd codec figures; saves plain and compressed\n"
                "  --compress-level N  zstd level for --compress (default 3)\n"
-               "  --set K=V    any other [ferry] setting, e.g. --set checksum=false\n",
+               "  --set K=V    any other [ferry] setting, e.g. --set checksum=false;\n"
+               "               --set keep-last=N times saves that retire old checkpoints\n",
                why.c_str());
   std::exit(2);
 }
@@ -401,6 +402,21 @@ SaveSample timed_save(ferry::Runtime& rt, const ferry::StateDict& sd, uint64_t s
   return {async_ms, snap_ms, total_ms, h.metrics(), h.path()};
 }
 
+// Retention deletes the checkpoints it retires after the save has
+// reported (on rank 0's coordinator); waits for that, so a raw write timed
+// next does not share the disk with it. Returns the milliseconds waited.
+double wait_for_trash(const std::string& root) {
+  const auto t0 = Clock::now();
+  for (;;) {
+    bool any = false;
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(root, ec))
+      any = any || e.path().filename().string().rfind(".trash-", 0) == 0;
+    if (!any || ms_since(t0) > 600'000) return ms_since(t0);
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+}
+
 std::vector<double> pick_from(const std::vector<SaveSample>& v, double SaveSample::*field) {
   std::vector<double> out;
   for (const auto& s : v) out.push_back(s.*field);
@@ -638,8 +654,12 @@ int run(const Flags& flags) {
               static_cast<double>(opts.chunk_bytes) / kMiB, opts.writers,
               opts.direct_io ? "on" : "off", opts.checksum ? "on" : "off", root.c_str());
 
+  // With keep-last set, retention retires the old checkpoints in the timed
+  // saves, as in a training job (and the raw write waits for their
+  // deletion); otherwise the bench removes each one after its clock stops.
+  const bool retention = opts.keep_last > 0;
   uint64_t step = 1;
-  const SaveSample warm = timed_save(*rt, sd, step++);
+  const SaveSample warm = timed_save(*rt, sd, step++, {}, retention);
   std::printf("warm-up save: %.1f ms (not counted), %llu bytes in %llu file(s)\n", warm.total_ms,
               static_cast<unsigned long long>(warm.metrics.bytes),
               static_cast<unsigned long long>(warm.metrics.files));
@@ -661,26 +681,31 @@ int run(const Flags& flags) {
   };
   raw_once();
   for (uint32_t r = 0; r < flags.reps; ++r) {
-    saves.push_back(timed_save(*rt, sd, step++, {}, r + 1 == flags.reps));
+    saves.push_back(timed_save(*rt, sd, step++, {}, retention || r + 1 == flags.reps));
+    const double trash_ms = retention ? wait_for_trash(root) : 0;
     raw_once();
     memcpy_v.push_back(memcpy_state(state, tensors, dst));
     const SaveSample& s = saves.back();
     std::printf(
         "save %u: save_async %.3f ms, snapshot %.1f ms, committed %.1f ms "
-        "(plan %.1f, write %.1f, commit %.1f) = %.2f GB/s; raw before %.1f ms, after %.1f ms\n",
+        "(plan %.1f, write %.1f, commit %.1f) = %.2f GB/s; raw before %.1f ms, after %.1f ms%s\n",
         r + 1, s.save_async_ms, s.snapshot_ms, s.total_ms, s.metrics.plan_ms, s.metrics.write_ms,
-        s.metrics.commit_ms, state_bytes / (s.total_ms * 1e6), raw_v[r], raw_v[r + 1]);
+        s.metrics.commit_ms, state_bytes / (s.total_ms * 1e6), raw_v[r], raw_v[r + 1],
+        retention
+            ? ("; retention deleted the old one " + std::to_string(int(trash_ms)) + " ms after")
+                  .c_str()
+            : "");
     std::fflush(stdout);
   }
   std::vector<SaveSample> zsaves;
   ferry::SaveOptions zso;
   zso.compress = "zstd:" + std::to_string(flags.compress_level);
   if (flags.compress) {
-    const SaveSample zwarm = timed_save(*rt, sd, step++, zso);
+    const SaveSample zwarm = timed_save(*rt, sd, step++, zso, retention);
     std::printf("warm-up compressed save: %.1f ms (not counted), %llu bytes stored\n",
                 zwarm.total_ms, static_cast<unsigned long long>(zwarm.metrics.bytes));
     for (uint32_t r = 0; r < flags.reps; ++r) {
-      zsaves.push_back(timed_save(*rt, sd, step++, zso, r + 1 == flags.reps));
+      zsaves.push_back(timed_save(*rt, sd, step++, zso, retention || r + 1 == flags.reps));
       const SaveSample& s = zsaves.back();
       std::printf(
           "compressed save %u: snapshot %.1f ms, committed %.1f ms (plan+compress %.1f, write "

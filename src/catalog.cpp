@@ -444,10 +444,10 @@ bool loadable(Filesystem& fs, const CheckpointInfo& c) {
 
 }  // namespace
 
-Result<std::vector<std::string>> apply_retention(Filesystem& fs, const std::string& root,
-                                                 uint32_t keep_last, const std::string& keep_path) {
-  std::vector<std::string> removed;
-  if (keep_last == 0) return removed;
+Result<Retired> retire_checkpoints(Filesystem& fs, const std::string& root, uint32_t keep_last,
+                                   const std::string& keep_path) {
+  Retired out;
+  if (keep_last == 0) return out;
   FERRY_ASSIGN_OR_RETURN(std::vector<CheckpointInfo> all, list_checkpoints(fs, root));
   // Only loadable checkpoints count toward keep_last: one whose files are
   // gone must not push out the last one that can still be loaded.
@@ -455,22 +455,30 @@ Result<std::vector<std::string>> apply_retention(Filesystem& fs, const std::stri
   for (CheckpointInfo& c : all) {
     if (loadable(fs, c)) committed.push_back(std::move(c));
   }
-  if (committed.size() <= keep_last) return removed;
-  size_t drop = committed.size() - keep_last;
+  if (committed.size() <= keep_last) return out;
+  const size_t drop = committed.size() - keep_last;
   for (size_t i = 0; i < drop; ++i) {
     const CheckpointInfo& c = committed[i];
     if (!keep_path.empty() && c.path == keep_path) continue;
-    // Rename out of sight first, durably: a crash halfway through deleting
+    // Out of sight before any byte goes: a crash halfway through deleting
     // must not leave a step-* directory whose manifest names missing files.
     // The trash name makes a leftover collectable by collect_garbage.
     std::string trash = join_path(root, trash_dir_name());
     FERRY_RETURN_IF_ERROR(fs.rename(c.path, trash));
-    FERRY_RETURN_IF_ERROR(fs.sync_dir(root));
-    removed.push_back(c.path);
-    kill_point("retention.delete");
-    FERRY_RETURN_IF_ERROR(remove_all(fs, trash));
+    out.checkpoints.push_back(c.path);
+    out.trash.push_back(std::move(trash));
   }
-  return removed;
+  if (out.trash.empty()) return out;
+  FERRY_RETURN_IF_ERROR(fs.sync_dir(root));
+  kill_point("retention.delete");
+  return out;
+}
+
+Result<std::vector<std::string>> apply_retention(Filesystem& fs, const std::string& root,
+                                                 uint32_t keep_last, const std::string& keep_path) {
+  FERRY_ASSIGN_OR_RETURN(Retired r, retire_checkpoints(fs, root, keep_last, keep_path));
+  for (const std::string& t : r.trash) FERRY_RETURN_IF_ERROR(remove_all(fs, t));
+  return std::move(r.checkpoints);
 }
 
 int64_t now_unix_ms() {

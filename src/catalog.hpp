@@ -124,13 +124,26 @@ Result<GcReport> collect_garbage(Filesystem& fs, const std::string& root, int64_
 Status recover_displaced(Filesystem& fs, const std::string& root,
                          std::vector<std::string>* restored, std::vector<std::string>* replaced);
 
+// What retention took out of sight: the committed checkpoints it retired
+// (their step paths) and the trash directories they now are, still to be
+// deleted (remove_all; gc deletes leftovers).
+struct Retired {
+  std::vector<std::string> checkpoints;
+  std::vector<std::string> trash;
+};
+
 // Keeps the `keep_last` newest loadable committed checkpoints (by commit
 // sequence; loadable: the manifest reads and every file it names is there
-// with its size), deleting older loadable ones; 0 keeps all. `keep_path`
-// (the checkpoint just committed) is never removed. Checkpoints that are
-// not loadable are left for the user to see. Each removal renames out of
-// sight first. Returns the removed paths. REQUIRES: ROOT's lock is held
-// when other jobs may commit into ROOT.
+// with its size) and renames older loadable ones to trash names, then
+// fsyncs ROOT once: they are durably out of sight, but their bytes are
+// still on disk. 0 keeps all. `keep_path` (the checkpoint just committed)
+// is never retired. Checkpoints that are not loadable are left for the
+// user to see. REQUIRES: ROOT's lock is held when other jobs may commit
+// into ROOT.
+Result<Retired> retire_checkpoints(Filesystem& fs, const std::string& root, uint32_t keep_last,
+                                   const std::string& keep_path = "");
+
+// retire_checkpoints, then deletes the trash; returns the retired paths.
 Result<std::vector<std::string>> apply_retention(Filesystem& fs, const std::string& root,
                                                  uint32_t keep_last,
                                                  const std::string& keep_path = "");

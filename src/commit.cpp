@@ -252,7 +252,7 @@ Result<CommitOutcome> commit_checkpoint(Filesystem& fs, const std::string& root,
   // From here the checkpoint is committed and is what load picks: whatever
   // fails now is a warning, never a failed save (a retry would only meet
   // already_exists).
-  CommitOutcome out{step_dir, manifest.commit_seq, {}, {}};
+  CommitOutcome out{step_dir, manifest.commit_seq, {}, {}, {}};
   // The lease protected the save while it was pending (a crash before the
   // rename leaves a directory gc may take once it expires); a committed
   // directory needs none. Not in the manifest, so a leftover is harmless.
@@ -277,20 +277,23 @@ Result<CommitOutcome> commit_checkpoint(Filesystem& fs, const std::string& root,
   // Until ROOT is durable a power cut may undo the commit rename; the old
   // step must then still be there to come back.
   if (!displaced.empty() && durable) {
-    const std::string trash = join_path(root, trash_dir_name());
+    std::string trash = join_path(root, trash_dir_name());
     Status st = fs.rename(displaced, trash);
-    if (st.ok()) st = remove_all(fs, trash);
-    if (!st.ok())
+    if (st.ok())
+      out.trash.push_back(std::move(trash));
+    else
       out.warnings.push_back(
           st.with_context("committed " + step_dir + ", but removing the old one: "));
   }
   if (durable) {
-    Result<std::vector<std::string>> retired = apply_retention(fs, root, opts.keep_last, step_dir);
-    if (retired.ok())
-      out.retired = std::move(*retired);
-    else
+    Result<Retired> retired = retire_checkpoints(fs, root, opts.keep_last, step_dir);
+    if (retired.ok()) {
+      out.retired = std::move(retired->checkpoints);
+      out.trash.insert(out.trash.end(), retired->trash.begin(), retired->trash.end());
+    } else {
       out.warnings.push_back(
           retired.status().with_context("committed " + step_dir + ", but retention: "));
+    }
   }
   return out;
 }

@@ -84,7 +84,12 @@ struct CommitOptions {
 struct CommitOutcome {
   std::string path;  // ROOT/step-...
   uint64_t commit_seq = 0;
-  std::vector<std::string> retired;  // removed by retention
+  std::vector<std::string> retired;  // taken out of sight by retention
+  // Directories already out of sight (retired checkpoints, an overwritten
+  // step) whose bytes the caller deletes (remove_all) once the save has
+  // reported, so that deleting never delays a commit; gc deletes whatever
+  // a crash leaves of them.
+  std::vector<std::string> trash;
   // Failures after the commit point (ROOT fsync, LATEST, retention): the
   // checkpoint is committed and is what load picks; these are reported to
   // the caller as warnings, never as a failed save.
@@ -99,8 +104,9 @@ struct CommitOutcome {
 // recorded size and that the LEASE is opts.lease_owner's (when set) and
 // unexpired, moves an overwritten step aside, renames the pending directory
 // to its step directory (the commit point; on failure the old step is put
-// back), fsyncs ROOT, replaces LATEST, deletes the old step, then applies
-// retention (which never removes the new checkpoint). An error (returned) means nothing became
+// back), fsyncs ROOT, replaces LATEST, moves the old step to trash, then
+// retires checkpoints past keep_last (never the new one) to trash: see
+// CommitOutcome::trash. An error (returned) means nothing became
 // visible and the commit point was not passed; the caller removes the
 // pending directory. After the commit point the result is always ok, with
 // later failures in CommitOutcome::warnings.

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <filesystem>
 #include <stdexcept>
 
 #include "catalog.hpp"
@@ -204,4 +205,46 @@ TEST_CASE("a failure after the commit point is a warning of a committed save",
   REQUIRE(h.warnings().size() == 1);
   CHECK_THAT(h.warnings()[0], Catch::Contains("LATEST"));
   CHECK(rt->latest() == h.path());
+}
+
+size_t trash_dirs(const std::string& root) {
+  size_t n = 0;
+  for (const auto& e : std::filesystem::directory_iterator(root))
+    n += ferry::is_trash_dir_name(e.path().filename().string()) ? 1 : 0;
+  return n;
+}
+
+TEST_CASE("retention deletes old checkpoints after the save reports, never before",
+          "[actors][save][contract][retention]") {
+  TempDir dir;
+  Model m;
+  auto steps = [&] {
+    std::vector<uint64_t> out;
+    auto list = ferry::list_checkpoints(*ferry::posix_filesystem(), dir.path());
+    REQUIRE(list.ok());
+    for (const auto& c : *list) out.push_back(c.step);
+    return out;
+  };
+  {
+    // Deleting a retired checkpoint takes seconds here (each unlink inside
+    // a trash directory 500 ms), as on a disk that discards what is freed.
+    auto rt = runtime(dir.path(), "latency:unlink:500ms:path=.trash-", {{"keep-last", "1"}});
+    REQUIRE(rt->save_async(m.sd, 1).wait_committed(30s).ok());
+    REQUIRE(rt->save_async(m.sd, 2).wait_committed(30s).ok());
+    // Step 1 is retired, out of sight, when step 2 reports committed; its
+    // bytes are still being deleted.
+    CHECK(steps() == std::vector<uint64_t>{2});
+    CHECK(trash_dirs(dir.path()) == 1);
+
+    // The next save does not take space before that deletion is over (its
+    // gc finishes it), and retires step 2 in turn.
+    auto h = rt->save_async(m.sd, 3);
+    REQUIRE(h.wait_committed(30s).ok());
+    CHECK(h.warnings().empty());
+    CHECK(steps() == std::vector<uint64_t>{3});
+    CHECK(trash_dirs(dir.path()) == 1);
+  }
+  // A runtime that ends right after a save deletes what it retired.
+  CHECK(trash_dirs(dir.path()) == 0);
+  CHECK(steps() == std::vector<uint64_t>{3});
 }

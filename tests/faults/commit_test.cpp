@@ -276,6 +276,18 @@ TEST_CASE("retention never removes the new checkpoint nor the last loadable one"
   CHECK(out.retired == std::vector<std::string>{join_path(root, step_dir_name(1)),
                                                 join_path(root, step_dir_name(3))});
   require_latest(*fs, root, 4, "new");
+  // Retired durably out of sight, their bytes left for the caller to
+  // delete once the save has reported (or for gc).
+  REQUIRE(out.trash.size() == 2);
+  CHECK_FALSE(exists(join_path(root, step_dir_name(1))));
+  CHECK(slurp(join_path(out.trash[0], "rank-00000-0000.safetensors")) == data_of(1, "good"));
+  auto listed = list_checkpoints(*fs, root);
+  REQUIRE(listed.ok());
+  CHECK(listed->size() == 2);  // 2 (not loadable, left to see) and 4
+  auto gc = collect_garbage(*fs, root, now_unix_ms());
+  REQUIRE(gc.ok());
+  CHECK(gc->discarded.size() == 2);
+  for (const std::string& t : out.trash) CHECK_FALSE(exists(t));
 
   // keep_path protects the new checkpoint even when a higher sequence
   // number (a commit of another job) would push it out.
@@ -323,10 +335,16 @@ TEST_CASE("an overwrite whose commit rename fails puts the old step back", "[com
     CHECK(gc->restored == std::vector<std::string>{join_path(root, step_dir_name(5))});
     require_latest(*fs, root, 5, "old");
   }
-  SECTION("after a good overwrite, nothing of the old step is left") {
+  SECTION("after a good overwrite, nothing of the old step is left once its trash goes") {
     auto out = commit_checkpoint(*fs, root, pending, m, opts);
     REQUIRE(out.ok());
     require_latest(*fs, root, 5, "new");
+    // The old step is out of sight but not deleted: that is the caller's,
+    // after the save has reported.
+    REQUIRE(out->trash.size() == 1);
+    CHECK(is_trash_dir_name(out->trash[0].substr(root.size() + 1)));
+    CHECK(slurp(join_path(out->trash[0], "rank-00000-0000.safetensors")) == data_of(5, "old"));
+    REQUIRE(remove_all(*fs, out->trash[0]).ok());
     CHECK(names_in(root) ==
           std::vector<std::string>{kRootLockFileName, kLatestFileName, step_dir_name(5)});
   }
