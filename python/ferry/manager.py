@@ -2,6 +2,7 @@
 the manner of Orbax's CheckpointManager."""
 
 import os
+import threading
 
 from . import _core
 from ._lib import FerryError
@@ -21,7 +22,8 @@ class CheckpointManager:
 
     save() returns once the state's bytes are copied off the tensors (the
     snapshot), so training may go on mutating them; the write and commit
-    run in the background. The state may hold tensors, nested dicts, JSON
+    run in the background, and so does the deletion of checkpoints past
+    keep_last (a thread of its own: deleting gigabytes can take seconds). The state may hold tensors, nested dicts, JSON
     values, ferry.Shard entries and objects with state_dict() /
     load_state_dict() (modules, optimizers)."""
 
@@ -36,6 +38,8 @@ class CheckpointManager:
         self._rt = runtime
         self._pending = []  # saves not yet known committed, oldest first
         self._last_saved = None
+        self._retention = None  # (thread, errors) of the retention in flight
+        self._retain_due = False  # a commit came while it ran
 
     @property
     def runtime(self):
@@ -69,13 +73,45 @@ class CheckpointManager:
             self._retain()
 
     def _retain(self):
-        # Rank 0 alone deletes: it is the one that commits.
-        if self.keep_last and self.runtime.rank == 0:
-            _core.apply_retention(self.root, self.keep_last)
+        # Rank 0 alone deletes: it is the one that commits. One retention at
+        # a time; ctypes lets go of the GIL, so training runs meanwhile.
+        if not (self.keep_last and self.runtime.rank == 0):
+            return
+        if self._retention is not None and self._retention[0].is_alive():
+            self._retain_due = True  # it may have looked before this commit
+            return
+        self._join_retention()  # over already: raises its error, if any
+        self._retain_due = False
+        errors = []
+
+        def run():
+            try:
+                _core.apply_retention(self.root, self.keep_last)
+            except BaseException as e:  # raised in the caller's thread, later
+                errors.append(e)
+
+        t = threading.Thread(target=run, name="ferry-retention", daemon=True)
+        t.start()
+        self._retention = (t, errors)
+
+    def _join_retention(self):
+        """Waits for the retention in flight and raises its error, if any."""
+        if self._retention is None:
+            return
+        t, errors = self._retention
+        self._retention = None
+        t.join()
+        if errors:
+            raise errors[0]
 
     def wait_until_finished(self):
-        """Blocks until the save in flight is committed (raises its error)."""
+        """Blocks until the save in flight is committed and old checkpoints
+        are deleted (raises the error of either)."""
         self._finish_previous(block=True)
+        self._join_retention()
+        if self._retain_due:
+            self._retain()
+            self._join_retention()
 
     def all_steps(self):
         return sorted(_core.list_steps(self.root)) if os.path.isdir(self.root) else []

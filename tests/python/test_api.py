@@ -9,6 +9,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import unittest
 
 import _support  # noqa: F401 (exits 77, skipped, without torch)
@@ -404,6 +405,59 @@ class Manager(Base):
         self.assertTrue(torch.equal(old["w"], torch.full((3,), 4.0)))
         with self.assertRaises(ferry.FerryError):
             ferry.CheckpointManager(os.path.join(self.root, "none")).restore()
+
+
+    def test_retention_runs_beside_training(self):
+        from ferry import manager as manager_mod
+
+        real = manager_mod._core.apply_retention
+        started, release = threading.Event(), threading.Event()
+        calls = []
+
+        def slow(root, keep_last):  # a deletion that takes as long as the test says
+            calls.append(keep_last)
+            started.set()
+            if not release.wait(60):
+                raise AssertionError("never released")
+            real(root, keep_last)
+
+        manager_mod._core.apply_retention = slow
+        try:
+            w = torch.zeros(3)
+            mgr = ferry.CheckpointManager(self.root, keep_last=1)
+            mgr.save(1, {"w": w})
+            mgr.save(2, {"w": w})
+            # Both commits known: the first starts a retention, which
+            # hangs; the saves after it return all the same.
+            mgr._finish_previous(block=True)
+            self.assertTrue(started.wait(30))
+            mgr.save(3, {"w": w})
+            mgr.save(4, {"w": w})
+            self.assertEqual(len(calls), 1)  # one at a time
+            release.set()
+            mgr.close()  # joins it, and retires what came meanwhile
+            self.assertEqual(mgr.all_steps(), [4])
+            self.assertGreaterEqual(len(calls), 2)
+        finally:
+            manager_mod._core.apply_retention = real
+
+    def test_retention_error_reaches_the_caller(self):
+        from ferry import manager as manager_mod
+
+        real = manager_mod._core.apply_retention
+
+        def broken(root, keep_last):
+            raise ferry.FerryError("retention of %s failed (injected)" % root, "io_error")
+
+        manager_mod._core.apply_retention = broken
+        try:
+            mgr = ferry.CheckpointManager(self.root, keep_last=1)
+            mgr.save(1, {"w": torch.zeros(2)})
+            with self.assertRaises(ferry.FerryError) as e:
+                mgr.close()
+            self.assertIn("(injected)", str(e.exception))
+        finally:
+            manager_mod._core.apply_retention = real
 
 
 class Lifecycle(Base):

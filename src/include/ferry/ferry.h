@@ -238,7 +238,8 @@ FERRY_API ferry_status ferry_latest(const char* root, const char** out);
  * Writes at most `capacity` steps and sets *count to how many there are. */
 FERRY_API ferry_status ferry_list_steps(const char* root, uint64_t* steps, size_t capacity,
                                         size_t* count);
-/* Keeps the keep_last newest committed checkpoints, deleting older ones. */
+/* Keeps the keep_last newest committed checkpoints, deleting older ones
+ * (taken out of sight under ROOT's lock, as a commit does, then deleted). */
 FERRY_API ferry_status ferry_apply_retention(const char* root, uint32_t keep_last);
 
 /* Reads the manifest of `path` (a checkpoint, or a root: its latest). */
