@@ -403,21 +403,8 @@ ferry_status ferry_list_steps(const char* root, uint64_t* steps, size_t capacity
 ferry_status ferry_apply_retention(const char* root, uint32_t keep_last) {
   return guarded([&] {
     if (!root) return null_arg("root");
-    auto fs = ferry::posix_filesystem();
-    // Under ROOT's lock, as a commit retires: a commit running meanwhile
-    // (this job's next save, another job's) must not see checkpoints vanish
-    // while it numbers its own. The deletion needs no lock: the retired are
-    // out of sight already.
-    ferry::Result<ferry::Retired> retired = ferry::Retired{};
-    {
-      auto lock = ferry::lock_root(*fs, root);
-      if (!lock.ok()) return to_c(lock.status());
-      retired = ferry::retire_checkpoints(*fs, root, keep_last);
-    }
-    if (!retired.ok()) return to_c(retired.status());
-    for (const std::string& t : retired->trash)
-      if (ferry::Status st = ferry::remove_all(*fs, t); !st.ok()) return to_c(st);
-    return to_c(ferry::Status());
+    auto r = ferry::apply_retention(*ferry::posix_filesystem(), root, keep_last);
+    return to_c(r.status());
   });
 }
 

@@ -475,8 +475,14 @@ Result<Retired> retire_checkpoints(Filesystem& fs, const std::string& root, uint
 }
 
 Result<std::vector<std::string>> apply_retention(Filesystem& fs, const std::string& root,
-                                                 uint32_t keep_last, const std::string& keep_path) {
-  FERRY_ASSIGN_OR_RETURN(Retired r, retire_checkpoints(fs, root, keep_last, keep_path));
+                                                 uint32_t keep_last, const std::string& keep_path,
+                                                 int64_t lock_wait_ms) {
+  Result<Retired> retired = Retired{};
+  {
+    FERRY_ASSIGN_OR_RETURN(std::unique_ptr<FileLock> lock, lock_root(fs, root, lock_wait_ms));
+    retired = retire_checkpoints(fs, root, keep_last, keep_path);
+  }
+  FERRY_ASSIGN_OR_RETURN(Retired r, std::move(retired));
   for (const std::string& t : r.trash) FERRY_RETURN_IF_ERROR(remove_all(fs, t));
   return std::move(r.checkpoints);
 }

@@ -143,10 +143,14 @@ struct Retired {
 Result<Retired> retire_checkpoints(Filesystem& fs, const std::string& root, uint32_t keep_last,
                                    const std::string& keep_path = "");
 
-// retire_checkpoints, then deletes the trash; returns the retired paths.
+// retire_checkpoints under ROOT's lock (waiting up to lock_wait_ms, as a
+// commit does: a commit running meanwhile must not see checkpoints vanish
+// while it numbers its own); the lock released, deletes the trash. Returns
+// the retired paths.
 Result<std::vector<std::string>> apply_retention(Filesystem& fs, const std::string& root,
                                                  uint32_t keep_last,
-                                                 const std::string& keep_path = "");
+                                                 const std::string& keep_path = "",
+                                                 int64_t lock_wait_ms = kDefaultLockWaitMs);
 
 int64_t now_unix_ms();
 

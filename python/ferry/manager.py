@@ -23,9 +23,10 @@ class CheckpointManager:
     save() returns once the state's bytes are copied off the tensors (the
     snapshot), so training may go on mutating them; the write and commit
     run in the background, and so does the deletion of checkpoints past
-    keep_last (a thread of its own: deleting gigabytes can take seconds). The state may hold tensors, nested dicts, JSON
-    values, ferry.Shard entries and objects with state_dict() /
-    load_state_dict() (modules, optimizers)."""
+    keep_last (a thread of its own: deleting gigabytes can take seconds).
+    The state may hold tensors, nested dicts, JSON values, ferry.Shard
+    entries and objects with state_dict() / load_state_dict() (modules,
+    optimizers)."""
 
     def __init__(self, root, save_interval_steps=1, keep_last=None, runtime=None):
         if save_interval_steps < 1:

@@ -206,6 +206,25 @@ TEST_CASE("catalog gc removes expired pending directories only", "[catalog]") {
   CHECK(*fs->list(root) == std::vector<std::string>{kRootLockFileName, step_dir_name(1)});
 }
 
+TEST_CASE("catalog retention takes ROOT's lock, as a commit does", "[catalog]") {
+  TempDir tmp;
+  auto fs = posix_filesystem();
+  const std::string& root = tmp.path();
+  make_checkpoint(*fs, root, 10, 1);
+  make_checkpoint(*fs, root, 20, 2);
+  {
+    auto held = lock_root(*fs, root, 0);  // a commit in progress
+    REQUIRE(held.ok());
+    auto r = apply_retention(*fs, root, 1, "", /*lock_wait_ms=*/0);
+    REQUIRE_FALSE(r.ok());
+    CHECK_THAT(r.status().message(), Catch::Contains(root));
+    CHECK(list_checkpoints(*fs, root)->size() == 2);  // nothing retired
+  }
+  auto r = apply_retention(*fs, root, 1, "", 0);
+  REQUIRE(r.ok());
+  CHECK(*r == std::vector<std::string>{join_path(root, step_dir_name(10))});
+}
+
 TEST_CASE("catalog retention keeps the newest N by commit sequence", "[catalog]") {
   TempDir tmp;
   auto fs = posix_filesystem();
@@ -234,8 +253,9 @@ TEST_CASE("catalog retention keeps the newest N by commit sequence", "[catalog]"
   REQUIRE(left.ok());
   CHECK(steps_of(*left) == std::vector<uint64_t>{30, 50});
   CHECK(fs->stat(pending).ok());  // pending saves are not retention's business
-  // Nothing half-deleted is left behind.
-  CHECK(*fs->list(root) == std::vector<std::string>{pending_dir_name(60, "job", "p"),
+  // Nothing half-deleted is left behind; retention took ROOT's lock.
+  CHECK(*fs->list(root) == std::vector<std::string>{kRootLockFileName,
+                                                    pending_dir_name(60, "job", "p"),
                                                     step_dir_name(30), step_dir_name(50)});
 
   auto again = apply_retention(*fs, root, 2);
