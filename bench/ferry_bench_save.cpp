@@ -54,6 +54,7 @@
 #include <thread>
 #include <vector>
 
+#include "catalog.hpp"
 #include "codec.hpp"
 #include "ferry/runtime.hpp"
 
@@ -416,7 +417,7 @@ double wait_for_trash(const std::string& root) {
     bool any = false;
     std::error_code ec;
     for (const auto& e : std::filesystem::directory_iterator(root, ec))
-      any = any || e.path().filename().string().rfind(".trash-", 0) == 0;
+      any = any || ferry::is_trash_dir_name(e.path().filename().string());
     if (!any || ms_since(t0) > 600'000) return ms_since(t0);
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
@@ -677,12 +678,13 @@ int run(const Flags& flags) {
   const uint64_t written_files = 2ull * flags.reps + 3 + (flags.compress ? flags.reps + 1 : 0);
   const bool keep_all =
       !retention && free_bytes(scratch.path()) > written_files * (state_bytes + state_bytes / 16);
+  const bool bench_keeps = retention || keep_all;  // timed_save leaves each checkpoint
   std::printf("deletions: %s\n", retention  ? "by retention (keep-last), waited for"
                                  : keep_all ? "none between timed writes (done at the end)"
                                             : "after each timed write (too little free space "
                                               "to keep them)");
   uint64_t step = 1;
-  const SaveSample warm = timed_save(*rt, sd, step++, {}, retention || keep_all);
+  const SaveSample warm = timed_save(*rt, sd, step++, {}, bench_keeps);
   std::printf("warm-up save: %.1f ms (not counted), %llu bytes in %llu file(s)\n", warm.total_ms,
               static_cast<unsigned long long>(warm.metrics.bytes),
               static_cast<unsigned long long>(warm.metrics.files));
@@ -704,7 +706,7 @@ int run(const Flags& flags) {
   };
   raw_once();
   for (uint32_t r = 0; r < flags.reps; ++r) {
-    saves.push_back(timed_save(*rt, sd, step++, {}, retention || keep_all || r + 1 == flags.reps));
+    saves.push_back(timed_save(*rt, sd, step++, {}, bench_keeps || r + 1 == flags.reps));
     const double trash_ms = retention ? wait_for_trash(root) : 0;
     raw_once();
     memcpy_v.push_back(memcpy_state(state, tensors, dst));
@@ -724,12 +726,11 @@ int run(const Flags& flags) {
   ferry::SaveOptions zso;
   zso.compress = "zstd:" + std::to_string(flags.compress_level);
   if (flags.compress) {
-    const SaveSample zwarm = timed_save(*rt, sd, step++, zso, retention || keep_all);
+    const SaveSample zwarm = timed_save(*rt, sd, step++, zso, bench_keeps);
     std::printf("warm-up compressed save: %.1f ms (not counted), %llu bytes stored\n",
                 zwarm.total_ms, static_cast<unsigned long long>(zwarm.metrics.bytes));
     for (uint32_t r = 0; r < flags.reps; ++r) {
-      zsaves.push_back(
-          timed_save(*rt, sd, step++, zso, retention || keep_all || r + 1 == flags.reps));
+      zsaves.push_back(timed_save(*rt, sd, step++, zso, bench_keeps || r + 1 == flags.reps));
       const SaveSample& s = zsaves.back();
       std::printf(
           "compressed save %u: snapshot %.1f ms, committed %.1f ms (plan+compress %.1f, write "
