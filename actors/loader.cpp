@@ -33,6 +33,7 @@
 #include "actors/messages.hpp"
 #include "checksum.hpp"
 #include "codec.hpp"
+#include "copy_bytes.hpp"
 #include "drills/kill_point.hpp"
 
 namespace ferry {
@@ -75,6 +76,48 @@ struct OutStream {
   size_t run = 0;  // the next byte to send: runs[run], `into` bytes in
   uint64_t into = 0;
 };
+
+// The sum of a frame's bytes, which lie in `parts`, `n` bytes in all.
+uint64_t sum_parts(const std::vector<std::string_view>& parts, uint64_t n,
+                   StreamingChecksum& hash) {
+  if (parts.size() == 1) return xxh3_64(parts.front().data(), n);
+  hash.reset();
+  for (std::string_view p : parts) hash.update(p.data(), p.size());
+  return hash.digest();
+}
+
+void copy_parts(uint8_t* into, const std::vector<std::string_view>& parts) {
+  for (std::string_view p : parts) {
+    copy_bytes(into, p.data(), p.size());
+    into += p.size();
+  }
+}
+
+// Gathers a frame's parts into `into` and returns their sum, hashing every
+// slice of the frame right after it was copied: the hash then reads bytes
+// the copy left in the core's cache, where summing the parts first read
+// them from memory twice (the read buffer left the cache since the block
+// was verified).
+uint64_t copy_and_sum(uint8_t* into, const std::vector<std::string_view>& parts,
+                      StreamingChecksum& hash) {
+  constexpr uint64_t kSlice = 128 << 10;
+  hash.reset();
+  uint8_t* hashed = into;
+  for (std::string_view p : parts) {
+    for (uint64_t at = 0; at < p.size();) {
+      const uint64_t k = std::min<uint64_t>(p.size() - at, kSlice);
+      copy_bytes(into, p.data() + at, k);
+      into += k;
+      at += k;
+      if (static_cast<uint64_t>(into - hashed) >= kSlice) {
+        hash.update(hashed, static_cast<size_t>(into - hashed));
+        hashed = into;
+      }
+    }
+  }
+  hash.update(hashed, static_cast<size_t>(into - hashed));
+  return hash.digest();
+}
 
 // Sends the verified bytes of `op` (at `buf`) to the ranks in op.share_with,
 // each only the elements of its box (its shared stream), in frames that
@@ -131,18 +174,11 @@ Status send_shared(const RankContext& ctx, const ReadTask& task, const Manifest&
           o.into = 0;
         }
       }
-      if (!(summed_box && *summed_box == o.to->box && summed_run == run && summed_into == into)) {
-        if (parts.size() == 1) {
-          sum = xxh3_64(parts.front().data(), n);
-        } else {
-          hash.reset();
-          for (std::string_view p : parts) hash.update(p.data(), p.size());
-          sum = hash.digest();
-        }
-        summed_box = &o.to->box;
-        summed_run = run;
-        summed_into = into;
-      }
+      const bool summed =
+          summed_box && *summed_box == o.to->box && summed_run == run && summed_into == into;
+      summed_box = &o.to->box;
+      summed_run = run;
+      summed_into = into;
       const int32_t to = o.to->rank;
       auto context = [&] {
         return "rank " + std::to_string(ctx.rank) + ": sending bytes of tensor '" +
@@ -156,21 +192,24 @@ Status send_shared(const RankContext& ctx, const ReadTask& task, const Manifest&
       const uint64_t first =
           static_cast<uint64_t>(reinterpret_cast<const uint8_t*>(parts.front().data()) - buf);
       BlockShareMsg msg{ctx.job_id, load_id, ctx.rank, to, op.file, op.file_offset + first,
-                        Status(),   {},      sum};
+                        Status(),   {},      0};
       // Straight to `to` over a direct lane, else through rank 0, which
       // passes it on by BlockShare.to: the bytes in its ring, else gathered
       // straight into the frame.
       if (ring.ring != nullptr) {
         msg.ring_offset = ring.ring->place(n);
         msg.ring_length = n;
-        uint8_t* into = ring.ring->at(msg.ring_offset);
-        for (std::string_view p : parts) {
-          std::memcpy(into, p.data(), p.size());
-          into += p.size();
-        }
+        uint8_t* frame = ring.ring->at(msg.ring_offset);
+        if (!summed)
+          sum = copy_and_sum(frame, parts, hash);
+        else
+          copy_parts(frame, parts);
+        msg.checksum = sum;
         s = t.send(t.next_hop(to), encode_message(msg));
         if (s.ok()) ctx.shares->count_in_memory(n);
       } else {
+        if (!summed) sum = sum_parts(parts, n, hash);
+        msg.checksum = sum;
         s = t.send(t.next_hop(to), encode_gathered(msg, parts));
       }
       if (!s.ok()) return s.with_context(context());
@@ -231,12 +270,14 @@ class CopyLatch {
   Status first_;
 };
 
-// Copies `n` bytes at `src` to byte `dst` of `target` through the device;
-// the copy reports to `latch`.
-void copy_to(const RankContext& ctx, const std::string& key, const uint8_t* src,
-             const TensorView& target, uint64_t dst, uint64_t n, CopyLatch& latch) {
+// Copies `runs` (offsets past `src`) into `target` through the device, one
+// batch; the batch reports to `latch`. `key` outlives the latch's wait.
+void copy_runs(const RankContext& ctx, const std::string& key, const uint8_t* src,
+               const TensorView& target, const std::vector<DeviceBackend::Run>& runs,
+               CopyLatch& latch) {
+  if (runs.empty()) return;
   latch.add();
-  ctx.device->copy_in(src, target, dst, n, [&latch, key](Status st) {
+  ctx.device->copy_in_runs(src, target, runs, [&latch, &key](Status st) {
     // The device names itself and the CUDA error; only we know the tensor.
     if (!st.ok()) st = st.with_context("tensor '" + key + "': ");
     latch.arrive(std::move(st));
@@ -255,19 +296,24 @@ Status verify_and_copy(const RankContext& ctx, const Manifest& m, const ReadOp& 
   const uint64_t cb = checked ? m.checksum_block_bytes : op.length;
   uint64_t verified = checked ? 0 : op.length;  // bytes of the read checked so far
   Status s;
+  const std::string& key = m.tensors[op.tensor].key;
+  // The copies out of the blocks checked so far, issued as one batch before
+  // the next block is hashed.
+  std::vector<DeviceBackend::Run> runs;
   auto verify_to = [&](uint64_t end) {
+    copy_runs(ctx, key, buf, target, runs, latch);
+    runs.clear();
     while (s.ok() && verified < end) {
       s = verify_block(ctx, m, op, path, buf, static_cast<uint32_t>(verified / cb));
       verified = std::min(op.length, verified + cb);
     }
   };
-  const std::string& key = m.tensors[op.tensor].key;
   for_each_copy(op, dtype_size(target.dtype), [&](uint64_t src, uint64_t dst, uint64_t n) {
     while (n > 0 && s.ok()) {
-      verify_to(src + 1);
+      if (src >= verified) verify_to(src + 1);
       if (!s.ok()) return;
       const uint64_t k = std::min(n, verified - src);
-      copy_to(ctx, key, buf + src, target, dst, k, latch);
+      runs.push_back({src, dst, k});
       src += k;
       dst += k;
       n -= k;
@@ -679,11 +725,12 @@ class RunReader {
       if (!first.ok()) continue;
       CopyLatch latch;
       const TensorView& target = task_.targets[d.op->entry];
+      std::vector<DeviceBackend::Run> runs;
       for_each_copy(*d.op, dtype_size(target.dtype), [&](uint64_t src, uint64_t dst, uint64_t n) {
-        latch.add();
-        ctx_.device->copy_in(d.raw->data() + src, target, dst, n,
-                             [&latch](Status st) { latch.arrive(std::move(st)); });
+        runs.push_back({src, dst, n});
       });
+      copy_runs(ctx_, task_.manifest->tensors[d.op->tensor].key, d.raw->data(), target, runs,
+                latch);
       first = latch.wait();
     }
     return first;
@@ -856,6 +903,7 @@ Status take_share(const RankContext& ctx, ShareWait& w, const BlockShareMsg& msg
   CopyLatch latch;
   Status s;
   bool any = false;
+  std::vector<DeviceBackend::Run> runs;
   while (it != w.pieces.begin()) {
     --it;
     const auto& [from, op] = *it;
@@ -885,10 +933,11 @@ Status take_share(const RankContext& ctx, ShareWait& w, const BlockShareMsg& msg
         return;
       }
       const uint64_t a = std::max(*q, lo), b = std::min(*q + n, hi);
-      if (a < b)
-        copy_to(ctx, t.key, data + (a - lo), w.targets[op.entry], dst + (a - *q), b - a, latch);
+      if (a < b) runs.push_back({a - lo, dst + (a - *q), b - a});
     });
     if (!s.ok()) break;
+    copy_runs(ctx, t.key, data, w.targets[op.entry], runs, latch);
+    runs.clear();
     any = true;
   }
   // The frame's bytes are read by the copies: they must land before it goes.

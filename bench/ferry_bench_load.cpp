@@ -29,8 +29,8 @@
 // whole state on each of N local ranks (processes started with `ferry launch`, found next to this
 // binary's directory): replicated bytes are read once per node and passed
 // between the ranks through rank 0, so the figures are the load's wall time,
-// every rank's peak RSS and how much it grew during the load (rank 0 relays,
-// and share-window bounds that), and its transport's send-queue high-water
+// every rank's CPU time during it (user and kernel), its peak RSS and how much it grew during the
+// load (rank 0 relays, and share-window bounds that), and its transport's send-queue high-water
 // mark, beside its peer: the same number of plain O_DIRECT readers at once,
 // each reading the whole state (what ranks that pass nothing between them
 // could at best do). With --ranks each round launches the job and then
@@ -176,7 +176,7 @@ Flags parse(int argc, char** argv) {
 // (/proc/self/io read_bytes) and kernel CPU time of all its threads.
 struct Usage {
   uint64_t disk_read = 0;
-  double kernel_s = 0;
+  double kernel_s = 0, user_s = 0;
   static Usage now() {
     Usage u;
     std::ifstream io("/proc/self/io");
@@ -187,6 +187,7 @@ struct Usage {
     rusage ru{};
     ::getrusage(RUSAGE_SELF, &ru);
     u.kernel_s = static_cast<double>(ru.ru_stime.tv_sec) + ru.ru_stime.tv_usec / 1e6;
+    u.user_s = static_cast<double>(ru.ru_utime.tv_sec) + ru.ru_utime.tv_usec / 1e6;
     return u;
   }
 };
@@ -429,9 +430,11 @@ int child_main(const Flags& f) {
     if (!warm.ok()) die("warm-up load: " + warm.status().to_string());
   }
   const double hwm0 = vm_hwm_mib();
+  const Usage u0 = Usage::now();
   const auto t0 = Clock::now();
   auto report = (*rt)->load_report(sd, f.child_ckpt);
   const double load_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  const Usage u1 = Usage::now();
   const double hwm1 = vm_hwm_mib();
   if (!report.ok()) die("load: " + report.status().to_string());
   for (uint32_t t = 0; t < f.tensors; ++t)
@@ -441,10 +444,12 @@ int child_main(const Flags& f) {
             expected_value(static_cast<size_t>((s.row0 + a) * kCols + s.col0 + b), t))
           die("tensor layer." + std::to_string(t) + " loaded wrong bytes");
   std::printf(
-      "RANKSTATS load_s=%.4f peak_rss_mib=%.0f hwm_growth_mib=%.0f queue_peak_mib=%.1f "
+      "RANKSTATS load_s=%.4f cpu_s=%.3f kernel_s=%.3f peak_rss_mib=%.0f hwm_growth_mib=%.0f "
+      "queue_peak_mib=%.1f "
       "read_mib=%.1f received_mib=%.1f relayed_frames=%llu in_memory_mib=%.1f\n",
-      load_s, hwm1, hwm1 - hwm0, report->send_queue_peak / double(kMiB),
-      report->bytes_read / double(kMiB), report->bytes_received / double(kMiB),
+      load_s, u1.user_s + u1.kernel_s - u0.user_s - u0.kernel_s, u1.kernel_s - u0.kernel_s, hwm1,
+      hwm1 - hwm0, report->send_queue_peak / double(kMiB), report->bytes_read / double(kMiB),
+      report->bytes_received / double(kMiB),
       static_cast<unsigned long long>(report->share_frames_relayed),
       report->shared_in_memory / double(kMiB));
   return 0;

@@ -1,5 +1,7 @@
 #include "ferry/device.hpp"
 
+#include "copy_bytes.hpp"
+
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -11,6 +13,7 @@
 #include <cassert>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -78,12 +81,38 @@ __attribute__((target("avx2"))) void stream_copy_avx2(uint8_t* dst, const uint8_
 }
 #endif
 
+#if defined(__x86_64__)
+__attribute__((target("avx2"))) void cached_copy_avx2(uint8_t* dst, const uint8_t* src, size_t n) {
+  const size_t head = std::min<size_t>(n, (32 - (reinterpret_cast<uintptr_t>(dst) & 31)) & 31);
+  std::memcpy(dst, src, head);
+  dst += head;
+  src += head;
+  n -= head;
+  size_t i = 0;
+  for (; i + 128 <= n; i += 128) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i_u*>(src + i));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i_u*>(src + i + 32));
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i_u*>(src + i + 64));
+    const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i_u*>(src + i + 96));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(dst + i), a);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(dst + i + 32), b);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(dst + i + 64), c);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(dst + i + 96), d);
+  }
+  std::memcpy(dst + i, src + i, n - i);
+}
+
+bool has_avx2() {
+  static const bool yes = (__builtin_cpu_init(), __builtin_cpu_supports("avx2"));
+  return yes;
+}
+#endif
+
 void copy_out_bytes(uint8_t* dst, const uint8_t* src, size_t n) {
 #if defined(__x86_64__)
-  static const bool avx2 = __builtin_cpu_supports("avx2");
-  if (n >= kStreamMinBytes && avx2) return stream_copy_avx2(dst, src, n);
+  if (n >= kStreamMinBytes && has_avx2()) return stream_copy_avx2(dst, src, n);
 #endif
-  std::memcpy(dst, src, n);
+  copy_bytes(dst, src, n);
 }
 
 template <bool kOut>
@@ -91,7 +120,7 @@ inline void move_bytes(uint8_t* tensor, uint8_t* host, size_t n) {
   if (kOut) {
     copy_out_bytes(host, tensor, n);
   } else {
-    std::memcpy(tensor, host, n);
+    copy_bytes(tensor, host, n);
   }
 }
 
@@ -253,6 +282,24 @@ class HostDevice final : public DeviceBackend {
     done(std::move(st));
   }
 
+  void copy_in_runs(const uint8_t* src, const TensorView& dst, const std::vector<Run>& runs,
+                    Done done) override {
+    if (!dst.device.is_host()) return done(check(dst, 0, 0));
+    const uint64_t nbytes = dst.nbytes();
+    const bool contiguous = dst.is_contiguous();
+    auto* base = static_cast<uint8_t*>(dst.data);
+    for (const Run& r : runs) {
+      if (r.dst > nbytes || r.len > nbytes - r.dst) return done(check(dst, r.dst, r.len));
+      if (!contiguous) {
+        strided_copy_in(src + r.src, dst, r.dst, r.len);
+        continue;
+      }
+      populate_for_write(base + r.dst, r.len);
+      copy_bytes(base + r.dst, src + r.src, r.len);
+    }
+    done(Status());
+  }
+
  private:
   static Status check(const TensorView& v, uint64_t offset, uint64_t len) {
     if (!v.device.is_host())
@@ -267,6 +314,43 @@ class HostDevice final : public DeviceBackend {
 };
 
 }  // namespace
+
+void copy_bytes(void* dst, const void* src, size_t n) {
+#if defined(__x86_64__)
+  // Below 2 KiB glibc copies with vector moves, whatever the distance.
+  constexpr size_t kRepMovsbBytes = 2048;
+  const uintptr_t ahead =
+      (reinterpret_cast<uintptr_t>(dst) - reinterpret_cast<uintptr_t>(src)) & 4095;
+  if (n >= kRepMovsbBytes && ahead < 64 && has_avx2())
+    return cached_copy_avx2(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), n);
+#endif
+  std::memcpy(dst, src, n);
+}
+
+void DeviceBackend::copy_in_runs(const uint8_t* src, const TensorView& dst,
+                                 const std::vector<Run>& runs, Done done) {
+  // Copies may report on other threads, in any order, before copy_in
+  // returns: the count holds one extra until every copy is issued.
+  struct Join {
+    std::mutex mu;
+    size_t left;
+    Status first;
+    Done done;
+  };
+  auto join = std::make_shared<Join>();
+  join->left = runs.size() + 1;
+  join->done = std::move(done);
+  auto arrive = [join](Status st) {
+    std::unique_lock<std::mutex> l(join->mu);
+    if (!st.ok() && join->first.ok()) join->first = std::move(st);
+    if (--join->left > 0) return;
+    Status first = std::move(join->first);
+    l.unlock();
+    join->done(std::move(first));
+  };
+  for (const Run& r : runs) copy_in(src + r.src, dst, r.dst, r.len, arrive);
+  arrive(Status());
+}
 
 void strided_copy_out(const TensorView& src, uint64_t offset, uint64_t len, void* dst) {
   strided_copy<true>(src, offset, len, static_cast<uint8_t*>(dst));

@@ -7,6 +7,7 @@
 
 #include "protocol.hpp"
 #include "capnp_text.hpp"
+#include "copy_bytes.hpp"
 #include "frame_buffers.hpp"
 
 #include <capnp/message.h>
@@ -144,7 +145,7 @@ std::string block_share_frame(const BlockShareMsg& m, const std::vector<std::str
   size_t at = 0;
   for (std::string_view p : parts) {
     if (p.empty()) continue;
-    std::memcpy(data.begin() + at, p.data(), p.size());
+    copy_bytes(data.begin() + at, p.data(), p.size());
     at += p.size();
   }
   return frame(kControlProtocol, mb);

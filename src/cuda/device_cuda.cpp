@@ -169,6 +169,12 @@ void CudaDevice::copy_in(const void* src, const TensorView& dst, uint64_t offset
   submit(Request{false, dst, offset, len, const_cast<void*>(src), std::move(done)});
 }
 
+void CudaDevice::copy_in_runs(const uint8_t* src, const TensorView& dst,
+                              const std::vector<Run>& runs, Done done) {
+  if (dst.device.is_host()) return host_->copy_in_runs(src, dst, runs, std::move(done));
+  DeviceBackend::copy_in_runs(src, dst, runs, std::move(done));
+}
+
 void CudaDevice::submit(Request r) {
   const Device& d = r.view.device;
   Status bad;

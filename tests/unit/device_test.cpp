@@ -4,9 +4,13 @@
 
 #include <algorithm>
 #include <cstring>
+#include <mutex>
 #include <numeric>
 #include <random>
+#include <thread>
 #include <vector>
+
+#include "copy_bytes.hpp"
 
 using ferry::DType;
 using ferry::TensorView;
@@ -193,4 +197,138 @@ TEST_CASE("host device copies synchronously and reports", "[device]") {
   TensorView gpu{storage.data(), DType::i32, {12}, ferry::Device::cuda(0)};
   dev->copy_out(gpu, 0, 4, out.data(), [&](ferry::Status st) { err = st; });
   CHECK(err.code() == ferry::StatusCode::invalid_argument);
+}
+
+TEST_CASE("copy_bytes is exact at every distance modulo a page, nothing past it", "[device]") {
+  // Destinations up to 64 bytes past the source modulo 4 KiB take the AVX2
+  // loop (an aligned middle, copied ends); the others memcpy.
+  std::mt19937 rng(5);
+  std::vector<uint8_t> src(80 << 10);
+  for (auto& b : src) b = static_cast<uint8_t>(rng());
+  std::vector<uint8_t> out(src.size() + 2 * 4096);
+  // Page-aligned bases, so `from` and `to` set the distance modulo a page.
+  auto* in =
+      reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(src.data()) + 4095) & ~4095ull);
+  auto* dst =
+      reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(out.data()) + 4095) & ~4095ull);
+  const size_t room = static_cast<size_t>(out.data() + out.size() - dst);
+  for (size_t len : {size_t{0}, size_t{1}, size_t{2047}, size_t{2048}, size_t{4096 + 17},
+                     size_t{64 << 10} + 5}) {
+    for (size_t from : {0, 16, 100}) {
+      for (size_t to : {0, 1, 16, 31, 63, 64, 65, 200, 4095}) {
+        const size_t at = from + to;
+        INFO("len " << len << " from " << from << " dst - src " << to);
+        std::fill(out.begin(), out.end(), 0xEE);
+        ferry::copy_bytes(dst + at, in + from, len);
+        CHECK(std::equal(dst + at, dst + at + len, in + from));
+        CHECK(std::all_of(out.data(), dst + at, [](uint8_t b) { return b == 0xEE; }));
+        CHECK(std::all_of(dst + at + len, dst + room, [](uint8_t b) { return b == 0xEE; }));
+      }
+    }
+  }
+}
+
+TEST_CASE("copy_in_runs lands every run, reports once, and fails on a run past the tensor",
+          "[device]") {
+  auto dev = ferry::host_device();
+  const std::vector<uint8_t> host = iota_bytes(4096);
+  const std::vector<ferry::DeviceBackend::Run> runs{{0, 8, 8}, {100, 40, 3000}, {3200, 3100, 12}};
+  SECTION("contiguous and strided tensors alike, as copy_in would") {
+    std::vector<uint8_t> store(4 * 1024, 0), want(4 * 1024, 0);
+    // The same bytes viewed transposed: the runs land strided.
+    for (bool transposed : {false, true}) {
+      INFO("transposed " << transposed);
+      std::fill(store.begin(), store.end(), 0);
+      std::fill(want.begin(), want.end(), 0);
+      auto view = [&](std::vector<uint8_t>& b) {
+        return transposed
+                   ? TensorView{b.data(), DType::u8, {64, 64}, ferry::Device::host(), {1, 64}}
+                   : TensorView{b.data(), DType::u8, {4096}};
+      };
+      int reports = 0;
+      ferry::Status got;
+      dev->copy_in_runs(host.data(), view(store), runs, [&](ferry::Status st) {
+        ++reports;
+        got = st;
+      });
+      for (const auto& r : runs)
+        dev->copy_in(host.data() + r.src, view(want), r.dst, r.len, [](ferry::Status) {});
+      CHECK(reports == 1);
+      CHECK(got.ok());
+      CHECK(store == want);
+      if (!transposed) CHECK(store[8] == host[0]);
+      CHECK(std::count(store.begin(), store.end(), 0) < 4096 - 3000);
+    }
+  }
+  SECTION("a run past the tensor fails the batch, naming its range") {
+    std::vector<uint8_t> store(4096, 0);
+    TensorView t{store.data(), DType::u8, {4096}};
+    auto bad = runs;
+    bad.push_back({0, 4090, 16});
+    ferry::Status got;
+    int reports = 0;
+    dev->copy_in_runs(host.data(), t, bad, [&](ferry::Status st) {
+      ++reports;
+      got = st;
+    });
+    CHECK(reports == 1);
+    CHECK(got.code() == ferry::StatusCode::invalid_argument);
+    CHECK_THAT(got.message(), Catch::Contains("[4090, 4106)"));
+  }
+}
+
+// A backend that copies on a thread of its own and fails the copies into
+// one byte range: what the default copy_in_runs must join.
+class ThreadedDevice final : public ferry::DeviceBackend {
+ public:
+  ~ThreadedDevice() override {
+    for (auto& t : threads_) t.join();
+  }
+  bool handles(const ferry::Device& d) const override { return d.is_host(); }
+  void copy_out(const TensorView&, uint64_t, uint64_t, void*, Done done) override {
+    done(ferry::Status::unsupported("copy_out"));
+  }
+  void copy_in(const void* src, const TensorView& dst, uint64_t offset, uint64_t len,
+               Done done) override {
+    std::lock_guard<std::mutex> l(mu_);
+    threads_.emplace_back([=] {
+      std::this_thread::yield();
+      if (offset == 40) return done(ferry::Status::io_error("copy at 40 failed"));
+      std::memcpy(static_cast<uint8_t*>(dst.data) + offset, src, len);
+      done(ferry::Status());
+    });
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::thread> threads_;
+};
+
+TEST_CASE("the default copy_in_runs reports once, after the last copy, with the first error",
+          "[device]") {
+  const std::vector<uint8_t> host = iota_bytes(4096);
+  std::vector<uint8_t> store(4096, 0);
+  TensorView t{store.data(), DType::u8, {4096}};
+  std::mutex mu;
+  std::vector<ferry::Status> reports;
+  {
+    ThreadedDevice dev;
+    dev.copy_in_runs(
+        host.data(), t, {{0, 8, 8}, {100, 40, 300}, {3200, 3100, 12}}, [&](ferry::Status st) {
+          std::lock_guard<std::mutex> l(mu);
+          // Every other copy has landed by now.
+          CHECK(std::equal(store.begin() + 8, store.begin() + 16, host.begin()));
+          CHECK(std::equal(store.begin() + 3100, store.begin() + 3112, host.begin() + 3200));
+          reports.push_back(st);
+        });
+  }  // joins the copies
+  REQUIRE(reports.size() == 1);
+  CHECK(reports[0].code() == ferry::StatusCode::io_error);
+  ThreadedDevice dev;
+  int calls = 0;
+  dev.copy_in_runs(host.data(), t, {}, [&](ferry::Status st) {
+    ++calls;
+    CHECK(st.ok());
+  });
+  CHECK(calls == 1);
 }

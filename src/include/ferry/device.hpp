@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <vector>
 
 #include "ferry/status.hpp"
 #include "ferry/tensor.hpp"
@@ -26,6 +27,18 @@ class DeviceBackend {
   // row-major byte stream.
   virtual void copy_in(const void* src, const TensorView& dst, uint64_t offset, uint64_t len,
                        Done done) = 0;
+
+  // One piece of a batched copy: `len` bytes at `src` past the host base go
+  // to bytes [dst, dst + len) of the tensor's row-major byte stream.
+  struct Run {
+    uint64_t src, dst, len;
+  };
+  // Copies many pieces of one host buffer into `dst` and reports once, after
+  // the last. A load split by columns copies a few KiB per piece, and a
+  // callback and a lock per piece cost as much as its bytes. `runs` is read
+  // before this returns. The default calls copy_in for each run.
+  virtual void copy_in_runs(const uint8_t* src, const TensorView& dst, const std::vector<Run>& runs,
+                            Done done);
 };
 
 // Plain memcpy for host tensors; strided views are gathered/scattered.
