@@ -57,7 +57,11 @@ std::vector<Dim> collapse_dims(const TensorView& v) {
 constexpr size_t kStreamMinBytes = 1 << 20;
 
 #if defined(__x86_64__)
-__attribute__((target("avx2"))) void stream_copy_avx2(uint8_t* dst, const uint8_t* src, size_t n) {
+// 128 bytes a step, an aligned destination. kStream: non-temporal stores
+// (copies out into the snapshot's pool blocks); else plain ones (see
+// copy_bytes.hpp).
+template <bool kStream>
+__attribute__((target("avx2"))) void avx2_copy(uint8_t* dst, const uint8_t* src, size_t n) {
   const size_t head = std::min<size_t>(n, (32 - (reinterpret_cast<uintptr_t>(dst) & 31)) & 31);
   std::memcpy(dst, src, head);
   dst += head;
@@ -65,40 +69,18 @@ __attribute__((target("avx2"))) void stream_copy_avx2(uint8_t* dst, const uint8_
   n -= head;
   size_t i = 0;
   for (; i + 128 <= n; i += 128) {
-    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i_u*>(src + i));
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i_u*>(src + i + 32));
-    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i_u*>(src + i + 64));
-    const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i_u*>(src + i + 96));
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), a);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 32), b);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 64), c);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 96), d);
+#pragma GCC unroll 4
+    for (size_t k = 0; k < 128; k += 32) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i_u*>(src + i + k));
+      if (kStream)
+        _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + k), v);
+      else
+        _mm256_store_si256(reinterpret_cast<__m256i*>(dst + i + k), v);
+    }
   }
-  // The stores are weakly ordered: fenced before the copy is reported done
-  // and another thread hands the block to the disk.
-  _mm_sfence();
-  std::memcpy(dst + i, src + i, n - i);
-}
-#endif
-
-#if defined(__x86_64__)
-__attribute__((target("avx2"))) void cached_copy_avx2(uint8_t* dst, const uint8_t* src, size_t n) {
-  const size_t head = std::min<size_t>(n, (32 - (reinterpret_cast<uintptr_t>(dst) & 31)) & 31);
-  std::memcpy(dst, src, head);
-  dst += head;
-  src += head;
-  n -= head;
-  size_t i = 0;
-  for (; i + 128 <= n; i += 128) {
-    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i_u*>(src + i));
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i_u*>(src + i + 32));
-    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i_u*>(src + i + 64));
-    const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i_u*>(src + i + 96));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(dst + i), a);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(dst + i + 32), b);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(dst + i + 64), c);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(dst + i + 96), d);
-  }
+  // Streaming stores are weakly ordered: fenced before the copy is reported
+  // done and another thread hands the block to the disk.
+  if (kStream) _mm_sfence();
   std::memcpy(dst + i, src + i, n - i);
 }
 
@@ -110,7 +92,7 @@ bool has_avx2() {
 
 void copy_out_bytes(uint8_t* dst, const uint8_t* src, size_t n) {
 #if defined(__x86_64__)
-  if (n >= kStreamMinBytes && has_avx2()) return stream_copy_avx2(dst, src, n);
+  if (n >= kStreamMinBytes && has_avx2()) return avx2_copy<true>(dst, src, n);
 #endif
   copy_bytes(dst, src, n);
 }
@@ -322,7 +304,7 @@ void copy_bytes(void* dst, const void* src, size_t n) {
   const uintptr_t ahead =
       (reinterpret_cast<uintptr_t>(dst) - reinterpret_cast<uintptr_t>(src)) & 4095;
   if (n >= kRepMovsbBytes && ahead < 64 && has_avx2())
-    return cached_copy_avx2(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), n);
+    return avx2_copy<false>(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), n);
 #endif
   std::memcpy(dst, src, n);
 }
