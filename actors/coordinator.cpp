@@ -117,6 +117,9 @@ struct coordinator_state {
     std::optional<std::vector<std::string>> names;
   };
   std::shared_ptr<std::deque<Trash>> trash = std::make_shared<std::deque<Trash>>();
+  // Deletions of trash that failed after their commit had answered: the
+  // next commit's warnings, so the caller hears of space it cannot reclaim.
+  std::vector<Status> tidy_failed;
 };
 
 using coordinator_ptr = coordinator_actor::stateful_pointer<coordinator_state>;
@@ -210,9 +213,12 @@ void tidy(coordinator_ptr self) {
     s = remove_all(fs, t.dir);
     done = true;
   }
-  if (!s.ok())
+  if (!s.ok()) {
     std::fprintf(stderr, "ferry[rank 0]: warning: deleting %s (left for gc): %s\n", t.dir.c_str(),
                  s.to_string().c_str());
+    self->state.tidy_failed.push_back(
+        s.with_context("deleting " + t.dir + ", retired by an earlier commit (left for gc): "));
+  }
   if (done || !s.ok()) trash.pop_front();
   if (!trash.empty()) self->send(me(self), atom::tidy_v);
 }
@@ -327,6 +333,8 @@ void on_all_results(coordinator_ptr self) {
                  out->path.c_str(), commit_s, st.ctx->opts.commit_timeout_s);
   // Committed: what failed after the commit point does not undo that.
   std::vector<std::string> warnings;
+  out->warnings.insert(out->warnings.begin(), st.tidy_failed.begin(), st.tidy_failed.end());
+  st.tidy_failed.clear();
   for (const Status& w : out->warnings) {
     warnings.push_back(w.to_string());
     std::fprintf(stderr, "ferry[rank 0]: warning: checkpoint %s is committed, but: %s\n",

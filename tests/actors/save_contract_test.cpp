@@ -248,3 +248,37 @@ TEST_CASE("retention deletes old checkpoints after the save reports, never befor
   CHECK(trash_dirs(dir.path()) == 0);
   CHECK(steps() == std::vector<uint64_t>{3});
 }
+
+TEST_CASE("a retired checkpoint that cannot be deleted is a warning of the next save, once",
+          "[actors][save][contract][retention]") {
+  TempDir dir;
+  Model m;
+  // Nothing inside a trash directory can be unlinked (a disk gone bad under
+  // it); the deletion runs after the commit that retired it has answered.
+  auto rt = runtime(dir.path(), "eio:unlink:1+:path=.trash-", {{"keep-last", "1"}});
+  auto h1 = rt->save_async(m.sd, 1);
+  REQUIRE(h1.wait_committed(30s).ok());
+  auto h2 = rt->save_async(m.sd, 2);
+  REQUIRE(h2.wait_committed(30s).ok());
+  CHECK(h2.warnings().empty());
+  auto h3 = rt->save_async(m.sd, 3);
+  const ferry::Status st = h3.wait_committed(30s);
+  INFO(st.to_string());
+  REQUIRE(st.ok());
+  // Step 1's deletion failed after step 2 answered: step 3 says so, naming
+  // the directory left behind and the error.
+  REQUIRE(h3.warnings().size() == 1);
+  CHECK_THAT(h3.warnings()[0], Catch::Contains(dir.path() + "/.trash-"));
+  CHECK_THAT(h3.warnings()[0], Catch::Contains("retired by an earlier commit"));
+  CHECK_THAT(h3.warnings()[0], Catch::Contains("Input/output error"));
+  CHECK(trash_dirs(dir.path()) == 2);
+  // Step 4 reports step 2's, not step 1's again.
+  auto h4 = rt->save_async(m.sd, 4);
+  REQUIRE(h4.wait_committed(30s).ok());
+  REQUIRE(h4.warnings().size() == 1);
+  CHECK(h4.warnings()[0] != h3.warnings()[0]);
+  auto list = ferry::list_checkpoints(*ferry::posix_filesystem(), dir.path());
+  REQUIRE(list.ok());
+  REQUIRE(list->size() == 1);
+  CHECK(list->front().step == 4);
+}
