@@ -257,32 +257,29 @@ class HostDevice final : public DeviceBackend {
 
   void copy_in(const void* src, const TensorView& dst, uint64_t offset, uint64_t len,
                Done done) override {
-    Status st = check(dst, offset, len);
-    if (st.ok() && dst.is_contiguous())
-      populate_for_write(static_cast<uint8_t*>(dst.data) + offset, len);
-    if (st.ok()) strided_copy_in(src, dst, offset, len);
-    done(std::move(st));
+    done(copy_in_now(src, dst, offset, len));
   }
 
   void copy_in_runs(const uint8_t* src, const TensorView& dst, const std::vector<Run>& runs,
                     Done done) override {
     if (!dst.device.is_host()) return done(check(dst, 0, 0));
-    const uint64_t nbytes = dst.nbytes();
-    const bool contiguous = dst.is_contiguous();
-    auto* base = static_cast<uint8_t*>(dst.data);
     for (const Run& r : runs) {
-      if (r.dst > nbytes || r.len > nbytes - r.dst) return done(check(dst, r.dst, r.len));
-      if (!contiguous) {
-        strided_copy_in(src + r.src, dst, r.dst, r.len);
-        continue;
-      }
-      populate_for_write(base + r.dst, r.len);
-      copy_bytes(base + r.dst, src + r.src, r.len);
+      Status st = copy_in_now(src + r.src, dst, r.dst, r.len);
+      if (!st.ok()) return done(std::move(st));
     }
     done(Status());
   }
 
  private:
+  // Checks the range, then copies at once (this device is synchronous).
+  static Status copy_in_now(const void* src, const TensorView& dst, uint64_t offset, uint64_t len) {
+    Status st = check(dst, offset, len);
+    if (!st.ok()) return st;
+    if (dst.is_contiguous()) populate_for_write(static_cast<uint8_t*>(dst.data) + offset, len);
+    strided_copy_in(src, dst, offset, len);
+    return st;
+  }
+
   static Status check(const TensorView& v, uint64_t offset, uint64_t len) {
     if (!v.device.is_host())
       return Status::invalid_argument("host device asked to copy a tensor on " +
