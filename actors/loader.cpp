@@ -46,6 +46,11 @@ constexpr uint64_t kAlign = 4096;
 // Reads in flight per reader: enough to keep a virtual disk's queue busy
 // while the reader verifies and copies the run that landed before.
 constexpr size_t kReadsInFlight = 4;
+// Staged reads are at most this long, whatever the pool's block size: at a
+// restart, a load's reads fault in every page of the pool they land in, and
+// 32 MiB reads (the default block) faulted 256 MiB per rank; a longer read
+// did not read faster here.
+constexpr uint64_t kStagedRunBytes = 8ull << 20;
 
 struct reader_state {
   static inline const char* name = "ferry.reader";
@@ -566,7 +571,8 @@ class RunReader {
       const uint64_t head = op.length / f->align.offset * f->align.offset;
       runs_.push_back({ReadRun{op.file, op.file_offset, head, {std::move(op)}}, p});
     }
-    for (ReadRun& r : make_read_runs(std::move(staged), *task_.manifest, block, kAlign))
+    for (ReadRun& r : make_read_runs(std::move(staged), *task_.manifest,
+                                     std::min(block, kStagedRunBytes), kAlign))
       runs_.push_back({std::move(r), nullptr});
     std::stable_sort(runs_.begin(), runs_.end(), [](const Work& a, const Work& b) {
       return std::tie(a.run.file, a.run.offset) < std::tie(b.run.file, b.run.offset);
@@ -582,7 +588,7 @@ class RunReader {
     if (w.direct) {
       f.buf = w.direct;
     } else if (run.length <= block) {
-      f.lease = ctx_.pool->try_acquire();
+      f.lease = ctx_.pool->try_acquire(StagingPool::Faulting::on_use);
       if (!f.lease) return false;
       auto data = ctx_.pool->data(*f.lease);
       if (!data.ok()) {

@@ -1,5 +1,7 @@
 #include "pool.hpp"
 
+#include <pthread.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -13,6 +15,18 @@ namespace ferry {
 namespace {
 
 constexpr uint64_t kPageBytes = 4096;
+
+// Faults pages in writable without writing to them; false where the kernel
+// lacks MADV_POPULATE_WRITE (before 5.14).
+bool populate(uint8_t* p, uint64_t n) {
+#ifdef MADV_POPULATE_WRITE
+  return ::madvise(p, static_cast<size_t>(n), MADV_POPULATE_WRITE) == 0;
+#else
+  (void)p;
+  (void)n;
+  return false;
+#endif
+}
 
 std::string lease_text(const Lease& l) {
   return "block " + std::to_string(l.index) + " generation " + std::to_string(l.generation);
@@ -56,21 +70,30 @@ Result<std::unique_ptr<StagingPool>> StagingPool::create(uint64_t bytes, uint64_
   }
   // Fewer TLB misses on big copies; only a hint, so a refusal is fine.
   (void)::madvise(p, static_cast<size_t>(total), MADV_HUGEPAGE);
+  // Which way blocks fault (see pool.hpp), tried on the first page.
+  const bool can_populate = populate(static_cast<uint8_t*>(p), kPageBytes);
   // Faulted in the background (see pool.hpp): start returns at once.
-  return std::unique_ptr<StagingPool>(
-      new StagingPool(static_cast<uint8_t*>(p), block_bytes, static_cast<uint32_t>(blocks)));
+  return std::unique_ptr<StagingPool>(new StagingPool(static_cast<uint8_t*>(p), block_bytes,
+                                                      static_cast<uint32_t>(blocks), can_populate));
 }
 
-StagingPool::StagingPool(uint8_t* base, uint64_t block_bytes, uint32_t blocks)
+StagingPool::StagingPool(uint8_t* base, uint64_t block_bytes, uint32_t blocks, bool can_populate)
     : base_(base),
       block_bytes_(block_bytes),
       generation_(blocks, 0),
       in_use_(blocks, false),
-      fault_(blocks, Fault::no) {
+      fault_(blocks, Fault::no),
+      populate_(can_populate) {
   free_.reserve(blocks);
   // Pushed in reverse so the first acquisitions hand out low indexes.
   for (uint32_t i = blocks; i > 0; --i) free_.push_back(i - 1);
   prefault_thread_ = std::thread([this] { prefault(); });
+  prefault_handle_ = prefault_thread_.native_handle();
+  // Both set here, not by the thread: its name is there once create()
+  // returns, and a hurry() from the destructor comes after the policy. The
+  // policy is only a preference: where it is refused, the thread runs as is.
+  (void)pthread_setname_np(prefault_handle_, "ferry.prefault");
+  if (populate_) set_policy(SCHED_IDLE);
 }
 
 StagingPool::~StagingPool() {
@@ -78,6 +101,7 @@ StagingPool::~StagingPool() {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
   }
+  hurry();
   prefault_thread_.join();
   // Unpinned before the unmap: the device must not keep a mapping of pages
   // that go back to the kernel.
@@ -85,11 +109,32 @@ StagingPool::~StagingPool() {
   ::munmap(base_, static_cast<size_t>(bytes()));
 }
 
-// Writes one byte per page. Only ever called by the one that moved the block
-// from Fault::no to Fault::running, before anyone stores data in it.
-void StagingPool::touch(uint32_t index) {
+void StagingPool::set_policy(int policy) const {
+  sched_param none{};
+  (void)pthread_setschedparam(prefault_handle_, policy, &none);
+}
+
+void StagingPool::hurry() const {
+  // Where the machine is busy, SCHED_IDLE gets a fraction of a percent of a
+  // CPU: the block under way would take seconds to finish.
+  if (populate_) set_policy(SCHED_OTHER);
+}
+
+void StagingPool::fault_in(uint32_t index) {
   uint8_t* b = base_ + static_cast<uint64_t>(index) * block_bytes_;
+  if (populate_) {
+    // A failure (no memory) leaves the pages to fault on use.
+    (void)populate(b, block_bytes_);
+    return;
+  }
   for (uint64_t off = 0; off < block_bytes_; off += kPageBytes) b[off] = 0;
+}
+
+void StagingPool::fault_done(uint32_t index) {
+  if (fault_[index] == Fault::done) return;  // the thread and an acquirer both populated it
+  fault_[index] = Fault::done;
+  ++faulted_;
+  fault_cv_.notify_all();
 }
 
 void StagingPool::prefault() {
@@ -97,20 +142,18 @@ void StagingPool::prefault() {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (stop_) return;
-      if (fault_[i] != Fault::no) continue;  // an acquirer claimed it
+      // Claimed by an acquirer, or done. With populate_, a block leased
+      // on_use is still Fault::no and is faulted here beside its use.
+      if (fault_[i] != Fault::no) continue;
       fault_[i] = Fault::running;
     }
-    touch(i);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      fault_[i] = Fault::done;
-      ++faulted_;
-    }
-    fault_cv_.notify_all();
+    fault_in(i);
+    std::lock_guard<std::mutex> lock(mu_);
+    fault_done(i);
   }
 }
 
-std::optional<Lease> StagingPool::try_acquire() {
+std::optional<Lease> StagingPool::try_acquire(Faulting faulting) {
   std::unique_lock<std::mutex> lock(mu_);
   if (free_.empty()) return std::nullopt;
   // LIFO: the block released last is the one most likely still in cache.
@@ -118,16 +161,16 @@ std::optional<Lease> StagingPool::try_acquire() {
   free_.pop_back();
   in_use_[index] = true;
   const Lease lease{index, generation_[index]};
-  if (fault_[index] == Fault::no) {
-    // Not reached by the background thread yet: fault just this block.
-    fault_[index] = Fault::running;
+  if (fault_[index] == Fault::done || (populate_ && faulting == Faulting::on_use)) return lease;
+  if (fault_[index] == Fault::no || populate_) {
+    // Not reached by the background thread yet: fault just this block. With
+    // populate_, also a block the thread is on: neither writes, so no wait.
+    if (fault_[index] == Fault::no) fault_[index] = Fault::running;
     lock.unlock();
-    touch(index);
+    fault_in(index);
     lock.lock();
-    fault_[index] = Fault::done;
-    ++faulted_;
-    fault_cv_.notify_all();
-  } else if (fault_[index] == Fault::running) {
+    fault_done(index);
+  } else {
     fault_cv_.wait(lock, [&] { return fault_[index] == Fault::done; });
   }
   return lease;
@@ -139,6 +182,7 @@ uint32_t StagingPool::faulted_blocks() const {
 }
 
 void StagingPool::wait_prefaulted() const {
+  hurry();
   std::unique_lock<std::mutex> lock(mu_);
   fault_cv_.wait(lock, [&] { return faulted_ == blocks(); });
 }

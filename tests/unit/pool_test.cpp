@@ -1,7 +1,12 @@
+#include <dirent.h>
+#include <sched.h>
+#include <sys/mman.h>
+
 #include <atomic>
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <cstring>
+#include <fstream>
 #include <set>
 #include <thread>
 #include <vector>
@@ -200,6 +205,63 @@ TEST_CASE("pool: the background faulting never writes to a leased block", "[pool
     CHECK(intact);
     REQUIRE(pool.release(l).ok());
   }
+}
+
+TEST_CASE("pool: a block leased on_use keeps what its user wrote while it is faulted", "[pool]") {
+  constexpr uint64_t kBlock = 4 << 20;
+  auto made = StagingPool::create(256 << 20, kBlock);
+  REQUIRE(made.ok());
+  auto& pool = **made;
+  // The background thread faults these blocks beside their use (or, where
+  // faulting writes, the acquirer faulted them first): no byte is lost.
+  std::vector<Lease> held;
+  for (int i = 0; i < 16; ++i) {
+    auto l = pool.try_acquire(StagingPool::Faulting::on_use);
+    REQUIRE(l);
+    held.push_back(*l);
+    std::memset(*pool.data(*l), 0x5a + i, kBlock);
+  }
+  pool.wait_prefaulted();
+  CHECK(pool.faulted_blocks() == pool.blocks());
+  for (size_t i = 0; i < held.size(); ++i) {
+    const uint8_t* p = *pool.data(held[i]);
+    uint64_t wrong = 0;
+    for (uint64_t off = 0; off < kBlock; ++off) wrong += p[off] != static_cast<uint8_t>(0x5a + i);
+    CHECK(wrong == 0);
+    REQUIRE(pool.release(held[i]).ok());
+  }
+}
+
+// The scheduling policy of this process's thread named `name`, or -1.
+int policy_of_thread(const std::string& name) {
+  DIR* d = ::opendir("/proc/self/task");
+  if (d == nullptr) return -1;
+  int policy = -1;
+  while (dirent* e = ::readdir(d)) {
+    if (e->d_name[0] == '.') continue;
+    std::ifstream comm(std::string("/proc/self/task/") + e->d_name + "/comm");
+    std::string got;
+    std::getline(comm, got);
+    if (got == name) policy = ::sched_getscheduler(std::stoi(e->d_name));
+  }
+  ::closedir(d);
+  return policy;
+}
+
+TEST_CASE("pool: faulting that writes nothing runs at idle priority", "[pool]") {
+  // What the pool finds: whether this kernel populates without writing.
+  void* probe = ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  REQUIRE(probe != MAP_FAILED);
+  const bool populates = ::madvise(probe, 4096, MADV_POPULATE_WRITE) == 0;
+  ::munmap(probe, 4096);
+
+  auto made = StagingPool::create(2ull << 30, 8 << 20);
+  REQUIRE(made.ok());
+  // Faulting 2 GiB takes far longer than this look at the thread.
+  const int policy = policy_of_thread("ferry.prefault");
+  REQUIRE(policy != -1);
+  CHECK(policy == (populates ? SCHED_IDLE : SCHED_OTHER));
+  made->reset();  // raises it again to finish: must not take long
 }
 
 TEST_CASE("pool destroyed while still faulting stops its thread", "[pool]") {
