@@ -419,8 +419,10 @@ int child_main(const Flags& f) {
       die("state dict");
   }
   // A collective load of one tensor first: every rank has filled its
-  // targets and its pool is faulted in before the timed load starts, so a
-  // rank's time is the load's, not its peers' setup (load is collective).
+  // targets and reached its peers before the timed load starts, so a rank's
+  // time is the load's, not its peers' setup (load is collective). The pool
+  // is left as a restart finds it: its pages fault as the load's reads use
+  // them, while the rest faults at idle priority.
   {
     std::vector<float> one(static_cast<size_t>(s.rows * s.cols));
     ferry::StateDict first;

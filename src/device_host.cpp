@@ -257,27 +257,48 @@ class HostDevice final : public DeviceBackend {
 
   void copy_in(const void* src, const TensorView& dst, uint64_t offset, uint64_t len,
                Done done) override {
-    done(copy_in_now(src, dst, offset, len));
+    if (!dst.device.is_host()) return done(check(dst, 0, 0));
+    done(Target(dst).copy_in(src, offset, len));
   }
 
   void copy_in_runs(const uint8_t* src, const TensorView& dst, const std::vector<Run>& runs,
                     Done done) override {
     if (!dst.device.is_host()) return done(check(dst, 0, 0));
+    // A column split brings thousands of 1-2 KiB runs per batch: the
+    // tensor's size and layout are worked out once for all of them.
+    const Target t(dst);
     for (const Run& r : runs) {
-      Status st = copy_in_now(src + r.src, dst, r.dst, r.len);
+      Status st = t.copy_in(src + r.src, r.dst, r.len);
       if (!st.ok()) return done(std::move(st));
     }
     done(Status());
   }
 
  private:
-  // Checks the range, then copies at once (this device is synchronous).
-  static Status copy_in_now(const void* src, const TensorView& dst, uint64_t offset, uint64_t len) {
-    Status st = check(dst, offset, len);
-    if (!st.ok()) return st;
-    if (dst.is_contiguous()) populate_for_write(static_cast<uint8_t*>(dst.data) + offset, len);
-    strided_copy_in(src, dst, offset, len);
-    return st;
+  // A host tensor being copied into, at once (this device is synchronous).
+  struct Target {
+    explicit Target(const TensorView& v)
+        : view(v), nbytes(v.nbytes()), contiguous(v.is_contiguous()) {}
+    Status copy_in(const void* src, uint64_t offset, uint64_t len) const {
+      if (offset > nbytes || len > nbytes - offset) return range_error(offset, len, nbytes);
+      if (!contiguous) {
+        strided_copy_in(src, view, offset, len);
+        return Status();
+      }
+      uint8_t* at = static_cast<uint8_t*>(view.data) + offset;
+      populate_for_write(at, len);
+      copy_bytes(at, src, len);
+      return Status();
+    }
+    const TensorView& view;
+    const uint64_t nbytes;
+    const bool contiguous;
+  };
+
+  static Status range_error(uint64_t offset, uint64_t len, uint64_t nbytes) {
+    return Status::invalid_argument("byte range [" + std::to_string(offset) + ", " +
+                                    std::to_string(offset + len) + ") exceeds the tensor's " +
+                                    std::to_string(nbytes) + " bytes");
   }
 
   static Status check(const TensorView& v, uint64_t offset, uint64_t len) {
@@ -285,9 +306,7 @@ class HostDevice final : public DeviceBackend {
       return Status::invalid_argument("host device asked to copy a tensor on " +
                                       v.device.to_string());
     if (offset > v.nbytes() || len > v.nbytes() - offset)
-      return Status::invalid_argument("byte range [" + std::to_string(offset) + ", " +
-                                      std::to_string(offset + len) + ") exceeds the tensor's " +
-                                      std::to_string(v.nbytes()) + " bytes");
+      return range_error(offset, len, v.nbytes());
     return Status();
   }
 };
