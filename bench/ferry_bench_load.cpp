@@ -1,7 +1,7 @@
 // Loads a saved state through Ferry from a cold cache and compares it, in
 // the same run, with the limit it can at best reach on this machine: a plain
-// sequential O_DIRECT reader (aligned preads of Ferry's read size, its
-// chunk-bytes, of the same files into warm memory the size of the state, one
+// sequential O_DIRECT reader (aligned preads of chunk-bytes, 32 MiB by
+// default, of the same files into warm memory the size of the state, one
 // thread: a reader of a real state cannot read it all into one small hot
 // buffer, which on a VM the host fills from its cache faster).
 //
