@@ -15,6 +15,11 @@ std::string rank_name(int32_t r) {
   return "rank " + std::to_string(r);
 }
 
+// What a window toward `from` says once `from` refused more bytes.
+Status refused(int32_t from, const Status& why) {
+  return why.with_context(rank_name(from) + " takes no more bytes: ");
+}
+
 std::string seconds(double s) {
   char buf[32];
   std::snprintf(buf, sizeof(buf), "%g", s);
@@ -34,6 +39,8 @@ void ShareWindows::open(int32_t me, const std::string& load,
     w.last_ack = now;
     if (auto f = failed_.find(r); f != failed_.end()) w.closed = f->second;
     if (!every_failed_.ok()) w.closed = every_failed_;
+    for (const Refusal& e : early_)
+      if (e.load == load && e.from == r && w.closed.ok()) w.closed = refused(r, e.why);
   }
 }
 
@@ -83,6 +90,11 @@ Status ShareWindows::ack(const std::string& load, int32_t from, uint64_t bytes,
   if (it == loads_.end()) {
     for (const auto& e : ended_)
       if (e.first == load) return Status();
+    if (!status.ok()) {
+      early_.push_back({load, from, status});
+      if (early_.size() > kEndedKept) early_.pop_front();
+      return Status();
+    }
     return Status::invalid_argument("ShareAck for load '" + load +
                                     "', which sends no shared bytes from here");
   }
@@ -97,8 +109,7 @@ Status ShareWindows::ack(const std::string& load, int32_t from, uint64_t bytes,
                                     std::to_string(win.outstanding) + " are outstanding");
   win.outstanding -= bytes;
   win.last_ack = Clock::now();
-  if (!status.ok() && win.closed.ok())
-    win.closed = status.with_context(rank_name(from) + " takes no more bytes: ");
+  if (!status.ok() && win.closed.ok()) win.closed = refused(from, status);
   cv_.notify_all();
   return Status();
 }

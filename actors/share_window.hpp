@@ -11,7 +11,10 @@
 // or no ack for the timeout. Errors name the receiver.
 //
 //   open(load) --acquire/ack...--> close(load): windows dropped, waiters fail;
-//   acks that come late for a closed load are ignored.
+//   acks that come late for a closed load are ignored. A refusal that comes
+//   early (a receiver whose load failed before this rank opened the same
+//   load) is kept, and the window toward it opens closed: a sender that
+//   starts late would otherwise wait for acks that never come.
 //
 // Thread-safety: every method may be called from any thread. acquire()
 // blocks, so it belongs on a reader's own thread, never on a scheduler's.
@@ -47,9 +50,10 @@ class ShareWindows {
 
   // An ack from receiver `from`: it took `bytes` more, or (status not ok)
   // takes no more bytes of `load`, which closes the window toward it. An ack
-  // for a load that ended here lately is ignored (ok). Errors, for the caller
-  // to log and drop: a load or receiver this rank sends nothing to, more
-  // bytes than are outstanding.
+  // for a load that ended here lately is ignored (ok), a refusal for a load
+  // not open yet is kept for open() (ok). Errors, for the caller to log and
+  // drop: a load or receiver this rank sends nothing to, more bytes than are
+  // outstanding.
   Status ack(const std::string& load, int32_t from, uint64_t bytes, const Status& status);
 
   // Rank `rank` failed: every window toward it closes, now and in later
@@ -97,6 +101,13 @@ class ShareWindows {
   // Loads that ended lately, with why: a waiter woken by the end reports it,
   // and acks still in flight for them are not mistaken for forged ones.
   std::deque<std::pair<std::string, Status>> ended_;
+  // Refusals of loads not open here yet: (load, receiver, why), the last few.
+  struct Refusal {
+    std::string load;
+    int32_t from;
+    Status why;
+  };
+  std::deque<Refusal> early_;
   std::atomic<uint64_t> relayed_{0};
   std::atomic<uint64_t> in_memory_{0};
 };

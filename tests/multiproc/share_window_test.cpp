@@ -76,6 +76,28 @@ TEST_CASE("bad acks are refused with a reason and change nothing", "[share_windo
   CHECK(w.ack("load-1", 1, 100, Status()).ok());
 }
 
+TEST_CASE("a refusal that comes before the sender opens the load closes its window at once",
+          "[share_window]") {
+  // The receiver's load failed and it refused more bytes before this rank
+  // (slow to start) opened the load: the sender must not wait for acks.
+  ShareWindows w;
+  REQUIRE(w.ack("load-1", 1, 0, Status::aborted("rank 1: rank 3 failed")).ok());
+  // An early ack that is no refusal is still stray.
+  CHECK(w.ack("load-1", 2, 5, Status()).code() == StatusCode::invalid_argument);
+  w.open(0, "load-1", {1, 2});
+  const auto t0 = std::chrono::steady_clock::now();
+  const Status s = w.acquire("load-1", 1, 10, kWindow, kLong);
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(5));
+  CHECK(s.code() == StatusCode::aborted);
+  CHECK_THAT(s.message(), Catch::Contains("to rank 1") &&
+                              Catch::Contains("rank 1 takes no more bytes") &&
+                              Catch::Contains("rank 3 failed"));
+  // Only that receiver's window, only that load.
+  CHECK(w.acquire("load-1", 2, 10, kWindow, kLong).ok());
+  w.open(0, "load-2", {1});
+  CHECK(w.acquire("load-2", 1, 10, kWindow, kLong).ok());
+}
+
 TEST_CASE("every wait ends: refusal, failure, the load's end, the deadline", "[share_window]") {
   ShareWindows w;
   w.open(0, "load-1", {1, 2, 3});
