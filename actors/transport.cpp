@@ -49,6 +49,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <thread>
 #include <unordered_map>
@@ -443,6 +444,8 @@ class Transport::Impl {
   void on_hello(uint64_t id);
   void on_reply(uint64_t id);
   void connect_attempt(Clock::time_point now);
+  void connect_rank0(Clock::time_point now);
+  void finish_join(bool refused, std::string reply);
   void retry_connect(const std::string& why);
   void watch(uint64_t id, const Handshake& h);
   void close_handshake(uint64_t id);
@@ -509,6 +512,15 @@ class Transport::Impl {
   std::unordered_set<uint64_t> issued_;  // rank 0: every session handed out
   bool lanes_done_ = false;              // rank 0: sent; a rank > 0: received (once only)
   uint64_t client_handshake_ = 0;        // rank > 0: the attempt in progress, 0 when none
+  // rank > 0: accepted by rank 0, our endpoint to it not created yet.
+  struct PendingJoin {
+    std::string address;
+    uint64_t session = 0;
+    std::string reply;
+    Clock::time_point deadline;
+    int attempts = 0;
+  };
+  std::optional<PendingJoin> pending_join_;
   uint64_t next_conn_id_ = 1;
   uint64_t next_handshake_id_ = 1;  // 0 is the listening socket in sock_epoll_
   std::mt19937_64 rng_;
@@ -1304,6 +1316,7 @@ void Transport::Impl::on_tick(Clock::time_point now) {
   if (now - last_tick_ > kStallThreshold) {
     for (auto& [id, conn] : conns_) conn->last_rx += now - last_tick_;
     for (auto& [id, h] : handshakes_) h.deadline += now - last_tick_;
+    if (pending_join_) pending_join_->deadline += now - last_tick_;
   }
   last_tick_ = now;
 
@@ -1320,6 +1333,7 @@ void Transport::Impl::on_tick(Clock::time_point now) {
       connect_attempt(now);
     }
   }
+  if (pending_join_ && !reported_[0] && now >= next_attempt_) connect_rank0(now);
 
   // Rank 0's deadline per connection; a rank's attempt is bounded by its
   // connect deadline above.
@@ -1800,17 +1814,50 @@ void Transport::Impl::on_reply(uint64_t id) {
   close_handshake(id);
   connected_once_ = true;
   if (verdict == kVerdictAccepted) {
-    Result<Conn*> conn = connect_to(0, address, session);
-    if (!conn.ok()) return fail_peer(0, conn.status());
-    send_am(*conn, kReadyAmId, std::string());
+    const auto now = Clock::now();
+    // Rank 0 fails a rank that has not reached it heartbeat_timeout_s after
+    // its accept; leave its first message time to arrive before that.
+    pending_join_ = PendingJoin{address, session, std::move(reply),
+                                now + from_seconds(0.8 * opts_.heartbeat_timeout_s)};
+    retry_delay_ = kFirstRetryDelay;
+    return connect_rank0(now);
   }
+  finish_join(/*refused=*/true, std::move(reply));
+}
+
+// UCX's connect to rank 0's worker can be refused although rank 0 is up and
+// just answered (seen once in CI on loopback; UCX retries such a refusal
+// only when it comes asynchronously): try again until rank 0 would give up.
+void Transport::Impl::connect_rank0(Clock::time_point now) {
+  PendingJoin& p = *pending_join_;
+  ++p.attempts;
+  Result<Conn*> conn = connect_to(0, p.address, p.session);
+  if (!conn.ok()) {
+    if (now >= p.deadline) {
+      Status why = Status::io_error(conn.status().message() + " (" + std::to_string(p.attempts) +
+                                    " attempts)");
+      pending_join_.reset();
+      return fail_peer(0, std::move(why));
+    }
+    if (p.attempts == 1) log("%s; trying again", conn.status().message().c_str());
+    next_attempt_ = now + retry_delay_;
+    retry_delay_ = std::min<Clock::duration>(retry_delay_ * 2, kMaxRetryDelay);
+    return;
+  }
+  send_am(*conn, kReadyAmId, std::string());
+  std::string reply = std::move(p.reply);
+  pending_join_.reset();
+  finish_join(/*refused=*/false, std::move(reply));
+}
+
+void Transport::Impl::finish_join(bool refused, std::string reply) {
   {
     // Rank 0 is up before on_frame runs (so it may answer with send()), but
     // wait_peers() returns only after it, so the layer above has seen the
     // ack by then.
     std::lock_guard<std::mutex> lock(mu_);
     peers_[0].state = PeerInfo::up;
-    refused_ = verdict == kVerdictRefused;
+    refused_ = refused;
   }
   if (!stopping_ && cb_.on_frame && !reply.empty()) cb_.on_frame(0, std::move(reply));
   std::lock_guard<std::mutex> lock(mu_);

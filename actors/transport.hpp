@@ -37,7 +37,9 @@
 // and from a rank R > 0:
 //
 //   tcp connecting --hello sent, reply--> up --error/silence--> failed
-//     |   ^             |  (the reply is the first frame)      (on_peer_failed(0) once)
+//     |   ^             |  (the reply is the first frame;      (on_peer_failed(0) once)
+//     |   |             |   a refused UCX connect to rank 0 is retried
+//     |   |             |   until 0.8 heartbeat_timeout_s, then failed)
 //     |   |             +--refused: the reply is the first frame; sends fail.
 //     +---+ no answer, closed early: retry until connect_timeout_s, then failed
 //           (on_peer_failed(0, timeout)).

@@ -12,6 +12,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <condition_variable>
@@ -27,6 +28,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <ucp/api/ucp.h>
 
 #include "actors/transport.hpp"
 #include "process.hpp"
@@ -631,6 +634,279 @@ TEST_CASE("a rank whose rank 0 never appears fails wait_peers with a timeout", "
   std::unique_lock<std::mutex> lock(mu);
   CHECK(cv.wait_for(lock, std::chrono::duration<double>(kDeadline),
                     [&] { return failure.has_value(); }));
+}
+
+// --- rank 0's UCX connect refused after its answer ------------------------------
+
+// A bare UCX worker on loopback whose tcp listener takes `port`: what rank 0's
+// worker is to a joining rank. Records the session of every `ready` (active
+// message 2, the session as its 8-byte header) that reaches it.
+class BareWorker {
+ public:
+  explicit BareWorker(uint16_t port) {
+    ucp_config_t* config = nullptr;
+    REQUIRE(ucp_config_read(nullptr, nullptr, &config) == UCS_OK);
+    for (auto [name, value] :
+         {std::pair<const char*, const char*>{"TLS", "tcp"}, {"NET_DEVICES", "lo"}}) {
+      REQUIRE(ucp_config_modify(config, name, value) == UCS_OK);
+    }
+    ucp_params_t params{};
+    params.field_mask = UCP_PARAM_FIELD_FEATURES;
+    params.features = UCP_FEATURE_AM;
+    ucs_status_t st = ucp_init(&params, config, &context_);
+    ucp_config_release(config);
+    REQUIRE(st == UCS_OK);
+    ucp_worker_params_t wp{};
+    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+    // UCX 1.13 takes the tcp port range from the environment only (given to
+    // ucp_config_modify it is called invalid), and reads it when the worker
+    // opens its interfaces. No other thread of this test reads the
+    // environment meanwhile: the transport under test read it at its start.
+    const std::string range = std::to_string(port) + "-" + std::to_string(port);
+    setenv("UCX_TCP_PORT_RANGE", range.c_str(), 1);
+    st = ucp_worker_create(context_, &wp, &worker_);
+    unsetenv("UCX_TCP_PORT_RANGE");
+    REQUIRE(st == UCS_OK);
+    ucp_address_t* address = nullptr;
+    size_t length = 0;
+    REQUIRE(ucp_worker_get_address(worker_, &address, &length) == UCS_OK);
+    address_.assign(reinterpret_cast<const char*>(address), length);
+    ucp_worker_release_address(worker_, address);
+    ucp_am_handler_param_t hp{};
+    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                    UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    hp.id = 2;
+    hp.cb = &BareWorker::on_ready;
+    hp.arg = this;
+    REQUIRE(ucp_worker_set_am_recv_handler(worker_, &hp) == UCS_OK);
+  }
+  ~BareWorker() {
+    stop_ = true;
+    if (progress_.joinable()) progress_.join();
+    ucp_worker_destroy(worker_);
+    ucp_cleanup(context_);
+  }
+  const std::string& address() const { return address_; }
+  // From here on only the progress thread touches the worker.
+  void serve() {
+    progress_ = std::thread([this] {
+      while (!stop_) {
+        if (ucp_worker_progress(worker_) == 0)
+          std::this_thread::sleep_for(std::chrono::microseconds(200));
+      }
+    });
+  }
+  bool wait_ready(uint64_t session, double timeout_s) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, std::chrono::duration<double>(timeout_s),
+                        [&] { return ready_.count(session) > 0; });
+  }
+
+ private:
+  static ucs_status_t on_ready(void* arg, const void* header, size_t header_length, void*, size_t,
+                               const ucp_am_recv_param_t*) {
+    auto* self = static_cast<BareWorker*>(arg);
+    uint64_t session = 0;
+    if (header_length == sizeof(session)) std::memcpy(&session, header, sizeof(session));
+    std::lock_guard<std::mutex> lock(self->mu_);
+    self->ready_.insert(session);
+    self->cv_.notify_all();
+    return UCS_OK;
+  }
+
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  std::string address_;
+  std::thread progress_;
+  std::atomic<bool> stop_{false};
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::set<uint64_t> ready_;
+};
+
+void put_le(std::string* out, uint64_t v, int bytes) {
+  for (int i = 0; i < bytes; ++i) out->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+
+uint64_t get_le(const std::string& in, size_t at, int bytes) {
+  uint64_t v = 0;
+  for (int i = 0; i < bytes; ++i) v |= uint64_t{static_cast<uint8_t>(in[at + i])} << (8 * i);
+  return v;
+}
+
+// Rank 0's joining socket and nothing else (docs/protocol.md, "Joining"):
+// takes one hello and accepts it with `session`, `reply` and a UCX worker
+// address chosen by the test.
+class JoinFront {
+ public:
+  JoinFront() {
+    fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    REQUIRE(bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
+    REQUIRE(listen(fd_, 4) == 0);
+    socklen_t len = sizeof(a);
+    REQUIRE(getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len) == 0);
+    port_ = ntohs(a.sin_port);
+  }
+  ~JoinFront() {
+    if (conn_ >= 0) close(conn_);
+    close(fd_);
+  }
+  uint16_t port() const { return port_; }
+
+  // Returns the hello's Join bytes.
+  std::string accept_one(uint64_t session, const std::string& reply, const std::string& address) {
+    pollfd p{fd_, POLLIN, 0};
+    REQUIRE(poll(&p, 1, static_cast<int>(kDeadline * 1000)) == 1);
+    conn_ = accept(fd_, nullptr, nullptr);
+    REQUIRE(conn_ >= 0);
+    std::string header = read_exactly(16);
+    REQUIRE(header.substr(0, 4) == "FRYH");
+    const size_t body = get_le(header, 8, 4);
+    const size_t addr = get_le(header, 12, 4);
+    const size_t node = static_cast<uint8_t>(header[5]);
+    std::string hello = read_exactly(body);
+    read_exactly(addr + node);
+    std::string out = "FRYA";
+    out.push_back(2);  // handshake version
+    out.push_back(0);  // accepted
+    out.append(2, '\0');
+    put_le(&out, reply.size(), 4);
+    put_le(&out, address.size(), 4);
+    put_le(&out, session, 8);
+    out += reply;
+    out += address;
+    REQUIRE(write(conn_, out.data(), out.size()) == static_cast<ssize_t>(out.size()));
+    return hello;
+  }
+
+ private:
+  std::string read_exactly(size_t n) {
+    std::string in(n, '\0');
+    size_t got = 0;
+    while (got < n) {
+      pollfd p{conn_, POLLIN, 0};
+      REQUIRE(poll(&p, 1, static_cast<int>(kDeadline * 1000)) == 1);
+      ssize_t r = read(conn_, &in[got], n - got);
+      REQUIRE(r > 0);
+      got += static_cast<size_t>(r);
+    }
+    return in;
+  }
+
+  int fd_ = -1;
+  int conn_ = -1;
+  uint16_t port_ = 0;
+};
+
+// What a rank > 0 hears of rank 0.
+struct RankSide {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::string> frames;
+  std::optional<Status> failure;
+
+  TransportCallbacks callbacks() {
+    TransportCallbacks cb;
+    cb.on_frame = [this](int32_t, std::string frame) {
+      std::lock_guard<std::mutex> lock(mu);
+      frames.push_back(std::move(frame));
+      cv.notify_all();
+    };
+    cb.on_peer_failed = [this](int32_t rank, Status why) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (rank == 0) failure = why;
+      cv.notify_all();
+    };
+    return cb;
+  }
+  std::optional<Status> wait_failure(double timeout_s) {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait_for(lock, std::chrono::duration<double>(timeout_s),
+                [&] { return failure.has_value(); });
+    return failure;
+  }
+};
+
+std::unique_ptr<Transport> start_rank1(uint16_t port, RankSide& side, double hb_timeout) {
+  TransportOptions o;
+  o.rank = 1;
+  o.world_size = 2;
+  o.port = port;
+  o.heartbeat_interval_s = 0.1;
+  o.heartbeat_timeout_s = hb_timeout;
+  o.lanes = "off";
+  auto t = Transport::start(o, "hello 1", "hb", side.callbacks());
+  REQUIRE(t.ok());
+  return std::move(t).value();
+}
+
+// UCX on loopback once refused a rank's connect to rank 0's worker right
+// after rank 0 accepted it (seen in CI); the rank failed the job at once
+// while rank 0 waited for it. Here the worker address in rank 0's answer
+// names a port where nothing listens yet, and a worker takes that port a
+// little later.
+TEST_CASE("a rank whose connect to rank 0's worker is refused tries again and joins",
+          "[transport]") {
+  ReservedPort reserved;
+  const uint16_t worker_port = reserved.port();
+  reserved.release();
+  std::string address;
+  {
+    BareWorker gone(worker_port);  // its address, with nobody behind it once destroyed
+    address = gone.address();
+  }
+  JoinFront front;
+  RankSide side;
+  auto t = start_rank1(front.port(), side, /*hb_timeout=*/10);
+  const uint64_t session = 0x5eed5eed12345678ULL;
+  CHECK(front.accept_one(session, "ack 1", address) == "hello 1");
+  // Gives the rank time to be refused; how long does not matter.
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  CHECK_FALSE(side.wait_failure(0).has_value());
+
+  BareWorker rank0(worker_port);
+  rank0.serve();
+  CHECK(rank0.wait_ready(session, kDeadline));
+  Status st = t->wait_peers(kDeadline);
+  INFO(st.to_string());
+  CHECK(st.ok());
+  {
+    std::lock_guard<std::mutex> lock(side.mu);
+    CHECK(side.frames == std::vector<std::string>{"ack 1"});
+  }
+  CHECK_FALSE(side.wait_failure(0).has_value());
+  t.reset();
+}
+
+TEST_CASE("a rank whose connect to rank 0's worker stays refused fails, naming its attempts",
+          "[transport]") {
+  ReservedPort reserved;
+  const uint16_t worker_port = reserved.port();
+  reserved.release();
+  std::string address;
+  {
+    BareWorker gone(worker_port);
+    address = gone.address();
+  }
+  JoinFront front;
+  RankSide side;
+  auto t = start_rank1(front.port(), side, /*hb_timeout=*/1);
+  auto start = Clock::now();
+  front.accept_one(7, "ack 1", address);
+  std::optional<Status> why = side.wait_failure(kDeadline);
+  REQUIRE(why.has_value());
+  INFO(why->to_string());
+  CHECK(why->code() == StatusCode::io_error);
+  CHECK_THAT(why->message(),
+             Catch::Contains("cannot connect to rank 0") && Catch::Contains("attempts"));
+  // Given up before rank 0 (1 s) would have, not at the first refusal.
+  CHECK(since(start) > 0.5);
+  CHECK(since(start) < kDetectBound);
+  CHECK_FALSE(t->wait_peers(0).ok());
 }
 
 TEST_CASE("transport options are checked", "[transport]") {
