@@ -1,7 +1,6 @@
 #include "pool.hpp"
 
 #include <pthread.h>
-#include <sched.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -15,12 +14,21 @@ namespace ferry {
 namespace {
 
 constexpr uint64_t kPageBytes = 4096;
+// MADV_POPULATE_WRITE holds the process's mmap lock for its whole range, and
+// every mmap or munmap of any thread (a large malloc, UCX) waits behind it.
+// One huge page at a time keeps that wait at one page's zeroing: a 32 MiB
+// block held it for up to 0.27 s here with both CPUs busy.
+constexpr uint64_t kPopulateStep = 2 << 20;
 
 // Faults pages in writable without writing to them; false where the kernel
 // lacks MADV_POPULATE_WRITE (before 5.14).
 bool populate(uint8_t* p, uint64_t n) {
 #ifdef MADV_POPULATE_WRITE
-  return ::madvise(p, static_cast<size_t>(n), MADV_POPULATE_WRITE) == 0;
+  for (uint64_t at = 0; at < n; at += kPopulateStep) {
+    const uint64_t k = std::min(kPopulateStep, n - at);
+    if (::madvise(p + at, static_cast<size_t>(k), MADV_POPULATE_WRITE) != 0) return false;
+  }
+  return true;
 #else
   (void)p;
   (void)n;
@@ -88,12 +96,7 @@ StagingPool::StagingPool(uint8_t* base, uint64_t block_bytes, uint32_t blocks, b
   // Pushed in reverse so the first acquisitions hand out low indexes.
   for (uint32_t i = blocks; i > 0; --i) free_.push_back(i - 1);
   prefault_thread_ = std::thread([this] { prefault(); });
-  prefault_handle_ = prefault_thread_.native_handle();
-  // Both set here, not by the thread: its name is there once create()
-  // returns, and a hurry() from the destructor comes after the policy. The
-  // policy is only a preference: where it is refused, the thread runs as is.
-  (void)pthread_setname_np(prefault_handle_, "ferry.prefault");
-  if (populate_) set_policy(SCHED_IDLE);
+  (void)pthread_setname_np(prefault_thread_.native_handle(), "ferry.prefault");
 }
 
 StagingPool::~StagingPool() {
@@ -101,23 +104,11 @@ StagingPool::~StagingPool() {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
   }
-  hurry();
   prefault_thread_.join();
   // Unpinned before the unmap: the device must not keep a mapping of pages
   // that go back to the kernel.
   for (auto it = pinned_.rbegin(); it != pinned_.rend(); ++it) registrar_.unpin(*it);
   ::munmap(base_, static_cast<size_t>(bytes()));
-}
-
-void StagingPool::set_policy(int policy) const {
-  sched_param none{};
-  (void)pthread_setschedparam(prefault_handle_, policy, &none);
-}
-
-void StagingPool::hurry() const {
-  // Where the machine is busy, SCHED_IDLE gets a fraction of a percent of a
-  // CPU: the block under way would take seconds to finish.
-  if (populate_) set_policy(SCHED_OTHER);
 }
 
 void StagingPool::fault_in(uint32_t index) {
@@ -182,7 +173,6 @@ uint32_t StagingPool::faulted_blocks() const {
 }
 
 void StagingPool::wait_prefaulted() const {
-  hurry();
   std::unique_lock<std::mutex> lock(mu_);
   fault_cv_.wait(lock, [&] { return faulted_ == blocks(); });
 }

@@ -11,17 +11,14 @@
 // itself, so a save waits only for the blocks it uses.
 //
 // Where the kernel has MADV_POPULATE_WRITE (Linux 5.14+), faulting writes
-// nothing: it may run beside a block's use. The background thread then runs
-// at SCHED_IDLE, on CPU time nobody else wants: at a restart, a load that
-// starts at once no longer shares the CPU with the faulting of a pool it
-// mostly does not touch (0.4 s of kernel time for the default 1 GiB here).
-// Without it, faulting writes a byte per page, so a block is faulted exactly
-// once, by whoever claims it first, and an acquirer waits for the thread if
-// it is on that very block; the thread keeps its normal priority, as an
-// acquirer may wait for it.
+// nothing: it may run beside a block's use, and a load faults only the pages
+// its reads land in. The thread keeps normal priority: populating holds the
+// process's mmap lock, and a thread at idle priority that a busy machine
+// preempted while holding it stalled every mmap of the process for seconds
+// (a rank then missed its heartbeats). Without it, faulting writes a byte
+// per page, so a block is faulted exactly once, by whoever claims it first,
+// and an acquirer waits for the thread if it is on that very block.
 #pragma once
-
-#include <pthread.h>
 
 #include <condition_variable>
 #include <cstdint>
@@ -99,9 +96,6 @@ class StagingPool {
   // which only the block's claimer may do, before its use.
   void fault_in(uint32_t index);
   void fault_done(uint32_t index);  // REQUIRES: mu_ held
-  // Back to normal priority: someone waits for the background thread.
-  void hurry() const;
-  void set_policy(int policy) const;  // the background thread's
   uint8_t* base_;
   uint64_t block_bytes_;
   mutable std::mutex mu_;
@@ -117,7 +111,6 @@ class StagingPool {
   mutable std::condition_variable fault_cv_;  // a block became Fault::done
   bool stop_ = false;
   std::thread prefault_thread_;
-  pthread_t prefault_handle_{};
 };
 
 }  // namespace ferry
