@@ -1,6 +1,7 @@
 #include "ferry/device.hpp"
 
 #include "copy_bytes.hpp"
+#include "populate.hpp"
 
 #include <sys/mman.h>
 #include <unistd.h>
@@ -213,10 +214,6 @@ void strided_copy(const TensorView& v, uint64_t offset, uint64_t len, uint8_t* h
   }
 }
 
-#ifndef MADV_POPULATE_WRITE
-#define MADV_POPULATE_WRITE 23  // Linux 5.14; older kernels answer EINVAL
-#endif
-
 // A load often fills tensors the caller just allocated, whose pages are not
 // there yet: a memcpy then takes one page fault per 4 KiB, which costs more
 // than the copy on a VM. One madvise faults the whole range in from the
@@ -241,7 +238,7 @@ void populate_for_write(uint8_t* p, uint64_t len) {
   if (::mincore(reinterpret_cast<void*>(begin), end - begin, in.data()) == 0 &&
       std::all_of(in.begin(), in.end(), [](unsigned char c) { return (c & 1) != 0; }))
     return;
-  (void)::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_WRITE);
+  (void)populate_pages(reinterpret_cast<void*>(begin), end - begin);
 }
 
 class HostDevice final : public DeviceBackend {

@@ -1,5 +1,7 @@
 #include "pool.hpp"
 
+#include "populate.hpp"
+
 #include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -14,19 +16,20 @@ namespace ferry {
 namespace {
 
 constexpr uint64_t kPageBytes = 4096;
-// MADV_POPULATE_WRITE holds the process's mmap lock for its whole range, and
-// every mmap or munmap of any thread (a large malloc, UCX) waits behind it.
-// One huge page at a time keeps that wait at one page's zeroing: a 32 MiB
-// block held it for up to 0.27 s here with both CPUs busy.
-constexpr uint64_t kPopulateStep = 2 << 20;
 
-// Faults pages in writable without writing to them; false where the kernel
-// lacks MADV_POPULATE_WRITE (before 5.14).
-bool populate(uint8_t* p, uint64_t n) {
+std::string lease_text(const Lease& l) {
+  return "block " + std::to_string(l.index) + " generation " + std::to_string(l.generation);
+}
+
+}  // namespace
+
+bool populate_pages(void* p, uint64_t n) {
 #ifdef MADV_POPULATE_WRITE
-  for (uint64_t at = 0; at < n; at += kPopulateStep) {
-    const uint64_t k = std::min(kPopulateStep, n - at);
-    if (::madvise(p + at, static_cast<size_t>(k), MADV_POPULATE_WRITE) != 0) return false;
+  constexpr uint64_t kStep = 2 << 20;
+  auto* b = static_cast<uint8_t*>(p);
+  for (uint64_t at = 0; at < n; at += kStep) {
+    const uint64_t k = std::min(kStep, n - at);
+    if (::madvise(b + at, static_cast<size_t>(k), MADV_POPULATE_WRITE) != 0) return false;
   }
   return true;
 #else
@@ -35,12 +38,6 @@ bool populate(uint8_t* p, uint64_t n) {
   return false;
 #endif
 }
-
-std::string lease_text(const Lease& l) {
-  return "block " + std::to_string(l.index) + " generation " + std::to_string(l.generation);
-}
-
-}  // namespace
 
 Result<std::unique_ptr<StagingPool>> StagingPool::create(uint64_t bytes, uint64_t block_bytes) {
   if (block_bytes == 0 || block_bytes % kPageBytes != 0) {
@@ -79,7 +76,7 @@ Result<std::unique_ptr<StagingPool>> StagingPool::create(uint64_t bytes, uint64_
   // Fewer TLB misses on big copies; only a hint, so a refusal is fine.
   (void)::madvise(p, static_cast<size_t>(total), MADV_HUGEPAGE);
   // Which way blocks fault (see pool.hpp), tried on the first page.
-  const bool can_populate = populate(static_cast<uint8_t*>(p), kPageBytes);
+  const bool can_populate = populate_pages(p, kPageBytes);
   // Faulted in the background (see pool.hpp): start returns at once.
   return std::unique_ptr<StagingPool>(new StagingPool(static_cast<uint8_t*>(p), block_bytes,
                                                       static_cast<uint32_t>(blocks), can_populate));
@@ -115,7 +112,7 @@ void StagingPool::fault_in(uint32_t index) {
   uint8_t* b = base_ + static_cast<uint64_t>(index) * block_bytes_;
   if (populate_) {
     // A failure (no memory) leaves the pages to fault on use.
-    (void)populate(b, block_bytes_);
+    (void)populate_pages(b, block_bytes_);
     return;
   }
   for (uint64_t off = 0; off < block_bytes_; off += kPageBytes) b[off] = 0;
