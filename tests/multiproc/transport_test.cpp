@@ -673,13 +673,17 @@ class BareWorker {
     REQUIRE(ucp_worker_get_address(worker_, &address, &length) == UCS_OK);
     address_.assign(reinterpret_cast<const char*>(address), length);
     ucp_worker_release_address(worker_, address);
-    ucp_am_handler_param_t hp{};
-    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
-                    UCP_AM_HANDLER_PARAM_FIELD_ARG;
-    hp.id = 2;
-    hp.cb = &BareWorker::on_ready;
-    hp.arg = this;
-    REQUIRE(ucp_worker_set_am_recv_handler(worker_, &hp) == UCS_OK);
+    // A handler for each of the transport's messages (frames, ready, lanes),
+    // as rank 0 has: the rank's heartbeats arrive as frames.
+    for (unsigned id : {1u, 2u, 3u}) {
+      ucp_am_handler_param_t hp{};
+      hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                      UCP_AM_HANDLER_PARAM_FIELD_ARG;
+      hp.id = id;
+      hp.cb = id == 2 ? &BareWorker::on_ready : &BareWorker::ignore;
+      hp.arg = this;
+      REQUIRE(ucp_worker_set_am_recv_handler(worker_, &hp) == UCS_OK);
+    }
   }
   ~BareWorker() {
     stop_ = true;
@@ -704,6 +708,10 @@ class BareWorker {
   }
 
  private:
+  static ucs_status_t ignore(void*, const void*, size_t, void*, size_t,
+                             const ucp_am_recv_param_t*) {
+    return UCS_OK;
+  }
   static ucs_status_t on_ready(void* arg, const void* header, size_t header_length, void*, size_t,
                                const ucp_am_recv_param_t*) {
     auto* self = static_cast<BareWorker*>(arg);
