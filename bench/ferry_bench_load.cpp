@@ -422,7 +422,7 @@ int child_main(const Flags& f) {
   // targets and reached its peers before the timed load starts, so a rank's
   // time is the load's, not its peers' setup (load is collective). The pool
   // is left as a restart finds it: its pages fault as the load's reads use
-  // them, while the rest faults at idle priority.
+  // them, while the background thread faults the rest.
   {
     std::vector<float> one(static_cast<size_t>(s.rows * s.cols));
     ferry::StateDict first;
