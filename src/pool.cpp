@@ -23,8 +23,11 @@ std::string lease_text(const Lease& l) {
 
 }  // namespace
 
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux 5.14; older kernels answer EINVAL
+#endif
+
 bool populate_pages(void* p, uint64_t n) {
-#ifdef MADV_POPULATE_WRITE
   constexpr uint64_t kStep = 2 << 20;
   auto* b = static_cast<uint8_t*>(p);
   for (uint64_t at = 0; at < n; at += kStep) {
@@ -32,11 +35,6 @@ bool populate_pages(void* p, uint64_t n) {
     if (::madvise(b + at, static_cast<size_t>(k), MADV_POPULATE_WRITE) != 0) return false;
   }
   return true;
-#else
-  (void)p;
-  (void)n;
-  return false;
-#endif
 }
 
 Result<std::unique_ptr<StagingPool>> StagingPool::create(uint64_t bytes, uint64_t block_bytes) {
