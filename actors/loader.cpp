@@ -74,6 +74,16 @@ Status verify_block(const RankContext& ctx, const Manifest& m, const ReadOp& op,
   return Status();
 }
 
+// Verifies every checksum block of one read (a chunk saved without
+// checksums has none to check).
+Status verify_blocks(const RankContext& ctx, const Manifest& m, const ReadOp& op,
+                     const std::string& path, const uint8_t* buf) {
+  if (m.tensors[op.tensor].chunks[op.chunk].checksums.empty()) return Status();
+  for (uint32_t i = 0; i < op.nblocks; ++i)
+    FERRY_RETURN_IF_ERROR(verify_block(ctx, m, op, path, buf, i));
+  return Status();
+}
+
 // One receiver's part of a read being sent: the runs of its shared stream
 // in the read buffer, and how far they have gone.
 struct OutStream {
@@ -539,6 +549,7 @@ class RunReader {
   // offset the file's reads accept. The copy out of a staging block then
   // goes away, and on a fast disk that copy is what limits a load.
   uint8_t* direct_target(const ReadOp& op, const OpenFile& f, uint64_t block) const {
+    if (op.entry == ReadOp::kForOthers) return nullptr;
     const TensorView& t = task_.targets[op.entry];
     if (!ctx_.opts.read_into_tensors || op.length < std::min(kDirectMinBytes, block) ||
         !t.device.is_host() || !t.is_contiguous())
@@ -632,7 +643,9 @@ class RunReader {
         s = truncated(path, op);
         break;
       }
-      s = verify_and_copy(ctx_, m, op, path, f.buf + at, task_.targets[op.entry], latch);
+      s = op.entry == ReadOp::kForOthers
+              ? verify_blocks(ctx_, m, op, path, f.buf + at)
+              : verify_and_copy(ctx_, m, op, path, f.buf + at, task_.targets[op.entry], latch);
       if (!s.ok()) break;
       // Every block of the op checked out: its bytes may go to other ranks.
       if (!op.share_with.empty() && task_.transport) {
@@ -680,9 +693,7 @@ class RunReader {
       std::memcpy(p + run.length, tail.p, rest);
     }
     const Manifest& m = *task_.manifest;
-    if (!m.tensors[op.tensor].chunks[op.chunk].checksums.empty())
-      for (uint32_t i = 0; i < op.nblocks; ++i)
-        FERRY_RETURN_IF_ERROR(verify_block(ctx_, m, op, f.path, p, i));
+    FERRY_RETURN_IF_ERROR(verify_blocks(ctx_, m, op, f.path, p));
     if (!op.share_with.empty() && task_.transport)
       FERRY_RETURN_IF_ERROR(send_shared(ctx_, task_, m, op, p));
     drop_cached(f, op.file_offset, op.length);

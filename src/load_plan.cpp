@@ -316,6 +316,45 @@ std::vector<NeededRange> needed_ranges(const std::vector<ReadOp>& ops, const Man
   return out;
 }
 
+namespace {
+
+// A read this short costs a disk request of its own for few bytes; the rank
+// reading the bytes around it gets them in its run for free.
+constexpr uint64_t kSmallReadBytes = 256 << 10;
+
+// Ranks splitting tensors by rows need the blocks at the seams together and
+// the blocks between alone. When a tensor's own part is only a small tail
+// block (a tensor a little larger than a block), its needer would make one
+// tiny read per tensor between the long runs another rank reads around it:
+// thousands of requests queued behind the big reads. Such a read goes to the
+// rank reading its neighbour instead, which sends the bytes on with the
+// rest. `reads` are one node's, in file order; `alone[i]` is the only needer
+// of reads[i], or null where several need it.
+void give_small_reads_to_neighbours(std::vector<SharedRead>::iterator reads,
+                                    std::vector<SharedRead>::iterator end,
+                                    const std::vector<const ShareTo*>& alone) {
+  const size_t n = static_cast<size_t>(end - reads);
+  std::vector<int32_t> reader(n);
+  for (size_t i = 0; i < n; ++i) reader[i] = reads[i].reader;
+  auto touching = [&](size_t a, size_t b) {
+    return reads[a].range.file == reads[b].range.file &&
+           reads[a].range.offset + reads[a].range.length == reads[b].range.offset;
+  };
+  for (size_t i = 0; i < n; ++i) {
+    SharedRead& r = reads[i];
+    if (!alone[i] || r.range.length > kSmallReadBytes) continue;
+    const bool after = i > 0 && touching(i - 1, i);
+    const bool before = i + 1 < n && touching(i, i + 1);
+    // Next to bytes its needer reads anyway: they share a run already.
+    if ((after && reader[i - 1] == r.reader) || (before && reader[i + 1] == r.reader)) continue;
+    if (!after && !before) continue;
+    r.reader = after ? reader[i - 1] : reader[i + 1];
+    r.receivers = {*alone[i]};
+  }
+}
+
+}  // namespace
+
 std::vector<SharedRead> assign_shared_reads(std::vector<RankNeeds> needs) {
   std::sort(needs.begin(), needs.end(), [](const RankNeeds& a, const RankNeeds& b) {
     return std::tie(a.host, a.rank) < std::tie(b.host, b.rank);
@@ -367,12 +406,15 @@ std::vector<SharedRead> assign_shared_reads(std::vector<RankNeeds> needs) {
     for (const auto& [file, w] : who)
       for (size_t k = 0; k < w.size(); ++k)
         if (w[k].size() > 1) total[ranks_of(w[k])] += cuts[file][k + 1] - cuts[file][k];
+    const size_t node_first = out.size();
+    std::vector<const ShareTo*> alone;  // per read of this node: its only needer, if one
     for (const auto& [file, w] : who) {
       const auto& c = cuts[file];
       for (size_t k = 0; k < w.size(); ++k) {
         if (w[k].empty()) continue;
         SharedRead sr;
         sr.range = FileRange{file, c[k], c[k + 1] - c[k]};
+        alone.push_back(w[k].size() == 1 ? &w[k][0] : nullptr);
         if (w[k].size() == 1) {
           sr.reader = w[k][0].rank;
         } else {
@@ -388,6 +430,7 @@ std::vector<SharedRead> assign_shared_reads(std::vector<RankNeeds> needs) {
         out.push_back(std::move(sr));
       }
     }
+    give_small_reads_to_neighbours(out.begin() + node_first, out.end(), alone);
     first = last;
   }
   return out;
@@ -487,6 +530,55 @@ uint64_t shared_bytes(const ReadOp& piece, size_t elem_size) {
   return n;
 }
 
+namespace {
+
+// Pieces of the chunks that hold `reads` (sorted by file and offset), made
+// to be verified and sent on: entry kForOthers, nothing to copy here. A
+// range that is no piece of a raw chunk on its block grid is left out (every
+// rank plans from the same manifest, so none is); its receiver then times
+// out waiting for it, naming this rank.
+void add_reads_for_others(const std::vector<const SharedRead*>& reads, const Manifest& m,
+                          std::vector<ReadOp>* out) {
+  struct Where {
+    uint32_t file;
+    uint64_t offset;
+    uint32_t tensor, chunk;
+  };
+  std::vector<Where> chunks;
+  for (uint32_t t = 0; t < m.tensors.size(); ++t)
+    for (uint32_t c = 0; c < m.tensors[t].chunks.size(); ++c)
+      chunks.push_back({m.tensors[t].chunks[c].file, m.tensors[t].chunks[c].byte_offset, t, c});
+  std::sort(chunks.begin(), chunks.end(), [](const Where& a, const Where& b) {
+    return std::tie(a.file, a.offset) < std::tie(b.file, b.offset);
+  });
+  for (const SharedRead* r : reads) {
+    auto it = std::upper_bound(chunks.begin(), chunks.end(), r->range,
+                               [](const FileRange& v, const Where& w) {
+                                 return std::tie(v.file, v.offset) < std::tie(w.file, w.offset);
+                               });
+    if (it == chunks.begin()) continue;
+    --it;
+    const ManifestTensor& t = m.tensors[it->tensor];
+    const ManifestChunk& c = t.chunks[it->chunk];
+    if (!c.codec.empty() || c.file != r->range.file) continue;
+    ReadOp whole;
+    whole.entry = ReadOp::kForOthers;
+    whole.tensor = it->tensor;
+    whole.chunk = it->chunk;
+    whole.file = c.file;
+    whole.file_offset = c.byte_offset;
+    whole.length = c.byte_length;
+    whole.chunk_box = Box{c.offsets, c.sizes};
+    whole.region = Box{c.offsets, std::vector<int64_t>(c.sizes.size(), 0)};
+    whole.target_box = whole.region;
+    whole.share_with = r->receivers;
+    if (auto piece = slice_op(whole, r->range.offset, r->range.length, m))
+      out->push_back(std::move(*piece));
+  }
+}
+
+}  // namespace
+
 RankShare split_for_rank(const std::vector<ReadOp>& ops, const std::vector<SharedRead>& shared,
                          int32_t rank, const Manifest& m) {
   auto elem_size = [&m](const ReadOp& op) { return dtype_size(m.tensors[op.tensor].dtype); };
@@ -501,7 +593,7 @@ RankShare split_for_rank(const std::vector<ReadOp>& ops, const std::vector<Share
   std::sort(mine.begin(), mine.end(), [](const SharedRead* a, const SharedRead* b) {
     return std::tie(a->range.file, a->range.offset) < std::tie(b->range.file, b->range.offset);
   });
-  std::vector<bool> sent(mine.size(), false);
+  std::vector<bool> sent(mine.size(), false), matched(mine.size(), false);
   RankShare out;
   for (const ReadOp& op : ops) {
     const uint64_t end = op.file_offset + op.length;
@@ -529,6 +621,7 @@ RankShare split_for_rank(const std::vector<ReadOp>& ops, const std::vector<Share
     }
     for (auto& [k, piece] : pieces) {
       const SharedRead& s = *mine[k];
+      matched[k] = true;
       if (s.reader != rank) {
         piece.shared_box = receiving(s)->box;
         if (shared_bytes(piece, elem_size(piece)) > 0)
@@ -540,6 +633,11 @@ RankShare split_for_rank(const std::vector<ReadOp>& ops, const std::vector<Share
       out.read.push_back(std::move(piece));
     }
   }
+  std::vector<const SharedRead*> for_others;
+  for (size_t k = 0; k < mine.size(); ++k)
+    if (!matched[k] && mine[k]->reader == rank && !mine[k]->receivers.empty())
+      for_others.push_back(mine[k]);
+  if (!for_others.empty()) add_reads_for_others(for_others, m, &out.read);
   return out;
 }
 

@@ -46,7 +46,9 @@ struct ShareTo {
 // One read of a contiguous range of whole checksum blocks of one chunk, and
 // what to copy out of it into one entry.
 struct ReadOp {
-  uint32_t entry = 0;         // StateDict entry
+  // entry of a read made only for other ranks (it copies nothing here)
+  static constexpr uint32_t kForOthers = UINT32_MAX;
+  uint32_t entry = 0;         // StateDict entry, or kForOthers
   uint32_t tensor = 0;        // index into Manifest::tensors
   uint32_t chunk = 0;         // index into that tensor's chunks
   uint32_t file = 0;          // index into Manifest::files
@@ -147,11 +149,13 @@ struct RankNeeds {
 // rank decodes itself, so each rank reads them alone.
 std::vector<NeededRange> needed_ranges(const std::vector<ReadOp>& ops, const Manifest& m);
 
-// A range needed by `reader` and `receivers` (ranks of one node, ascending),
+// A range needed by `receivers` and `reader` (ranks of one node, ascending),
 // cut where any of their ranges starts or ends, so it lies inside one op of
 // each of them and on their chunk's checksum-block grid. A receiver's box is
 // its region there (their bounding box, should two of its entries read the
-// range).
+// range). The reader needs the range too, except for a small range only one
+// rank needs that lies between ranges the reader reads: the reader takes it
+// into its run and sends it on, sparing the needer a tiny read.
 struct SharedRead {
   FileRange range;
   int32_t reader = 0;
@@ -161,14 +165,16 @@ struct SharedRead {
 // Deterministic in its input (order of `needs` aside): per node and per set
 // of ranks needing a range, the bytes they share are split into one
 // contiguous stretch per rank, equal in bytes, so each reads its share in
-// long sequential runs. Sorted by node, file and offset.
+// long sequential runs. Small ranges one rank needs alone go to the rank
+// reading next to them (SharedRead). Sorted by node, file and offset.
 std::vector<SharedRead> assign_shared_reads(std::vector<RankNeeds> needs);
 
 // One rank's part of an assignment.
 struct RankShare {
   // The pieces of its ops it reads itself; a piece others need carries them
   // in share_with (only one piece per shared range does, should two entries
-  // read the same bytes).
+  // read the same bytes). Ranges it reads only for others are pieces of
+  // their chunk with entry kForOthers and an empty region.
   std::vector<ReadOp> read;
   // The pieces it receives, with the rank each comes from, each with its
   // shared_box: the sender verified the piece's blocks, and a sum of each

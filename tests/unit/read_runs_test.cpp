@@ -74,6 +74,8 @@ std::map<uint32_t, std::vector<uint8_t>> apply_ops(const std::vector<ferry::Read
   for (uint32_t e = 0; e < target_bytes.size(); ++e) out[e].assign(target_bytes[e], 0);
   for (const auto& op : ops)
     ferry::for_each_copy(op, 4, [&](uint64_t src, uint64_t dst, uint64_t n) {
+      // A read made only for other ranks copies nothing here.
+      REQUIRE(op.entry != ferry::ReadOp::kForOthers);
       std::memcpy(out[op.entry].data() + dst, file.data() + op.file_offset + src, n);
     });
   return out;
@@ -168,6 +170,63 @@ const std::vector<uint64_t> kRankTargetBytes = {300 * 257 * 4, 300 * 33 * 4, 7 *
 
 }  // namespace
 
+// What rank r ends up with: its own reads applied, and each piece it
+// receives rebuilt from the stream its sender sends (the sender's piece of
+// the same bytes, cut to the receiver's box), checking both sides agree.
+struct Loaded {
+  std::map<uint32_t, std::vector<uint8_t>> bytes;
+  uint64_t blocks = 0;    // bytes of the pieces it received
+  uint64_t received = 0;  // bytes that travelled to it
+};
+
+Loaded load_rank(const ferry::Manifest& m, const std::vector<ferry::RankShare>& parts, int r,
+                 const std::vector<uint8_t>& file, const std::vector<uint64_t>& target_bytes,
+                 bool checksums) {
+  const auto& part = parts[r];
+  Loaded out;
+  auto& got = out.bytes;
+  got = apply_ops(part.read, file, target_bytes);
+  for (const auto& [from, p] : part.receive) {
+    CHECK(from != r);
+    CHECK(p.share_with.empty());
+    check_piece(m, p, checksums);
+    // The sender's piece of the same bytes, and the stream it sends.
+    const ferry::ReadOp* sent = nullptr;
+    const ferry::ShareTo* to = nullptr;
+    for (const auto& q : parts[from].read)
+      for (const ferry::ShareTo& t : q.share_with)
+        if (t.rank == r && q.file_offset == p.file_offset) {
+          sent = &q;
+          to = &t;
+        }
+    REQUIRE(sent != nullptr);
+    CHECK(sent->length == p.length);
+    CHECK(to->box == p.shared_box);
+    // Positions are the box's stream's (the whole box, not this piece):
+    // the piece's part of it starts at `base`.
+    std::vector<uint8_t> stream;
+    uint64_t base = 0;
+    ferry::for_each_shared_run(*sent, to->box, 4, [&](uint64_t src, uint64_t at, uint64_t n) {
+      if (stream.empty()) base = at;
+      CHECK(at == base + stream.size());  // runs are consecutive in the stream
+      stream.insert(stream.end(), file.begin() + sent->file_offset + src,
+                    file.begin() + sent->file_offset + src + n);
+    });
+    CHECK(stream.size() == ferry::shared_bytes(p, 4));
+    CHECK(stream.size() <= p.length);
+    ferry::for_each_copy(p, 4, [&](uint64_t src, uint64_t dst, uint64_t n) {
+      auto at = ferry::packed_position(p, p.shared_box, src, 4);
+      REQUIRE(at.has_value());
+      REQUIRE(*at >= base);
+      REQUIRE(*at - base + n <= stream.size());
+      std::memcpy(got[p.entry].data() + dst, stream.data() + (*at - base), n);
+    });
+    out.blocks += p.length;
+    out.received += stream.size();
+  }
+  return out;
+}
+
 TEST_CASE("shared reads: each byte a node needs has one reader, and every rank gets its bytes",
           "[load_plan]") {
   const bool checksums = GENERATE(true, false);
@@ -221,6 +280,20 @@ TEST_CASE("shared reads: each byte a node needs has one reader, and every rank g
     }
     std::vector<int32_t> got;
     for (const ferry::ShareTo& t : s.receivers) got.push_back(t.rank);
+    if (std::find(needers.begin(), needers.end(), s.reader) == needers.end()) {
+      // A small range one rank needs alone, read by the rank reading the
+      // bytes next to it.
+      CHECK(got == needers);
+      CHECK(needers.size() == 1);
+      CHECK(s.range.length <= (256u << 10));
+      bool beside = false;
+      for (const auto& o : shared)
+        beside |= o.reader == s.reader && o.range.file == s.range.file &&
+                  (o.range.offset + o.range.length == s.range.offset ||
+                   s.range.offset + s.range.length == o.range.offset);
+      CHECK(beside);
+      continue;
+    }
     got.push_back(s.reader);
     std::sort(got.begin(), got.end());
     CHECK(got == needers);
@@ -257,47 +330,10 @@ TEST_CASE("shared reads: each byte a node needs has one reader, and every rank g
       check_piece(m, p, checksums);
       for (const ferry::ShareTo& to : p.share_with) CHECK(((to.rank < 4) == (r < 4)));
     }
-    auto got = apply_ops(part.read, file, kRankTargetBytes);
-    uint64_t blocks = 0, received = 0;
-    for (const auto& [from, p] : part.receive) {
-      CHECK(from != r);
-      CHECK(((from < 4) == (r < 4)));  // only from its own node
-      CHECK(p.share_with.empty());
-      check_piece(m, p, checksums);
-      // The sender's piece of the same bytes, and the stream it sends.
-      const ferry::ReadOp* sent = nullptr;
-      const ferry::ShareTo* to = nullptr;
-      for (const auto& q : parts[from].read)
-        for (const ferry::ShareTo& t : q.share_with)
-          if (t.rank == r && q.file_offset == p.file_offset) {
-            sent = &q;
-            to = &t;
-          }
-      REQUIRE(sent != nullptr);
-      CHECK(sent->length == p.length);
-      CHECK(to->box == p.shared_box);
-      // Positions are the box's stream's (the whole box, not this piece):
-      // the piece's part of it starts at `base`.
-      std::vector<uint8_t> stream;
-      uint64_t base = 0;
-      ferry::for_each_shared_run(*sent, to->box, 4, [&](uint64_t src, uint64_t at, uint64_t n) {
-        if (stream.empty()) base = at;
-        CHECK(at == base + stream.size());  // runs are consecutive in the stream
-        stream.insert(stream.end(), file.begin() + sent->file_offset + src,
-                      file.begin() + sent->file_offset + src + n);
-      });
-      CHECK(stream.size() == ferry::shared_bytes(p, 4));
-      CHECK(stream.size() <= p.length);
-      ferry::for_each_copy(p, 4, [&](uint64_t src, uint64_t dst, uint64_t n) {
-        auto at = ferry::packed_position(p, p.shared_box, src, 4);
-        REQUIRE(at.has_value());
-        REQUIRE(*at >= base);
-        REQUIRE(*at - base + n <= stream.size());
-        std::memcpy(got[p.entry].data() + dst, stream.data() + (*at - base), n);
-      });
-      blocks += p.length;
-      received += stream.size();
-    }
+    for (const auto& [from, p] : part.receive) CHECK(((from < 4) == (r < 4)));  // its own node
+    const Loaded l = load_rank(m, parts, r, file, kRankTargetBytes, checksums);
+    const auto& got = l.bytes;
+    const uint64_t blocks = l.blocks, received = l.received;
     read_bytes[r < 4 ? "n0" : "n1"] += rank_read[r];
     CHECK(got == apply_ops(plans[r], file, kRankTargetBytes));
     if (blocks > 0) CHECK(received < blocks);
@@ -334,20 +370,22 @@ TEST_CASE("shared reads: a replicated state splits evenly across the ranks of a 
 
 TEST_CASE("shared reads: ranks splitting a block between them receive only the bytes they copy",
           "[load_plan]") {
-  // 40 rows of 4 KiB (a chunk of 2.5 checksum blocks) split between two
+  // 200 rows of 4 KiB (a chunk of 12.5 checksum blocks) split between two
   // ranks by rows, or by columns: a block both need is read by one, and the
   // other gets only its rows (one stretch) or its columns (one per row).
+  constexpr int64_t kRows = 200, kHalf = kRows / 2;
   const bool by_cols = GENERATE(false, true);
   INFO((by_cols ? "columns" : "rows"));
-  const ferry::Manifest m = make_manifest({{"a", {40, 1024}}}, true);
+  const ferry::Manifest m = make_manifest({{"a", {kRows, 1024}}}, true);
   const uint64_t start = m.tensors[0].chunks[0].byte_offset;
   auto box_of = [&](int r) {
-    return by_cols ? ferry::Box{{0, r * 512}, {40, 512}} : ferry::Box{{r * 20, 0}, {20, 1024}};
+    return by_cols ? ferry::Box{{0, r * 512}, {kRows, 512}}
+                   : ferry::Box{{r * kHalf, 0}, {kHalf, 1024}};
   };
   std::vector<std::vector<ferry::ReadOp>> plans;
   std::vector<ferry::RankNeeds> needs;
   for (int r = 0; r < 2; ++r) {
-    auto ops = ferry::make_load_plan(m, {request("a", {40, 1024}, box_of(r), 0)});
+    auto ops = ferry::make_load_plan(m, {request("a", {kRows, 1024}, box_of(r), 0)});
     REQUIRE(ops.ok());
     plans.push_back(ops.value());
     needs.push_back({r, "n0", ferry::needed_ranges(ops.value(), m)});
@@ -361,7 +399,7 @@ TEST_CASE("shared reads: ranks splitting a block between them receive only the b
   for (int r = 0; r < 2; ++r) {
     INFO("rank " << r);
     const auto part = ferry::split_for_rank(plans[r], shared, r, m);
-    auto got = apply_ops(part.read, file, {20 * 4096});
+    auto got = apply_ops(part.read, file, {kHalf * 4096});
     for (const auto& [from, p] : part.receive) {
       CHECK(from == 1 - r);
       CHECK(p.shared_box == box_of(r));
@@ -383,24 +421,25 @@ TEST_CASE("shared reads: ranks splitting a block between them receive only the b
         std::memcpy(got[0].data() + dst, stream.data() + (*at - base), n);
       });
     }
-    CHECK(got == apply_ops(plans[r], file, {20 * 4096}));
+    CHECK(got == apply_ops(plans[r], file, {kHalf * 4096}));
   }
   if (by_cols) {
     // Every block is needed by both: each rank reads half the chunk and
     // gets its half of every row of the other half.
-    CHECK(shared_blocks == 40 * 4096);
-    CHECK(received == 20 * 4096);
+    CHECK(shared_blocks == kRows * 4096);
+    CHECK(received == kHalf * 4096);
   } else {
-    // The block holding row 20 is the only one both need; it travels once,
-    // and what travels is the receiver's rows of it.
+    // The block holding row kHalf is the only one both need; it travels
+    // once, and what travels is the receiver's rows of it.
     CHECK(shared_blocks == kBlock);
-    const uint64_t split = start + 20 * 4096;
-    CHECK((received == split - (start + kBlock) || received == start + 2 * kBlock - split));
+    const uint64_t split = start + kHalf * 4096;
+    const uint64_t seam = start + (kHalf * 4096 / kBlock) * kBlock;
+    CHECK((received == split - seam || received == seam + kBlock - split));
   }
   // Rank 1's first element is the first of its box's stream; it has no
   // place in rank 0's.
   const ferry::ReadOp& op = plans[1][0];
-  const uint64_t first = by_cols ? 512 * 4 : 20 * 4096 - op.chunk_offset;
+  const uint64_t first = by_cols ? 512 * 4 : kHalf * 4096 - op.chunk_offset;
   CHECK(ferry::packed_position(op, box_of(1), first, 4) == uint64_t{0});
   CHECK(ferry::packed_position(op, box_of(1), first + 4, 4) == uint64_t{4});
   CHECK_FALSE(ferry::packed_position(op, box_of(0), first, 4).has_value());
@@ -413,8 +452,73 @@ TEST_CASE("shared reads: ranks splitting a block between them receive only the b
     }
     seen += n;
   });
-  CHECK(seen == 20 * 4096);
+  CHECK(seen == kHalf * 4096);
   CHECK_FALSE(ferry::unpacked_offset(op, box_of(1), seen, 4).has_value());  // past the box
+}
+
+TEST_CASE("shared reads: a small tail one rank needs is read by the rank reading around it",
+          "[load_plan]") {
+  // Tensors one block and a 1 KiB row long, split by rows between two ranks:
+  // both need block 0 of each, only rank 1 its tail. The ranks split the
+  // block 0s between them; rank 0 also reads the tails lying between its
+  // block 0s and sends them on, so neither rank makes a read per tensor.
+  constexpr int kTensors = 50;
+  constexpr int64_t kRowFloats = 256, kRows = kBlock / (kRowFloats * 4) + 1;
+  std::vector<std::pair<std::string, std::vector<int64_t>>> ts;
+  for (int i = 0; i < kTensors; ++i)
+    ts.push_back({"t" + std::to_string(100 + i), {kRows, kRowFloats}});
+  const ferry::Manifest m = make_manifest(ts, true);
+  std::vector<uint8_t> file(m.files[0].size + 8192);
+  for (size_t i = 0; i < file.size(); ++i) file[i] = static_cast<uint8_t>(i * 2246822519u >> 11);
+  const int64_t half = kRows / 2;
+  std::vector<std::vector<ferry::ReadOp>> plans;
+  std::vector<ferry::RankNeeds> needs;
+  std::vector<uint64_t> target_bytes(kTensors);
+  for (int r = 0; r < 2; ++r) {
+    std::vector<ferry::LoadRequest> reqs;
+    const ferry::Box box = r == 0 ? ferry::Box{{0, 0}, {half, kRowFloats}}
+                                  : ferry::Box{{half, 0}, {kRows - half, kRowFloats}};
+    for (uint32_t i = 0; i < kTensors; ++i) {
+      reqs.push_back(request(ts[i].first, ts[i].second, box, i));
+      if (r == 1) target_bytes[i] = static_cast<uint64_t>(box.numel()) * 4;
+    }
+    auto ops = ferry::make_load_plan(m, reqs);
+    REQUIRE(ops.ok());
+    plans.push_back(ops.value());
+    needs.push_back({r, "n0", ferry::needed_ranges(ops.value(), m)});
+  }
+  const auto shared = ferry::assign_shared_reads(needs);
+  std::vector<ferry::RankShare> parts;
+  for (int r = 0; r < 2; ++r) parts.push_back(ferry::split_for_rank(plans[r], shared, r, m));
+
+  uint64_t union_bytes = 0, read_bytes = 0;
+  for (const auto& t : m.tensors) union_bytes += t.chunks[0].byte_length;
+  size_t for_others = 0;
+  for (int r = 0; r < 2; ++r) {
+    INFO("rank " << r);
+    for (const auto& p : parts[r].read) {
+      read_bytes += p.length;
+      check_piece(m, p, true);
+      if (p.entry != ferry::ReadOp::kForOthers) continue;
+      ++for_others;
+      CHECK(r == 0);
+      CHECK(p.region.empty());
+      CHECK(p.length == 1024);  // a tail
+      REQUIRE(p.share_with.size() == 1);
+      CHECK(p.share_with[0].rank == 1);
+    }
+    // Each rank's reads make one long run, or two (rank 1's own tensors,
+    // and the tail of the last tensor whose block 0 rank 0 reads).
+    const auto runs = ferry::make_read_runs(parts[r].read, m, 64 << 20);
+    CHECK(runs.size() <= 2);
+    const auto mine =
+        r == 0 ? std::vector<uint64_t>(kTensors, half * kRowFloats * 4) : target_bytes;
+    const Loaded l = load_rank(m, parts, r, file, mine, true);
+    CHECK(l.bytes == apply_ops(plans[r], file, mine));
+  }
+  // Rank 0 reads the tails between its block 0s: all but its last.
+  CHECK(for_others == kTensors / 2 - 1);
+  CHECK(read_bytes == union_bytes);  // every byte once
 }
 
 TEST_CASE("slice_op takes pieces on the checksum-block grid only", "[load_plan]") {
