@@ -174,7 +174,8 @@ struct RankShare {
   // The pieces of its ops it reads itself; a piece others need carries them
   // in share_with (only one piece per shared range does, should two entries
   // read the same bytes). Ranges it reads only for others are pieces of
-  // their chunk with entry kForOthers and an empty region.
+  // their chunk with entry kForOthers: verified and sent, copied nowhere
+  // here (their region is empty, but for a 0-d tensor's).
   std::vector<ReadOp> read;
   // The pieces it receives, with the rank each comes from, each with its
   // shared_box: the sender verified the piece's blocks, and a sum of each
