@@ -228,6 +228,31 @@ Loaded load_rank(const ferry::Manifest& m, const std::vector<ferry::RankShare>& 
   return out;
 }
 
+// Ranks 0..n-1 of one node, rank r loading reqs[r]: their plans, who reads
+// what, and each rank's part of it.
+struct NodeLoad {
+  std::vector<std::vector<ferry::ReadOp>> plans;
+  std::vector<ferry::SharedRead> shared;
+  std::vector<ferry::RankShare> parts;
+};
+
+NodeLoad plan_node(const ferry::Manifest& m,
+                   const std::vector<std::vector<ferry::LoadRequest>>& reqs) {
+  NodeLoad out;
+  std::vector<ferry::RankNeeds> needs;
+  for (size_t r = 0; r < reqs.size(); ++r) {
+    auto ops = ferry::make_load_plan(m, reqs[r]);
+    REQUIRE(ops.ok());
+    out.plans.push_back(ops.value());
+    needs.push_back({static_cast<int32_t>(r), "n0", ferry::needed_ranges(ops.value(), m)});
+  }
+  out.shared = ferry::assign_shared_reads(needs);
+  for (size_t r = 0; r < reqs.size(); ++r)
+    out.parts.push_back(
+        ferry::split_for_rank(out.plans[r], out.shared, static_cast<int32_t>(r), m));
+  return out;
+}
+
 TEST_CASE("shared reads: each byte a node needs has one reader, and every rank gets its bytes",
           "[load_plan]") {
   const bool checksums = GENERATE(true, false);
@@ -472,25 +497,19 @@ TEST_CASE("shared reads: a small tail one rank needs is read by the rank reading
   std::vector<uint8_t> file(m.files[0].size + 8192);
   for (size_t i = 0; i < file.size(); ++i) file[i] = static_cast<uint8_t>(i * 2246822519u >> 11);
   const int64_t half = kRows / 2;
-  std::vector<std::vector<ferry::ReadOp>> plans;
-  std::vector<ferry::RankNeeds> needs;
+  std::vector<std::vector<ferry::LoadRequest>> reqs(2);
   std::vector<uint64_t> target_bytes(kTensors);
   for (int r = 0; r < 2; ++r) {
-    std::vector<ferry::LoadRequest> reqs;
     const ferry::Box box = r == 0 ? ferry::Box{{0, 0}, {half, kRowFloats}}
                                   : ferry::Box{{half, 0}, {kRows - half, kRowFloats}};
     for (uint32_t i = 0; i < kTensors; ++i) {
-      reqs.push_back(request(ts[i].first, ts[i].second, box, i));
+      reqs[r].push_back(request(ts[i].first, ts[i].second, box, i));
       if (r == 1) target_bytes[i] = static_cast<uint64_t>(box.numel()) * 4;
     }
-    auto ops = ferry::make_load_plan(m, reqs);
-    REQUIRE(ops.ok());
-    plans.push_back(ops.value());
-    needs.push_back({r, "n0", ferry::needed_ranges(ops.value(), m)});
   }
-  const auto shared = ferry::assign_shared_reads(needs);
-  std::vector<ferry::RankShare> parts;
-  for (int r = 0; r < 2; ++r) parts.push_back(ferry::split_for_rank(plans[r], shared, r, m));
+  const NodeLoad node = plan_node(m, reqs);
+  const auto& plans = node.plans;
+  const auto& parts = node.parts;
 
   uint64_t union_bytes = 0, read_bytes = 0;
   for (const auto& t : m.tensors) union_bytes += t.chunks[0].byte_length;
@@ -548,13 +567,11 @@ TEST_CASE("shared reads, random shapes and splits: every rank gets its bytes, ea
     std::vector<uint8_t> file(m.files[0].size + 8192);
     for (size_t i = 0; i < file.size(); ++i) file[i] = static_cast<uint8_t>(i * 2654435761u >> 9);
 
-    std::vector<std::vector<ferry::ReadOp>> plans;
+    std::vector<std::vector<ferry::LoadRequest>> reqs(ranks);
     std::vector<std::vector<uint64_t>> targets(ranks);
-    std::vector<ferry::RankNeeds> needs;
     std::vector<int> how(ts.size());
     for (auto& h : how) h = static_cast<int>(pick(0, 3));
     for (int r = 0; r < ranks; ++r) {
-      std::vector<ferry::LoadRequest> reqs;
       for (uint32_t i = 0; i < ts.size(); ++i) {
         const auto& shape = ts[i].second;
         ferry::Box box = ferry::Box::whole(shape);
@@ -573,16 +590,12 @@ TEST_CASE("shared reads, random shapes and splits: every rank gets its bytes, ea
           box.sizes[0] = rows * (r + 2) / (ranks + 1) - box.offsets[0];
         }
         targets[r].push_back(static_cast<uint64_t>(box.numel()) * 4);
-        reqs.push_back(request(ts[i].first, shape, box, i));
+        reqs[r].push_back(request(ts[i].first, shape, box, i));
       }
-      auto ops = ferry::make_load_plan(m, reqs);
-      REQUIRE(ops.ok());
-      plans.push_back(ops.value());
-      needs.push_back({r, "n0", ferry::needed_ranges(ops.value(), m)});
     }
-    const auto shared = ferry::assign_shared_reads(needs);
-    std::vector<ferry::RankShare> parts;
-    for (int r = 0; r < ranks; ++r) parts.push_back(ferry::split_for_rank(plans[r], shared, r, m));
+    const NodeLoad node = plan_node(m, reqs);
+    const auto& plans = node.plans;
+    const auto& parts = node.parts;
 
     std::vector<std::pair<uint64_t, uint64_t>> spans;
     for (const auto& plan : plans)
