@@ -154,8 +154,9 @@ std::vector<NeededRange> needed_ranges(const std::vector<ReadOp>& ops, const Man
 // each of them and on their chunk's checksum-block grid. A receiver's box is
 // its region there (their bounding box, should two of its entries read the
 // range). The reader needs the range too, except for a small range only one
-// rank needs that lies between ranges the reader reads: the reader takes it
-// into its run and sends it on, sparing the needer a tiny read.
+// rank needs that touches a range the reader reads and none its needer
+// reads: the reader takes it into its run and sends it on, sparing the needer
+// a tiny read.
 struct SharedRead {
   FileRange range;
   int32_t reader = 0;
