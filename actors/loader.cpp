@@ -851,6 +851,10 @@ struct loader_state {
   std::map<std::string, ShareWait> shares;                  // by load id
   std::map<std::string, std::vector<BlockShareMsg>> early;  // by load id
   std::deque<std::string> ended;  // the last few share waits that ended: late bytes are dropped
+  // Ranks reported failed (kAnyLoad), with why: a load that starts after the
+  // report and expects bytes from one of them fails at once, instead of
+  // waiting write-timeout for bytes a dead rank will never send.
+  std::map<int32_t, Status> failed;
 };
 
 using loader_ptr = loader_actor::stateful_pointer<loader_state>;
@@ -986,19 +990,22 @@ void end_share(loader_ptr self, const std::string& id, Status s) {
   finish_task(*st.ctx, *st.tasks, task, std::move(s));
 }
 
+// Why a load owed bytes by `from` fails once `from` failed (`why`).
+Status waiting_for(const RankContext& ctx, int32_t from, const Status& why) {
+  return why.with_context("rank " + std::to_string(ctx.rank) + " was waiting for bytes rank " +
+                          std::to_string(from) + " reads for it: ");
+}
+
 void on_share(loader_ptr self, const BlockShareMsg& msg) {
   auto& st = self->state;
   if (msg.load_id == kAnyLoad) {
     // A rank failed: every load still owed bytes by it fails, naming it.
+    st.failed.emplace(msg.from, msg.status);
     std::vector<std::string> owing;
     for (const auto& [id, w] : st.shares)
       if (auto it = w.owed.find(msg.from); it != w.owed.end() && it->second > 0)
         owing.push_back(id);
-    for (const auto& id : owing)
-      end_share(self, id,
-                msg.status.with_context("rank " + std::to_string(st.ctx->rank) +
-                                        " was waiting for bytes rank " + std::to_string(msg.from) +
-                                        " reads for it: "));
+    for (const auto& id : owing) end_share(self, id, waiting_for(*st.ctx, msg.from, msg.status));
     return;
   }
   auto it = st.shares.find(msg.load_id);
@@ -1068,6 +1075,12 @@ void expect_shares(loader_ptr self, const LoadJob& job, const std::shared_ptr<Lo
       loader_actor{self},
       std::chrono::milliseconds(static_cast<int64_t>(st.ctx->opts.write_timeout_s * 1000) + 1),
       atom::share_due_v, job.load_id);
+  // A sender that failed before this load began sends nothing more.
+  for (const auto& [from, n] : st.shares.at(job.load_id).owed)
+    if (auto f = st.failed.find(from); n > 0 && f != st.failed.end()) {
+      st.early.clear();
+      return end_share(self, job.load_id, waiting_for(*st.ctx, from, f->second));
+    }
   // Loads run one at a time per rank: what came early for another load is stale.
   auto early = std::move(st.early[job.load_id]);
   st.early.clear();

@@ -177,6 +177,25 @@ TEST_CASE("a receiver gets only its rows or columns of a shared block, under fra
   CHECK(r.landed());
 }
 
+TEST_CASE("a load that starts after its sender was reported failed fails at once and names it",
+          "[load][share]") {
+  // The report of rank 0's failure reaches the loader before the load that
+  // expects rank 0's bytes (the ranks found it dead while this one was still
+  // planning): the load fails on the report, not at write-timeout.
+  Receiver r(false);
+  r.ctx->opts.write_timeout_s = 3;  // the old behaviour: a timeout error after this
+  ferry::BlockShareMsg dead{
+      "job", ferry::kAnyLoad, 0, 1, 0, 0, Status::aborted("rank 0: connection lost"), "", 0};
+  r.send(dead);
+  ferry::testing::Ask<Status> load(*r.sys, r.loader, ferry::atom::load_v, r.job);
+  const Status s = load.answer();
+  INFO(s.to_string());
+  CHECK(s.code() == ferry::StatusCode::aborted);
+  CHECK_THAT(s.to_string(), Catch::Contains("rank 1 was waiting for bytes rank 0 reads for it") &&
+                                Catch::Contains("connection lost"));
+  CHECK(r.untouched());
+}
+
 TEST_CASE("a shared frame changed on its way fails the load naming its sender", "[load][share]") {
   Receiver r(true);
   ferry::testing::Ask<Status> load(*r.sys, r.loader, ferry::atom::load_v, r.job);
