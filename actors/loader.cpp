@@ -851,10 +851,6 @@ struct loader_state {
   std::map<std::string, ShareWait> shares;                  // by load id
   std::map<std::string, std::vector<BlockShareMsg>> early;  // by load id
   std::deque<std::string> ended;  // the last few share waits that ended: late bytes are dropped
-  // Ranks reported failed (kAnyLoad), with why: a load that starts after the
-  // report and expects bytes from one of them fails at once, instead of
-  // waiting write-timeout for bytes a dead rank will never send.
-  std::map<int32_t, Status> failed;
 };
 
 using loader_ptr = loader_actor::stateful_pointer<loader_state>;
@@ -1000,7 +996,6 @@ void on_share(loader_ptr self, const BlockShareMsg& msg) {
   auto& st = self->state;
   if (msg.load_id == kAnyLoad) {
     // A rank failed: every load still owed bytes by it fails, naming it.
-    st.failed.emplace(msg.from, msg.status);
     std::vector<std::string> owing;
     for (const auto& [id, w] : st.shares)
       if (auto it = w.owed.find(msg.from); it != w.owed.end() && it->second > 0)
@@ -1075,11 +1070,14 @@ void expect_shares(loader_ptr self, const LoadJob& job, const std::shared_ptr<Lo
       loader_actor{self},
       std::chrono::milliseconds(static_cast<int64_t>(st.ctx->opts.write_timeout_s * 1000) + 1),
       atom::share_due_v, job.load_id);
-  // A sender that failed before this load began sends nothing more.
+  // A sender that failed before this load began sends nothing more: the
+  // link recorded its failure (fail_rank) before telling this loader, whose
+  // report (kAnyLoad) ended only the waits that existed then. Without this
+  // the wait would last write-timeout.
   for (const auto& [from, n] : st.shares.at(job.load_id).owed)
-    if (auto f = st.failed.find(from); n > 0 && f != st.failed.end()) {
+    if (auto why = n > 0 ? st.ctx->shares->failure(from) : std::nullopt) {
       st.early.clear();
-      return end_share(self, job.load_id, waiting_for(*st.ctx, from, f->second));
+      return end_share(self, job.load_id, waiting_for(*st.ctx, from, *why));
     }
   // Loads run one at a time per rank: what came early for another load is stale.
   auto early = std::move(st.early[job.load_id]);

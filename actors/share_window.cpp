@@ -144,6 +144,13 @@ void ShareWindows::close_all(const Status& why) {
   cv_.notify_all();
 }
 
+std::optional<Status> ShareWindows::failure(int32_t rank) {
+  std::lock_guard<std::mutex> l(mu_);
+  auto it = failed_.find(rank);
+  if (it == failed_.end()) return std::nullopt;
+  return it->second;
+}
+
 uint64_t ShareWindows::outstanding(const std::string& load, int32_t to) {
   std::lock_guard<std::mutex> l(mu_);
   auto it = loads_.find(load);

@@ -27,6 +27,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -66,6 +67,10 @@ class ShareWindows {
   void close(const std::string& load, const Status& why);
   // Closes every open load (the loader stops).
   void close_all(const Status& why);
+
+  // Why `rank` failed (fail_rank), if it did: a load that starts later and
+  // expects bytes from it fails at once.
+  std::optional<Status> failure(int32_t rank);
 
   // Bytes outstanding toward `to` in `load` (0 when not open); for tests.
   uint64_t outstanding(const std::string& load, int32_t to);

@@ -184,9 +184,10 @@ TEST_CASE("a load that starts after its sender was reported failed fails at once
   // planning): the load fails on the report, not at write-timeout.
   Receiver r(false);
   r.ctx->opts.write_timeout_s = 3;  // the old behaviour: a timeout error after this
-  ferry::BlockShareMsg dead{
-      "job", ferry::kAnyLoad, 0, 1, 0, 0, Status::aborted("rank 0: connection lost"), "", 0};
-  r.send(dead);
+  // As the link does: the failure on record, then the report to the loader.
+  const Status lost = Status::aborted("rank 0: connection lost");
+  r.ctx->shares->fail_rank(0, lost);
+  r.send(ferry::BlockShareMsg{"job", ferry::kAnyLoad, 0, 1, 0, 0, lost, "", 0});
   ferry::testing::Ask<Status> load(*r.sys, r.loader, ferry::atom::load_v, r.job);
   const Status s = load.answer();
   INFO(s.to_string());
