@@ -43,20 +43,20 @@ namespace {
 // O_DIRECT wants buffers, offsets and lengths aligned to the logical block
 // size; 4096 covers every device we run on (the writer assumes the same).
 constexpr uint64_t kAlign = 4096;
-// Staged reads a reader has at the disk at once, and runs it holds (read or
-// being read, in pool blocks). One 32 MiB pread is already a deep queue for
-// the device (the kernel splits it into many requests), and more did not
-// read faster: the virtual disk here shares its bandwidth between the reads
-// it has and ends them together (8 reads of 32 MiB, 2 readers x 4, each took
-// 35-50 ms and all ended within 0.3 ms). The readers then verified and
-// copied the whole wave while the disk had nothing to do: 46-63 ms idle per
-// 2 GiB load. With one read each, and the next started as soon as one lands
-// (before its run is verified and copied, hence more runs held than read),
-// the disk idled 10-20 ms.
-constexpr size_t kReadsPending = 1;
+// A reader's reads go to the disk one at a time, back to back, from a
+// thread of their own, while the reader verifies and copies the runs that
+// landed: at most kRunsHeld runs read or queued, in pool blocks. One 32 MiB
+// pread is already a deep queue for the device (the kernel splits it into
+// many requests), and more at once did not read faster: the virtual disk
+// here shares its bandwidth between the reads it has and ends them together
+// (8 reads of 32 MiB, 2 readers x 4, each took 35-50 ms and all ended
+// within 0.3 ms). The readers then verified and copied the whole wave while
+// the disk had nothing to do: 46-63 ms idle per 2 GiB load. A next read
+// started only when the reader came back for it still left the disk idle
+// whenever a run took longer to verify and copy than the next to read.
 constexpr size_t kRunsHeld = 4;
-// Threads of a reader's pread pool: the pending reads, the header checks
-// that run beside them, and compressed chunks read and decoded at once.
+// Threads of a reader for the rest: header checks beside the reads, and
+// compressed chunks read and decoded this many at once.
 constexpr size_t kPreadThreads = 4;
 // Staged reads are at most this long (and at most a pool block). 8 MiB
 // reads were 5-15% slower than 32 MiB ones on a disk reading 4.5 GB/s here
@@ -515,9 +515,6 @@ class RunReader {
         continue;
       }
       waiting_since_.reset();
-      // The disk gets its next read before this run is verified and copied.
-      inflight_.front().got.wait();
-      FERRY_RETURN_IF_ERROR(start_reads(next, block));
       InFlight f = std::move(inflight_.front());
       inflight_.pop_front();
       Status s = finish(f);
@@ -532,22 +529,15 @@ class RunReader {
   }
 
  private:
-  // Starts reads of the next runs while fewer than kReadsPending are at the
-  // disk, the reader holds fewer than kRunsHeld runs, and the pool has room.
+  // Queues reads of the next runs while the reader holds fewer than
+  // kRunsHeld and the pool has room.
   Status start_reads(size_t& next, uint64_t block) {
-    while (next < runs_.size() && inflight_.size() < kRunsHeld && pending() < kReadsPending) {
+    while (next < runs_.size() && inflight_.size() < kRunsHeld) {
       FERRY_ASSIGN_OR_RETURN(bool started, start(runs_[next], block));
       if (!started) break;
       ++next;
     }
     return Status();
-  }
-
-  size_t pending() const {
-    return static_cast<size_t>(
-        std::count_if(inflight_.begin(), inflight_.end(), [](const InFlight& f) {
-          return f.got.wait_for(std::chrono::seconds(0)) != std::future_status::ready;
-        }));
   }
 
   Result<OpenFile*> open(uint32_t index) {
@@ -650,7 +640,8 @@ class RunReader {
     }
     f.file = file.value();
     File* fp = f.file->file.get();
-    f.got = io_.submit([fp, buf = f.buf, &run] { return fp->pread(buf, run.length, run.offset); });
+    f.got =
+        disk_.submit([fp, buf = f.buf, &run] { return fp->pread(buf, run.length, run.offset); });
     inflight_.push_back(std::move(f));
     return true;
   }
@@ -796,7 +787,9 @@ class RunReader {
 
   const RankContext& ctx_;
   const ReadTask& task_;
-  PreadThreads io_;  // outlives no read: the destructor waits for every one first
+  // Both outlive no read: the destructor waits for every one first.
+  PreadThreads disk_{1};  // the runs' reads, in order
+  PreadThreads io_;
   std::vector<Work> runs_;
   std::map<uint32_t, std::unique_ptr<OpenFile>> files_;
   std::deque<InFlight> inflight_;
