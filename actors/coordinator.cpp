@@ -117,9 +117,12 @@ struct coordinator_state {
     std::optional<std::vector<std::string>> names;
   };
   std::shared_ptr<std::deque<Trash>> trash = std::make_shared<std::deque<Trash>>();
-  // Deletions of trash that failed after their commit had answered: the
-  // next commit's warnings, so the caller hears of space it cannot reclaim.
-  std::vector<Status> tidy_failed;
+  // Deletions that failed (of trash after its commit had answered, or of
+  // leftovers by the gc at a save's start): the next commit's warnings, so
+  // the caller hears of space it cannot reclaim. Each directory once: every
+  // save's gc tries the same ones again.
+  std::vector<Status> undeleted;
+  std::set<std::string> undeleted_reported;
 };
 
 using coordinator_ptr = coordinator_actor::stateful_pointer<coordinator_state>;
@@ -164,6 +167,12 @@ std::string missing_ranks(const std::vector<bool>& have) {
   for (size_t r = 0; r < have.size(); ++r)
     if (!have[r]) s += (s.empty() ? "" : ", ") + std::to_string(r);
   return s;
+}
+
+void report_undeleted(coordinator_state& st, const std::string& dir, const Status& why) {
+  if (!st.undeleted_reported.insert(dir).second) return;
+  std::fprintf(stderr, "ferry[rank 0]: warning: %s\n", why.to_string().c_str());
+  st.undeleted.push_back(why);
 }
 
 // Removes an aborted checkpoint's pending directory. Other ranks may still
@@ -213,12 +222,10 @@ void tidy(coordinator_ptr self) {
     s = remove_all(fs, t.dir);
     done = true;
   }
-  if (!s.ok()) {
-    std::fprintf(stderr, "ferry[rank 0]: warning: deleting %s (left for gc): %s\n", t.dir.c_str(),
-                 s.to_string().c_str());
-    self->state.tidy_failed.push_back(
+  if (!s.ok())
+    report_undeleted(
+        self->state, t.dir,
         s.with_context("deleting " + t.dir + ", retired by an earlier commit (left for gc): "));
-  }
   if (done || !s.ok()) trash.pop_front();
   if (!trash.empty()) self->send(me(self), atom::tidy_v);
 }
@@ -286,8 +293,11 @@ void on_all_plans(coordinator_ptr self) {
       join_path(c.root, pending_dir_name(c.step, st.ctx->job_id, c.id + "-" + std::string(nonce)));
   c.lease_owner = st.ctx->job_id + "/" + c.id + "/" + nonce;
   // On failure prepare_pending removes what it created, and only that.
+  std::vector<GcReport::Failed> undeleted;
   Status s = prepare_pending(*st.ctx->fs, c.root, c.pending_dir, c.step, c.overwrite, lease_ms(st),
-                             c.lease_owner, st.ctx->opts.fsync);
+                             c.lease_owner, st.ctx->opts.fsync, &undeleted);
+  for (const GcReport::Failed& f : undeleted)
+    report_undeleted(st, f.path, f.status.with_context("a leftover in the checkpoint root: "));
   if (!s.ok()) return abort_active(self, s);
   c.phase = Phase::writing;
   // Only when asked: every rank's plan on every rank grows with world size squared.
@@ -333,8 +343,8 @@ void on_all_results(coordinator_ptr self) {
                  out->path.c_str(), commit_s, st.ctx->opts.commit_timeout_s);
   // Committed: what failed after the commit point does not undo that.
   std::vector<std::string> warnings;
-  out->warnings.insert(out->warnings.begin(), st.tidy_failed.begin(), st.tidy_failed.end());
-  st.tidy_failed.clear();
+  out->warnings.insert(out->warnings.begin(), st.undeleted.begin(), st.undeleted.end());
+  st.undeleted.clear();
   for (const Status& w : out->warnings) {
     warnings.push_back(w.to_string());
     std::fprintf(stderr, "ferry[rank 0]: warning: checkpoint %s is committed, but: %s\n",

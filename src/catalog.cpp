@@ -423,7 +423,8 @@ Result<GcReport> collect_garbage(Filesystem& fs, const std::string& root, int64_
   }
   for (const std::string& path : trash) {
     kill_point("gc.delete");
-    FERRY_RETURN_IF_ERROR(remove_all(fs, path));
+    Status st = remove_all(fs, path);
+    if (!st.ok()) report.failed.push_back({path, st.with_context("deleting " + path + ": ")});
   }
   return report;
 }

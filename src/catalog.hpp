@@ -106,13 +106,21 @@ struct GcReport {
   // Leftovers nobody owns: trash, displaced steps that were replaced, and
   // LATEST temp files of a killed write.
   std::vector<std::string> discarded;
+  // Out of sight but not deleted (a file that cannot be unlinked): each
+  // error names its directory, which the next gc tries again.
+  struct Failed {
+    std::string path;
+    Status status;
+  };
+  std::vector<Failed> failed;
 };
 // Under ROOT's lock (waiting up to lock_wait_ms): puts back every displaced
 // step that nothing replaced, and takes out of sight (renamed to a trash
 // name, then ROOT fsynced) every pending directory whose lease expired
 // before now_unix_ms (one without a readable lease counts as expired only
 // when its mtime is older than grace_ms), every replaced displaced step and
-// LATEST temp file. The lock released, deletes the trash.
+// LATEST temp file. The lock released, deletes the trash: a directory that
+// cannot be deleted is reported in `failed` and the others still go.
 Result<GcReport> collect_garbage(Filesystem& fs, const std::string& root, int64_t now_unix_ms,
                                  int64_t grace_ms = 60'000,
                                  int64_t lock_wait_ms = kDefaultLockWaitMs);

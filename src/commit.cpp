@@ -147,7 +147,7 @@ Status check_pending(Filesystem& fs, const std::string& pending_dir, const Manif
 
 Status prepare_pending(Filesystem& fs, const std::string& root, const std::string& pending_dir,
                        uint64_t step, bool overwrite, int64_t lease_ms, const std::string& owner,
-                       bool fsync) {
+                       bool fsync, std::vector<GcReport::Failed>* undeleted) {
   std::vector<std::string> created;
   Status st = make_dirs_durable(fs, root, fsync, &created);
   if (!st.ok()) {
@@ -158,7 +158,10 @@ Status prepare_pending(Filesystem& fs, const std::string& root, const std::strin
   // aside): each save tidies its root rather than waiting for `ferry gc`.
   // Best effort, and without waiting: another job holding the lock is
   // committing, and this save's own commit recovers a displaced step anyway.
-  (void)collect_garbage(fs, root, now_unix_ms(), 60'000, /*lock_wait_ms=*/0);
+  // What it could not delete still takes space: the caller hears of it.
+  Result<GcReport> gc = collect_garbage(fs, root, now_unix_ms(), 60'000, /*lock_wait_ms=*/0);
+  if (gc.ok() && undeleted != nullptr)
+    undeleted->insert(undeleted->end(), gc->failed.begin(), gc->failed.end());
   const std::string step_dir = join_path(root, step_dir_name(step));
   if (!overwrite && fs.stat(step_dir).ok())
     return Status::already_exists("checkpoint " + step_dir +

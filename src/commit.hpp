@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "box.hpp"
+#include "catalog.hpp"
 #include "ferry/filesystem.hpp"
 #include "ferry/status.hpp"
 #include "ferry/tensor.hpp"
@@ -120,8 +121,10 @@ Result<CommitOutcome> commit_checkpoint(Filesystem& fs, const std::string& root,
 // Every directory created here (ROOT and any missing parents) is made durable
 // in its parent when `fsync` is set. On failure it removes only what it
 // created itself: never a directory that existed before the call.
+// First it collects the root's garbage, best effort and without waiting for
+// its lock; the leftovers that gc could not delete go to *undeleted.
 Status prepare_pending(Filesystem& fs, const std::string& root, const std::string& pending_dir,
                        uint64_t step, bool overwrite, int64_t lease_ms, const std::string& owner,
-                       bool fsync = true);
+                       bool fsync = true, std::vector<GcReport::Failed>* undeleted = nullptr);
 
 }  // namespace ferry

@@ -203,8 +203,12 @@ int cmd_gc(const Args& args) {
   for (const auto& p : rep->removed) std::printf("removed %s (lease expired)\n", p.c_str());
   for (const auto& p : rep->discarded) std::printf("removed %s (leftover)\n", p.c_str());
   for (const auto& p : rep->kept) std::printf("kept    %s (lease live)\n", p.c_str());
-  std::printf("%zu removed, %zu kept\n", rep->removed.size(), rep->kept.size());
-  return 0;
+  for (const auto& f : rep->failed)
+    std::fprintf(stderr, "ferry gc: %s (out of sight; the next gc tries again)\n",
+                 f.status.to_string().c_str());
+  std::printf("%zu removed, %zu kept, %zu not deleted\n", rep->removed.size(), rep->kept.size(),
+              rep->failed.size());
+  return rep->failed.empty() ? 0 : 1;
 }
 
 int cmd_kill_points(const Args&) {

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <stdexcept>
 
 #include "catalog.hpp"
@@ -247,6 +248,34 @@ TEST_CASE("retention deletes old checkpoints after the save reports, never befor
   // A runtime that ends right after a save deletes what it retired.
   CHECK(trash_dirs(dir.path()) == 0);
   CHECK(steps() == std::vector<uint64_t>{3});
+}
+
+TEST_CASE("a leftover in the root that the gc at a save's start cannot delete is a warning, once",
+          "[actors][save][contract][retention]") {
+  TempDir dir;
+  Model m;
+  // A trash directory a crashed job left, with a file that cannot be
+  // unlinked, and one that can: the gc deletes the second all the same.
+  const std::string stuck = dir.path() + "/.trash-stuck", gone = dir.path() + "/.trash-gone";
+  for (const std::string& d : {stuck, gone}) {
+    std::filesystem::create_directories(d);
+    std::ofstream(d + "/rank-00000-0000.safetensors") << "old bytes";
+  }
+  auto rt = runtime(dir.path(), "eio:unlink:1+:path=.trash-stuck/");
+  auto h1 = rt->save_async(m.sd, 1);
+  const ferry::Status st = h1.wait_committed(30s);
+  INFO(st.to_string());
+  REQUIRE(st.ok());
+  REQUIRE(h1.warnings().size() == 1);
+  CHECK_THAT(h1.warnings()[0], Catch::Contains(stuck));
+  CHECK_THAT(h1.warnings()[0], Catch::Contains("leftover"));
+  CHECK_THAT(h1.warnings()[0], Catch::Contains("Input/output error"));
+  CHECK_FALSE(std::filesystem::exists(gone));
+  CHECK(std::filesystem::exists(stuck));
+  // Every save's gc tries it again; the caller heard of it already.
+  auto h2 = rt->save_async(m.sd, 2);
+  REQUIRE(h2.wait_committed(30s).ok());
+  CHECK(h2.warnings().empty());
 }
 
 TEST_CASE("a retired checkpoint that cannot be deleted is a warning of the next save, once",

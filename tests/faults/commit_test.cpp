@@ -244,13 +244,55 @@ TEST_CASE("gc takes a pending directory out of sight whole, never file by file",
   r.error = EIO;
   fs->add_rule(r);
   auto gc = collect_garbage(*fs, root, now_unix_ms());
-  CHECK_FALSE(gc.ok());
+  REQUIRE(gc.ok());
+  CHECK(gc->removed == std::vector<std::string>{pending});
+  REQUIRE(gc->failed.size() == 1);
+  CHECK(is_trash_dir_name(gc->failed[0].path.substr(root.size() + 1)));
+  CHECK_THAT(gc->failed[0].status.to_string(), Catch::Contains(gc->failed[0].path));
+  CHECK_THAT(gc->failed[0].status.to_string(), Catch::Contains("Input/output error"));
   CHECK_FALSE(exists(pending));
   fs->clear_rules();
   // The next gc finishes the job.
   auto again = collect_garbage(*fs, root, now_unix_ms());
   REQUIRE(again.ok());
   CHECK(again->discarded.size() == 1);
+  CHECK(names_in(root) == std::vector<std::string>{kRootLockFileName});
+}
+
+TEST_CASE("gc deletes every leftover it can and names each one it cannot", "[commit][gc]") {
+  TempDir tmp;
+  auto fs = std::make_shared<FaultFilesystem>(posix_filesystem());
+  const std::string root = tmp.path();
+  std::vector<std::string> dirs;
+  for (const char* name : {".trash-a", ".trash-b", ".trash-c"}) {
+    dirs.push_back(join_path(root, name));
+    REQUIRE(fs->mkdir(dirs.back()).ok());
+    put(*fs, join_path(dirs.back(), "rank-00000-0000.safetensors"), "bytes");
+  }
+  // The middle one's file cannot be unlinked, ever: one bad directory must
+  // not keep gc from the others, before or after it.
+  FaultRule r;
+  r.op = FaultOp::unlink;
+  r.nth = 1;
+  r.sticky = true;
+  r.error = EIO;
+  r.path_contains = "/.trash-b/";
+  fs->add_rule(r);
+  for (int round = 0; round < 2; ++round) {
+    auto gc = collect_garbage(*fs, root, now_unix_ms());
+    REQUIRE(gc.ok());
+    REQUIRE(gc->failed.size() == 1);
+    CHECK(gc->failed[0].path == dirs[1]);
+    CHECK_THAT(gc->failed[0].status.to_string(), Catch::Contains(dirs[1]));
+    CHECK_THAT(gc->failed[0].status.to_string(), Catch::Contains("Input/output error"));
+    CHECK_FALSE(exists(dirs[0]));
+    CHECK(exists(dirs[1]));
+    CHECK_FALSE(exists(dirs[2]));
+  }
+  fs->clear_rules();
+  auto gc = collect_garbage(*fs, root, now_unix_ms());
+  REQUIRE(gc.ok());
+  CHECK(gc->failed.empty());
   CHECK(names_in(root) == std::vector<std::string>{kRootLockFileName});
 }
 
