@@ -141,7 +141,10 @@ void StagingPool::prefault() {
 
 std::optional<Lease> StagingPool::try_acquire(Faulting faulting) {
   std::unique_lock<std::mutex> lock(mu_);
-  if (free_.empty()) return std::nullopt;
+  if (free_.empty()) {
+    starved_ = true;
+    return std::nullopt;
+  }
   // LIFO: the block released last is the one most likely still in cache.
   uint32_t index = free_.back();
   free_.pop_back();
@@ -191,7 +194,8 @@ Status StagingPool::release(const Lease& l) {
     ++generation_[l.index];
     in_use_[l.index] = false;
     free_.push_back(l.index);
-    hook = hook_;
+    if (starved_) hook = hook_;
+    starved_ = false;
   }
   // Outside the lock: the hook typically wakes an actor that acquires again.
   if (hook) hook();

@@ -67,7 +67,10 @@ class StagingPool {
   // The block's memory, or invalid_argument for a stale/unknown lease.
   Result<uint8_t*> data(const Lease& l) const;
   Status release(const Lease& l);
-  // Called (outside the lock) after every successful release.
+  // Called (outside the lock) after a release that follows a try_acquire
+  // that found no free block: whoever waits for one hears of it, and a pool
+  // nobody waits on sends nothing (a load releases a block per read, and
+  // each call woke an actor thread for nothing).
   void set_release_hook(std::function<void()> hook);
 
   uint64_t block_bytes() const { return block_bytes_; }
@@ -103,6 +106,7 @@ class StagingPool {
   std::vector<bool> in_use_;
   std::vector<uint32_t> free_;
   std::function<void()> hook_;
+  bool starved_ = false;  // a try_acquire found no block since the last hook call
   HostRegistrar registrar_;
   std::vector<uint8_t*> pinned_;  // segment starts, in pin order
   std::vector<Fault> fault_;      // by block, under mu_
