@@ -35,6 +35,7 @@
 #include "codec.hpp"
 #include "copy_bytes.hpp"
 #include "drills/kill_point.hpp"
+#include "populate.hpp"
 
 namespace ferry {
 
@@ -1149,6 +1150,8 @@ loader_actor::behavior_type loader_fun(loader_ptr self, ContextPtr ctx) {
   return {
       [self](atom::load, const LoadJob& job) -> caf::result<Status> {
         auto& st = self->state;
+        // The targets may be memory freed and mapped again since a last load.
+        forget_populated();
         // Each reader takes a contiguous stretch of the files, equal in bytes:
         // a few long sequential streams, and runs coalesce inside each.
         std::vector<ReadTask> tasks(std::min<size_t>(st.readers.size(), job.ops.size()));

@@ -13,4 +13,11 @@ namespace ferry {
 // 0.27 s with both CPUs of the test VM busy.
 bool populate_pages(void* p, uint64_t n);
 
+// Host copies into a tensor fault its pages in ahead when it has none yet,
+// and remember per thread the tensor they last found populated, to ask the
+// kernel once per tensor. Forgets that on every thread: the memory of a
+// tensor freed since may be back under the same address without its pages.
+// Each load calls it before its first copy.
+void forget_populated();
+
 }  // namespace ferry
