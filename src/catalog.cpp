@@ -424,7 +424,11 @@ Result<GcReport> collect_garbage(Filesystem& fs, const std::string& root, int64_
   for (const std::string& path : trash) {
     kill_point("gc.delete");
     Status st = remove_all(fs, path);
-    if (!st.ok()) report.failed.push_back({path, st.with_context("deleting " + path + ": ")});
+    if (st.ok()) continue;
+    report.failed.push_back({path, st.with_context("deleting " + path + ": ")});
+    // Still there: not discarded after all.
+    report.discarded.erase(std::remove(report.discarded.begin(), report.discarded.end(), path),
+                           report.discarded.end());
   }
   return report;
 }

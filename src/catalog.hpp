@@ -106,8 +106,9 @@ struct GcReport {
   // Leftovers nobody owns: trash, displaced steps that were replaced, and
   // LATEST temp files of a killed write.
   std::vector<std::string> discarded;
-  // Out of sight but not deleted (a file that cannot be unlinked): each
-  // error names its directory, which the next gc tries again.
+  // Out of sight but not deleted (a file that cannot be unlinked), and so
+  // not in `discarded`: each error names its directory, which the next gc
+  // tries again.
   struct Failed {
     std::string path;
     Status status;

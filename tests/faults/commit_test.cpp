@@ -283,6 +283,10 @@ TEST_CASE("gc deletes every leftover it can and names each one it cannot", "[com
     REQUIRE(gc.ok());
     REQUIRE(gc->failed.size() == 1);
     CHECK(gc->failed[0].path == dirs[1]);
+    std::vector<std::string> discarded = gc->discarded;  // in listing order
+    std::sort(discarded.begin(), discarded.end());
+    CHECK(discarded ==
+          (round == 0 ? std::vector<std::string>{dirs[0], dirs[2]} : std::vector<std::string>{}));
     CHECK_THAT(gc->failed[0].status.to_string(), Catch::Contains(dirs[1]));
     CHECK_THAT(gc->failed[0].status.to_string(), Catch::Contains("Input/output error"));
     CHECK_FALSE(exists(dirs[0]));
