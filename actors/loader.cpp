@@ -2,9 +2,10 @@
 // gathers their outcomes (a reader that dies fails its part, it never hangs
 // the load). A reader packs its ops into aligned runs (make_read_runs), reads
 // each run with one pread into a staging pool block (O_DIRECT where the
-// filesystem takes it), keeps several reads in flight on helper threads
-// while it verifies the checksum blocks of the run that landed and copies the
-// requested bytes into the caller's tensors through the device. The pool is
+// filesystem takes it), queues its next runs on a thread of its own that
+// reads them back to back, while it verifies the checksum blocks of the run
+// that landed and copies the requested bytes into the caller's tensors
+// through the device. The pool is
 // bounded: a load larger than it streams through the same few blocks. A
 // large op that fills a whole contiguous range of a host tensor the file's
 // reads can write to (its alignment, read-into-tensors) skips the staging
@@ -461,7 +462,7 @@ struct Work {
 // pread each, and their copies are cheap.
 constexpr uint64_t kDirectMinBytes = 1ull << 20;
 
-// One pread in flight: the block it reads into and its outcome.
+// One run read or queued: the block it reads into and its outcome.
 struct InFlight {
   const Work* work = nullptr;
   OpenFile* file = nullptr;

@@ -233,8 +233,8 @@ void strided_copy(const TensorView& v, uint64_t offset, uint64_t len, uint8_t* h
 // cost 8-9 ms of kernel time per 2 GiB load here, more than a quarter of
 // the load's; one page per block still 5-6 ms, in system calls. A range
 // that passes with pages missing takes their faults in the copy, as without
-// any of this.
-// The tensor that passed last on this thread, valid while the generation is.
+// any of this. t_populated: the tensor that passed last on this thread,
+// valid while the generation (which each load moves on) is the same.
 std::atomic<uint64_t> g_populated_generation{1};
 thread_local std::pair<const void*, uint64_t> t_populated{nullptr, 0};
 
