@@ -390,11 +390,13 @@ Result<std::unique_ptr<Runtime>> Runtime::create(RuntimeArgs args) {
   // Ferry is a guest in the training process: a few scheduler threads are
   // plenty for message passing (blocking I/O has its own threads).
   impl->cfg.set("scheduler.max-threads", 2);
-  // An idle scheduler thread polls 500 times with 50 us sleeps after each
-  // message before it waits on its condition variable (CAF's default); those
-  // sleeps were a third of a load's kernel CPU. Waking a waiting thread costs
-  // one notify, so poll briefly.
-  impl->cfg.set("work-stealing.moderate-poll-attempts", 10);
+  // An idle scheduler thread spins briefly, then sleeps 50 us at a time,
+  // 500 times by CAF's default, before it waits on its condition variable.
+  // Those sleeps were a third of a load's kernel CPU; 10 of them still made
+  // 2,200 context switches per 2-rank load, and that CPU slowed the disk
+  // (2-rank load 0.53-0.64 s, 0.50-0.55 s without). Waking a waiting thread
+  // costs its sender one notify, so it waits at once.
+  impl->cfg.set("work-stealing.moderate-poll-attempts", 0);
   impl->cfg.set("logger.console-verbosity", caf::atom("quiet"));
   std::vector<std::string> caf_args;
   for (const auto& a : args.argv)
