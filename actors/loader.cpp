@@ -398,12 +398,12 @@ struct OpenFile {
 
 // The threads that issue one reader's preads: started once per read task,
 // not once per read, since a thread start (clone, a stack mapping, its page
-// faults, its unmapping) costs kernel time that adds up over many runs.
+// faults, its unmapping) costs kernel time that adds up over many runs. Up
+// to `n`, each started when a job finds every started thread busy: a task
+// with one file and no compressed chunk starts one.
 class PreadThreads {
  public:
-  explicit PreadThreads(size_t n) {
-    for (size_t i = 0; i < n; ++i) threads_.emplace_back([this] { loop(); });
-  }
+  explicit PreadThreads(size_t n) : max_(n) {}
   ~PreadThreads() {
     {
       std::lock_guard<std::mutex> l(mu_);
@@ -421,6 +421,8 @@ class PreadThreads {
     {
       std::lock_guard<std::mutex> l(mu_);
       queue_.push_back([task] { (*task)(); });
+      if (queue_.size() > idle_ && threads_.size() < max_)
+        threads_.emplace_back([this] { loop(); });
     }
     cv_.notify_one();
     return got;
@@ -428,22 +430,25 @@ class PreadThreads {
 
  private:
   void loop() {
+    std::unique_lock<std::mutex> l(mu_);
     for (;;) {
-      std::function<void()> job;
-      {
-        std::unique_lock<std::mutex> l(mu_);
-        cv_.wait(l, [this] { return stop_ || !queue_.empty(); });
-        if (queue_.empty()) return;  // stopping, and nothing left to run
-        job = std::move(queue_.front());
-        queue_.pop_front();
-      }
+      ++idle_;
+      cv_.wait(l, [this] { return stop_ || !queue_.empty(); });
+      --idle_;
+      if (queue_.empty()) return;  // stopping, and nothing left to run
+      std::function<void()> job = std::move(queue_.front());
+      queue_.pop_front();
+      l.unlock();
       job();
+      l.lock();
     }
   }
 
+  const size_t max_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::function<void()>> queue_;
+  size_t idle_ = 0;  // started threads waiting for a job
   bool stop_ = false;
   std::vector<std::thread> threads_;
 };
