@@ -27,6 +27,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <system_error>
 #include <thread>
 #include <tuple>
 
@@ -421,8 +422,18 @@ class PreadThreads {
     {
       std::lock_guard<std::mutex> l(mu_);
       queue_.push_back([task] { (*task)(); });
-      if (queue_.size() > idle_ && threads_.size() < max_)
-        threads_.emplace_back([this] { loop(); });
+      if (queue_.size() > idle_ && threads_.size() < max_) {
+        try {
+          threads_.emplace_back([this] { loop(); });
+        } catch (const std::system_error&) {
+          // No thread to spare: the started ones take the job in turn. With
+          // none, nobody would, and the caller hears why.
+          if (threads_.empty()) {
+            queue_.pop_back();
+            throw;
+          }
+        }
+      }
     }
     cv_.notify_one();
     return got;
