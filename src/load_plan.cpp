@@ -238,15 +238,28 @@ void for_each_copy(const ReadOp& op, size_t elem_size,
 }
 
 std::vector<ReadRun> make_read_runs(std::vector<ReadOp> ops, const Manifest& m,
-                                    uint64_t max_run_bytes, uint64_t align) {
+                                    uint64_t max_run_bytes, uint64_t align,
+                                    uint64_t tail_run_bytes) {
   std::sort(ops.begin(), ops.end(), [](const ReadOp& a, const ReadOp& b) {
     return std::tie(a.file, a.file_offset, a.entry) < std::tie(b.file, b.file_offset, b.entry);
   });
   auto down = [align](uint64_t v) { return v / align * align; };
   auto up = [align](uint64_t v) { return (v + align - 1) / align * align; };
   max_run_bytes = std::max(align, down(max_run_bytes));
+  tail_run_bytes =
+      tail_run_bytes == 0 ? max_run_bytes : std::clamp(down(tail_run_bytes), align, max_run_bytes);
+  uint64_t left = 0;  // op bytes not yet in a run
+  for (const ReadOp& op : ops) left += op.length;
+  // A run started with `left` bytes to go: the last max_run_bytes go in
+  // runs of tail_run_bytes, and the run before them ends where they begin.
+  auto cap_for = [&]() {
+    if (left > 2 * max_run_bytes) return max_run_bytes;
+    if (left > max_run_bytes) return std::max(tail_run_bytes, up(left - max_run_bytes));
+    return tail_run_bytes;
+  };
 
   std::vector<ReadRun> runs;
+  uint64_t cap = max_run_bytes;  // of runs.back()
   for (ReadOp& op : ops) {
     const ManifestChunk& c = m.tensors[op.tensor].chunks[op.chunk];
     const bool blocks = !c.checksums.empty() && m.checksum_block_bytes > 0;
@@ -255,12 +268,16 @@ std::vector<ReadRun> make_read_runs(std::vector<ReadOp> ops, const Manifest& m,
     while (op.length > 0) {
       const bool joins = !fresh && !runs.empty() && runs.back().file == op.file &&
                          down(op.file_offset) <= runs.back().offset + runs.back().length;
-      if (!joins) runs.push_back(ReadRun{op.file, down(op.file_offset), 0, {}});
+      if (!joins) {
+        runs.push_back(ReadRun{op.file, down(op.file_offset), 0, {}});
+        cap = cap_for();
+      }
       ReadRun& run = runs.back();
-      const uint64_t room_end = run.offset + max_run_bytes;
+      const uint64_t room_end = run.offset + cap;
       const uint64_t end = op.file_offset + op.length;
       if (up(end) <= room_end) {
         run.length = std::max(run.length, up(end) - run.offset);
+        left -= op.length;
         run.ops.push_back(op);
         break;
       }
@@ -278,6 +295,7 @@ std::vector<ReadRun> make_read_runs(std::vector<ReadOp> ops, const Manifest& m,
       if (blocks) piece.nblocks = piece_blocks;
       run.length = std::max(run.length, up(piece.file_offset + take) - run.offset);
       run.ops.push_back(piece);
+      left -= take;
       op.file_offset += take;
       op.chunk_offset += take;
       op.length -= take;

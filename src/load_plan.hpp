@@ -97,9 +97,13 @@ struct ReadRun {
 // `align` multiple when its chunk has no checksums). Bytes no op needs are
 // read only as alignment padding at a run's two ends, so a resharded load
 // reads the blocks it needs and little else. A run is longer than
-// `max_run_bytes` only when one checksum block plus its padding is.
+// `max_run_bytes` only when one checksum block plus its padding is. The
+// runs of the last `max_run_bytes` of op bytes are at most `tail_run_bytes`
+// (0: `max_run_bytes`): the last run's checks and copies, which nothing
+// overlaps, are then short.
 std::vector<ReadRun> make_read_runs(std::vector<ReadOp> ops, const Manifest& m,
-                                    uint64_t max_run_bytes, uint64_t align = 4096);
+                                    uint64_t max_run_bytes, uint64_t align = 4096,
+                                    uint64_t tail_run_bytes = 0);
 
 // The keys of the checkpoint's tensors that no request asks for, in the
 // manifest's (sorted) order: a load may restore fewer tensors than the

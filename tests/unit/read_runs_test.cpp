@@ -151,6 +151,51 @@ TEST_CASE("a checksum block larger than a run makes one oversized run", "[load_p
   CHECK(bytes == 300 * 257 * 4);
 }
 
+TEST_CASE("the last runs are short, and still copy what the plan copies", "[load_plan]") {
+  const bool checksums = GENERATE(true, false);
+  INFO("checksums " << checksums);
+  constexpr uint64_t kMaxRun = 1 << 20, kTail = 256 << 10;
+  const std::vector<std::pair<std::string, std::vector<int64_t>>> shapes = {
+      {"a", {1000, 257}}, {"b", {3000, 129}}, {"c", {777, 513}}};
+  const ferry::Manifest m = make_manifest(shapes, checksums);
+  std::vector<ferry::LoadRequest> reqs;
+  std::vector<uint64_t> target_bytes;
+  for (const auto& [key, shape] : shapes) {
+    reqs.push_back(
+        request(key, shape, ferry::Box::whole(shape), static_cast<uint32_t>(target_bytes.size())));
+    target_bytes.push_back(static_cast<uint64_t>(shape[0] * shape[1] * 4));
+  }
+  auto ops = ferry::make_load_plan(m, reqs);
+  REQUIRE(ops.ok());
+  std::vector<uint8_t> file(m.files[0].size + 8192);
+  for (size_t i = 0; i < file.size(); ++i) file[i] = static_cast<uint8_t>(i * 2654435761u >> 13);
+
+  const auto runs = ferry::make_read_runs(ops.value(), m, kMaxRun, 4096, kTail);
+  std::vector<ferry::ReadOp> pieces;
+  uint64_t total = 0;
+  for (const auto& op : ops.value()) total += op.length;
+  // Op bytes from the end, run by run: every run that holds any of the last
+  // kMaxRun bytes is a tail run.
+  uint64_t after = 0;
+  for (size_t i = runs.size(); i-- > 0;) {
+    const auto& r = runs[i];
+    CHECK(r.length <= kMaxRun);
+    if (after < kMaxRun) CHECK(r.length <= kTail + 2 * 4096);
+    for (const auto& p : r.ops) {
+      check_piece(m, p, checksums);
+      after += p.length;
+      pieces.push_back(p);
+    }
+  }
+  CHECK(after == total);
+  // The runs before the tail are not cut short too: full ones but for the
+  // one that hands over to the tail.
+  size_t short_runs = 0;
+  for (const auto& r : runs) short_runs += r.length <= kTail + 2 * 4096;
+  CHECK(short_runs <= kMaxRun / (kTail - 2 * 4096) + 3);
+  CHECK(apply_ops(pieces, file, target_bytes) == apply_ops(ops.value(), file, target_bytes));
+}
+
 // --- reading replicated bytes once per node ---------------------------------------
 
 namespace {
