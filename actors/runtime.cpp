@@ -394,8 +394,8 @@ Result<std::unique_ptr<Runtime>> Runtime::create(RuntimeArgs args) {
   // 500 times by CAF's default, before it waits on its condition variable.
   // Those sleeps were a third of a load's kernel CPU; 10 of them still made
   // 2,200 context switches per 2-rank load, and that CPU slowed the disk
-  // (2-rank load 0.53-0.64 s, 0.50-0.55 s without). Waking a waiting thread
-  // costs its sender one notify, so it waits at once.
+  // (2-rank load rounds 0.53-0.71 s, 0.49-0.57 s without). Waking a waiting
+  // thread costs its sender one notify, so it waits at once.
   impl->cfg.set("work-stealing.moderate-poll-attempts", 0);
   impl->cfg.set("logger.console-verbosity", caf::atom("quiet"));
   std::vector<std::string> caf_args;
