@@ -48,6 +48,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -414,6 +415,31 @@ uint64_t raw_read(const std::vector<std::string>& files, WarmMemory& dst, uint64
   return total;
 }
 
+// The raw read beside `busy` threads that only compute (no memory, no
+// system calls): how much this machine's disk needs idle CPUs. On the test
+// VM (Firecracker, whose disk emulation runs on the host beside the vCPUs)
+// one busy thread of two cost the reader nothing and two cost it 45%, even
+// at nice 19: a load that hashes and copies on both CPUs cannot read at the
+// raw reader's speed there, whatever it does with the disk.
+double raw_read_beside_busy(const std::vector<std::string>& files, WarmMemory& dst, uint64_t block,
+                            unsigned busy) {
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> spinners;
+  for (unsigned i = 0; i < busy; ++i)
+    spinners.emplace_back([&stop] {
+      uint64_t x = 1;
+      while (!stop.load(std::memory_order_relaxed))
+        for (int k = 0; k < 4096; ++k) x = x * 6364136223846793005ull + 1442695040888963407ull;
+      asm volatile("" : : "r"(x));
+    });
+  const auto t0 = Clock::now();
+  raw_read(files, dst, block);
+  const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+  stop = true;
+  for (auto& t : spinners) t.join();
+  return s;
+}
+
 // What raw_read needs of `dst` for `files` of `file_bytes` in all: a block
 // more per file (each file's last read is a whole block), in whole blocks.
 uint64_t raw_memory_bytes(uint64_t file_bytes, size_t files, uint64_t block) {
@@ -453,6 +479,7 @@ uint32_t direct_memory_align(const std::string& path) {
 struct Round {
   double load_s = 0, raw_s = 0, load_gbps = 0, raw_gbps = 0, ratio = 0;
   double load_kernel = 0, raw_kernel = 0;
+  double load_cpu = 0;                       // user + kernel
   double load_sampled = 0, raw_sampled = 0;  // KernelSampler's
   uint64_t load_disk = 0, raw_disk = 0;
   std::map<std::string, double> threads0, threads1;
@@ -849,10 +876,18 @@ int main(int argc, char** argv) {
     rd.raw_gbps = static_cast<double>(raw_bytes) / rd.raw_s / 1e9;
     rd.ratio = rd.load_gbps / rd.raw_gbps;
     rd.load_kernel = u1.kernel_s - u0.kernel_s;
+    rd.load_cpu = u1.kernel_s + u1.user_s - u0.kernel_s - u0.user_s;
     rd.raw_kernel = u3.kernel_s - u2.kernel_s;
     rd.load_disk = u1.disk_read - u0.disk_read;
     rd.raw_disk = u3.disk_read - u2.disk_read;
   }
+  // The disk beside one busy thread, then beside one per CPU, each after an
+  // eviction; raw_read alone is the rounds' figure.
+  const unsigned cpus = std::max(1u, std::thread::hardware_concurrency());
+  evict(files);
+  const double busy_one_s = raw_read_beside_busy(files, raw_dst, block, 1);
+  evict(files);
+  const double busy_all_s = raw_read_beside_busy(files, raw_dst, block, cpus);
   const Round& mid = median_round(rounds);
   const double load_s = mid.load_s, load_gbps = mid.load_gbps, raw_s = mid.raw_s,
                raw_gbps = mid.raw_gbps, ratio = mid.ratio;
@@ -860,8 +895,9 @@ int main(int argc, char** argv) {
   // where the clock tick found it (250 Hz here): a load's 15-20 ms are a
   // handful of ticks, so one round's ratio swings 1.3-4.6x. The mean over
   // the rounds counts all their ticks.
-  double load_kernel = 0, raw_kernel = 0, load_sampled = 0, raw_sampled = 0;
+  double load_kernel = 0, raw_kernel = 0, load_sampled = 0, raw_sampled = 0, load_cpu = 0;
   for (const Round& rd : rounds) {
+    load_cpu += rd.load_cpu / rounds.size();
     load_kernel += rd.load_kernel / rounds.size();
     raw_kernel += rd.raw_kernel / rounds.size();
     load_sampled += rd.load_sampled / rounds.size();
@@ -917,6 +953,14 @@ int main(int argc, char** argv) {
   else
     std::printf("kernel CPU sampled at 4 kHz: perf events not allowed here\n");
   std::printf(
+      "load CPU (user + kernel), mean of the rounds: %.3f s per load, %.2f of %u CPUs busy on "
+      "average\n",
+      load_cpu, load_cpu / load_s, cpus);
+  std::printf(
+      "disk beside busy CPUs (threads that only compute): raw reader beside 1 busy thread %.3f s "
+      "(%.2fx the median round's raw speed), beside %u %.3f s (%.2fx)\n",
+      busy_one_s, raw_s / busy_one_s, cpus, busy_all_s, raw_s / busy_all_s);
+  std::printf(
       "peak RSS: %.0f MiB (state, load targets and the raw reader's memory %.0f MiB, pool %llu "
       "MiB x %d)\n",
       rss, (2 * state_bytes + raw_dst.bytes) / double(kMiB),
@@ -928,12 +972,14 @@ int main(int argc, char** argv) {
       "\"ratio_target\":%.2f,\"load_disk_read_bytes\":%llu,\"raw_disk_read_bytes\":%llu,"
       "\"load_kernel_s\":%.3f,\"raw_kernel_s\":%.3f,\"kernel_ratio\":%.2f,"
       "\"load_kernel_sampled_s\":%.4f,\"raw_kernel_sampled_s\":%.4f,\"kernel_ratio_sampled\":%.2f,"
+      "\"load_cpu_s\":%.3f,\"raw_busy_one_s\":%.4f,\"raw_busy_all_s\":%.4f,\"cpus\":%u,"
       "\"peak_rss_mib\":%.0f,\"drop_caches\":%s}\n",
       static_cast<unsigned long long>(state_bytes), f.tensors, ranks, f.reshard ? "true" : "false",
       f.reshard ? split_name(f) : "none", f.page_aligned ? "true" : "false", rounds.size(), load_s,
       load_gbps, raw_s, raw_gbps, ratio, target, static_cast<unsigned long long>(load_disk),
       static_cast<unsigned long long>(raw_disk), load_kernel, raw_kernel, kernel_ratio,
       sampler.ok() ? load_sampled : -1.0, sampler.ok() ? raw_sampled : -1.0,
-      sampler.ok() ? sampled_ratio : -1.0, rss, dropped ? "true" : "false");
+      sampler.ok() ? sampled_ratio : -1.0, load_cpu, busy_one_s, busy_all_s, cpus, rss,
+      dropped ? "true" : "false");
   return 0;
 }

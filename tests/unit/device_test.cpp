@@ -162,6 +162,42 @@ TEST_CASE("copies out of a megabyte or more are exact at every alignment, nothin
   }
 }
 
+TEST_CASE("copies into a tensor of a megabyte or more are exact at every alignment", "[device]") {
+  // A load's copies of checked blocks into tensors stream from a megabyte on
+  // too: the contiguous path (host device copy_in_runs) and the strided
+  // helper, every split of head, body and tail, nothing written past them.
+  constexpr uint64_t kMiB = 1 << 20;
+  std::mt19937 rng(12);
+  std::vector<uint8_t> src(kMiB + 4096);
+  for (auto& b : src) b = static_cast<uint8_t>(rng());
+  std::vector<uint8_t> storage(kMiB + 4096 + 64);
+  auto dev = ferry::host_device();
+  for (bool runs : {false, true}) {
+    for (uint64_t len : {kMiB - 1, kMiB, kMiB + 1, kMiB + 127, kMiB + 131}) {
+      for (uint64_t from : {0, 1, 32, 63}) {
+        for (uint64_t to : {0, 1, 17, 32}) {
+          INFO((runs ? "copy_in_runs" : "strided_copy_in")
+               << " len " << len << " from " << from << " to " << to);
+          std::fill(storage.begin(), storage.end(), 0xEE);
+          TensorView t{storage.data(), DType::u8, {static_cast<int64_t>(storage.size())}};
+          if (runs) {
+            ferry::Status st = ferry::Status::internal("not reported");
+            dev->copy_in_runs(src.data(), t, {{from, to, len}}, [&](ferry::Status s) { st = s; });
+            REQUIRE(st.ok());
+          } else {
+            ferry::strided_copy_in(src.data() + from, t, to, len);
+          }
+          CHECK(std::equal(storage.begin() + to, storage.begin() + to + len, src.begin() + from));
+          CHECK(std::all_of(storage.begin(), storage.begin() + to,
+                            [](uint8_t b) { return b == 0xEE; }));
+          CHECK(std::all_of(storage.begin() + to + len, storage.end(),
+                            [](uint8_t b) { return b == 0xEE; }));
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("host device copies synchronously and reports", "[device]") {
   auto dev = ferry::host_device();
   CHECK(dev->handles(ferry::Device::host()));
