@@ -304,9 +304,19 @@ const std::vector<KeySpec>& key_table() {
          o.lease_seconds = s;
          return true;
        }},
-      {{"readers", "2", "reader threads per rank for load, 1 to 64"},
+      {{"readers", "auto",
+        "reader threads per rank for load, 1 to 64, or auto: 1 where the process may run on 2 "
+        "CPUs or fewer (two readers there keep both busy, and the disk's own work waits), else 2"},
        [](const std::string& v, Options& o, std::string& why) {
-         return parse_threads(v, o.readers, why);
+         if (lower(v) == "auto") {
+           o.readers = 0;  // the loader counts the CPUs it may run on
+           return true;
+         }
+         if (!parse_threads(v, o.readers, why)) {
+           why += ", or auto";
+           return false;
+         }
+         return true;
        }},
       {{"read-into-tensors", "true",
         "load reads large host tensors whose memory and file offset O_DIRECT accepts straight "

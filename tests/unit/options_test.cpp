@@ -191,6 +191,9 @@ TEST_CASE("each key is parsed into its field", "[options]") {
   CHECK(r->fail_fast);
   CHECK(r->lease_seconds == 2.5);
   CHECK(r->readers == 64);
+  auto a = ferry::resolve_options({{"readers", "Auto", "code"}});
+  REQUIRE(a.ok());
+  CHECK(a->readers == 0);  // the loader counts the CPUs
   CHECK(r->share_window_bytes == 16ull << 20);
 }
 
@@ -575,7 +578,7 @@ TEST_CASE("load_options: code over FERRY_CONFIG over the config file", "[options
   CHECK(r->root == "/from/config");
   CHECK(r->writers == 4);    // FERRY_CONFIG beats the config file
   CHECK(r->keep_last == 5);  // code beats both
-  CHECK(r->readers == 2);    // nobody set it
+  CHECK(r->readers == 0);    // nobody set it: auto
 
   SECTION("a bad value in FERRY_CONFIG names the variable, the file and the line") {
     write_file(env_file, "[ferry]\n\nreaders = lots\n");

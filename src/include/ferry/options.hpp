@@ -27,7 +27,7 @@ struct Options {
   uint32_t keep_last = 0;                      // keep-last: retention, 0 keeps all
   bool fail_fast = false;                      // fail-fast: 2nd save_async fails instead of waiting
   double lease_seconds = 30.0;                 // lease-seconds: pending directory lease
-  uint32_t readers = 2;                        // readers: reader threads for load
+  uint32_t readers = 0;  // readers: reader threads for load; 0 = auto (1 on <= 2 CPUs, else 2)
   bool read_into_tensors = true;  // read-into-tensors: load reads straight into aligned tensors
   // share-window: most bytes of a load's shared (replicated) data one rank
   // has sent another and not yet heard taken; bounds every queue on the way.
