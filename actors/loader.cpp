@@ -77,7 +77,7 @@ constexpr uint64_t kTailRunBytes = 8ull << 20;
 // CPUs, else 2. Each reader checks and copies what it reads; two of them
 // keep both CPUs of a 2-CPU VM busy, and its virtual disk, which moves the
 // data with CPU time of the same VM, then reads slower: a raw reader of
-// 2 GiB beside one busy thread ran at 0.93-1.0x its speed alone, beside two
+// 2 GiB beside one busy thread ran at 0.9-1.1x its speed alone, beside two
 // at 0.6-0.7x, even at nice 19. One reader there: load / raw 0.895-0.922
 // against 0.879-0.900 for two (the mean of 6-12 interleaved runs each, three
 // sets), at 0.31 against 0.36 CPU-s per 2 GiB load.
