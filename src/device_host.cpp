@@ -64,7 +64,7 @@ constexpr size_t kStreamMinBytes = 1 << 20;
 
 #if defined(__x86_64__)
 // 128 bytes a step, an aligned destination. kStream: non-temporal stores
-// (copies out into the snapshot's pool blocks); else plain ones (see
+// (copy_tensor_bytes, from a megabyte on); else plain ones (see
 // copy_bytes.hpp).
 template <bool kStream>
 __attribute__((target("avx2"))) void avx2_copy(uint8_t* dst, const uint8_t* src, size_t n) {
@@ -96,14 +96,9 @@ bool has_avx2() {
 }
 #endif
 
-void copy_out_bytes(uint8_t* dst, const uint8_t* src, size_t n) {
-#if defined(__x86_64__)
-  if (n >= kStreamMinBytes && has_avx2()) return avx2_copy<true>(dst, src, n);
-#endif
-  copy_bytes(dst, src, n);
-}
-
-void copy_in_bytes(uint8_t* dst, const uint8_t* src, size_t n) {
+// A copy between a tensor and a host buffer, either way: streaming from
+// kStreamMinBytes on (see there), else copy_bytes.
+void copy_tensor_bytes(uint8_t* dst, const uint8_t* src, size_t n) {
 #if defined(__x86_64__)
   if (n >= kStreamMinBytes && has_avx2()) return avx2_copy<true>(dst, src, n);
 #endif
@@ -113,9 +108,9 @@ void copy_in_bytes(uint8_t* dst, const uint8_t* src, size_t n) {
 template <bool kOut>
 inline void move_bytes(uint8_t* tensor, uint8_t* host, size_t n) {
   if (kOut) {
-    copy_out_bytes(host, tensor, n);
+    copy_tensor_bytes(host, tensor, n);
   } else {
-    copy_in_bytes(tensor, host, n);
+    copy_tensor_bytes(tensor, host, n);
   }
 }
 
@@ -316,7 +311,7 @@ class HostDevice final : public DeviceBackend {
       }
       uint8_t* at = static_cast<uint8_t*>(view.data) + offset;
       populate_for_write(view.data, at, len);
-      copy_in_bytes(at, static_cast<const uint8_t*>(src), len);
+      copy_tensor_bytes(at, static_cast<const uint8_t*>(src), len);
       return Status();
     }
     const TensorView& view;
