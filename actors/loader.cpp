@@ -96,20 +96,26 @@ struct reader_state {
   ContextPtr ctx;
 };
 
-// Verifies checksum block `i` of one read (at `buf`, the read's first byte);
-// the error names rank, tensor and file.
-Status verify_block(const RankContext& ctx, const Manifest& m, const ReadOp& op,
-                    const std::string& path, const uint8_t* buf, uint32_t i) {
+// Checks the sum of checksum block `i` of one read; the error names rank,
+// tensor and file.
+Status check_block(const RankContext& ctx, const Manifest& m, const ReadOp& op,
+                   const std::string& path, uint32_t i, uint64_t sum) {
   const ManifestChunk& c = m.tensors[op.tensor].chunks[op.chunk];
-  const uint64_t begin = static_cast<uint64_t>(i) * m.checksum_block_bytes;
-  const uint64_t n = std::min<uint64_t>(m.checksum_block_bytes, op.length - begin);
   const uint32_t block = op.first_block + i;
-  if (block >= c.checksums.size() || xxh3_64(buf + begin, n) != c.checksums[block])
+  if (block >= c.checksums.size() || sum != c.checksums[block])
     return Status::corruption("rank " + std::to_string(ctx.rank) +
                               ": checksum mismatch in tensor '" + m.tensors[op.tensor].key +
                               "' (chunk " + c.entry + ", block " + std::to_string(block) +
                               ") of file " + path);
   return Status();
+}
+
+// Verifies checksum block `i` of one read (at `buf`, the read's first byte).
+Status verify_block(const RankContext& ctx, const Manifest& m, const ReadOp& op,
+                    const std::string& path, const uint8_t* buf, uint32_t i) {
+  const uint64_t begin = static_cast<uint64_t>(i) * m.checksum_block_bytes;
+  const uint64_t n = std::min<uint64_t>(m.checksum_block_bytes, op.length - begin);
+  return check_block(ctx, m, op, path, i, xxh3_64(buf + begin, n));
 }
 
 // Verifies every checksum block of one read (a chunk saved without
@@ -341,8 +347,13 @@ void copy_runs(const RankContext& ctx, const std::string& key, const uint8_t* sr
 // Verifies the checksum blocks of one read (at `buf`) and copies its bytes
 // into `target`, a block at a time: the copy reads each block while the hash
 // has just left it in the CPU's cache, which saved a sixth of the time of
-// hashing all and then copying all (2 GiB, measured here). No byte reaches
-// the tensor before its block checked out. Copies started report to `latch`.
+// hashing all and then copying all (2 GiB, measured here). A block that goes
+// whole to one stretch of the tensor is copied and summed in one pass where
+// the device can (copy_in_summed: 0.115 against 0.145 s per 2 GiB here): its
+// bytes land before they are checked, and a mismatch fails the load as
+// before (a failed load leaves its tensors partly loaded either way). Any
+// other byte reaches the tensor only after its block checked out. Copies
+// started report to `latch`.
 Status verify_and_copy(const RankContext& ctx, const Manifest& m, const ReadOp& op,
                        const std::string& path, const uint8_t* buf, const TensorView& target,
                        CopyLatch& latch) {
@@ -364,6 +375,18 @@ Status verify_and_copy(const RankContext& ctx, const Manifest& m, const ReadOp& 
   };
   for_each_copy(op, dtype_size(target.dtype), [&](uint64_t src, uint64_t dst, uint64_t n) {
     while (n > 0 && s.ok()) {
+      const uint64_t block_end = std::min(op.length, verified + cb);
+      if (checked && src == verified && n >= block_end - src) {
+        const uint64_t k = block_end - src;
+        if (auto sum = ctx.device->copy_in_summed(buf + src, target, dst, k)) {
+          s = check_block(ctx, m, op, path, static_cast<uint32_t>(src / cb), *sum);
+          verified = block_end;
+          src += k;
+          dst += k;
+          n -= k;
+          continue;
+        }
+      }
       if (src >= verified) verify_to(src + 1);
       if (!s.ok()) return;
       const uint64_t k = std::min(n, verified - src);

@@ -1,5 +1,6 @@
 #include "ferry/device.hpp"
 
+#include "checksum.hpp"
 #include "copy_bytes.hpp"
 #include "populate.hpp"
 
@@ -298,6 +299,16 @@ class HostDevice final : public DeviceBackend {
     done(Status());
   }
 
+  std::optional<uint64_t> copy_in_summed(const uint8_t* src, const TensorView& dst, uint64_t offset,
+                                         uint64_t len) override {
+    const Target t(dst);
+    if (!dst.device.is_host() || !t.contiguous || offset > t.nbytes || len > t.nbytes - offset)
+      return std::nullopt;
+    uint8_t* at = static_cast<uint8_t*>(dst.data) + offset;
+    populate_for_write(dst.data, at, len);
+    return xxh3_64_copy(at, src, len);
+  }
+
  private:
   // A host tensor being copied into, at once (this device is synchronous).
   struct Target {
@@ -347,6 +358,11 @@ void copy_bytes(void* dst, const void* src, size_t n) {
     return avx2_copy<false>(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), n);
 #endif
   std::memcpy(dst, src, n);
+}
+
+std::optional<uint64_t> DeviceBackend::copy_in_summed(const uint8_t*, const TensorView&, uint64_t,
+                                                      uint64_t) {
+  return std::nullopt;
 }
 
 void DeviceBackend::copy_in_runs(const uint8_t* src, const TensorView& dst,

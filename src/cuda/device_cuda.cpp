@@ -175,6 +175,12 @@ void CudaDevice::copy_in_runs(const uint8_t* src, const TensorView& dst,
   DeviceBackend::copy_in_runs(src, dst, runs, std::move(done));
 }
 
+std::optional<uint64_t> CudaDevice::copy_in_summed(const uint8_t* src, const TensorView& dst,
+                                                   uint64_t offset, uint64_t len) {
+  if (dst.device.is_host()) return host_->copy_in_summed(src, dst, offset, len);
+  return std::nullopt;
+}
+
 void CudaDevice::submit(Request r) {
   const Device& d = r.view.device;
   Status bad;

@@ -71,6 +71,8 @@ class CudaDevice final : public DeviceBackend {
                Done done) override;
   void copy_in_runs(const uint8_t* src, const TensorView& dst, const std::vector<Run>& runs,
                     Done done) override;
+  std::optional<uint64_t> copy_in_summed(const uint8_t* src, const TensorView& dst, uint64_t offset,
+                                         uint64_t len) override;
 
   // See the header comment. `stream` is a cudaStream_t (null: the legacy
   // default stream). REQUIRES: d is a cuda device this backend handles.

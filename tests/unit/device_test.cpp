@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "checksum.hpp"
 #include "copy_bytes.hpp"
 
 using ferry::DType;
@@ -233,6 +234,42 @@ TEST_CASE("host device copies synchronously and reports", "[device]") {
   TensorView gpu{storage.data(), DType::i32, {12}, ferry::Device::cuda(0)};
   dev->copy_out(gpu, 0, 4, out.data(), [&](ferry::Status st) { err = st; });
   CHECK(err.code() == ferry::StatusCode::invalid_argument);
+}
+
+// The load's one-pass copy of a checked block: the host device sums and
+// copies a stretch of a contiguous tensor; a strided view, a range past the
+// tensor, a device tensor or a backend that does not offer it leaves the
+// tensor untouched and answers nullopt (the loader then copies apart).
+TEST_CASE("copy_in_summed copies and sums a contiguous stretch, else declines", "[device]") {
+  auto dev = ferry::host_device();
+  std::vector<uint8_t> src(3u << 20);
+  std::mt19937_64 rng(5);
+  for (auto& b : src) b = static_cast<uint8_t>(rng());
+  std::vector<float> storage(src.size() / 4 + 64, -1.0f);
+  TensorView t{storage.data(), DType::f32, {static_cast<int64_t>(storage.size())}};
+  const uint64_t offset = 4096 + 64, len = (2u << 20) + 300;
+  auto sum = dev->copy_in_summed(src.data(), t, offset, len);
+  REQUIRE(sum.has_value());
+  CHECK(*sum == ferry::xxh3_64(src.data(), len));
+  const auto* bytes = reinterpret_cast<const uint8_t*>(storage.data());
+  CHECK(std::memcmp(bytes + offset, src.data(), len) == 0);
+  CHECK(storage[offset / 4 - 1] == -1.0f);
+  CHECK(storage[(offset + len + 3) / 4] == -1.0f);
+
+  std::vector<float> before = storage;
+  CHECK_FALSE(dev->copy_in_summed(src.data(), t, t.nbytes() - 8, 16).has_value());
+  TensorView strided{storage.data(), DType::f32, {64, 64}, ferry::Device::host(), {1, 64}};
+  CHECK_FALSE(dev->copy_in_summed(src.data(), strided, 0, 4096).has_value());
+  TensorView gpu{storage.data(), DType::f32, {64}, ferry::Device::cuda(0)};
+  CHECK_FALSE(dev->copy_in_summed(src.data(), gpu, 0, 256).has_value());
+  struct Plain : ferry::DeviceBackend {
+    bool handles(const ferry::Device&) const override { return true; }
+    void copy_out(const TensorView&, uint64_t, uint64_t, void*, Done d) override { d({}); }
+    void copy_in(const void*, const TensorView&, uint64_t, uint64_t, Done d) override { d({}); }
+  } plain;
+  CHECK_FALSE(plain.copy_in_summed(src.data(), t, 0, 4096).has_value());
+  // Bytes, not floats: random bytes make NaNs, which equal nothing.
+  CHECK(std::memcmp(storage.data(), before.data(), storage.size() * 4) == 0);
 }
 
 TEST_CASE("copy_bytes is exact at every distance modulo a page, nothing past it", "[device]") {

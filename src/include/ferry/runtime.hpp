@@ -165,6 +165,8 @@ class Runtime {
   // load_report() returns the list instead). With several ranks every rank calls load with the
   // same path and every rank ends with the same outcome: the first error,
   // naming the rank it came from, or success once every rank succeeded.
+  // After an error the tensors may hold part of what was read (a block found
+  // corrupt included): load again before using them.
   Status load(StateDict& sd, const std::string& path);
   // load(), and on success what it restored.
   Result<LoadReport> load_report(StateDict& sd, const std::string& path);
