@@ -95,7 +95,8 @@ class PeerRing {
   uint8_t* base_ = nullptr;
   uint64_t bytes_ = 0;
   uint64_t region_ = 0, region_bytes_ = 0;
-  uint64_t head_ = 0;  // next free byte, from the region's start
+  uint64_t head_ = 0;       // next free byte, from the region's start
+  uint64_t populated_ = 0;  // bytes from the region's start faulted in
 };
 
 // A sender's rings of one load: those the receivers of its node offered,
