@@ -22,6 +22,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <vector>
 
 #include "ferry/status.hpp"
 
@@ -68,6 +69,8 @@ class ShareRing {
   uint64_t window_ = 0;
   int32_t world_ = 0;
   uint8_t* base_ = nullptr;
+  // Per sender: bytes of its region faulted into this mapping (see frame).
+  mutable std::vector<uint64_t> populated_;
 };
 
 // A sender's mapping of one receiver's ring: its own region, written as a
