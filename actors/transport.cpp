@@ -568,6 +568,14 @@ Status Transport::Impl::init() {
     if (node_.size() > kMaxNodeBytes) node_.resize(kMaxNodeBytes);
   }
 
+  // A tcp message longer than one send segment (8 KiB by default) reached
+  // its peer 4-5 ms late here (its later segments wait for some later
+  // progress): a load's exchange of plans (9-19 KB) took 5-17 ms of every
+  // 2-rank load's start, 0.1-0.2 ms with segments as large as the receive
+  // side's default. Set in the environment, unless the user did: UCX reads
+  // a transport's settings there when it opens it (ucp_config_modify's did
+  // not reach it).
+  ::setenv("UCX_TCP_TX_SEG_SIZE", "64K", 0);
   ucp_config_t* config = nullptr;
   ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
   if (st != UCS_OK) return Status::internal(ucx_error("transport: ucp_config_read", st));
