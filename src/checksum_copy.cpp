@@ -65,11 +65,6 @@ XXH_TARGET_AVX2 uint64_t fused_avx2(uint8_t* dst, const uint8_t* in, size_t len)
   return XXH3_mergeAccs(acc, secret + XXH_SECRET_MERGEACCS_START,
                         static_cast<xxh_u64>(len) * XXH_PRIME64_1);
 }
-
-bool has_avx2() {
-  static const bool yes = (__builtin_cpu_init(), __builtin_cpu_supports("avx2"));
-  return yes;
-}
 #endif
 
 }  // namespace

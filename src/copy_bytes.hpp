@@ -15,4 +15,9 @@ namespace ferry {
 
 void copy_bytes(void* dst, const void* src, size_t n);
 
+#if defined(__x86_64__)
+// Whether this CPU runs AVX2 (the copies' and xxh3_64_copy's fast paths).
+bool has_avx2();
+#endif
+
 }  // namespace ferry

@@ -90,11 +90,6 @@ __attribute__((target("avx2"))) void avx2_copy(uint8_t* dst, const uint8_t* src,
   if (kStream) _mm_sfence();
   std::memcpy(dst + i, src + i, n - i);
 }
-
-bool has_avx2() {
-  static const bool yes = (__builtin_cpu_init(), __builtin_cpu_supports("avx2"));
-  return yes;
-}
 #endif
 
 // A copy between a tensor and a host buffer, either way: streaming from
@@ -347,6 +342,13 @@ class HostDevice final : public DeviceBackend {
 };
 
 }  // namespace
+
+#if defined(__x86_64__)
+bool has_avx2() {
+  static const bool yes = (__builtin_cpu_init(), __builtin_cpu_supports("avx2"));
+  return yes;
+}
+#endif
 
 void copy_bytes(void* dst, const void* src, size_t n) {
 #if defined(__x86_64__)
