@@ -538,7 +538,7 @@ struct InFlight {
 class RunReader {
  public:
   RunReader(const RankContext& ctx, const ReadTask& task)
-      : ctx_(ctx), task_(task), io_(kPreadThreads) {}
+      : ctx_(ctx), task_(task), pause_(ctx.pool.get()), io_(kPreadThreads) {}
   // Every read started is waited for and every block released, whatever failed.
   ~RunReader() {
     while (!inflight_.empty()) {
@@ -852,6 +852,7 @@ class RunReader {
 
   const RankContext& ctx_;
   const ReadTask& task_;
+  StagingPool::PrefaultPause pause_;
   // Both outlive no read: the destructor waits for every one first.
   PreadThreads disk_{1};  // the runs' reads, in order
   PreadThreads io_;

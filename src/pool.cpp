@@ -99,6 +99,7 @@ StagingPool::~StagingPool() {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
   }
+  resume_cv_.notify_all();
   prefault_thread_.join();
   // Unpinned before the unmap: the device must not keep a mapping of pages
   // that go back to the kernel.
@@ -126,7 +127,8 @@ void StagingPool::fault_done(uint32_t index) {
 void StagingPool::prefault() {
   for (uint32_t i = 0; i < blocks(); ++i) {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      std::unique_lock<std::mutex> lock(mu_);
+      resume_cv_.wait(lock, [&] { return stop_ || pauses_ == 0; });
       if (stop_) return;
       // Claimed by an acquirer, or done. With populate_, a block leased
       // on_use is still Fault::no and is faulted here beside its use.
@@ -137,6 +139,19 @@ void StagingPool::prefault() {
     std::lock_guard<std::mutex> lock(mu_);
     fault_done(i);
   }
+}
+
+StagingPool::PrefaultPause::PrefaultPause(StagingPool* pool) : pool_(pool) {
+  std::lock_guard<std::mutex> lock(pool_->mu_);
+  ++pool_->pauses_;
+}
+
+StagingPool::PrefaultPause::~PrefaultPause() {
+  {
+    std::lock_guard<std::mutex> lock(pool_->mu_);
+    if (--pool_->pauses_ > 0) return;
+  }
+  pool_->resume_cv_.notify_all();
 }
 
 std::optional<Lease> StagingPool::try_acquire(Faulting faulting) {
