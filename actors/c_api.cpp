@@ -339,7 +339,8 @@ ferry_status ferry_load_with_stats(ferry_runtime* rt, const ferry_tensor* tensor
     ferry::Result<ferry::LoadReport> r = rt->rt->load_report(sd, path);
     if (r.ok()) {
       *stats = ferry_load_stats{r->step,           r->tensors_restored, r->bytes_read,
-                                r->bytes_received, r->send_queue_peak,  r->share_frames_relayed};
+                                r->bytes_received, r->send_queue_peak,  r->share_frames_relayed,
+                                r->shared_in_memory};
     }
     return to_c(r.status());
   });

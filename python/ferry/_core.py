@@ -590,7 +590,8 @@ class LoadResult(namedtuple("LoadResult", "missing_keys unexpected_keys")):
     """What load did: the keys it left alone (strict=False), and in `stats`
     this rank's figures (step, tensors_restored, bytes_read, bytes_received:
     replicated bytes another rank of its node read for it, send_queue_peak,
-    share_frames_relayed). Compares and unpacks as the pair of lists."""
+    share_frames_relayed, shared_in_memory: bytes it read for others of its
+    node and put in their share rings). Compares and unpacks as the pair of lists."""
 
     stats = None
 

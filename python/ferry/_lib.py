@@ -17,7 +17,7 @@ import threading
 
 __all__ = ["FerryError", "lib", "check", "library_path"]
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 _STATUS_NAMES = {
     0: "ok",
@@ -98,6 +98,7 @@ class LoadStats(ctypes.Structure):
         ("bytes_received", ctypes.c_uint64),
         ("send_queue_peak", ctypes.c_uint64),
         ("share_frames_relayed", ctypes.c_uint64),
+        ("shared_in_memory", ctypes.c_uint64),
     ]
 
 

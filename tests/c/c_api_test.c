@@ -138,6 +138,7 @@ int main(void) {
   CHECK(ls_stats.bytes_read >= sizeof b); /* b's bytes, in whole read runs */
   CHECK(ls_stats.bytes_received == 0);    /* one rank: nobody reads for it */
   CHECK(ls_stats.share_frames_relayed == 0);
+  CHECK(ls_stats.shared_in_memory == 0);
 
   /* Errors come back as a status and a message naming the thing. */
   int64_t bad_shape[1] = {5};

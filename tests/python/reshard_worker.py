@@ -56,7 +56,7 @@ def main():
         "bias": torch.zeros(7, dtype=torch.float16),
         "epoch": 0,
     }
-    ferry.load(sd, root)
+    st = ferry.load(sd, root).stats
     s, e = ferry.split_range(10, rank, world)
     ok = torch.equal(sd["layer"]["w"].tensor, full["w"][s:e])
     s, e = ferry.split_range(5, rank, world)
@@ -65,6 +65,8 @@ def main():
     ok &= torch.equal(sd["bias"], full["bias"])
     ok &= sd["epoch"] == 3
     print("rank %d of %d loaded: %s" % (rank, world, "ok" if ok else "MISMATCH"), flush=True)
+    print("rank %d stats: received %d in_memory %d" % (rank, st["bytes_received"],
+                                                       st["shared_in_memory"]), flush=True)
     return 0 if ok else 1
 
 

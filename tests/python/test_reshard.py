@@ -3,6 +3,7 @@ and flat shards, a replicated tensor, a JSON leaf) under `ferry launch`,
 then 3 ranks load with a different sharding and check every element."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -30,6 +31,14 @@ def main():
         p = launch(3, "load", root)
         assert p.returncode == 0, "load with 3 ranks failed"
         assert p.stdout.count("loaded: ok") == 3, p.stdout
+        # Rows of one checksum block that two ranks need are read by one of
+        # them and put in the other's share ring: on one node every byte a
+        # rank received went through a ring.
+        figures = re.findall(r"stats: received (\d+) in_memory (\d+)", p.stdout)
+        assert len(figures) == 3, p.stdout
+        received = sum(int(r) for r, _ in figures)
+        in_memory = sum(int(m) for _, m in figures)
+        assert received > 0 and received == in_memory, p.stdout
         p = launch(1, "load", root)
         assert p.returncode == 0 and "loaded: ok" in p.stdout, "load with 1 rank failed"
     finally:

@@ -35,7 +35,7 @@ extern "C" {
 #endif
 
 /* Bumped when a struct layout or a function signature changes. */
-#define FERRY_C_ABI_VERSION 1
+#define FERRY_C_ABI_VERSION 2
 
 /* Mirrors ferry::StatusCode. */
 typedef enum ferry_status {
@@ -208,6 +208,9 @@ typedef struct ferry_load_stats {
   /* Rank 0: frames of shared bytes it passed on between two other ranks (0
    * when the ranks of a node reach each other over direct lanes). */
   uint64_t share_frames_relayed;
+  /* Bytes this rank read for other ranks of its node and put straight in
+   * their share rings (share-memory), not in frames (ABI version 2). */
+  uint64_t shared_in_memory;
 } ferry_load_stats;
 /* ferry_load, which also fills *stats when the load succeeds. Unlike
  * ferry_load it does not log the checkpoint tensors left out (the caller
