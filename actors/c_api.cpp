@@ -338,8 +338,12 @@ ferry_status ferry_load_with_stats(ferry_runtime* rt, const ferry_tensor* tensor
     if (!stats) return to_c(rt->rt->load(sd, path));
     ferry::Result<ferry::LoadReport> r = rt->rt->load_report(sd, path);
     if (r.ok()) {
-      *stats = ferry_load_stats{r->step,           r->tensors_restored, r->bytes_read,
-                                r->bytes_received, r->send_queue_peak,  r->share_frames_relayed,
+      *stats = ferry_load_stats{r->step,
+                                r->tensors_restored,
+                                r->bytes_read,
+                                r->bytes_received,
+                                r->send_queue_peak,
+                                r->share_frames_relayed,
                                 r->shared_in_memory};
     }
     return to_c(r.status());
