@@ -12,7 +12,6 @@
 // block: it is read straight into the tensor and verified there.
 
 #include <fcntl.h>
-#include <sched.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -37,6 +36,7 @@
 #include "checksum.hpp"
 #include "codec.hpp"
 #include "copy_bytes.hpp"
+#include "cpus.hpp"
 #include "drills/kill_point.hpp"
 #include "populate.hpp"
 
@@ -83,12 +83,7 @@ constexpr uint64_t kTailRunBytes = 8ull << 20;
 // sets), at 0.31 against 0.36 CPU-s per 2 GiB load.
 uint32_t load_readers(uint32_t setting) {
   if (setting > 0) return setting;
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  const int cpus = ::sched_getaffinity(0, sizeof(set), &set) == 0
-                       ? CPU_COUNT(&set)
-                       : static_cast<int>(std::thread::hardware_concurrency());
-  return cpus > 0 && cpus <= 2 ? 1 : 2;
+  return usable_cpus() <= 2 ? 1 : 2;
 }
 
 struct reader_state {

@@ -24,6 +24,7 @@
 #include "actors/messages.hpp"
 #include "actors/writer_actor.hpp"
 #include "codec.hpp"
+#include "cpus.hpp"
 #include "storage_writer.hpp"
 
 namespace ferry {
@@ -54,7 +55,7 @@ Status compress_chunks(const RankContext& ctx, int level, FileChunks& chunks) {
       }
       spans.push_back({bytes, n, "compressing tensor '" + refs[f][c].key + "'"});
     }
-  const uint32_t threads = std::max(2u, std::min(8u, std::thread::hardware_concurrency()));
+  const uint32_t threads = std::max(2u, std::min(8u, usable_cpus()));
   FERRY_ASSIGN_OR_RETURN(std::vector<Compressed> z, compress_spans(spans, level, threads));
   size_t k = 0;
   for (size_t f = 0; f < refs.size(); ++f)

@@ -62,6 +62,7 @@
 #include <thread>
 #include <vector>
 
+#include "cpus.hpp"
 #include "ferry/runtime.hpp"
 
 namespace {
@@ -894,7 +895,7 @@ int main(int argc, char** argv) {
   }
   // The disk beside one busy thread, then beside one per CPU, each after an
   // eviction; raw_read alone is the rounds' figure.
-  const unsigned cpus = std::max(1u, std::thread::hardware_concurrency());
+  const unsigned cpus = ferry::usable_cpus();  // as the loader counts them
   evict(files);
   const double busy_one_s = raw_read_beside_busy(files, raw_dst, block, 1);
   evict(files);

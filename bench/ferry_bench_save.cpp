@@ -56,6 +56,7 @@
 
 #include "catalog.hpp"
 #include "codec.hpp"
+#include "cpus.hpp"
 #include "ferry/runtime.hpp"
 
 namespace {
@@ -272,7 +273,7 @@ void fill_random(uint8_t* p, uint64_t bytes, uint64_t seed) {
 }
 
 uint32_t codec_threads() {
-  return std::max(2u, std::min(8u, std::thread::hardware_concurrency()));
+  return std::max(2u, std::min(8u, ferry::usable_cpus()));  // as the writer's
 }
 
 struct CodecFigures {
