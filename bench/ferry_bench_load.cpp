@@ -486,7 +486,7 @@ uint32_t direct_memory_align(const std::string& path) {
   return 0;
 }
 
-// One load and the raw read right after it.
+// One load and the raw read beside it (before or after, by turns).
 struct Round {
   double load_s = 0, raw_s = 0, load_gbps = 0, raw_gbps = 0, ratio = 0;
   double load_kernel = 0, raw_kernel = 0;
@@ -631,8 +631,11 @@ int ranks_main(const Flags& f, const std::string& ckpt, int64_t rows, uint64_t s
   for (int r = 0; r < peers; ++r)
     dst.push_back(
         std::make_unique<WarmMemory>(raw_memory_bytes(file_bytes, files.size(), block), true));
-  // Each round launches the job, then reads raw right after; the median
-  // round (by ratio) is the figure.
+  // Each round launches the job and reads raw one right after the other;
+  // the median round (by ratio) is the figure. Which goes first alternates:
+  // this VM's disk drifts over seconds, and a fixed order leans one way (a
+  // raw read right after a job took 0.24-0.33 s, right before one
+  // 0.27-0.34 s, 3 runs of 5 rounds each).
   struct JobRound {
     std::map<int, std::string> stats;  // each rank's RANKSTATS
     double load_s = 0, read_mib = 0;   // the slowest rank's time; what all the ranks read
@@ -641,7 +644,18 @@ int ranks_main(const Flags& f, const std::string& ckpt, int64_t rows, uint64_t s
     bool dropped = false;
   };
   std::vector<JobRound> rounds(static_cast<size_t>(std::max(1, f.rounds)));
-  for (JobRound& rd : rounds) {
+  for (size_t i = 0; i < rounds.size(); ++i) {
+    JobRound& rd = rounds[i];
+    auto read_raw = [&] {
+      evict(files);
+      const auto t1 = Clock::now();
+      std::vector<std::thread> readers;
+      for (int r = 0; r < peers; ++r)
+        readers.emplace_back([&, r] { raw_read(files, *dst[r], block); });
+      for (auto& th : readers) th.join();
+      rd.each_s = std::chrono::duration<double>(Clock::now() - t1).count();
+    };
+    if (i % 2 == 1) read_raw();
     rd.dropped = evict(files);
     const Usage u0 = Usage::now();
     const auto t0 = Clock::now();
@@ -664,13 +678,7 @@ int ranks_main(const Flags& f, const std::string& ckpt, int64_t rows, uint64_t s
       rd.load_s = std::max(rd.load_s, field(l, "load_s"));
       rd.read_mib += field(l, "read_mib");
     }
-    evict(files);
-    const auto t1 = Clock::now();
-    std::vector<std::thread> readers;
-    for (int r = 0; r < peers; ++r)
-      readers.emplace_back([&, r] { raw_read(files, *dst[r], block); });
-    for (auto& th : readers) th.join();
-    rd.each_s = std::chrono::duration<double>(Clock::now() - t1).count();
+    if (i % 2 == 0) read_raw();
   }
   std::vector<const JobRound*> by;
   for (const JobRound& rd : rounds) by.push_back(&rd);
@@ -843,12 +851,28 @@ int main(int argc, char** argv) {
 
   const uint64_t block = rts[0]->options().chunk_bytes;
   WarmMemory raw_dst(raw_memory_bytes(file_bytes, files.size(), block), true);
-  // Each round loads, then reads raw right after: a pair sees the same state
-  // of the machine, and the median pair is the figure, not one lucky run.
+  // Each round loads and reads raw one right after the other: a pair sees
+  // the same state of the machine, and the median pair is the figure, not
+  // one lucky run. Which goes first alternates (see ranks_main).
   std::vector<Round> rounds(static_cast<size_t>(f.rounds));
   bool dropped = true;
+  uint64_t raw_bytes = 0;
   sampler.start();
-  for (Round& rd : rounds) {
+  for (size_t i = 0; i < rounds.size(); ++i) {
+    Round& rd = rounds[i];
+    auto read_raw = [&] {
+      evict(files);
+      const double k2 = sampler.seconds();
+      const Usage u2 = Usage::now();
+      const auto t1 = Clock::now();
+      raw_bytes = raw_read(files, raw_dst, block);
+      rd.raw_s = std::chrono::duration<double>(Clock::now() - t1).count();
+      const Usage u3 = Usage::now();
+      rd.raw_sampled = sampler.seconds() - k2;
+      rd.raw_kernel = u3.kernel_s - u2.kernel_s;
+      rd.raw_disk = u3.disk_read - u2.disk_read;
+    };
+    if (i % 2 == 1) read_raw();
     // Targets hold the wrong bytes again, or a load that wrote nothing in a
     // later round would pass the byte check.
     for (uint32_t t = 0; t < f.tensors; ++t)
@@ -874,24 +898,14 @@ int main(int argc, char** argv) {
     for (uint32_t t = 0; t < f.tensors; ++t)
       if (std::memcmp(out[t]->data, state[t].data.data(), state[t].data.size() * 4) != 0)
         die("tensor layer." + std::to_string(t) + " loaded wrong bytes");
-
-    evict(files);
-    const double k2 = sampler.seconds();
-    const Usage u2 = Usage::now();
-    const auto t1 = Clock::now();
-    const uint64_t raw_bytes = raw_read(files, raw_dst, block);
-    rd.raw_s = std::chrono::duration<double>(Clock::now() - t1).count();
-    const Usage u3 = Usage::now();
+    if (i % 2 == 0) read_raw();
     rd.load_sampled = k1 - k0;
-    rd.raw_sampled = sampler.seconds() - k2;
     rd.load_gbps = static_cast<double>(state_bytes) / rd.load_s / 1e9;
     rd.raw_gbps = static_cast<double>(raw_bytes) / rd.raw_s / 1e9;
     rd.ratio = rd.load_gbps / rd.raw_gbps;
     rd.load_kernel = u1.kernel_s - u0.kernel_s;
     rd.load_cpu = u1.kernel_s + u1.user_s - u0.kernel_s - u0.user_s;
-    rd.raw_kernel = u3.kernel_s - u2.kernel_s;
     rd.load_disk = u1.disk_read - u0.disk_read;
-    rd.raw_disk = u3.disk_read - u2.disk_read;
   }
   // The disk beside one busy thread, then beside one per CPU, each after an
   // eviction; raw_read alone is the rounds' figure.
