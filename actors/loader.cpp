@@ -532,7 +532,7 @@ struct InFlight {
 
 class RunReader {
  public:
-  RunReader(const RankContext& ctx, const ReadTask& task)
+  RunReader(const RankContext& ctx, ReadTask& task)
       : ctx_(ctx), task_(task), pause_(ctx.pool.get()), io_(kPreadThreads) {}
   // Every read started is waited for and every block released, whatever failed.
   ~RunReader() {
@@ -549,9 +549,9 @@ class RunReader {
     const uint64_t block = ctx_.pool->block_bytes();
     std::vector<ReadOp> ops;
     std::vector<const ReadOp*> compressed;
-    for (const ReadOp& op : task_.ops) {
+    for (ReadOp& op : task_.ops) {
       if (task_.manifest->tensors[op.tensor].chunks[op.chunk].codec.empty())
-        ops.push_back(op);
+        ops.push_back(std::move(op));
       else
         compressed.push_back(&op);
     }
@@ -846,7 +846,7 @@ class RunReader {
   }
 
   const RankContext& ctx_;
-  const ReadTask& task_;
+  ReadTask& task_;  // its ops are moved out as they are planned
   StagingPool::PrefaultPause pause_;
   // Both outlive no read: the destructor waits for every one first.
   PreadThreads disk_{1};  // the runs' reads, in order
@@ -857,7 +857,7 @@ class RunReader {
   std::optional<std::chrono::steady_clock::time_point> waiting_since_;
 };
 
-Status run_reads(reader_state& st, const ReadTask& task) {
+Status run_reads(reader_state& st, ReadTask& task) {
   RunReader reader(*st.ctx, task);
   return reader.run();
 }
@@ -866,7 +866,7 @@ reader_actor::behavior_type reader_fun(reader_actor::stateful_pointer<reader_sta
                                        ContextPtr ctx) {
   self->state.ctx = std::move(ctx);
   return {
-      [self](atom::read, const ReadTask& task) -> Status { return run_reads(self->state, task); },
+      [self](atom::read, ReadTask& task) -> Status { return run_reads(self->state, task); },
   };
 }
 
@@ -1125,12 +1125,12 @@ void on_share_due(loader_ptr self, const std::string& id) {
 }
 
 // Starts waiting for the pieces other ranks read for this one.
-void expect_shares(loader_ptr self, const LoadJob& job, const std::shared_ptr<LoadInFlight>& load) {
+void expect_shares(loader_ptr self, LoadJob& job, const std::shared_ptr<LoadInFlight>& load) {
   auto& st = self->state;
   ShareWait w;
   w.manifest = job.manifest;
   w.targets = job.targets;
-  w.pieces = job.receive;
+  w.pieces = std::move(job.receive);
   w.transport = job.transport;
   w.ring = job.ring;
   std::sort(w.pieces.begin(), w.pieces.end(), [](const auto& a, const auto& b) {
@@ -1208,7 +1208,7 @@ loader_actor::behavior_type loader_fun(loader_ptr self, ContextPtr ctx) {
     while (!tasks->empty()) finish_task(*ctx, *tasks, tasks->begin()->first, why);
   });
   return {
-      [self](atom::load, const LoadJob& job) -> caf::result<Status> {
+      [self](atom::load, LoadJob& job) -> caf::result<Status> {
         auto& st = self->state;
         // The targets may be memory freed and mapped again since a last load.
         forget_populated();
@@ -1216,7 +1216,7 @@ loader_actor::behavior_type loader_fun(loader_ptr self, ContextPtr ctx) {
         // a few long sequential streams, and runs coalesce inside each.
         std::vector<ReadTask> tasks(std::min<size_t>(st.readers.size(), job.ops.size()));
         if (tasks.empty() && job.receive.empty()) return Status();
-        std::vector<ReadOp> ops = job.ops;
+        std::vector<ReadOp> ops = std::move(job.ops);
         std::sort(ops.begin(), ops.end(), [](const ReadOp& a, const ReadOp& b) {
           return std::tie(a.file, a.file_offset) < std::tie(b.file, b.file_offset);
         });
