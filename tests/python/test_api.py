@@ -355,10 +355,19 @@ class ShardedTensorMapping(Base):
         ferry.torch_compat.enable()  # torch 1.13's module on Python 3.11
         import torch.distributed as dist
 
-        cls.store_file = tempfile.mktemp(prefix="ferry_py_store_")
+        # The store's file goes with its folder at the end (gloo leaves it).
+        cls.store_dir = tempfile.mkdtemp(prefix="ferry_py_store_")
         if not dist.is_initialized():
-            dist.init_process_group("gloo", store=dist.FileStore(cls.store_file, 1), rank=0,
-                                    world_size=1)
+            store = dist.FileStore(os.path.join(cls.store_dir, "store"), 1)
+            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+
+    @classmethod
+    def tearDownClass(cls):
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        shutil.rmtree(cls.store_dir, ignore_errors=True)
 
     def sharded(self, t):
         from torch.distributed._shard.metadata import ShardMetadata
