@@ -128,7 +128,12 @@ void StagingPool::prefault() {
   for (uint32_t i = 0; i < blocks(); ++i) {
     {
       std::unique_lock<std::mutex> lock(mu_);
-      resume_cv_.wait(lock, [&] { return stop_ || pauses_ == 0; });
+      if (!stop_ && pauses_ > 0) {
+        paused_ = true;
+        fault_cv_.notify_all();
+        resume_cv_.wait(lock, [&] { return stop_ || pauses_ == 0; });
+        paused_ = false;
+      }
       if (stop_) return;
       // Claimed by an acquirer, or done. With populate_, a block leased
       // on_use is still Fault::no and is faulted here beside its use.
@@ -188,6 +193,11 @@ uint32_t StagingPool::faulted_blocks() const {
 void StagingPool::wait_prefaulted() const {
   std::unique_lock<std::mutex> lock(mu_);
   fault_cv_.wait(lock, [&] { return faulted_ == blocks(); });
+}
+
+bool StagingPool::wait_prefault_paused(std::chrono::milliseconds timeout) const {
+  std::unique_lock<std::mutex> lock(mu_);
+  return fault_cv_.wait_for(lock, timeout, [&] { return paused_; });
 }
 
 Result<uint8_t*> StagingPool::data(const Lease& l) const {

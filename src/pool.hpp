@@ -20,6 +20,7 @@
 // and an acquirer waits for the thread if it is on that very block.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -82,6 +83,9 @@ class StagingPool {
   uint32_t faulted_blocks() const;
   // Blocks until every block is faulted in (benchmarks: warm memory).
   void wait_prefaulted() const;
+  // Waits up to `timeout` for the background thread to stand still at a
+  // PrefaultPause; false if it did not (no pause held, or nothing left).
+  bool wait_prefault_paused(std::chrono::milliseconds timeout) const;
   // While one is held the background thread faults no further block (the
   // one it is on finishes). A load holds one: a job that restarts loads
   // right after start, and faulting a large pool beside that load took
@@ -128,9 +132,10 @@ class StagingPool {
   std::vector<Fault> fault_;      // by block, under mu_
   bool populate_ = true;          // MADV_POPULATE_WRITE works; set before the thread starts
   uint32_t faulted_ = 0;
-  mutable std::condition_variable fault_cv_;  // a block became Fault::done
+  mutable std::condition_variable fault_cv_;  // a block became Fault::done, or the thread paused
   bool stop_ = false;
   uint32_t pauses_ = 0;                // PrefaultPause objects alive, under mu_
+  bool paused_ = false;                // the thread waits on resume_cv_, under mu_
   std::condition_variable resume_cv_;  // stop_ set or pauses_ back to 0
   std::thread prefault_thread_;
 };

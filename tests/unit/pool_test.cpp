@@ -301,16 +301,18 @@ TEST_CASE("pool: a held PrefaultPause stops the background faulting until releas
     StagingPool::PrefaultPause outer(&pool);
     StagingPool::PrefaultPause inner(&pool);  // pauses nest
     const uint32_t at_pause = pool.faulted_blocks();
-    // Unpaused, 128 blocks of 4 MiB fault in well under this.
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));
-    // The block the thread was on when the pause came finishes; no other.
+    // The thread stands still at the pause (without it, it would go on to
+    // the end and never wait) ...
+    REQUIRE(pool.wait_prefault_paused(std::chrono::seconds(10)));
+    // ... after finishing at most the block it was on when the pause came.
     CHECK(pool.faulted_blocks() <= at_pause + 1);
-    // Acquirers still fault what they take.
+    // Acquirers still fault what they take; the thread stays paused.
     auto l = pool.try_acquire();
     REQUIRE(l);
     std::memset(*pool.data(*l), 7, kBlock);
     REQUIRE(pool.release(*l).ok());
     CHECK(pool.faulted_blocks() < pool.blocks());
+    CHECK(pool.wait_prefault_paused(std::chrono::milliseconds(0)));
   }
   pool.wait_prefaulted();  // resumed: every block faults in
   CHECK(pool.faulted_blocks() == pool.blocks());
