@@ -968,7 +968,8 @@ void finish_task(const RankContext& ctx, ReaderTasks& tasks, uint64_t id, Status
 }
 
 // Checks one frame of shared bytes against its sum and copies it into the
-// tensors of every piece it belongs to. Errors name the sending rank.
+// tensors of every piece it belongs to (in one pass where it goes to one
+// stretch of one tensor). Errors name the sending rank.
 Status take_share(const RankContext& ctx, ShareWait& w, const BlockShareMsg& msg) {
   const std::string sender = "rank " + std::to_string(msg.from);
   if (!msg.status.ok())
@@ -990,9 +991,10 @@ Status take_share(const RankContext& ctx, ShareWait& w, const BlockShareMsg& msg
     return Status::corruption("rank " + std::to_string(ctx.rank) + ": " + what + " lie at " +
                               std::to_string(msg.ring_offset) +
                               " of its share ring, outside that rank's region");
-  if (xxh3_64(data, len) != msg.checksum)
+  auto mismatch = [&] {
     return Status::corruption("rank " + std::to_string(ctx.rank) + ": " + what +
                               " do not match their checksum");
+  };
   // The pieces holding the frame: the last starting at or before it, and any
   // others with the same range (two entries reading the same bytes).
   auto key = [](const std::pair<int32_t, ReadOp>& p) {
@@ -1001,9 +1003,14 @@ Status take_share(const RankContext& ctx, ShareWait& w, const BlockShareMsg& msg
   auto it = std::upper_bound(
       w.pieces.begin(), w.pieces.end(), std::make_pair(msg.file, msg.offset),
       [&](const std::pair<uint32_t, uint64_t>& v, const auto& p) { return v < key(p); });
-  CopyLatch latch;
   Status s;
-  bool any = false;
+  // Per piece the frame lands in: its tensor and the runs of the frame there.
+  struct Landing {
+    const std::string* key;
+    const TensorView* target;
+    std::vector<DeviceBackend::Run> runs;
+  };
+  std::vector<Landing> landings;
   std::vector<DeviceBackend::Run> runs;
   while (it != w.pieces.begin()) {
     --it;
@@ -1037,17 +1044,34 @@ Status take_share(const RankContext& ctx, ShareWait& w, const BlockShareMsg& msg
       if (a < b) runs.push_back({a - lo, dst + (a - *q), b - a});
     });
     if (!s.ok()) break;
-    copy_runs(ctx, t.key, data, w.targets[op.entry], runs, latch);
+    landings.push_back({&t.key, &w.targets[op.entry], std::move(runs)});
     runs.clear();
-    any = true;
   }
-  // The frame's bytes are read by the copies: they must land before it goes.
-  Status copied = latch.wait();
   FERRY_RETURN_IF_ERROR(s);
-  FERRY_RETURN_IF_ERROR(copied);
-  if (!any)
+  if (landings.empty())
     return Status::corruption("rank " + std::to_string(ctx.rank) + ": " + what +
                               " match no piece it expects from that rank");
+  // A frame that goes whole to one stretch of one tensor (rows) is copied
+  // and summed in one pass where the device can, as a block read from disk
+  // is: the ring is read once, and the sum is of the very bytes that landed
+  // (checking first, then copying, read them twice, and a sender could
+  // change them in between). A mismatch fails the load, which leaves its
+  // tensors partly loaded, as any failed load does.
+  const Landing& one = landings.front();
+  std::optional<uint64_t> sum;
+  if (landings.size() == 1 && one.runs.size() == 1 && one.runs[0].src == 0 &&
+      one.runs[0].len == len)
+    sum = ctx.device->copy_in_summed(data, *one.target, one.runs[0].dst, len);
+  if (sum) {
+    if (*sum != msg.checksum) return mismatch();
+  } else {
+    // Anything else reaches the tensors only after the frame checked out.
+    if (xxh3_64(data, len) != msg.checksum) return mismatch();
+    CopyLatch latch;
+    for (const Landing& l : landings) copy_runs(ctx, *l.key, data, *l.target, l.runs, latch);
+    // The frame's bytes are read by the copies: they must land before it goes.
+    FERRY_RETURN_IF_ERROR(latch.wait());
+  }
   owed->second -= len;
   w.last = std::chrono::steady_clock::now();
   return Status();
