@@ -14,6 +14,10 @@
 // the data files (posix_fadvise DONTNEED, then drop_caches when root), load,
 // check the bytes, evict again, raw read. The figures are the median round's
 // (by ratio): on a shared machine one pair can be off by 2x either way.
+// One-process runs also time, next to each load, a verified reader (see
+// verified_read): the raw reads through four staging blocks, each block
+// hashed and copied into the load's tensors, which is the least a load that
+// checks its bytes does here.
 // The tensors loaded into sit 64 bytes past a page, as torch's CPU tensors
 // do: where O_DIRECT wants more alignment of memory than that (512 bytes on
 // a virtio disk, 4 on NVMe), the load reads into staging blocks and copies;
@@ -50,6 +54,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -57,11 +62,13 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "checksum.hpp"
 #include "cpus.hpp"
 #include "ferry/runtime.hpp"
 
@@ -451,6 +458,86 @@ double raw_read_beside_busy(const std::vector<std::string>& files, WarmMemory& d
   return s;
 }
 
+// The least any load that checks every byte must do here, with the load's
+// own targets: the raw reader's preads, on a thread of their own, into a
+// ring of kVerifiedRing staging blocks in huge pages (allocated once, as
+// Ferry's pool is), while this thread sums each landed block with Ferry's
+// fused loop (xxh3 per checksum block, copied as it is summed) into the
+// targets, filled in order whatever the bytes are (a load resets them). No
+// plan, no actors, no manifest: the load's time over this one is what
+// Ferry adds; this one's over the raw read is what checking and placing
+// the bytes cost on this machine.
+constexpr uint32_t kVerifiedRing = 4;
+double verified_read(const std::vector<std::string>& files, uint64_t block, WarmMemory& ring,
+                     const std::vector<std::pair<uint8_t*, uint64_t>>& into) {
+  if (ring.bytes < block * kVerifiedRing) die("verified reader: ring too small");
+  struct Read {
+    int fd;
+    uint64_t offset;
+  };
+  std::vector<int> fds;
+  std::vector<Read> reads;
+  for (const auto& p : files) {
+    const int fd = ::open(p.c_str(), O_RDONLY | O_DIRECT);
+    if (fd < 0)
+      die("verified reader: cannot open " + p + " with O_DIRECT: " + std::strerror(errno));
+    fds.push_back(fd);
+    const uint64_t size = std::filesystem::file_size(p);
+    for (uint64_t off = 0; off < size; off += block) reads.push_back({fd, off});
+  }
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<int64_t> got(reads.size(), -1);  // bytes each read returned
+  size_t copied = 0;
+  const auto t0 = Clock::now();
+  std::thread disk([&] {
+    for (size_t i = 0; i < reads.size(); ++i) {
+      {
+        std::unique_lock<std::mutex> l(mu);
+        cv.wait(l, [&] { return i < copied + kVerifiedRing; });
+      }
+      const ssize_t n = ::pread(reads[i].fd, ring.data + i % kVerifiedRing * block, block,
+                                static_cast<off_t>(reads[i].offset));
+      if (n < 0) die(std::string("verified reader: pread: ") + std::strerror(errno));
+      std::lock_guard<std::mutex> l(mu);
+      got[i] = n;
+      cv.notify_all();
+    }
+  });
+  constexpr uint64_t kSum = 1 << 20;  // the manifest's default checksum block
+  uint64_t sums = 0;
+  size_t target = 0;
+  uint64_t at = 0;  // bytes of into[target] filled
+  for (size_t i = 0; i < reads.size(); ++i) {
+    uint64_t n;
+    {
+      std::unique_lock<std::mutex> l(mu);
+      cv.wait(l, [&] { return got[i] >= 0; });
+      n = static_cast<uint64_t>(got[i]);
+    }
+    const uint8_t* src = ring.data + i % kVerifiedRing * block;
+    for (uint64_t off = 0; off < n;) {
+      uint64_t k = std::min(kSum, n - off);
+      if (target < into.size()) {
+        k = std::min(k, into[target].second - at);
+        sums += ferry::xxh3_64_copy(into[target].first + at, src + off, k);
+        if ((at += k) == into[target].second) ++target, at = 0;
+      } else {
+        sums += ferry::xxh3_64(src + off, k);  // more file than targets: the header's bytes
+      }
+      off += k;
+    }
+    std::lock_guard<std::mutex> l(mu);
+    ++copied;
+    cv.notify_all();
+  }
+  disk.join();
+  const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+  for (int fd : fds) ::close(fd);
+  asm volatile("" : : "r"(sums));
+  return s;
+}
+
 // What raw_read needs of `dst` for `files` of `file_bytes` in all: a block
 // more per file (each file's last read is a whole block), in whole blocks.
 uint64_t raw_memory_bytes(uint64_t file_bytes, size_t files, uint64_t block) {
@@ -489,6 +576,7 @@ uint32_t direct_memory_align(const std::string& path) {
 // One load and the raw read beside it (before or after, by turns).
 struct Round {
   double load_s = 0, raw_s = 0, load_gbps = 0, raw_gbps = 0, ratio = 0;
+  double verified_s = 0;  // verified_read's (one-process runs only)
   double load_kernel = 0, raw_kernel = 0;
   double load_cpu = 0;                       // user + kernel
   double load_sampled = 0, raw_sampled = 0;  // KernelSampler's
@@ -693,7 +781,7 @@ int ranks_main(const Flags& f, const std::string& ckpt, int64_t rows, uint64_t s
   const bool dropped = mid.dropped;
   std::string each;
   for (const JobRound& rd : rounds) {
-    char one[96];
+    char one[128];
     std::snprintf(one, sizeof(one), "%s%.3f/%.3f s = %.2f", each.empty() ? "" : ", ", rd.load_s,
                   rd.each_s, rd.each_s / rd.load_s);
     each += one;
@@ -851,9 +939,14 @@ int main(int argc, char** argv) {
 
   const uint64_t block = rts[0]->options().chunk_bytes;
   WarmMemory raw_dst(raw_memory_bytes(file_bytes, files.size(), block), true);
-  // Each round loads and reads raw one right after the other: a pair sees
-  // the same state of the machine, and the median pair is the figure, not
-  // one lucky run. Which goes first alternates (see ranks_main).
+  WarmMemory ring(block * kVerifiedRing, true);
+  std::vector<std::pair<uint8_t*, uint64_t>> spans;  // the load's targets, for verified_read
+  for (uint32_t t = 0; t < f.tensors; ++t)
+    spans.push_back({reinterpret_cast<uint8_t*>(out[t]->data), state[t].data.size() * 4});
+  // Each round loads and reads raw (and verified) one right after the
+  // other: they see the same state of the machine, and the median round is
+  // the figure, not one lucky run. Which goes first alternates (see
+  // ranks_main); the verified read is always next to the load.
   std::vector<Round> rounds(static_cast<size_t>(f.rounds));
   bool dropped = true;
   uint64_t raw_bytes = 0;
@@ -872,7 +965,11 @@ int main(int argc, char** argv) {
       rd.raw_kernel = u3.kernel_s - u2.kernel_s;
       rd.raw_disk = u3.disk_read - u2.disk_read;
     };
-    if (i % 2 == 1) read_raw();
+    auto read_verified = [&] {
+      evict(files);
+      rd.verified_s = verified_read(files, block, ring, spans);
+    };
+    if (i % 2 == 1) read_raw(), read_verified();
     // Targets hold the wrong bytes again, or a load that wrote nothing in a
     // later round would pass the byte check.
     for (uint32_t t = 0; t < f.tensors; ++t)
@@ -898,7 +995,7 @@ int main(int argc, char** argv) {
     for (uint32_t t = 0; t < f.tensors; ++t)
       if (std::memcmp(out[t]->data, state[t].data.data(), state[t].data.size() * 4) != 0)
         die("tensor layer." + std::to_string(t) + " loaded wrong bytes");
-    if (i % 2 == 0) read_raw();
+    if (i % 2 == 0) read_verified(), read_raw();
     rd.load_sampled = k1 - k0;
     rd.load_gbps = static_cast<double>(state_bytes) / rd.load_s / 1e9;
     rd.raw_gbps = static_cast<double>(raw_bytes) / rd.raw_s / 1e9;
@@ -950,12 +1047,12 @@ int main(int argc, char** argv) {
           : "read into staging blocks and copied (--page-aligned to read straight into them)");
   std::string each;
   for (const Round& rd : rounds) {
-    char one[96];
-    std::snprintf(one, sizeof(one), "%s%.3f/%.3f s = %.2f", each.empty() ? "" : ", ", rd.load_s,
-                  rd.raw_s, rd.ratio);
+    char one[128];
+    std::snprintf(one, sizeof(one), "%s%.3f/%.3f/%.3f s = %.2f", each.empty() ? "" : ", ",
+                  rd.load_s, rd.verified_s, rd.raw_s, rd.ratio);
     each += one;
   }
-  std::printf("rounds (load/raw s = ratio): %s\n", each.c_str());
+  std::printf("rounds (load/verified/raw s = load / raw): %s\n", each.c_str());
   std::printf("median round of %zu:\n", rounds.size());
   std::printf("load (%s): %.3f s, %.2f GB/s, %.1f MiB read from disk, kernel CPU %.2f s\n",
               f.reshard ? (std::string("1 -> 2 ranks by ") + split_name(f) + ", aggregate").c_str()
@@ -967,6 +1064,11 @@ int main(int argc, char** argv) {
       "raw O_DIRECT reader: %.3f s, %.2f GB/s, %.1f MiB read from disk, kernel CPU %.2f s\n", raw_s,
       raw_gbps, raw_disk / double(kMiB), mid.raw_kernel);
   std::printf("load / raw: %.2f (target >= %.2f: %s)\n", ratio, target, verdict(ratio >= target));
+  std::printf(
+      "verified reader (the raw reads through %u staging blocks, each summed and copied into the "
+      "load's tensors by one thread: the least a load that checks its bytes does): %.3f s; load / "
+      "verified %.2f, verified / raw %.2f\n",
+      kVerifiedRing, mid.verified_s, mid.verified_s / load_s, raw_s / mid.verified_s);
   std::printf(
       "kernel CPU load / raw, mean of the rounds, getrusage (250 Hz ticks): %.2f (%.3f s / %.3f "
       "s; target <= 2: %s)\n",
@@ -995,17 +1097,18 @@ int main(int argc, char** argv) {
       "{\"bench\":\"load\",\"state_bytes\":%llu,\"tensors\":%u,\"ranks\":%d,\"reshard\":%s,"
       "\"split\":\"%s\",\"page_aligned\":%s,\"rounds\":%zu,"
       "\"load_s\":%.4f,\"load_gbps\":%.3f,\"raw_s\":%.4f,\"raw_gbps\":%.3f,\"ratio\":%.3f,"
-      "\"ratio_target\":%.2f,\"load_disk_read_bytes\":%llu,\"raw_disk_read_bytes\":%llu,"
+      "\"verified_s\":%.4f,\"ratio_target\":%.2f,\"load_disk_read_bytes\":%llu,\"raw_disk_read_"
+      "bytes\":%llu,"
       "\"load_kernel_s\":%.3f,\"raw_kernel_s\":%.3f,\"kernel_ratio\":%.2f,"
       "\"load_kernel_sampled_s\":%.4f,\"raw_kernel_sampled_s\":%.4f,\"kernel_ratio_sampled\":%.2f,"
       "\"load_cpu_s\":%.3f,\"raw_busy_one_s\":%.4f,\"raw_busy_all_s\":%.4f,\"cpus\":%u,"
       "\"peak_rss_mib\":%.0f,\"drop_caches\":%s}\n",
       static_cast<unsigned long long>(state_bytes), f.tensors, ranks, f.reshard ? "true" : "false",
       f.reshard ? split_name(f) : "none", f.page_aligned ? "true" : "false", rounds.size(), load_s,
-      load_gbps, raw_s, raw_gbps, ratio, target, static_cast<unsigned long long>(load_disk),
-      static_cast<unsigned long long>(raw_disk), load_kernel, raw_kernel, kernel_ratio,
-      sampler.ok() ? load_sampled : -1.0, sampler.ok() ? raw_sampled : -1.0,
-      sampler.ok() ? sampled_ratio : -1.0, load_cpu, busy_one_s, busy_all_s, cpus, rss,
-      dropped ? "true" : "false");
+      load_gbps, raw_s, raw_gbps, ratio, mid.verified_s, target,
+      static_cast<unsigned long long>(load_disk), static_cast<unsigned long long>(raw_disk),
+      load_kernel, raw_kernel, kernel_ratio, sampler.ok() ? load_sampled : -1.0,
+      sampler.ok() ? raw_sampled : -1.0, sampler.ok() ? sampled_ratio : -1.0, load_cpu, busy_one_s,
+      busy_all_s, cpus, rss, dropped ? "true" : "false");
   return 0;
 }
