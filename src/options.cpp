@@ -333,8 +333,9 @@ const std::vector<KeySpec>& key_table() {
        }},
       {{"share-memory", "true",
         "ranks of one node pass the replicated load data they read for each other through "
-        "shared memory (a memfd each receiver offers, mapped by its senders through /proc); "
-        "false, or a rank that cannot map its peer's, sends it over the lanes"},
+        "shared memory (a memfd each receiver offers, mapped by its senders through /proc, and "
+        "kept between loads: share-window plus a frame per local sender); false, or a rank that "
+        "cannot map its peer's, sends it over the lanes"},
        [](const std::string& v, Options& o, std::string& why) {
          return parse_bool(v, o.share_memory, why);
        }},

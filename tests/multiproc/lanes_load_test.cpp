@@ -118,3 +118,38 @@ TEST_CASE("a receiver that dies in a load over shm lanes releases the ranks send
   save_state(d, model);
   ferry::testing::check_receiver_death_releases_senders(d.path(), model, "FERRY_DIRECT_LANES=shm");
 }
+
+TEST_CASE("a rank's share ring serves its next load, whose shared bytes all land anew",
+          "[ranks][load][lanes]") {
+  // Two checkpoints of other bytes, loaded one after the other into the same
+  // tensors (filled with 0xEE in between) by the same four ranks.
+  TempDir a, b;
+  const std::string model = " --big-mib 16";
+  save_state(a, " --seed 3" + model);
+  save_state(b, " --seed 4" + model);
+  auto l = launch(kRanks, "--mode load --layout full --evict 1 --root " + a.path() + " --seed 3" +
+                              model + " --set share-window=1MiB --again " + b.path() +
+                              " --again-seed 4");
+  INFO(l.out);
+  REQUIRE(l.code == 0);
+  CHECK(count(l.out, "every byte equal") == 2 * kRanks);
+  for (int r = 0; r < kRanks; ++r) {
+    INFO("rank " << r);
+    const std::string me = "[rank " + std::to_string(r) + "] ";
+    // One ring open after each load, the same one: made once, offered twice.
+    const auto rings = lines_with(l.out, me + "RINGS");
+    REQUIRE(rings.size() == 2);
+    CHECK_THAT(rings[0], Catch::Contains("open=1 "));
+    CHECK(rings[0].substr(rings[0].find("RINGS")) == rings[1].substr(rings[1].find("RINGS")));
+  }
+  // Both loads passed their shared bytes through the rings.
+  uint64_t in_rings[2] = {0, 0};
+  for (int r = 0; r < kRanks; ++r) {
+    const auto stats = lines_with(l.out, "[rank " + std::to_string(r) + "] LOADSTATS");
+    REQUIRE(stats.size() == 2);
+    for (int k = 0; k < 2; ++k)
+      in_rings[k] += std::stoull(stats[k].substr(stats[k].find("in_memory=") + 10));
+  }
+  CHECK(in_rings[0] > 0);
+  CHECK(in_rings[1] == in_rings[0]);
+}

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -170,6 +171,24 @@ void evict(const std::string& root) {
     ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
     ::close(fd);
   }
+}
+
+// This process's open share rings (memfds named ferry-share-ring), and the
+// inode of the last one found.
+std::pair<int, uint64_t> share_rings() {
+  int n = 0;
+  uint64_t inode = 0;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd", ec)) {
+    std::error_code lec;
+    const std::string target = std::filesystem::read_symlink(e.path(), lec).string();
+    if (lec || target.rfind("/memfd:ferry-share-ring", 0) != 0) continue;
+    struct stat st {};
+    if (::stat(e.path().c_str(), &st) != 0) continue;
+    ++n;
+    inode = st.st_ino;
+  }
+  return {n, inode};
 }
 
 std::string arg(int argc, char** argv, const char* name, const char* fallback) {
@@ -454,40 +473,53 @@ int main(int argc, char** argv) {
   if (mode == "load") {
     // --kill-after load: this rank dies before it loads; the others must fail.
     if (kill_after == "load" && rank == kill_rank) std::raise(kill_signal);
-    if (arg(argc, argv, "--evict", "0") == std::string("1")) evict(root);
-    const uint64_t disk0 = disk_read_bytes();
-    const uint64_t hwm0 = peak_rss_bytes();
-    auto report = rt.load_report(sd, root);
-    if (!report.ok()) {
-      std::printf("ERROR load: %s\n", report.status().to_string().c_str());
-      return 1;
-    }
-    std::printf(
-        "LOADSTATS read=%llu received=%llu disk=%llu queued=%llu hwm_growth=%llu relayed=%llu "
-        "in_memory=%llu\n",
-        static_cast<unsigned long long>(report->bytes_read),
-        static_cast<unsigned long long>(report->bytes_received),
-        static_cast<unsigned long long>(disk_read_bytes() - disk0),
-        static_cast<unsigned long long>(report->send_queue_peak),
-        static_cast<unsigned long long>(peak_rss_bytes() - hwm0),
-        static_cast<unsigned long long>(report->share_frames_relayed),
-        static_cast<unsigned long long>(report->shared_in_memory));
-    std::vector<uint8_t> expect;
-    for (size_t k = 0; k < specs.size(); ++k) {
-      fill_expected(specs[k], k, locals[k], seed, expect);
-      if (expect != locals[k].bytes) {
-        // Where it differs tells a wrong place from a wrong byte.
-        const size_t n = std::min(expect.size(), locals[k].bytes.size());
-        size_t first = 0, last = n;
-        while (first < n && expect[first] == locals[k].bytes[first]) ++first;
-        while (last > first && expect[last - 1] == locals[k].bytes[last - 1]) --last;
-        std::printf("ERROR tensor %s differs from what was saved (bytes %zu to %zu of %zu)\n",
-                    specs[k].key.c_str(), first, last, expect.size());
+    // Loads `path` into the tensors and checks every byte against `with`'s
+    // values; 0 when all are equal.
+    auto load_and_check = [&](const std::string& path, uint64_t with) {
+      if (arg(argc, argv, "--evict", "0") == std::string("1")) evict(path);
+      const uint64_t disk0 = disk_read_bytes();
+      const uint64_t hwm0 = peak_rss_bytes();
+      auto report = rt.load_report(sd, path);
+      if (!report.ok()) {
+        std::printf("ERROR load: %s\n", report.status().to_string().c_str());
         return 1;
       }
-    }
-    std::printf("LOADED %zu tensors, every byte equal\n", specs.size());
-    return 0;
+      std::printf(
+          "LOADSTATS read=%llu received=%llu disk=%llu queued=%llu hwm_growth=%llu relayed=%llu "
+          "in_memory=%llu\n",
+          static_cast<unsigned long long>(report->bytes_read),
+          static_cast<unsigned long long>(report->bytes_received),
+          static_cast<unsigned long long>(disk_read_bytes() - disk0),
+          static_cast<unsigned long long>(report->send_queue_peak),
+          static_cast<unsigned long long>(peak_rss_bytes() - hwm0),
+          static_cast<unsigned long long>(report->share_frames_relayed),
+          static_cast<unsigned long long>(report->shared_in_memory));
+      const auto [rings, inode] = share_rings();
+      std::printf("RINGS open=%d inode=%llu\n", rings, static_cast<unsigned long long>(inode));
+      std::vector<uint8_t> expect;
+      for (size_t k = 0; k < specs.size(); ++k) {
+        fill_expected(specs[k], k, locals[k], with, expect);
+        if (expect != locals[k].bytes) {
+          // Where it differs tells a wrong place from a wrong byte.
+          const size_t n = std::min(expect.size(), locals[k].bytes.size());
+          size_t first = 0, last = n;
+          while (first < n && expect[first] == locals[k].bytes[first]) ++first;
+          while (last > first && expect[last - 1] == locals[k].bytes[last - 1]) --last;
+          std::printf("ERROR tensor %s differs from what was saved (bytes %zu to %zu of %zu)\n",
+                      specs[k].key.c_str(), first, last, expect.size());
+          return 1;
+        }
+      }
+      std::printf("LOADED %zu tensors, every byte equal\n", specs.size());
+      return 0;
+    };
+    if (load_and_check(root, seed) != 0) return 1;
+    // --again DIR --again-seed S: then the same tensors, filled with other
+    // bytes first, from another checkpoint (saved with seed S).
+    const std::string again = arg(argc, argv, "--again", "");
+    if (again.empty()) return 0;
+    for (Local& l : locals) std::fill(l.bytes.begin(), l.bytes.end(), uint8_t{0xEE});
+    return load_and_check(again, std::stoull(arg(argc, argv, "--again-seed", "1")));
   }
 
   if (mode == "planner" || mode == "planner-skip") {
