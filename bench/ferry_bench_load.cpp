@@ -16,8 +16,9 @@
 // (by ratio): on a shared machine one pair can be off by 2x either way.
 // One-process runs also time, next to each load, a verified reader (see
 // verified_read): the raw reads through four staging blocks, each block
-// hashed and copied into the load's tensors, which is the least a load that
-// checks its bytes does here.
+// hashed and copied into the load's tensors: only the work any load that
+// checks its bytes must do (a reference, not a bound: on a VM the buffers'
+// place in memory moves either one's reads by 15-30%).
 // The tensors loaded into sit 64 bytes past a page, as torch's CPU tensors
 // do: where O_DIRECT wants more alignment of memory than that (512 bytes on
 // a virtio disk, 4 on NVMe), the load reads into staging blocks and copies;
@@ -458,15 +459,17 @@ double raw_read_beside_busy(const std::vector<std::string>& files, WarmMemory& d
   return s;
 }
 
-// The least any load that checks every byte must do here, with the load's
+// Only the work any load that checks every byte must do here, with the load's
 // own targets: the raw reader's preads, on a thread of their own, into a
 // ring of kVerifiedRing staging blocks in huge pages (allocated once, as
 // Ferry's pool is), while this thread sums each landed block with Ferry's
 // fused loop (xxh3 per checksum block, copied as it is summed) into the
 // targets, filled in order whatever the bytes are (a load resets them). No
 // plan, no actors, no manifest: the load's time over this one is what
-// Ferry adds; this one's over the raw read is what checking and placing
-// the bytes cost on this machine.
+// Ferry adds, where both read into memory the machine fills equally fast
+// (on the test VM one buffer filled 15-30% slower than another, steadily
+// within a process); this one's over the raw read is what checking and
+// placing the bytes cost.
 constexpr uint32_t kVerifiedRing = 4;
 double verified_read(const std::vector<std::string>& files, uint64_t block, WarmMemory& ring,
                      const std::vector<std::pair<uint8_t*, uint64_t>>& into) {
@@ -1066,7 +1069,8 @@ int main(int argc, char** argv) {
   std::printf("load / raw: %.2f (target >= %.2f: %s)\n", ratio, target, verdict(ratio >= target));
   std::printf(
       "verified reader (the raw reads through %u staging blocks, each summed and copied into the "
-      "load's tensors by one thread: the least a load that checks its bytes does): %.3f s; load / "
+      "load's tensors by one thread: only the work a load that checks its bytes must do): %.3f s; "
+      "load / "
       "verified %.2f, verified / raw %.2f\n",
       kVerifiedRing, mid.verified_s, mid.verified_s / load_s, raw_s / mid.verified_s);
   std::printf(
