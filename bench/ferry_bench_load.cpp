@@ -463,16 +463,16 @@ double raw_read_beside_busy(const std::vector<std::string>& files, WarmMemory& d
 // own targets: the raw reader's preads, on a thread of their own, into a
 // ring of kVerifiedRing staging blocks in huge pages (allocated once, as
 // Ferry's pool is), while this thread sums each landed block with Ferry's
-// fused loop (xxh3 per checksum block, copied as it is summed) into the
-// targets, filled in order whatever the bytes are (a load resets them). No
-// plan, no actors, no manifest: the load's time over this one is what
+// fused loop (xxh3 per checksum block of the runtime's size, copied as it
+// is summed) into the targets, filled in order whatever the bytes are (a
+// load resets them). No plan, no actors, no manifest: the load's time over this one is what
 // Ferry adds, where both read into memory the machine fills equally fast
 // (on the test VM one buffer filled 15-30% slower than another, steadily
 // within a process); this one's over the raw read is what checking and
 // placing the bytes cost.
 constexpr uint32_t kVerifiedRing = 4;
-double verified_read(const std::vector<std::string>& files, uint64_t block, WarmMemory& ring,
-                     const std::vector<std::pair<uint8_t*, uint64_t>>& into) {
+double verified_read(const std::vector<std::string>& files, uint64_t block, uint64_t sum_block,
+                     WarmMemory& ring, const std::vector<std::pair<uint8_t*, uint64_t>>& into) {
   if (ring.bytes < block * kVerifiedRing) die("verified reader: ring too small");
   struct Read {
     int fd;
@@ -507,7 +507,6 @@ double verified_read(const std::vector<std::string>& files, uint64_t block, Warm
       cv.notify_all();
     }
   });
-  constexpr uint64_t kSum = 1 << 20;  // the manifest's default checksum block
   uint64_t sums = 0;
   size_t target = 0;
   uint64_t at = 0;  // bytes of into[target] filled
@@ -520,7 +519,7 @@ double verified_read(const std::vector<std::string>& files, uint64_t block, Warm
     }
     const uint8_t* src = ring.data + i % kVerifiedRing * block;
     for (uint64_t off = 0; off < n;) {
-      uint64_t k = std::min(kSum, n - off);
+      uint64_t k = std::min(sum_block, n - off);
       if (target < into.size()) {
         k = std::min(k, into[target].second - at);
         sums += ferry::xxh3_64_copy(into[target].first + at, src + off, k);
@@ -970,7 +969,8 @@ int main(int argc, char** argv) {
     };
     auto read_verified = [&] {
       evict(files);
-      rd.verified_s = verified_read(files, block, ring, spans);
+      rd.verified_s =
+          verified_read(files, block, rts[0]->options().checksum_block_bytes, ring, spans);
     };
     if (i % 2 == 1) read_raw(), read_verified();
     // Targets hold the wrong bytes again, or a load that wrote nothing in a
@@ -1069,9 +1069,8 @@ int main(int argc, char** argv) {
   std::printf("load / raw: %.2f (target >= %.2f: %s)\n", ratio, target, verdict(ratio >= target));
   std::printf(
       "verified reader (the raw reads through %u staging blocks, each summed and copied into the "
-      "load's tensors by one thread: only the work a load that checks its bytes must do): %.3f s; "
-      "load / "
-      "verified %.2f, verified / raw %.2f\n",
+      "load's tensors by one thread: only the work a load that checks its bytes must do): %.3f "
+      "s; load / verified %.2f, verified / raw %.2f\n",
       kVerifiedRing, mid.verified_s, mid.verified_s / load_s, raw_s / mid.verified_s);
   std::printf(
       "kernel CPU load / raw, mean of the rounds, getrusage (250 Hz ticks): %.2f (%.3f s / %.3f "
@@ -1101,8 +1100,8 @@ int main(int argc, char** argv) {
       "{\"bench\":\"load\",\"state_bytes\":%llu,\"tensors\":%u,\"ranks\":%d,\"reshard\":%s,"
       "\"split\":\"%s\",\"page_aligned\":%s,\"rounds\":%zu,"
       "\"load_s\":%.4f,\"load_gbps\":%.3f,\"raw_s\":%.4f,\"raw_gbps\":%.3f,\"ratio\":%.3f,"
-      "\"verified_s\":%.4f,\"ratio_target\":%.2f,\"load_disk_read_bytes\":%llu,\"raw_disk_read_"
-      "bytes\":%llu,"
+      "\"verified_s\":%.4f,\"ratio_target\":%.2f,"
+      "\"load_disk_read_bytes\":%llu,\"raw_disk_read_bytes\":%llu,"
       "\"load_kernel_s\":%.3f,\"raw_kernel_s\":%.3f,\"kernel_ratio\":%.2f,"
       "\"load_kernel_sampled_s\":%.4f,\"raw_kernel_sampled_s\":%.4f,\"kernel_ratio_sampled\":%.2f,"
       "\"load_cpu_s\":%.3f,\"raw_busy_one_s\":%.4f,\"raw_busy_all_s\":%.4f,\"cpus\":%u,"
