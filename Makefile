@@ -16,7 +16,9 @@ configure: deps
 build: configure
 	cmake --build $(BUILD) -j $(JOBS)
 
-demo: build
+# The demo needs only the CLI; the tests, benches and Python package build on `make test`.
+demo: configure
+	cmake --build $(BUILD) -j $(JOBS) --target ferry_cli
 	$(BUILD)/ferry demo $(DEMO_ARGS)
 
 test: build

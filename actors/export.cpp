@@ -170,8 +170,12 @@ Result<std::string> export_checkpoint(Runtime& rt, const std::string& checkpoint
   // user's keys travel on.
   std::vector<std::pair<std::string, std::string>> meta = {{"format", "pt"},
                                                            {"ferry.step", std::to_string(m.step)}};
-  for (const auto& kv : m.metadata)
+  for (const auto& kv : m.metadata) {
+    // The Python package's non-tensor values (JSON) belong to the state: they
+    // travel as "ferry.leaves" whoever runs the export (CLI, C, Python).
+    if (kv.first == "ferry.python.leaves") meta.emplace_back("ferry.leaves", kv.second);
     if (kv.first.rfind("ferry.", 0) != 0) meta.push_back(kv);
+  }
   for (const auto& kv : o.metadata) meta.push_back(kv);
 
   const auto files = group_files(m, o.max_shard_bytes);

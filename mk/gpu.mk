@@ -1,5 +1,5 @@
 # `make gpu-bundle`: a self-contained folder for a GPU machine that has none
-# of our Debian libraries (see PLATFORM.md, "The GPU machine"): the CLI, the
+# of our Debian libraries: the CLI, the
 # real-GPU tests, the GPU benchmark, every shared library ldd lists outside
 # glibc/libstdc++/libgcc (libferry.so included), UCX's transport modules, and
 # bench/gpu_check.sh to run there. Binaries find ../lib through their rpath.

@@ -1,5 +1,5 @@
 // What writers report, how the coordinator turns reports into a manifest, and
-// the commit protocol itself (DESIGN.md "On disk"), as plain functions over
+// the commit protocol itself (docs/format.md), as plain functions over
 // the Filesystem interface so that faults can be injected under them.
 #pragma once
 

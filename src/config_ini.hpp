@@ -1,4 +1,4 @@
-// The strict reader of CAF-syntax INI files (DESIGN.md "Configuration"):
+// The strict reader of CAF-syntax INI files:
 // Ferry parses its own [ferry] section instead of trusting CAF's option
 // binding, because CAF 0.17 drops values it cannot parse without a word.
 // Internal: the public entry points are parse_ini_settings and

@@ -73,15 +73,15 @@ bool TensorView::is_contiguous() const {
 
 Status StateDict::add(std::string key, TensorView view, std::optional<Shard> shard) {
   if (key.empty()) return Status::invalid_argument("state dict key is empty");
-  if (find(key)) return Status::invalid_argument("duplicate state dict key '" + key + "'");
+  auto [it, fresh] = index_.emplace(key, entries_.size());
+  if (!fresh) return Status::invalid_argument("duplicate state dict key '" + key + "'");
   entries_.push_back({std::move(key), std::move(view), std::move(shard)});
   return Status();
 }
 
 const StateEntry* StateDict::find(const std::string& key) const {
-  for (const auto& e : entries_)
-    if (e.key == key) return &e;
-  return nullptr;
+  auto it = index_.find(key);
+  return it == index_.end() ? nullptr : &entries_[it->second];
 }
 
 Status validate_entry(const StateEntry& e) {

@@ -1,11 +1,9 @@
 """ferry.export: a consolidated copy of a checkpoint, one entry per tensor
 with its full global shape, as safetensors files and a Hugging Face style
-model.safetensors.index.json. The work is the library's (`ferry export` on
-the command line is the same code); this adds the Python leaves to the
-files' metadata."""
+model.safetensors.index.json. The work is the library's: `ferry export` on
+the command line is the same code and writes the same files."""
 
 import ctypes
-import json
 import os
 
 from . import _core
@@ -18,9 +16,7 @@ def export(checkpoint, out_dir, max_shard_bytes=5 << 30, block_bytes=256 << 20, 
     model.safetensors.index.json, reading about block_bytes at a time.
     Returns the index's path."""
     man = _core.Manifest(checkpoint)
-    meta = {}
-    if man.leaves:
-        meta["ferry.leaves"] = json.dumps(man.leaves)
+    meta = {}  # the library carries the leaves ("ferry.leaves"), as `ferry export` does
     keys = (ctypes.c_char_p * max(1, len(meta)))(*[k.encode() for k in meta])
     values = (ctypes.c_char_p * max(1, len(meta)))(*[v.encode() for v in meta.values()])
     # A runtime of its own, one process: the load streams through a small pool.

@@ -5,7 +5,7 @@
 // parent directory was never fsynced). It journals what the power cut needs
 // to a side file, so the cut can be applied by another process after the
 // writer was SIGKILLed. Selected without recompiling through a spec string
-// (FERRY_FAULTS). See DESIGN.md "Interfaces that keep it testable".
+// (FERRY_FAULTS).
 //
 // Part of the drills library (src/drills/, target ferry_drills), which ships
 // in release builds because users run these drills: the wrapper is

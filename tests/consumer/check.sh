@@ -13,10 +13,10 @@ case "$mode" in
     # Exactly the public headers are installed, main.cpp includes every one,
     # and the library has a SONAME.
     headers=$(cd "$work/prefix/include/ferry" && ls | sort | tr '\n' ' ')
-    public=$(cd "$src/src/include/ferry" && ls *.hpp | sort | tr '\n' ' ')
+    public=$(cd "$src/src/include/ferry" && ls *.hpp ferry.h | sort | tr '\n' ' ')
     echo "installed headers: $headers"
     [ "$headers" = "$public" ] || { echo "expected the public headers: $public"; exit 1; }
-    for h in $headers; do
+    for h in ${headers/ferry.h/}; do
       grep -q "^#include <ferry/$h>" "$src/tests/consumer/main.cpp" ||
         { echo "tests/consumer/main.cpp does not include ferry/$h"; exit 1; }
     done
@@ -25,6 +25,11 @@ case "$mode" in
     echo "SONAME: $soname"
     [[ "$soname" == libferry.so.* ]] || { echo "libferry.so has no versioned SONAME"; exit 1; }
     "$work/prefix/bin/ferry" --help > /dev/null
+    # The C ABI: a C program built against the installed header and library.
+    clib=$(dirname "$lib")
+    cc -std=c99 -Wall -Wextra -Werror -I"$work/prefix/include" "$src/tests/consumer/main.c" \
+      -L"$clib" -lferry_c -Wl,-rpath,"$clib" -o "$work/c_consumer"
+    "$work/c_consumer" "$work/croot"
     cmake -S "$src/tests/consumer" -B "$work/b" "${gen[@]}" -DCMAKE_PREFIX_PATH="$work/prefix" \
       > "$work/configure.log"
     ;;

@@ -393,7 +393,7 @@ std::string le32(uint32_t v) {
 std::vector<std::pair<std::string, std::string>> hostile_payloads() {
   std::vector<std::pair<std::string, std::string>> out;
   out.emplace_back("nothing", "");
-  // Trips UCX 1.13's socket connection manager (PLATFORM.md).
+  // Trips UCX 1.13's socket connection manager (an assertion in tcp_sockcm_ep.c).
   out.emplace_back("0x10 + 40 zeros", std::string(1, '\x10') + std::string(40, '\0'));
   out.emplace_back("4096 zeros", std::string(4096, '\0'));
   out.emplace_back("an HTTP request",

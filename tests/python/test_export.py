@@ -97,6 +97,23 @@ class Export(unittest.TestCase):
                 for k, t in load_file(os.path.join(out, name)).items():
                     self.assertTrue(torch.equal(t, full[k]), k)
 
+    def test_cli_writes_what_python_writes(self):
+        # `ferry export` (the CLI) and ferry.export are one piece of code: the
+        # same files, byte for byte, the non-tensor values included.
+        root = os.path.join(self.tmp, "same")
+        ferry.save({"w": torch.arange(12.0).reshape(3, 4), "epoch": 3, "cfg": {"lr": 0.5}}, root, 9)
+        py_out, cli_out = os.path.join(self.tmp, "py"), os.path.join(self.tmp, "cli")
+        ferry.export(root, py_out)
+        p = subprocess.run([os.environ["FERRY_CLI"], "export", root, cli_out],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=120)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertEqual(sorted(os.listdir(py_out)), sorted(os.listdir(cli_out)))
+        for name in os.listdir(py_out):
+            with open(os.path.join(py_out, name), "rb") as a, open(os.path.join(cli_out, name), "rb") as b:
+                self.assertEqual(a.read(), b.read(), name)
+        _, meta = read_safetensors(os.path.join(cli_out, "model-00001-of-00001.safetensors"))
+        self.assertEqual(json.loads(meta["ferry.leaves"]), {"epoch": 3, "cfg.lr": 0.5})
+
     def test_cli_module(self):
         ferry.save({"w": torch.ones(3)}, os.path.join(self.tmp, "c"), 1)
         env = dict(os.environ)

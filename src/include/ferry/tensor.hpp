@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "ferry/status.hpp"
@@ -84,9 +85,12 @@ struct StateEntry {
 // Keys are unique; insertion order is kept (it is the order of the files).
 class StateDict {
  public:
-  // Returns invalid_argument for a duplicate or empty key.
+  // Returns invalid_argument for a duplicate or empty key. O(1): a state dict
+  // of n entries is built in O(n).
   Status add(std::string key, TensorView view, std::optional<Shard> shard = std::nullopt);
   const std::vector<StateEntry>& entries() const { return entries_; }
+  // REQUIRES: keys are not changed through this reference (the index of
+  // find() and add() holds them); views and shards may be.
   std::vector<StateEntry>& entries() { return entries_; }
   size_t size() const { return entries_.size(); }
   bool empty() const { return entries_.empty(); }
@@ -94,6 +98,7 @@ class StateDict {
 
  private:
   std::vector<StateEntry> entries_;
+  std::unordered_map<std::string, size_t> index_;  // key -> position in entries_
 };
 
 // Checks one entry: known dtype, shape >= 0, strides rank, shard inside its

@@ -1,0 +1,59 @@
+// StateDict: keys, duplicates and the cost of building a large one.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "ferry/tensor.hpp"
+
+namespace {
+
+// Builds `dicts` state dicts of `n` entries each, all alive at the end, so two
+// calls with the same total touch as much fresh memory.
+double seconds_to_build(size_t dicts, size_t n, std::vector<float>& data) {
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<ferry::StateDict> all(dicts);
+  for (auto& sd : all) {
+    for (size_t i = 0; i < n; ++i) {
+      ferry::Status st = sd.add("layers." + std::to_string(i) + ".weight",
+                                ferry::TensorView{&data[i], ferry::DType::f32, {1}});
+      if (!st.ok()) FAIL(st.to_string());
+    }
+    REQUIRE(sd.size() == n);
+    REQUIRE(sd.find("layers." + std::to_string(n - 1) + ".weight")->view.data == &data[n - 1]);
+  }
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+TEST_CASE("a state dict refuses a duplicate and an empty key, and finds every key") {
+  std::vector<float> d(3);
+  ferry::StateDict sd;
+  REQUIRE(sd.add("a", ferry::TensorView{&d[0], ferry::DType::f32, {1}}).ok());
+  REQUIRE(sd.add("b", ferry::TensorView{&d[1], ferry::DType::f32, {1}}).ok());
+  ferry::Status dup = sd.add("a", ferry::TensorView{&d[2], ferry::DType::f32, {1}});
+  REQUIRE_FALSE(dup.ok());
+  CHECK(dup.to_string().find("duplicate state dict key 'a'") != std::string::npos);
+  CHECK_FALSE(sd.add("", ferry::TensorView{&d[2], ferry::DType::f32, {1}}).ok());
+  CHECK(sd.size() == 2);
+  CHECK(sd.find("a")->view.data == &d[0]);
+  CHECK(sd.find("b")->view.data == &d[1]);
+  CHECK(sd.find("c") == nullptr);
+}
+
+TEST_CASE("building a state dict of 100,000 entries is linear in its entries") {
+  std::vector<float> data(100000);
+  // One dict of 100,000 entries against ten of 10,000: the same work and
+  // memory if add() is O(1), ten times the work if it walks the entries.
+  // Best of three against noise.
+  double ten_small = 1e9, large = 1e9;
+  for (int round = 0; round < 3; ++round) {
+    ten_small = std::min(ten_small, seconds_to_build(10, 10000, data));
+    large = std::min(large, seconds_to_build(1, 100000, data));
+  }
+  INFO("10 x 10,000 entries: " << ten_small * 1e3 << " ms, 1 x 100,000: " << large * 1e3 << " ms");
+  CHECK(large <= 3 * ten_small);
+}
