@@ -215,8 +215,15 @@ Result<CommitOutcome> commit_checkpoint(Filesystem& fs, const std::string& root,
     FERRY_RETURN_IF_ERROR(
         write_lease(fs, pending_dir, now_of(opts) + opts.renew_lease_ms, lease.owner));
   }
-  FERRY_RETURN_IF_ERROR(write_file_atomic(fs, join_path(pending_dir, kManifestFileName),
-                                          encode_manifest(manifest), opts.fsync, "manifest"));
+  const std::string encoded = encode_manifest(manifest);
+  // Readers refuse a larger one: committing it would make the step unreadable.
+  if (encoded.size() > kMaxManifestBytes)
+    return Status::invalid_argument(
+        "the manifest of " + pending_dir + " would be " + std::to_string(encoded.size()) +
+        " bytes, more than the " + std::to_string(kMaxManifestBytes) +
+        " a reader accepts (fewer, larger chunks or checksum blocks make it smaller)");
+  FERRY_RETURN_IF_ERROR(write_file_atomic(fs, join_path(pending_dir, kManifestFileName), encoded,
+                                          opts.fsync, "manifest"));
   FERRY_RETURN_IF_ERROR(check_pending(fs, pending_dir, manifest, opts));
 
   const std::string name = step_dir_name(manifest.step);
