@@ -265,14 +265,16 @@ int cmd_gc(const Args& args) {
   auto fs = posix_filesystem();
   auto rep = collect_garbage(*fs, args[0], now_unix_ms());
   if (!rep.ok()) return failed("gc", rep.status());
+  // Names in a root are anyone's bytes: printed escaped.
   for (const auto& p : rep->restored)
-    std::printf("restored %s (a crashed overwrite had moved it aside)\n", p.c_str());
-  for (const auto& p : rep->removed) std::printf("removed %s (lease expired)\n", p.c_str());
-  for (const auto& p : rep->discarded) std::printf("removed %s (leftover)\n", p.c_str());
-  for (const auto& p : rep->kept) std::printf("kept    %s (lease live)\n", p.c_str());
+    std::printf("restored %s (a crashed overwrite had moved it aside)\n", printable(p).c_str());
+  for (const auto& p : rep->removed)
+    std::printf("removed %s (lease expired)\n", printable(p).c_str());
+  for (const auto& p : rep->discarded) std::printf("removed %s (leftover)\n", printable(p).c_str());
+  for (const auto& p : rep->kept) std::printf("kept    %s (lease live)\n", printable(p).c_str());
   for (const auto& f : rep->failed)
     std::fprintf(stderr, "ferry gc: %s (out of sight; the next gc tries again)\n",
-                 f.status.to_string().c_str());
+                 printable(f.status.to_string()).c_str());
   std::printf("%zu removed, %zu kept, %zu not deleted\n", rep->removed.size(), rep->kept.size(),
               rep->failed.size());
   return rep->failed.empty() ? 0 : 1;

@@ -652,4 +652,14 @@ TEST_CASE("ferry inspect escapes control characters of keys, metadata and ids", 
   CHECK_THAT(r.out, Catch::Contains("job job\\x0d\\x07"));
   CHECK_THAT(r.out, Catch::Contains("meta note\\x1b]0;owned\\x07 = line\\x0abreak \\xc2\\x9b31m "
                                     "\\xff caf\xc3\xa9"));
+
+  // Names in a root are anyone's too: `ferry ls` and `ferry gc` print a
+  // pending directory's name escaped.
+  fs::create_directory(dir.path() + "/.pending-00000300-j-\x1b[2Jx");
+  for (const char* cmd : {" ls ", " gc "}) {
+    r = run_shell(kCli + cmd + dir.path());
+    INFO(r.out);
+    CHECK(r.out.find('\x1b') == std::string::npos);
+    CHECK_THAT(r.out, Catch::Contains(".pending-00000300-j-\\x1b[2Jx"));
+  }
 }
