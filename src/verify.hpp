@@ -37,7 +37,8 @@ struct VerifyReport {
 Result<VerifyReport> verify_checkpoint(Filesystem& fs, const std::string& dir);
 
 // The newest committed checkpoint (by commit sequence) that verifies
-// completely, walking back past corrupt ones; not_found when none does.
+// completely (chunks saved without checksums count: nothing can check
+// them), walking back past corrupt ones; not_found when none does.
 Result<CheckpointInfo> latest_valid(Filesystem& fs, const std::string& root);
 
 // What decode_manifest leaves to its users: each tensor's global size in
