@@ -5,7 +5,10 @@
 
 #include "ferry/export.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <map>
 
 #include "catalog.hpp"
@@ -13,6 +16,7 @@
 #include "ferry/runtime.hpp"
 #include "layout.hpp"
 #include "manifest.hpp"
+#include "verify.hpp"
 
 namespace ferry {
 
@@ -86,12 +90,24 @@ Status flush(Runtime& rt, const std::string& dir, std::vector<Piece>& batch, Fil
   return Status();
 }
 
-Status fill_file(Runtime& rt, Filesystem& fs, const std::string& dir,
-                 const std::vector<const ManifestTensor*>& tensors, const std::string& header,
-                 const std::string& tmp, const ExportOptions& o) {
+// A fresh file beside `path` for its bytes until they are whole: a new name
+// and O_EXCL (with the O_NOFOLLOW of every open), so that nothing already
+// there (a link someone planted, a crashed export's leftover) is written
+// through.
+Result<std::pair<std::string, std::unique_ptr<File>>> create_temp(Filesystem& fs,
+                                                                  const std::string& path) {
+  static std::atomic<uint64_t> counter{0};
+  const std::string tmp = path + ".tmp-" + std::to_string(::getpid()) + "-" +
+                          std::to_string(counter.fetch_add(1, std::memory_order_relaxed));
   OpenOptions w;
-  w.write = w.create = w.truncate = true;
+  w.write = w.create = w.exclusive = true;
   FERRY_ASSIGN_OR_RETURN(auto out, fs.open(tmp, w));
+  return std::make_pair(tmp, std::move(out));
+}
+
+Status fill_file(Runtime& rt, const std::string& dir,
+                 const std::vector<const ManifestTensor*>& tensors, const std::string& header,
+                 File* out, const ExportOptions& o) {
   FERRY_RETURN_IF_ERROR(out->pwrite(header.data(), header.size(), 0));
   std::vector<Piece> batch;
   std::vector<char> buf;
@@ -128,22 +144,21 @@ Status fill_file(Runtime& rt, Filesystem& fs, const std::string& dir,
 Status write_file(Runtime& rt, Filesystem& fs, const std::string& dir,
                   const std::vector<const ManifestTensor*>& tensors, const std::string& header,
                   const std::string& path, const ExportOptions& o) {
-  const std::string tmp = path + ".tmp";
-  Status s = fill_file(rt, fs, dir, tensors, header, tmp, o);
-  if (s.ok()) s = fs.rename(tmp, path);
-  if (!s.ok()) fs.unlink(tmp);
+  FERRY_ASSIGN_OR_RETURN(auto tmp, create_temp(fs, path));
+  Status s = fill_file(rt, dir, tensors, header, tmp.second.get(), o);
+  if (s.ok()) s = fs.rename(tmp.first, path);
+  if (!s.ok()) fs.unlink(tmp.first);
   return s;
 }
 
 Status write_small_file(Filesystem& fs, const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp";
-  OpenOptions w;
-  w.write = w.create = w.truncate = true;
-  FERRY_ASSIGN_OR_RETURN(auto out, fs.open(tmp, w));
-  FERRY_RETURN_IF_ERROR(out->pwrite(text.data(), text.size(), 0));
-  FERRY_RETURN_IF_ERROR(out->sync());
-  FERRY_RETURN_IF_ERROR(out->close());
-  return fs.rename(tmp, path);
+  FERRY_ASSIGN_OR_RETURN(auto tmp, create_temp(fs, path));
+  Status s = tmp.second->pwrite(text.data(), text.size(), 0);
+  if (s.ok()) s = tmp.second->sync();
+  if (s.ok()) s = tmp.second->close();
+  if (s.ok()) s = fs.rename(tmp.first, path);
+  if (!s.ok()) fs.unlink(tmp.first);
+  return s;
 }
 
 std::string file_name(size_t i, size_t n) {
@@ -164,6 +179,8 @@ Result<std::string> export_checkpoint(Runtime& rt, const std::string& checkpoint
   auto fs = posix_filesystem();
   FERRY_ASSIGN_OR_RETURN(std::string dir, resolve_checkpoint(*fs, checkpoint));
   FERRY_ASSIGN_OR_RETURN(Manifest m, read_manifest(*fs, dir));
+  // A size past 2^64 would be written as a wrapped safetensors entry.
+  FERRY_RETURN_IF_ERROR(check_manifest_coverage(m).with_context("export " + dir + ": "));
   FERRY_RETURN_IF_ERROR(fs->mkdirs(out_dir));
 
   // Ferry's own keys ("ferry.*") describe how Ferry stored the state; the

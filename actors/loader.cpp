@@ -542,7 +542,7 @@ class RunReader {
       inflight_.pop_front();
     }
     for (auto& [index, f] : files_)
-      if (f->header.valid()) f->header.wait();
+      if (f && f->header.valid()) f->header.wait();  // empty where an open failed
   }
 
   Status run() {
@@ -618,7 +618,7 @@ class RunReader {
     if (f->file->direct())
       f->align = direct_align(f->path);
     else
-      f->cache_fd = ::open(f->path.c_str(), O_RDONLY | O_CLOEXEC);
+      f->cache_fd = ::open(f->path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
     slot = std::move(f);
     return slot.get();
   }

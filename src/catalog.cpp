@@ -11,7 +11,9 @@
 #include <cinttypes>
 #include <cstdio>
 #include <limits>
+#include <map>
 #include <mutex>
+#include <tuple>
 #include <unordered_map>
 
 namespace ferry {
@@ -153,15 +155,119 @@ bool parse_step_dir_name(const std::string& name, uint64_t* step) {
   return true;
 }
 
+namespace {
+
+// What this process knows of manifests it read: summaries by payload
+// checksum (a manifest is never rewritten in place, so that names its
+// content; one corrupted in place since keeps its old summary here, so a
+// commit at most picks a larger number than needed, and find_latest still
+// decodes its choice whole), and the manifests that failed, by path, size,
+// inode and mtime, so that a bad one costs one read per process rather than
+// one per save or `ls`. Never destroyed: a thread may still read a catalog
+// while the process exits.
+struct ManifestMemory {
+  std::mutex mu;
+  std::unordered_map<uint64_t, ManifestSummary> by_sum;
+  struct Failure {
+    Status status;
+    bool frame = false;  // the frame or payload checksum failed: no summary either
+  };
+  std::map<std::tuple<std::string, uint64_t, uint64_t, int64_t>, Failure> failed;
+};
+constexpr size_t kMaxRemembered = 1 << 16;
+constexpr uint64_t kFrameHeadBytes = 4096;
+
+ManifestMemory& memory() {
+  static ManifestMemory* const m = new ManifestMemory;
+  return *m;
+}
+
+using FailureKey = std::tuple<std::string, uint64_t, uint64_t, int64_t>;
+
+FailureKey failure_key(const std::string& path, const FileInfo& info) {
+  return {path, info.size, info.inode, info.mtime_unix_ms};
+}
+
+// Only what the bytes say is remembered: an I/O error may pass.
+void remember_failure(const FailureKey& key, const Status& st, bool frame) {
+  if (st.code() != StatusCode::corruption && st.code() != StatusCode::unsupported) return;
+  ManifestMemory& mem = memory();
+  std::lock_guard<std::mutex> lock(mem.mu);
+  if (mem.failed.size() >= kMaxRemembered) mem.failed.clear();
+  mem.failed[key] = {st, frame};
+}
+
+// The MANIFEST at `path` as far as its first 4 KiB tell: a regular file
+// (never a link), not known to have failed before (`frame_only`: by its
+// frame), whose frame's length is the file's and at most kMaxManifestBytes.
+// Nothing beyond the head (*head) is read here, so a sparse or hostile file
+// costs 4 KiB. Sets *info for the caller's own remember_failure.
+Status check_manifest_file(Filesystem& fs, const std::string& path, bool frame_only, FileInfo* info,
+                           std::string* head) {
+  FERRY_ASSIGN_OR_RETURN(*info, fs.lstat(path));
+  if (info->is_symlink)
+    return Status::invalid_argument(path + ": is a symbolic link, which Ferry never follows there");
+  if (!info->is_regular) return Status::invalid_argument(path + ": not a regular file");
+  const FailureKey key = failure_key(path, *info);
+  {
+    ManifestMemory& mem = memory();
+    std::lock_guard<std::mutex> lock(mem.mu);
+    auto it = mem.failed.find(key);
+    if (it != mem.failed.end() && (it->second.frame || !frame_only)) return it->second.status;
+  }
+  FERRY_ASSIGN_OR_RETURN(*head, read_file_head(fs, path, kFrameHeadBytes));
+  Result<uint64_t> total = manifest_file_bytes(*head);
+  Status bad;
+  if (!total.ok()) {
+    bad = total.status().with_context(path + ": ");
+  } else if (*total > kMaxManifestBytes) {
+    bad = Status::corruption(path + ": MANIFEST frame says " + std::to_string(*total) +
+                             " bytes, more than the " + std::to_string(kMaxManifestBytes) +
+                             " a manifest may hold");
+  } else if (*total != info->size) {
+    bad = Status::corruption(path + ": MANIFEST frame says " + std::to_string(*total) +
+                             " bytes, the file holds " + std::to_string(info->size));
+  }
+  if (!bad.ok()) remember_failure(key, bad, /*frame=*/true);
+  return bad;
+}
+
+}  // namespace
+
 Result<Manifest> read_manifest(Filesystem& fs, const std::string& checkpoint_dir) {
   std::string path = join_path(checkpoint_dir, kManifestFileName);
-  FERRY_ASSIGN_OR_RETURN(std::string bytes, read_file(fs, path));
+  FileInfo info;
+  std::string head;
+  FERRY_RETURN_IF_ERROR(check_manifest_file(fs, path, /*frame_only=*/false, &info, &head));
+  // A small manifest is all in its head already.
+  std::string bytes;
+  if (head.size() == info.size)
+    bytes = std::move(head);
+  else
+    FERRY_RETURN_IF_ERROR(read_file_into(fs, path, &bytes, kMaxManifestBytes));
   Result<Manifest> m = decode_manifest(bytes);
-  if (!m.ok()) return m.status().with_context(path + ": ");
+  if (!m.ok()) {
+    Status st = m.status().with_context(path + ": ");
+    // Whether the commit numbering may still use it (only its tensors failed).
+    remember_failure(failure_key(path, info), st, !summarize_manifest(bytes).ok());
+    return st;
+  }
   return m;
 }
 
-Result<std::vector<CheckpointInfo>> list_checkpoints(Filesystem& fs, const std::string& root) {
+namespace {
+
+// A step directory as found in a root: a real directory, never a link (whose
+// files would be read from wherever it points).
+Status check_step_dir(Filesystem& fs, const std::string& path) {
+  FERRY_ASSIGN_OR_RETURN(FileInfo st, fs.lstat(path));
+  if (st.is_symlink)
+    return Status::invalid_argument(path + " is a symbolic link, which Ferry never follows");
+  if (!st.is_dir) return Status::invalid_argument(path + " is not a directory");
+  return Status();
+}
+
+Result<std::vector<CheckpointInfo>> list_checkpoints_here(Filesystem& fs, const std::string& root) {
   FERRY_ASSIGN_OR_RETURN(std::vector<std::string> names, fs.list(root));
   std::string hint = read_latest_hint(fs, root);
   std::vector<CheckpointInfo> out;
@@ -172,9 +278,10 @@ Result<std::vector<CheckpointInfo>> list_checkpoints(Filesystem& fs, const std::
     info.path = join_path(root, name);
     info.step = step;
     info.latest_hint = (name == hint);
-    Result<FileInfo> st = fs.stat(info.path);
-    if (st.ok() && !st->is_dir) continue;  // a stray file with a step-like name
-    Result<Manifest> m = read_manifest(fs, info.path);
+    Result<FileInfo> st = fs.lstat(info.path);
+    if (st.ok() && !st->is_dir && !st->is_symlink) continue;  // a stray file with a step-like name
+    Status dir = check_step_dir(fs, info.path);
+    Result<Manifest> m = dir.ok() ? read_manifest(fs, info.path) : Result<Manifest>(dir);
     if (m.ok()) {
       info.commit_seq = m->commit_seq;
       info.bytes = m->total_bytes();
@@ -191,44 +298,36 @@ Result<std::vector<CheckpointInfo>> list_checkpoints(Filesystem& fs, const std::
   return out;
 }
 
-namespace {
-
 // A committed checkpoint's summary, from its manifest's 4 KiB frame once the
-// manifest was read whole in this process. Summaries are kept by payload
-// checksum: a manifest is never rewritten in place, so that names its
-// content. One corrupted in place since keeps its old summary here: a commit
-// then at most picks a larger number than needed, and find_latest still
-// decodes its choice whole. (Reading and decoding every manifest took 5 ms
-// per kept checkpoint of 5,000 tensors, on every commit and load.)
+// manifest was read whole in this process (see ManifestMemory). (Reading and
+// decoding every manifest took 5 ms per kept checkpoint of 5,000 tensors, on
+// every commit and load.)
 Result<ManifestSummary> read_summary(Filesystem& fs, const std::string& dir) {
-  // Never destroyed: a thread may still read a catalog while the process
-  // exits.
-  struct Known {
-    std::mutex mu;
-    std::unordered_map<uint64_t, ManifestSummary> by_sum;
-  };
-  static Known* const known = new Known;
-  constexpr size_t kMaxRemembered = 1 << 16;
-  constexpr uint64_t kFrameHeadBytes = 4096;
-
+  ManifestMemory& mem = memory();
   const std::string path = join_path(dir, kManifestFileName);
   // Fails for a stray file with a step-like name: it has no MANIFEST.
-  FERRY_ASSIGN_OR_RETURN(std::string head, read_file_head(fs, path, kFrameHeadBytes));
+  FileInfo info;
+  std::string head;
+  FERRY_RETURN_IF_ERROR(check_manifest_file(fs, path, /*frame_only=*/true, &info, &head));
   Result<uint64_t> sum = manifest_payload_sum(head);
   if (sum.ok()) {
-    std::lock_guard<std::mutex> lock(known->mu);
-    auto it = known->by_sum.find(*sum);
-    if (it != known->by_sum.end()) return it->second;
+    std::lock_guard<std::mutex> lock(mem.mu);
+    auto it = mem.by_sum.find(*sum);
+    if (it != mem.by_sum.end()) return it->second;
   }
   // One buffer for every manifest this thread reads (see read_file_into).
   static thread_local std::string bytes;
-  FERRY_RETURN_IF_ERROR(read_file_into(fs, path, &bytes));
+  FERRY_RETURN_IF_ERROR(read_file_into(fs, path, &bytes, kMaxManifestBytes));
   Result<ManifestSummary> s = summarize_manifest(bytes);
   if (bytes.capacity() > kKeptManifestBufferBytes) std::string().swap(bytes);
-  if (!s.ok()) return s.status().with_context(path + ": ");
-  std::lock_guard<std::mutex> lock(known->mu);
-  if (known->by_sum.size() >= kMaxRemembered) known->by_sum.clear();
-  known->by_sum.emplace(s->payload_sum, *s);
+  if (!s.ok()) {
+    Status st = s.status().with_context(path + ": ");
+    remember_failure(failure_key(path, info), st, /*frame=*/true);
+    return st;
+  }
+  std::lock_guard<std::mutex> lock(mem.mu);
+  if (mem.by_sum.size() >= kMaxRemembered) mem.by_sum.clear();
+  mem.by_sum.emplace(s->payload_sum, *s);
   return s;
 }
 
@@ -243,6 +342,7 @@ Result<std::vector<Candidate>> committed_by_seq(Filesystem& fs, const std::strin
   std::vector<Candidate> out;
   for (const std::string& name : names) {
     if (!parse_step_dir_name(name, nullptr)) continue;
+    if (!check_step_dir(fs, join_path(root, name)).ok()) continue;
     Result<ManifestSummary> s = read_summary(fs, join_path(root, name));
     if (s.ok()) out.push_back({name, *s});
   }
@@ -261,7 +361,13 @@ Result<uint64_t> highest_commit_seq(Filesystem& fs, const std::string& root) {
   return all.empty() ? 0 : all.front().summary.commit_seq;
 }
 
+Result<std::vector<CheckpointInfo>> list_checkpoints(Filesystem& fs, const std::string& root) {
+  FERRY_RETURN_IF_ERROR(finish_interrupted_overwrites(fs, root).status());
+  return list_checkpoints_here(fs, root);
+}
+
 Result<CheckpointInfo> find_latest(Filesystem& fs, const std::string& root) {
+  FERRY_RETURN_IF_ERROR(finish_interrupted_overwrites(fs, root).status());
   FERRY_ASSIGN_OR_RETURN(std::vector<Candidate> all, committed_by_seq(fs, root));
   const std::string hint = read_latest_hint(fs, root);
   // Only the choice is decoded whole; one that fails gives way to the next.
@@ -304,8 +410,8 @@ Result<std::vector<PendingInfo>> list_pending(Filesystem& fs, const std::string&
     if (!is_pending_dir_name(name)) continue;
     PendingInfo info;
     info.path = join_path(root, name);
-    Result<FileInfo> st = fs.stat(info.path);
-    if (!st.ok() || !st->is_dir) continue;
+    Result<FileInfo> st = fs.lstat(info.path);
+    if (!st.ok() || !st->is_dir) continue;  // a link too: never read through
     info.mtime_unix_ms = st->mtime_unix_ms;
     Result<PendingLease> lease = read_lease(fs, info.path);
     if (lease.ok()) {
@@ -317,33 +423,85 @@ Result<std::vector<PendingInfo>> list_pending(Filesystem& fs, const std::string&
   return out;
 }
 
+namespace {
+
+enum class Aside { live, restorable, garbage, leave };
+
+// What a displaced entry `name` (step `step`) is now. restorable: a real
+// directory whose MANIFEST is a committed step `step`'s, with no step
+// directory in its place; garbage: replaced (a step directory is there), or
+// not a checkpoint of that step at all (a file, an empty directory, a link);
+// live: the old form's name on a pending save; leave: neither.
+Aside classify_aside(Filesystem& fs, const std::string& root, const std::string& name,
+                     uint64_t step) {
+  const std::string path = join_path(root, name);
+  const bool old_form = is_pending_dir_name(name);
+  // The old form ".pending-<step>-replaced-<id>" is also what a live save of
+  // a job named "replaced" is called. A moved-aside step was committed, so
+  // it holds a MANIFEST and no LEASE (removed at the commit); a pending save
+  // has a LEASE from its first moment, and what has neither is the pending
+  // gc's.
+  if (old_form && fs.lstat(join_path(path, kLeaseFileName)).ok()) return Aside::live;
+  if (old_form && !fs.lstat(join_path(path, kManifestFileName)).ok()) return Aside::leave;
+  Result<FileInfo> in_place = fs.lstat(join_path(root, step_dir_name(step)));
+  if (in_place.ok())
+    return in_place->is_dir && !in_place->is_symlink ? Aside::garbage : Aside::leave;
+  if (in_place.status().code() != StatusCode::not_found) return Aside::leave;
+  Result<FileInfo> st = fs.lstat(path);
+  bool valid = st.ok() && st->is_dir && !st->is_symlink;
+  if (valid) {
+    Result<ManifestSummary> s = read_summary(fs, path);
+    valid = s.ok() && s->step == step;
+  }
+  if (valid) return Aside::restorable;
+  return old_form ? Aside::leave : Aside::garbage;
+}
+
+// Restorable displaced steps of `root` (lock-free: a reader's first look).
+Result<std::vector<std::string>> restorable_asides(Filesystem& fs, const std::string& root,
+                                                   const uint64_t* only_step) {
+  std::vector<std::string> out;
+  Result<std::vector<std::string>> names = fs.list(root);
+  if (!names.ok()) {
+    if (names.status().code() == StatusCode::not_found) return out;
+    return names.status();
+  }
+  for (const std::string& name : *names) {
+    uint64_t step = 0;
+    if (!parse_displaced_dir_name(name, &step)) continue;
+    if (only_step != nullptr && step != *only_step) continue;
+    if (classify_aside(fs, root, name, step) == Aside::restorable)
+      out.push_back(join_path(root, name));
+  }
+  return out;
+}
+
+}  // namespace
+
 Status recover_displaced(Filesystem& fs, const std::string& root,
-                         std::vector<std::string>* restored, std::vector<std::string>* replaced) {
+                         std::vector<std::string>* restored, std::vector<std::string>* garbage,
+                         bool restore) {
   FERRY_ASSIGN_OR_RETURN(std::vector<std::string> names, fs.list(root));
   bool renamed = false;
   for (const std::string& name : names) {
     uint64_t step = 0;
     if (!parse_displaced_dir_name(name, &step)) continue;
     const std::string path = join_path(root, name);
-    if (is_pending_dir_name(name)) {
-      // The old form ".pending-<step>-replaced-<id>" is also what a live
-      // save of a job named "replaced" is called. A moved-aside step was
-      // committed, so it holds a MANIFEST and (its lease removed at the
-      // commit) no LEASE; a pending save has a LEASE from its first moment
-      // that is not a crash's leftover.
-      if (fs.stat(join_path(path, kLeaseFileName)).ok()) continue;
-      if (!fs.stat(join_path(path, kManifestFileName)).ok()) continue;
+    switch (classify_aside(fs, root, name, step)) {
+      case Aside::garbage:
+        if (garbage) garbage->push_back(path);
+        continue;
+      case Aside::live:
+      case Aside::leave:
+        continue;
+      case Aside::restorable:
+        break;
     }
-    const std::string step_dir = join_path(root, step_dir_name(step));
-    Result<FileInfo> in_place = fs.stat(step_dir);
-    if (in_place.ok()) {
-      if (replaced) replaced->push_back(path);
-      continue;
-    }
-    if (in_place.status().code() != StatusCode::not_found) return in_place.status();
+    if (!restore) continue;
     // The overwrite that moved it aside never put a new step in its place
     // (its rename failed, or the process died in between): it is still the
     // checkpoint of that step.
+    const std::string step_dir = join_path(root, step_dir_name(step));
     FERRY_RETURN_IF_ERROR(fs.rename(path, step_dir));
     renamed = true;
     if (restored) restored->push_back(step_dir);
@@ -352,8 +510,30 @@ Status recover_displaced(Filesystem& fs, const std::string& root,
   return Status::ok_status();
 }
 
+Result<std::vector<std::string>> finish_interrupted_overwrites(Filesystem& fs,
+                                                               const std::string& root,
+                                                               int64_t lock_wait_ms) {
+  std::vector<std::string> restored;
+  FERRY_ASSIGN_OR_RETURN(std::vector<std::string> aside, restorable_asides(fs, root, nullptr));
+  if (aside.empty()) return restored;  // the common case: no lock, nothing written
+  // An overwrite in flight holds the lock with its old step aside on purpose:
+  // once it is ours, whatever is still aside was left by one that died.
+  Result<std::unique_ptr<FileLock>> lock = lock_root(fs, root, lock_wait_ms);
+  if (!lock.ok())
+    return lock.status().with_context(aside.front() +
+                                      " was moved aside by an overwrite that did not finish, and "
+                                      "putting it back needs the root's lock: ");
+  FERRY_RETURN_IF_ERROR(recover_displaced(fs, root, &restored, nullptr));
+  return restored;
+}
+
+Result<bool> overwrite_pending_for(Filesystem& fs, const std::string& root, uint64_t step) {
+  FERRY_ASSIGN_OR_RETURN(std::vector<std::string> aside, restorable_asides(fs, root, &step));
+  return !aside.empty();
+}
+
 Result<GcReport> collect_garbage(Filesystem& fs, const std::string& root, int64_t now_unix_ms,
-                                 int64_t grace_ms, int64_t lock_wait_ms) {
+                                 int64_t grace_ms, int64_t lock_wait_ms, bool restore_displaced) {
   GcReport report;
   std::vector<std::string> trash;  // out of sight, to delete once unlocked
   {
@@ -362,7 +542,8 @@ Result<GcReport> collect_garbage(Filesystem& fs, const std::string& root, int64_
     // abandoned here is.
     FERRY_ASSIGN_OR_RETURN(std::unique_ptr<FileLock> lock, lock_root(fs, root, lock_wait_ms));
     std::vector<std::string> replaced;
-    FERRY_RETURN_IF_ERROR(recover_displaced(fs, root, &report.restored, &replaced));
+    FERRY_RETURN_IF_ERROR(
+        recover_displaced(fs, root, &report.restored, &replaced, restore_displaced));
     FERRY_ASSIGN_OR_RETURN(std::vector<std::string> names, fs.list(root));
     bool moved = false;
     auto take_out_of_sight = [&](const std::string& path) -> Status {
@@ -394,10 +575,16 @@ Result<GcReport> collect_garbage(Filesystem& fs, const std::string& root, int64_
       }
       if (!is_pending_dir_name(name)) continue;
       if (std::find(replaced.begin(), replaced.end(), path) != replaced.end()) continue;
-      Result<FileInfo> st = fs.stat(path);
+      Result<FileInfo> st = fs.lstat(path);
       if (!st.ok()) {
         if (st.status().code() == StatusCode::not_found) continue;  // restored or gone
         return st.status();
+      }
+      if (st->is_symlink) {
+        // No save's directory is a link: never read a lease through it.
+        FERRY_RETURN_IF_ERROR(take_out_of_sight(path));
+        report.discarded.push_back(path);
+        continue;
       }
       bool expired;
       Result<PendingLease> lease = read_lease(fs, path);
@@ -441,7 +628,7 @@ bool loadable(Filesystem& fs, const CheckpointInfo& c) {
   Result<Manifest> m = read_manifest(fs, c.path);
   if (!m.ok()) return false;
   for (const ManifestFile& f : m->files) {
-    Result<FileInfo> st = fs.stat(join_path(c.path, f.name));
+    Result<FileInfo> st = fs.lstat(join_path(c.path, f.name));
     if (!st.ok() || !st->is_regular || st->size != f.size) return false;
   }
   return true;
@@ -450,10 +637,13 @@ bool loadable(Filesystem& fs, const CheckpointInfo& c) {
 }  // namespace
 
 Result<Retired> retire_checkpoints(Filesystem& fs, const std::string& root, uint32_t keep_last,
-                                   const std::string& keep_path) {
+                                   const std::string& keep_path,
+                                   const std::vector<std::string>& spare) {
   Retired out;
   if (keep_last == 0) return out;
-  FERRY_ASSIGN_OR_RETURN(std::vector<CheckpointInfo> all, list_checkpoints(fs, root));
+  // Under the lock: a displaced step is either the caller's to put back
+  // (spare) or already back.
+  FERRY_ASSIGN_OR_RETURN(std::vector<CheckpointInfo> all, list_checkpoints_here(fs, root));
   // Only loadable checkpoints count toward keep_last: one whose files are
   // gone must not push out the last one that can still be loaded.
   std::vector<CheckpointInfo> committed;
@@ -465,6 +655,7 @@ Result<Retired> retire_checkpoints(Filesystem& fs, const std::string& root, uint
   for (size_t i = 0; i < drop; ++i) {
     const CheckpointInfo& c = committed[i];
     if (!keep_path.empty() && c.path == keep_path) continue;
+    if (std::find(spare.begin(), spare.end(), c.path) != spare.end()) continue;
     // Out of sight before any byte goes: a crash halfway through deleting
     // must not leave a step-* directory whose manifest names missing files.
     // The trash name makes a leftover collectable by collect_garbage.
@@ -509,6 +700,15 @@ Result<std::string> resolve_checkpoint(Filesystem& fs, const std::string& path) 
     return Status::invalid_argument(path + " is a pending (uncommitted) checkpoint");
   if (is_trash_dir_name(base) || parse_displaced_dir_name(base, nullptr))
     return Status::invalid_argument(path + " is a checkpoint on its way to deletion");
+  if (parse_step_dir_name(base, nullptr)) {
+    // A step of a root: an overwrite that died may have left it aside.
+    std::string dir = path;
+    while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+    FERRY_RETURN_IF_ERROR(finish_interrupted_overwrites(fs, parent_path(dir)).status());
+    Result<FileInfo> st = fs.lstat(dir);
+    if (st.ok() && st->is_symlink)
+      return Status::invalid_argument(path + " is a symbolic link, which Ferry never follows");
+  }
   if (fs.stat(join_path(path, kManifestFileName)).ok()) return path;
   auto latest = find_latest(fs, path);
   if (!latest.ok()) return Status::not_found("no committed checkpoint at " + path);

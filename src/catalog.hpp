@@ -55,8 +55,11 @@ struct CheckpointInfo {
 };
 
 // Committed checkpoints (step-* directories), sorted by commit sequence.
-// Pending directories are never listed. Unreadable manifests are listed with
+// Pending directories are never listed. Unreadable manifests (and step
+// directories that are symbolic links, never followed) are listed with
 // their status set (so `ferry ls` can show them) and never chosen as latest.
+// Like find_latest and resolve_checkpoint, it first finishes what an
+// interrupted overwrite left (finish_interrupted_overwrites).
 Result<std::vector<CheckpointInfo>> list_checkpoints(Filesystem& fs, const std::string& root);
 
 // The highest commit sequence of the committed checkpoints in `root` (0 if
@@ -103,8 +106,8 @@ struct GcReport {
   std::vector<std::string> removed;   // pending dirs whose lease expired
   std::vector<std::string> kept;      // pending dirs still leased
   std::vector<std::string> restored;  // displaced steps put back (nothing replaced them)
-  // Leftovers nobody owns: trash, displaced steps that were replaced, and
-  // LATEST temp files of a killed write.
+  // Leftovers nobody owns: trash, displaced entries that were replaced or
+  // are no checkpoint of their step, and LATEST temp files of a killed write.
   std::vector<std::string> discarded;
   // Out of sight but not deleted (a file that cannot be unlinked), and so
   // not in `discarded`: each error names its directory, which the next gc
@@ -116,22 +119,43 @@ struct GcReport {
   std::vector<Failed> failed;
 };
 // Under ROOT's lock (waiting up to lock_wait_ms): puts back every displaced
-// step that nothing replaced, and takes out of sight (renamed to a trash
+// step that nothing replaced (recover_displaced), and takes out of sight (renamed to a trash
 // name, then ROOT fsynced) every pending directory whose lease expired
 // before now_unix_ms (one without a readable lease counts as expired only
 // when its mtime is older than grace_ms), every replaced displaced step and
 // LATEST temp file. The lock released, deletes the trash: a directory that
 // cannot be deleted is reported in `failed` and the others still go.
+// With !restore_displaced (a save's own gc) displaced steps are left for
+// the commit to put back, which then spares them from its retention.
 Result<GcReport> collect_garbage(Filesystem& fs, const std::string& root, int64_t now_unix_ms,
                                  int64_t grace_ms = 60'000,
-                                 int64_t lock_wait_ms = kDefaultLockWaitMs);
+                                 int64_t lock_wait_ms = kDefaultLockWaitMs,
+                                 bool restore_displaced = true);
 
 // Renames each displaced step whose step directory is absent back into
-// place (fsyncing ROOT after), and reports the others (replaced, so
-// garbage) in *replaced. REQUIRES: ROOT's lock is held (an overwrite in
-// flight has its old step aside on purpose).
+// place (fsyncing ROOT after; none when !restore), and reports garbage in
+// *garbage: displaced entries that were replaced, and those that are no
+// checkpoint of their step (a file, a link, a directory without a MANIFEST
+// of that step), which are never put back. REQUIRES: ROOT's lock is held (an
+// overwrite in flight has its old step aside on purpose).
 Status recover_displaced(Filesystem& fs, const std::string& root,
-                         std::vector<std::string>* restored, std::vector<std::string>* replaced);
+                         std::vector<std::string>* restored, std::vector<std::string>* garbage,
+                         bool restore = true);
+
+// What every reader of a root calls first: when a step that an overwrite
+// moved aside has no step directory in its place (the overwrite died between
+// its two renames), takes ROOT's lock (waiting up to lock_wait_ms for an
+// overwrite in flight to finish) and puts it back; returns the steps put
+// back. Without such a step it neither locks nor writes. Safe to run in
+// several processes at once: each puts back only what is still aside under
+// the lock. An error (the lock could not be taken) names the step aside.
+// REQUIRES: ROOT's lock is not held by this thread.
+Result<std::vector<std::string>> finish_interrupted_overwrites(
+    Filesystem& fs, const std::string& root, int64_t lock_wait_ms = kDefaultLockWaitMs);
+
+// True when an overwrite of `step` died with the old step aside (so the step
+// exists, though not in place). Lock-free.
+Result<bool> overwrite_pending_for(Filesystem& fs, const std::string& root, uint64_t step);
 
 // What retention took out of sight: the committed checkpoints it retired
 // (their step paths) and the trash directories they now are, still to be
@@ -146,11 +170,13 @@ struct Retired {
 // with its size) and renames older loadable ones to trash names, then
 // fsyncs ROOT once: they are durably out of sight, but their bytes are
 // still on disk. 0 keeps all. `keep_path` (the checkpoint just committed)
-// is never retired. Checkpoints that are not loadable are left for the
-// user to see. REQUIRES: ROOT's lock is held when other jobs may commit
-// into ROOT.
+// is never retired, nor any path in `spare` (steps the caller's commit put
+// back: a job that did not know of them must not lose them to its own
+// save). Checkpoints that are not loadable are left for the user to see.
+// REQUIRES: ROOT's lock is held when other jobs may commit into ROOT.
 Result<Retired> retire_checkpoints(Filesystem& fs, const std::string& root, uint32_t keep_last,
-                                   const std::string& keep_path = "");
+                                   const std::string& keep_path = "",
+                                   const std::vector<std::string>& spare = {});
 
 // retire_checkpoints under ROOT's lock (waiting up to lock_wait_ms, as a
 // commit does: a commit running meanwhile must not see checkpoints vanish

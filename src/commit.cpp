@@ -129,11 +129,11 @@ Status check_pending(Filesystem& fs, const std::string& pending_dir, const Manif
                      const CommitOptions& opts) {
   for (const ManifestFile& f : m.files) {
     const std::string path = join_path(pending_dir, f.name);
-    Result<FileInfo> st = fs.stat(path);
+    Result<FileInfo> st = fs.lstat(path);
     if (!st.ok())
       return Status::aborted("commit refused: data file " + path + " is missing (" +
                              st.status().to_string() + ")");
-    if (!st->is_regular)
+    if (!st->is_regular)  // a symbolic link too: loads never follow one
       return Status::aborted("commit refused: data file " + path + " is not a regular file");
     if (st->size != f.size)
       return Status::aborted("commit refused: data file " + path + " holds " +
@@ -154,18 +154,23 @@ Status prepare_pending(Filesystem& fs, const std::string& root, const std::strin
     remove_created(fs, root, created);
     return st;
   }
-  // Crashed saves leave pending directories (and an overwrite its old step
-  // aside): each save tidies its root rather than waiting for `ferry gc`.
-  // Best effort, and without waiting: another job holding the lock is
-  // committing, and this save's own commit recovers a displaced step anyway.
-  // What it could not delete still takes space: the caller hears of it.
-  Result<GcReport> gc = collect_garbage(fs, root, now_unix_ms(), 60'000, /*lock_wait_ms=*/0);
+  // Crashed saves leave pending directories: each save tidies its root
+  // rather than waiting for `ferry gc`. Best effort, and without waiting:
+  // another job holding the lock is committing. A step an overwrite left
+  // aside stays aside: this save's commit puts it back and knows to spare it
+  // from its retention. What gc could not delete still takes space: the
+  // caller hears of it.
+  Result<GcReport> gc = collect_garbage(fs, root, now_unix_ms(), 60'000, /*lock_wait_ms=*/0,
+                                        /*restore_displaced=*/false);
   if (gc.ok() && undeleted != nullptr)
     undeleted->insert(undeleted->end(), gc->failed.begin(), gc->failed.end());
   const std::string step_dir = join_path(root, step_dir_name(step));
-  if (!overwrite && fs.stat(step_dir).ok())
-    return Status::already_exists("checkpoint " + step_dir +
-                                  " already exists (save with overwrite to replace it)");
+  if (!overwrite) {
+    Result<bool> aside = overwrite_pending_for(fs, root, step);
+    if (fs.stat(step_dir).ok() || (aside.ok() && *aside))
+      return Status::already_exists("checkpoint " + step_dir +
+                                    " already exists (save with overwrite to replace it)");
+  }
   // A directory already there is someone else's (a restarted job with the
   // same token): fail without touching it.
   st = fs.mkdir(pending_dir);
@@ -191,8 +196,10 @@ Result<CommitOutcome> commit_checkpoint(Filesystem& fs, const std::string& root,
   // retention could remove this commit.
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<FileLock> lock, lock_root(fs, root, opts.lock_wait_ms));
   // A step an earlier overwrite left aside when it died belongs back in
-  // place before anything looks at what is committed.
-  FERRY_RETURN_IF_ERROR(recover_displaced(fs, root, nullptr, nullptr));
+  // place before anything looks at what is committed; this save's retention
+  // spares it (the job may not have known of it).
+  std::vector<std::string> restored;
+  FERRY_RETURN_IF_ERROR(recover_displaced(fs, root, &restored, nullptr));
 
   // The sequence must exceed every committed one, so "latest" is well defined
   // even when steps go backwards (a job restarted from an older checkpoint).
@@ -208,8 +215,15 @@ Result<CommitOutcome> commit_checkpoint(Filesystem& fs, const std::string& root,
     FERRY_RETURN_IF_ERROR(
         write_lease(fs, pending_dir, now_of(opts) + opts.renew_lease_ms, lease.owner));
   }
-  FERRY_RETURN_IF_ERROR(write_file_atomic(fs, join_path(pending_dir, kManifestFileName),
-                                          encode_manifest(manifest), opts.fsync, "manifest"));
+  const std::string encoded = encode_manifest(manifest);
+  // Readers refuse a larger one: committing it would make the step unreadable.
+  if (encoded.size() > kMaxManifestBytes)
+    return Status::invalid_argument(
+        "the manifest of " + pending_dir + " would be " + std::to_string(encoded.size()) +
+        " bytes, more than the " + std::to_string(kMaxManifestBytes) +
+        " a reader accepts (fewer, larger chunks or checksum blocks make it smaller)");
+  FERRY_RETURN_IF_ERROR(write_file_atomic(fs, join_path(pending_dir, kManifestFileName), encoded,
+                                          opts.fsync, "manifest"));
   FERRY_RETURN_IF_ERROR(check_pending(fs, pending_dir, manifest, opts));
 
   const std::string name = step_dir_name(manifest.step);
@@ -255,7 +269,7 @@ Result<CommitOutcome> commit_checkpoint(Filesystem& fs, const std::string& root,
   // From here the checkpoint is committed and is what load picks: whatever
   // fails now is a warning, never a failed save (a retry would only meet
   // already_exists).
-  CommitOutcome out{step_dir, manifest.commit_seq, {}, {}, {}};
+  CommitOutcome out{step_dir, manifest.commit_seq, {}, {}, {}, restored};
   // The lease protected the save while it was pending (a crash before the
   // rename leaves a directory gc may take once it expires); a committed
   // directory needs none. Not in the manifest, so a leftover is harmless.
@@ -289,7 +303,7 @@ Result<CommitOutcome> commit_checkpoint(Filesystem& fs, const std::string& root,
           st.with_context("committed " + step_dir + ", but removing the old one: "));
   }
   if (durable) {
-    Result<Retired> retired = retire_checkpoints(fs, root, opts.keep_last, step_dir);
+    Result<Retired> retired = retire_checkpoints(fs, root, opts.keep_last, step_dir, restored);
     if (retired.ok()) {
       out.retired = std::move(retired->checkpoints);
       out.trash.insert(out.trash.end(), retired->trash.begin(), retired->trash.end());

@@ -95,6 +95,9 @@ struct CommitOutcome {
   // checkpoint is committed and is what load picks; these are reported to
   // the caller as warnings, never as a failed save.
   std::vector<Status> warnings;
+  // Steps an overwrite that died had left aside, put back by this commit
+  // and spared by its retention.
+  std::vector<std::string> restored;
 };
 
 // REQUIRES: every rank's data files in `pending_dir` are durable.
@@ -106,7 +109,8 @@ struct CommitOutcome {
 // unexpired, moves an overwritten step aside, renames the pending directory
 // to its step directory (the commit point; on failure the old step is put
 // back), fsyncs ROOT, replaces LATEST, moves the old step to trash, then
-// retires checkpoints past keep_last (never the new one) to trash: see
+// retires checkpoints past keep_last (never the new one, nor a step put back
+// at its start) to trash: see
 // CommitOutcome::trash. An error (returned) means nothing became
 // visible and the commit point was not passed; the caller removes the
 // pending directory. After the commit point the result is always ok, with
@@ -122,7 +126,8 @@ Result<CommitOutcome> commit_checkpoint(Filesystem& fs, const std::string& root,
 // in its parent when `fsync` is set. On failure it removes only what it
 // created itself: never a directory that existed before the call.
 // First it collects the root's garbage, best effort and without waiting for
-// its lock; the leftovers that gc could not delete go to *undeleted.
+// its lock, leaving displaced steps for the commit to put back; the
+// leftovers that gc could not delete go to *undeleted.
 Status prepare_pending(Filesystem& fs, const std::string& root, const std::string& pending_dir,
                        uint64_t step, bool overwrite, int64_t lease_ms, const std::string& owner,
                        bool fsync = true, std::vector<GcReport::Failed>* undeleted = nullptr);

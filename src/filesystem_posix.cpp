@@ -132,7 +132,7 @@ Status check_errno(int rc, const char* op, const std::string& path) {
 class PosixFilesystem : public Filesystem {
  public:
   Result<std::unique_ptr<File>> open(const std::string& path, const OpenOptions& o) override {
-    int flags = O_CLOEXEC | (o.write ? O_RDWR : O_RDONLY);
+    int flags = O_CLOEXEC | O_NOFOLLOW | (o.write ? O_RDWR : O_RDONLY);
     if (o.create) flags |= O_CREAT;
     if (o.create && o.exclusive) flags |= O_EXCL;
     if (o.truncate) flags |= O_TRUNC;
@@ -147,7 +147,7 @@ class PosixFilesystem : public Filesystem {
       direct = false;
       fd = open_retrying(path, flags);
     }
-    if (fd < 0) return Status::from_errno(errno, "open", path);
+    if (fd < 0) return open_error(errno, "open", path);
     struct stat st;
     if (::fstat(fd, &st) != 0) {
       int err = errno;
@@ -233,12 +233,19 @@ class PosixFilesystem : public Filesystem {
   }
 
   Result<std::unique_ptr<FileLock>> lock(const std::string& path, int64_t wait_ms) override {
-    int fd = open_retrying(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NONBLOCK);
-    if (fd < 0) return Status::from_errno(errno, "open lock file", path);
+    int fd = open_retrying(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NONBLOCK | O_NOFOLLOW);
+    if (fd < 0) return open_error(errno, "open lock file", path);
     struct stat st;
     if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
       ::close(fd);
       return Status::invalid_argument("lock " + path + ": not a regular file");
+    }
+    // Taking the lock truncates and writes the file: a second name for it
+    // (a hard link from elsewhere) would make that write land outside.
+    if (st.st_nlink > 1) {
+      ::close(fd);
+      return Status::invalid_argument("lock " + path + ": has " + std::to_string(st.st_nlink) +
+                                      " hard links (a lock file has only its own name)");
     }
     // flock has no timed wait: poll, so that a stuck holder becomes an
     // error after wait_ms instead of a hang.
@@ -268,16 +275,37 @@ class PosixFilesystem : public Filesystem {
   Result<FileInfo> stat(const std::string& path) override {
     struct stat st;
     if (::stat(path.c_str(), &st) != 0) return Status::from_errno(errno, "stat", path);
+    return info_of(st);
+  }
+
+  Result<FileInfo> lstat(const std::string& path) override {
+    struct stat st;
+    if (::lstat(path.c_str(), &st) != 0) return Status::from_errno(errno, "lstat", path);
+    return info_of(st);
+  }
+
+ private:
+  static FileInfo info_of(const struct stat& st) {
     FileInfo info;
     info.size = static_cast<uint64_t>(st.st_size);
     info.is_dir = S_ISDIR(st.st_mode);
     info.is_regular = S_ISREG(st.st_mode);
+    info.is_symlink = S_ISLNK(st.st_mode);
     info.mtime_unix_ms =
         static_cast<int64_t>(st.st_mtim.tv_sec) * 1000 + st.st_mtim.tv_nsec / 1'000'000;
+    info.inode = static_cast<uint64_t>(st.st_ino);
     return info;
   }
 
- private:
+  // O_NOFOLLOW's refusal says what it is rather than "too many levels of
+  // symbolic links".
+  static Status open_error(int err, const char* op, const std::string& path) {
+    if (err == ELOOP)
+      return Status::invalid_argument(std::string(op) + " " + path +
+                                      ": is a symbolic link, which Ferry never follows there");
+    return Status::from_errno(err, op, path);
+  }
+
   static std::string read_holder(int fd) {
     char buf[512];
     ssize_t n = ::pread(fd, buf, sizeof(buf) - 1, 0);
@@ -326,8 +354,12 @@ namespace {
 
 // Opening a FIFO for reading would wait for a writer: only a regular file
 // is opened.
+// A symbolic link is refused here, naming it, as open would refuse it.
 Result<FileInfo> regular_file(Filesystem& fs, const std::string& path) {
-  FERRY_ASSIGN_OR_RETURN(FileInfo info, fs.stat(path));
+  FERRY_ASSIGN_OR_RETURN(FileInfo info, fs.lstat(path));
+  if (info.is_symlink)
+    return Status::invalid_argument("read_file " + path +
+                                    ": is a symbolic link, which Ferry never follows there");
   if (info.is_dir) return Status::invalid_argument("read_file " + path + ": is a directory");
   if (!info.is_regular)
     return Status::invalid_argument("read_file " + path + ": not a regular file");
@@ -432,18 +464,16 @@ Status write_file_atomic(Filesystem& fs, const std::string& path, const std::str
 }
 
 Status remove_all(Filesystem& fs, const std::string& path) {
-  Result<FileInfo> info = fs.stat(path);
+  Result<FileInfo> info = fs.lstat(path);
   if (!info.ok()) {
     return info.status().code() == StatusCode::not_found ? Status::ok_status() : info.status();
   }
-  if (!info->is_dir) {
+  // A link (to a directory too) goes itself: walking it would delete what
+  // it points at.
+  if (!info->is_dir || info->is_symlink) {
     Status st = fs.unlink(path);
     return st.code() == StatusCode::not_found ? Status::ok_status() : st;
   }
-  // stat follows symlinks, so a link to a directory looks like a directory.
-  // Walking it would delete the target's contents: try unlink first, which
-  // removes a link and is refused (EISDIR) by a real directory.
-  if (fs.unlink(path).ok()) return Status::ok_status();
   Result<std::vector<std::string>> names = fs.list(path);
   if (!names.ok()) {
     return names.status().code() == StatusCode::not_found ? Status::ok_status() : names.status();

@@ -490,6 +490,16 @@ Result<uint64_t> manifest_payload_sum(std::string_view head) {
   return fr.payload_sum;
 }
 
+Result<uint64_t> manifest_file_bytes(std::string_view head) {
+  FrameReader r(head);
+  FERRY_ASSIGN_OR_RETURN(Frame fr, read_frame(r, head.size()));
+  const uint64_t frame = r.position();
+  if (fr.payload_len > std::numeric_limits<uint64_t>::max() - frame)
+    return Status::corruption("MANIFEST payload length " + std::to_string(fr.payload_len) +
+                              " overflows");
+  return frame + fr.payload_len;
+}
+
 namespace {
 
 // Payloads are read in place when aligned, else copied into a buffer this

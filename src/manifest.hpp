@@ -104,4 +104,13 @@ constexpr size_t kKeptManifestBufferBytes = 64u << 20;
 // it names the manifest's content without reading or decoding the rest.
 Result<uint64_t> manifest_payload_sum(std::string_view head);
 
+// The whole file's length as the frame in `head` gives it (frame plus
+// payload length), so a reader can refuse a MANIFEST whose frame disagrees
+// with the file, or that is larger than kMaxManifestBytes, before reading it.
+Result<uint64_t> manifest_file_bytes(std::string_view head);
+// The largest MANIFEST a reader accepts (docs/format.md): far above what a
+// checkpoint of millions of chunks needs, and a bound on what one hostile
+// file costs every `ls`, save and load.
+constexpr uint64_t kMaxManifestBytes = 256ull << 20;
+
 }  // namespace ferry

@@ -2,6 +2,7 @@
 
 #include <map>
 
+#include "box.hpp"
 #include "catalog.hpp"
 #include "checksum.hpp"
 #include "layout.hpp"
@@ -13,7 +14,10 @@ Status check_data_file_header(Filesystem& fs, const std::string& dir, uint32_t f
                               const Manifest& m) {
   const ManifestFile& mf = m.files[file_index];
   const std::string path = join_path(dir, mf.name);
-  FERRY_ASSIGN_OR_RETURN(FileInfo info, fs.stat(path));
+  FERRY_ASSIGN_OR_RETURN(FileInfo info, fs.lstat(path));
+  if (info.is_symlink)
+    return Status::corruption(path + ": is a symbolic link, which Ferry never follows");
+  if (!info.is_regular) return Status::corruption(path + ": not a regular file");
   if (info.size != mf.size)
     return Status::corruption(path + ": size " + std::to_string(info.size) + ", manifest says " +
                               std::to_string(mf.size));
@@ -64,6 +68,33 @@ Status check_data_file_header(Filesystem& fs, const std::string& dir, uint32_t f
   return Status();
 }
 
+Status check_manifest_coverage(const Manifest& m) {
+  for (const ManifestTensor& t : m.tensors) {
+    const std::string who = "malformed manifest: tensor '" + t.key + "'";
+    uint64_t numel = 1;
+    bool overflow = false;
+    for (int64_t d : t.global_shape)
+      overflow =
+          overflow || d < 0 || __builtin_mul_overflow(numel, static_cast<uint64_t>(d), &numel);
+    uint64_t bytes = 0;
+    if (overflow || __builtin_mul_overflow(numel, dtype_size(t.dtype), &bytes))
+      return Status::corruption(who + ": global shape " + shape_to_string(t.global_shape) + " of " +
+                                dtype_name(t.dtype) + " holds 2^64 bytes or more");
+    // decode_manifest checked that chunks lie inside the tensor and never
+    // overlap, so they cover it exactly when their elements add up.
+    uint64_t covered = 0;
+    for (const ManifestChunk& c : t.chunks) {
+      uint64_t n = 1;
+      for (int64_t s : c.sizes) n *= static_cast<uint64_t>(s);
+      covered += n;
+    }
+    if (covered != numel)
+      return Status::corruption(who + ": its chunks cover " + std::to_string(covered) + " of its " +
+                                std::to_string(numel) + " elements");
+  }
+  return Status();
+}
+
 Result<CheckpointInfo> latest_valid(Filesystem& fs, const std::string& root) {
   FERRY_ASSIGN_OR_RETURN(auto all, list_checkpoints(fs, root));
   for (auto it = all.rbegin(); it != all.rend(); ++it) {
@@ -77,6 +108,8 @@ Result<CheckpointInfo> latest_valid(Filesystem& fs, const std::string& root) {
 Result<VerifyReport> verify_checkpoint(Filesystem& fs, const std::string& dir) {
   FERRY_ASSIGN_OR_RETURN(Manifest m, read_manifest(fs, dir));
   VerifyReport rep;
+  Status shape = check_manifest_coverage(m);
+  if (!shape.ok()) rep.problems.push_back(shape.with_context(dir + ": "));
   std::vector<bool> file_ok(m.files.size(), true);
   for (uint32_t i = 0; i < m.files.size(); ++i) {
     ++rep.files;
@@ -92,7 +125,13 @@ Result<VerifyReport> verify_checkpoint(Filesystem& fs, const std::string& dir) {
   for (const ManifestTensor& t : m.tensors) {
     for (const ManifestChunk& c : t.chunks) {
       ++rep.chunks;
-      if (!file_ok[c.file] || c.checksums.empty()) continue;
+      if (c.checksums.empty()) {
+        // Saved with checksum = false: nothing says what its bytes should be.
+        ++rep.unchecked_chunks;
+        rep.unchecked_bytes += c.byte_length;
+        continue;
+      }
+      if (!file_ok[c.file]) continue;
       const std::string path = join_path(dir, m.files[c.file].name);
       auto& f = open[c.file];
       if (!f) {
@@ -124,6 +163,19 @@ Result<VerifyReport> verify_checkpoint(Filesystem& fs, const std::string& dir) {
     }
   }
   return rep;
+}
+
+}  // namespace ferry
+
+namespace ferry {
+
+const char* VerifyReport::verdict() const {
+  bool corrupt = false;
+  for (const Status& p : problems) corrupt = corrupt || p.code() != StatusCode::io_error;
+  if (corrupt) return "CORRUPT";
+  if (!problems.empty()) return "UNREADABLE";
+  if (unchecked_chunks > 0) return "UNCHECKED";
+  return "OK";
 }
 
 }  // namespace ferry

@@ -27,8 +27,54 @@ std::string human_bytes(double b) {
 }
 
 int failed(const char* cmd, const Status& why) {
-  std::fprintf(stderr, "ferry %s: %s\n", cmd, why.to_string().c_str());
+  std::fprintf(stderr, "ferry %s: %s\n", cmd, printable(why.to_string()).c_str());
   return 1;
+}
+
+std::string printable(const std::string& s) {
+  std::string out;
+  out.reserve(s.size());
+  auto escape = [&out](unsigned char c) {
+    char buf[8];
+    std::snprintf(buf, sizeof(buf), "\\x%02x", c);
+    out += buf;
+  };
+  for (size_t i = 0; i < s.size();) {
+    const unsigned char c = static_cast<unsigned char>(s[i]);
+    if (c == '\\') {
+      out += "\\\\";
+      ++i;
+      continue;
+    }
+    if (c < 0x80) {
+      if (c < 0x20 || c == 0x7f)
+        escape(c);
+      else
+        out += static_cast<char>(c);
+      ++i;
+      continue;
+    }
+    // Well-formed UTF-8 passes, but not the C1 controls (U+0080..U+009F),
+    // which some terminals obey as escape sequences; any other byte is escaped.
+    size_t len = c >= 0xf0 && c < 0xf5 ? 4 : c >= 0xe0 ? 3 : c >= 0xc2 && c < 0xe0 ? 2 : 0;
+    uint32_t cp = len == 2 ? c & 0x1f : len == 3 ? c & 0x0f : c & 0x07;
+    bool good = len != 0 && i + len <= s.size();
+    for (size_t k = 1; good && k < len; ++k) {
+      const unsigned char d = static_cast<unsigned char>(s[i + k]);
+      good = (d & 0xc0) == 0x80;
+      cp = (cp << 6) | (d & 0x3f);
+    }
+    const uint32_t min = len == 2 ? 0x80 : len == 3 ? 0x800 : 0x10000;
+    good = good && cp >= min && cp >= 0xa0 && cp <= 0x10ffff && (cp < 0xd800 || cp > 0xdfff);
+    if (!good) {
+      escape(c);
+      ++i;
+      continue;
+    }
+    out.append(s, i, len);
+    i += len;
+  }
+  return out;
 }
 
 namespace {
@@ -64,7 +110,7 @@ int cmd_ls(const Args& all_args) {
     const std::string name = c.path.substr(c.path.find_last_of('/') + 1);
     if (!c.status.ok()) {
       std::printf("%-16s %12" PRIu64 " %10s %12s %8s  UNREADABLE: %s\n", name.c_str(), c.step, "-",
-                  "-", "-", c.status.to_string().c_str());
+                  "-", "-", printable(c.status.to_string()).c_str());
       continue;
     }
     std::string mark;
@@ -73,7 +119,12 @@ int cmd_ls(const Args& all_args) {
     if (verify) {
       auto rep = verify_checkpoint(*fs, c.path);
       const bool good = rep.ok() && rep->ok();
-      mark += std::string(mark.empty() ? "" : " ") + (good ? "verified" : "CORRUPT");
+      const std::string verdict = !rep.ok() ? "UNREADABLE"
+                                  : !good   ? rep->verdict()
+                                  : rep->unchecked_chunks > 0
+                                      ? "verified (bytes unchecked: saved without checksums)"
+                                      : "verified";
+      mark += std::string(mark.empty() ? "" : " ") + verdict;
       if (!good && latest.ok() && latest->path == c.path) latest_corrupt = true;
       if (good && !valid_marked) {
         mark += " (latest valid)";
@@ -101,10 +152,11 @@ int cmd_ls(const Args& all_args) {
       state = "lease live for " + std::to_string((p.lease.expires_unix_ms - now) / 1000) +
               " s, owner " + p.lease.owner;
     }
-    std::printf("pending %s  %s\n", name.c_str(), state.c_str());
+    std::printf("pending %s  %s\n", printable(name).c_str(), printable(state).c_str());
   }
   if (latest_corrupt) {
-    std::fprintf(stderr, "ferry ls: the latest checkpoint %s is CORRUPT\n", latest->path.c_str());
+    std::fprintf(stderr, "ferry ls: the latest checkpoint %s does not verify\n",
+                 printable(latest->path).c_str());
     return 1;
   }
   return 0;
@@ -128,11 +180,14 @@ int cmd_inspect(const Args& args) {
   if (!m.ok()) return failed("inspect", m.status());
   std::printf("checkpoint %s\n  step %" PRIu64 ", commit seq %" PRIu64
               ", world size %d, job %s, id %s\n  fsynced %s, checksum block %s, %zu files, %s\n",
-              dir->c_str(), m->step, m->commit_seq, m->world_size, m->job_id.c_str(),
-              m->checkpoint_id.c_str(), m->fsynced ? "yes" : "no",
-              human_bytes(m->checksum_block_bytes).c_str(), m->files.size(),
-              human_bytes(m->total_bytes()).c_str());
-  for (const auto& [k, v] : m->metadata) std::printf("  meta %s = %s\n", k.c_str(), v.c_str());
+              printable(*dir).c_str(), m->step, m->commit_seq, m->world_size,
+              printable(m->job_id).c_str(), printable(m->checkpoint_id).c_str(),
+              m->fsynced ? "yes" : "no", human_bytes(m->checksum_block_bytes).c_str(),
+              m->files.size(), human_bytes(m->total_bytes()).c_str());
+  // Keys, values and names are the saver's bytes: a control character
+  // printed raw would drive the terminal.
+  for (const auto& [k, v] : m->metadata)
+    std::printf("  meta %s = %s\n", printable(k).c_str(), printable(v).c_str());
   uint64_t raw = 0, stored = 0, frames = 0;
   for (const auto& t : m->tensors)
     for (const auto& c : t.chunks) {
@@ -149,19 +204,25 @@ int cmd_inspect(const Args& args) {
   std::printf("files:\n");
   for (uint32_t i = 0; i < m->files.size(); ++i) {
     Status s = check_data_file_header(*fs, *dir, i, *m);
-    std::printf("  [%u] %s  %s  rank %d  header %s\n", i, m->files[i].name.c_str(),
+    std::printf("  [%u] %s  %s  rank %d  header %s\n", i, printable(m->files[i].name).c_str(),
                 human_bytes(m->files[i].size).c_str(), m->files[i].rank,
-                s.ok() ? "ok" : s.to_string().c_str());
+                s.ok() ? "ok" : printable(s.to_string()).c_str());
     if (!s.ok()) rc = 1;
+  }
+  Status shape = check_manifest_coverage(*m);
+  if (!shape.ok()) {
+    std::printf("%s\n", printable(shape.to_string()).c_str());
+    rc = 1;
   }
   std::printf("tensors:\n");
   for (const auto& t : m->tensors) {
-    std::printf("  %s  %s %s  %zu chunk(s)\n", t.key.c_str(), dtype_name(t.dtype),
+    std::printf("  %s  %s %s  %zu chunk(s)\n", printable(t.key).c_str(), dtype_name(t.dtype),
                 shape_to_string(t.global_shape).c_str(), t.chunks.size());
     for (const auto& c : t.chunks) {
       std::printf("    offsets %s sizes %s  file [%u] %s bytes %" PRIu64 "..%" PRIu64,
                   shape_to_string(c.offsets).c_str(), shape_to_string(c.sizes).c_str(), c.file,
-                  m->files[c.file].name.c_str(), c.byte_offset, c.byte_offset + c.byte_length);
+                  printable(m->files[c.file].name).c_str(), c.byte_offset,
+                  c.byte_offset + c.byte_length);
       if (!c.checksums.empty())
         std::printf("  xxh3 %016" PRIx64 "%s", c.checksums[0],
                     c.checksums.size() > 1 ? " ..." : "");
@@ -169,7 +230,7 @@ int cmd_inspect(const Args& args) {
                   c.checksums.size() == 1 ? "" : "s");
       if (!c.codec.empty())
         std::printf("  %s %" PRIu64 " -> %" PRIu64 " bytes (%.2fx), %zu frame%s of %s",
-                    c.codec.c_str(), c.raw_bytes(), c.byte_length,
+                    printable(c.codec).c_str(), c.raw_bytes(), c.byte_length,
                     c.byte_length ? double(c.raw_bytes()) / double(c.byte_length) : 0.0,
                     c.frame_ends.size(), c.frame_ends.size() == 1 ? "" : "s",
                     human_bytes(c.frame_bytes).c_str());
@@ -186,11 +247,17 @@ int cmd_verify(const Args& args) {
   if (!dir.ok()) return failed("verify", dir.status());
   auto rep = verify_checkpoint(*fs, *dir);
   if (!rep.ok()) return failed("verify", rep.status());
-  for (const auto& p : rep->problems) std::printf("PROBLEM %s\n", p.to_string().c_str());
+  for (const auto& p : rep->problems) std::printf("PROBLEM %s\n", printable(p.to_string()).c_str());
+  if (rep->unchecked_chunks > 0)
+    std::printf("NOT CHECKED: %" PRIu64
+                " chunk(s), %s, were saved without checksums "
+                "(checksum = false): nothing says what their bytes should be\n",
+                rep->unchecked_chunks, human_bytes(rep->unchecked_bytes).c_str());
   std::printf("%s: %" PRIu64 " files, %" PRIu64 " chunks, %s checked, %zu problem(s) in %s\n",
-              rep->ok() ? "OK" : "CORRUPT", rep->files, rep->chunks,
-              human_bytes(rep->bytes_checked).c_str(), rep->problems.size(), dir->c_str());
-  return rep->ok() ? 0 : 1;
+              rep->verdict(), rep->files, rep->chunks, human_bytes(rep->bytes_checked).c_str(),
+              rep->problems.size(), printable(*dir).c_str());
+  if (!rep->ok()) return 1;
+  return rep->unchecked_chunks > 0 ? 3 : 0;
 }
 
 int cmd_gc(const Args& args) {
@@ -198,14 +265,16 @@ int cmd_gc(const Args& args) {
   auto fs = posix_filesystem();
   auto rep = collect_garbage(*fs, args[0], now_unix_ms());
   if (!rep.ok()) return failed("gc", rep.status());
+  // Names in a root are anyone's bytes: printed escaped.
   for (const auto& p : rep->restored)
-    std::printf("restored %s (a crashed overwrite had moved it aside)\n", p.c_str());
-  for (const auto& p : rep->removed) std::printf("removed %s (lease expired)\n", p.c_str());
-  for (const auto& p : rep->discarded) std::printf("removed %s (leftover)\n", p.c_str());
-  for (const auto& p : rep->kept) std::printf("kept    %s (lease live)\n", p.c_str());
+    std::printf("restored %s (a crashed overwrite had moved it aside)\n", printable(p).c_str());
+  for (const auto& p : rep->removed)
+    std::printf("removed %s (lease expired)\n", printable(p).c_str());
+  for (const auto& p : rep->discarded) std::printf("removed %s (leftover)\n", printable(p).c_str());
+  for (const auto& p : rep->kept) std::printf("kept    %s (lease live)\n", printable(p).c_str());
   for (const auto& f : rep->failed)
     std::fprintf(stderr, "ferry gc: %s (out of sight; the next gc tries again)\n",
-                 f.status.to_string().c_str());
+                 printable(f.status.to_string()).c_str());
   std::printf("%zu removed, %zu kept, %zu not deleted\n", rep->removed.size(), rep->kept.size(),
               rep->failed.size());
   return rep->failed.empty() ? 0 : 1;

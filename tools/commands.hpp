@@ -25,6 +25,10 @@ int cmd_export(const Args& args);
 // "1.50 GiB"
 std::string human_bytes(double bytes);
 
+// `s` safe to print to a terminal: control characters (C0, DEL, C1), bytes
+// that are not well-formed UTF-8 and backslashes become "\xNN" / "\\".
+std::string printable(const std::string& s);
+
 // Prints "ferry CMD: <why>" to stderr; 1, the exit code of a command that
 // failed.
 int failed(const char* cmd, const Status& why);

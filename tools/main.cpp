@@ -32,7 +32,10 @@ const Command kCommands[] = {
      "verify CKPT|ROOT     re-read every byte and check it against the manifest",
      "usage: ferry verify CKPT|ROOT\n"
      "  Re-reads every byte of a checkpoint and checks it against the manifest;\n"
-     "  exits 1 on any problem. A ROOT means its latest checkpoint.\n"},
+     "  exits 1 on any problem (CORRUPT: damaged or malformed; UNREADABLE: only\n"
+     "  I/O errors such as permissions), 3 when it found none but chunks saved\n"
+     "  without checksums could not be checked (UNCHECKED). A ROOT means its\n"
+     "  latest checkpoint.\n"},
     {"gc", ferry::cli::cmd_gc,
      "gc ROOT              remove pending directories whose lease expired",
      "usage: ferry gc ROOT\n"

@@ -2,16 +2,21 @@
 
 #include <catch2/catch.hpp>
 
+#include <sys/inotify.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <set>
 
 #include "catalog.hpp"
+#include "drills/fault_fs.hpp"
 #include "ferry/runtime.hpp"
 #include "layout.hpp"
+#include "manifest.hpp"
 #include "process.hpp"
 #include "test_util.hpp"
 #include "verify.hpp"
@@ -350,10 +355,311 @@ TEST_CASE("ferry export writes whole tensors as plain safetensors with an index"
   CHECK(r.code == 1);
   CHECK_THAT(r.out, Catch::Contains("ferry export:") && Catch::Contains("emb"));
   CHECK_FALSE(fs::exists(bad + "/model.safetensors.index.json"));
-  for (const auto& e : fs::directory_iterator(bad)) CHECK(e.path().extension() != ".tmp");
+  for (const auto& e : fs::directory_iterator(bad))
+    CHECK(e.path().filename().string().find(".tmp") == std::string::npos);
 
   CHECK(run_shell(kCli + " export " + root).code == 2);
   r = run_shell(kCli + " export " + dir.sub("nothing") + " " + dir.sub("o"));
   CHECK(r.code == 1);
   CHECK_THAT(r.out, Catch::Contains(dir.sub("nothing")));
+}
+
+namespace {
+
+// Opens and reads of one file (inotify): a file Ferry must never touch.
+class Untouched {
+ public:
+  explicit Untouched(const std::string& path) : path_(path) {
+    fd_ = ::inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
+    REQUIRE(fd_ >= 0);
+    REQUIRE(::inotify_add_watch(fd_, path.c_str(), IN_OPEN | IN_ACCESS | IN_MODIFY) >= 0);
+  }
+  ~Untouched() { ::close(fd_); }
+  // Events since the watch began (or the last call).
+  int touches() {
+    int n = 0;
+    alignas(struct inotify_event) char buf[4096];
+    ssize_t got;
+    while ((got = ::read(fd_, buf, sizeof(buf))) > 0)
+      for (char* p = buf; p < buf + got;
+           p += sizeof(struct inotify_event) + reinterpret_cast<struct inotify_event*>(p)->len)
+        ++n;
+    return n;
+  }
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+};
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+bool is_link(const std::string& path) {
+  return fs::is_symlink(fs::symlink_status(path));
+}
+
+}  // namespace
+
+TEST_CASE("no save, load, gc, retention or export reads or writes through a planted link",
+          "[cli][symlink]") {
+  TempDir dir;
+  const std::string root = dir.sub("root");
+  const std::string outside = dir.sub("outside");
+  fs::create_directories(outside);
+  const std::string victim = outside + "/victim";
+  { std::ofstream(victim) << "OUTSIDE"; }
+  Untouched victim_watch(victim);
+
+  ferry::RuntimeArgs args;
+  args.set("root", root)
+      .set("pool-bytes", "1MiB")
+      .set("chunk-bytes", "256KiB")
+      .set("keep-last", "1");
+  auto rt = ferry::Runtime::create(args);
+  REQUIRE(rt.ok());
+  std::vector<float> a(50000, 1.5f);
+  ferry::StateDict sd;
+  REQUIRE(sd.add("encoder.weight", {a.data(), ferry::DType::f32, {500, 100}}).ok());
+  REQUIRE((*rt)->save_async(sd, 100).wait_committed().ok());
+
+  // The root's lock file: a link there fails every save naming it.
+  fs::remove(root + "/.ferry-lock");
+  fs::create_symlink(victim, root + "/.ferry-lock");
+  ferry::Status st = (*rt)->save_async(sd, 200).wait_committed();
+  INFO(st.to_string());
+  CHECK_FALSE(st.ok());
+  CHECK_THAT(st.message(), Catch::Contains(".ferry-lock") && Catch::Contains("symbolic link"));
+  fs::remove(root + "/.ferry-lock");
+
+  // LATEST and the names of its temp files: replaced or refused, never
+  // written through.
+  fs::remove(root + "/LATEST");
+  fs::create_symlink(victim, root + "/LATEST");
+  for (int k = 0; k < 64; ++k)
+    fs::create_symlink(
+        victim, root + "/LATEST.tmp-" + std::to_string(::getpid()) + "-" + std::to_string(k));
+  st = (*rt)->save_async(sd, 200).wait_committed();
+  INFO(st.to_string());
+  REQUIRE(st.ok());
+  const std::string step = root + "/step-00000200";
+  const std::string data = step + "/rank-00000-0000.safetensors";
+  std::vector<float> back(50000, 0.f);
+  ferry::StateDict into;
+  REQUIRE(into.add("encoder.weight", {back.data(), ferry::DType::f32, {500, 100}}).ok());
+  REQUIRE((*rt)->load(into, root).ok());
+  CHECK(back == a);
+
+  // A data file that is a link to the same bytes elsewhere (a manifest
+  // whose checks it passes): load, verify and export refuse it, naming it,
+  // and never open what it points at.
+  const std::string copy = outside + "/copy.safetensors";
+  fs::rename(data, copy);
+  fs::create_symlink(copy, data);
+  {
+    Untouched copy_watch(copy);
+    std::fill(back.begin(), back.end(), 0.f);
+    st = (*rt)->load(into, root);
+    CHECK_FALSE(st.ok());
+    CHECK_THAT(st.message(), Catch::Contains(data) && Catch::Contains("symbolic link"));
+    auto r = run_shell(kCli + " verify " + step);
+    CHECK(r.code == 1);
+    CHECK_THAT(r.out, Catch::Contains(data) && Catch::Contains("symbolic link"));
+    r = run_shell(kCli + " export " + root + " " + dir.sub("out-bad"));
+    CHECK(r.code == 1);
+    CHECK_THAT(r.out, Catch::Contains(data));
+    CHECK(copy_watch.touches() == 0);
+  }
+  fs::remove(data);
+  fs::rename(copy, data);
+
+  // The MANIFEST as a link: the checkpoint is unreadable, never read there.
+  const std::string manifest_copy = outside + "/MANIFEST";
+  fs::rename(step + "/MANIFEST", manifest_copy);
+  fs::create_symlink(manifest_copy, step + "/MANIFEST");
+  {
+    Untouched manifest_watch(manifest_copy);
+    auto r = run_shell(kCli + " ls " + root);
+    CHECK_THAT(r.out, Catch::Contains("UNREADABLE") && Catch::Contains("symbolic link"));
+    CHECK_FALSE((*rt)->load(into, root).ok());
+    CHECK(manifest_watch.touches() == 0);
+  }
+  fs::remove(step + "/MANIFEST");
+  fs::rename(manifest_copy, step + "/MANIFEST");
+
+  // A step, a pending save and trash that are links to a whole checkpoint
+  // elsewhere: retention never counts nor retires the step, gc removes the
+  // links, and nothing there is opened or deleted.
+  const std::string elsewhere = outside + "/ckpt";
+  fs::copy(step, elsewhere, fs::copy_options::recursive);
+  fs::create_symlink(elsewhere, root + "/step-00000050");
+  fs::create_symlink(elsewhere, root + "/.pending-00000999-j-x");
+  fs::create_symlink(elsewhere, root + "/.trash-1-2-3");
+  {
+    Untouched data_watch(elsewhere + "/rank-00000-0000.safetensors");
+    Untouched manifest_watch(elsewhere + "/MANIFEST");
+    REQUIRE((*rt)->save_async(sd, 300).wait_committed().ok());
+    CHECK_FALSE(fs::exists(step));  // keep-last 1 retired step 200, not the link
+    CHECK(is_link(root + "/step-00000050"));
+    auto r = run_shell(kCli + " gc " + root);
+    INFO(r.out);
+    CHECK(r.code == 0);
+    CHECK_FALSE(is_link(root + "/.pending-00000999-j-x"));
+    CHECK_FALSE(is_link(root + "/.trash-1-2-3"));
+    CHECK(data_watch.touches() == 0);
+    CHECK(manifest_watch.touches() == 0);
+  }
+  CHECK(fs::exists(elsewhere + "/rank-00000-0000.safetensors"));
+
+  // Export: links at its temp and final names are replaced, never written.
+  const std::string out = dir.sub("out");
+  fs::create_directories(out);
+  for (const char* name :
+       {"model-00001-of-00001.safetensors", "model-00001-of-00001.safetensors.tmp",
+        "model.safetensors.index.json", "model.safetensors.index.json.tmp"})
+    fs::create_symlink(victim, out + "/" + name);
+  auto r = run_shell(kCli + " export " + root + " " + out);
+  INFO(r.out);
+  CHECK(r.code == 0);
+  CHECK_FALSE(is_link(out + "/model-00001-of-00001.safetensors"));
+  CHECK_FALSE(is_link(out + "/model.safetensors.index.json"));
+
+  CHECK(victim_watch.touches() == 0);
+  CHECK(slurp(victim) == "OUTSIDE");
+}
+
+TEST_CASE("ferry verify says when it could not check the bytes", "[cli][verify]") {
+  TempDir dir;
+  ferry::RuntimeArgs args;
+  args.set("root", dir.path()).set("pool-bytes", "1MiB").set("checksum", "false");
+  auto rt = ferry::Runtime::create(args);
+  REQUIRE(rt.ok());
+  std::vector<float> a(50000, 1.5f);
+  ferry::StateDict sd;
+  REQUIRE(sd.add("encoder.weight", {a.data(), ferry::DType::f32, {500, 100}}).ok());
+  REQUIRE((*rt)->save_async(sd, 100).wait_committed().ok());
+  const std::string ckpt = dir.path() + "/step-00000100";
+  // A flipped byte nobody can see: verify must not call this OK.
+  const std::string data = ckpt + "/rank-00000-0000.safetensors";
+  {
+    std::fstream f(data, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(fs::file_size(data) - 7));
+    f.put('\x7f');
+  }
+  auto r = run_shell(kCli + " verify " + ckpt);
+  INFO(r.out);
+  CHECK(r.code == 3);
+  CHECK_THAT(r.out, Catch::Contains("UNCHECKED:") && Catch::Contains("without checksums"));
+  CHECK_THAT(r.out, !Catch::Contains("OK:"));
+  r = run_shell(kCli + " ls --verify " + dir.path());
+  INFO(r.out);
+  CHECK_THAT(r.out, Catch::Contains("bytes unchecked"));
+}
+
+namespace {
+
+// Rewrites `ckpt`'s MANIFEST after `edit` (a new file, as a writer would).
+template <class Edit>
+void edit_manifest(const std::string& ckpt, Edit edit) {
+  auto fsys = ferry::posix_filesystem();
+  auto m = ferry::read_manifest(*fsys, ckpt);
+  REQUIRE(m.ok());
+  edit(*m);
+  REQUIRE(
+      ferry::write_file_atomic(*fsys, ckpt + "/MANIFEST", ferry::encode_manifest(*m), false).ok());
+}
+
+}  // namespace
+
+TEST_CASE("ferry verify and export refuse a manifest whose tensors are malformed",
+          "[cli][verify]") {
+  TempDir dir;
+  std::vector<float> a;
+  const std::string ckpt = make_root(dir, a);
+  SECTION("a tensor its chunks do not cover") {
+    edit_manifest(ckpt, [](ferry::Manifest& m) { m.tensors[0].global_shape = {1000, 100}; });
+    auto r = run_shell(kCli + " verify " + ckpt);
+    INFO(r.out);
+    CHECK(r.code == 1);
+    CHECK_THAT(r.out, Catch::Contains("malformed manifest: tensor 'encoder.weight'") &&
+                          Catch::Contains("cover 50000 of its 100000 elements"));
+    CHECK_THAT(r.out, Catch::Contains("CORRUPT:"));
+  }
+  SECTION("a tensor of 2^64 bytes or more") {
+    edit_manifest(ckpt, [](ferry::Manifest& m) {
+      m.tensors[0].global_shape = {int64_t{1} << 62, int64_t{1} << 62};
+    });
+    auto r = run_shell(kCli + " verify " + ckpt);
+    INFO(r.out);
+    CHECK(r.code == 1);
+    CHECK_THAT(r.out,
+               Catch::Contains("tensor 'encoder.weight'") && Catch::Contains("2^64 bytes or more"));
+    const std::string out = dir.sub("out");
+    r = run_shell(kCli + " export " + ckpt + " " + out);
+    INFO(r.out);
+    CHECK(r.code == 1);
+    CHECK_THAT(r.out, Catch::Contains("encoder.weight") && Catch::Contains("2^64"));
+    CHECK_FALSE(fs::exists(out + "/model-00001-of-00001.safetensors"));
+  }
+}
+
+TEST_CASE("verify calls a file it may not read an I/O error, not corruption", "[cli][verify]") {
+  TempDir dir;
+  std::vector<float> a;
+  const std::string ckpt = make_root(dir, a);
+  // The tests run as root, whom chmod does not stop: inject the EACCES.
+  auto faulty = std::make_shared<ferry::FaultFilesystem>(ferry::posix_filesystem());
+  ferry::FaultRule rule;
+  rule.op = ferry::FaultOp::open;
+  rule.error = EACCES;
+  rule.nth = 1;
+  rule.sticky = true;
+  rule.path_contains = "rank-00000-0000.safetensors";
+  faulty->add_rule(rule);
+  auto rep = ferry::verify_checkpoint(*faulty, ckpt);
+  REQUIRE(rep.ok());
+  REQUIRE_FALSE(rep->problems.empty());
+  for (const auto& p : rep->problems) {
+    CHECK(p.code() == ferry::StatusCode::io_error);
+    CHECK_THAT(p.message(), Catch::Contains("rank-00000-0000.safetensors"));
+  }
+  CHECK(std::string(rep->verdict()) == "UNREADABLE");
+  faulty->clear_rules();
+  rep = ferry::verify_checkpoint(*faulty, ckpt);
+  REQUIRE(rep.ok());
+  CHECK(std::string(rep->verdict()) == "OK");
+}
+
+TEST_CASE("ferry inspect escapes control characters of keys, metadata and ids", "[cli]") {
+  TempDir dir;
+  std::vector<float> a;
+  const std::string ckpt = make_root(dir, a);
+  edit_manifest(ckpt, [](ferry::Manifest& m) {
+    m.tensors[0].key = "enc\x1b[2Jweight\n";
+    m.job_id = "job\r\x07";
+    m.metadata.push_back({"note\x1b]0;owned\x07",
+                          "line\nbreak \xc2\x9b"
+                          "31m \xff caf\xc3\xa9"});
+  });
+  auto r = run_shell(kCli + " inspect " + ckpt);
+  INFO(r.out);
+  CHECK(r.code == 0);
+  for (char c : std::string("\x1b\x07\r")) CHECK(r.out.find(c) == std::string::npos);
+  CHECK(r.out.find("\xc2\x9b") == std::string::npos);  // C1 CSI
+  CHECK_THAT(r.out, Catch::Contains("enc\\x1b[2Jweight\\x0a"));
+  CHECK_THAT(r.out, Catch::Contains("job job\\x0d\\x07"));
+  CHECK_THAT(r.out, Catch::Contains("meta note\\x1b]0;owned\\x07 = line\\x0abreak \\xc2\\x9b31m "
+                                    "\\xff caf\xc3\xa9"));
+
+  // Names in a root are anyone's too: `ferry ls` and `ferry gc` print a
+  // pending directory's name escaped.
+  fs::create_directory(dir.path() + "/.pending-00000300-j-\x1b[2Jx");
+  for (const char* cmd : {" ls ", " gc "}) {
+    r = run_shell(kCli + cmd + dir.path());
+    INFO(r.out);
+    CHECK(r.out.find('\x1b') == std::string::npos);
+    CHECK_THAT(r.out, Catch::Contains(".pending-00000300-j-\\x1b[2Jx"));
+  }
 }

@@ -439,7 +439,7 @@ TEST_CASE("an overwrite killed with the old step aside: the old step comes back"
     REQUIRE(gc.ok());
     CHECK(gc->restored == std::vector<std::string>{join_path(root, step_dir_name(5))});
   }
-  SECTION("the next save's prepare puts it back, and refuses to overwrite by accident") {
+  SECTION("the next save's prepare refuses to overwrite it by accident; a reader puts it back") {
     const std::string next = join_path(root, pending_dir_name(5, "job", "again"));
     Status st = prepare_pending(*fs, root, next, 5, false, kMinute, "job/again");
     CHECK(st.code() == StatusCode::already_exists);
@@ -448,13 +448,147 @@ TEST_CASE("an overwrite killed with the old step aside: the old step comes back"
   SECTION("the next save's commit puts it back") {
     commit_ok(*fs, root, 7, "newest");
   }
-  CHECK(slurp(data_file(root, 5)) == data_of(5, "old"));
   auto list = list_checkpoints(*fs, root);
+  CHECK(slurp(data_file(root, 5)) == data_of(5, "old"));
   REQUIRE(list.ok());
   std::set<uint64_t> steps;
   for (const auto& c : *list) steps.insert(c.step);
   CHECK(steps.count(5) == 1);
   CHECK(steps.count(6) == 1);
+}
+
+TEST_CASE("an overwrite killed with the old step aside: every reader finds the step at once",
+          "[commit][overwrite]") {
+  TempDir tmp;
+  auto fs = posix_filesystem();
+  const std::string root = tmp.path();
+  commit_ok(*fs, root, 5, "old");
+  overwrite_killed_at(*fs, root, 5, "overwrite.aside");
+  REQUIRE_FALSE(exists(join_path(root, step_dir_name(5))));
+
+  // Each reader alone, before any gc or save, finishes the overwrite's undo.
+  SECTION("find_latest (load, `latest`, a resume's latest_step)") {
+    require_latest(*fs, root, 5, "old");
+  }
+  SECTION("list_checkpoints (`ferry ls`)") {
+    auto list = list_checkpoints(*fs, root);
+    REQUIRE(list.ok());
+    REQUIRE(list->size() == 1);
+    CHECK(list->front().step == 5);
+    CHECK(list->front().status.ok());
+  }
+  SECTION("resolve_checkpoint of the step itself (a load naming it)") {
+    auto dir = resolve_checkpoint(*fs, join_path(root, step_dir_name(5)) + "/");
+    INFO(dir.status().to_string());
+    REQUIRE(dir.ok());
+  }
+  CHECK(slurp(data_file(root, 5)) == data_of(5, "old"));
+  for (const std::string& name : names_in(root))
+    CHECK(name.find(".displaced-") == std::string::npos);
+
+  // The resumed job's next save, keeping one checkpoint, keeps a loadable one.
+  CommitOptions keep1;
+  keep1.keep_last = 1;
+  CommitOutcome out = commit_ok(*fs, root, 6, "resumed", keep1);
+  CHECK(out.restored.empty());
+  for (const std::string& t : out.trash) REQUIRE(remove_all(*fs, t).ok());
+  require_latest(*fs, root, 6, "resumed");
+}
+
+TEST_CASE("a save that puts back a step left aside spares it from its own retention",
+          "[commit][overwrite]") {
+  TempDir tmp;
+  auto fs = posix_filesystem();
+  const std::string root = tmp.path();
+  commit_ok(*fs, root, 5, "old");
+  overwrite_killed_at(*fs, root, 5, "overwrite.aside");
+  // A job that never looked (it was told its step) saves step 1 with
+  // keep_last = 1: its prepare leaves the step aside, its commit puts it
+  // back and its retention must not delete what the job never saw.
+  CommitOptions keep1;
+  keep1.keep_last = 1;
+  CommitOutcome out = commit_ok(*fs, root, 1, "scratch", keep1);
+  CHECK(out.restored == std::vector<std::string>{join_path(root, step_dir_name(5))});
+  CHECK(out.retired.empty());
+  CHECK(slurp(data_file(root, 5)) == data_of(5, "old"));
+  require_latest(*fs, root, 1, "scratch");
+  // The next save's retention is an ordinary one.
+  out = commit_ok(*fs, root, 2, "next", keep1);
+  CHECK(out.retired.size() == 2);
+  require_latest(*fs, root, 2, "next");
+}
+
+TEST_CASE("two processes finishing one interrupted overwrite put the step back once",
+          "[commit][overwrite][lock]") {
+  TempDir tmp;
+  auto fs = posix_filesystem();
+  const std::string root = tmp.path();
+  commit_ok(*fs, root, 5, "old");
+  commit_ok(*fs, root, 6, "later");
+  overwrite_killed_at(*fs, root, 5, "overwrite.aside");
+  // Each child waits at a pipe so that both look at the root at once.
+  int go[2];
+  REQUIRE(::pipe(go) == 0);
+  std::vector<pid_t> kids;
+  for (int i = 0; i < 2; ++i) {
+    pid_t pid = ::fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+      ::close(go[1]);
+      char c;
+      if (::read(go[0], &c, 1) != 0) ::_exit(4);
+      auto latest = find_latest(*posix_filesystem(), root);
+      ::_exit(latest.ok() && latest->step == 6 ? 0 : 5);
+    }
+    kids.push_back(pid);
+  }
+  ::close(go[0]);
+  ::close(go[1]);  // both start
+  for (pid_t pid : kids) {
+    int status = 0;
+    REQUIRE(::waitpid(pid, &status, 0) == pid);
+    CHECK(WIFEXITED(status));
+    CHECK(WEXITSTATUS(status) == 0);
+  }
+  CHECK(slurp(data_file(root, 5)) == data_of(5, "old"));
+  CHECK(slurp(data_file(root, 6)) == data_of(6, "later"));
+  for (const std::string& name : names_in(root))
+    CHECK(name.find(".displaced-") == std::string::npos);
+}
+
+TEST_CASE("gc puts back only a directory holding that step's manifest", "[commit][gc][overwrite]") {
+  TempDir tmp;
+  TempDir elsewhere;
+  auto fs = posix_filesystem();
+  const std::string root = tmp.path();
+  commit_ok(*fs, root, 5, "old");
+  const std::string outside = join_path(elsewhere.path(), "kept");
+  REQUIRE(fs->mkdir(outside).ok());
+  put(*fs, join_path(outside, "precious"), "outside bytes");
+  // None of these is step 9..12's checkpoint: a file, an empty directory,
+  // another step's checkpoint, a link to a directory outside the root.
+  const std::string file = join_path(root, displaced_dir_name(9, "a"));
+  put(*fs, file, "not a directory");
+  const std::string empty = join_path(root, displaced_dir_name(10, "b"));
+  REQUIRE(fs->mkdir(empty).ok());
+  const std::string other = join_path(root, displaced_dir_name(11, "c"));
+  REQUIRE(fs->mkdir(other).ok());
+  put(*fs, join_path(other, kManifestFileName),
+      slurp(join_path(join_path(root, step_dir_name(5)), kManifestFileName)));
+  const std::string link = join_path(root, displaced_dir_name(12, "d"));
+  REQUIRE(::symlink(outside.c_str(), link.c_str()) == 0);
+
+  // Readers see nothing to put back, so they neither wait nor write.
+  require_latest(*fs, root, 5, "old");
+  auto gc = collect_garbage(*fs, root, now_unix_ms());
+  REQUIRE(gc.ok());
+  CHECK(gc->restored.empty());
+  std::set<std::string> discarded(gc->discarded.begin(), gc->discarded.end());
+  CHECK(discarded == std::set<std::string>{file, empty, other, link});
+  CHECK(names_in(root) ==
+        std::vector<std::string>{kRootLockFileName, kLatestFileName, step_dir_name(5)});
+  CHECK(slurp(join_path(outside, "precious")) == "outside bytes");
+  require_latest(*fs, root, 5, "old");
 }
 
 TEST_CASE("an overwrite killed after its commit rename leaves the new step whole",

@@ -531,6 +531,7 @@ int main(int argc, char** argv) {
 
   uint64_t my_step = step;
   ferry::SaveOptions so;
+  so.overwrite = arg(argc, argv, "--overwrite", "0") == std::string("1");
   const std::string step_for = arg(argc, argv, "--step-for-rank", "");
   if (auto eq = step_for.find('='); eq != std::string::npos && std::stoi(step_for) == rank)
     my_step = std::stoull(step_for.substr(eq + 1));

@@ -226,6 +226,41 @@ TEST_CASE("malformed messages are logged and answered, never a crash", "[ranks]"
   CHECK_THAT(r.out, Catch::Contains("FAILED as expected"));  // rank 0 lived to report
 }
 
+TEST_CASE("an overwrite killed with its old step aside: the resumed job finds and keeps it",
+          "[ranks][overwrite]") {
+  TempDir d;
+  const std::string keep1 = " --set keep-last=1";
+  auto first = launch(2, save_args(d, 1, 11) + keep1);
+  INFO(first.out);
+  REQUIRE(first.code == 0);
+  // Rank 0 (the coordinator) dies between moving step 1 aside and putting
+  // the new step 1 in its place.
+  auto r =
+      launch(2, save_args(d, 1, 12) + keep1 + " --overwrite 1", "FERRY_KILL_AT=overwrite.aside@0");
+  INFO(r.out);
+  CHECK_THAT(r.out, Catch::Contains("killed by signal 9"));
+  auto fsys = ferry::posix_filesystem();
+  REQUIRE_FALSE(fs::exists(d.sub("step-00000001")));
+  // What a resuming job asks first: the old step 1, whole.
+  auto latest = ferry::find_latest(*fsys, d.path());
+  INFO(latest.status().to_string());
+  REQUIRE(latest.ok());
+  CHECK(latest->step == 1);
+  auto l = launch(2, "--mode load --seed 11 --root " + d.path());
+  INFO(l.out);
+  CHECK(l.code == 0);
+  // Its next save, keeping one checkpoint, leaves a loadable one.
+  auto next = launch(2, save_args(d, 2, 13) + keep1);
+  INFO(next.out);
+  REQUIRE(next.code == 0);
+  latest = ferry::find_latest(*fsys, d.path());
+  REQUIRE(latest.ok());
+  CHECK(latest->step == 2);
+  l = launch(2, "--mode load --seed 13 --root " + d.path());
+  INFO(l.out);
+  CHECK(l.code == 0);
+}
+
 // Crash consistency at every step of the protocol: a 2-rank save on top of a
 // committed checkpoint, SIGKILLed at a kill point on rank 0 (the coordinator)
 // or rank 1; then the latest checkpoint is either the new one or the old one,

@@ -1,6 +1,9 @@
 #include "catalog.hpp"
 
+#include <unistd.h>
+
 #include <catch2/catch.hpp>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -290,34 +293,38 @@ TEST_CASE("catalog works through a wrapped filesystem", "[catalog]") {
   CHECK(fs.lists >= 1);
 }
 
+// Counts the bytes read from MANIFEST files.
+struct CountingFile : File {
+  std::unique_ptr<File> f;
+  uint64_t* bytes;
+  CountingFile(std::unique_ptr<File> file, uint64_t* n) : f(std::move(file)), bytes(n) {}
+  const std::string& path() const override { return f->path(); }
+  bool direct() const override { return f->direct(); }
+  Status pwrite(const void* d, size_t n, uint64_t o) override { return f->pwrite(d, n, o); }
+  Result<size_t> pread(void* d, size_t n, uint64_t o) override {
+    Result<size_t> r = f->pread(d, n, o);
+    if (r.ok()) *bytes += *r;
+    return r;
+  }
+  Status truncate(uint64_t n) override { return f->truncate(n); }
+  Status sync() override { return f->sync(); }
+  Status close() override { return f->close(); }
+};
+struct CountingFilesystem : FilesystemWrapper {
+  using FilesystemWrapper::FilesystemWrapper;
+  uint64_t manifest_bytes = 0;
+  std::map<std::string, int> manifest_opens;  // by path
+  Result<std::unique_ptr<File>> open(const std::string& p, const OpenOptions& o) override {
+    FERRY_ASSIGN_OR_RETURN(std::unique_ptr<File> f, FilesystemWrapper::open(p, o));
+    if (p.size() >= 8 && p.compare(p.size() - 8, 8, "MANIFEST") == 0) {
+      ++manifest_opens[p];
+      return std::unique_ptr<File>(new CountingFile(std::move(f), &manifest_bytes));
+    }
+    return f;
+  }
+};
+
 TEST_CASE("commit sequences: each manifest is read whole once, then only its frame", "[catalog]") {
-  // Counts the bytes read from MANIFEST files.
-  struct CountingFile : File {
-    std::unique_ptr<File> f;
-    uint64_t* bytes;
-    CountingFile(std::unique_ptr<File> file, uint64_t* n) : f(std::move(file)), bytes(n) {}
-    const std::string& path() const override { return f->path(); }
-    bool direct() const override { return f->direct(); }
-    Status pwrite(const void* d, size_t n, uint64_t o) override { return f->pwrite(d, n, o); }
-    Result<size_t> pread(void* d, size_t n, uint64_t o) override {
-      Result<size_t> r = f->pread(d, n, o);
-      if (r.ok()) *bytes += *r;
-      return r;
-    }
-    Status truncate(uint64_t n) override { return f->truncate(n); }
-    Status sync() override { return f->sync(); }
-    Status close() override { return f->close(); }
-  };
-  struct CountingFilesystem : FilesystemWrapper {
-    using FilesystemWrapper::FilesystemWrapper;
-    uint64_t manifest_bytes = 0;
-    Result<std::unique_ptr<File>> open(const std::string& p, const OpenOptions& o) override {
-      FERRY_ASSIGN_OR_RETURN(std::unique_ptr<File> f, FilesystemWrapper::open(p, o));
-      if (p.size() >= 8 && p.compare(p.size() - 8, 8, "MANIFEST") == 0)
-        return std::unique_ptr<File>(new CountingFile(std::move(f), &manifest_bytes));
-      return f;
-    }
-  };
   TempDir tmp;
   CountingFilesystem fs(posix_filesystem());
   const std::string& root = tmp.path();
@@ -381,6 +388,121 @@ TEST_CASE("commit sequences: each manifest is read whole once, then only its fra
   REQUIRE(latest.ok());
   CHECK(latest->step == 300);
   CHECK(latest->commit_seq == 41);
+}
+
+// A MANIFEST whose frame (no features) says `payload_len` bytes follow,
+// with `payload_sum`, as the file's first bytes; the file is then cut (or
+// extended, sparse) to `file_bytes`.
+void write_frame_only(const std::string& path, uint64_t payload_len, uint64_t payload_sum,
+                      uint64_t file_bytes) {
+  std::string head = encode_manifest(Manifest());
+  head.resize(8 + 4 + 4);  // magic, version, no required features
+  for (uint64_t v : {payload_len, payload_sum})
+    for (int i = 0; i < 8; ++i) head.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+  OpenOptions o;
+  o.write = o.create = o.exclusive = true;
+  auto f = posix_filesystem()->open(path, o);
+  REQUIRE(f.ok());
+  REQUIRE((*f)->pwrite(head.data(), head.size(), 0).ok());
+  REQUIRE((*f)->truncate(file_bytes).ok());
+  REQUIRE((*f)->close().ok());
+}
+
+TEST_CASE("a huge sparse MANIFEST costs its first 4 KiB, a failed one is not read again",
+          "[catalog][bounded]") {
+  TempDir tmp;
+  CountingFilesystem fs(posix_filesystem());
+  const std::string& root = tmp.path();
+  make_checkpoint(fs, root, 1, 1);
+  // 1 GiB, sparse, whose frame agrees with its size: only the frame's
+  // claim against the largest manifest Ferry reads can refuse it unread.
+  const std::string huge = join_path(root, step_dir_name(2));
+  REQUIRE(fs.mkdir(huge).ok());
+  const uint64_t gib = 1ull << 30;
+  write_frame_only(join_path(huge, kManifestFileName), gib - 32, 0, gib);
+  // 1 MiB whose frame is whole but whose payload checksum fails: read once.
+  const std::string bad = join_path(root, step_dir_name(3));
+  REQUIRE(fs.mkdir(bad).ok());
+  write_frame_only(join_path(bad, kManifestFileName), 1 << 20, 12345, 32 + (1 << 20));
+  // A frame that claims more than the file holds is refused from its head.
+  const std::string shorter = join_path(root, step_dir_name(4));
+  REQUIRE(fs.mkdir(shorter).ok());
+  write_frame_only(join_path(shorter, kManifestFileName), 1 << 20, 0, 4096);
+
+  fs.manifest_bytes = 0;
+  auto list = list_checkpoints(fs, root);
+  REQUIRE(list.ok());
+  REQUIRE(list->size() == 4);
+  std::map<uint64_t, Status> status;
+  for (const auto& c : *list) status[c.step] = c.status;
+  CHECK(status[1].ok());
+  CHECK(contains(status[2].message(), join_path(huge, kManifestFileName)));
+  CHECK(contains(status[2].message(), "more than the 268435456 a manifest may hold"));
+  CHECK(contains(status[3].message(), "checksum"));
+  CHECK(contains(status[4].message(), "the file holds 4096"));
+  // The good manifest and the bad one whole, the others' heads only.
+  CHECK(fs.manifest_bytes < (1u << 20) + 4 * 4096);
+  CHECK(fs.manifest_bytes >= (1u << 20));
+
+  // Every later look (a save's numbering, a load's choice, another `ls`)
+  // knows the three failed by their size, inode and mtime: none is opened.
+  for (int again = 0; again < 3; ++again) {
+    fs.manifest_bytes = 0;
+    fs.manifest_opens.clear();
+    CHECK(*highest_commit_seq(fs, root) == 1);
+    auto latest = find_latest(fs, root);
+    REQUIRE(latest.ok());
+    CHECK(latest->step == 1);
+    auto again_list = list_checkpoints(fs, root);
+    REQUIRE(again_list.ok());
+    CHECK(again_list->size() == 4);
+    CHECK(read_manifest(fs, bad).status().message() == status[3].message());
+    CHECK(fs.manifest_bytes <= 8 * 4096);  // step 1's frame, and its decode by find_latest/ls
+    for (const std::string& dir : {huge, bad, shorter})
+      CHECK(fs.manifest_opens.count(join_path(dir, kManifestFileName)) == 0);
+  }
+  // Rewritten (a new file), it is read again.
+  REQUIRE(fs.unlink(join_path(bad, kManifestFileName)).ok());
+  Manifest m;
+  m.step = 3;
+  m.commit_seq = 7;
+  REQUIRE(write_file_atomic(fs, join_path(bad, kManifestFileName), encode_manifest(m), false).ok());
+  CHECK(*highest_commit_seq(fs, root) == 7);
+}
+
+TEST_CASE("a symbolic link in a root is never followed as a step or a MANIFEST", "[catalog]") {
+  TempDir tmp;
+  TempDir elsewhere;
+  auto fs = posix_filesystem();
+  const std::string& root = tmp.path();
+  make_checkpoint(*fs, root, 1, 1);
+  // A checkpoint outside the root with a higher number, linked in as a step
+  // and as another step's MANIFEST.
+  const std::string outside = make_checkpoint(*fs, elsewhere.path(), 9, 50);
+  REQUIRE(::symlink(outside.c_str(), join_path(root, step_dir_name(9)).c_str()) == 0);
+  const std::string two = join_path(root, step_dir_name(2));
+  REQUIRE(fs->mkdir(two).ok());
+  REQUIRE(::symlink(join_path(outside, kManifestFileName).c_str(),
+                    join_path(two, kManifestFileName).c_str()) == 0);
+
+  auto latest = find_latest(*fs, root);
+  REQUIRE(latest.ok());
+  CHECK(latest->step == 1);
+  CHECK(*highest_commit_seq(*fs, root) == 1);
+  auto list = list_checkpoints(*fs, root);
+  REQUIRE(list.ok());
+  REQUIRE(list->size() == 3);
+  for (const auto& c : *list) {
+    if (c.step == 1) continue;
+    CHECK(contains(c.status.message(), "symbolic link"));
+  }
+  auto named = resolve_checkpoint(*fs, join_path(root, step_dir_name(9)));
+  REQUIRE_FALSE(named.ok());
+  CHECK(contains(named.status().message(), "symbolic link"));
+  auto m = read_manifest(*fs, two);
+  REQUIRE_FALSE(m.ok());
+  CHECK(contains(m.status().message(), join_path(two, kManifestFileName)));
+  CHECK(contains(m.status().message(), "symbolic link"));
 }
 
 }  // namespace

@@ -292,6 +292,47 @@ void filesystem_conformance(Filesystem& fs, const std::string& dir) {
     CHECK(*read_file(fs, join_path(target, "keep")) == "k");
   }
 
+  SECTION("a symbolic link is never opened, read, written or locked through") {
+    std::string outside = join_path(dir, "outside");
+    REQUIRE(fs.mkdir(outside).ok());
+    const std::string target = join_path(outside, "target");
+    REQUIRE(write_file_atomic(fs, target, "outside bytes", false).ok());
+    const std::string inside = join_path(dir, "inside");
+    REQUIRE(fs.mkdir(inside).ok());
+    for (const char* name : {"MANIFEST", "LATEST", "rank-00000-0000.safetensors", ".ferry-lock"}) {
+      const std::string link = join_path(inside, name);
+      REQUIRE(::symlink(target.c_str(), link.c_str()) == 0);
+      INFO(link);
+      auto lst = fs.lstat(link);
+      REQUIRE(lst.ok());
+      CHECK(lst->is_symlink);
+      CHECK_FALSE(lst->is_regular);
+      CHECK(fs.stat(link)->is_regular);  // stat follows, as documented
+      auto r = fs.open(link, OpenOptions{});
+      REQUIRE_FALSE(r.ok());
+      CHECK(contains(r.status().message(), link));
+      CHECK(contains(r.status().message(), "symbolic link"));
+      auto w = fs.open(link, writable(true, false));
+      REQUIRE_FALSE(w.ok());
+      w = fs.open(link, writable(true, true));
+      REQUIRE_FALSE(w.ok());
+      auto text = read_file(fs, link);
+      REQUIRE_FALSE(text.ok());
+      CHECK(contains(text.status().message(), "symbolic link"));
+      auto lock = fs.lock(link, 0);
+      REQUIRE_FALSE(lock.ok());
+      CHECK(contains(lock.status().message(), link));
+    }
+    // A second name for a file (a hard link from elsewhere) is no lock file:
+    // taking the lock would write into the other name's file.
+    const std::string hard = join_path(inside, "hard-lock");
+    REQUIRE(::link(target.c_str(), hard.c_str()) == 0);
+    auto lock = fs.lock(hard, 0);
+    REQUIRE_FALSE(lock.ok());
+    CHECK(contains(lock.status().message(), "hard links"));
+    CHECK(*read_file(fs, target) == "outside bytes");
+  }
+
   SECTION("concurrent pwrite and pread on one file") {
     std::string path = join_path(dir, "shared.bin");
     auto f = fs.open(path, writable());

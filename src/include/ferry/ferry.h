@@ -235,7 +235,10 @@ FERRY_API ferry_status ferry_export(ferry_runtime* rt, const char* path, const c
 /* --- catalog (no runtime needed) ---------------------------------------- */
 
 /* The latest committed checkpoint under root in *out (owned by this thread,
- * valid until its next call into this library); FERRY_NOT_FOUND if none. */
+ * valid until its next call into this library); FERRY_NOT_FOUND if none.
+ * Like every reader of a root, it first puts back a step that an overwrite
+ * killed half-way left aside (under ROOT's lock): if it cannot, that is an
+ * error naming the step, never FERRY_NOT_FOUND. */
 FERRY_API ferry_status ferry_latest(const char* root, const char** out);
 /* Steps of the committed, readable checkpoints under root, by commit order.
  * Writes at most `capacity` steps and sets *count to how many there are. */

@@ -12,6 +12,9 @@
 
 namespace ferry {
 
+// Every open refuses a symbolic link as the last component (O_NOFOLLOW):
+// whatever Ferry reads or writes inside a root or an export directory is
+// its own regular file, never something a link points at outside it.
 struct OpenOptions {
   bool write = false;  // read-only otherwise
   bool create = false;
@@ -51,7 +54,9 @@ struct FileInfo {
   uint64_t size = 0;
   bool is_dir = false;
   bool is_regular = false;  // a plain file (not a FIFO, socket or device)
+  bool is_symlink = false;  // only from lstat: stat follows links
   int64_t mtime_unix_ms = 0;
+  uint64_t inode = 0;
 };
 
 // An advisory lock held until this object is destroyed. Not shared between
@@ -73,11 +78,15 @@ class Filesystem {
   virtual Status sync_dir(const std::string& path) = 0;  // open O_DIRECTORY + fsync
   virtual Result<std::vector<std::string>> list(const std::string& dir) = 0;  // names, no . ..
   virtual Result<FileInfo> stat(const std::string& path) = 0;                 // not_found if absent
+  // stat of the link itself when `path` is a symbolic link (is_symlink).
+  virtual Result<FileInfo> lstat(const std::string& path) = 0;
   // An exclusive advisory lock on the file at `path` (created if absent),
   // excluding other processes and other holders in this process alike.
   // Waits up to `wait_ms` for a holder to let go, then fails with
   // `busy` naming the path and the holder (who
-  // wrote "pid ... host ..." into the file when it took the lock).
+  // wrote "pid ... host ..." into the file when it took the lock). A lock
+  // file that is a symbolic link or has other hard links is refused: taking
+  // the lock writes into it.
   virtual Result<std::unique_ptr<FileLock>> lock(const std::string& path, int64_t wait_ms) = 0;
 };
 
@@ -101,6 +110,7 @@ class FilesystemWrapper : public Filesystem {
   Status sync_dir(const std::string& p) override { return target_->sync_dir(p); }
   Result<std::vector<std::string>> list(const std::string& d) override { return target_->list(d); }
   Result<FileInfo> stat(const std::string& p) override { return target_->stat(p); }
+  Result<FileInfo> lstat(const std::string& p) override { return target_->lstat(p); }
   Result<std::unique_ptr<FileLock>> lock(const std::string& p, int64_t wait_ms) override {
     return target_->lock(p, wait_ms);
   }
