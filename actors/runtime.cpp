@@ -471,6 +471,19 @@ Result<std::unique_ptr<Runtime>> Runtime::from_env(RuntimeArgs args) {
   return create(std::move(args));
 }
 
+namespace {
+
+// Runtimes whose threads were left running at shutdown: kept reachable (and
+// never freed) for as long as those threads may use them.
+void leave_behind(std::unique_ptr<Runtime::Impl> impl) {
+  static std::mutex mu;
+  static auto* kept = new std::vector<std::unique_ptr<Runtime::Impl>>();
+  std::lock_guard<std::mutex> lock(mu);
+  kept->push_back(std::move(impl));
+}
+
+}  // namespace
+
 Runtime::~Runtime() {
   if (!impl_) return;
   std::shared_ptr<detail::SaveState> last;
@@ -524,7 +537,7 @@ Runtime::~Runtime() {
                            : (std::to_string(stragglers->count()) +
                               " writer thread(s) still stuck in storage or a checkpoint_fn")
                                  .c_str());
-    (void)impl_.release();
+    leave_behind(std::move(impl_));
     return;
   }
   impl_->sys.reset();
