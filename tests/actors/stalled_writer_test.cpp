@@ -48,12 +48,13 @@ bool loads_as(ferry::Runtime& rt, const std::string& path, float seed) {
   return rt.load(got.sd, path).ok() && got.a == want.a;
 }
 
-// write-timeout 1 s; the drain's grace (2 s) and rank 0's verdict come on top.
-constexpr double kBound = 8;
+// write-timeout 1 s; the drain's grace (2 s), rank 0's verdict (at most 2 s)
+// and a loaded machine's scheduling come on top. Without the fix: never.
+constexpr double kBound = 15;
 
 }  // namespace
 
-TEST_CASE("a pwrite that never returns fails the save by its deadline; the next save works",
+TEST_CASE("a pwrite that never returns fails the save by its deadline, and the next save works",
           "[actors][faults][stall]") {
   TempDir dir;
   auto faults = std::make_shared<ferry::FaultFilesystem>(ferry::posix_filesystem());
@@ -71,7 +72,7 @@ TEST_CASE("a pwrite that never returns fails the save by its deadline; the next 
   REQUIRE(faults->wait_stalled(1, std::chrono::seconds(30)));
   const ferry::Status st = h.wait_committed(std::chrono::seconds(60));
   const double took = seconds_since(t0);
-  INFO(st.to_string());
+  INFO(st.to_string() << " after " << took << " s");
   CHECK(st.code() == ferry::StatusCode::timeout);
   CHECK(st.message().find("rank 0 (write phase)") != std::string::npos);
   CHECK(st.message().find("pwrite of ") != std::string::npos);
@@ -148,7 +149,7 @@ TEST_CASE("a checkpoint_fn that never returns fails barrier() by the write deadl
     auto r = p.barrier();
     const double took = seconds_since(t0);
     REQUIRE_FALSE(r.ok());
-    INFO(r.status().to_string());
+    INFO(r.status().to_string() << " after " << took << " s");
     CHECK(r.status().code() == ferry::StatusCode::timeout);
     CHECK(r.status().message().find("rank 0 (write phase)") != std::string::npos);
     CHECK(r.status().message().find("checkpoint_fn writing ") != std::string::npos);

@@ -64,7 +64,7 @@ class StuckWriters(Base):
         self.assertEqual(proc.returncode, 0, line + out + err)
         self.assertTrue(line.startswith("FAILED "), line + err)
         seconds = float(line.split()[1])
-        self.assertLess(seconds, 8, line)  # write-timeout 1 s + the drain's grace
+        self.assertLess(seconds, 15, line)  # write-timeout 1 s + the drain's grace + verdict
         self.assertIn(" timeout: ", line)
         self.assertIn("rank 0 (write phase)", line)
         self.assertIn("checkpoint_fn writing", line)
