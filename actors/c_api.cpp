@@ -4,11 +4,14 @@
 
 #include "ferry/ferry.h"
 
+#include <chrono>
 #include <exception>
 #include <memory>
+#include <mutex>
 #include <new>
 #include <optional>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "catalog.hpp"
@@ -127,6 +130,77 @@ ferry_status null_arg(const char* what) {
   return fail(FERRY_INVALID_ARGUMENT, std::string(what) + " is NULL");
 }
 
+// The handles of one kind given out and not yet released. An entry point
+// refuses a pointer that is not among them (released already, or never
+// made here) instead of following it; a release of such a pointer does
+// nothing. One table per kind for the process: the C ABI's handles are
+// the process's, like the pointers themselves.
+template <class T>
+class Handles {
+ public:
+  T* add(std::unique_ptr<T> h) {
+    std::lock_guard<std::mutex> lock(mu_);
+    live_.insert(h.get());
+    return h.release();
+  }
+  bool live(const T* h) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return live_.count(h) > 0;
+  }
+  // Ownership back from the table; null when `h` is not live.
+  std::unique_ptr<T> take(T* h) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (live_.erase(h) == 0) return nullptr;
+    return std::unique_ptr<T>(h);
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::unordered_set<const T*> live_;
+};
+
+template <class T>
+Handles<T>& handles() {
+  static Handles<T>* table = new Handles<T>();  // never destroyed: used until the process ends
+  return *table;
+}
+
+template <class T>
+bool live(const T* h) {
+  return h && handles<T>().live(h);
+}
+
+// FERRY_OK for a live handle; otherwise the error naming it.
+template <class T>
+ferry_status check_handle(const T* h, const char* what) {
+  if (!h) return null_arg(what);
+  if (!handles<T>().live(h))
+    return fail(FERRY_INVALID_ARGUMENT,
+                std::string(what) + " is not a live handle (released already, or not one of ours)");
+  return FERRY_OK;
+}
+
+#define FERRY_CHECK_HANDLE(h, what)                                               \
+  do {                                                                            \
+    if (ferry_status bad_ = check_handle(h, what); bad_ != FERRY_OK) return bad_; \
+  } while (0)
+
+// Turns a timed wait into the C answer: FERRY_WAIT_TIMED_OUT while `done`
+// is false afterwards, else the wait's outcome (`wait`, which returns at once).
+template <class Wait, class Done, class Final>
+ferry_status timed_wait(int64_t timeout_ms, Wait&& wait, Done&& done, Final&& final_status) {
+  if (timeout_ms < 0)
+    return fail(FERRY_INVALID_ARGUMENT,
+                "timeout_ms = " + std::to_string(timeout_ms) + ": must be >= 0");
+  if (!done()) {
+    (void)wait(std::chrono::milliseconds(timeout_ms));
+    if (!done())
+      return fail(FERRY_WAIT_TIMED_OUT,
+                  "not done after " + std::to_string(timeout_ms) + " ms (still running)");
+  }
+  return to_c(final_status());
+}
+
 }  // namespace
 
 extern "C" {
@@ -136,6 +210,7 @@ const char* ferry_last_error(void) {
 }
 
 const char* ferry_status_name(ferry_status code) {
+  if (code == FERRY_WAIT_TIMED_OUT) return "wait_timed_out";
   if (code < FERRY_OK || code > FERRY_INTERNAL) return "unknown";
   return ferry::status_code_name(static_cast<ferry::StatusCode>(code));
 }
@@ -159,13 +234,15 @@ ferry_status ferry_runtime_create(const ferry_kv* settings, size_t num_settings,
   return guarded([&] {
     if (!out) return null_arg("out");
     *out = nullptr;
+    if (num_settings > 0 && !settings) return null_arg("settings");
     ferry::RuntimeArgs args;
     args.settings = to_settings(settings, num_settings);
     args.rank = rank;
     args.world_size = world_size;
     auto r = ferry::Runtime::create(std::move(args));
     if (!r.ok()) return to_c(r.status());
-    *out = new ferry_runtime{std::move(r).value()};
+    *out = handles<ferry_runtime>().add(
+        std::unique_ptr<ferry_runtime>(new ferry_runtime{std::move(r).value()}));
     return to_c(ferry::Status());
   });
 }
@@ -175,28 +252,30 @@ ferry_status ferry_runtime_from_env(const ferry_kv* settings, size_t num_setting
   return guarded([&] {
     if (!out) return null_arg("out");
     *out = nullptr;
+    if (num_settings > 0 && !settings) return null_arg("settings");
     ferry::RuntimeArgs args;
     args.settings = to_settings(settings, num_settings);
     auto r = ferry::Runtime::from_env(std::move(args));
     if (!r.ok()) return to_c(r.status());
-    *out = new ferry_runtime{std::move(r).value()};
+    *out = handles<ferry_runtime>().add(
+        std::unique_ptr<ferry_runtime>(new ferry_runtime{std::move(r).value()}));
     return to_c(ferry::Status());
   });
 }
 
 void ferry_runtime_destroy(ferry_runtime* rt) {
   guarded([&] {
-    delete rt;
+    handles<ferry_runtime>().take(rt).reset();
     return FERRY_OK;
   });
 }
 
 int32_t ferry_runtime_rank(const ferry_runtime* rt) {
-  return rt ? rt->rt->rank() : -1;
+  return live(rt) ? rt->rt->rank() : -1;
 }
 
 int32_t ferry_runtime_world_size(const ferry_runtime* rt) {
-  return rt ? rt->rt->world_size() : 0;
+  return live(rt) ? rt->rt->world_size() : 0;
 }
 
 // --- save ------------------------------------------------------------------------
@@ -246,7 +325,7 @@ ferry_status ferry_save_async_opts(ferry_runtime* rt, const ferry_tensor* tensor
   return guarded([&] {
     if (!out) return null_arg("out");
     *out = nullptr;
-    if (!rt) return null_arg("runtime");
+    FERRY_CHECK_HANDLE(rt, "runtime");
     ferry::StateDict sd;
     if (auto st = to_state_dict(tensors, num_tensors, &sd); !st.ok()) return to_c(st);
     ferry_status error = FERRY_OK;
@@ -255,33 +334,59 @@ ferry_status ferry_save_async_opts(ferry_runtime* rt, const ferry_tensor* tensor
     opts->root = root ? root : "";
     auto s = std::make_unique<ferry_save>();
     s->h = rt->rt->save_async(sd, step, *opts);
-    *out = s.release();
+    *out = handles<ferry_save>().add(std::move(s));
     return to_c(ferry::Status());
   });
 }
 
 ferry_status ferry_save_wait_snapshot(ferry_save* s) {
-  return guarded([&] { return s ? to_c(s->h.wait_snapshot()) : null_arg("save"); });
+  return guarded([&] {
+    FERRY_CHECK_HANDLE(s, "save");
+    return to_c(s->h.wait_snapshot());
+  });
 }
 
 ferry_status ferry_save_wait(ferry_save* s) {
-  return guarded([&] { return s ? to_c(s->h.wait_committed()) : null_arg("save"); });
+  return guarded([&] {
+    FERRY_CHECK_HANDLE(s, "save");
+    return to_c(s->h.wait_committed());
+  });
+}
+
+ferry_status ferry_save_wait_snapshot_for(ferry_save* s, int64_t timeout_ms) {
+  return guarded([&] {
+    FERRY_CHECK_HANDLE(s, "save");
+    const ferry::SaveHandle& h = s->h;
+    return timed_wait(
+        timeout_ms, [&](std::chrono::milliseconds t) { return h.wait_snapshot(t); },
+        [&] { return h.snapshot_done(); }, [&] { return h.wait_snapshot(); });
+  });
+}
+
+ferry_status ferry_save_wait_for(ferry_save* s, int64_t timeout_ms) {
+  return guarded([&] {
+    FERRY_CHECK_HANDLE(s, "save");
+    const ferry::SaveHandle& h = s->h;
+    return timed_wait(
+        timeout_ms, [&](std::chrono::milliseconds t) { return h.wait_committed(t); },
+        [&] { return h.done(); }, [&] { return h.wait_committed(); });
+  });
 }
 
 int ferry_save_snapshot_done(const ferry_save* s) {
-  return !s || s->h.snapshot_done();
+  return !live(s) || s->h.snapshot_done();
 }
 
 int ferry_save_done(const ferry_save* s) {
-  return !s || s->h.done();
+  return !live(s) || s->h.done();
 }
 
 uint64_t ferry_save_step(const ferry_save* s) {
-  return s ? s->h.step() : 0;
+  return live(s) ? s->h.step() : 0;
 }
 
 const char* ferry_save_path(ferry_save* s) {
-  if (!s) return "";
+  if (!live(s)) return "";
   try {
     s->path = s->h.path();
   } catch (...) {
@@ -291,17 +396,17 @@ const char* ferry_save_path(ferry_save* s) {
 }
 
 uint64_t ferry_save_bytes_persisted(const ferry_save* s) {
-  return s ? s->h.bytes_persisted() : 0;
+  return live(s) ? s->h.bytes_persisted() : 0;
 }
 
 uint64_t ferry_save_bytes_total(const ferry_save* s) {
-  return s ? s->h.bytes_total() : 0;
+  return live(s) ? s->h.bytes_total() : 0;
 }
 
 void ferry_save_metrics_get(const ferry_save* s, ferry_save_metrics* out) {
   if (!out) return;
   *out = ferry_save_metrics{};
-  if (!s) return;
+  if (!live(s)) return;
   const ferry::SaveMetrics m = s->h.metrics();
   out->save_async_ms = m.save_async_ms;
   out->plan_ms = m.plan_ms;
@@ -316,7 +421,7 @@ void ferry_save_metrics_get(const ferry_save* s, ferry_save_metrics* out) {
 }
 
 void ferry_save_release(ferry_save* s) {
-  delete s;
+  handles<ferry_save>().take(s).reset();
 }
 
 // --- load ------------------------------------------------------------------------
@@ -329,7 +434,7 @@ ferry_status ferry_load(ferry_runtime* rt, const ferry_tensor* tensors, size_t n
 ferry_status ferry_load_with_stats(ferry_runtime* rt, const ferry_tensor* tensors,
                                    size_t num_tensors, const char* path, ferry_load_stats* stats) {
   return guarded([&] {
-    if (!rt) return null_arg("runtime");
+    FERRY_CHECK_HANDLE(rt, "runtime");
     if (!path) return null_arg("path");
     ferry::StateDict sd;
     if (auto st = to_state_dict(tensors, num_tensors, &sd); !st.ok()) return to_c(st);
@@ -355,7 +460,7 @@ ferry_status ferry_export(ferry_runtime* rt, const char* path, const char* out_d
                           const char* const* metadata_keys, const char* const* metadata_values,
                           size_t num_metadata, const char** index_out) {
   return guarded([&] {
-    if (!rt) return null_arg("runtime");
+    FERRY_CHECK_HANDLE(rt, "runtime");
     if (!path) return null_arg("path");
     if (!out_dir) return null_arg("out_dir");
     if (!index_out) return null_arg("index_out");
@@ -423,37 +528,38 @@ ferry_status ferry_manifest_open(const char* path, ferry_manifest** out) {
     if (!dir.ok()) return to_c(dir.status());
     auto m = ferry::read_manifest(*fs, *dir);
     if (!m.ok()) return to_c(m.status());
-    *out = new ferry_manifest{std::move(dir).value(), std::move(m).value()};
+    *out = handles<ferry_manifest>().add(std::unique_ptr<ferry_manifest>(
+        new ferry_manifest{std::move(dir).value(), std::move(m).value()}));
     return to_c(ferry::Status());
   });
 }
 
 void ferry_manifest_close(ferry_manifest* m) {
-  delete m;
+  handles<ferry_manifest>().take(m).reset();
 }
 
 const char* ferry_manifest_path(const ferry_manifest* m) {
-  return m ? m->dir.c_str() : "";
+  return live(m) ? m->dir.c_str() : "";
 }
 
 uint64_t ferry_manifest_step(const ferry_manifest* m) {
-  return m ? m->m.step : 0;
+  return live(m) ? m->m.step : 0;
 }
 
 uint64_t ferry_manifest_commit_seq(const ferry_manifest* m) {
-  return m ? m->m.commit_seq : 0;
+  return live(m) ? m->m.commit_seq : 0;
 }
 
 int32_t ferry_manifest_world_size(const ferry_manifest* m) {
-  return m ? m->m.world_size : 0;
+  return live(m) ? m->m.world_size : 0;
 }
 
 size_t ferry_manifest_num_tensors(const ferry_manifest* m) {
-  return m ? m->m.tensors.size() : 0;
+  return live(m) ? m->m.tensors.size() : 0;
 }
 
 ferry_status ferry_manifest_tensor(const ferry_manifest* m, size_t i, ferry_tensor_info* out) {
-  if (!m) return null_arg("manifest");
+  FERRY_CHECK_HANDLE(m, "manifest");
   if (!out) return null_arg("out");
   if (i >= m->m.tensors.size())
     return fail(FERRY_INVALID_ARGUMENT, "tensor index " + std::to_string(i) + " out of range (" +
@@ -470,12 +576,12 @@ ferry_status ferry_manifest_tensor(const ferry_manifest* m, size_t i, ferry_tens
 }
 
 size_t ferry_manifest_num_metadata(const ferry_manifest* m) {
-  return m ? m->m.metadata.size() : 0;
+  return live(m) ? m->m.metadata.size() : 0;
 }
 
 ferry_status ferry_manifest_metadata(const ferry_manifest* m, size_t i, const char** key,
                                      const char** value, size_t* value_len) {
-  if (!m) return null_arg("manifest");
+  FERRY_CHECK_HANDLE(m, "manifest");
   if (i >= m->m.metadata.size())
     return fail(FERRY_INVALID_ARGUMENT, "metadata index " + std::to_string(i) + " out of range");
   const auto& kv = m->m.metadata[i];
@@ -642,7 +748,7 @@ ferry_status ferry_planner_create_ex(ferry_runtime* rt, const ferry_tensor* tens
   return guarded([&] {
     if (!out) return null_arg("out");
     *out = nullptr;
-    if (!rt) return null_arg("runtime");
+    FERRY_CHECK_HANDLE(rt, "runtime");
     ferry::StateDict sd;
     if (auto st = to_state_dict(tensors, num_tensors, &sd); !st.ok()) return to_c(st);
     ferry::SavePlannerOptions o;
@@ -674,25 +780,26 @@ ferry_status ferry_planner_create_ex(ferry_runtime* rt, const ferry_tensor* tens
     p->p = std::make_unique<ferry::SavePlanner>(
         *rt->rt, sd, filename_prefix ? filename_prefix : "", std::move(o), root ? root : "",
         has_step ? std::optional<uint64_t>(step) : std::nullopt);
-    *out = p.release();
+    *out = handles<ferry_planner>().add(std::move(p));
     return to_c(ferry::Status());
   });
 }
 
 void ferry_planner_destroy(ferry_planner* p) {
   try {
-    delete p;
+    handles<ferry_planner>().take(p).reset();
   } catch (...) {
   }
 }
 
 uint64_t ferry_planner_step(const ferry_planner* p) {
-  return p ? p->p->step() : 0;
+  return live(p) ? p->p->step() : 0;
 }
 
 ferry_status ferry_planner_local_plan(ferry_planner* p, const char** bytes, size_t* len) {
   return guarded([&] {
-    if (!p || !bytes || !len) return null_arg("planner, bytes or len");
+    FERRY_CHECK_HANDLE(p, "planner");
+    if (!bytes || !len) return null_arg("bytes or len");
     auto l = p->p->create_local_plan();
     if (!l.ok()) return to_c(l.status());
     p->local = l->to_bytes();
@@ -704,20 +811,22 @@ ferry_status ferry_planner_local_plan(ferry_planner* p, const char** bytes, size
 
 ferry_status ferry_planner_global_plan(ferry_planner* p, ferry_plans** out) {
   return guarded([&] {
-    if (!p || !out) return null_arg("planner or out");
+    FERRY_CHECK_HANDLE(p, "planner");
+    if (!out) return null_arg("out");
     *out = nullptr;
     auto g = p->p->create_global_plan();
     if (!g.ok()) return to_c(g.status());
     auto ps = std::make_unique<ferry_plans>();
     for (const auto& sp : *g) ps->plans.push_back(sp.to_bytes());
-    *out = ps.release();
+    *out = handles<ferry_plans>().add(std::move(ps));
     return to_c(ferry::Status());
   });
 }
 
 ferry_status ferry_planner_save(ferry_planner* p, const char* plan, size_t len) {
   return guarded([&] {
-    if (!p || !plan) return null_arg("planner or plan");
+    FERRY_CHECK_HANDLE(p, "planner");
+    if (!plan) return null_arg("plan");
     auto sp = ferry::SavePlan::from_bytes(std::string(plan, len));
     if (!sp.ok()) return to_c(sp.status());
     ferry::WriteHandle h = p->p->save_on_this_process(*sp);
@@ -729,13 +838,33 @@ ferry_status ferry_planner_save(ferry_planner* p, const char* plan, size_t len) 
 }
 
 ferry_status ferry_planner_wait_written(ferry_planner* p) {
-  return guarded([&] { return p ? to_c(p->written.wait()) : null_arg("planner"); });
+  return guarded([&] {
+    FERRY_CHECK_HANDLE(p, "planner");
+    return to_c(p->written.wait());
+  });
+}
+
+ferry_status ferry_planner_wait_written_for(ferry_planner* p, int64_t timeout_ms) {
+  return guarded([&] {
+    FERRY_CHECK_HANDLE(p, "planner");
+    const ferry::WriteHandle& w = p->written;
+    return timed_wait(
+        timeout_ms, [&](std::chrono::milliseconds t) { return w.wait(t); },
+        [&] { return w.done(); }, [&] { return w.wait(); });
+  });
 }
 
 ferry_status ferry_planner_barrier(ferry_planner* p, const char** path) {
+  return ferry_planner_barrier_for(p, -1, path);
+}
+
+ferry_status ferry_planner_barrier_for(ferry_planner* p, int64_t timeout_ms, const char** path) {
   return guarded([&] {
-    if (!p) return null_arg("planner");
-    auto r = p->p->barrier();
+    FERRY_CHECK_HANDLE(p, "planner");
+    auto r =
+        timeout_ms < 0 ? p->p->barrier() : p->p->barrier(std::chrono::milliseconds(timeout_ms));
+    if (!r.ok() && r.status().code() == ferry::StatusCode::timeout && !p->p->handle().done())
+      return fail(FERRY_WAIT_TIMED_OUT, r.status().message());
     if (!r.ok()) return to_c(r.status());
     p->path = *r;
     if (path) *path = p->path.c_str();
@@ -760,17 +889,18 @@ ferry_status ferry_plan_global(const char* const* local_plans, const size_t* len
     if (!g.ok()) return to_c(g.status());
     auto ps = std::make_unique<ferry_plans>();
     for (const auto& sp : *g) ps->plans.push_back(sp.to_bytes());
-    *out = ps.release();
+    *out = handles<ferry_plans>().add(std::move(ps));
     return to_c(ferry::Status());
   });
 }
 
 size_t ferry_plans_count(const ferry_plans* ps) {
-  return ps ? ps->plans.size() : 0;
+  return live(ps) ? ps->plans.size() : 0;
 }
 
 ferry_status ferry_plans_get(const ferry_plans* ps, size_t rank, const char** bytes, size_t* len) {
-  if (!ps || !bytes || !len) return null_arg("plans, bytes or len");
+  FERRY_CHECK_HANDLE(ps, "plans");
+  if (!bytes || !len) return null_arg("bytes or len");
   if (rank >= ps->plans.size())
     return fail(FERRY_INVALID_ARGUMENT, "rank " + std::to_string(rank) + " of " +
                                             std::to_string(ps->plans.size()) + " plans");
@@ -780,7 +910,7 @@ ferry_status ferry_plans_get(const ferry_plans* ps, size_t rank, const char** by
 }
 
 void ferry_plans_release(ferry_plans* ps) {
-  delete ps;
+  handles<ferry_plans>().take(ps).reset();
 }
 
 ferry_status ferry_local_plan_edit(const char* plan, size_t len, const uint32_t* items,

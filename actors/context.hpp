@@ -3,7 +3,10 @@
 // so it is handed around as shared_ptr<const RankContext>.
 #pragma once
 
+#include <chrono>
+#include <condition_variable>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "actors/share_window.hpp"
@@ -13,6 +16,36 @@
 #include "pool.hpp"
 
 namespace ferry {
+
+// Writer threads the planner abandoned inside a blocking call (a stalled
+// disk, a checkpoint_fn that never returns): each ends when its call does.
+// Shutdown waits for them a bounded time, then leaves them running.
+class Stragglers {
+ public:
+  void add() {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++n_;
+  }
+  void done() {
+    std::lock_guard<std::mutex> lock(mu_);
+    --n_;
+    cv_.notify_all();
+  }
+  // True once none is left, false if some still are after `timeout`.
+  bool wait_none(std::chrono::milliseconds timeout) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, timeout, [this] { return n_ == 0; });
+  }
+  int count() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return n_;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  int n_ = 0;
+};
 
 struct RankContext {
   Options opts;
@@ -29,6 +62,7 @@ struct RankContext {
   // Flow control of the replicated bytes this rank sends others in a load:
   // readers wait in it, the link feeds it acks and failures.
   std::shared_ptr<ShareWindows> shares = std::make_shared<ShareWindows>();
+  std::shared_ptr<Stragglers> stragglers = std::make_shared<Stragglers>();
 };
 
 using ContextPtr = std::shared_ptr<const RankContext>;

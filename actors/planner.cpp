@@ -21,6 +21,12 @@
 //                no more blocks to the writers (both answer `abandon`);
 //             2. every writer has drained what was queued before (`drain`);
 //             3. one writer closes the files (`close`).
+//             A writer that has not answered 2. or 3. within kDrainGrace is
+//             stuck in a call (a stalled disk, a checkpoint_fn that never
+//             returns): it is retired and replaced (writer.cpp), the files
+//             are left to close with their last reference, and the save
+//             ends. Only compression, which reads the caller's tensors, is
+//             waited for to its end.
 // Each phase has a deadline on every rank: plan-timeout, write-timeout, and
 // commit-timeout (plus, with other ranks, the write time left: committing
 // waits for the slowest rank's write too). A commit that times out ends
@@ -79,6 +85,7 @@ struct Current {
   Status failure;
   int drain_stage = 0;
   size_t drain_left = 0;
+  std::vector<bool> writer_drained;  // stage 2: which writers answered
   // A local write failure may be a consequence of another rank's (rank 0
   // removes the pending directory as it aborts): the save ends with the
   // checkpoint's one cause, rank 0's verdict, awaited for a bounded time.
@@ -96,6 +103,10 @@ struct planner_state {
   snapshot_actor snapshot;
   serializer_actor serializer;
   std::vector<writer_actor> writers;
+  std::vector<std::shared_ptr<WriterWatch>> watches;  // by writer
+  // The save that failed last: its blocks still queued at writers go back
+  // unwritten, so a drain waits for no more than the calls running.
+  std::shared_ptr<std::atomic<uint64_t>> dropped = std::make_shared<std::atomic<uint64_t>>(0);
   std::deque<SaveJob> queue;
   uint64_t next_id = 1;
   Current cur;
@@ -104,6 +115,10 @@ struct planner_state {
 using planner_ptr = planner_actor::stateful_pointer<planner_state>;
 
 void start_next(planner_ptr self);
+
+// How long a failed save's drain waits for a writer's running call before
+// it abandons that writer.
+constexpr std::chrono::seconds kDrainGrace{2};
 
 // Every rank calls save_async the same number of times (saves are
 // collective), so (salt, sequence) names one checkpoint on all ranks. The
@@ -166,6 +181,47 @@ const char* phase_name(Phase p) {
   return "?";
 }
 
+writer_actor spawn_one_writer(planner_ptr self) {
+  auto& st = self->state;
+  auto watch = std::make_shared<WriterWatch>();
+  watch->dropped_save = st.dropped;
+  st.watches.push_back(watch);
+  return spawn_writer(self, st.ctx, planner_actor{self}, std::move(watch));
+}
+
+// What the writers are stuck in, for a timeout's message: "" when none is busy.
+std::string busy_writers(const planner_state& st) {
+  std::string out;
+  for (size_t i = 0; i < st.watches.size(); ++i) {
+    const std::string d = st.watches[i]->describe();
+    if (!d.empty()) out += "; writer " + std::to_string(i) + " is in " + d;
+  }
+  return out;
+}
+
+// Writer i is stuck in a call: a fresh one takes its place, and it ends once
+// the call returns (writer.cpp). The save's failure names what it was in.
+void retire_writer(planner_ptr self, size_t i) {
+  auto& st = self->state;
+  const std::string doing = st.watches[i]->describe();
+  st.watches[i]->retired = true;
+  st.ctx->stragglers->add();
+  writer_actor old = st.writers[i];
+  self->unlink_from(old);
+  self->send(old, atom::retire_v);
+  auto watch = std::make_shared<WriterWatch>();
+  watch->dropped_save = st.dropped;
+  st.watches[i] = watch;
+  st.writers[i] = spawn_writer(self, st.ctx, planner_actor{self}, std::move(watch));
+  // Before the next save's `stream`, which it sends later.
+  self->send(st.serializer, atom::writers_v, st.writers);
+  auto& cur = st.cur;
+  cur.failure =
+      Status(cur.failure.code(), cur.failure.message() + "; rank " + std::to_string(st.ctx->rank) +
+                                     " abandoned writer " + std::to_string(i) + ", stuck in " +
+                                     (doing.empty() ? std::string("a call") : doing));
+}
+
 // One more drain answer is in; the next stage starts when a stage is done.
 void drain_step(planner_ptr self, uint64_t id) {
   auto& st = self->state;
@@ -176,12 +232,25 @@ void drain_step(planner_ptr self, uint64_t id) {
   switch (cur.drain_stage++) {
     case 0:  // every block of the save is queued at a writer: let them run dry
       cur.drain_left = st.writers.size();
-      for (const auto& w : st.writers)
-        self->request(w, caf::infinite, atom::drain_v).then(next, next_err);
+      cur.writer_drained.assign(st.writers.size(), false);
+      for (size_t i = 0; i < st.writers.size(); ++i) {
+        auto answered = [self, id, i] {
+          auto& cur = self->state.cur;
+          if (cur.id == id && cur.drain_stage == 1 && i < cur.writer_drained.size())
+            cur.writer_drained[i] = true;
+          drain_step(self, id);
+        };
+        self->request(st.writers[i], caf::infinite, atom::drain_v)
+            .then([answered](bool) { answered(); }, [answered](caf::error&) { answered(); });
+      }
+      self->delayed_send(planner_actor{self}, kDrainGrace, atom::phase_due_v, id,
+                         std::string("drain"));
       return;
     case 1:  // no writer will touch the files again
       cur.drain_left = 1;
       self->request(st.writers[0], caf::infinite, atom::close_v, cur.files).then(next, next_err);
+      self->delayed_send(planner_actor{self}, kDrainGrace, atom::phase_due_v, id,
+                         std::string("close"));
       return;
     default:
       if (!cur.verdict_due) return end_save(self, cur.failure, "");
@@ -217,6 +286,7 @@ void fail(planner_ptr self, Status status, bool local = true) {
     self->send(st.coordinator, atom::abort_ckpt_v, cur.checkpoint_id, status);
   cur.verdict_due =
       local && !cur.checkpoint_id.empty() && std::string(phase_name(cur.phase)) == "write";
+  st.dropped->store(id);
   cur.phase = Phase::draining;
   cur.failure = std::move(status);
   cur.drain_stage = 0;
@@ -644,8 +714,7 @@ planner_actor::behavior_type planner_fun(planner_ptr self, ContextPtr ctx,
   st.ctx = ctx;
   st.coordinator = std::move(coordinator);
   planner_actor me = self;
-  for (uint32_t i = 0; i < ctx->opts.writers; ++i)
-    st.writers.push_back(spawn_writer(self, ctx, me));
+  for (uint32_t i = 0; i < ctx->opts.writers; ++i) st.writers.push_back(spawn_one_writer(self));
   st.serializer = spawn_serializer(self, ctx, st.writers, me);
   st.snapshot = spawn_snapshot(self, ctx, st.serializer, me);
   snapshot_actor snap = st.snapshot;
@@ -686,6 +755,31 @@ planner_actor::behavior_type planner_fun(planner_ptr self, ContextPtr ctx,
       },
       [self](atom::phase_due, uint64_t id, const std::string& phase) {
         auto& st = self->state;
+        if (phase == "drain" || phase == "close") {
+          // The writers' drain (drain_stage 1 while it is out) or the close
+          // (2) has not come back: the writers that did not answer are
+          // stuck in a call.
+          auto& cur = st.cur;
+          const int stage = phase == "drain" ? 1 : 2;
+          if (cur.id != id || cur.phase != Phase::draining || cur.drain_stage != stage) return;
+          std::vector<size_t> stuck;
+          for (size_t i = 0; i < st.writers.size(); ++i)
+            if (stage == 2 ? i == 0 : !cur.writer_drained[i]) stuck.push_back(i);
+          for (size_t i : stuck)
+            if (st.watches[i]->reads_caller()) {
+              // Compression reads the caller's tensors: the save ends after it.
+              self->delayed_send(planner_actor{self}, kDrainGrace, atom::phase_due_v, id, phase);
+              return;
+            }
+          for (size_t i : stuck) retire_writer(self, i);
+          // The files close with their last reference: a retired writer
+          // may still be inside a call on one.
+          cur.files.clear();
+          cur.drain_stage = 2;  // past the close: the next step ends the save
+          cur.drain_left = 1;
+          drain_step(self, id);
+          return;
+        }
         if (phase == "verdict") {
           // Rank 0 never answered: this rank's own failure is all it knows.
           if (st.cur.id == id && st.cur.phase == Phase::draining && st.cur.drained)
@@ -703,8 +797,8 @@ planner_actor::behavior_type planner_fun(planner_ptr self, ContextPtr ctx,
           return;
         }
         const double limit = phase == "plan" ? o.plan_timeout_s : o.write_timeout_s;
-        fail(self,
-             Status::timeout("the " + phase + " phase timed out after " + seconds_text(limit)));
+        fail(self, Status::timeout("the " + phase + " phase timed out after " +
+                                   seconds_text(limit) + busy_writers(st)));
       },
       [self](atom::proceed, const Proceed& p) {
         auto& st = self->state;

@@ -471,6 +471,19 @@ Result<std::unique_ptr<Runtime>> Runtime::from_env(RuntimeArgs args) {
   return create(std::move(args));
 }
 
+namespace {
+
+// Runtimes whose threads were left running at shutdown: kept reachable (and
+// never freed) for as long as those threads may use them.
+void leave_behind(std::unique_ptr<Runtime::Impl> impl) {
+  static std::mutex mu;
+  static auto* kept = new std::vector<std::unique_ptr<Runtime::Impl>>();
+  std::lock_guard<std::mutex> lock(mu);
+  kept->push_back(std::move(impl));
+}
+
+}  // namespace
+
 Runtime::~Runtime() {
   if (!impl_) return;
   std::shared_ptr<detail::SaveState> last;
@@ -484,10 +497,11 @@ Runtime::~Runtime() {
     doomed = impl_->last_doomed;
   }
   // A bounded wait: a save stuck on storage must not hang the process exit.
+  bool in_flight = false;
   for (const auto& s : {last, doomed})
     if (s) {
       std::unique_lock<std::mutex> lock(s->mu);
-      s->cv.wait_for(lock, std::chrono::seconds(60), [&] { return s->done; });
+      in_flight |= !s->cv.wait_for(lock, std::chrono::seconds(60), [&] { return s->done; });
     }
   impl_->ctx->pool->set_release_hook(nullptr);
   if (impl_->link && impl_->joined) {
@@ -510,6 +524,22 @@ Runtime::~Runtime() {
   stop(impl_->coordinator);
   stop(impl_->loader);
   stop(impl_->link);
+  // A writer retired inside a call that never returned (a stalled disk, a
+  // checkpoint_fn stuck for good) would hold the actor system's teardown
+  // forever: past a short wait, the system and everything it may still
+  // touch are left behind, and the process exits around them.
+  // A save still in flight may have its writers in such a call too.
+  const auto stragglers = impl_->ctx->stragglers;
+  if (in_flight || !stragglers->wait_none(std::chrono::seconds(2))) {
+    std::fprintf(stderr, "ferry[rank %d]: %s at shutdown: its threads are left running\n",
+                 impl_->ctx->rank,
+                 in_flight ? "a save still in flight"
+                           : (std::to_string(stragglers->count()) +
+                              " writer thread(s) still stuck in storage or a checkpoint_fn")
+                                 .c_str());
+    leave_behind(std::move(impl_));
+    return;
+  }
   impl_->sys.reset();
 }
 

@@ -219,6 +219,10 @@ WriteHandle SavePlanner::save_on_this_process(const SavePlan& plan) {
 }
 
 Result<std::string> SavePlanner::barrier() {
+  return barrier(std::chrono::milliseconds::max());
+}
+
+Result<std::string> SavePlanner::barrier(std::chrono::milliseconds timeout) {
   Impl& im = *impl_;
   if (!im.broken.ok()) return im.broken;
   if (!im.save)
@@ -232,7 +236,8 @@ Result<std::string> SavePlanner::barrier() {
     RuntimeAccess::proceed(im.rt, Proceed{im.save, Proceed::commit, {}});
   }
   SaveHandle h(im.save);
-  Status s = h.wait_committed();
+  Status s =
+      timeout == std::chrono::milliseconds::max() ? h.wait_committed() : h.wait_committed(timeout);
   if (!s.ok()) return s;
   return h.path();
 }

@@ -234,6 +234,9 @@ serializer_actor::behavior_type serializer_fun(serializer_ptr self, ContextPtr c
         st.held.clear();
         return true;
       },
+      [self](atom::writers, const std::vector<writer_actor>& writers) {
+        self->state.writers = writers;
+      },
   };
 }
 

@@ -26,7 +26,10 @@ using serializer_actor = block_return_actor::extend<
     caf::reacts_to<atom::fill, uint64_t>,
     // planner -> serializer: stop the save; answered once no block of it
     // goes to a writer any more.
-    caf::replies_to<atom::abandon, uint64_t>::with<bool>>;
+    caf::replies_to<atom::abandon, uint64_t>::with<bool>,
+    // planner -> serializer: the writers from now on (one was retired);
+    // sent before the next save's `stream`.
+    caf::reacts_to<atom::writers, std::vector<writer_actor>>>;
 
 // Linked to `parent` (the planner).
 serializer_actor spawn_serializer(caf::local_actor* parent, ContextPtr ctx,

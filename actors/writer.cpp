@@ -10,13 +10,23 @@
 // (`drain`), then has one of them close the files (`close`): no descriptor
 // is closed while another writer may still be inside a call on it.
 //
+// A writer stuck in a call (a stalled disk, a checkpoint_fn that never
+// returns) is retired by the planner at the failed save's drain deadline:
+// a fresh writer takes its place, and this one, once its call returns,
+// writes none of what was queued (returning the blocks), closes nothing
+// itself (the files close as the last reference to them goes), and ends at
+// `retire`. Its descriptors stay open, and so never reused, while it may
+// still write through them.
+//
 // A save's compression runs here too (CPU work that must not hold a
 // scheduler thread): a failed save's drain then queues behind it, and ends
 // only once the caller's tensors are no longer read.
 //
 //   (stateless) write | open | seal | drain | close | custom | compress, one at a time
+//               retire: the end (after a retirement)
 
 #include <algorithm>
+#include <cstdio>
 #include <deque>
 #include <future>
 #include <thread>
@@ -73,24 +83,51 @@ struct writer_state {
   static inline const char* name = "ferry.writer";
   ContextPtr ctx;
   planner_actor planner;
+  std::shared_ptr<WriterWatch> watch;
   std::unique_ptr<PosixStorageWriter> storage;
 };
 
+// Marks a blocking call for the planner's timeout messages while it runs.
+class Doing {
+ public:
+  Doing(WriterWatch& w, std::string what, bool reads_caller = false) : w_(w) {
+    w_.begin(std::move(what), reads_caller);
+  }
+  ~Doing() { w_.end(); }
+  Doing(const Doing&) = delete;
+  Doing& operator=(const Doing&) = delete;
+
+ private:
+  WriterWatch& w_;
+};
+
+Status retired_status() {
+  return Status::aborted("the writer was abandoned after a stuck call");
+}
+
 writer_actor::behavior_type writer_fun(writer_actor::stateful_pointer<writer_state> self,
-                                       ContextPtr ctx, planner_actor planner) {
+                                       ContextPtr ctx, planner_actor planner,
+                                       std::shared_ptr<WriterWatch> watch) {
   self->state.storage =
       std::make_unique<PosixStorageWriter>(ctx->fs, ctx->opts.direct_io, ctx->opts.fsync);
   self->state.ctx = std::move(ctx);
   self->state.planner = std::move(planner);
+  self->state.watch = std::move(watch);
   return {
       [self](atom::write, const WriteBlock& w) {
         auto& st = self->state;
         Status status;
         auto data = st.ctx->pool->data(w.block.lease);
-        if (!data.ok())
+        if (!data.ok()) {
           status = data.status();
-        else
+        } else if (st.watch->retired || w.block.save == st.watch->dropped_save->load()) {
+          // A failed save's blocks queued here: its drain need not wait for them.
+          status = Status::aborted("not written: the save failed");
+        } else {
+          Doing doing(*st.watch,
+                      "pwrite of " + w.file->path() + " at byte " + std::to_string(w.block.offset));
           status = st.storage->write(*w.file, *data, w.write_len, w.block.offset);
+        }
         // Returning the block first lets the snapshot refill it while the
         // planner handles the report (or the serializer release it once
         // hashed, when it deferred hashing to keep the snapshot's core free).
@@ -102,6 +139,15 @@ writer_actor::behavior_type writer_fun(writer_actor::stateful_pointer<writer_sta
       },
       [self](atom::open, const OpenFiles& req) -> FileSet {
         FileSet out;
+        if (self->state.watch->retired) {
+          out.status = retired_status();
+          return out;
+        }
+        Doing doing(
+            *self->state.watch,
+            "creating the data files " + (req.paths.empty() ? "" : req.paths[0]) +
+                (req.paths.size() > 1 ? " and " + std::to_string(req.paths.size() - 1) + " more"
+                                      : ""));
         auto files = self->state.storage->open_checkpoint(req.paths);
         if (!files.ok()) {
           out.status = files.status();
@@ -122,6 +168,8 @@ writer_actor::behavior_type writer_fun(writer_actor::stateful_pointer<writer_sta
         return out;
       },
       [self](atom::seal, const std::shared_ptr<File>& f, uint64_t size) -> Status {
+        if (self->state.watch->retired) return retired_status();
+        Doing doing(*self->state.watch, "truncate, fsync and close of " + f->path());
         return self->state.storage->finish_file(0, f.get(), size);
       },
       // A barrier: answered after every block queued here before it.
@@ -129,18 +177,36 @@ writer_actor::behavior_type writer_fun(writer_actor::stateful_pointer<writer_sta
       // The end of a failed save (after every writer drained): its errors
       // are moot, the save already has one.
       [self](atom::close, const std::vector<std::shared_ptr<File>>& files) {
+        if (self->state.watch->retired) return true;
+        Doing doing(*self->state.watch,
+                    "closing the data files of a failed save" +
+                        (files.empty() ? "" : " (" + files[0]->path() + "...)"));
         self->state.storage->abort(files);
         return true;
       },
       // Blocking like every other call here: the function writes the files.
       [self](atom::compress, CompressJob& job) -> CompressDone {
         CompressDone out;
+        if (self->state.watch->retired) {
+          out.status = retired_status();
+          return out;
+        }
+        Doing doing(*self->state.watch, "compressing the save's tensors", true);
         out.status = compress_chunks(*self->state.ctx, job.level, job.chunks);
         out.chunks = std::move(job.chunks);
         return out;
       },
-      [](atom::custom, const CustomWrite& w) -> CustomWritten {
+      [self](atom::custom, const CustomWrite& w) -> CustomWritten {
         CustomWritten out;
+        if (self->state.watch->retired) {
+          out.status = retired_status();
+          return out;
+        }
+        Doing doing(
+            *self->state.watch,
+            "checkpoint_fn writing " + (w.paths.empty() ? "" : w.paths[0]) +
+                (w.paths.size() > 1 ? " and " + std::to_string(w.paths.size() - 1) + " more files"
+                                    : ""));
         auto& s = *w.storage;
         auto opened = s.open_checkpoint(w.paths);
         out.status = opened.status();
@@ -154,13 +220,28 @@ writer_actor::behavior_type writer_fun(writer_actor::stateful_pointer<writer_sta
         if (!out.status.ok()) s.abort({});
         return out;
       },
+      [self](atom::retire) {
+        self->state.ctx->stragglers->done();
+        self->quit();
+      },
   };
 }
 
 }  // namespace
 
-writer_actor spawn_writer(caf::local_actor* parent, ContextPtr ctx, planner_actor planner) {
-  return parent->spawn<caf::detached + caf::linked>(writer_fun, std::move(ctx), std::move(planner));
+std::string WriterWatch::describe() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (doing_.empty()) return "";
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - since_).count();
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.1f s", s);
+  return doing_ + " (for " + buf + ")";
+}
+
+writer_actor spawn_writer(caf::local_actor* parent, ContextPtr ctx, planner_actor planner,
+                          std::shared_ptr<WriterWatch> watch) {
+  return parent->spawn<caf::detached + caf::linked>(writer_fun, std::move(ctx), std::move(planner),
+                                                    std::move(watch));
 }
 
 }  // namespace ferry

@@ -1,5 +1,7 @@
 #include "checkpoint_fn.hpp"
 
+#include <cxxabi.h>
+
 #include <algorithm>
 #include <exception>
 #include <future>
@@ -45,6 +47,8 @@ Status run_checkpoint_fn(const CheckpointFn& fn, const StateDict& planned,
   Status s;
   try {
     s = fn(planned, path);
+  } catch (abi::__forced_unwind&) {
+    throw;  // the thread is being ended (an interpreter exiting around a stuck function)
   } catch (const std::exception& e) {
     s = Status::aborted(std::string("raised: ") + e.what());
   } catch (...) {

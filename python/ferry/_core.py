@@ -5,12 +5,11 @@ import ctypes
 import os
 import sys
 import threading
-import time
 import weakref
 from collections import namedtuple
 
 from . import _lib, _tree
-from ._lib import FerryError, check, lib
+from ._lib import FerryError, check, lib, wait_sliced
 
 # ferry_dtype codes (ferry.h) of the torch dtypes safetensors names.
 _DTYPE_CODES = None
@@ -192,6 +191,7 @@ class _Entries:
         self.keep = []
         for i, (key, t, gshape, offsets) in enumerate(items):
             rec = self.array[i]
+            _no_nul("tensor key", key)
             kb = key.encode("utf-8")
             self.keep.append(kb)
             rec.key = kb
@@ -226,6 +226,21 @@ class _Entries:
                 rec.offsets = ctypes.cast(o, _lib.c_int64_p)
 
 
+def _no_nul(what, s):
+    """C strings end at a NUL: a key with one would be cut short and saved
+    under another name, so it is refused, named."""
+    if "\0" in s:
+        raise FerryError("%s %r contains a NUL character, which Ferry cannot store" % (what, s),
+                         "invalid_argument")
+
+
+def _storage_of(t):
+    """The memory a tensor views. A pending save holds it, not only the
+    tensor: t.set_(...) would otherwise free what the snapshot copies from."""
+    f = getattr(t, "untyped_storage", None)  # torch >= 2.0; 1.13 has storage()
+    return f() if f is not None else t.storage()
+
+
 def _save_entries(state_dict, metadata):
     """What a save hands the C ABI: (items, staged keys, _Entries, metadata
     pairs), shared by save_async and ferry.SavePlanner."""
@@ -254,6 +269,8 @@ def _kvs(pairs):
     arr = (_lib.KV * max(len(pairs), 1))()
     keep = []
     for i, (k, v) in enumerate(pairs):
+        _no_nul("metadata key", str(k))
+        _no_nul("value of metadata key %r:" % (str(k),), str(v))
         kb, vb = str(k).encode("utf-8"), str(v).encode("utf-8")
         keep += [kb, vb]
         arr[i].key = kb
@@ -403,12 +420,7 @@ class Runtime:
         h = self._last
         if h is None:
             return True
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not h.done():
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            time.sleep(0.01)
-        return True
+        return h._wait_over(timeout_s)
 
     def close(self, timeout_s=60.0):
         """Waits (bounded) for an in-flight save, then stops the runtime."""
@@ -434,13 +446,17 @@ class SaveHandle:
 
     wait_snapshot(): the tensors may be mutated afterwards.
     wait(): the checkpoint is committed; raises FerryError if it failed.
-    The handle holds the tensors (and staged copies) until the snapshot is
-    done, even if the caller drops it, since the runtime keeps the latest."""
+    The handle holds the tensors, their storages (so t.set_(...) cannot free
+    what the snapshot copies) and staged copies until the snapshot is done,
+    even if the caller drops it, since the runtime keeps the latest.
+    Waits wake every few milliseconds for signals: Ctrl-C raises
+    KeyboardInterrupt at once, and the save goes on."""
 
     def __init__(self, ptr, entries, tensors, staged):
         self._ptr = ptr
         self._entries = entries
         self._tensors = tensors
+        self._storages = [_storage_of(t) for t in tensors]
         self.staged = staged  # keys of non-contiguous tensors copied before the save
         self._lock = threading.Lock()
         self.step = lib().ferry_save_step(ptr)
@@ -450,15 +466,30 @@ class SaveHandle:
             raise FerryError("this SaveHandle was released")
         return self._ptr
 
+    # Waits run in short slices (ferry._lib.wait_sliced), so Ctrl-C raises
+    # KeyboardInterrupt at once; the save goes on, and may be waited on again.
     def wait_snapshot(self):
-        check(lib().ferry_save_wait_snapshot(self._p()))
+        p = self._p()
+        wait_sliced(lambda ms: lib().ferry_save_wait_snapshot_for(p, ms))
         self._drop_tensors()
 
     def wait(self):
         """Blocks until committed; returns the checkpoint's path."""
-        check(lib().ferry_save_wait(self._p()))
+        p = self._p()
+        wait_sliced(lambda ms: lib().ferry_save_wait_for(p, ms))
         self._drop_tensors()
         return self.path
+
+    def _wait_over(self, timeout_s):
+        """True once the save ended (committed or failed), False if it still
+        runs after timeout_s (None: no limit)."""
+        if self._ptr is None:
+            return True
+        try:
+            p = self._ptr
+            return wait_sliced(lambda ms: lib().ferry_save_wait_for(p, ms), timeout_s=timeout_s)
+        except FerryError:
+            return True
 
     def snapshot_done(self):
         done = bool(lib().ferry_save_snapshot_done(self._p()))
@@ -486,6 +517,7 @@ class SaveHandle:
     def _drop_tensors(self):
         with self._lock:
             self._tensors = None
+            self._storages = None
             self._entries = None
 
     def _release(self):

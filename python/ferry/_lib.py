@@ -14,8 +14,9 @@ import ctypes
 import os
 import pathlib
 import threading
+import time
 
-__all__ = ["FerryError", "lib", "check", "library_path"]
+__all__ = ["FerryError", "lib", "check", "library_path", "wait_sliced"]
 
 ABI_VERSION = 2
 
@@ -32,7 +33,13 @@ _STATUS_NAMES = {
     9: "timeout",
     10: "outcome_unknown",
     11: "internal",
+    12: "wait_timed_out",
 }
+
+WAIT_TIMED_OUT = 12  # a timed wait's time passed first (ferry.h FERRY_WAIT_TIMED_OUT)
+# A blocking wait from Python waits in slices this long, so that a signal
+# (Ctrl-C) is handled between two of them, not only when the wait ends.
+WAIT_SLICE_MS = 50
 
 
 class FerryError(RuntimeError):
@@ -170,6 +177,8 @@ def _declare(L):
         ),
         "ferry_save_wait_snapshot": (st, [vp]),
         "ferry_save_wait": (st, [vp]),
+        "ferry_save_wait_snapshot_for": (st, [vp, ctypes.c_int64]),
+        "ferry_save_wait_for": (st, [vp, ctypes.c_int64]),
         "ferry_save_snapshot_done": (ctypes.c_int, [vp]),
         "ferry_save_done": (ctypes.c_int, [vp]),
         "ferry_save_step": (ctypes.c_uint64, [vp]),
@@ -240,6 +249,25 @@ def lib():
                     )
                 _lib = L
     return _lib
+
+
+def wait_sliced(timed_wait, timeout_s=None):
+    """Calls timed_wait(ms) in short slices until it is not
+    FERRY_WAIT_TIMED_OUT (then raises as check() does), so Python runs its
+    signal handlers (KeyboardInterrupt) between slices. With timeout_s,
+    returns False once that much time passed first; else True."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        ms = WAIT_SLICE_MS
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            ms = max(0, min(ms, int(left * 1000)))
+        st = timed_wait(ms)
+        if st != WAIT_TIMED_OUT:
+            check(st)
+            return True
 
 
 def check(status):

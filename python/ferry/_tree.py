@@ -158,18 +158,48 @@ def decode_meta(metadata):
     return paths, leaves
 
 
+def _bad_path(key, path, why):
+    from ._lib import FerryError
+
+    return FerryError("checkpoint tree metadata (%s) of key %r: path %r %s"
+                      % (TREE_META_KEY, key, path, why), "corruption")
+
+
+def _check_path(key, path, limit):
+    """A saved path as flatten makes it: str or int keys, [i] list positions
+    with 0 <= i < limit (every element of a saved list holds at least one of
+    the checkpoint's entries, so no position reaches their number), or an
+    error naming the key; crafted metadata must not make build() allocate
+    by its numbers."""
+    if not isinstance(path, list):
+        raise _bad_path(key, path, "is not a list")
+    for c in path:
+        if isinstance(c, list):
+            if len(c) != 1 or type(c[0]) is not int or not 0 <= c[0] < limit:
+                raise _bad_path(key, path, "has list position %r (expected [i] with 0 <= i < %d)"
+                                % (c, limit))
+        elif type(c) not in (str, int):
+            raise _bad_path(key, path, "has component %r (expected a str or an int)" % (c,))
+
+
 def build(items, paths, strip=0):
     """A nested dict from flat key -> value, using the saved paths (minus
     their first `strip` components) where known, else the flat key."""
     root = {}
+    limit = max(len(items), len(paths))
     for key, value in items.items():
-        path = paths.get(key, [key])[strip:]
+        path = paths.get(key, [key])
+        _check_path(key, path, limit)
+        path = path[strip:]
         if not path:
             continue
         node = root
-        for c, nxt in zip(path[:-1], path[1:]):
-            node = _child(node, c, [] if isinstance(nxt, list) else {})
-        _put(node, path[-1], value)
+        try:
+            for c, nxt in zip(path[:-1], path[1:]):
+                node = _child(node, c, [] if isinstance(nxt, list) else {})
+            _put(node, path[-1], value)
+        except (TypeError, AttributeError):
+            raise _bad_path(key, path, "clashes with another key's path") from None
     return _lists(root)
 
 

@@ -42,7 +42,7 @@ import json
 import threading
 
 from . import _core, _lib
-from ._lib import FerryError, check, lib
+from ._lib import FerryError, check, lib, wait_sliced
 
 _declared = False
 _declare_lock = threading.Lock()
@@ -105,7 +105,11 @@ def _L():
                 "ferry_planner_global_plan": (st, [vp, ctypes.POINTER(vp)]),
                 "ferry_planner_save": (st, [vp, ctypes.c_char_p, sz]),
                 "ferry_planner_wait_written": (st, [vp]),
+                "ferry_planner_wait_written_for": (st, [vp, ctypes.c_int64]),
                 "ferry_planner_barrier": (st, [vp, ctypes.POINTER(ctypes.c_char_p)]),
+                "ferry_planner_barrier_for": (
+                    st, [vp, ctypes.c_int64, ctypes.POINTER(ctypes.c_char_p)]
+                ),
                 "ferry_plan_global": (
                     st, [ctypes.POINTER(ctypes.c_char_p), szp, sz, st, ctypes.POINTER(vp)]
                 ),
@@ -233,8 +237,18 @@ def _fail(e, error, error_len):
     return 1
 
 
-def _wrap_checkpoint_fn(fn):
+# checkpoint_fn calls running now -> (their ctypes callback, the planner's
+# tensors): a call abandoned at the write deadline keeps both alive until it
+# returns, even if its SavePlanner is gone.
+_fn_calls = {}
+
+
+def _wrap_checkpoint_fn(fn, keep):
+    box = []
+
     def call(_user, tensors, n, filename, error, error_len):
+        token = object()
+        _fn_calls[id(token)] = (box[0] if box else None, keep)
         try:
             import torch
 
@@ -257,8 +271,11 @@ def _wrap_checkpoint_fn(fn):
             return 0
         except BaseException as e:  # noqa: BLE001 - anything it raises fails the save
             return _fail(e, error, error_len)
+        finally:
+            _fn_calls.pop(id(token), None)
 
-    return _CHECKPOINT_FN(call)
+    box.append(_CHECKPOINT_FN(call))
+    return box[0]
 
 
 def _wrap_transform(fn, keep):
@@ -295,7 +312,8 @@ class WriteHandle:
         self._planner = planner
 
     def wait(self):
-        check(_L().ferry_planner_wait_written(self._planner._p()))
+        p = self._planner._p()
+        wait_sliced(lambda ms: _L().ferry_planner_wait_written_for(p, ms))
 
 
 class SavePlanner:
@@ -336,7 +354,8 @@ class SavePlanner:
             state_dict, opts.get("metadata"))
         self._tensors = [t for _, t, _, _ in items]
         kv, kv_keep = _core._kvs(pairs)
-        self._fn = _wrap_checkpoint_fn(checkpoint_fn) if checkpoint_fn else _CHECKPOINT_FN()
+        self._fn = (_wrap_checkpoint_fn(checkpoint_fn, (self._tensors, self._entries))
+                    if checkpoint_fn else _CHECKPOINT_FN())
         self._transform_out = [None]
         self._transform = (_wrap_transform(transform_local_plan, self._transform_out)
                            if transform_local_plan else _TRANSFORM_FN())
@@ -381,7 +400,8 @@ class SavePlanner:
     def barrier(self):
         """Collective: rank 0 commits; returns the checkpoint's path."""
         out = ctypes.c_char_p()
-        check(_L().ferry_planner_barrier(self._p(), ctypes.byref(out)))
+        p = self._p()
+        wait_sliced(lambda ms: _L().ferry_planner_barrier_for(p, ms, ctypes.byref(out)))
         return out.value.decode("utf-8")
 
     def close(self):

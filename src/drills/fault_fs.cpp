@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <condition_variable>
 #include <mutex>
 #include <thread>
 
@@ -59,6 +60,7 @@ struct FaultFilesystem::Impl {
   struct Decision {
     bool fire = false;
     bool short_write = false;
+    bool stall = false;
     int error = 0;
     std::chrono::microseconds delay{0};
   };
@@ -84,6 +86,10 @@ struct FaultFilesystem::Impl {
         fire = r.sticky ? rs.seen >= r.nth : rs.seen == r.nth;
       else
         fire = r.rate_den > 0 && splitmix64(rs.rng) % r.rate_den < r.rate_num;
+      if (fire && r.action == FaultRule::Action::stall) {
+        d.stall = true;
+        continue;
+      }
       if (fire && !d.fire) {
         d.fire = true;
         d.error = r.error;
@@ -102,9 +108,27 @@ struct FaultFilesystem::Impl {
                const std::string& p2 = std::string(), bool* short_write = nullptr) {
     Decision d = decide(op, p1, p2);
     if (d.delay.count() > 0) std::this_thread::sleep_for(d.delay);
+    if (d.stall) stall();
     if (!d.fire) return Status::ok_status();
     if (short_write) *short_write = d.short_write;
     return injected_status(d.error, label, shown);
+  }
+
+  // Blocks until release_stalls() (at once if it was called already).
+  void stall() {
+    std::unique_lock<std::mutex> lock(stall_mu);
+    if (stalls_released) return;
+    ++stalled_now;
+    ++stalled_total;
+    stall_cv.notify_all();
+    stall_cv.wait(lock, [this] { return stalls_released; });
+    --stalled_now;
+  }
+
+  void release_stalls() {
+    std::lock_guard<std::mutex> lock(stall_mu);
+    stalls_released = true;
+    stall_cv.notify_all();
   }
 
   // REQUIRES: mu held.
@@ -145,6 +169,12 @@ struct FaultFilesystem::Impl {
   std::array<uint64_t, kFaultOpCount> calls{};
   uint64_t injected = 0;
   uint64_t delayed = 0;
+
+  mutable std::mutex stall_mu;  // guards the fields below
+  mutable std::condition_variable stall_cv;
+  bool stalls_released = false;
+  uint64_t stalled_now = 0;
+  uint64_t stalled_total = 0;
 
   // Guards the model and the journal. Held across namespace operations
   // (not across pwrite or fsync of files), so that the journal's order is
@@ -267,7 +297,9 @@ class FaultFile : public File {
 FaultFilesystem::FaultFilesystem(std::shared_ptr<Filesystem> target)
     : FilesystemWrapper(target), impl_(std::make_shared<Impl>(target)) {}
 
-FaultFilesystem::~FaultFilesystem() = default;
+FaultFilesystem::~FaultFilesystem() {
+  impl_->release_stalls();
+}
 
 Result<std::shared_ptr<FaultFilesystem>> FaultFilesystem::create(std::shared_ptr<Filesystem> target,
                                                                  FaultOptions options) {
@@ -304,6 +336,25 @@ uint64_t FaultFilesystem::injected() const {
 uint64_t FaultFilesystem::delayed() const {
   std::lock_guard<std::mutex> lock(impl_->rules_mu);
   return impl_->delayed;
+}
+
+uint64_t FaultFilesystem::stalled_now() const {
+  std::lock_guard<std::mutex> lock(impl_->stall_mu);
+  return impl_->stalled_now;
+}
+
+uint64_t FaultFilesystem::stalled_total() const {
+  std::lock_guard<std::mutex> lock(impl_->stall_mu);
+  return impl_->stalled_total;
+}
+
+bool FaultFilesystem::wait_stalled(uint64_t n, std::chrono::milliseconds timeout) const {
+  std::unique_lock<std::mutex> lock(impl_->stall_mu);
+  return impl_->stall_cv.wait_for(lock, timeout, [&] { return impl_->stalled_total >= n; });
+}
+
+void FaultFilesystem::release_stalls() {
+  impl_->release_stalls();
 }
 
 Result<std::unique_ptr<File>> FaultFilesystem::open(const std::string& path, const OpenOptions& o) {

@@ -49,12 +49,15 @@ struct FaultRule {
     error,        // fail the call with `error`, doing nothing
     short_write,  // (write only) write a prefix of the buffer, then fail with `error`
     latency,      // sleep `latency` before every matching call
+    // block the triggered call until release_stalls() (a hung NFS mount, a
+    // disk that stopped answering); then the call goes on as if unfaulted
+    stall,
   };
   Action action = Action::error;
   bool any_op = false;  // match every operation kind; `op` is ignored
   FaultOp op = FaultOp::write;
   int error = ENOSPC;  // errno of error and short_write
-  // Trigger of error and short_write: the nth matching call (counted per
+  // Trigger of error, short_write and stall: the nth matching call (counted per
   // rule, from 1), every call from the nth on when `sticky` (a disk that
   // stays full), or, when nth is 0, each matching call with probability
   // rate_num/rate_den drawn from a generator seeded with `seed`.
@@ -135,6 +138,15 @@ class FaultFilesystem : public FilesystemWrapper {
   uint64_t calls(FaultOp op) const;
   uint64_t injected() const;
   uint64_t delayed() const;
+  // Calls blocked by a stall rule right now, and ever.
+  uint64_t stalled_now() const;
+  uint64_t stalled_total() const;
+  // Waits up to `timeout` until at least `n` calls were ever stalled; false
+  // if fewer were. Lets a test act while a call hangs, without sleeping.
+  bool wait_stalled(uint64_t n, std::chrono::milliseconds timeout) const;
+  // Lets every stalled call go on, and turns stall rules off for good (a
+  // later match passes at once). The destructor releases them too.
+  void release_stalls();
 
   Result<std::unique_ptr<File>> open(const std::string& path, const OpenOptions& o) override;
   Status mkdir(const std::string& path) override;
@@ -171,13 +183,15 @@ class FaultFilesystem : public FilesystemWrapper {
 //           | 'seed=' N            default seed of every rate fault
 //           | fault
 //   fault  := action ':' op [':' trigger] (':' option)*
-//   action := enospc | eio | short | latency
+//   action := enospc | eio | short | latency | stall
 //   op     := open|write|read|sync|rename|mkdir|unlink|rmdir|truncate|close|any
-//   trigger:= N | N+ | rate=A/B    for enospc, eio, short (short: write only)
+//   trigger:= N | N+ | rate=A/B    for enospc, eio, short, stall (short: write only)
 //           | DURATION             for latency: 250us, 5ms, 1s
 //   option := rate=A/B | seed=N | path=SUBSTR
 // Examples: "enospc:write:3", "eio:sync:1", "enospc:write:rate=1/128:seed=7",
-// "short:write:2", "latency:write:5ms", "enospc:write:1+:path=step-,journal=/j".
+// "short:write:2", "latency:write:5ms", "enospc:write:1+:path=step-,journal=/j",
+// "stall:write:1" (the first pwrite never returns in a process that cannot
+// call release_stalls()).
 // Values cannot contain ',' (nor ':' inside a fault).
 Result<std::shared_ptr<Filesystem>> filesystem_from_spec(std::shared_ptr<Filesystem> base,
                                                          const std::string& spec);

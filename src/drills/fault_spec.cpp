@@ -38,6 +38,9 @@ std::string FaultRule::to_string() const {
     case Action::latency:
       s = "latency";
       break;
+    case Action::stall:
+      s = "stall";
+      break;
   }
   s += ":";
   s += any_op ? "any" : fault_op_name(op);
@@ -110,10 +113,13 @@ Result<ParsedFault> parse_fault(const std::string& item) {
     r.error = ENOSPC;
   } else if (action == "latency") {
     r.action = FaultRule::Action::latency;
+  } else if (action == "stall") {
+    r.action = FaultRule::Action::stall;
   } else {
-    return bad_spec(item, "unknown fault '" + action +
-                              "' (expected enospc, eio, short or latency, or journal=, path=, "
-                              "seed=)");
+    return bad_spec(item,
+                    "unknown fault '" + action +
+                        "' (expected enospc, eio, short, latency or stall, or journal=, path=, "
+                        "seed=)");
   }
   if (parts.size() < 2 || parts[1].empty())
     return bad_spec(item, "missing the operation after '" + action + ":'");

@@ -320,6 +320,63 @@ int main(void) {
   CHECK(strstr(ferry_last_error(), "filename_prefix") != NULL);
   ferry_save_release(s);
 
+  /* Handles: a NULL array with a count is refused; a released handle is
+   * refused by every call, and releasing it again does nothing. */
+  {
+    ferry_runtime* bad = NULL;
+    st = ferry_runtime_create(NULL, 2, 0, 1, &bad);
+    CHECK(st == FERRY_INVALID_ARGUMENT && bad == NULL);
+    CHECK(strstr(ferry_last_error(), "settings") != NULL);
+    st = ferry_runtime_from_env(NULL, 1, &bad);
+    CHECK(st == FERRY_INVALID_ARGUMENT && bad == NULL);
+    s = NULL;
+    CHECK_OK(ferry_save_async(rt, ts, 1, 13, root, 0, NULL, 0, &s));
+    CHECK_OK(ferry_save_wait_for(s, 600000));
+    CHECK(ferry_save_wait_for(s, -1) == FERRY_INVALID_ARGUMENT);
+    ferry_save_release(s);
+    ferry_save_release(s); /* again: nothing */
+    st = ferry_save_wait(s);
+    CHECK(st == FERRY_INVALID_ARGUMENT);
+    CHECK(strstr(ferry_last_error(), "not a live handle") != NULL);
+    CHECK(ferry_save_wait_for(s, 0) == FERRY_INVALID_ARGUMENT);
+    CHECK(ferry_save_step(s) == 0);
+    CHECK(ferry_save_done(s));
+    ferry_manifest* m2 = NULL;
+    CHECK_OK(ferry_manifest_open(root, &m2));
+    ferry_manifest_close(m2);
+    ferry_manifest_close(m2);
+    CHECK(ferry_manifest_num_tensors(m2) == 0);
+    ferry_tensor_info ti2;
+    CHECK(ferry_manifest_tensor(m2, 0, &ti2) == FERRY_INVALID_ARGUMENT);
+  }
+
+  /* A write that never returns (FERRY_FAULTS stalls the first pwrite of a
+   * data file): a timed wait answers FERRY_WAIT_TIMED_OUT, the save fails by
+   * write-timeout naming the rank, the phase and the file, and destroying
+   * the runtime returns although that pwrite never does. */
+  {
+    setenv("FERRY_FAULTS", "stall:write:1:path=.safetensors", 1);
+    ferry_kv stall_settings[] = {
+        {"pool-bytes", "4MiB"}, {"chunk-bytes", "1MiB"}, {"write-timeout", "1s"}};
+    ferry_runtime* srt = NULL;
+    CHECK_OK(ferry_runtime_create(stall_settings, 3, 0, 1, &srt));
+    unsetenv("FERRY_FAULTS");
+    if (srt) {
+      s = NULL;
+      CHECK_OK(ferry_save_async(srt, ts, 1, 14, root, 0, NULL, 0, &s));
+      CHECK(ferry_save_wait_for(s, 10) == FERRY_WAIT_TIMED_OUT);
+      CHECK(strcmp(ferry_status_name(FERRY_WAIT_TIMED_OUT), "wait_timed_out") == 0);
+      st = ferry_save_wait(s);
+      CHECK(st == FERRY_TIMEOUT);
+      CHECK(strstr(ferry_last_error(), "rank 0 (write phase)") != NULL);
+      CHECK(strstr(ferry_last_error(), "rank-00000-0000.safetensors") != NULL);
+      ferry_save_release(s);
+      ferry_runtime_destroy(srt);
+      ferry_runtime_destroy(srt); /* released already: nothing */
+      CHECK(ferry_runtime_rank(srt) == -1);
+    }
+  }
+
   ferry_runtime_destroy(rt);
   char cmd[600];
   snprintf(cmd, sizeof cmd, "rm -rf '%s'", root);

@@ -322,6 +322,39 @@ TEST_CASE("fault fs: latency is added to matching calls only", "[faults]") {
   CHECK(fs.calls(FaultOp::sync) == 3);
 }
 
+TEST_CASE("fault fs: a stall holds the triggered call until released", "[faults]") {
+  TempDir tmp;
+  FaultFilesystem fs(posix_filesystem());
+  auto parsed = parse_fault_spec("stall:write:2:path=held");
+  REQUIRE(parsed.ok());
+  REQUIRE(parsed->rules.size() == 1);
+  CHECK(parsed->rules[0].action == FaultRule::Action::stall);
+  CHECK(parsed->rules[0].to_string() == "stall:write:2:path=held");
+  fs.add_rule(parsed->rules[0]);
+  auto f = fs.open(tmp.sub("held"), writable());
+  REQUIRE(f.ok());
+  REQUIRE((*f)->pwrite("a", 1, 0).ok());  // the first passes
+  CHECK(fs.stalled_total() == 0);
+  Status second = Status::internal("not returned");
+  std::thread t([&] { second = (*f)->pwrite("b", 1, 1); });
+  REQUIRE(fs.wait_stalled(1, std::chrono::seconds(30)));
+  CHECK(fs.stalled_now() == 1);
+  // Other files and operations go on meanwhile.
+  auto g = fs.open(tmp.sub("free"), writable());
+  REQUIRE(g.ok());
+  REQUIRE((*g)->pwrite("c", 1, 0).ok());
+  fs.release_stalls();
+  t.join();
+  CHECK(second.ok());
+  CHECK(fs.stalled_now() == 0);
+  REQUIRE((*f)->pwrite("d", 1, 2).ok());  // released for good
+  CHECK(fs.stalled_total() == 1);
+  REQUIRE((*f)->close().ok());
+  std::ifstream in(tmp.sub("held"));
+  std::string got((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  CHECK(got == "abd");
+}
+
 // ---- power cut ------------------------------------------------------------------------
 
 TEST_CASE("power cut: unsynced bytes go, synced bytes stay", "[faults]") {
@@ -734,6 +767,7 @@ TEST_CASE("fault spec: errors name the bad part", "[faults]") {
   bad("enospc:write:1:seed=3", "seed");
   bad("latency:write:5parsecs", "5parsecs");
   bad("latency:write", "duration");
+  bad("stall:write", "trigger");
   bad("short:sync:1", "short:sync:1");
   bad("enospc:write:3:colour=red", "colour=red");
   bad("journal=", "journal");

@@ -9,7 +9,14 @@
  *   to the thread that made the failing call and stays valid until that
  *   thread's next call into this library.
  * - Handles are opaque. Each *_create / *_open / ferry_save_async has a
- *   matching release function; releasing NULL is a no-op.
+ *   matching release function; releasing NULL is a no-op. A handle is
+ *   released once, and never while another thread is inside a call on it.
+ *   Past that contract, the cheap mistakes are caught: releasing a handle
+ *   again does nothing, and passing a released handle (or a pointer that
+ *   never was one) fails with FERRY_INVALID_ARGUMENT ("... is not a live
+ *   handle"), or returns the function's empty value (0, "", -1) where it
+ *   returns no status. (A released handle's address reused by a newer handle
+ *   of the same kind reaches that newer one.)
  * - No function throws or aborts: C++ exceptions are caught at this boundary
  *   and returned as FERRY_INTERNAL.
  * - Strings passed in are NUL-terminated UTF-8 and only read during the call.
@@ -17,6 +24,10 @@
  *   as it, unless said otherwise.
  * - Thread safety: a runtime may be used from several threads, as
  *   ferry::Runtime may; a save handle may be waited on from any thread.
+ * - Waits: each blocking wait has a timed form (*_for, timeout_ms >= 0)
+ *   that returns FERRY_WAIT_TIMED_OUT when the time passed first; the save
+ *   goes on, and the caller may wait again (e.g. in short slices, to notice
+ *   a signal such as Ctrl-C between them).
  */
 #ifndef FERRY_FERRY_H_
 #define FERRY_FERRY_H_
@@ -50,7 +61,10 @@ typedef enum ferry_status {
   FERRY_ABORTED = 8,
   FERRY_TIMEOUT = 9,
   FERRY_OUTCOME_UNKNOWN = 10,
-  FERRY_INTERNAL = 11
+  FERRY_INTERNAL = 11,
+  /* A timed wait's time passed before what it waits for: not a failure (the
+   * save goes on). Unlike FERRY_TIMEOUT, a save that failed by a deadline. */
+  FERRY_WAIT_TIMED_OUT = 12
 } ferry_status;
 
 /* Mirrors ferry::DType (safetensors names in comments). */
@@ -126,7 +140,9 @@ FERRY_API ferry_status ferry_runtime_create(const ferry_kv* settings, size_t num
 /* The same, with rank and world size from RANK / WORLD_SIZE (torchrun). */
 FERRY_API ferry_status ferry_runtime_from_env(const ferry_kv* settings, size_t num_settings,
                                               ferry_runtime** out);
-/* Waits (bounded) for an in-flight save, then stops the runtime. */
+/* Waits (bounded) for an in-flight save, then stops the runtime. A writer
+ * thread stuck in storage or in a checkpoint_fn (abandoned by its save's
+ * deadline) is left running after a short wait, so this always returns. */
 FERRY_API void ferry_runtime_destroy(ferry_runtime* rt);
 FERRY_API int32_t ferry_runtime_rank(const ferry_runtime* rt);
 FERRY_API int32_t ferry_runtime_world_size(const ferry_runtime* rt);
@@ -160,8 +176,15 @@ FERRY_API ferry_status ferry_save_async_opts(ferry_runtime* rt, const ferry_tens
                                              ferry_save** out);
 /* Blocks until every byte is off the caller's tensors (or the save failed). */
 FERRY_API ferry_status ferry_save_wait_snapshot(ferry_save* s);
-/* Blocks until the checkpoint is committed (or failed). */
+/* Blocks until the checkpoint is committed (or failed). Every save ends by
+ * its phase deadlines (plan-, write-, commit-timeout, plus a short drain):
+ * a write or checkpoint_fn that never returns fails it with FERRY_TIMEOUT
+ * naming the rank, the phase and the file. */
 FERRY_API ferry_status ferry_save_wait(ferry_save* s);
+/* The same, waiting at most timeout_ms: FERRY_WAIT_TIMED_OUT if the
+ * snapshot (the save) is not over by then. */
+FERRY_API ferry_status ferry_save_wait_snapshot_for(ferry_save* s, int64_t timeout_ms);
+FERRY_API ferry_status ferry_save_wait_for(ferry_save* s, int64_t timeout_ms);
 FERRY_API int ferry_save_snapshot_done(const ferry_save* s);
 FERRY_API int ferry_save_done(const ferry_save* s);
 FERRY_API uint64_t ferry_save_step(const ferry_save* s);
@@ -287,7 +310,9 @@ typedef struct ferry_plans ferry_plans; /* every rank's plan */
  * planned tensors (host views, keyed by entry name) and the file to write
  * as safetensors. Returns 0 on success; otherwise it may put a message in
  * error (error_len bytes, NUL-terminated) and the checkpoint fails on
- * every rank. */
+ * every rank. A function still running at the write deadline is abandoned:
+ * the checkpoint fails, and the function may go on reading the tensors it
+ * was handed until it returns, so the caller keeps them alive until then. */
 typedef int (*ferry_checkpoint_fn)(void* user, const ferry_tensor* planned, size_t num_planned,
                                    const char* filename, char* error, size_t error_len);
 
@@ -347,8 +372,13 @@ FERRY_API ferry_status ferry_planner_global_plan(ferry_planner* p, ferry_plans**
  * are durable (or the checkpoint failed). */
 FERRY_API ferry_status ferry_planner_save(ferry_planner* p, const char* plan, size_t len);
 FERRY_API ferry_status ferry_planner_wait_written(ferry_planner* p);
+FERRY_API ferry_status ferry_planner_wait_written_for(ferry_planner* p, int64_t timeout_ms);
 /* Collective: commits; *path (owned by the planner) is the checkpoint. */
 FERRY_API ferry_status ferry_planner_barrier(ferry_planner* p, const char** path);
+/* The same, waiting at most timeout_ms (FERRY_WAIT_TIMED_OUT: call it again
+ * to wait on; timeout_ms < 0: no limit). */
+FERRY_API ferry_status ferry_planner_barrier_for(ferry_planner* p, int64_t timeout_ms,
+                                                 const char** path);
 
 /* The global plan of local plans gathered by any means, with no job. */
 FERRY_API ferry_status ferry_plan_global(const char* const* local_plans, const size_t* lens,

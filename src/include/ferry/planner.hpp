@@ -113,7 +113,10 @@ class WriteHandle {
 // records sizes and checksums of what is there, fsyncs it and commits as
 // usual. A non-ok Status, an exception, or no file fails the checkpoint on
 // every rank. Tensors the function cannot read in place (strided views, or
-// on a GPU) are first copied to host memory, one file's worth at a time.
+// on a GPU) are first copied to host memory, one file's worth at a time. A
+// function still running at the write deadline is abandoned: the checkpoint
+// fails (naming it and its file) and the runtime goes on, but the function
+// may read the tensors it was handed until it returns: keep them alive.
 using CheckpointFn = std::function<Status(const StateDict& planned, const std::string& filename)>;
 
 struct SavePlannerOptions {
@@ -159,6 +162,9 @@ class SavePlanner {
   // committed; returns the committed directory. Any rank's error aborts the
   // checkpoint on every rank and comes back here.
   Result<std::string> barrier();
+  // The same, waiting at most `timeout`: Status::timeout while the
+  // checkpoint is not over (handle().done() is false); call again to wait on.
+  Result<std::string> barrier(std::chrono::milliseconds timeout);
 
   uint64_t step() const;
   // The save underneath (progress, metrics, warnings).

@@ -59,7 +59,10 @@ struct RuntimeAccess;  // actors/runtime_access.hpp: SavePlanner's way in
 // Returned by save_async at once. Copyable; all copies see the same save.
 // Waits never throw: errors come back as a Status. A failed save is reported
 // only once nothing of Ferry touches the caller's tensors again: after a
-// wait returned an error, the caller may free them. If Ferry's actors die,
+// wait returned an error, the caller may free them (except the tensors an
+// abandoned checkpoint_fn was handed: it may read them until it returns).
+// Every save ends by its phase deadlines, a write or checkpoint_fn that never
+// returns included (its writer thread is abandoned). If Ferry's actors die,
 // every wait ends with an error.
 class SaveHandle {
  public:
@@ -146,7 +149,10 @@ class Runtime {
   static Result<std::unique_ptr<Runtime>> create(RuntimeArgs args);
   // create() with rank and world size from the torchrun-style environment.
   static Result<std::unique_ptr<Runtime>> from_env(RuntimeArgs args = {});
-  ~Runtime();  // waits (bounded) for an in-flight save, then stops the actors
+  // Waits (bounded) for an in-flight save, then stops the actors. Threads
+  // stuck in a call that never returns (a stalled disk, a checkpoint_fn) are
+  // left running after a short wait, with what they use: it always returns.
+  ~Runtime();
   Runtime(const Runtime&) = delete;
   Runtime& operator=(const Runtime&) = delete;
 
