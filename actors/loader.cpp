@@ -326,8 +326,13 @@ struct AlignedBuffer {
 
 // The header is not covered by the chunk checksums; its own checksum makes
 // the data file as trustworthy as the chunks read from it.
-Status verify_header(File& f, const ManifestFile& mf, const std::string& path) {
+Status verify_header(File& f, const ManifestFile& mf, const std::string& path, uint64_t size) {
   if (mf.header_bytes == 0) return Status();
+  // Memory for a header the file cannot hold is never taken.
+  if (mf.header_bytes > size)
+    return Status::corruption("file " + path + " is " + std::to_string(size) +
+                              " bytes long, shorter than its safetensors header (" +
+                              std::to_string(mf.header_bytes) + " bytes) in the manifest");
   const uint64_t len = (mf.header_bytes + kAlign - 1) / kAlign * kAlign;
   AlignedBuffer buf(len);
   if (!buf.p) return Status::internal("no memory for the header of file " + path);
@@ -660,9 +665,9 @@ class RunReader {
       return opened.status().with_context("rank " + std::to_string(ctx_.rank) + ": data file: ");
     f->file = std::move(opened).value();
     if (auto info = ctx_.fs->stat(f->path); info.ok()) f->size = info->size;
-    f->header = io_.submit([fp = f->file.get(), &mf = task_.manifest->files[index],
-                            path = f->path]() -> Result<size_t> {
-      FERRY_RETURN_IF_ERROR(verify_header(*fp, mf, path));
+    f->header = io_.submit([fp = f->file.get(), &mf = task_.manifest->files[index], path = f->path,
+                            size = f->size]() -> Result<size_t> {
+      FERRY_RETURN_IF_ERROR(verify_header(*fp, mf, path, size));
       return size_t{0};
     });
     if (f->file->direct())

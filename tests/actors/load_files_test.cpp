@@ -184,3 +184,31 @@ TEST_CASE("a crafted manifest's frame size is refused before a load or export ta
   INFO(e.status().to_string());
   CHECK_THAT(e.status().message(), Catch::Contains("enc.") && Catch::Contains("frame size"));
 }
+
+TEST_CASE("a crafted manifest's header size is capped by the data file's real length",
+          "[actors][load][files]") {
+  TempDir dir;
+  auto rt = runtime(dir.path(), ferry::posix_filesystem());
+  Model saved(1);
+  auto h = rt->save_async(saved.sd, 1);
+  REQUIRE(h.wait_committed().ok());
+  const std::string step = h.path();
+
+  // The manifest says the first file is 64 GiB with a 32 GiB header; it is
+  // a few KiB. A reader that believed it asked for 32 GiB for the header.
+  auto m = ferry::read_manifest(*ferry::posix_filesystem(), step);
+  REQUIRE(m.ok());
+  REQUIRE(m->files.at(0).header_bytes > 0);
+  m->files[0].size = 64ull << 30;
+  m->files[0].header_bytes = 32ull << 30;
+  {
+    std::ofstream out(step + "/" + ferry::kManifestFileName, std::ios::binary | std::ios::trunc);
+    out << ferry::encode_manifest(*m);
+  }
+  Model got(-1);
+  const ferry::Status s = rt->load(got.sd, step);
+  INFO(s.to_string());
+  CHECK(s.code() == ferry::StatusCode::corruption);
+  CHECK_THAT(s.message(), Catch::Contains(step + "/" + m->files[0].name) &&
+                              Catch::Contains("shorter than its safetensors header"));
+}
