@@ -27,6 +27,7 @@
 #include <future>
 #include <map>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <set>
 #include <system_error>
@@ -934,18 +935,27 @@ class RunReader {
   const RankContext& ctx_;
   ReadTask& task_;  // its ops are moved out as they are planned
   StagingPool::PrefaultPause pause_;
+  std::vector<Work> runs_;
+  // Declared before the threads, so they end first: a decode still running
+  // when an exception unwinds the reader uses its file.
+  std::map<uint32_t, std::unique_ptr<OpenFile>> files_;
   // Both outlive no read: the destructor waits for every one first.
   PreadThreads disk_{1};  // the runs' reads, in order
   PreadThreads io_;
-  std::vector<Work> runs_;
-  std::map<uint32_t, std::unique_ptr<OpenFile>> files_;
   std::deque<InFlight> inflight_;
   std::optional<std::chrono::steady_clock::time_point> waiting_since_;
 };
 
 Status run_reads(reader_state& st, ReadTask& task) {
-  RunReader reader(*st.ctx, task);
-  return reader.run();
+  // Sizes come from the manifest, capped by what the files hold; memory
+  // that still runs out fails the load with a message, not the reader.
+  try {
+    RunReader reader(*st.ctx, task);
+    return reader.run();
+  } catch (const std::bad_alloc&) {
+    return Status::internal("rank " + std::to_string(st.ctx->rank) +
+                            ": out of memory reading the data files of " + task.dir);
+  }
 }
 
 reader_actor::behavior_type reader_fun(reader_actor::stateful_pointer<reader_state> self,
