@@ -82,6 +82,13 @@ struct LoadOutcomes {
   std::vector<RankNeeds> needs;  // the needs round: what each rank reported it reads
 };
 
+// A collective load as the first rank that asked for it named it.
+struct ResolvedLoad {
+  LoadReplyMsg reply;
+  int32_t rank = 0;
+  std::string path;
+};
+
 struct coordinator_state {
   static inline const char* name = "ferry.coordinator";
   ContextPtr ctx;
@@ -92,7 +99,7 @@ struct coordinator_state {
   std::map<int32_t, Status> failed;
   // Loads resolved for the ranks, by load id: every rank of one collective
   // load gets the same directory and manifest bytes.
-  std::map<std::string, LoadReplyMsg> loads;
+  std::map<std::string, ResolvedLoad> loads;
   std::deque<std::string> load_order;
   std::optional<Checkpoint> active;
   // Recently aborted checkpoints and why, for ranks whose plan comes later.
@@ -367,6 +374,21 @@ void on_all_results(coordinator_ptr self) {
   for (std::string& dir : out->trash) st.trash->push_back({std::move(dir), std::nullopt});
 }
 
+// A load is collective: every rank must name the same checkpoint. A path
+// spelled differently that resolves to the same directory is the same one.
+LoadReplyMsg same_load(const coordinator_state& st, const ResolvedLoad& first,
+                       const LoadRequestMsg& req) {
+  if (req.path == first.path) return first.reply;
+  auto dir = resolve_checkpoint(*st.ctx->fs, req.path);
+  if (dir.ok() && first.reply.status.ok() && *dir == first.reply.dir) return first.reply;
+  LoadReplyMsg r{st.ctx->job_id, req.load_id, Status(), "", ""};
+  r.status =
+      Status::invalid_argument("the ranks disagree on the checkpoint of " + req.load_id +
+                               ": rank " + std::to_string(first.rank) + " loads '" + first.path +
+                               "', rank " + std::to_string(req.rank) + " loads '" + req.path + "'");
+  return r;
+}
+
 // --- load outcomes -----------------------------------------------------------------
 //
 // A load is collective in its outcome: each rank reports how its part went,
@@ -629,7 +651,7 @@ coordinator_actor::behavior_type coordinator_fun(coordinator_ptr self, ContextPt
       [self](atom::resolve, const LoadRequestMsg& req) -> LoadReplyMsg {
         auto& st = self->state;
         auto it = st.loads.find(req.load_id);
-        if (it != st.loads.end()) return it->second;
+        if (it != st.loads.end()) return same_load(st, it->second, req);
         LoadReplyMsg r{st.ctx->job_id, req.load_id, Status(), "", ""};
         auto dir = resolve_checkpoint(*st.ctx->fs, req.path);
         if (!dir.ok()) {
@@ -642,7 +664,7 @@ coordinator_actor::behavior_type coordinator_fun(coordinator_ptr self, ContextPt
           else
             r.status = bytes.status();
         }
-        st.loads.emplace(req.load_id, r);
+        st.loads.emplace(req.load_id, ResolvedLoad{r, req.rank, req.path});
         st.load_order.push_back(req.load_id);
         if (st.load_order.size() > 8) {  // every rank asks within moments; keep a few
           st.loads.erase(st.load_order.front());

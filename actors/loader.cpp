@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -26,7 +27,9 @@
 #include <future>
 #include <map>
 #include <mutex>
+#include <new>
 #include <optional>
+#include <set>
 #include <system_error>
 #include <thread>
 #include <tuple>
@@ -42,7 +45,44 @@
 
 namespace ferry {
 
+// A load's tensors into which bytes landed that did not pass their checksum:
+// a block copied and summed in one pass, or read straight into its tensor,
+// whose sum then failed or was never taken because the load stopped first.
+// A failed load names them (the others hold only checked bytes, old or new).
+class UnverifiedTensors {
+ public:
+  void add(const std::string& key) {
+    std::lock_guard<std::mutex> l(mu_);
+    keys_.insert(key);
+  }
+  // `s` with the tensors named, at most kShown of them.
+  Status name_in(const Status& s) const {
+    std::lock_guard<std::mutex> l(mu_);
+    if (s.ok() || keys_.empty()) return s;
+    constexpr size_t kShown = 8;
+    std::string list;
+    size_t i = 0;
+    for (const std::string& k : keys_) {
+      if (i++ == kShown) break;
+      list += (list.empty() ? "'" : ", '") + k + "'";
+    }
+    if (keys_.size() > kShown) list += " and " + std::to_string(keys_.size() - kShown) + " more";
+    return Status(s.code(), s.message() + " (unverified bytes were left in tensor" +
+                                (keys_.size() > 1 ? "s " : " ") + list + ")");
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::set<std::string> keys_;
+};
+
 namespace {
+
+std::atomic<const std::function<void()>*> g_share_checked{nullptr};
+
+void share_checked() {
+  if (const auto* hook = g_share_checked.load(std::memory_order_acquire)) (*hook)();
+}
 
 // O_DIRECT wants buffers, offsets and lengths aligned to the logical block
 // size; 4096 covers every device we run on (the writer assumes the same).
@@ -287,8 +327,13 @@ struct AlignedBuffer {
 
 // The header is not covered by the chunk checksums; its own checksum makes
 // the data file as trustworthy as the chunks read from it.
-Status verify_header(File& f, const ManifestFile& mf, const std::string& path) {
+Status verify_header(File& f, const ManifestFile& mf, const std::string& path, uint64_t size) {
   if (mf.header_bytes == 0) return Status();
+  // Memory for a header the file cannot hold is never taken.
+  if (mf.header_bytes > size)
+    return Status::corruption("file " + path + " is " + std::to_string(size) +
+                              " bytes long, shorter than its safetensors header (" +
+                              std::to_string(mf.header_bytes) + " bytes) in the manifest");
   const uint64_t len = (mf.header_bytes + kAlign - 1) / kAlign * kAlign;
   AlignedBuffer buf(len);
   if (!buf.p) return Status::internal("no memory for the header of file " + path);
@@ -352,7 +397,7 @@ void copy_runs(const RankContext& ctx, const std::string& key, const uint8_t* sr
 // started report to `latch`.
 Status verify_and_copy(const RankContext& ctx, const Manifest& m, const ReadOp& op,
                        const std::string& path, const uint8_t* buf, const TensorView& target,
-                       CopyLatch& latch) {
+                       CopyLatch& latch, UnverifiedTensors* unverified) {
   const bool checked = !m.tensors[op.tensor].chunks[op.chunk].checksums.empty();
   const uint64_t cb = checked ? m.checksum_block_bytes : op.length;
   uint64_t verified = checked ? 0 : op.length;  // bytes of the read checked so far
@@ -376,6 +421,7 @@ Status verify_and_copy(const RankContext& ctx, const Manifest& m, const ReadOp& 
         const uint64_t k = block_end - src;
         if (auto sum = ctx.device->copy_in_summed(buf + src, target, dst, k)) {
           s = check_block(ctx, m, op, path, static_cast<uint32_t>(src / cb), *sum);
+          if (!s.ok() && unverified) unverified->add(key);
           verified = block_end;
           src += k;
           dst += k;
@@ -425,6 +471,9 @@ ReadAlign direct_align(const std::string& path) {
 struct OpenFile {
   std::unique_ptr<File> file;
   std::string path;
+  // Its length when opened: no read is sized past it (a manifest may claim
+  // any length), whatever memory that read would take.
+  uint64_t size = ~uint64_t{0};
   ReadAlign align;
   int cache_fd = -1;
   // The header's check runs on the pread threads beside the first data
@@ -538,6 +587,8 @@ class RunReader {
   ~RunReader() {
     while (!inflight_.empty()) {
       if (inflight_.front().got.valid()) inflight_.front().got.wait();
+      // Read straight into its tensor and never checked: the load stopped first.
+      if (inflight_.front().work->direct) unverified(inflight_.front().work->run.ops.front());
       release(inflight_.front());
       inflight_.pop_front();
     }
@@ -600,27 +651,33 @@ class RunReader {
     return Status();
   }
 
+  // A file that fails to open leaves no entry behind (the destructor and
+  // the end of run() walk every entry).
   Result<OpenFile*> open(uint32_t index) {
-    auto& slot = files_[index];
-    if (slot) return slot.get();
+    if (auto it = files_.find(index); it != files_.end()) return it->second.get();
     auto f = std::make_unique<OpenFile>();
     f->path = join_path(task_.dir, task_.manifest->files[index].name);
     OpenOptions o;
     o.direct = ctx_.opts.direct_io;
     // Runs are large already; readahead would only leave pages behind.
     o.no_readahead = true;
-    FERRY_ASSIGN_OR_RETURN(f->file, ctx_.fs->open(f->path, o));
-    f->header = io_.submit([fp = f->file.get(), &mf = task_.manifest->files[index],
-                            path = f->path]() -> Result<size_t> {
-      FERRY_RETURN_IF_ERROR(verify_header(*fp, mf, path));
+    auto opened = ctx_.fs->open(f->path, o);
+    if (!opened.ok())
+      return opened.status().with_context("rank " + std::to_string(ctx_.rank) + ": data file: ");
+    f->file = std::move(opened).value();
+    if (auto info = ctx_.fs->stat(f->path); info.ok()) f->size = info->size;
+    f->header = io_.submit([fp = f->file.get(), &mf = task_.manifest->files[index], path = f->path,
+                            size = f->size]() -> Result<size_t> {
+      FERRY_RETURN_IF_ERROR(verify_header(*fp, mf, path, size));
       return size_t{0};
     });
     if (f->file->direct())
       f->align = direct_align(f->path);
     else
-      f->cache_fd = ::open(f->path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
-    slot = std::move(f);
-    return slot.get();
+      f->cache_fd = ::open(f->path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOFOLLOW);
+    OpenFile* out = f.get();
+    files_.emplace(index, std::move(f));
+    return out;
   }
 
   // Where `op` can be read straight into its tensor, that tensor's bytes:
@@ -676,6 +733,8 @@ class RunReader {
     const ReadRun& run = w.run;
     InFlight f;
     f.work = &w;
+    FERRY_ASSIGN_OR_RETURN(f.file, open(run.file));
+    FERRY_RETURN_IF_ERROR(within(*f.file, run.ops));
     if (w.direct) {
       f.buf = w.direct;
     } else if (run.length <= block) {
@@ -693,12 +752,6 @@ class RunReader {
         return Status::internal("no memory for a read of " + std::to_string(run.length) + " bytes");
       f.buf = f.heap->p;
     }
-    auto file = open(run.file);
-    if (!file.ok()) {
-      release(f);
-      return file.status();
-    }
-    f.file = file.value();
     File* fp = f.file->file.get();
     f.got =
         disk_.submit([fp, buf = f.buf, &run] { return fp->pread(buf, run.length, run.offset); });
@@ -711,8 +764,11 @@ class RunReader {
     const Manifest& m = *task_.manifest;
     const std::string& path = f.file->path;
     Result<size_t> got = f.got.get();
-    if (!got.ok()) return got.status();
-    FERRY_RETURN_IF_ERROR(header_checked(*f.file));
+    Status read = got.ok() ? header_checked(*f.file) : got.status();
+    if (!read.ok()) {
+      if (f.work->direct) unverified(run.ops.front());
+      return read;
+    }
     kill_point("load.read");
     if (f.work->direct) return finish_direct(*f.file, run, f.work->direct, got.value());
     CopyLatch latch;
@@ -725,7 +781,8 @@ class RunReader {
       }
       s = op.entry == ReadOp::kForOthers
               ? verify_blocks(ctx_, m, op, path, f.buf + at)
-              : verify_and_copy(ctx_, m, op, path, f.buf + at, task_.targets[op.entry], latch);
+              : verify_and_copy(ctx_, m, op, path, f.buf + at, task_.targets[op.entry], latch,
+                                task_.unverified.get());
       if (!s.ok()) break;
       // Every block of the op checked out: its bytes may go to other ranks.
       if (!op.share_with.empty() && task_.transport) {
@@ -739,6 +796,13 @@ class RunReader {
     FERRY_RETURN_IF_ERROR(s);
     FERRY_RETURN_IF_ERROR(copied);
     drop_cached(*f.file, run.offset, run.length);
+    return Status();
+  }
+
+  // Ops that end past the file fail before their read takes memory.
+  Status within(const OpenFile& f, const std::vector<ReadOp>& ops) const {
+    for (const ReadOp& op : ops)
+      if (op.file_offset + op.length > f.size) return truncated(f.path, op);
     return Status();
   }
 
@@ -762,6 +826,22 @@ class RunReader {
   // leaves in its targets is undefined anyway); the error names the block.
   Status finish_direct(OpenFile& f, const ReadRun& run, uint8_t* p, size_t got) {
     const ReadOp& op = run.ops.front();
+    const Manifest& m = *task_.manifest;
+    Status s = read_tail(f, run, p, got);
+    if (s.ok()) s = verify_blocks(ctx_, m, op, f.path, p);
+    if (!s.ok()) {
+      unverified(op);
+      return s;
+    }
+    if (!op.share_with.empty() && task_.transport)
+      FERRY_RETURN_IF_ERROR(send_shared(ctx_, task_, m, op, p));
+    drop_cached(f, op.file_offset, op.length);
+    return Status();
+  }
+
+  // The last partial alignment unit of a direct read's op, read apart.
+  Status read_tail(OpenFile& f, const ReadRun& run, uint8_t* p, size_t got) {
+    const ReadOp& op = run.ops.front();
     if (got < run.length) return truncated(f.path, op);
     if (run.length < op.length) {
       const uint64_t rest = op.length - run.length;
@@ -772,12 +852,11 @@ class RunReader {
       if (n < rest) return truncated(f.path, op);
       std::memcpy(p + run.length, tail.p, rest);
     }
-    const Manifest& m = *task_.manifest;
-    FERRY_RETURN_IF_ERROR(verify_blocks(ctx_, m, op, f.path, p));
-    if (!op.share_with.empty() && task_.transport)
-      FERRY_RETURN_IF_ERROR(send_shared(ctx_, task_, m, op, p));
-    drop_cached(f, op.file_offset, op.length);
     return Status();
+  }
+
+  void unverified(const ReadOp& op) const {
+    if (task_.unverified) task_.unverified->add(task_.manifest->tensors[op.tensor].key);
   }
 
   // A compressed chunk's frames are read, verified and decoded by the codec
@@ -800,6 +879,14 @@ class RunReader {
         auto file = open(op->file);
         if (!file.ok()) {
           first = file.status();
+          break;
+        }
+        const ManifestChunk& c = task_.manifest->tensors[op->tensor].chunks[op->chunk];
+        if (c.byte_offset + c.byte_length > file.value()->size) {
+          first = Status::corruption(
+              "rank " + std::to_string(ctx_.rank) + ": file " + file.value()->path +
+              " is truncated: tensor '" + task_.manifest->tensors[op->tensor].key +
+              "' needs bytes up to " + std::to_string(c.byte_offset + c.byte_length));
           break;
         }
         auto raw = std::make_shared<std::vector<uint8_t>>();
@@ -848,18 +935,27 @@ class RunReader {
   const RankContext& ctx_;
   ReadTask& task_;  // its ops are moved out as they are planned
   StagingPool::PrefaultPause pause_;
+  std::vector<Work> runs_;
+  // Declared before the threads, so they end first: a decode still running
+  // when an exception unwinds the reader uses its file.
+  std::map<uint32_t, std::unique_ptr<OpenFile>> files_;
   // Both outlive no read: the destructor waits for every one first.
   PreadThreads disk_{1};  // the runs' reads, in order
   PreadThreads io_;
-  std::vector<Work> runs_;
-  std::map<uint32_t, std::unique_ptr<OpenFile>> files_;
   std::deque<InFlight> inflight_;
   std::optional<std::chrono::steady_clock::time_point> waiting_since_;
 };
 
 Status run_reads(reader_state& st, ReadTask& task) {
-  RunReader reader(*st.ctx, task);
-  return reader.run();
+  // Sizes come from the manifest, capped by what the files hold; memory
+  // that still runs out fails the load with a message, not the reader.
+  try {
+    RunReader reader(*st.ctx, task);
+    return reader.run();
+  } catch (const std::bad_alloc&) {
+    return Status::internal("rank " + std::to_string(st.ctx->rank) +
+                            ": out of memory reading the data files of " + task.dir);
+  }
 }
 
 reader_actor::behavior_type reader_fun(reader_actor::stateful_pointer<reader_state> self,
@@ -880,6 +976,7 @@ struct LoadInFlight {
   std::vector<int32_t> receivers;
   std::string load_id;
   std::shared_ptr<Transport> transport;
+  std::shared_ptr<UnverifiedTensors> unverified = std::make_shared<UnverifiedTensors>();
 };
 
 // A read task handed to a reader (or the share wait of a load) not yet answered.
@@ -901,6 +998,10 @@ struct ShareWait {
   std::chrono::steady_clock::time_point last;      // when bytes last arrived
   std::shared_ptr<Transport> transport;            // acks go back on it
   std::shared_ptr<const ShareRing> ring;           // where ring frames' bytes lie
+  std::shared_ptr<UnverifiedTensors> unverified;   // the load's
+  // Ring frames are copied here before they are checked and used.
+  std::unique_ptr<uint8_t[]> scratch;
+  uint64_t scratch_bytes = 0;
 };
 
 // Tells the sender of shared bytes what this rank took (flow control), or,
@@ -963,7 +1064,7 @@ void finish_task(const RankContext& ctx, ReaderTasks& tasks, uint64_t id, Status
   if (!s.ok() && load->first_error.ok()) load->first_error = std::move(s);
   if (--load->left == 0) {
     if (!load->load_id.empty()) ctx.shares->close(load->load_id, load->first_error);
-    load->rp.deliver(load->first_error);
+    load->rp.deliver(load->unverified->name_in(load->first_error));
   }
 }
 
@@ -1053,22 +1154,44 @@ Status take_share(const RankContext& ctx, ShareWait& w, const BlockShareMsg& msg
                               " match no piece it expects from that rank");
   // A frame that goes whole to one stretch of one tensor (rows) is copied
   // and summed in one pass where the device can, as a block read from disk
-  // is: the ring is read once, and the sum is of the very bytes that landed
-  // (checking first, then copying, read them twice, and a sender could
-  // change them in between). A mismatch fails the load, which leaves its
-  // tensors partly loaded, as any failed load does.
+  // is: the ring is read once, and the sum is of the very bytes that landed.
+  // A mismatch fails the load, which leaves its tensors partly loaded, as
+  // any failed load does (the error names the tensor: see unverified).
   const Landing& one = landings.front();
   std::optional<uint64_t> sum;
   if (landings.size() == 1 && one.runs.size() == 1 && one.runs[0].src == 0 &&
       one.runs[0].len == len)
     sum = ctx.device->copy_in_summed(data, *one.target, one.runs[0].dst, len);
   if (sum) {
-    if (*sum != msg.checksum) return mismatch();
+    if (*sum != msg.checksum) {
+      if (w.unverified) w.unverified->add(*one.key);
+      return mismatch();
+    }
+    share_checked();
   } else {
-    // Anything else reaches the tensors only after the frame checked out.
-    if (xxh3_64(data, len) != msg.checksum) return mismatch();
+    // Anything else reaches the tensors only after the frame checked out,
+    // from the bytes that were checked: a ring's bytes can change at any
+    // moment (its sender, or any process of this user, may write them), so
+    // they are copied out of it once, summed on the way, and only that copy
+    // is used. A frame's own bytes are this process's.
+    const uint8_t* from = data;
+    uint64_t got = 0;
+    if (msg.ring_length != 0) {
+      if (w.scratch_bytes < len) {
+        w.scratch.reset(new (std::nothrow) uint8_t[len]);
+        w.scratch_bytes = w.scratch ? len : 0;
+        if (!w.scratch)
+          return Status::internal("rank " + std::to_string(ctx.rank) + ": no memory for " + what);
+      }
+      got = xxh3_64_copy(w.scratch.get(), data, len);
+      from = w.scratch.get();
+    } else {
+      got = xxh3_64(data, len);
+    }
+    if (got != msg.checksum) return mismatch();
+    share_checked();
     CopyLatch latch;
-    for (const Landing& l : landings) copy_runs(ctx, *l.key, data, *l.target, l.runs, latch);
+    for (const Landing& l : landings) copy_runs(ctx, *l.key, from, *l.target, l.runs, latch);
     // The frame's bytes are read by the copies: they must land before it goes.
     FERRY_RETURN_IF_ERROR(latch.wait());
   }
@@ -1157,6 +1280,7 @@ void expect_shares(loader_ptr self, LoadJob& job, const std::shared_ptr<LoadInFl
   w.pieces = std::move(job.receive);
   w.transport = job.transport;
   w.ring = job.ring;
+  w.unverified = load->unverified;
   std::sort(w.pieces.begin(), w.pieces.end(), [](const auto& a, const auto& b) {
     return std::tie(a.second.file, a.second.file_offset) <
            std::tie(b.second.file, b.second.file_offset);
@@ -1274,6 +1398,7 @@ loader_actor::behavior_type loader_fun(loader_ptr self, ContextPtr ctx) {
           tasks[i].load_id = job.load_id;
           tasks[i].transport = job.transport;
           tasks[i].peer_rings = job.peer_rings;
+          tasks[i].unverified = load->unverified;
           const uint64_t id = st.next_task++;
           st.tasks->emplace(id, ReaderTask{i, load});
           self->request(st.readers[i], caf::infinite, atom::read_v, std::move(tasks[i]))
@@ -1299,6 +1424,10 @@ loader_actor::behavior_type loader_fun(loader_ptr self, ContextPtr ctx) {
 
 loader_actor spawn_loader(caf::actor_system& sys, ContextPtr ctx) {
   return sys.spawn(loader_fun, std::move(ctx));
+}
+
+void set_share_checked_hook(const std::function<void()>* hook) {
+  g_share_checked.store(hook, std::memory_order_release);
 }
 
 }  // namespace ferry

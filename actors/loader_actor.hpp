@@ -3,6 +3,8 @@
 
 #include <caf/all.hpp>
 
+#include <functional>
+
 #include "actors/context.hpp"
 #include "actors/messages.hpp"
 
@@ -22,5 +24,11 @@ using loader_actor = caf::typed_actor<
     caf::reacts_to<atom::share_due, std::string>>;
 
 loader_actor spawn_loader(caf::actor_system& sys, ContextPtr ctx);
+
+// Test seam: `hook` runs on the loader's thread each time a frame of shared
+// bytes passed its checksum, before its bytes go on into the tensors (the
+// moment a sender writing into the share ring would do most harm). Null, the
+// default, runs nothing; the caller keeps `hook` alive while it is set.
+void set_share_checked_hook(const std::function<void()>* hook);
 
 }  // namespace ferry

@@ -216,6 +216,8 @@ struct LoadJob {
 // that saw it fail, not by the sender): every load it owes bytes fails.
 inline const std::string kAnyLoad = "*";
 
+class UnverifiedTensors;  // loader.cpp
+
 struct ReadTask {
   std::string dir;
   std::shared_ptr<const Manifest> manifest;
@@ -224,6 +226,8 @@ struct ReadTask {
   std::string load_id;
   std::shared_ptr<Transport> transport;
   std::shared_ptr<PeerRings> peer_rings;
+  // The load's tensors that hold bytes which did not pass their checksum.
+  std::shared_ptr<UnverifiedTensors> unverified;
 };
 
 }  // namespace ferry

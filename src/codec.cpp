@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <new>
 #include <thread>
 
 #include "checksum.hpp"
@@ -180,11 +181,18 @@ Status read_compressed(File& f, const std::string& path, const Manifest& m, cons
                                   std::to_string(b) + ")");
     }
   }
-  std::vector<uint8_t> frames((last - first + 1) * fb);
+  // The frames' raw bytes, no more: the last frame of a chunk is short.
+  const uint64_t end = std::min(c.raw_length, (last + 1) * fb);
+  if (end < op.chunk_offset + op.length)
+    return Status::corruption(who + ": raw bytes past its raw length");
+  std::unique_ptr<uint8_t[]> frames(new (std::nothrow) uint8_t[end - first * fb]);
+  if (!frames)
+    return Status::internal(who + ": no memory to decode " + std::to_string(end - first * fb) +
+                            " bytes");
   FERRY_RETURN_IF_ERROR(decompress_frames(buf.get() + at + (s0 - r0), s1 - s0, c.frame_ends, fb,
-                                          c.raw_length, first, last - first + 1, frames.data(),
+                                          c.raw_length, first, last - first + 1, frames.get(),
                                           who));
-  std::memcpy(raw->data(), frames.data() + (op.chunk_offset - first * fb), op.length);
+  std::memcpy(raw->data(), frames.get() + (op.chunk_offset - first * fb), op.length);
   return Status();
 }
 

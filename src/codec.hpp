@@ -20,6 +20,9 @@ namespace ferry {
 // 1 MiB of raw bytes per frame: large enough that zstd reaches nearly its
 // whole-buffer ratio, small enough that a partial read decodes little extra.
 constexpr uint64_t kFrameRawBytes = 1ull << 20;
+// The largest frame a reader decodes: a load decodes whole frames, so a
+// manifest's frame size bounds the memory and work of every read of it.
+constexpr uint64_t kMaxFrameRawBytes = 64ull << 20;
 // Compressed data files are not safetensors files: their own extension.
 constexpr char kCompressedExtension[] = "ferryz";
 // The codec name in the manifest and the required feature it implies.

@@ -205,6 +205,10 @@ Status check_frames(const Manifest& m, const ManifestChunk& c, uint64_t raw,
     return Status::corruption(who + ": raw length " + std::to_string(c.raw_length) + ", expected " +
                               std::to_string(raw));
   if (c.frame_bytes == 0) return Status::corruption(who + ": frame size 0");
+  if (c.frame_bytes > kMaxFrameRawBytes)
+    return Status::corruption(who + ": frame size " + std::to_string(c.frame_bytes) +
+                              " exceeds the most a reader decodes (" +
+                              std::to_string(kMaxFrameRawBytes) + ")");
   const uint64_t frames = raw / c.frame_bytes + (raw % c.frame_bytes != 0 ? 1 : 0);
   if (c.frame_ends.size() != frames)
     return Status::corruption(who + ": " + std::to_string(c.frame_ends.size()) +

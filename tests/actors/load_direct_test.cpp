@@ -365,6 +365,8 @@ TEST_CASE("a read straight into a tensor still checks its blocks and its length"
     CHECK(cfs->counts->read_into(out_t.p, out_t.n));
     CHECK(st.code() == ferry::StatusCode::corruption);
     CHECK_THAT(st.message(), Catch::Contains("'weights'") && Catch::Contains("block 3"));
+    // The bytes are in the tensor: the error says so.
+    CHECK_THAT(st.message(), Catch::Contains("unverified bytes were left in tensor 'weights'"));
   }
   SECTION("a flipped byte in the last partial unit, read apart, is caught") {
     {
@@ -476,6 +478,22 @@ TEST_CASE("corruption in one block is detected and named", "[actors][load][corru
     CHECK_THAT(st.message(), Catch::Contains("block 5"));
     CHECK_THAT(st.message(), Catch::Contains("rank 0"));
     CHECK_THAT(st.message(), Catch::Contains(fs::path(data).filename().string()));
+    // The damaged block landed before its sum failed; the other tensor holds
+    // only bytes that passed.
+    CHECK_THAT(st.message(),
+               Catch::EndsWith("(unverified bytes were left in tensor 'layers.0.weight')"));
+  }
+  SECTION("a shard that takes part of the block gets no byte before the block checked out") {
+    // Columns [0, 256): half of every row of block 5, copied only once it passed.
+    std::vector<float> cols(512 * 256, -1.0f);
+    ferry::StateDict out;
+    REQUIRE(out.add("layers.0.weight", {cols.data(), ferry::DType::f32, {512, 256}},
+                    ferry::Shard{{512, 512}, {0, 0}})
+                .ok());
+    auto st = rt->load(out, h.path());
+    CHECK(st.code() == ferry::StatusCode::corruption);
+    CHECK_THAT(st.message(), Catch::Contains("block 5"));
+    CHECK_THAT(st.message(), !Catch::Contains("unverified"));
   }
   SECTION("a shard that does not touch the block loads") {
     // Rows [0, 64) are blocks 0..1; the flipped byte is in block 5.

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <fstream>
 #include <future>
+#include <new>
 #include <optional>
 #include <stdexcept>
 #include <thread>
@@ -71,19 +72,22 @@ class StderrCapture {
 };
 
 // The host device, except that copying into a tensor throws: the reader
-// doing the copy dies.
+// doing the copy dies (or, with `no_memory`, finds memory ran out).
 class ThrowingCopyIn : public ferry::DeviceBackend {
  public:
+  explicit ThrowingCopyIn(bool no_memory = false) : no_memory_(no_memory) {}
   bool handles(const ferry::Device& d) const override { return host_->handles(d); }
   void copy_out(const ferry::TensorView& src, uint64_t offset, uint64_t len, void* dst,
                 Done done) override {
     host_->copy_out(src, offset, len, dst, std::move(done));
   }
   void copy_in(const void*, const ferry::TensorView&, uint64_t, uint64_t, Done) override {
+    if (no_memory_) throw std::bad_alloc();
     throw std::runtime_error("copy_in failed on purpose");
   }
 
  private:
+  bool no_memory_;
   std::shared_ptr<ferry::DeviceBackend> host_ = ferry::host_device();
 };
 
@@ -161,4 +165,18 @@ TEST_CASE("a reader that dies fails the load instead of hanging it", "[actors][l
     CHECK(st.code() == ferry::StatusCode::internal);
     CHECK_THAT(st.message(), Catch::Contains("reader"));
   }
+}
+
+TEST_CASE("memory that runs out in a reader fails the load with a message, not the reader",
+          "[actors][load]") {
+  TempDir dir;
+  std::unique_ptr<ferry::Runtime> rt =
+      make_runtime(dir.path(), std::make_shared<ThrowingCopyIn>(true));
+  Tensors tensors({"a.w", "b.w", "c.w"}, 1);
+  auto h = rt->save_async(tensors.sd, 1);
+  REQUIRE(h.wait_committed().ok());
+  const ferry::Status st = rt->load(tensors.sd, dir.path());
+  INFO(st.to_string());
+  CHECK(st.code() == ferry::StatusCode::internal);
+  CHECK_THAT(st.message(), Catch::Contains("out of memory reading the data files of " + h.path()));
 }

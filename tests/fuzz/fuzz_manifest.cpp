@@ -4,25 +4,170 @@
 //  - decode_manifest returns (a value or a non-ok Status) without crashing,
 //    within the per-input time limit of fuzz_guard.hpp;
 //  - a decoded manifest round-trips: e1 = encode(decode(input)) decodes again,
-//    and encoding that second value gives e1 byte for byte.
+//    and encoding that second value gives e1 byte for byte;
+//  - a decoded manifest drives a load's planning (src/load_plan.cpp): the
+//    plan of a whole tensor, or of its first rows, stays inside the chunks,
+//    the files and the caller's box, and its runs and shared ranges are
+//    computed without crashing; work and memory follow the box asked for
+//    (at most 1 MiB here) and the manifest's size, never a size it claims;
+//  - verify_checkpoint (src/verify.cpp) on the manifest, with data files in
+//    memory as long as it says (up to 1 MiB; longer ones are shorter than
+//    claimed), returns a report or an error without crashing.
 //
 // The frame carries an xxh3-64 of its payload, which random mutation almost
 // never gets right, so each input is also decoded a second time with the
 // frame's payload length and checksum recomputed: that copy reaches the Cap'n
 // Proto payload and the semantic checks behind the checksum.
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <map>
 #include <string>
 #include <string_view>
 
+#include "catalog.hpp"
 #include "checksum.hpp"
+#include "ferry/filesystem.hpp"
 #include "fuzz_guard.hpp"
+#include "load_plan.hpp"
 #include "manifest.hpp"
+#include "verify.hpp"
 
 namespace {
 
 constexpr const char* kTarget = "fuzz_manifest";
+
+// The most bytes one planned load asks for, and of data files held in
+// memory (files past it are empty: shorter than the manifest says).
+constexpr uint64_t kBoxBytes = 1ull << 20;
+constexpr uint64_t kFileBytes = 1ull << 20;
+constexpr char kDir[] = "/fuzz-ckpt";
+
+// Read-only files in memory: the MANIFEST and the data files, whose bytes
+// depend on their name only. Everything else goes to the wrapped filesystem
+// and is never reached by verify.
+class MemoryFile : public ferry::File {
+ public:
+  MemoryFile(std::string path, const std::string* bytes) : path_(std::move(path)), bytes_(bytes) {}
+  const std::string& path() const override { return path_; }
+  bool direct() const override { return false; }
+  ferry::Status pwrite(const void*, size_t, uint64_t) override {
+    return ferry::Status::invalid_argument("read-only: " + path_);
+  }
+  ferry::Result<size_t> pread(void* data, size_t len, uint64_t offset) override {
+    if (offset >= bytes_->size()) return size_t{0};
+    const size_t n = std::min<uint64_t>(len, bytes_->size() - offset);
+    std::memcpy(data, bytes_->data() + offset, n);
+    return n;
+  }
+  ferry::Status truncate(uint64_t) override {
+    return ferry::Status::invalid_argument("read-only: " + path_);
+  }
+  ferry::Status sync() override { return ferry::Status(); }
+  ferry::Status close() override { return ferry::Status(); }
+
+ private:
+  std::string path_;
+  const std::string* bytes_;
+};
+
+class MemoryFs : public ferry::FilesystemWrapper {
+ public:
+  MemoryFs() : FilesystemWrapper(ferry::posix_filesystem()) {}
+  std::map<std::string, std::string> files;  // by path
+  ferry::Result<std::unique_ptr<ferry::File>> open(const std::string& p,
+                                                   const ferry::OpenOptions& o) override {
+    auto it = files.find(p);
+    if (o.write || it == files.end()) return ferry::Status::not_found("open " + p);
+    return std::unique_ptr<ferry::File>(new MemoryFile(p, &it->second));
+  }
+  ferry::Result<ferry::FileInfo> stat(const std::string& p) override {
+    auto it = files.find(p);
+    if (it == files.end()) return ferry::Status::not_found("stat " + p);
+    ferry::FileInfo info;
+    info.size = it->second.size();
+    info.is_regular = true;
+    return info;
+  }
+};
+
+void check_verify(std::string_view bytes, const ferry::Manifest& m) {
+  MemoryFs fs;
+  fs.files[std::string(kDir) + "/" + ferry::kManifestFileName] = std::string(bytes);
+  uint64_t left = kFileBytes;
+  for (const ferry::ManifestFile& f : m.files) {
+    std::string data(std::min(f.size, left), '\0');
+    left -= data.size();
+    for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>(i * 131 + f.name.size());
+    fs.files[std::string(kDir) + "/" + f.name] = std::move(data);
+  }
+  auto rep = ferry::verify_checkpoint(fs, kDir);
+  if (!rep.ok() && rep.status().message().empty())
+    ferry::fuzz::fail(kTarget, "verify_checkpoint returned an error without a message");
+}
+
+// One request for tensor `t`: all of it, or as many of its first rows as
+// fit kBoxBytes (a caller's memory bounds what it asks for).
+bool request_for(const ferry::ManifestTensor& t, uint32_t entry, uint64_t budget,
+                 ferry::LoadRequest* req) {
+  req->entry = entry;
+  req->key = t.key;
+  req->dtype = t.dtype;
+  req->global_shape = t.global_shape;
+  req->box.offsets.assign(t.global_shape.size(), 0);
+  req->box.sizes = t.global_shape;
+  uint64_t row = ferry::dtype_size(t.dtype);
+  for (size_t d = 1; d < t.global_shape.size(); ++d) {
+    const auto n = static_cast<uint64_t>(t.global_shape[d]);
+    if (n != 0 && row > budget / n) return false;
+    row *= n;
+  }
+  if (t.global_shape.empty() || row == 0) return row <= budget;
+  req->box.sizes[0] = std::min<int64_t>(t.global_shape[0], static_cast<int64_t>(budget / row));
+  return req->box.sizes[0] > 0;
+}
+
+void check_plan(const ferry::Manifest& m) {
+  std::vector<ferry::LoadRequest> requests;
+  uint64_t budget = kBoxBytes;
+  for (size_t i = 0; i < m.tensors.size(); ++i) {
+    ferry::LoadRequest req;
+    if (!request_for(m.tensors[i], static_cast<uint32_t>(requests.size()), budget, &req)) continue;
+    uint64_t bytes = ferry::dtype_size(req.dtype);
+    for (int64_t s : req.box.sizes) bytes *= static_cast<uint64_t>(s);
+    budget -= std::min(budget, bytes);
+    requests.push_back(std::move(req));
+  }
+  auto ops = ferry::make_load_plan(m, requests);
+  if (!ops.ok()) {
+    if (ops.status().message().empty())
+      ferry::fuzz::fail(kTarget, "make_load_plan returned an error without a message");
+    return;
+  }
+  for (const ferry::ReadOp& op : *ops) {
+    if (op.tensor >= m.tensors.size() || op.chunk >= m.tensors[op.tensor].chunks.size() ||
+        op.file >= m.files.size() || op.entry >= requests.size())
+      ferry::fuzz::fail(kTarget, "a planned read names a tensor, chunk, file or entry not there");
+    const ferry::ManifestChunk& c = m.tensors[op.tensor].chunks[op.chunk];
+    if (op.chunk_offset + op.length > c.raw_bytes() ||
+        (c.codec.empty() && op.file_offset + op.length > m.files[op.file].size))
+      ferry::fuzz::fail(kTarget, "a planned read of tensor '" + m.tensors[op.tensor].key +
+                                     "' runs past its chunk or its file");
+    const ferry::LoadRequest& req = requests[op.entry];
+    uint64_t box_bytes = ferry::dtype_size(req.dtype);
+    for (int64_t s : req.box.sizes) box_bytes *= static_cast<uint64_t>(s);
+    ferry::for_each_copy(
+        op, ferry::dtype_size(req.dtype), [&](uint64_t src, uint64_t dst, uint64_t n) {
+          if (src + n > op.length || dst + n > box_bytes)
+            ferry::fuzz::fail(kTarget, "a planned copy of tensor '" + req.key +
+                                           "' reads past its read or writes past the caller's box");
+        });
+  }
+  (void)ferry::needed_ranges(*ops, m);
+  (void)ferry::make_read_runs(*ops, m, 32ull << 20, 4096, 8ull << 20);
+}
 
 void check_round_trip(std::string_view bytes) {
   ferry::Result<ferry::Manifest> first = ferry::decode_manifest(bytes);
@@ -31,6 +176,8 @@ void check_round_trip(std::string_view bytes) {
       ferry::fuzz::fail(kTarget, "decode_manifest returned an error without a message");
     return;
   }
+  check_plan(first.value());
+  check_verify(bytes, first.value());
   const std::string e1 = ferry::encode_manifest(first.value());
   ferry::Result<ferry::Manifest> second = ferry::decode_manifest(e1);
   if (!second.ok())

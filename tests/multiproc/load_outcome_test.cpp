@@ -11,6 +11,7 @@
 #include "multiproc/launch.hpp"
 #include "test_util.hpp"
 
+using ferry::testing::check_loads;
 using ferry::testing::count;
 using ferry::testing::flip_byte;
 using ferry::testing::launch;
@@ -71,4 +72,48 @@ TEST_CASE("a rank that dies before its load fails the load on the others, naming
   REQUIRE(errors.size() == 1);
   CHECK_THAT(errors[0], Catch::Contains("rank 1"));
   CHECK(l.seconds < 15);  // the failure ends the wait, not write-timeout (30 s)
+}
+
+TEST_CASE("a data file missing on one rank fails the load on every rank, naming the file",
+          "[ranks][load][files]") {
+  TempDir d;
+  const std::string dir = save_latest(2, "--step 1 --seed 7", d.path());
+  const std::string file = dir + "/rank-00001-0000.safetensors";
+  REQUIRE(std::filesystem::remove(file));
+
+  auto l = launch(2, "--mode load --layout save --seed 7 --root " + d.path());
+  INFO(l.out);
+  CHECK(l.code != 0);
+  CHECK(count(l.out, "every byte equal") == 0);
+  for (int rank : {0, 1}) {
+    INFO("rank " << rank);
+    const auto errors = lines_with(l.out, "[rank " + std::to_string(rank) + "] ERROR load:");
+    REQUIRE(errors.size() == 1);
+    CHECK_THAT(errors[0], Catch::Contains(file) && Catch::Contains("No such file or directory"));
+  }
+}
+
+TEST_CASE("ranks that load different checkpoints are refused at once, naming ranks and paths",
+          "[ranks][load]") {
+  TempDir d;
+  const std::string one = save_latest(2, "--step 1 --seed 7", d.path());
+  const std::string two = save_latest(2, "--step 2 --seed 8", d.path());
+  REQUIRE(one != two);
+
+  // Rank 1 names step 2, rank 0 step 1: neither may load the other's step.
+  auto l = launch(2, "--mode load --seed 7 --root " + one + " --root-for-rank 1=" + two);
+  INFO(l.out);
+  CHECK(l.code != 0);
+  CHECK(count(l.out, "every byte equal") == 0);
+  for (int rank : {0, 1}) {
+    INFO("rank " << rank);
+    const auto errors = lines_with(l.out, "[rank " + std::to_string(rank) + "] ERROR load:");
+    REQUIRE(errors.size() == 1);
+    CHECK_THAT(errors[0], Catch::Contains("disagree") && Catch::Contains("rank 0") &&
+                              Catch::Contains("rank 1") && Catch::Contains(one) &&
+                              Catch::Contains(two));
+  }
+
+  // The same checkpoint spelled two ways (the root, its latest step) is one.
+  check_loads(2, "--seed 8 --root-for-rank 1=" + two, d.path());
 }

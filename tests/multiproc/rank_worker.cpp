@@ -513,7 +513,12 @@ int main(int argc, char** argv) {
       std::printf("LOADED %zu tensors, every byte equal\n", specs.size());
       return 0;
     };
-    if (load_and_check(root, seed) != 0) return 1;
+    // --root-for-rank R=PATH: rank R loads PATH instead (ranks that disagree).
+    std::string path = root;
+    const std::string path_for = arg(argc, argv, "--root-for-rank", "");
+    if (auto eq = path_for.find('='); eq != std::string::npos && std::stoi(path_for) == rank)
+      path = path_for.substr(eq + 1);
+    if (load_and_check(path, seed) != 0) return 1;
     // --again DIR --again-seed S: then the same tensors, filled with other
     // bytes first, from another checkpoint (saved with seed S).
     const std::string again = arg(argc, argv, "--again", "");

@@ -312,6 +312,14 @@ TEST_CASE("manifest: bad compressed chunks are corruption naming the tensor",
       {[](Manifest& m) { m.tensors[1].chunks[0].codec = "lz4"; }, "unknown codec 'lz4'"},
       {[](Manifest& m) { m.tensors[1].chunks[0].raw_length = 24; }, "raw length 24"},
       {[](Manifest& m) { m.tensors[1].chunks[0].frame_bytes = 0; }, "frame size 0"},
+      // A reader decodes whole frames: an unbounded frame size is unbounded
+      // memory for the smallest load (one frame of 20 raw bytes here).
+      {[](Manifest& m) {
+         auto& c = m.tensors[1].chunks[0];
+         c.frame_bytes = 2ull << 30;
+         c.frame_ends = {13};
+       },
+       "frame size 2147483648 exceeds"},
       {[](Manifest& m) { m.tensors[1].chunks[0].frame_ends = {13}; }, "1 frames, expected 2"},
       {[](Manifest& m) {
          m.tensors[1].chunks[0].frame_ends = {9, 9};

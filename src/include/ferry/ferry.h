@@ -215,7 +215,11 @@ FERRY_API void ferry_save_release(ferry_save* s);
 /* Fills the tensors from the checkpoint at `path` (a step directory, or a
  * root: then its latest), resharding as their shards ask. Every tensor must
  * be in the checkpoint with the same dtype and global shape. In a job of
- * several ranks every rank calls it (rank 0 picks the checkpoint). */
+ * several ranks every rank calls it with the same path (rank 0 picks the
+ * checkpoint; ranks naming different ones fail at once), and every rank
+ * gets the same outcome. A load that fails (a checksum mismatch included)
+ * leaves the tensors partly written, bytes that failed their check among
+ * them: the error names the tensors holding such bytes. */
 FERRY_API ferry_status ferry_load(ferry_runtime* rt, const ferry_tensor* tensors,
                                   size_t num_tensors, const char* path);
 

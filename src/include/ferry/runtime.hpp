@@ -169,10 +169,12 @@ class Runtime {
   // the checkpoint lacks is an error naming it; a checkpoint tensor the state
   // dict does not ask for is left out (one line on stderr lists them;
   // load_report() returns the list instead). With several ranks every rank calls load with the
-  // same path and every rank ends with the same outcome: the first error,
+  // same path (ranks naming different checkpoints fail at once, naming
+  // them) and every rank ends with the same outcome: the first error,
   // naming the rank it came from, or success once every rank succeeded.
   // After an error the tensors may hold part of what was read (a block found
-  // corrupt included): load again before using them.
+  // corrupt included; the error names the tensors holding bytes that did
+  // not pass their checksum): load again before using them.
   Status load(StateDict& sd, const std::string& path);
   // load(), and on success what it restored.
   Result<LoadReport> load_report(StateDict& sd, const std::string& path);
