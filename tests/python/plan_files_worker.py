@@ -64,7 +64,7 @@ def check_files(step_dir, plans, rank):
 def check_loads(step_dir, rank, world):
     want = state_dict(rank, world)
     back = state_dict(rank, world, seed=50)
-    ferry.load(back, step_dir)
+    ferry.load(back, step_dir, strict=False)  # the other ranks' own tensors are not asked for
     for k in want:
         t = back[k].tensor if isinstance(back[k], ferry.Shard) else back[k]
         w = want[k].tensor if isinstance(want[k], ferry.Shard) else want[k]
@@ -139,7 +139,7 @@ def torchsave(where, rank, world):
     try:
         steps(planner, rank)
     except ferry.FerryError as e:
-        assert "torch.save" in str(e) or "failed" in str(e), e
+        assert "torch.save's format" in str(e), e
         print("ok torch.save refused: %s" % e, flush=True)
         return
     raise AssertionError("a checkpoint_fn writing torch.save output was committed")
