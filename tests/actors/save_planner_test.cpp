@@ -451,6 +451,7 @@ TEST_CASE(
           REQUIRE(global.ok());
           const ferry::SavePlan plan = (*global)[0];
           auto path = run_steps_from(p, plan);
+          INFO(path.status().to_string());
           REQUIRE(path.ok());
           // The plan's files are the files written, holding exactly its items.
           std::vector<std::string> want = plan.files;
