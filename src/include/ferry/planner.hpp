@@ -142,8 +142,9 @@ class SavePlanner {
   // options' (SaveOptions::filename_prefix, else ferry.filename-prefix).
   // `root`: "" = SaveOptions::root, else ferry.root; with none of them, the
   // directory part of `filename_prefix` is the root (the working directory
-  // for a bare name) and its last part the prefix, as DCP reads it. `step`: nullopt = one more than the
-  // latest committed step under the root, 0 in an empty root.
+  // for a bare name) and its last part the prefix, as DCP reads it.
+  // `step`: nullopt = one more than the latest committed step under the
+  // root, 0 in an empty root.
   SavePlanner(Runtime& rt, const StateDict& sd, std::string filename_prefix = "",
               SavePlannerOptions options = {}, std::string root = "",
               std::optional<uint64_t> step = std::nullopt);
