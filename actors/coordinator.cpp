@@ -44,6 +44,7 @@
 #include "actors/messages.hpp"
 #include "actors/planner_actor.hpp"
 #include "catalog.hpp"
+#include "manifest_check.hpp"
 #include "planner_api.hpp"
 
 namespace ferry {
@@ -65,6 +66,7 @@ struct Checkpoint {
   uint8_t owner_policy = 0;  // as PlanRequest: 0 is the configured one
   std::vector<std::pair<std::string, std::string>> metadata;
   std::vector<std::optional<LocalPlan>> plans;
+  std::vector<DataFileOptions> files;  // by rank: how each names and fills its data files
   std::vector<caf::typed_response_promise<PlanReply>> plan_promises;
   size_t plans_in = 0;
   Phase phase = Phase::planning;
@@ -308,7 +310,12 @@ void on_all_plans(coordinator_ptr self) {
   if (!s.ok()) return abort_active(self, s);
   c.phase = Phase::writing;
   // Only when asked: every rank's plan on every rank grows with world size squared.
-  const std::string all = c.want_all ? encode_save_plans(save_plans(plans, **gp)) : "";
+  std::string all;
+  if (c.want_all) {
+    auto sp = save_plans(plans, **gp, c.files);
+    if (!sp.ok()) return abort_active(self, sp.status());
+    all = encode_save_plans(*sp);
+  }
   for (size_t r = 0; r < c.plan_promises.size(); ++r)
     c.plan_promises[r].deliver(
         PlanReply{st.ctx->job_id, c.id, Status(), c.pending_dir, (*gp)->ranks[r], all});
@@ -333,6 +340,9 @@ void on_all_results(coordinator_ptr self) {
   h.metadata = c.metadata;
   auto m = assemble_manifest(h, results);
   if (!m.ok()) return abort_active(self, m.status());
+  // Before the commit point: never a committed checkpoint that cannot load.
+  if (Status s = check_manifest_before_commit(*m); !s.ok())
+    return abort_active(self, s.with_context("rank 0 (commit phase): "));
   CommitOptions co{st.ctx->opts.fsync, c.overwrite, st.ctx->opts.keep_last, c.lease_owner};
   co.renew_lease_ms = lease_ms(st);
   const auto commit_started = std::chrono::steady_clock::now();
@@ -548,6 +558,7 @@ coordinator_actor::behavior_type coordinator_fun(coordinator_ptr self, ContextPt
           c.overwrite = req.overwrite;
           c.owner_policy = req.owner_policy;
           c.plans.resize(world);
+          c.files.resize(world);
           c.plan_promises.resize(world);
           c.results.resize(world);
           c.commit_promises.resize(world);
@@ -579,6 +590,7 @@ coordinator_actor::behavior_type coordinator_fun(coordinator_ptr self, ContextPt
         auto rp = self->make_response_promise<PlanReply>();
         if (!c.plans[req.rank]) ++c.plans_in;
         c.plans[req.rank] = std::move(req.plan);
+        c.files[req.rank] = std::move(req.files);
         c.plan_promises[req.rank] = rp;
         if (c.plans_in == world) on_all_plans(self);
         return rp;

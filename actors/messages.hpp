@@ -94,6 +94,7 @@ struct SaveJob {
   bool staged = false;
   CheckpointFn checkpoint_fn;  // set: the caller's function writes the rank's file
   uint8_t owner_policy = 0;    // as PlanRequest: 0 is the configured one
+  DataFileOptions files;       // resolved by save_async / SavePlanner, sent with the plan
   // Not ok: this rank cannot take part (a bad SavePlanner argument). The
   // planner tells rank 0 at once, so no rank waits for plan-timeout.
   Status doomed;
@@ -130,6 +131,7 @@ struct ChunkSource {
 // The chunks of a rank's files and where each one's bytes come from, by
 // [file][chunk].
 struct FileChunks {
+  std::vector<std::string> names;  // [file], from data_files()
   std::vector<std::vector<ChunkRef>> refs;
   std::vector<std::vector<ChunkSource>> srcs;
 };

@@ -42,6 +42,7 @@
 #include "checkpoint_fn.hpp"
 #include "checksum.hpp"
 #include "codec.hpp"
+#include "data_files.hpp"
 #include "drills/kill_point.hpp"
 #include "storage_writer.hpp"
 
@@ -437,54 +438,22 @@ void start_streaming(planner_ptr self) {
   self->send(st.snapshot, atom::stream_v, std::move(job));
 }
 
-// The chunks of this rank's files, in plan order (files capped at
-// shard_size), and where each one's bytes come from.
+// The chunks of this rank's files and where each one's bytes come from:
+// the files data_files() gives this rank's plan, the same ones rank 0 put
+// in every rank's SavePlan.
 Status plan_chunks(planner_state& st, FileChunks& out) {
   auto& cur = st.cur;
   const auto& entries = cur.job.sd.entries();
-  auto& refs = out.refs;
-  auto& srcs = out.srcs;
-  refs.assign(cur.plan.files, {});
-  srcs.assign(cur.plan.files, {});
-  for (const ChunkAssignment& a : cur.plan.chunks) {
-    if (a.item >= cur.local.items.size() || a.file >= cur.plan.files)
-      return Status::internal("global plan refers to item " + std::to_string(a.item) + " / file " +
-                              std::to_string(a.file) + " this rank does not have");
-    const WriteItem& it = cur.local.items[a.item];
-    const Box& box = chunk_box(a, it);
-    refs[a.file].push_back({it.key, it.dtype, it.global_shape, box, nullptr});
-    // Splits are along dim 0, so a chunk is one contiguous byte range of the
-    // item's row-major bytes.
-    uint64_t offset = 0;
-    if (!box.offsets.empty() && it.box.sizes[0] > 0)
-      offset = static_cast<uint64_t>(box.offsets[0] - it.box.offsets[0]) *
-               (it.nbytes / static_cast<uint64_t>(it.box.sizes[0]));
-    srcs[a.file].push_back({entries[it.entry].view, offset});
-  }
-  const SaveOptions& so = cur.job.opts;
-  if (so.shard_size.value_or(0) > 0) {
-    // The cap decides the files: the rank's chunks, in plan order, packed
-    // (and split along dim 0 where needed) into files of at most shard_size.
-    std::vector<ChunkRef> all;
-    std::vector<ChunkSource> all_src;
-    for (uint32_t f = 0; f < cur.plan.files; ++f) {
-      all.insert(all.end(), refs[f].begin(), refs[f].end());
-      all_src.insert(all_src.end(), srcs[f].begin(), srcs[f].end());
-    }
-    refs.clear();
-    srcs.clear();
-    std::function<uint64_t(uint64_t)> stored;
-    if (compress_level(so.compress.value_or("none")) > 0)
-      stored = [](uint64_t raw) { return max_stored_bytes(raw); };
-    for (auto& file : pack_into_files(all, static_cast<uint64_t>(*so.shard_size), stored)) {
-      refs.emplace_back();
-      srcs.emplace_back();
-      for (auto& p : file) {
-        ChunkSource src = all_src[p.source];
-        src.offset += p.skip;
-        refs.back().push_back(std::move(p.chunk));
-        srcs.back().push_back(std::move(src));
-      }
+  FERRY_ASSIGN_OR_RETURN(auto files, data_files(cur.local, cur.plan, cur.job.files));
+  out = FileChunks{};
+  for (PlannedFile& f : files) {
+    out.names.push_back(std::move(f.name));
+    out.refs.emplace_back();
+    out.srcs.emplace_back();
+    for (FileSlice& s : f.slices) {
+      const WriteItem& it = cur.local.items[s.item];
+      out.refs.back().push_back({it.key, it.dtype, it.global_shape, std::move(s.box), nullptr});
+      out.srcs.back().push_back({entries[it.entry].view, s.skip});
     }
   }
   return Status();
@@ -493,20 +462,12 @@ Status plan_chunks(planner_state& st, FileChunks& out) {
 // The files' layouts, from their chunks (compressed already where asked).
 Status make_layouts(planner_state& st, FileChunks& chunks) {
   auto& cur = st.cur;
-  auto& refs = chunks.refs;
-  auto& srcs = chunks.srcs;
-  const SaveOptions& so = cur.job.opts;
-  const int level = compress_level(so.compress.value_or("none"));
-  const std::string prefix = so.filename_prefix.value_or("rank");
-  const std::string ext = level > 0 ? kCompressedExtension : "safetensors";
   cur.layouts.clear();
   cur.sources.clear();
-  for (uint32_t f = 0; f < refs.size(); ++f) {
-    if (refs[f].empty()) continue;  // a rank with nothing to write writes no file
-    FERRY_ASSIGN_OR_RETURN(FileLayout l, layout_file(data_file_name(prefix, st.ctx->rank, f, ext),
-                                                     std::move(refs[f])));
+  for (size_t f = 0; f < chunks.refs.size(); ++f) {
+    FERRY_ASSIGN_OR_RETURN(FileLayout l, layout_file(chunks.names[f], std::move(chunks.refs[f])));
     cur.layouts.push_back(std::move(l));
-    cur.sources.push_back(std::move(srcs[f]));
+    cur.sources.push_back(std::move(chunks.srcs[f]));
   }
   return Status();
 }
@@ -576,7 +537,7 @@ void on_plan(planner_ptr self, const PlanReply& r) {
   cur.all_plans = r.all_plans;
   FileChunks chunks;
   if (Status s = plan_chunks(st, chunks); !s.ok()) return fail(self, s);
-  const int level = compress_level(cur.job.opts.compress.value_or("none"));
+  const int level = cur.job.files.level();
   if (level == 0) return on_chunks(self, chunks);
   // Compressed on a writer's thread (and its helpers), so this actor stays
   // responsive to aborts and deadlines meanwhile. A failed save's drain
@@ -694,7 +655,7 @@ void start_next(planner_ptr self) {
   arm_deadline(self, "plan", seconds(st.ctx->opts.plan_timeout_s));
   PlanRequest req{st.ctx->job_id, cur.checkpoint_id,      st.ctx->rank,          cur.job.step,
                   cur.job.root,   cur.job.opts.overwrite, cur.job.opts.metadata, cur.local,
-                  cur.job.staged, cur.job.owner_policy};
+                  cur.job.staged, cur.job.owner_policy,   cur.job.files};
   const uint64_t id = cur.id;
   self->request(st.coordinator, caf::infinite, atom::plan_v, std::move(req))
       .then(

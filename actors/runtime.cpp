@@ -543,26 +543,6 @@ Runtime::~Runtime() {
   impl_->sys.reset();
 }
 
-namespace {
-
-// Fills the data file options a save leaves unset from the configuration
-// and checks the ones it sets.
-Status resolve_file_options(const Options& cfg, SaveOptions& o) {
-  if (!o.filename_prefix) o.filename_prefix = cfg.filename_prefix;
-  FERRY_RETURN_IF_ERROR(check_filename_prefix(*o.filename_prefix, "SaveOptions::filename_prefix"));
-  if (!o.shard_size) {
-    o.shard_size = static_cast<int64_t>(cfg.shard_size);
-  } else if (*o.shard_size <= 0) {
-    return Status::invalid_argument("SaveOptions::shard_size = " + std::to_string(*o.shard_size) +
-                                    ": must be positive (leave it unset for no cap)");
-  }
-  FERRY_ASSIGN_OR_RETURN(
-      o.compress, parse_compress(o.compress.value_or(cfg.compress), "SaveOptions::compress"));
-  return Status();
-}
-
-}  // namespace
-
 SaveHandle Runtime::save_async(const StateDict& sd, uint64_t step, const SaveOptions& opts) {
   return SaveHandle(detail::RuntimeAccess::start_save(*this, sd, step, opts, std::nullopt, false));
 }
@@ -608,10 +588,10 @@ std::shared_ptr<detail::SaveState> detail::RuntimeAccess::start_save(
     return refuse(
         Status::invalid_argument("no checkpoint root: set ferry.root or SaveOptions::root"));
   }
-  // Resolved here so the planner sees the values it applies, never unset ones.
-  SaveOptions job_opts = opts;
-  if (Status s = ferry::resolve_file_options(impl_->ctx->opts, job_opts); !s.ok()) {
-    return refuse(s.with_context("save of step " + std::to_string(step) + ": "));
+  // Resolved once here: the plan and the writers see this one value.
+  auto files = resolve_data_files(impl_->ctx->opts, opts, static_cast<bool>(checkpoint_fn));
+  if (!files.ok()) {
+    return refuse(files.status().with_context("save of step " + std::to_string(step) + ": "));
   }
   state->started = t0;
   // Here, not in the snapshot actor: the copies must come after what the
@@ -624,9 +604,10 @@ std::shared_ptr<detail::SaveState> detail::RuntimeAccess::start_save(
   state->sd = sd;
   state->device = impl_->ctx->device;
   if (!impl_->saves->add(state)) return state;
-  caf::anon_send(impl_->planner, atom::save_v,
-                 SaveJob{sd, step, std::move(job_opts), root, state, std::move(local), staged,
-                         std::move(checkpoint_fn), owner_policy, Status()});
+  caf::anon_send(
+      impl_->planner, atom::save_v,
+      SaveJob{sd, step, opts, root, state, std::move(local), staged, std::move(checkpoint_fn),
+              owner_policy, std::move(files).value(), Status()});
   const double ms =
       std::chrono::duration<double, std::milli>(detail::SaveState::clock::now() - t0).count();
   state->update_metrics([ms](SaveMetrics& m) { m.save_async_ms = ms; });
@@ -652,8 +633,10 @@ std::shared_ptr<detail::SaveState> detail::RuntimeAccess::start_doomed_save(Runt
   return state;
 }
 
-Status detail::RuntimeAccess::resolve_file_options(const Runtime& rt, SaveOptions& opts) {
-  return ferry::resolve_file_options(rt.impl_->ctx->opts, opts);
+Result<DataFileOptions> detail::RuntimeAccess::resolve_file_options(const Runtime& rt,
+                                                                    const SaveOptions& opts,
+                                                                    bool custom_writer) {
+  return resolve_data_files(rt.impl_->ctx->opts, opts, custom_writer);
 }
 
 void detail::RuntimeAccess::proceed(Runtime& rt, Proceed p) {

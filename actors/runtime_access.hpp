@@ -22,9 +22,10 @@ struct RuntimeAccess {
   // A save this rank cannot take part in: it takes its place in the
   // sequence of checkpoints and aborts that one on every rank with `why`.
   static std::shared_ptr<SaveState> start_doomed_save(Runtime& rt, uint64_t step, Status why);
-  // What start_save checks of the file options (filename_prefix,
-  // shard_size, compress), with the configured ones filling what is unset.
-  static Status resolve_file_options(const Runtime& rt, SaveOptions& opts);
+  // The file options (filename_prefix, shard_size, compress) as start_save
+  // resolves them, the configured ones filling what is unset.
+  static Result<DataFileOptions> resolve_file_options(const Runtime& rt, const SaveOptions& opts,
+                                                      bool custom_writer);
   static void proceed(Runtime& rt, Proceed p);
   static const RankContext& context(const Runtime& rt);
 };

@@ -1,6 +1,8 @@
 // SavePlanner (ferry/planner.hpp): save_async's save, stopped after the plan
 // and after the write until the caller takes the next step.
 
+#include <filesystem>
+#include <system_error>
 #include <utility>
 
 #include "actors/runtime_access.hpp"
@@ -94,18 +96,42 @@ std::shared_ptr<detail::SaveState> failed_save(uint64_t step, Status why) {
 // The constructor's arguments, each error naming the one that is wrong.
 // The save checks the file options again; checked here so that a bad one
 // fails this checkpoint on every rank at once.
-static Status check_arguments(const Runtime& rt, const StateDict& sd,
-                              const std::string& filename_prefix, SavePlanner::Impl& im) {
+static Status check_arguments(const Runtime& rt, const StateDict& sd, std::string filename_prefix,
+                              SavePlanner::Impl& im) {
+  if (im.root.empty() && !filename_prefix.empty()) {
+    // No root anywhere: the prefix says where the files go, as DCP's
+    // filename_prefix does ("ckpt/model": root ckpt, files model-*; a bare
+    // name: the working directory).
+    const size_t slash = filename_prefix.rfind('/');
+    std::string dir = slash == std::string::npos ? "" : filename_prefix.substr(0, slash + 1);
+    filename_prefix =
+        slash == std::string::npos ? filename_prefix : filename_prefix.substr(slash + 1);
+    if (filename_prefix.empty())
+      return Status::invalid_argument("SavePlanner filename_prefix '" + dir +
+                                      "' ends in '/': no file prefix after the directory");
+    std::error_code ec;
+    std::filesystem::path where =
+        dir.empty() ? std::filesystem::current_path(ec) : std::filesystem::absolute(dir, ec);
+    if (ec)
+      return Status::io_error("SavePlanner: the directory of filename_prefix '" + dir +
+                              "': " + ec.message());
+    im.root = where.lexically_normal().string();
+    while (im.root.size() > 1 && im.root.back() == '/') im.root.pop_back();
+    im.opts.save.root = im.root;
+  }
   if (!filename_prefix.empty()) {
     FERRY_RETURN_IF_ERROR(check_filename_prefix(filename_prefix, "SavePlanner filename_prefix"));
     im.opts.save.filename_prefix = filename_prefix;
   }
   if (im.root.empty())
-    return Status::invalid_argument("SavePlanner: no checkpoint root: pass one or set ferry.root");
+    return Status::invalid_argument(
+        "SavePlanner: no checkpoint root: pass one, set ferry.root, or give a filename_prefix");
   if (sd.entries().empty())
     return Status::invalid_argument("SavePlanner: the state dict is empty (nothing to save)");
-  SaveOptions resolved = im.opts.save;
-  return RuntimeAccess::resolve_file_options(rt, resolved).with_context("SavePlanner: ");
+  return RuntimeAccess::resolve_file_options(rt, im.opts.save,
+                                             static_cast<bool>(im.opts.checkpoint_fn))
+      .status()
+      .with_context("SavePlanner: ");
 }
 
 SavePlanner::SavePlanner(Runtime& rt, const StateDict& sd, std::string filename_prefix,

@@ -103,6 +103,9 @@ struct PlanRequest {
   plan @7 :LocalPlan;              # the rank's write items
   wantAll @8 :Bool;                # the reply should carry every rank's plan (SavePlanner)
   ownerPolicy @9 :UInt8;           # 0: rank 0's configured one, 1: balanced, 2: lowest rank
+  filePrefix @10 :Text;            # the rank's data files are <filePrefix>-<rank>-<k>.<ext>
+  fileMaxBytes @11 :UInt64;        # most data bytes per file of the rank; 0 = no cap
+  fileCompress @12 :Text;          # "none" or "zstd:<level>" (normalized)
 }
 
 # Rank 0 -> a rank: its part of the global plan, or why there is none.

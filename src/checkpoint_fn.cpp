@@ -71,9 +71,16 @@ Result<FileLayout> adopt_written_file(Filesystem& fs, const std::string& path,
   FERRY_ASSIGN_OR_RETURN(size_t got, f->pread(prefix.data(), 8, 0));
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<uint8_t>(prefix[i]);
-  if (got != 8 || n > info->size - 8 || n > (100ull << 20))
-    return Status::invalid_argument("checkpoint_fn wrote " + path +
-                                    ", which is not a safetensors file (header length)");
+  if (got != 8 || n > info->size - 8 || n > (100ull << 20)) {
+    // torch.save's zip archive (or an old-style pickle) is the usual mistake.
+    const bool torch_save =
+        prefix.compare(0, 4, "PK\x03\x04") == 0 || static_cast<uint8_t>(prefix[0]) == 0x80;
+    return Status::invalid_argument(
+        "checkpoint_fn wrote " + path + ", which is not a safetensors file" +
+        (torch_save ? " (it is torch.save's format)" : " (header length)") +
+        ": a checkpoint_fn must write a safetensors file holding exactly the tensors it is "
+        "given, under their names (e.g. safetensors.torch.save_file(state_dict, filename))");
+  }
   prefix.resize(8 + n);
   FERRY_ASSIGN_OR_RETURN(got, f->pread(prefix.data() + 8, n, 8));
   if (got != n) return Status::invalid_argument(path + ": truncated safetensors header");
@@ -103,6 +110,9 @@ Result<FileLayout> adopt_written_file(Filesystem& fs, const std::string& path,
     LaidOutChunk w = lc;
     w.offset = h->data_start + e.begin;
     w.length = e.end - e.begin;
+    // The file holds the function's raw tensor, whatever the plan laid out:
+    // frames of a compressed plan would describe bytes that are not there.
+    w.chunk.compressed = nullptr;
     std::vector<uint64_t> blocks;
     for (uint64_t off = 0; checksum_block_bytes > 0 && off < w.length;
          off += checksum_block_bytes) {

@@ -322,7 +322,8 @@ LocalPlan to_internal(const LocalSavePlan& p) {
   return out;
 }
 
-std::vector<SavePlan> save_plans(const std::vector<LocalPlan>& locals, const GlobalPlan& gp) {
+Result<std::vector<SavePlan>> save_plans(const std::vector<LocalPlan>& locals, const GlobalPlan& gp,
+                                         const std::vector<DataFileOptions>& files) {
   std::map<std::string, std::set<int32_t>> writers;
   for (const RankPlan& rp : gp.ranks)
     for (const ChunkAssignment& a : rp.chunks)
@@ -337,19 +338,18 @@ std::vector<SavePlan> save_plans(const std::vector<LocalPlan>& locals, const Glo
       const auto& who = writers[group_key(w)];
       sp.owners.emplace_back(who.begin(), who.end());
     }
-    // A file no chunk goes to is not created (planner.cpp), so not listed.
-    std::vector<int64_t> file_index(rp.files, -1);
-    for (const ChunkAssignment& a : rp.chunks) {
-      if (file_index[a.file] < 0) {
-        file_index[a.file] = static_cast<int64_t>(sp.files.size());
-        sp.files.push_back(data_file_name(rp.rank, a.file));
+    const DataFileOptions fo =
+        static_cast<size_t>(rp.rank) < files.size() ? files[rp.rank] : DataFileOptions{};
+    FERRY_ASSIGN_OR_RETURN(auto planned, data_files(local, rp, fo));
+    for (PlannedFile& f : planned) {
+      const auto file = static_cast<uint32_t>(sp.files.size());
+      for (FileSlice& s : f.slices) {
+        const uint64_t n =
+            static_cast<uint64_t>(s.box.numel()) * dtype_size(local.items[s.item].dtype);
+        sp.writes.push_back({s.item, std::move(s.box.offsets), std::move(s.box.sizes), n, file});
+        sp.bytes += n;
       }
-      const WriteItem& w = local.items[a.item];
-      const Box& b = chunk_box(a, w);
-      const uint64_t n = a.whole ? w.nbytes : b.numel() * dtype_size(w.dtype);
-      sp.writes.push_back(
-          {a.item, b.offsets, b.sizes, n, static_cast<uint32_t>(file_index[a.file])});
-      sp.bytes += n;
+      sp.files.push_back(std::move(f.name));
     }
     out.push_back(std::move(sp));
   }
@@ -465,7 +465,7 @@ Result<std::vector<SavePlan>> global_plan(const std::vector<LocalSavePlan>& loca
   GlobalPlanOptions o;
   o.policy = policy;
   FERRY_ASSIGN_OR_RETURN(GlobalPlan gp, make_global_plan(locals, o));
-  return save_plans(locals, gp);
+  return save_plans(locals, gp, {});
 }
 
 Result<LocalSavePlan> local_plan(const StateDict& sd, int32_t rank) {

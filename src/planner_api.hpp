@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "data_files.hpp"
 #include "ferry/planner.hpp"
 #include "plan.hpp"
 
@@ -14,8 +15,11 @@ namespace ferry {
 LocalSavePlan to_public(const LocalPlan& p);
 LocalPlan to_internal(const LocalSavePlan& p);
 
-// Every rank's SavePlan from the local plans and the global plan made of them.
-std::vector<SavePlan> save_plans(const std::vector<LocalPlan>& locals, const GlobalPlan& gp);
+// Every rank's SavePlan from the local plans and the global plan made of
+// them; `files[r]` shapes rank r's data files (data_files(), as its writers
+// will): its writes are the pieces of those files, in their order.
+Result<std::vector<SavePlan>> save_plans(const std::vector<LocalPlan>& locals, const GlobalPlan& gp,
+                                         const std::vector<DataFileOptions>& files);
 
 std::string encode_save_plans(const std::vector<SavePlan>& plans);
 Result<std::vector<SavePlan>> decode_save_plans(const std::string& bytes);

@@ -238,6 +238,9 @@ struct Encoder {
     }
     b.setWantAll(m.want_all);
     b.setOwnerPolicy(m.owner_policy);
+    b.setFilePrefix(text(m.files.prefix));
+    b.setFileMaxBytes(m.files.max_bytes);
+    b.setFileCompress(text(m.files.compress));
     return frame(kPlanProtocol, mb);
   }
 
@@ -633,6 +636,10 @@ Result<WireMessage> read_plan_request(proto::PlanRequest::Reader r) {
   if (m.owner_policy > 2)
     return Status::invalid_argument("PlanRequest owner policy " + std::to_string(m.owner_policy) +
                                     " is not 0, 1 or 2");
+  m.files.prefix = str(r.getFilePrefix());
+  m.files.max_bytes = r.getFileMaxBytes();
+  m.files.compress = str(r.getFileCompress());
+  FERRY_RETURN_IF_ERROR(check_data_files(m.files, "PlanRequest"));
   return WireMessage(std::move(m));
 }
 

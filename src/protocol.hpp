@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "commit.hpp"
+#include "data_files.hpp"
 #include "ferry/status.hpp"
 #include "load_plan.hpp"
 #include "plan.hpp"
@@ -80,6 +81,7 @@ struct PlanRequest {
   LocalPlan plan;
   bool want_all = false;     // the reply should carry every rank's plan (SavePlanner)
   uint8_t owner_policy = 0;  // 0: rank 0's configured one, 1: balanced, 2: lowest rank
+  DataFileOptions files;     // how the rank names and fills its data files (data_files())
 };
 
 // Rank 0 -> a rank: its part of the global plan, or why there is none.

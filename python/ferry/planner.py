@@ -12,10 +12,17 @@ This is save_async's own save, stopped between its steps: the same plan,
 files, commit and timeouts. A rank that does not reach barrier() within
 write-timeout fails the checkpoint on every rank.
 
-checkpoint_fn(state_dict, filename): writes this rank's file itself, as a
-safetensors file holding exactly `state_dict` (the planned tensors, keyed by
-the entry names the checkpoint records). Ferry reads it back, checksums and
-commits it; an exception, or no file, fails the checkpoint on every rank.
+checkpoint_fn(state_dict, filename): writes this rank's file itself (once
+per file of its plan), as a safetensors file holding exactly `state_dict`
+(the planned tensors, keyed by the entry names the checkpoint records), e.g.
+safetensors.torch.save_file(state_dict, filename). Ferry reads it back,
+checksums and commits it; an exception, no file, or another format
+(torch.save output) fails the checkpoint on every rank. Its files are plain
+.safetensors even when compress is asked.
+
+With no root configured, the directory part of filename_prefix is the root
+(the working directory for a bare name) and its last part the file prefix:
+SavePlanner(sd, "ckpt/my_checkpoint") commits ckpt/step-<n>/my_checkpoint-*.
 
 transform_local_plan(plan): changes this rank's local plan before it is sent
 to rank 0. It gets a LocalPlan and returns the plan to send: `plan` itself,
@@ -320,7 +327,8 @@ class SavePlanner:
     """One checkpoint, driven in steps (see the module docstring).
 
     filename_prefix: data files are <prefix>-<rank>-<k> (None: the options'
-    or the configured one). options: None, a ferry.CheckpointOptions
+    or the configured one); with no root anywhere, "dir/name" means root
+    dir, prefix name. options: None, a ferry.CheckpointOptions
     (compress, shard_size, filename_prefix), or a dict with "overwrite",
     "metadata" and "file_options" (a CheckpointOptions). root: None = the configured
     root. step: None = one more than the latest committed step under root

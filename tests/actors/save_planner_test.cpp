@@ -8,10 +8,12 @@
 #include <fstream>
 #include <map>
 #include <random>
+#include <set>
 
 #include "catalog.hpp"
 #include "ferry/planner.hpp"
 #include "ferry/runtime.hpp"
+#include "layout.hpp"
 #include "runtime_rig.hpp"
 #include "safetensors_writer.hpp"
 #include "test_util.hpp"
@@ -51,6 +53,12 @@ ferry::Result<std::string> run_steps(ferry::SavePlanner& p, int32_t rank = 0) {
   if (!global.ok()) return global.status();
   auto wrote = p.save_on_this_process((*global)[rank]);
   if (Status s = wrote.wait(); !s.ok()) return s;
+  return p.barrier();
+}
+
+// save_on_this_process with the plan create_global_plan gave, then barrier.
+ferry::Result<std::string> run_steps_from(ferry::SavePlanner& p, const ferry::SavePlan& plan) {
+  if (Status s = p.save_on_this_process(plan).wait(); !s.ok()) return s;
   return p.barrier();
 }
 
@@ -355,4 +363,172 @@ TEST_CASE("a checkpoint_fn that fails, throws or writes nothing aborts the check
   CHECK(ferry::list_checkpoints(*ferry::posix_filesystem(), d.path())->empty());
   for (auto& e : fs::directory_iterator(d.path()))
     CHECK_FALSE(ferry::is_pending_dir_name(e.path().filename().string()));
+}
+
+namespace {
+
+// The data files of a committed checkpoint, by name (MANIFEST, LEASE and
+// the like are not data files).
+std::vector<std::string> data_files_in(const std::string& dir) {
+  std::vector<std::string> out;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    if (name.find(".safetensors") != std::string::npos || name.find(".ferryz") != std::string::npos)
+      out.push_back(name);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// The entry names in a data file's header (compressed files have one too).
+std::set<std::string> entries_in(const std::string& path) {
+  const std::string bytes = slurp(path);
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<uint8_t>(bytes[i]);
+  auto h = ferry::parse_safetensors_header(bytes.substr(0, 8 + n), bytes.size());
+  REQUIRE(h.ok());
+  std::set<std::string> out;
+  for (const auto& e : h->entries) out.insert(e.name);
+  return out;
+}
+
+// What the plan puts in each of its files: "key@offsets" entry names.
+std::map<std::string, std::set<std::string>> planned_entries(const ferry::SavePlan& plan) {
+  std::map<std::string, std::set<std::string>> out;
+  for (const auto& f : plan.files) out[f];
+  for (const auto& w : plan.writes)
+    out[plan.files[w.file]].insert(
+        ferry::entry_name(plan.items[w.item].key, ferry::Box{w.offsets, w.sizes}));
+  return out;
+}
+
+// A tensor zstd shrinks (the frames' ends then differ from the raw sizes),
+// one that it does not, a small one and a 0-d one.
+struct MatrixModel {
+  std::vector<float> big = std::vector<float>(256 * 1024);
+  std::vector<uint8_t> noise = ferry::testing::random_bytes(96 * 1024, 5);
+  std::vector<float> b = std::vector<float>(64);
+  int64_t step = 0;
+  ferry::StateDict sd;
+  explicit MatrixModel(int seed) {
+    for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<float>((i * 7 + seed) % 97);
+    for (size_t i = 0; i < b.size(); ++i) b[i] = static_cast<float>(i + seed);
+    step = seed;
+    REQUIRE(sd.add("model.big.weight", {big.data(), ferry::DType::f32, {256, 1024}}).ok());
+    REQUIRE(sd.add("model.noise", {noise.data(), ferry::DType::u8, {96, 1024}}).ok());
+    REQUIRE(sd.add("layer.b", {b.data(), ferry::DType::f32, {64}}).ok());
+    REQUIRE(sd.add("step", {&step, ferry::DType::i64, {}}).ok());
+  }
+};
+
+}  // namespace
+
+TEST_CASE(
+    "every combination of compress, shard_size, prefix and checkpoint_fn commits what the "
+    "plan names, and it loads",
+    "[planner_api][checkpoint_fn][plan_files]") {
+  TempDir d;
+  auto rt = make_runtime(d.path());
+  MatrixModel m(3);
+  uint64_t step = 0;
+  for (const char* compress : {"none", "zstd"})
+    for (int64_t shard : {int64_t{0}, int64_t{1} << 18})
+      for (const char* prefix : {"", "model_v3"})
+        for (bool with_fn : {false, true}) {
+          INFO("compress " << compress << ", shard_size " << shard << ", prefix '" << prefix
+                           << "', checkpoint_fn " << with_fn);
+          ferry::SavePlannerOptions o;
+          o.save.compress = compress;
+          if (shard > 0) o.save.shard_size = shard;
+          std::vector<std::string> fn_files;
+          if (with_fn)
+            o.checkpoint_fn = [&fn_files](const ferry::StateDict& sd, const std::string& f) {
+              fn_files.push_back(fs::path(f).filename().string());
+              return ferry::testing::write_safetensors(sd, f);
+            };
+          ferry::SavePlanner p(*rt, m.sd, prefix, o, "", step++);
+          auto global = p.create_global_plan();
+          REQUIRE(global.ok());
+          const ferry::SavePlan plan = (*global)[0];
+          auto path = run_steps_from(p, plan);
+          INFO(path.status().to_string());
+          REQUIRE(path.ok());
+          // The plan's files are the files written, holding exactly its items.
+          std::vector<std::string> want = plan.files;
+          std::sort(want.begin(), want.end());
+          CHECK(data_files_in(*path) == want);
+          const std::string stem = std::string(*prefix ? prefix : "rank") + "-00000-";
+          const bool zipped = std::string(compress) == "zstd" && !with_fn;
+          for (const auto& [file, entries] : planned_entries(plan)) {
+            CHECK(file.rfind(stem, 0) == 0);
+            CHECK_THAT(file, Catch::EndsWith(zipped ? ".ferryz" : ".safetensors"));
+            CHECK(entries_in(*path + "/" + file) == entries);
+            CHECK_THAT(plan.to_string(), Catch::Contains("-> " + file));
+          }
+          if (shard > 0) CHECK(plan.files.size() >= 4);  // the cap split the tensors
+          if (with_fn) CHECK(fn_files == plan.files);
+          MatrixModel back(11);
+          REQUIRE(rt->load(back.sd, *path).ok());
+          CHECK(back.big == m.big);
+          CHECK(back.noise == m.noise);
+          CHECK(back.b == m.b);
+          CHECK(back.step == m.step);
+        }
+}
+
+TEST_CASE("a checkpoint_fn that writes torch.save output fails the save, naming the format",
+          "[planner_api][checkpoint_fn]") {
+  TempDir d;
+  auto rt = make_runtime(d.path());
+  MatrixModel m(4);
+  ferry::SavePlannerOptions o;
+  o.checkpoint_fn = [](const ferry::StateDict&, const std::string& f) {
+    std::ofstream(f, std::ios::binary) << std::string("PK\x03\x04", 4) << std::string(200, 'x');
+    return Status();
+  };
+  ferry::SavePlanner p(*rt, m.sd, "", o);
+  auto path = run_steps(p);
+  REQUIRE_FALSE(path.ok());
+  CHECK_THAT(path.status().message(), Catch::Contains("rank-00000-0000.safetensors") &&
+                                          Catch::Contains("torch.save") &&
+                                          Catch::Contains("safetensors.torch.save_file"));
+  CHECK(ferry::list_checkpoints(*ferry::posix_filesystem(), d.path())->empty());
+}
+
+TEST_CASE("with no root anywhere, the prefix's directory is the root and its last part the prefix",
+          "[planner_api]") {
+  TempDir d;
+  // No root configured: the runtime's rig sets one, so this one is bare.
+  ferry::RuntimeArgs args;
+  args.set("pool-bytes", "4MiB").set("chunk-bytes", "256KiB");
+  auto made = ferry::Runtime::create(args);
+  REQUIRE(made.ok());
+  auto& rt = **made;
+  REQUIRE(rt.options().root.empty());
+  MatrixModel m(5);
+  ferry::SavePlannerOptions o;
+  o.save.compress = "zstd";
+  o.save.shard_size = 1 << 18;
+  ferry::SavePlanner p(rt, m.sd, d.path() + "/ckpt/my_checkpoint", o);
+  auto path = run_steps(p);
+  REQUIRE(path.ok());
+  CHECK(*path == d.path() + "/ckpt/step-00000000");
+  CHECK(data_files_in(*path).front() == "my_checkpoint-00000-0000.ferryz");
+  MatrixModel back(12);
+  REQUIRE(rt.load(back.sd, *path).ok());
+  CHECK(back.big == m.big);
+
+  // A bare name: the working directory.
+  const auto cwd = fs::current_path();
+  fs::current_path(d.path());
+  ferry::SavePlanner bare(rt, m.sd, "my_checkpoint");
+  auto here = run_steps(bare);
+  fs::current_path(cwd);
+  REQUIRE(here.ok());
+  CHECK(*here == fs::path(d.path()).lexically_normal().string() + "/step-00000000");
+  CHECK(data_files_in(*here) == std::vector<std::string>{"my_checkpoint-00000-0000.safetensors"});
+
+  // Neither a root nor a prefix: the error says what to pass.
+  ferry::SavePlanner none(rt, m.sd);
+  CHECK_THAT(run_steps(none).status().message(), Catch::Contains("no checkpoint root"));
 }

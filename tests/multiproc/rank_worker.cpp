@@ -30,6 +30,9 @@
 #include <csignal>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -295,6 +298,47 @@ int planner_bad_argument(ferry::Runtime& rt, const ferry::StateDict& sd, const s
   return plain_planner_save(rt, sd);
 }
 
+// The committed checkpoint holds exactly the files the ranks' plans name, and
+// this rank's files hold exactly the entries its plan puts in them.
+std::string check_plan_files(const std::string& dir, const std::vector<ferry::SavePlan>& plans,
+                             int rank) {
+  std::set<std::string> named, on_disk;
+  for (const auto& p : plans) named.insert(p.files.begin(), p.files.end());
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    if (name.find(".safetensors") != std::string::npos || name.find(".ferryz") != std::string::npos)
+      on_disk.insert(name);
+  }
+  if (named != on_disk)
+    return std::to_string(on_disk.size()) + " data files on disk, the plans name " +
+           std::to_string(named.size());
+  const ferry::SavePlan& mine = plans[rank];
+  std::vector<std::set<std::string>> want(mine.files.size());
+  for (const auto& w : mine.writes) {
+    std::string entry = mine.items[w.item].key + "@";
+    for (size_t i = 0; i < w.offsets.size(); ++i)
+      entry += (i ? "," : "") + std::to_string(w.offsets[i]);
+    want[w.file].insert(entry);
+  }
+  for (size_t f = 0; f < mine.files.size(); ++f) {
+    std::ifstream in(dir + "/" + mine.files[f], std::ios::binary);
+    uint64_t n = 0;
+    in.read(reinterpret_cast<char*>(&n), 8);  // little-endian, as the test hosts are
+    std::string header(n, '\0');
+    in.read(header.data(), static_cast<std::streamsize>(n));
+    size_t entries = 0;
+    for (size_t at = 0; (at = header.find("\"data_offsets\"", at)) != std::string::npos; ++at)
+      ++entries;
+    for (const auto& e : want[f])
+      if (header.find("\"" + e + "\"") == std::string::npos)
+        return mine.files[f] + " lacks planned entry " + e;
+    if (entries != want[f].size())
+      return mine.files[f] + " holds " + std::to_string(entries) + " entries, the plan " +
+             std::to_string(want[f].size());
+  }
+  return "";
+}
+
 // The save in SavePlanner's steps: every rank sees every rank's plan, tries
 // another rank's plan (refused), writes its own and meets the others at
 // barrier(). Exit 0 when the outcome is the expected one.
@@ -323,7 +367,12 @@ int planner_steps(ferry::Runtime& rt, const ferry::StateDict& sd,
       std::printf("CHECKPOINT_FN got %zu tensors\n", planned.size());
       return ferry::testing::write_safetensors(planned, file);
     };
-  ferry::SavePlanner planner(rt, sd, "rank", o);
+  // --compress C, --shard-size N, --prefix P: the file options.
+  const std::string compress = arg(argc, argv, "--compress", "");
+  const std::string shard = arg(argc, argv, "--shard-size", "");
+  if (!compress.empty()) o.save.compress = compress;
+  if (!shard.empty()) o.save.shard_size = std::stoll(shard);
+  ferry::SavePlanner planner(rt, sd, arg(argc, argv, "--prefix", "rank"), o);
   auto global = planner.create_global_plan();
   if (!global.ok() && !owner_for.empty()) {
     std::printf("FAILED as expected: %s\n", global.status().to_string().c_str());
@@ -406,6 +455,11 @@ int planner_steps(ferry::Runtime& rt, const ferry::StateDict& sd,
     return 1;
   }
   std::printf("SAVED %s\n", path->c_str());
+  if (std::string why = check_plan_files(*path, *global, rank); !why.empty()) {
+    std::printf("ERROR files: %s\n", why.c_str());
+    return 1;
+  }
+  std::printf("FILES as planned\n");
   return 0;
 }
 

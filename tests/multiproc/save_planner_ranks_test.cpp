@@ -67,6 +67,28 @@ TEST_CASE("checkpoint_fn on every rank: the files it writes commit and load resh
   check_loads(3, "--layout swap --seed 5", d.path());
 }
 
+TEST_CASE(
+    "on 2 ranks every combination of compress, shard_size, prefix and checkpoint_fn "
+    "writes the files the plans name, and they load resharded",
+    "[ranks][planner_api][checkpoint_fn][plan_files]") {
+  for (const char* compress : {"none", "zstd"})
+    for (const char* shard : {"", "65536"})
+      for (const char* prefix : {"rank", "model_v3"})
+        for (bool fn : {false, true}) {
+          TempDir d;
+          std::string args = std::string("--mode planner --seed 4 --compress ") + compress +
+                             " --prefix " + prefix + " --root " + d.path();
+          if (*shard) args += std::string(" --shard-size ") + shard;
+          if (fn) args += " --fn write";
+          INFO(args);
+          auto r = launch(2, args);
+          INFO(r.out);
+          REQUIRE(r.code == 0);
+          CHECK(count(r.out, "FILES as planned") == 2);
+          check_loads(3, "--layout swap --seed 4", d.path());
+        }
+}
+
 TEST_CASE("a checkpoint_fn that raises on one rank aborts the checkpoint on every rank",
           "[ranks][planner_api][checkpoint_fn]") {
   TempDir d;

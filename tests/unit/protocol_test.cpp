@@ -87,6 +87,7 @@ PlanRequest sample_plan_request() {
   m.root = "/ckpt";
   m.overwrite = true;
   m.metadata = {{"lr", "3e-4"}, {"note", "ünïcode ok"}, {"", ""}};
+  m.files = {"model_v3", 1 << 18, "zstd:3"};
   m.plan.rank = 2;
   WriteItem a;
   a.key = "layer0.weight";
@@ -277,6 +278,7 @@ void check_same(const PlanRequest& a, const PlanRequest& b) {
   CHECK(a.root == b.root);
   CHECK(a.overwrite == b.overwrite);
   CHECK(a.metadata == b.metadata);
+  CHECK(a.files == b.files);
   CHECK(a.plan.rank == b.plan.rank);
   REQUIRE(a.plan.items.size() == b.plan.items.size());
   for (size_t i = 0; i < a.plan.items.size(); ++i) {
@@ -713,6 +715,14 @@ TEST_CASE("content that Cap'n Proto accepts but Ferry cannot use is refused", "[
     m.result.chunks[0].box.sizes[1] = -1;
     CHECK_THAT(error_of(encode_message(m)),
                Catch::Contains("layer0.weight") && Catch::Contains("negative"));
+  }
+  SECTION("a file prefix that leaves the checkpoint directory, an unknown codec") {
+    PlanRequest m = sample_plan_request();
+    m.files.prefix = "../x";
+    CHECK_THAT(error_of(encode_message(m)), Catch::Contains("PlanRequest file prefix"));
+    m = sample_plan_request();
+    m.files.compress = "lz4";
+    CHECK_THAT(error_of(encode_message(m)), Catch::Contains("PlanRequest compress"));
   }
   SECTION("negative global shape") {
     PlanRequest m = sample_plan_request();

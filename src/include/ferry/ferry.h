@@ -312,15 +312,19 @@ typedef struct ferry_plans ferry_plans; /* every rank's plan */
 
 /* Writes this rank's file itself (SavePlannerOptions::checkpoint_fn): the
  * planned tensors (host views, keyed by entry name) and the file to write
- * as safetensors. Returns 0 on success; otherwise it may put a message in
- * error (error_len bytes, NUL-terminated) and the checkpoint fails on
- * every rank. A function still running at the write deadline is abandoned:
+ * as safetensors holding exactly them (anything else, torch.save output
+ * say, fails the checkpoint; compress does not apply to these files).
+ * Returns 0 on success; otherwise it may put a message in error
+ * (error_len bytes, NUL-terminated) and the checkpoint fails on every
+ * rank. A function still running at the write deadline is abandoned:
  * the checkpoint fails, and the function may go on reading the tensors it
  * was handed until it returns, so the caller keeps them alive until then. */
 typedef int (*ferry_checkpoint_fn)(void* user, const ferry_tensor* planned, size_t num_planned,
                                    const char* filename, char* error, size_t error_len);
 
-/* root NULL or "": the configured root. has_step 0: one more than the
+/* root NULL or "": the configured root; with none configured, the
+ * directory part of filename_prefix ("ckpt/model": root ckpt, files model-*;
+ * a bare name: the working directory). has_step 0: one more than the
  * latest committed step there (0 in an empty root). filename_prefix NULL,
  * "" or "rank". fn NULL: Ferry writes the files. The tensors' memory must
  * stay valid until the planner is destroyed. */

@@ -71,7 +71,7 @@ struct SavePlan {
   std::vector<PlanItem> items;               // the rank's local plan
   std::vector<std::vector<int32_t>> owners;  // per item: the ranks that write (part of) it
   std::vector<PlannedWrite> writes;          // in the order the rank writes them
-  std::vector<std::string> files;            // its data files (may be none)
+  std::vector<std::string> files;            // exactly the data files it writes (may be none)
   uint64_t bytes = 0;                        // sum of writes[].nbytes
 
   std::string to_string() const;  // items, owners, files and bytes, one line each
@@ -81,7 +81,8 @@ struct SavePlan {
 
 namespace plan {
 // The global plan from every rank's local plan (plans[r].rank == r), with no
-// job: what the coordinator computes, for plans gathered by any means.
+// job: what the coordinator computes, for plans gathered by any means (the
+// files named as with the default file options: "rank" prefix, no cap, raw).
 // Errors (invalid_argument) name the key and the ranks.
 Result<std::vector<SavePlan>> global_plan(const std::vector<LocalSavePlan>& local_plans,
                                           OwnerPolicy policy = OwnerPolicy::balanced);
@@ -104,7 +105,9 @@ class WriteHandle {
   std::shared_ptr<detail::SaveState> s_;
 };
 
-// Writes one rank's data file itself, instead of Ferry's writers. `planned`
+// Writes one rank's data file itself, instead of Ferry's writers (called
+// once per file of the rank's plan; the files are plain safetensors, so a
+// compress option does not apply to them). `planned`
 // holds exactly the tensors the global plan gives this rank, keyed by the
 // entry names the checkpoint records ("key@offsets"), as host views of the
 // caller's memory; the function must write them as a safetensors file at
@@ -140,8 +143,11 @@ class SavePlanner {
  public:
   // `filename_prefix`: data files are <prefix>-<rank>-<k>; "" = the
   // options' (SaveOptions::filename_prefix, else ferry.filename-prefix).
-  // `root`: "" = the configured root. `step`: nullopt = one more than the
-  // latest committed step under the root, 0 in an empty root.
+  // `root`: "" = SaveOptions::root, else ferry.root; with none of them, the
+  // directory part of `filename_prefix` is the root (the working directory
+  // for a bare name) and its last part the prefix, as DCP reads it.
+  // `step`: nullopt = one more than the latest committed step under the
+  // root, 0 in an empty root.
   SavePlanner(Runtime& rt, const StateDict& sd, std::string filename_prefix = "",
               SavePlannerOptions options = {}, std::string root = "",
               std::optional<uint64_t> step = std::nullopt);
