@@ -176,9 +176,10 @@ struct Runtime::Impl {
   planner_actor planner;
   loader_actor loader;
   std::shared_ptr<Transport> transport;
-  uint64_t loads = 0;   // collective load counter: the load id every rank agrees on
-  bool joined = false;  // every rank connected: shutdown waits for them to leave
-  std::mutex mu;        // serializes save_async callers
+  uint64_t loads = 0;     // collective load counter: the load id every rank agrees on
+  uint64_t resolves = 0;  // the same for Runtime::resolve
+  bool joined = false;    // every rank connected: shutdown waits for them to leave
+  std::mutex mu;          // serializes save_async callers
   std::shared_ptr<detail::SaveState> last;
   // The last doomed save: its abort must reach rank 0 before this rank says
   // goodbye, or the others hear "left the job" instead of why.
@@ -813,17 +814,14 @@ void log_not_restored(const Runtime::Impl& im, const LoadReport& r) {
                keys.c_str());
 }
 
-}  // namespace
-
-Result<LoadReport> Runtime::load_report(StateDict& sd, const std::string& path) {
-  Impl& im = *impl_;
+// Rank 0 decides which checkpoint `path` names and reads its manifest once
+// per `id`, for every rank: all ranks get the same step even while another
+// save commits.
+LoadReplyMsg resolve_on_rank0(Runtime::Impl& im, caf::scoped_actor& self, const std::string& id,
+                              const std::string& path) {
   const Options& o = im.ctx->opts;
-  // Rank 0 decides which checkpoint and reads its manifest once, for every
-  // rank: all ranks load the same step even while another save commits.
-  const std::string id = "load-" + std::to_string(++im.loads);
   LoadRequestMsg req{im.ctx->job_id, id, im.ctx->rank, path};
   coordinator_api resolver = rank0_api(im);
-  caf::scoped_actor self{*im.sys};
   LoadReplyMsg reply;
   // Rank 0 only reads a manifest and the link has its own deadline: this
   // bound is the last resort against an answer that never comes.
@@ -831,6 +829,28 @@ Result<LoadReport> Runtime::load_report(StateDict& sd, const std::string& path) 
                 std::move(req))
       .receive([&](const LoadReplyMsg& r) { reply = r; },
                [&](caf::error& e) { reply.status = from_caf(self, e, "load: resolving " + path); });
+  return reply;
+}
+
+}  // namespace
+
+Result<LoadReport> Runtime::resolve(const std::string& path) {
+  Impl& im = *impl_;
+  caf::scoped_actor self{*im.sys};
+  LoadReplyMsg reply = resolve_on_rank0(im, self, "resolve-" + std::to_string(++im.resolves), path);
+  if (!reply.status.ok()) return reply.status;
+  FERRY_ASSIGN_OR_RETURN(ManifestSummary m, summarize_manifest(reply.manifest));
+  LoadReport out;
+  out.path = reply.dir;
+  out.step = m.step;
+  return out;
+}
+
+Result<LoadReport> Runtime::load_report(StateDict& sd, const std::string& path) {
+  Impl& im = *impl_;
+  const std::string id = "load-" + std::to_string(++im.loads);
+  caf::scoped_actor self{*im.sys};
+  LoadReplyMsg reply = resolve_on_rank0(im, self, id, path);
   LoadReport report;
   if (im.transport) im.transport->take_queued_peak();
   im.ctx->shares->take_relayed();
