@@ -131,7 +131,7 @@ Status write_file(Runtime& rt, Filesystem& fs, const std::string& dir,
   const std::string tmp = path + ".tmp";
   Status s = fill_file(rt, fs, dir, tensors, header, tmp, o);
   if (s.ok()) s = fs.rename(tmp, path);
-  if (!s.ok()) fs.unlink(tmp);
+  if (!s.ok()) (void)fs.unlink(tmp);  // the first error is the one to report
   return s;
 }
 
