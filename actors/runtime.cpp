@@ -292,6 +292,7 @@ Status start_transport(Runtime::Impl& impl, const std::string& token) {
     std::condition_variable cv;
     Status status;
     bool all_joined = false;
+    Status rank0_lost;  // rank 0 died before it said every rank joined
   };
   auto verdict = std::make_shared<Verdict>();
   TransportCallbacks cb;
@@ -341,7 +342,14 @@ Status start_transport(Runtime::Impl& impl, const std::string& token) {
     }
     caf::anon_send(link, atom::frame_v, from, std::move(bytes));
   };
-  cb.on_peer_failed = [link](int32_t rank, Status why) {
+  cb.on_peer_failed = [link, verdict, rank0](int32_t rank, Status why) {
+    if (!rank0 && rank == 0) {
+      // Its "every rank joined" may have died with it: waiting on would
+      // take connect-timeout.
+      std::lock_guard<std::mutex> lock(verdict->mu);
+      if (verdict->rank0_lost.ok()) verdict->rank0_lost = why;
+      verdict->cv.notify_all();
+    }
     caf::anon_send(link, atom::peer_failed_v, rank, std::move(why));
   };
   FERRY_ASSIGN_OR_RETURN(auto t, Transport::start(to, hello, heartbeat, std::move(cb)));
@@ -361,8 +369,11 @@ Status start_transport(Runtime::Impl& impl, const std::string& token) {
   std::unique_lock<std::mutex> lock(verdict->mu);
   verdict->cv.wait_for(
       lock, std::chrono::milliseconds(static_cast<int64_t>(ctx.opts.connect_timeout_s * 1000)),
-      [&] { return !verdict->status.ok() || verdict->all_joined; });
+      [&] { return !verdict->status.ok() || verdict->all_joined || !verdict->rank0_lost.ok(); });
   if (!verdict->status.ok()) return verdict->status.with_context("rank 0 refused " + me + ": ");
+  if (!verdict->all_joined && !verdict->rank0_lost.ok())
+    return Status::aborted(
+        me + ": rank 0 failed before every rank joined: " + verdict->rank0_lost.message());
   if (!s.ok()) return s.with_context(me + " connecting: ");
   if (!verdict->all_joined)
     return Status::timeout(me + ": not every rank joined within " +
