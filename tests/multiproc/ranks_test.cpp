@@ -13,8 +13,6 @@
 #include <thread>
 
 #include "catalog.hpp"
-#include "drills/fault_fs.hpp"
-#include "drills/kill_point.hpp"
 #include "launch.hpp"
 #include "manifest.hpp"
 #include "test_util.hpp"
@@ -225,93 +223,3 @@ TEST_CASE("malformed messages are logged and answered, never a crash", "[ranks]"
   CHECK_THAT(r.out, Catch::Contains("error reports back"));
   CHECK_THAT(r.out, Catch::Contains("FAILED as expected"));  // rank 0 lived to report
 }
-
-// Crash consistency at every step of the protocol: a 2-rank save on top of a
-// committed checkpoint, SIGKILLed at a kill point on rank 0 (the coordinator)
-// or rank 1; then the latest checkpoint is either the new one or the old one,
-// and loads bit-exact ("torn" otherwise); a committed checkpoint is never
-// missing ("lost"); no pending directory is ever loaded; gc removes the
-// leftovers once their lease has expired. One test case per kill point (so
-// ctest runs them in parallel), registered from ferry::kill_points() so a new
-// point is covered without editing this file. FERRY_CRASH_RUNS (default 1)
-// runs each point and role that many times: `make crashtest` soaks with 100.
-namespace {
-
-void crash_at_kill_point(const std::string& point) {
-  const char* runs_env = std::getenv("FERRY_CRASH_RUNS");
-  const int runs = runs_env ? std::max(1, std::atoi(runs_env)) : 1;
-  // The saves below use a short lease: gc is asked about a moment past its
-  // expiry instead of the test sleeping until then. Not shorter: a save whose
-  // lease lapsed fails, and under ASan on a loaded machine a refresh timer
-  // can run late.
-  const int64_t lease_ms = 3000;
-  int torn = 0, lost = 0;
-  for (int role : {0, 1}) {
-    int killed = 0, p_torn = 0, p_lost = 0;
-    for (int run = 0; run < runs; ++run) {
-      // Plain restart, then a power cut: what was not fsynced is dropped
-      // (the FERRY_FAULTS journal records what was durable).
-      for (bool cut : {false, true}) {
-        TempDir d, side;
-        const std::string journal = side.sub("journal");
-        const std::string faults = cut ? "FERRY_FAULTS=journal=" + journal + " " : "";
-        const std::string opts =
-            " --set keep-last=1 --set lease-seconds=" + std::to_string(lease_ms) + "ms";
-        auto first = launch(2, save_args(d, 1, 11) + opts, faults);
-        INFO("the first save:\n" << first.out);
-        REQUIRE(first.code == 0);
-        const std::string env = faults + "FERRY_KILL_AT=" + point + "@" + std::to_string(role);
-        auto r = launch(2, save_args(d, 2, 12) + opts, env);
-        INFO("kill point " << point << " on rank " << role << (cut ? " + power cut" : "") << "\n"
-                           << r.out);
-        killed += r.out.find("killed by signal 9") != std::string::npos;
-        CHECK(r.seconds < 30);  // nobody hung
-        auto fsys = ferry::posix_filesystem();
-        if (cut) REQUIRE(ferry::FaultFilesystem::apply_power_cut_from_journal(*fsys, journal).ok());
-        auto latest = ferry::find_latest(*fsys, d.path());
-        if (!latest.ok()) {
-          ++p_lost;
-          continue;
-        }
-        auto m = ferry::read_manifest(*fsys, latest->path);
-        REQUIRE(m.ok());
-        auto l = launch(2, "--mode load --seed " + std::string(m->step == 1 ? "11" : "12") +
-                               " --root " + d.path());
-        INFO(l.out);
-        if (l.code != 0 || (m->step != 1 && m->step != 2)) ++p_torn;
-        // Leftovers: pending (leased) or moved-aside directories, collectable
-        // once the lease has expired.
-        auto gc = ferry::collect_garbage(*fsys, d.path(), ferry::now_unix_ms() + 2 * lease_ms);
-        REQUIRE(gc.ok());
-        for (auto& e : fs::directory_iterator(d.path()))
-          CHECK_FALSE(ferry::is_pending_dir_name(e.path().filename().string()));
-      }
-    }
-    torn += p_torn;
-    lost += p_lost;
-    std::printf(
-        "crash soak: %-18s rank %d: %d runs x (restart, power cut), killed %d, torn %d, "
-        "lost %d\n",
-        point.c_str(), role, runs, killed, p_torn, p_lost);
-  }
-  CHECK(torn == 0);
-  CHECK(lost == 0);
-}
-
-struct KillPointCase : Catch::ITestInvoker {
-  explicit KillPointCase(std::string p) : point(std::move(p)) {}
-  void invoke() const override { crash_at_kill_point(point); }
-  std::string point;
-};
-
-const bool kKillPointCasesRegistered = [] {
-  for (const auto& kp : ferry::kill_points()) {
-    const std::string name = std::string("a crash at kill point ") + kp.name +
-                             " leaves the old or the new checkpoint whole";
-    Catch::AutoReg reg(new KillPointCase(kp.name), CATCH_INTERNAL_LINEINFO, Catch::StringRef(),
-                       Catch::NameAndTags(name, "[ranks][killpoints]"));
-  }
-  return true;
-}();
-
-}  // namespace
