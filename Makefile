@@ -29,8 +29,9 @@ bench: build
 	$(BUILD)/bench/ferry_bench_load
 	$(BUILD)/bench/ferry_bench_plan
 
-# Kills every rank role at every kill point RUNS times and prints a table
-# (points x roles x runs, torn, lost). ctest runs each point once.
+# Kills every role of every kill point RUNS times, each run in the scenario
+# that reaches the point (tests/multiproc/kill_points_test.cpp). ctest runs
+# each once.
 RUNS ?= 100
 crashtest: build
 	FERRY_CRASH_RUNS=$(RUNS) $(BUILD)/tests/multiproc/ferry_multiproc_tests "[killpoints]"

@@ -455,6 +455,22 @@ ferry_status ferry_load_with_stats(ferry_runtime* rt, const ferry_tensor* tensor
   });
 }
 
+ferry_status ferry_resolve(ferry_runtime* rt, const char* path, const char** dir_out,
+                           uint64_t* step_out) {
+  return guarded([&] {
+    if (!rt) return null_arg("runtime");
+    if (!path) return null_arg("path");
+    if (!dir_out) return null_arg("dir_out");
+    if (!step_out) return null_arg("step_out");
+    *dir_out = "";
+    *step_out = 0;
+    ferry::Result<ferry::LoadReport> r = rt->rt->resolve(path);
+    if (!r.ok()) return to_c(r.status());
+    *step_out = r->step;
+    return string_out(r->path, dir_out);
+  });
+}
+
 ferry_status ferry_export(ferry_runtime* rt, const char* path, const char* out_dir,
                           uint64_t max_shard_bytes, uint64_t block_bytes,
                           const char* const* metadata_keys, const char* const* metadata_values,

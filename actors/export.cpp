@@ -147,7 +147,7 @@ Status write_file(Runtime& rt, Filesystem& fs, const std::string& dir,
   FERRY_ASSIGN_OR_RETURN(auto tmp, create_temp(fs, path));
   Status s = fill_file(rt, dir, tensors, header, tmp.second.get(), o);
   if (s.ok()) s = fs.rename(tmp.first, path);
-  if (!s.ok()) fs.unlink(tmp.first);
+  if (!s.ok()) (void)fs.unlink(tmp.first);  // the first error is the one to report
   return s;
 }
 

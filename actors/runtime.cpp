@@ -176,9 +176,10 @@ struct Runtime::Impl {
   planner_actor planner;
   loader_actor loader;
   std::shared_ptr<Transport> transport;
-  uint64_t loads = 0;   // collective load counter: the load id every rank agrees on
-  bool joined = false;  // every rank connected: shutdown waits for them to leave
-  std::mutex mu;        // serializes save_async callers
+  uint64_t loads = 0;     // collective load counter: the load id every rank agrees on
+  uint64_t resolves = 0;  // the same for Runtime::resolve
+  bool joined = false;    // every rank connected: shutdown waits for them to leave
+  std::mutex mu;          // serializes save_async callers
   std::shared_ptr<detail::SaveState> last;
   // The last doomed save: its abort must reach rank 0 before this rank says
   // goodbye, or the others hear "left the job" instead of why.
@@ -291,6 +292,7 @@ Status start_transport(Runtime::Impl& impl, const std::string& token) {
     std::condition_variable cv;
     Status status;
     bool all_joined = false;
+    Status rank0_lost;  // rank 0 died before it said every rank joined
   };
   auto verdict = std::make_shared<Verdict>();
   TransportCallbacks cb;
@@ -340,7 +342,14 @@ Status start_transport(Runtime::Impl& impl, const std::string& token) {
     }
     caf::anon_send(link, atom::frame_v, from, std::move(bytes));
   };
-  cb.on_peer_failed = [link](int32_t rank, Status why) {
+  cb.on_peer_failed = [link, verdict, rank0](int32_t rank, Status why) {
+    if (!rank0 && rank == 0) {
+      // Its "every rank joined" may have died with it: waiting on would
+      // take connect-timeout.
+      std::lock_guard<std::mutex> lock(verdict->mu);
+      if (verdict->rank0_lost.ok()) verdict->rank0_lost = why;
+      verdict->cv.notify_all();
+    }
     caf::anon_send(link, atom::peer_failed_v, rank, std::move(why));
   };
   FERRY_ASSIGN_OR_RETURN(auto t, Transport::start(to, hello, heartbeat, std::move(cb)));
@@ -360,8 +369,11 @@ Status start_transport(Runtime::Impl& impl, const std::string& token) {
   std::unique_lock<std::mutex> lock(verdict->mu);
   verdict->cv.wait_for(
       lock, std::chrono::milliseconds(static_cast<int64_t>(ctx.opts.connect_timeout_s * 1000)),
-      [&] { return !verdict->status.ok() || verdict->all_joined; });
+      [&] { return !verdict->status.ok() || verdict->all_joined || !verdict->rank0_lost.ok(); });
   if (!verdict->status.ok()) return verdict->status.with_context("rank 0 refused " + me + ": ");
+  if (!verdict->all_joined && !verdict->rank0_lost.ok())
+    return Status::aborted(
+        me + ": rank 0 failed before every rank joined: " + verdict->rank0_lost.message());
   if (!s.ok()) return s.with_context(me + " connecting: ");
   if (!verdict->all_joined)
     return Status::timeout(me + ": not every rank joined within " +
@@ -826,17 +838,14 @@ void log_not_restored(const Runtime::Impl& im, const LoadReport& r) {
                keys.c_str());
 }
 
-}  // namespace
-
-Result<LoadReport> Runtime::load_report(StateDict& sd, const std::string& path) {
-  Impl& im = *impl_;
+// Rank 0 decides which checkpoint `path` names and reads its manifest once
+// per `id`, for every rank: all ranks get the same step even while another
+// save commits.
+LoadReplyMsg resolve_on_rank0(Runtime::Impl& im, caf::scoped_actor& self, const std::string& id,
+                              const std::string& path) {
   const Options& o = im.ctx->opts;
-  // Rank 0 decides which checkpoint and reads its manifest once, for every
-  // rank: all ranks load the same step even while another save commits.
-  const std::string id = "load-" + std::to_string(++im.loads);
   LoadRequestMsg req{im.ctx->job_id, id, im.ctx->rank, path};
   coordinator_api resolver = rank0_api(im);
-  caf::scoped_actor self{*im.sys};
   LoadReplyMsg reply;
   // Rank 0 only reads a manifest and the link has its own deadline: this
   // bound is the last resort against an answer that never comes.
@@ -844,6 +853,28 @@ Result<LoadReport> Runtime::load_report(StateDict& sd, const std::string& path) 
                 std::move(req))
       .receive([&](const LoadReplyMsg& r) { reply = r; },
                [&](caf::error& e) { reply.status = from_caf(self, e, "load: resolving " + path); });
+  return reply;
+}
+
+}  // namespace
+
+Result<LoadReport> Runtime::resolve(const std::string& path) {
+  Impl& im = *impl_;
+  caf::scoped_actor self{*im.sys};
+  LoadReplyMsg reply = resolve_on_rank0(im, self, "resolve-" + std::to_string(++im.resolves), path);
+  if (!reply.status.ok()) return reply.status;
+  FERRY_ASSIGN_OR_RETURN(ManifestSummary m, summarize_manifest(reply.manifest));
+  LoadReport out;
+  out.path = reply.dir;
+  out.step = m.step;
+  return out;
+}
+
+Result<LoadReport> Runtime::load_report(StateDict& sd, const std::string& path) {
+  Impl& im = *impl_;
+  const std::string id = "load-" + std::to_string(++im.loads);
+  caf::scoped_actor self{*im.sys};
+  LoadReplyMsg reply = resolve_on_rank0(im, self, id, path);
   LoadReport report;
   if (im.transport) im.transport->take_queued_peak();
   im.ctx->shares->take_relayed();

@@ -158,7 +158,7 @@ SavePlanner::SavePlanner(Runtime& rt, const StateDict& sd, std::string filename_
                                          ": ");
     }
   }
-  if (!bad.ok()) im.fail_everywhere(bad);
+  if (!bad.ok()) (void)im.fail_everywhere(bad);  // kept in `broken`: every later call returns it
 }
 
 SavePlanner::~SavePlanner() {

@@ -103,7 +103,7 @@ void hash_next(serializer_ptr self) {
     auto data = st.ctx->pool->data(it->second.msg.lease);
     if (data.ok()) hash_block(st, it->second.msg, *data);
     if (it->second.written) {
-      st.ctx->pool->release(it->second.msg.lease);
+      (void)st.ctx->pool->release(it->second.msg.lease);
       st.held.erase(it);
     }
     ++st.blocks_hashed;
@@ -177,7 +177,7 @@ serializer_actor::behavior_type serializer_fun(serializer_ptr self, ContextPtr c
         st.next_hash = {0, 0};
         st.hash_queued = false;
         st.files_open = false;
-        for (const BlockMsg& b : st.before_open) st.ctx->pool->release(b.lease);
+        for (const BlockMsg& b : st.before_open) (void)st.ctx->pool->release(b.lease);
         st.before_open.clear();
         st.defer = job.checksum_block_bytes > 0 && st.blocks_left <= st.ctx->pool->blocks();
         if (st.blocks_left == 0) self->send(st.planner, atom::sums_v, st.sums);
@@ -185,7 +185,7 @@ serializer_actor::behavior_type serializer_fun(serializer_ptr self, ContextPtr c
       [self](atom::block, const BlockMsg& b) {
         auto& st = self->state;
         if (!st.active || b.save != st.job.save || !st.ctx->pool->data(b.lease).ok()) {
-          st.ctx->pool->release(b.lease);  // a block of an abandoned save
+          (void)st.ctx->pool->release(b.lease);  // a block of an abandoned save
           return;
         }
         if (!st.files_open) return st.before_open.push_back(b);
@@ -204,12 +204,12 @@ serializer_actor::behavior_type serializer_fun(serializer_ptr self, ContextPtr c
         auto& st = self->state;
         auto it = st.held.find({b.file, b.index});
         if (!st.active || !st.defer || b.save != st.job.save || it == st.held.end()) {
-          st.ctx->pool->release(b.lease);
+          (void)st.ctx->pool->release(b.lease);
           return;
         }
         // Hashed already (everything before next_hash is): done with it.
         if (std::make_pair(b.file, b.index) < st.next_hash) {
-          st.ctx->pool->release(b.lease);
+          (void)st.ctx->pool->release(b.lease);
           st.held.erase(it);
         } else {
           it->second.written = true;
@@ -226,11 +226,11 @@ serializer_actor::behavior_type serializer_fun(serializer_ptr self, ContextPtr c
         auto& st = self->state;
         if (!st.active || st.job.save != save) return true;
         st.active = false;
-        for (const BlockMsg& b : st.before_open) st.ctx->pool->release(b.lease);
+        for (const BlockMsg& b : st.before_open) (void)st.ctx->pool->release(b.lease);
         st.before_open.clear();
         // Those not written yet go back to the pool as they come back.
         for (const auto& [key, blk] : st.held)
-          if (blk.written) st.ctx->pool->release(blk.msg.lease);
+          if (blk.written) (void)st.ctx->pool->release(blk.msg.lease);
         st.held.clear();
         return true;
       },

@@ -226,7 +226,7 @@ void release_all(snapshot_ptr self) {
   uint64_t seq = st.seq_base;
   for (auto& b : st.inflight) {
     if (b.outstanding == 0)
-      st.ctx->pool->release(b.msg.lease);
+      (void)st.ctx->pool->release(b.msg.lease);
     else
       st.orphans.emplace(seq, std::move(b));
     ++seq;
@@ -265,7 +265,7 @@ void flush(snapshot_ptr self) {
     st.inflight.pop_front();
     ++st.seq_base;
     if (!b.status.ok()) {
-      st.ctx->pool->release(b.msg.lease);
+      (void)st.ctx->pool->release(b.msg.lease);
       finish(self, b.status);
       return;
     }
@@ -430,7 +430,7 @@ snapshot_actor::behavior_type snapshot_fun(snapshot_ptr self, ContextPtr ctx,
         if (auto it = st.orphans.find(seq); it != st.orphans.end()) {
           if (--it->second.outstanding == 0) {
             const uint64_t orphan_save = it->second.msg.save;
-            st.ctx->pool->release(it->second.msg.lease);
+            (void)st.ctx->pool->release(it->second.msg.lease);
             st.orphans.erase(it);
             answer_quiet(self, orphan_save);
           }

@@ -134,7 +134,7 @@ writer_actor::behavior_type writer_fun(writer_actor::stateful_pointer<writer_sta
         if (w.return_to)
           self->send(w.return_to, atom::back_v, w.block);
         else
-          st.ctx->pool->release(w.block.lease);
+          (void)st.ctx->pool->release(w.block.lease);
         self->send(st.planner, atom::written_v, w.block.save, w.block.file, w.block.len, status);
       },
       [self](atom::open, const OpenFiles& req) -> FileSet {

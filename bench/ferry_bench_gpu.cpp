@@ -253,9 +253,11 @@ int main() {
   // save_async through the Runtime while the kernel runs.
   for (int i = 0; i < 2; ++i) {
     ferry::StateDict part_sd;
-    part_sd.add("state",
-                ferry::TensorView(state, ferry::DType::u8, {static_cast<int64_t>(sizes[i])},
-                                  ferry::Device::cuda(0)));
+    if (auto s = part_sd.add(
+            "state", ferry::TensorView(state, ferry::DType::u8, {static_cast<int64_t>(sizes[i])},
+                                       ferry::Device::cuda(0)));
+        !s.ok())
+      die("StateDict::add", s);
     CK(static_cast<cudaError_t>(ferry_bench_step(train, work, step_floats, long_passes)));
     auto t0 = Clock::now();
     if (auto s = dev->order_copies_after(ferry::Device::cuda(0), train); !s.ok())

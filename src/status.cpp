@@ -51,4 +51,11 @@ Status Status::with_context(const std::string& prefix) const {
   return Status(code_, prefix + message_);
 }
 
+StatusError::StatusError(Status status)
+    : std::runtime_error(status.to_string()), status_(std::move(status)) {}
+
+void throw_status_error(const Status& status) {
+  throw StatusError(status);
+}
+
 }  // namespace ferry

@@ -284,7 +284,9 @@ int cmd_kill_points(const Args&) {
   std::printf(
       "Kill points (FERRY_KILL_AT=<point>[:<nth>][@<rank>][!stop] SIGKILLs, or SIGSTOPs, "
       "there):\n");
-  for (const auto& k : kill_points()) std::printf("  %-18s %s\n", k.name, k.where);
+  for (const auto& k : kill_points())
+    std::printf("  %-18s %-10s %s\n", k.name,
+                k.roles == KillPointRoles::rank0 ? "rank 0" : "any rank", k.where);
   return 0;
 }
 

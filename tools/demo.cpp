@@ -287,9 +287,15 @@ int train(const DemoFlags& f) {
     fill(specs[t], t, 0, pieces[t], pieces[t].words);
     local_bytes += pieces[t].words.size() * 4;
   }
-  for (size_t t = 0; t < specs.size(); ++t)
-    sd.add(specs[t].key, TensorView(pieces[t].words.data(), specs[t].dtype, pieces[t].shape),
-           Shard{specs[t].shape, pieces[t].offsets});
+  for (size_t t = 0; t < specs.size(); ++t) {
+    const Status added =
+        sd.add(specs[t].key, TensorView(pieces[t].words.data(), specs[t].dtype, pieces[t].shape),
+               Shard{specs[t].shape, pieces[t].offsets});
+    if (!added.ok()) {
+      std::fprintf(stderr, "ferry demo: %s\n", added.to_string().c_str());
+      return 1;
+    }
+  }
   std::printf("rank %d/%d: %zu tensors, %s local, pool %s\n", rank, world, specs.size(),
               human_bytes(local_bytes).c_str(), human_bytes(rt->options().pool_bytes).c_str());
   std::fflush(stdout);
@@ -299,7 +305,7 @@ int train(const DemoFlags& f) {
   auto last_progress = std::chrono::steady_clock::now();
   auto poll = [&](bool block) {
     if (!inflight.valid()) return;
-    if (block) inflight.wait_committed();
+    if (block) (void)inflight.wait_committed();  // finish_save reads the outcome
     if (!inflight.done()) {
       if (ms_since(last_progress) > 250) {
         std::printf("  persisting step %" PRIu64 ": %s / %s\n", inflight.step(),
@@ -396,9 +402,14 @@ int train_cuda(const DemoFlags& f) {
     if (!check(ferry_demo_alloc(&mem[t], bytes), "cudaMalloc") ||
         !check(update(t, 0), "the fill kernel"))
       rc = 1;
-    else
-      sd.add(specs[t].key, TensorView(mem[t], specs[t].dtype, pieces[t].shape, Device::cuda(dev)),
-             Shard{specs[t].shape, pieces[t].offsets});
+    else if (Status added =
+                 sd.add(specs[t].key,
+                        TensorView(mem[t], specs[t].dtype, pieces[t].shape, Device::cuda(dev)),
+                        Shard{specs[t].shape, pieces[t].offsets});
+             !added.ok()) {
+      std::fprintf(stderr, "ferry demo: %s\n", added.to_string().c_str());
+      rc = 1;
+    }
   }
   std::printf("rank %d/%d: %zu tensors on cuda:%d, %s local, pool %s\n", rank, world, specs.size(),
               dev, human_bytes(local_bytes).c_str(), human_bytes(rt->options().pool_bytes).c_str());
@@ -491,9 +502,15 @@ int restore(const DemoFlags& f) {
                                                     : Split::replicated;
     pieces.push_back(piece_of(specs[t], s, rank, world));
   }
-  for (size_t t = 0; t < specs.size(); ++t)
-    sd.add(specs[t].key, TensorView(pieces[t].words.data(), specs[t].dtype, pieces[t].shape),
-           Shard{specs[t].shape, pieces[t].offsets});
+  for (size_t t = 0; t < specs.size(); ++t) {
+    const Status added =
+        sd.add(specs[t].key, TensorView(pieces[t].words.data(), specs[t].dtype, pieces[t].shape),
+               Shard{specs[t].shape, pieces[t].offsets});
+    if (!added.ok()) {
+      std::fprintf(stderr, "ferry demo: %s\n", added.to_string().c_str());
+      return 1;
+    }
+  }
   const auto t0 = std::chrono::steady_clock::now();
   const Status st = rt->load(sd, f.root);
   const double ms = ms_since(t0);

@@ -411,7 +411,7 @@ class Runtime:
         del kv_keep
         return h
 
-    def load(self, state_dict, path, strict=True, cast=False, key_map=None):
+    def load(self, state_dict, path, strict=None, cast=False, key_map=None):
         """See ferry.load."""
         return _load(self, state_dict, path, strict, cast, key_map)
 
@@ -619,13 +619,18 @@ def apply_retention(root, keep_last):
 # --- load --------------------------------------------------------------------------
 
 class LoadResult(namedtuple("LoadResult", "missing_keys unexpected_keys")):
-    """What load did: the keys it left alone (strict=False), and in `stats`
-    this rank's figures (step, tensors_restored, bytes_read, bytes_received:
-    replicated bytes another rank of its node read for it, send_queue_peak,
-    share_frames_relayed, shared_in_memory: bytes it read for others of its
-    node and put in their share rings). Compares and unpacks as the pair of lists."""
+    """What load did: the keys it left alone (missing_keys: only with
+    strict=False; unexpected_keys: checkpoint keys nobody asked for), `path`
+    and `step` of the checkpoint it read (rank 0's pick for every rank), and
+    in `stats` this rank's figures (step, tensors_restored, bytes_read,
+    bytes_received: replicated bytes another rank of its node read for it,
+    send_queue_peak, share_frames_relayed, shared_in_memory: bytes it read
+    for others of its node and put in their share rings). Compares and
+    unpacks as the pair of lists."""
 
     stats = None
+    path = None
+    step = None
 
 
 def _load_stats(st):
@@ -644,46 +649,79 @@ def _under(key, prefix):
     return prefix == "" or key == prefix or key.startswith(prefix + ".")
 
 
+def _resolve(ptr, path):
+    """(directory, step) of the checkpoint a load of `path` reads, as rank 0
+    resolves it for every rank: a root's "latest" is decided once, so the
+    manifest, leaves and key checks come from the step the tensors come from."""
+    out = ctypes.c_char_p()
+    step = ctypes.c_uint64()
+    check(lib().ferry_resolve(ptr, os.fspath(path).encode("utf-8"), ctypes.byref(out),
+                              ctypes.byref(step)))
+    return out.value.decode("utf-8"), int(step.value)
+
+
+def _is_module(obj):
+    import torch
+
+    return isinstance(obj, torch.nn.Module)
+
+
 def _load(rt, state_dict, path, strict, cast, key_map):
     import torch
 
+    if strict not in (None, True, False):
+        raise TypeError("ferry.load: strict must be None, True or False, got %r" % (strict,))
     ptr = rt._alive()
-    man = Manifest(path)
     flat = _tree.flatten(state_dict)
+    resolved, step = _resolve(ptr, path)
+    man = Manifest(resolved)
 
     # Checkpoint key -> target key for everything the target names.
     claims = {}
     for key in list(flat.tensors) + list(flat.leaves):
         claims.setdefault(_map_key(key_map, key), key)
     ckpt_keys = set(man.tensors) | set(man.leaves)
-    stateful_prefixes = {
-        _map_key(key_map, p) if p else p: p for p in flat.stateful
+    # Objects whose state the checkpoint decides (an optimizer: a fresh one
+    # has no state yet, and its load_state_dict judges). A module's keys are
+    # fixed by its layers, so they are checked like a plain dict's.
+    open_prefixes = {
+        (_map_key(key_map, p) if p else p): p
+        for p, (obj, _, _) in flat.stateful.items()
+        if not _is_module(obj)
     }
 
-    def in_stateful(ck):
-        return any(_under(ck, p) for p in stateful_prefixes)
+    def in_open(ck):
+        return any(_under(ck, p) for p in open_prefixes)
 
     missing = []
     for ck, key in claims.items():
         if ck in ckpt_keys:
             continue
-        # Inside an object's state dict, the checkpoint decides what is there
-        # (a fresh optimizer has no state yet): its load_state_dict judges.
-        owner = next((p for p in stateful_prefixes if _under(ck, p)), None)
+        owner = next((p for p in open_prefixes if _under(ck, p)), None)
         if owner is not None and any(_under(k, owner) for k in ckpt_keys):
             continue
         missing.append(key)
-    unexpected = sorted(k for k in ckpt_keys if k not in claims and not in_stateful(k))
+    unexpected = sorted(k for k in ckpt_keys if k not in claims and not in_open(k))
     missing.sort()
-    if strict and (missing or unexpected):
+    # Default: what the state dict asks for must be there; what the
+    # checkpoint has besides is reported. strict=True: the exact match.
+    # strict=False: whatever matches.
+    if (strict is not False and missing) or (strict is True and unexpected):
         parts = []
         if missing:
             parts.append("missing from the checkpoint: " + ", ".join(missing))
-        if unexpected:
+        if unexpected and strict is True:
             parts.append("in the checkpoint but not in the state dict: " + ", ".join(unexpected))
         raise FerryError(
-            "load %s: state dict and checkpoint disagree (strict=True); %s"
-            % (man.path, "; ".join(parts)),
+            "load %s: %s; %s"
+            % (
+                man.path,
+                "state dict and checkpoint disagree (strict=True)"
+                if strict
+                else "the state dict asks for keys the checkpoint lacks (strict=False loads "
+                "what matches)",
+                "; ".join(parts),
+            ),
             "invalid_argument",
         )
 
@@ -722,7 +760,7 @@ def _load(rt, state_dict, path, strict, cast, key_map):
     # Tensors of an object's state dict that the target does not hold yet.
     claimed = {it[0] for it in items}
     for ck, info in man.tensors.items():
-        if ck in claimed or ck in claims or not in_stateful(ck):
+        if ck in claimed or ck in claims or not in_open(ck):
             continue
         t = torch.empty(info.shape, dtype=torch_dtype(info.dtype))
         adopted[ck] = t
@@ -753,9 +791,10 @@ def _load(rt, state_dict, path, strict, cast, key_map):
         inv[_map_key(key_map, key)] = flat.tensors[key]
     for prefix, (obj, sd, opath) in flat.stateful.items():
         cp = _map_key(key_map, prefix) if prefix else prefix
+        module = _is_module(obj)
         values = {}
         for ck in list(man.tensors) + list(man.leaves):
-            if not _under(ck, cp):
+            if not _under(ck, cp) or (module and ck not in claims):
                 continue
             if ck in adopted:
                 values[ck] = adopted[ck]
@@ -763,12 +802,19 @@ def _load(rt, state_dict, path, strict, cast, key_map):
                 values[ck] = inv[ck]
             else:
                 values[ck] = man.leaves.get(ck)
+        if not values:
+            continue  # nothing of it in the checkpoint (strict=False): left as it is
         depth = len(man.paths[cp]) if cp in man.paths else len(opath)
         paths = {ck: man.paths.get(ck) or flat.paths.get(claims.get(ck, ""), [ck]) for ck in values}
         sub = _tree.build(values, paths, strip=depth)
-        obj.load_state_dict(sub)
+        if module and strict is False:
+            obj.load_state_dict(sub, strict=False)  # what it has of the checkpoint's
+        else:
+            obj.load_state_dict(sub)
     result = LoadResult(missing, unexpected)
     result.stats = _load_stats(stats)
+    result.path = man.path
+    result.step = step
     return result
 
 
@@ -779,11 +825,13 @@ def load_state_dict(path, runtime=None, prefix=None):
     import torch
 
     rt = runtime or default_runtime()
-    man = Manifest(path)
+    ptr = rt._alive()
+    resolved, _ = _resolve(ptr, path)
+    man = Manifest(resolved)
     keys = [k for k in man.tensors if prefix is None or _under(k, prefix)]
     tensors = {k: torch.empty(man.tensors[k].shape, dtype=man.torch_dtype(k)) for k in keys}
     entries = _Entries([(k, t, None, None) for k, t in tensors.items()])
-    check(lib().ferry_load(rt._alive(), entries.array, len(keys), man.path.encode("utf-8")))
+    check(lib().ferry_load(ptr, entries.array, len(keys), man.path.encode("utf-8")))
     values = dict(tensors)
     for k, v in man.leaves.items():
         if prefix is None or _under(k, prefix):
@@ -864,17 +912,20 @@ def save(state_dict, root, step, overwrite=False, metadata=None, runtime=None, o
     return save_async(state_dict, root, step, overwrite, metadata, runtime, options).wait()
 
 
-def load(state_dict, path, strict=True, cast=False, key_map=None, runtime=None):
+def load(state_dict, path, strict=None, cast=False, key_map=None, runtime=None):
     """Fills `state_dict` in place from the checkpoint at `path` (a step
-    directory, or a root: its latest).
+    directory, or a root: its latest, as rank 0 picks it for every rank).
 
     Tensors are filled in place; ferry.Shard entries (and torch sharded
     tensors) get their box of the global tensor, whatever sharding saved it;
     JSON leaves are put back; objects with load_state_dict() (modules,
     optimizers) get their state dict through it.
-    strict: keys missing from the checkpoint, or in the checkpoint but not in
-    the state dict, raise one FerryError naming them all. strict=False loads
-    what matches and returns LoadResult(missing_keys, unexpected_keys).
+    strict: by default a key the state dict asks for that the checkpoint
+    lacks raises a FerryError naming it, and checkpoint keys nobody asked
+    for are only reported (LoadResult.unexpected_keys): a pipeline stage or
+    a model-only resume loads its part. strict=True also raises for those;
+    strict=False loads whatever matches (modules and optimizers included)
+    and reports both lists.
     cast: a dtype that differs from the saved one is an error unless True
     (then the saved values are converted).
     key_map: {state dict key: checkpoint key} or a function of the key."""

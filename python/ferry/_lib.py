@@ -189,6 +189,9 @@ def _declare(L):
         "ferry_save_release": (None, [vp]),
         "ferry_load": (st, [vp, tp, sz, ctypes.c_char_p]),
         "ferry_load_with_stats": (st, [vp, tp, sz, ctypes.c_char_p, ctypes.POINTER(LoadStats)]),
+        "ferry_resolve": (
+            st, [vp, ctypes.c_char_p, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_uint64)]
+        ),
         "ferry_export": (
             st,
             [vp, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_uint64, ctypes.c_uint64,

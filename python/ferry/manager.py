@@ -126,14 +126,15 @@ class CheckpointManager:
     def step_path(self, step):
         return os.path.join(self.root, "step-%08d" % int(step))
 
-    def restore(self, step=None, state=None, strict=True, cast=False, key_map=None):
-        """Loads step (default: the latest). With `state`, fills it in place
-        (see ferry.load) and returns it; without, returns a new state dict."""
+    def restore(self, step=None, state=None, strict=None, cast=False, key_map=None):
+        """Loads step (default: the latest, as rank 0 picks it for every
+        rank). With `state`, fills it in place (see ferry.load) and returns
+        it; without, returns a new state dict."""
         self.wait_until_finished()
         if step is None:
-            path = _core.latest(self.root) if os.path.isdir(self.root) else None
-            if path is None:
+            if not os.path.isdir(self.root) or _core.latest(self.root) is None:
                 raise FerryError("no committed checkpoint under %s" % self.root, "not_found")
+            path = self.root  # the load resolves the latest, once for every rank
         else:
             path = self.step_path(step)
         if state is None:

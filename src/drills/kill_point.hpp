@@ -18,10 +18,16 @@
 
 namespace ferry {
 
-// Every kill point, in protocol order, with what happened just before it.
+// Who passes a kill point: every rank of a job, or rank 0 alone (the
+// coordinator: pending directory, manifest, commit, retention, a save's gc).
+enum class KillPointRoles { every_rank, rank0 };
+
+// Every kill point, in protocol order, with what happened just before it
+// and who passes it (tests/multiproc/kill_points_test.cpp kills each role).
 struct KillPointInfo {
   const char* name;
   const char* where;
+  KillPointRoles roles;
 };
 const std::vector<KillPointInfo>& kill_points();
 

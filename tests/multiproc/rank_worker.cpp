@@ -13,6 +13,7 @@
 //               [--leave-rank R]  (save: rank R exits after the save; the others
 //               save again, which must fail at once naming it)
 //               [--big-mib N]  (one more replicated f32 tensor, "rep_huge", of N MiB)
+//               [--overwrite 1]  (save: replace the step if it is committed)
 // A load prints LOADSTATS with its LoadReport figures, the bytes this process
 // read from disk (/proc/self/io read_bytes) and how much its peak resident
 // memory (VmHWM) grew during the load.
@@ -232,7 +233,7 @@ int send_garbage() {
       valid.substr(0, valid.size() - 3),
       "FRY1" + std::string(12, '\0') + std::string(64, '\x41'),
   };
-  for (const auto& f : frames) (*t)->send(0, f);
+  for (const auto& f : frames) (void)(*t)->send(0, f);  // rank 0's reports are the test
   for (int i = 0; i < 100 && reports < 3; ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   std::printf("garbage sent: %zu frames, %d error reports back\n", frames.size(), reports.load());
@@ -520,8 +521,12 @@ int main(int argc, char** argv) {
     if (mode == "mismatch" && rank == 1 && k == 2) s.dtype = ferry::DType::f64;
     Local& l = locals[k];
     if (mode != "load") fill_expected(s, k, l, seed, l.bytes);
-    sd.add(s.key, ferry::TensorView(l.bytes.data(), s.dtype, l.shape),
-           ferry::Shard{s.shape, l.offsets});
+    if (ferry::Status added = sd.add(s.key, ferry::TensorView(l.bytes.data(), s.dtype, l.shape),
+                                     ferry::Shard{s.shape, l.offsets});
+        !added.ok()) {
+      std::printf("ERROR state dict: %s\n", added.to_string().c_str());
+      return 1;
+    }
   }
 
   if (mode == "load") {
@@ -619,7 +624,7 @@ int main(int argc, char** argv) {
   auto h = rt.save_async(sd, my_step, so);
   // --kill-after none: FERRY_KILL_AT does it, at a step inside the save.
   if (mode == "kill" && rank == kill_rank && kill_after != "none") {
-    if (kill_after == "snapshot") h.wait_snapshot();
+    if (kill_after == "snapshot") (void)h.wait_snapshot();  // dies either way
     std::raise(kill_signal);
   }
   auto st = h.wait_committed();

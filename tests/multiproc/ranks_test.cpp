@@ -13,8 +13,6 @@
 #include <thread>
 
 #include "catalog.hpp"
-#include "drills/fault_fs.hpp"
-#include "drills/kill_point.hpp"
 #include "launch.hpp"
 #include "manifest.hpp"
 #include "test_util.hpp"

@@ -1,9 +1,13 @@
 """One rank of a job started by `ferry launch`: `save ROOT` saves sharded
 tensors from every rank; `load ROOT` loads them back with the current
-world size's sharding (any) and checks every element."""
+world size's sharding (any) and checks every element. `race ROOT` (2
+ranks): a step commits while the ranks load ROOT's latest, after rank 0
+read it and before rank 1 does; every rank must get its tensors and its
+leaves from the same step."""
 
 import os
 import sys
+import time
 
 import torch
 
@@ -41,6 +45,8 @@ def main():
     rank, world = rt.rank, rt.world_size
     assert (rank, world) == (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
     full = globals_()
+    if mode == "race":
+        return race(rank, root)
     if mode == "save":
         sd = saved_state_dict(rank, world)
         h = ferry.save_async(sd, root, 100)
@@ -67,6 +73,37 @@ def main():
     print("rank %d of %d loaded: %s" % (rank, world, "ok" if ok else "MISMATCH"), flush=True)
     print("rank %d stats: received %d in_memory %d" % (rank, st["bytes_received"],
                                                        st["shared_in_memory"]), flush=True)
+    return 0 if ok else 1
+
+
+def race(rank, root):
+    ferry.save({"w": torch.full((4,), 1.0), "epoch": 1}, root, 1)
+    marker = root + ".rank0-read"
+    if rank == 0:
+        real = ferry._core.Manifest
+
+        class Marked(real):  # the moment rank 0 has read the manifest of its load
+            def __init__(self, path):
+                super().__init__(path)
+                open(marker, "w").close()
+
+        ferry._core.Manifest = Marked
+    else:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(marker):
+            assert time.monotonic() < deadline, "rank 0 never read its manifest"
+            time.sleep(0.01)
+        # Another job commits step 2 into the root now.
+        other = ferry.Runtime(rank=0, world_size=1)
+        other.save_async({"w": torch.full((4,), 2.0), "epoch": 2}, root, 2).wait()
+        other.close()
+    target = {"w": torch.zeros(4), "epoch": 0}
+    res = ferry.load(target, root)
+    w = target["w"][0].item()
+    step = getattr(res, "step", None)
+    ok = torch.equal(target["w"], torch.full((4,), float(target["epoch"]))) and step == w
+    print("rank %d race: epoch %d w %g step %s: %s" % (rank, target["epoch"], w, step,
+                                                       "ok" if ok else "MIXED"), flush=True)
     return 0 if ok else 1
 
 

@@ -218,12 +218,41 @@ class Strictness(Base):
     def test_strict_lists_every_key(self):
         target = {"a": torch.zeros(4), "c": torch.zeros(1), "m": 1}
         with self.assertRaises(ferry.FerryError) as cm:
-            ferry.load(target, self.root)
+            ferry.load(target, self.root, strict=True)
         msg = str(cm.exception)
         for k in ("'c'", "c", "m", "b", "n"):
             self.assertIn(k.strip("'"), msg)
         self.assertIn("missing from the checkpoint: c, m", msg)
         self.assertIn("not in the state dict: b, n", msg)
+        self.assertTrue(torch.equal(target["a"], torch.zeros(4)))  # nothing loaded
+
+    def test_strict_true_refuses_a_subset(self):
+        with self.assertRaises(ferry.FerryError) as cm:
+            ferry.load({"a": torch.zeros(4)}, self.root, strict=True)
+        self.assertIn("not in the state dict: b, n", str(cm.exception))
+
+    def test_default_loads_a_subset_and_reports_the_rest(self):
+        # A pipeline stage, or a model-only resume: the state dict asks for
+        # part of what the checkpoint holds.
+        layers = {"layers.0.w": filled((3, 3), torch.float32, 1),
+                  "layers.1.w": filled((3, 3), torch.float32, 2)}
+        ferry.save(layers, self.root, 2)
+        z = torch.zeros(3, 3)
+        res = ferry.load({"layers.0.w": z}, self.root)
+        self.assertTrue(torch.equal(z, layers["layers.0.w"]))
+        self.assertEqual(res.missing_keys, [])
+        self.assertEqual(res.unexpected_keys, ["layers.1.w"])
+        self.assertEqual(res.step, 2)
+
+    def test_default_names_a_missing_key(self):
+        target = {"a": torch.zeros(4), "c": torch.zeros(1)}
+        with self.assertRaises(ferry.FerryError) as cm:
+            ferry.load(target, self.root)
+        msg = str(cm.exception)
+        self.assertIn("missing from the checkpoint: c", msg)
+        self.assertIn("strict=False", msg)  # says how to load the rest
+        self.assertNotIn("not in the state dict", msg)  # b and n are not an error
+        self.assertEqual(cm.exception.code, "invalid_argument")
         self.assertTrue(torch.equal(target["a"], torch.zeros(4)))  # nothing loaded
 
     def test_non_strict_returns_lists(self):
@@ -253,6 +282,89 @@ class Strictness(Base):
         t2 = {"x.a": torch.zeros(4), "x.b": torch.zeros(2, 2, dtype=torch.float64), "x.n": 0}
         ferry.load(t2, self.root, key_map=lambda k: k[2:])
         self.assertTrue(torch.equal(t2["x.a"], self.sd["a"]))
+
+
+class StrictObjects(Base):
+    """strict=False holds for modules and optimizers as for plain dicts."""
+
+    def model(self, sizes, seed):
+        torch.manual_seed(seed)
+        layers = []
+        for a, b in zip(sizes, sizes[1:]):
+            layers.append(torch.nn.Linear(a, b))
+        return torch.nn.Sequential(*layers)
+
+    def test_module_with_an_extra_and_a_missing_layer(self):
+        saved = self.model([4, 4, 4], 0)  # layers 0 and 1
+        ferry.save({"model": saved}, self.root, 1)
+        # Layer 0 as saved, layer 1 of another shape is not there (a
+        # different key), layer 2 is new: "1" and "2" differ by key.
+        target = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Identity(),
+                                     torch.nn.Linear(4, 4))
+        fresh = target[2].weight.detach().clone()
+        with self.assertRaises(ferry.FerryError) as cm:
+            ferry.load({"model": target}, self.root)
+        self.assertIn("model.2.weight", str(cm.exception))
+        res = ferry.load({"model": target}, self.root, strict=False)
+        self.assertEqual(res.missing_keys, ["model.2.bias", "model.2.weight"])
+        self.assertEqual(res.unexpected_keys, ["model.1.bias", "model.1.weight"])
+        self.assertTrue(torch.equal(target[0].weight, saved[0].weight))
+        self.assertTrue(torch.equal(target[0].bias, saved[0].bias))
+        self.assertTrue(torch.equal(target[2].weight, fresh))  # left alone
+
+    def test_module_subset_by_default(self):
+        saved = self.model([4, 4, 4], 0)
+        ferry.save({"model": saved}, self.root, 1)
+        target = torch.nn.Sequential(torch.nn.Linear(4, 4))  # stage 0 of a pipeline
+        res = ferry.load({"model": target}, self.root)
+        self.assertEqual(res.unexpected_keys, ["model.1.bias", "model.1.weight"])
+        self.assertTrue(torch.equal(target[0].weight, saved[0].weight))
+
+    def test_optimizer_missing_from_a_model_only_checkpoint(self):
+        saved = self.model([4, 4], 0)
+        ferry.save({"model": saved}, self.root, 1)
+        target = self.model([4, 4], 5)
+        opt = torch.optim.SGD(target.parameters(), lr=0.5)
+        with self.assertRaises(ferry.FerryError) as cm:
+            ferry.load({"model": target, "optim": opt}, self.root)
+        self.assertIn("optim.param_groups", str(cm.exception))
+        res = ferry.load({"model": target, "optim": opt}, self.root, strict=False)
+        self.assertTrue(any(k.startswith("optim.") for k in res.missing_keys), res.missing_keys)
+        self.assertEqual(res.unexpected_keys, [])
+        self.assertTrue(torch.equal(target[0].weight, saved[0].weight))
+        self.assertEqual(opt.param_groups[0]["lr"], 0.5)  # left as it was
+
+
+class ResolvedOnce(Base):
+    """Tensors, leaves and key checks of one load come from one checkpoint,
+    even when another commits between the manifest's read and the load."""
+
+    def test_a_commit_during_the_load_does_not_mix_steps(self):
+        ferry.save({"w": torch.full((4,), 1.0), "epoch": 1}, self.root, 1)
+        real = ferry._core.Manifest
+        root = self.root
+
+        class CommitAfterRead(real):
+            def __init__(self, path):
+                super().__init__(path)
+                if not os.path.isdir(os.path.join(root, "step-00000002")):
+                    ferry.save({"w": torch.full((4,), 2.0), "epoch": 2, "extra": 5}, root, 2)
+
+        ferry._core.Manifest = CommitAfterRead
+        try:
+            target = {"w": torch.zeros(4), "epoch": 0}
+            res = ferry.load(target, self.root, strict=True)
+        finally:
+            ferry._core.Manifest = real
+        self.assertTrue(os.path.isdir(os.path.join(self.root, "step-00000002")))
+        self.assertEqual(target["epoch"], 1)
+        self.assertTrue(torch.equal(target["w"], torch.full((4,), 1.0)))
+        self.assertEqual(res.step, 1)
+        self.assertEqual(res.stats["step"], 1)
+        self.assertTrue(res.path.endswith("step-00000001"), res.path)
+        # The next load of the root reads the new one.
+        res = ferry.load(target, self.root)
+        self.assertEqual((target["epoch"], res.step, res.unexpected_keys), (2, 2, ["extra"]))
 
 
 class Errors(Base):

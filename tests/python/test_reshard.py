@@ -1,6 +1,7 @@
 """Resharded load from Python across processes: 2 ranks save (row, column
 and flat shards, a replicated tensor, a JSON leaf) under `ferry launch`,
-then 3 ranks load with a different sharding and check every element."""
+then 3 ranks load with a different sharding and check every element; a
+step committed during a 2-rank load of the latest does not mix steps."""
 
 import os
 import re
@@ -43,7 +44,16 @@ def main():
         assert p.returncode == 0 and "loaded: ok" in p.stdout, "load with 1 rank failed"
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print("reshard 2 -> 3 -> 1 ranks: ok")
+    # Rank 0 picks the checkpoint of a root for every rank, and each rank's
+    # manifest, leaves and key checks come from that one.
+    root = tempfile.mkdtemp(prefix="ferry_py_race_")
+    try:
+        p = launch(2, "race", os.path.join(root, "ckpt"))
+        assert p.returncode == 0, "a commit during a 2-rank load mixed steps"
+        assert p.stdout.count("race: epoch 1 w 1 step 1: ok") == 2, p.stdout
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print("reshard 2 -> 3 -> 1 ranks, one checkpoint per load: ok")
     return 0
 
 

@@ -246,6 +246,15 @@ FERRY_API ferry_status ferry_load_with_stats(ferry_runtime* rt, const ferry_tens
                                              size_t num_tensors, const char* path,
                                              ferry_load_stats* stats);
 
+/* The checkpoint a load of `path` reads now (a root: its latest), as rank 0
+ * resolves it for every rank: its directory in *dir_out (owned by this
+ * thread, valid until its next call into this library), its step in
+ * *step_out; nothing is loaded. In a job of several ranks every rank calls
+ * it, in the same order, and gets the same answer: loading *dir_out then
+ * reads that checkpoint whatever commits meanwhile. */
+FERRY_API ferry_status ferry_resolve(ferry_runtime* rt, const char* path, const char** dir_out,
+                                     uint64_t* step_out);
+
 /* Writes the checkpoint at `path` (or a root's latest) consolidated into
  * out_dir: model-0000i-of-0000N.safetensors files of at most
  * max_shard_bytes each (0: 5 GiB) and model.safetensors.index.json, whose

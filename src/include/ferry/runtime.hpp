@@ -178,6 +178,13 @@ class Runtime {
   Status load(StateDict& sd, const std::string& path);
   // load(), and on success what it restored.
   Result<LoadReport> load_report(StateDict& sd, const std::string& path);
+  // The checkpoint a load of `path` reads now (a root: its latest), as rank
+  // 0 resolves it for every rank: `path` of the step directory and `step`
+  // filled, nothing loaded. With several ranks every rank calls it, in the
+  // same order; each gets the same answer, and loading the returned path
+  // then reads that checkpoint whatever commits meanwhile (what a caller
+  // that reads the manifest before loading needs).
+  Result<LoadReport> resolve(const std::string& path);
 
   // Path of the latest committed checkpoint under `root` (default: the
   // configured root); "" when there is none.

@@ -1,9 +1,11 @@
 // One error currency for all of Ferry: a Status (code + message naming the
-// thing that is wrong) and Result<T> (a value or a Status).
+// thing that is wrong) and Result<T> (a value or a Status). Both are
+// [[nodiscard]]: an ignored error must be spelled `(void)`.
 #pragma once
 
 #include <cassert>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <variant>
@@ -27,7 +29,7 @@ enum class StatusCode {
 
 const char* status_code_name(StatusCode code);
 
-class Status {
+class [[nodiscard]] Status {
  public:
   Status() = default;
   Status(StatusCode code, std::string message) : code_(code), message_(std::move(message)) {}
@@ -65,8 +67,23 @@ class Status {
   std::string message_;
 };
 
+// What Result::value() throws when it holds an error instead of a value:
+// what() is the Status's to_string() ("not_found: no checkpoint in /x"),
+// status() the Status itself.
+class StatusError : public std::runtime_error {
+ public:
+  explicit StatusError(Status status);
+  const Status& status() const noexcept { return status_; }
+
+ private:
+  Status status_;
+};
+
+// Throws StatusError(status); out of line so that Result stays small.
+[[noreturn]] void throw_status_error(const Status& status);
+
 template <class T>
-class Result {
+class [[nodiscard]] Result {
  public:
   Result(T value) : v_(std::move(value)) {}  // NOLINT: implicit by design
   Result(Status status) : v_(std::move(status)) { assert(!std::get<Status>(v_).ok()); }  // NOLINT
@@ -77,9 +94,20 @@ class Result {
     static const Status kOk;
     return ok() ? kOk : std::get<Status>(v_);
   }
-  T& value() & { return std::get<T>(v_); }
-  const T& value() const& { return std::get<T>(v_); }
-  T&& value() && { return std::get<T>(std::move(v_)); }
+  // The value; on an error, throws StatusError carrying the Status (check
+  // ok() first where an error is expected).
+  T& value() & {
+    if (!ok()) throw_status_error(std::get<Status>(v_));
+    return std::get<T>(v_);
+  }
+  const T& value() const& {
+    if (!ok()) throw_status_error(std::get<Status>(v_));
+    return std::get<T>(v_);
+  }
+  T&& value() && {
+    if (!ok()) throw_status_error(std::get<Status>(v_));
+    return std::get<T>(std::move(v_));
+  }
   T* operator->() { return &value(); }
   const T* operator->() const { return &value(); }
   T& operator*() & { return value(); }
