@@ -157,7 +157,7 @@ Status write_small_file(Filesystem& fs, const std::string& path, const std::stri
   if (s.ok()) s = tmp.second->sync();
   if (s.ok()) s = tmp.second->close();
   if (s.ok()) s = fs.rename(tmp.first, path);
-  if (!s.ok()) fs.unlink(tmp.first);
+  if (!s.ok()) (void)fs.unlink(tmp.first);  // the first error is the one to report
   return s;
 }
 

@@ -7,6 +7,8 @@
 
 #include <filesystem>
 #include <fstream>
+#include <stdexcept>
+#include <vector>
 
 #include "catalog.hpp"
 #include "drills/fault_fs.hpp"
@@ -26,8 +28,9 @@ struct Model {
   explicit Model(float seed) : a(300 * 100), b(777) {
     for (size_t i = 0; i < a.size(); ++i) a[i] = seed + static_cast<float>(i);
     for (size_t i = 0; i < b.size(); ++i) b[i] = seed * 2 - static_cast<float>(i);
-    sd.add("enc.weight", {a.data(), ferry::DType::f32, {300, 100}});
-    sd.add("enc.bias", {b.data(), ferry::DType::f32, {777}});
+    if (!sd.add("enc.weight", {a.data(), ferry::DType::f32, {300, 100}}).ok() ||
+        !sd.add("enc.bias", {b.data(), ferry::DType::f32, {777}}).ok())
+      throw std::logic_error("Model: the state dict refused its own keys");
   }
 };
 
