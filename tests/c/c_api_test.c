@@ -368,7 +368,9 @@ int main(void) {
       CHECK(strcmp(ferry_status_name(FERRY_WAIT_TIMED_OUT), "wait_timed_out") == 0);
       st = ferry_save_wait(s);
       CHECK(st == FERRY_TIMEOUT);
-      CHECK(strstr(ferry_last_error(), "rank 0 (write phase)") != NULL);
+      /* Rank 0's phase deadline or the rank's abandonment may speak first. */
+      CHECK(strstr(ferry_last_error(), "write phase") != NULL);
+      CHECK(strstr(ferry_last_error(), "rank 0") != NULL);
       CHECK(strstr(ferry_last_error(), "rank-00000-0000.safetensors") != NULL);
       ferry_save_release(s);
       ferry_runtime_destroy(srt);

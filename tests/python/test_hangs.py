@@ -66,7 +66,9 @@ class StuckWriters(Base):
         seconds = float(line.split()[1])
         self.assertLess(seconds, 15, line)  # write-timeout 1 s + the drain's grace + verdict
         self.assertIn(" timeout: ", line)
-        self.assertIn("rank 0 (write phase)", line)
+        # Rank 0's phase deadline or the rank's abandonment may speak first.
+        self.assertIn("write phase", line)
+        self.assertIn("rank 0", line)
         self.assertIn("checkpoint_fn writing", line)
         self.assertIn("rank-00000-0000.safetensors", line)
         # Exit waited a bounded time for the stuck thread, then left it.
