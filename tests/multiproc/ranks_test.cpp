@@ -258,4 +258,3 @@ TEST_CASE("an overwrite killed with its old step aside: the resumed job finds an
   INFO(l.out);
   CHECK(l.code == 0);
 }
-
