@@ -210,6 +210,22 @@ Piece piece_of(const TensorSpec& s, Split split, int rank, int world) {
   return p;
 }
 
+// Adds each host piece to `sd` as its shard of the spec's tensor; false (the
+// error printed) if the state dict refuses one.
+bool add_host_pieces(const std::vector<TensorSpec>& specs, std::vector<Piece>& pieces,
+                     StateDict& sd) {
+  for (size_t t = 0; t < specs.size(); ++t) {
+    const Status added =
+        sd.add(specs[t].key, TensorView(pieces[t].words.data(), specs[t].dtype, pieces[t].shape),
+               Shard{specs[t].shape, pieces[t].offsets});
+    if (!added.ok()) {
+      std::fprintf(stderr, "ferry demo: %s\n", added.to_string().c_str());
+      return false;
+    }
+  }
+  return true;
+}
+
 uint64_t seed_of(size_t t, uint64_t version) {
   return (static_cast<uint64_t>(t) << 40) ^ (version << 20);
 }
@@ -287,15 +303,7 @@ int train(const DemoFlags& f) {
     fill(specs[t], t, 0, pieces[t], pieces[t].words);
     local_bytes += pieces[t].words.size() * 4;
   }
-  for (size_t t = 0; t < specs.size(); ++t) {
-    const Status added =
-        sd.add(specs[t].key, TensorView(pieces[t].words.data(), specs[t].dtype, pieces[t].shape),
-               Shard{specs[t].shape, pieces[t].offsets});
-    if (!added.ok()) {
-      std::fprintf(stderr, "ferry demo: %s\n", added.to_string().c_str());
-      return 1;
-    }
-  }
+  if (!add_host_pieces(specs, pieces, sd)) return 1;
   std::printf("rank %d/%d: %zu tensors, %s local, pool %s\n", rank, world, specs.size(),
               human_bytes(local_bytes).c_str(), human_bytes(rt->options().pool_bytes).c_str());
   std::fflush(stdout);
@@ -502,15 +510,7 @@ int restore(const DemoFlags& f) {
                                                     : Split::replicated;
     pieces.push_back(piece_of(specs[t], s, rank, world));
   }
-  for (size_t t = 0; t < specs.size(); ++t) {
-    const Status added =
-        sd.add(specs[t].key, TensorView(pieces[t].words.data(), specs[t].dtype, pieces[t].shape),
-               Shard{specs[t].shape, pieces[t].offsets});
-    if (!added.ok()) {
-      std::fprintf(stderr, "ferry demo: %s\n", added.to_string().c_str());
-      return 1;
-    }
-  }
+  if (!add_host_pieces(specs, pieces, sd)) return 1;
   const auto t0 = std::chrono::steady_clock::now();
   const Status st = rt->load(sd, f.root);
   const double ms = ms_since(t0);
