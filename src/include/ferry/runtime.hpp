@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "ferry/export_macro.hpp"
 #include "ferry/options.hpp"
 #include "ferry/status.hpp"
 #include "ferry/tensor.hpp"
@@ -61,7 +62,7 @@ struct RuntimeAccess;  // actors/runtime_access.hpp: SavePlanner's way in
 // only once nothing of Ferry touches the caller's tensors again: after a
 // wait returned an error, the caller may free them. If Ferry's actors die,
 // every wait ends with an error.
-class SaveHandle {
+class FERRY_EXPORT SaveHandle {
  public:
   SaveHandle() = default;
   explicit SaveHandle(std::shared_ptr<detail::SaveState> s) : s_(std::move(s)) {}
@@ -138,7 +139,7 @@ struct RuntimeArgs {
   }
 };
 
-class Runtime {
+class FERRY_EXPORT Runtime {
  public:
   // Starts the actor system, validates options, maps the staging pool (faulted
   // in the background, so start does not grow with the pool). Errors name the

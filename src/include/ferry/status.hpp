@@ -8,6 +8,8 @@
 #include <utility>
 #include <variant>
 
+#include "ferry/export_macro.hpp"
+
 namespace ferry {
 
 enum class StatusCode {
@@ -25,9 +27,9 @@ enum class StatusCode {
   internal,
 };
 
-const char* status_code_name(StatusCode code);
+FERRY_EXPORT const char* status_code_name(StatusCode code);
 
-class Status {
+class FERRY_EXPORT Status {
  public:
   Status() = default;
   Status(StatusCode code, std::string message) : code_(code), message_(std::move(message)) {}
