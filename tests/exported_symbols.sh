@@ -17,7 +17,7 @@ for h in "$src"/src/include/ferry/*.hpp; do
 done | tr '\n' ' ' > "$work/headers"
 ident='[A-Za-z_][A-Za-z0-9_]*'
 {
-  grep -oE "(class|struct) FERRY_EXPORT $ident" "$work/headers" | awk '{ print $3 }'
+  grep -oE "(class|struct) (\[\[[^]]*\]\] )*FERRY_EXPORT $ident" "$work/headers" | awk '{ print $NF }'
   grep -oE "FERRY_EXPORT [^;{}()]*$ident *\\(" "$work/headers" | sed -E 's/ *\($//; s/.*[^A-Za-z0-9_]//'
 } | sort -u > "$work/names"
 grep -oE "namespace $ident" "$work/headers" | awk '$2 != "ferry" && $2 != "detail" { print $2 }' |
