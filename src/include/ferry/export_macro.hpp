@@ -4,7 +4,8 @@
 #pragma once
 
 #if defined(__GNUC__) || defined(__clang__)
-#define FERRY_EXPORT __attribute__((visibility("default")))
+// A standard attribute, so it sits beside others: class [[nodiscard]] FERRY_EXPORT X.
+#define FERRY_EXPORT [[gnu::visibility("default")]]
 #else
 #define FERRY_EXPORT
 #endif
