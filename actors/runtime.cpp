@@ -167,7 +167,8 @@ struct SaveRegistry {
 
 }  // namespace
 
-struct Runtime::Impl {
+// Not part of the ABI: without this it would share Runtime's exported visibility.
+struct __attribute__((visibility("hidden"))) Runtime::Impl {
   caf::actor_system_config cfg;
   std::unique_ptr<caf::actor_system> sys;
   std::shared_ptr<RankContext> ctx;

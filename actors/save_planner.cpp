@@ -47,7 +47,8 @@ bool WriteHandle::done() const {
 
 // --- SavePlanner -------------------------------------------------------------------
 
-struct SavePlanner::Impl {
+// Not part of the ABI: without this it would share SavePlanner's exported visibility.
+struct __attribute__((visibility("hidden"))) SavePlanner::Impl {
   Runtime& rt;
   StateDict sd;
   SavePlannerOptions opts;

@@ -3,6 +3,7 @@
 // self-contained and that Ferry::ferry links and runs on its own.
 #include <ferry/device.hpp>
 #include <ferry/export.hpp>
+#include <ferry/export_macro.hpp>
 #include <ferry/filesystem.hpp>
 #include <ferry/options.hpp>
 #include <ferry/planner.hpp>
@@ -10,8 +11,48 @@
 #include <ferry/status.hpp>
 #include <ferry/tensor.hpp>
 
+#include <atomic>
 #include <cstdio>
+#include <memory>
+#include <utility>
 #include <vector>
+
+namespace {
+
+// A user's filesystem and device, subclassing the library's polymorphic
+// classes: they link only if libferry.so exports their vtables and typeinfo
+// (DeviceBackend's are emitted in the library alone, next to its first
+// out-of-line virtual).
+class CountingFs : public ferry::FilesystemWrapper {
+ public:
+  CountingFs() : FilesystemWrapper(ferry::posix_filesystem()) {}
+  ferry::Result<std::unique_ptr<ferry::File>> open(const std::string& p,
+                                                   const ferry::OpenOptions& o) override {
+    ++opens;
+    return FilesystemWrapper::open(p, o);
+  }
+  std::atomic<int> opens{0};
+};
+
+class CountingDevice : public ferry::DeviceBackend {
+ public:
+  bool handles(const ferry::Device& d) const override { return host_->handles(d); }
+  void copy_out(const ferry::TensorView& src, uint64_t offset, uint64_t len, void* dst,
+                Done done) override {
+    ++copies_out;
+    host_->copy_out(src, offset, len, dst, std::move(done));
+  }
+  void copy_in(const void* src, const ferry::TensorView& dst, uint64_t offset, uint64_t len,
+               Done done) override {
+    host_->copy_in(src, dst, offset, len, std::move(done));
+  }
+  std::atomic<int> copies_out{0};
+
+ private:
+  std::shared_ptr<ferry::DeviceBackend> host_ = ferry::host_device();
+};
+
+}  // namespace
 
 int main(int argc, char** argv) {
   if (argc != 2) {
@@ -20,6 +61,10 @@ int main(int argc, char** argv) {
   }
   ferry::RuntimeArgs args;
   args.set("root", argv[1]).set("pool-bytes", "8MiB").set("chunk-bytes", "1MiB");
+  auto fs = std::make_shared<CountingFs>();
+  auto device = std::make_shared<CountingDevice>();
+  args.fs = fs;
+  args.device = device;
   auto rt = ferry::Runtime::create(args);
   if (!rt.ok()) {
     std::fprintf(stderr, "create: %s\n", rt.status().to_string().c_str());
@@ -43,6 +88,10 @@ int main(int argc, char** argv) {
   }
   if (out != w) {
     std::fprintf(stderr, "loaded bytes differ\n");
+    return 1;
+  }
+  if (fs->opens == 0 || device->copies_out == 0) {
+    std::fprintf(stderr, "the runtime did not go through the user's filesystem and device\n");
     return 1;
   }
   auto index = ferry::export_checkpoint(**rt, (*rt)->latest(), std::string(argv[1]) + "/export");

@@ -10,12 +10,13 @@
 #include <optional>
 #include <vector>
 
+#include "ferry/export_macro.hpp"
 #include "ferry/status.hpp"
 #include "ferry/tensor.hpp"
 
 namespace ferry {
 
-class DeviceBackend {
+class FERRY_EXPORT DeviceBackend {
  public:
   using Done = std::function<void(Status)>;
   virtual ~DeviceBackend() = default;
@@ -51,10 +52,11 @@ class DeviceBackend {
 };
 
 // Plain memcpy for host tensors; strided views are gathered/scattered.
-std::shared_ptr<DeviceBackend> host_device();
+FERRY_EXPORT std::shared_ptr<DeviceBackend> host_device();
 
 // Synchronous strided helpers the host device is made of.
-void strided_copy_out(const TensorView& src, uint64_t offset, uint64_t len, void* dst);
-void strided_copy_in(const void* src, const TensorView& dst, uint64_t offset, uint64_t len);
+FERRY_EXPORT void strided_copy_out(const TensorView& src, uint64_t offset, uint64_t len, void* dst);
+FERRY_EXPORT void strided_copy_in(const void* src, const TensorView& dst, uint64_t offset,
+                                  uint64_t len);
 
 }  // namespace ferry

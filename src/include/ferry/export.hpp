@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "ferry/export_macro.hpp"
 #include "ferry/status.hpp"
 
 namespace ferry {
@@ -31,7 +32,8 @@ struct ExportOptions {
 // model.safetensors.index.json, each written aside, fsynced and renamed into
 // place, and returns the index's path. Reads through `rt`'s loader (checksums
 // verified); `rt` must be a single-process runtime.
-Result<std::string> export_checkpoint(Runtime& rt, const std::string& checkpoint,
-                                      const std::string& out_dir, const ExportOptions& opts = {});
+FERRY_EXPORT Result<std::string> export_checkpoint(Runtime& rt, const std::string& checkpoint,
+                                                   const std::string& out_dir,
+                                                   const ExportOptions& opts = {});
 
 }  // namespace ferry

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "ferry/export_macro.hpp"
 #include "ferry/status.hpp"
 
 namespace ferry {
@@ -26,7 +27,7 @@ struct OpenOptions {
   bool no_readahead = false;
 };
 
-class File {
+class FERRY_EXPORT File {
  public:
   virtual ~File() = default;
   virtual const std::string& path() const = 0;
@@ -61,12 +62,12 @@ struct FileInfo {
 
 // An advisory lock held until this object is destroyed. Not shared between
 // threads: each holder has its own.
-class FileLock {
+class FERRY_EXPORT FileLock {
  public:
   virtual ~FileLock() = default;
 };
 
-class Filesystem {
+class FERRY_EXPORT Filesystem {
  public:
   virtual ~Filesystem() = default;
   virtual Result<std::unique_ptr<File>> open(const std::string& path, const OpenOptions& o) = 0;
@@ -91,10 +92,10 @@ class Filesystem {
 };
 
 // The default: POSIX calls, errors via Status::from_errno naming op and path.
-std::shared_ptr<Filesystem> posix_filesystem();
+FERRY_EXPORT std::shared_ptr<Filesystem> posix_filesystem();
 
 // Forwards everything to `target`; subclasses override only what they break.
-class FilesystemWrapper : public Filesystem {
+class FERRY_EXPORT FilesystemWrapper : public Filesystem {
  public:
   explicit FilesystemWrapper(std::shared_ptr<Filesystem> target) : target_(std::move(target)) {}
   Result<std::unique_ptr<File>> open(const std::string& p, const OpenOptions& o) override {
@@ -120,34 +121,36 @@ class FilesystemWrapper : public Filesystem {
 };
 
 // Helpers built on the interface (so they see injected faults too).
-std::string join_path(const std::string& a, const std::string& b);
-std::string parent_path(const std::string& p);
+FERRY_EXPORT std::string join_path(const std::string& a, const std::string& b);
+FERRY_EXPORT std::string parent_path(const std::string& p);
 // Reads a whole regular file. Anything else (a FIFO, a device) is refused
 // without blocking, and so is a file larger than `max_bytes`: the error
 // names the path (and the size). The default cap is far above any manifest.
 constexpr uint64_t kMaxReadFileBytes = 1ull << 30;
-Result<std::string> read_file(Filesystem& fs, const std::string& path,
-                              uint64_t max_bytes = kMaxReadFileBytes);
+FERRY_EXPORT Result<std::string> read_file(Filesystem& fs, const std::string& path,
+                                           uint64_t max_bytes = kMaxReadFileBytes);
 // The same into `*out`, whose memory is reused: a caller reading many large
 // files through one buffer spares the page faults of a fresh one each time.
-Status read_file_into(Filesystem& fs, const std::string& path, std::string* out,
-                      uint64_t max_bytes = kMaxReadFileBytes);
+FERRY_EXPORT Status read_file_into(Filesystem& fs, const std::string& path, std::string* out,
+                                   uint64_t max_bytes = kMaxReadFileBytes);
 // The first `max_bytes` bytes of a regular file (all of a shorter one),
 // refusing what read_file refuses.
-Result<std::string> read_file_head(Filesystem& fs, const std::string& path, uint64_t max_bytes);
+FERRY_EXPORT Result<std::string> read_file_head(Filesystem& fs, const std::string& path,
+                                                uint64_t max_bytes);
 // temp file in the same directory, write, fsync (if `sync`), rename over
 // `path`, fsync the directory (if `sync`). With `kill_prefix` ("manifest"),
 // passes the kill points <prefix>.write/.fsync/.rename/.dirsync.
-Status write_file_atomic(Filesystem& fs, const std::string& path, const std::string& bytes,
-                         bool sync, const char* kill_prefix = nullptr);
+FERRY_EXPORT Status write_file_atomic(Filesystem& fs, const std::string& path,
+                                      const std::string& bytes, bool sync,
+                                      const char* kill_prefix = nullptr);
 // The first half of write_file_atomic: the temp file beside `path`
 // ("<path>.tmp-<pid>-<n>"), written and fsynced (if `sync`); returns its
 // path. The caller renames it over `path` when it chooses (and removes it
 // if it does not), so that one directory fsync can cover several renames.
-Result<std::string> write_temp_file(Filesystem& fs, const std::string& path,
-                                    const std::string& bytes, bool sync,
-                                    const char* kill_prefix = nullptr);
+FERRY_EXPORT Result<std::string> write_temp_file(Filesystem& fs, const std::string& path,
+                                                 const std::string& bytes, bool sync,
+                                                 const char* kill_prefix = nullptr);
 // Removes a file or a directory tree; not_found is not an error.
-Status remove_all(Filesystem& fs, const std::string& path);
+FERRY_EXPORT Status remove_all(Filesystem& fs, const std::string& path);
 
 }  // namespace ferry

@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "ferry/export_macro.hpp"
 #include "ferry/status.hpp"
 
 namespace ferry {
@@ -56,11 +57,12 @@ struct Options {
 
 // Checks a data file name prefix: not empty, only [A-Za-z0-9._-], no "..".
 // Errors are invalid_argument naming `option` (the config key or field).
-Status check_filename_prefix(const std::string& prefix, const std::string& option);
+FERRY_EXPORT Status check_filename_prefix(const std::string& prefix, const std::string& option);
 // Parses a compress value: false/none/off/0, true/on/1 (= zstd at the default
 // level 3), zstd, or zstd:<level> with level 1 to 22. Returns the normalized
 // form ("none", "zstd:<level>"); errors name `option`.
-Result<std::string> parse_compress(const std::string& value, const std::string& option);
+FERRY_EXPORT Result<std::string> parse_compress(const std::string& value,
+                                                const std::string& option);
 
 // key = value, as read from one source (the value unquoted).
 struct Setting {
@@ -76,24 +78,26 @@ struct OptionInfo {
   const char* default_value;
   const char* help;
 };
-const std::vector<OptionInfo>& option_infos();
+FERRY_EXPORT const std::vector<OptionInfo>& option_infos();
 
 // Applies settings in order (later wins) on top of the defaults. An unknown
 // key or a bad value is invalid_argument naming the key, the value and where
 // it came from. Sizes accept suffixes: 4096, 8MiB, 1GiB, 512KB; booleans
 // true/false/on/off/1/0; durations in seconds (2.5, "30s", "500ms").
-Result<Options> resolve_options(const std::vector<Setting>& settings);
+FERRY_EXPORT Result<Options> resolve_options(const std::vector<Setting>& settings);
 
 // Reads the [ferry] section of an INI file (CAF syntax: `;` comments, quoted
 // strings, `ferry.key = v` at top level also accepted). A missing file is
 // not_found; a syntax error is invalid_argument naming file and line.
-Result<std::vector<Setting>> read_ini_settings(const std::string& path);
+FERRY_EXPORT Result<std::vector<Setting>> read_ini_settings(const std::string& path);
 // The same, from text (origin names the source in errors).
-Result<std::vector<Setting>> parse_ini_settings(const std::string& text, const std::string& origin);
+FERRY_EXPORT Result<std::vector<Setting>> parse_ini_settings(const std::string& text,
+                                                             const std::string& origin);
 
 // The whole precedence chain. `config_file` is the explicit --config-file
 // (must exist) or "" for caf-application.ini in the working directory
 // (skipped when absent); FERRY_CONFIG is read from the environment.
-Result<Options> load_options(const std::vector<Setting>& code, const std::string& config_file);
+FERRY_EXPORT Result<Options> load_options(const std::vector<Setting>& code,
+                                          const std::string& config_file);
 
 }  // namespace ferry

@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "ferry/export_macro.hpp"
 #include "ferry/runtime.hpp"
 #include "ferry/status.hpp"
 #include "ferry/tensor.hpp"
@@ -46,7 +47,7 @@ struct PlanItem {
 };
 
 // What one rank holds, before the ranks agree who writes what.
-struct LocalSavePlan {
+struct FERRY_EXPORT LocalSavePlan {
   int32_t rank = 0;
   std::vector<PlanItem> items;
 
@@ -66,7 +67,7 @@ struct PlannedWrite {
 };
 
 // One rank's part of the global plan.
-struct SavePlan {
+struct FERRY_EXPORT SavePlan {
   int32_t rank = 0;
   std::vector<PlanItem> items;               // the rank's local plan
   std::vector<std::vector<int32_t>> owners;  // per item: the ranks that write (part of) it
@@ -84,15 +85,15 @@ namespace plan {
 // job: what the coordinator computes, for plans gathered by any means (the
 // files named as with the default file options: "rank" prefix, no cap, raw).
 // Errors (invalid_argument) name the key and the ranks.
-Result<std::vector<SavePlan>> global_plan(const std::vector<LocalSavePlan>& local_plans,
-                                          OwnerPolicy policy = OwnerPolicy::balanced);
+FERRY_EXPORT Result<std::vector<SavePlan>> global_plan(
+    const std::vector<LocalSavePlan>& local_plans, OwnerPolicy policy = OwnerPolicy::balanced);
 // A rank's local plan of a state dict, with no job.
-Result<LocalSavePlan> local_plan(const StateDict& sd, int32_t rank);
+FERRY_EXPORT Result<LocalSavePlan> local_plan(const StateDict& sd, int32_t rank);
 }  // namespace plan
 
 // save_on_this_process's answer: wait() returns once this rank's files are
 // durable (or the save failed; the error names the rank and the phase).
-class WriteHandle {
+class FERRY_EXPORT WriteHandle {
  public:
   WriteHandle() = default;
   explicit WriteHandle(std::shared_ptr<detail::SaveState> s) : s_(std::move(s)) {}
@@ -139,7 +140,7 @@ struct SavePlannerOptions {
 // collective steps (create_global_plan, barrier) in the same order. The
 // state dict's memory must not change until save_on_this_process's wait()
 // returned. Not thread-safe; one planner per checkpoint.
-class SavePlanner {
+class FERRY_EXPORT SavePlanner {
  public:
   // `filename_prefix`: data files are <prefix>-<rank>-<k>; "" = the
   // options' (SaveOptions::filename_prefix, else ferry.filename-prefix).

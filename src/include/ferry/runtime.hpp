@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "ferry/export_macro.hpp"
 #include "ferry/options.hpp"
 #include "ferry/status.hpp"
 #include "ferry/tensor.hpp"
@@ -64,7 +65,7 @@ struct RuntimeAccess;  // actors/runtime_access.hpp: SavePlanner's way in
 // Every save ends by its phase deadlines, a write or checkpoint_fn that never
 // returns included (its writer thread is abandoned). If Ferry's actors die,
 // every wait ends with an error.
-class SaveHandle {
+class FERRY_EXPORT SaveHandle {
  public:
   SaveHandle() = default;
   explicit SaveHandle(std::shared_ptr<detail::SaveState> s) : s_(std::move(s)) {}
@@ -141,7 +142,7 @@ struct RuntimeArgs {
   }
 };
 
-class Runtime {
+class FERRY_EXPORT Runtime {
  public:
   // Starts the actor system, validates options, maps the staging pool (faulted
   // in the background, so start does not grow with the pool). Errors name the

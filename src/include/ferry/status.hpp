@@ -10,6 +10,8 @@
 #include <utility>
 #include <variant>
 
+#include "ferry/export_macro.hpp"
+
 namespace ferry {
 
 enum class StatusCode {
@@ -27,9 +29,9 @@ enum class StatusCode {
   internal,
 };
 
-const char* status_code_name(StatusCode code);
+FERRY_EXPORT const char* status_code_name(StatusCode code);
 
-class [[nodiscard]] Status {
+class [[nodiscard]] FERRY_EXPORT Status {
  public:
   Status() = default;
   Status(StatusCode code, std::string message) : code_(code), message_(std::move(message)) {}
@@ -70,7 +72,7 @@ class [[nodiscard]] Status {
 // What Result::value() throws when it holds an error instead of a value:
 // what() is the Status's to_string() ("not_found: no checkpoint in /x"),
 // status() the Status itself.
-class StatusError : public std::runtime_error {
+class FERRY_EXPORT StatusError : public std::runtime_error {
  public:
   explicit StatusError(Status status);
   const Status& status() const noexcept { return status_; }
@@ -80,7 +82,7 @@ class StatusError : public std::runtime_error {
 };
 
 // Throws StatusError(status); out of line so that Result stays small.
-[[noreturn]] void throw_status_error(const Status& status);
+[[noreturn]] FERRY_EXPORT void throw_status_error(const Status& status);
 
 template <class T>
 class [[nodiscard]] Result {

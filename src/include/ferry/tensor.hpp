@@ -8,6 +8,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "ferry/export_macro.hpp"
 #include "ferry/status.hpp"
 
 namespace ferry {
@@ -30,12 +31,12 @@ enum class DType : uint8_t {
   f8_e5m2,
 };
 
-size_t dtype_size(DType d);
+FERRY_EXPORT size_t dtype_size(DType d);
 // Safetensors spelling: "F32", "BF16", "BOOL", "F8_E4M3", ...
-const char* dtype_name(DType d);
-Result<DType> parse_dtype(const std::string& name);
+FERRY_EXPORT const char* dtype_name(DType d);
+FERRY_EXPORT Result<DType> parse_dtype(const std::string& name);
 
-struct Device {
+struct FERRY_EXPORT Device {
   enum class Kind : uint8_t { host, cuda };
   Kind kind = Kind::host;
   int index = 0;
@@ -50,7 +51,7 @@ struct Device {
 // A non-owning view of the caller's tensor memory. `strides` are in elements;
 // empty means row-major contiguous. The memory must stay valid (and, until
 // wait_snapshot(), unchanged) for as long as Ferry uses it.
-struct TensorView {
+struct FERRY_EXPORT TensorView {
   void* data = nullptr;
   DType dtype = DType::f32;
   std::vector<int64_t> shape;
@@ -83,7 +84,7 @@ struct StateEntry {
 };
 
 // Keys are unique; insertion order is kept (it is the order of the files).
-class StateDict {
+class FERRY_EXPORT StateDict {
  public:
   // Returns invalid_argument for a duplicate or empty key. O(1): a state dict
   // of n entries is built in O(n).
@@ -103,6 +104,6 @@ class StateDict {
 
 // Checks one entry: known dtype, shape >= 0, strides rank, shard inside its
 // global shape, non-null data when bytes > 0. The message names the key.
-Status validate_entry(const StateEntry& e);
+FERRY_EXPORT Status validate_entry(const StateEntry& e);
 
 }  // namespace ferry
