@@ -889,7 +889,8 @@ ferry_status ferry_planner_barrier_for(ferry_planner* p, int64_t timeout_ms, con
 }
 
 ferry_status ferry_plan_global(const char* const* local_plans, const size_t* lens, size_t num_ranks,
-                               int lowest_rank, ferry_plans** out) {
+                               int lowest_rank, const ferry_save_options* files,
+                               ferry_plans** out) {
   return guarded([&] {
     if (!out) return null_arg("out");
     *out = nullptr;
@@ -900,8 +901,12 @@ ferry_status ferry_plan_global(const char* const* local_plans, const size_t* len
       if (!l.ok()) return to_c(l.status().with_context("local_plans[" + std::to_string(r) + "]: "));
       locals.push_back(std::move(l).value());
     }
+    ferry_status error = FERRY_OK;
+    auto opts = save_options(0, nullptr, 0, files, &error);
+    if (!opts) return error;
     auto g = ferry::plan::global_plan(
-        locals, lowest_rank ? ferry::OwnerPolicy::lowest_rank : ferry::OwnerPolicy::balanced);
+        locals, lowest_rank ? ferry::OwnerPolicy::lowest_rank : ferry::OwnerPolicy::balanced,
+        *opts);
     if (!g.ok()) return to_c(g.status());
     auto ps = std::make_unique<ferry_plans>();
     for (const auto& sp : *g) ps->plans.push_back(sp.to_bytes());

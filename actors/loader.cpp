@@ -477,10 +477,9 @@ struct OpenFile {
   ReadAlign align;
   int cache_fd = -1;
   // The header's check runs on the pread threads beside the first data
-  // reads, and a run's bytes are used only once it passed. Done first and
-  // alone, its small read queued behind another reader's 32 MiB reads and
-  // held back this reader's first one: 18-24 ms of a 350 ms load in half the
-  // rounds here, against at most 1.5 ms now.
+  // reads, and a run's bytes are used only once it passed: done first and
+  // alone, its small read would queue behind another reader's 32 MiB reads
+  // and hold back this reader's first one.
   std::future<Result<size_t>> header;
   Status header_status;
   ~OpenFile() {

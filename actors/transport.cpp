@@ -568,11 +568,11 @@ Status Transport::Impl::init() {
     if (node_.size() > kMaxNodeBytes) node_.resize(kMaxNodeBytes);
   }
 
-  // A tcp message longer than one send segment (8 KiB by default) reached
-  // its peer 4-5 ms late here (its later segments wait for some later
-  // progress): a load's exchange of plans (9-19 KB) took 5-17 ms of every
-  // 2-rank load's start, 0.1-0.2 ms with segments as large as the receive
-  // side's default. Set in the environment, unless the user did: UCX reads
+  // A tcp message longer than one send segment (8 KiB by default) reaches
+  // its peer milliseconds late (its later segments wait for some later
+  // progress), and a load's exchange of plans is tens of KB: segments as
+  // large as the receive side's default send it at once. Set in the
+  // environment, unless the user did: UCX reads
   // a transport's settings there when it opens it (ucp_config_modify's did
   // not reach it).
   ::setenv("UCX_TCP_TX_SEG_SIZE", "64K", 0);

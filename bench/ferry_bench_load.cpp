@@ -594,13 +594,6 @@ const Round& median_round(const std::vector<Round>& rounds) {
   return *by[by.size() / 2];
 }
 
-double median(const std::vector<Round>& rounds, double Round::*field) {
-  std::vector<double> v;
-  for (const Round& r : rounds) v.push_back(r.*field);
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 const char* verdict(bool ok) {
   return ok ? "PASS" : "MISS";
 }

@@ -54,13 +54,10 @@ std::vector<Dim> collapse_dims(const TensorView& v) {
 // (into the snapshot's pool blocks): the disk's DMA reads those bytes next,
 // not this core; cached stores first read every destination line, then fill
 // the cache with lines nobody reads, and on a VM whose disk writes run at
-// memory speed that traffic slows the writes beside the snapshot. Measured
-// on the 2 GiB save bench, four runs each: snapshot medians 99-167 ms against
-// 126-501 ms, persist 0.93-1.03x the raw writer against 0.82-0.95x. Into a
-// tensor (a load's checked blocks): a load larger than the cache leaves
-// nothing useful there, and skipping the reads of the destination took a
-// 2 GiB load's CPU from 0.46 to 0.37 s (load bench, three runs each; its
-// speed did not change, the disk limits it).
+// memory speed that traffic slows the writes beside the snapshot (the save
+// bench shows it in snapshot time and persist / raw). Into a tensor (a
+// load's checked blocks): a load larger than the cache leaves nothing useful
+// there, and skipping the reads of the destination saves the load CPU.
 constexpr size_t kStreamMinBytes = 1 << 20;
 
 #if defined(__x86_64__)
@@ -231,9 +228,8 @@ void strided_copy(const TensorView& v, uint64_t offset, uint64_t len, uint8_t* h
 // the two apart: memory just allocated has none of its pages but the first,
 // and a load copies in order, so a range partly there has its start. Once a
 // tensor passed, its later ranges are not asked about: the loader copies a
-// checksum block (1 MiB) at a time, and mincore over every page of each
-// cost 8-9 ms of kernel time per 2 GiB load here, more than a quarter of
-// the load's; one page per block still 5-6 ms, in system calls. A range
+// checksum block (1 MiB) at a time, and a mincore per block costs a
+// noticeable part of a load's kernel time in system calls alone. A range
 // that passes with pages missing takes their faults in the copy, as without
 // any of this. t_populated: the tensor that passed last on this thread,
 // valid while the generation (which each load moves on) is the same.

@@ -453,7 +453,9 @@ Result<std::vector<SavePlan>> decode_save_plans(const std::string& bytes) {
 namespace plan {
 
 Result<std::vector<SavePlan>> global_plan(const std::vector<LocalSavePlan>& local_plans,
-                                          OwnerPolicy policy) {
+                                          OwnerPolicy policy, const SaveOptions& files) {
+  // Defaults rather than a configuration: a plan with no job reads no config.
+  FERRY_ASSIGN_OR_RETURN(DataFileOptions fo, resolve_data_files(Options{}, files, false));
   std::vector<LocalPlan> locals;
   for (size_t r = 0; r < local_plans.size(); ++r) {
     if (local_plans[r].rank != static_cast<int32_t>(r))
@@ -465,7 +467,7 @@ Result<std::vector<SavePlan>> global_plan(const std::vector<LocalSavePlan>& loca
   GlobalPlanOptions o;
   o.policy = policy;
   FERRY_ASSIGN_OR_RETURN(GlobalPlan gp, make_global_plan(locals, o));
-  return save_plans(locals, gp, {});
+  return save_plans(locals, gp, std::vector<DataFileOptions>(locals.size(), fo));
 }
 
 Result<LocalSavePlan> local_plan(const StateDict& sd, int32_t rank) {

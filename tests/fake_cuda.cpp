@@ -37,7 +37,7 @@ int retire_handle(std::map<T*, std::unique_ptr<T>>& live, std::vector<std::uniqu
 }  // namespace
 
 FakeCuda::FakeCuda(int devices)
-    : devices_(devices), async_error_(devices, 0), copies_pending_(devices, 0) {
+    : devices_(devices), copies_pending_(devices, 0), async_error_(devices, 0) {
   instance_ = next_instance++;
   for (int d = 0; d < devices; ++d) {
     default_streams_.push_back(std::make_unique<Stream>());

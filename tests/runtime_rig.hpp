@@ -13,7 +13,12 @@
 
 namespace ferry::testing {
 
+// A constructor rather than an aggregate: callers name the first fields only.
 struct RigArgs {
+  RigArgs(std::vector<std::pair<std::string, std::string>> settings_ = {},
+          std::shared_ptr<Filesystem> fs_ = nullptr,
+          std::shared_ptr<DeviceBackend> device_ = nullptr)
+      : settings(std::move(settings_)), fs(std::move(fs_)), device(std::move(device_)) {}
   std::vector<std::pair<std::string, std::string>> settings;  // override the defaults below
   std::shared_ptr<Filesystem> fs;                             // default: POSIX
   std::shared_ptr<DeviceBackend> device;                      // default: host (+ CUDA)

@@ -18,7 +18,7 @@ import time
 
 __all__ = ["FerryError", "lib", "check", "library_path", "wait_sliced"]
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 _STATUS_NAMES = {
     0: "ok",

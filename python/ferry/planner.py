@@ -118,7 +118,8 @@ def _L():
                     st, [vp, ctypes.c_int64, ctypes.POINTER(ctypes.c_char_p)]
                 ),
                 "ferry_plan_global": (
-                    st, [ctypes.POINTER(ctypes.c_char_p), szp, sz, st, ctypes.POINTER(vp)]
+                    st, [ctypes.POINTER(ctypes.c_char_p), szp, sz, st, ctypes.POINTER(_lib.SaveOptions),
+                         ctypes.POINTER(vp)]
                 ),
                 "ferry_plans_count": (sz, [vp]),
                 "ferry_plans_get": (st, [vp, sz, cpp, szp]),
@@ -446,18 +447,24 @@ def rank():
     return _core.default_runtime().rank
 
 
-def global_plan(local_plans, owner_policy="balanced"):
+def global_plan(local_plans, owner_policy="balanced", options=None):
     """The global plan of local plans gathered by any means, with no job:
-    every rank's SavePlan. owner_policy: "balanced" or "lowest_rank"."""
+    every rank's SavePlan. owner_policy: "balanced" or "lowest_rank";
+    options: a ferry.CheckpointOptions whose filename_prefix, shard_size and
+    compress name and cut the files as a save with them would."""
     if owner_policy not in ("balanced", "lowest_rank"):
         raise FerryError("owner_policy %r: expected 'balanced' or 'lowest_rank'" % (owner_policy,))
+    if options is not None and not isinstance(options, _core.CheckpointOptions):
+        raise FerryError("global_plan: options = %r: expected a ferry.CheckpointOptions"
+                         % (options,))
+    files = ctypes.byref(options._c()) if options is not None else None
     blobs = [p.to_bytes() if isinstance(p, _Plan) else bytes(p) for p in local_plans]
     n = len(blobs)
     arr = (ctypes.c_char_p * max(n, 1))(*blobs)
     lens = (ctypes.c_size_t * max(n, 1))(*[len(b) for b in blobs])
     h = ctypes.c_void_p()
     check(_L().ferry_plan_global(arr, lens, n, 1 if owner_policy == "lowest_rank" else 0,
-                                 ctypes.byref(h)))
+                                 files, ctypes.byref(h)))
     return _plans_list(h)
 
 

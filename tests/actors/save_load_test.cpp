@@ -41,11 +41,6 @@ struct Buf {
   ferry::TensorView view() { return {bytes.data(), dtype, shape}; }
 };
 
-std::vector<uint8_t> slurp(const std::string& p) {
-  std::ifstream f(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(f), {}};
-}
-
 void flip_byte(const std::string& path, uint64_t offset) {
   std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
   f.seekg(offset);

@@ -219,7 +219,7 @@ int main(void) {
     size_t local_len = 0;
     CHECK_OK(ferry_planner_local_plan(p, &local, &local_len));
     ferry_plans* pure = NULL;
-    CHECK_OK(ferry_plan_global(&local, &local_len, 1, 0, &pure));
+    CHECK_OK(ferry_plan_global(&local, &local_len, 1, 0, NULL, &pure));
     ferry_plans* global = NULL;
     CHECK_OK(ferry_planner_global_plan(p, &global));
     CHECK(ferry_plans_count(global) == 1 && ferry_plans_count(pure) == 1);

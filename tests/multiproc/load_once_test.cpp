@@ -62,7 +62,7 @@ std::vector<ferry::ReadOp> whole_plan(const ferry::Manifest& m) {
 std::vector<ferry::SharedRead> shared_reads(const ferry::Manifest& m) {
   std::vector<ferry::RankNeeds> needs;
   const auto ops = whole_plan(m);
-  for (int r = 0; r < kRanks; ++r) needs.push_back({r, "node", ferry::needed_ranges(ops, m)});
+  for (int r = 0; r < kRanks; ++r) needs.push_back({r, "node", ferry::needed_ranges(ops, m), {}});
   return ferry::assign_shared_reads(needs);
 }
 

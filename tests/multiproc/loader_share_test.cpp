@@ -81,7 +81,8 @@ struct Receiver : ferry::testing::ActorSystem {
     loader = ferry::spawn_loader(*sys, ctx);
     std::vector<ferry::RankNeeds> needs;
     for (int r = 0; r < 2; ++r)
-      needs.push_back({r, "node", ferry::needed_ranges(plan_of(*manifest, r, by_cols), *manifest)});
+      needs.push_back(
+          {r, "node", ferry::needed_ranges(plan_of(*manifest, r, by_cols), *manifest), {}});
     const auto shared = ferry::assign_shared_reads(needs);
     REQUIRE(shared.size() == 1);
     REQUIRE(shared[0].reader == 0);  // rank 0 reads the block for both

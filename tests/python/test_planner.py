@@ -43,6 +43,15 @@ def replay(out, n):
     assert [p.to_bytes() for p in plans] == [negotiated[r] for r in range(n)]
     assert sum(p.bytes for p in plans) > 0
     assert "written by rank" in str(plans[0])
+    named = ferry.plan.global_plan([local[r] for r in range(n)],
+                                   options=ferry.CheckpointOptions(filename_prefix="model"))
+    assert all(f.startswith("model-%05d-" % p.rank) for p in named for f in p.files), named
+    assert [len(p.files) for p in named] == [len(p.files) for p in plans]
+    try:
+        ferry.plan.global_plan([local[0]], options={"filename_prefix": "model"})
+        raise AssertionError("a dict was accepted as options")
+    except ferry.FerryError as e:
+        assert "CheckpointOptions" in str(e), e
     lowest = ferry.plan.global_plan([local[r] for r in range(n)], owner_policy="lowest_rank")
     for p in lowest:  # the replicated bias: written by rank 0 alone
         for item in p.items:

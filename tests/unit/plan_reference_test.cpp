@@ -484,6 +484,47 @@ TEST_CASE("the public global plan: every byte once, owners by policy, bounded lo
   CHECK(checked == 1500);
 }
 
+// A plan with no job names and cuts its files as a save with the same file
+// options writes them: the preview a user compares with the root.
+TEST_CASE("the public global plan names the files a save with the same options writes",
+          "[plan][planner_api]") {
+  ferry::LocalSavePlan local;
+  for (int k = 0; k < 3; ++k)
+    local.items.push_back({"w" + std::to_string(k), DType::f32, {4, 2}, {0, 0}, {4, 2}, 32, 0});
+  std::vector<ferry::LocalSavePlan> locals{local};
+
+  auto plain = ferry::plan::global_plan(locals);
+  REQUIRE(plain.ok());
+  CHECK((*plain)[0].files == std::vector<std::string>{"rank-00000-0000.safetensors"});
+
+  ferry::SaveOptions o;
+  o.filename_prefix = "model";
+  o.shard_size = 40;  // one 32-byte tensor per file
+  auto cut = ferry::plan::global_plan(locals, OwnerPolicy::balanced, o);
+  REQUIRE(cut.ok());
+  CHECK((*cut)[0].files == std::vector<std::string>{"model-00000-0000.safetensors",
+                                                    "model-00000-0001.safetensors",
+                                                    "model-00000-0002.safetensors"});
+
+  o.compress = "zstd";
+  auto packed = ferry::plan::global_plan(locals, OwnerPolicy::balanced, o);
+  REQUIRE(packed.ok());
+  auto fo = ferry::resolve_data_files(ferry::Options{}, o, false);
+  REQUIRE(fo.ok());
+  REQUIRE(fo->extension() != "safetensors");
+  REQUIRE_FALSE((*packed)[0].files.empty());
+  for (const std::string& f : (*packed)[0].files) {
+    CHECK(f.rfind("model-00000-", 0) == 0);
+    CHECK(f.substr(f.size() - fo->extension().size()) == fo->extension());
+  }
+
+  ferry::SaveOptions bad;
+  bad.filename_prefix = "../escape";
+  auto refused = ferry::plan::global_plan(locals, OwnerPolicy::balanced, bad);
+  REQUIRE_FALSE(refused.ok());
+  CHECK_THAT(refused.status().message(), Catch::Contains("filename_prefix"));
+}
+
 TEST_CASE("the public planner refuses malformed input, naming what is wrong",
           "[plan][planner_api]") {
   ferry::LocalSavePlan a;

@@ -943,8 +943,8 @@ TEST_CASE("LoadOutcome: reports and answers round trip, bad ranks are refused", 
 TEST_CASE("LoadOutcome carries the ranks' needs, BlockShare its bytes", "[protocol]") {
   LoadOutcomeMsg needs{"job", "load-3/needs", 0, Status::ok_status(), -1};
   needs.needs = {
-      {0, "node-a", {{{0, 4096, 1 << 20}, {{0, 512}, {64, 512}}}, {{2, 0, 17}, {{}, {}}}}},
-      {3, "node-b", {}}};
+      {0, "node-a", {{{0, 4096, 1 << 20}, {{0, 512}, {64, 512}}}, {{2, 0, 17}, {{}, {}}}}, {}},
+      {3, "node-b", {}, {}}};
   round_trip(needs);
 
   BlockShareMsg share{

@@ -289,7 +289,7 @@ NodeLoad plan_node(const ferry::Manifest& m,
     auto ops = ferry::make_load_plan(m, reqs[r]);
     REQUIRE(ops.ok());
     out.plans.push_back(ops.value());
-    needs.push_back({static_cast<int32_t>(r), "n0", ferry::needed_ranges(ops.value(), m)});
+    needs.push_back({static_cast<int32_t>(r), "n0", ferry::needed_ranges(ops.value(), m), {}});
   }
   out.shared = ferry::assign_shared_reads(needs);
   for (size_t r = 0; r < reqs.size(); ++r)
@@ -315,7 +315,7 @@ TEST_CASE("shared reads: each byte a node needs has one reader, and every rank g
     auto ops = ferry::make_load_plan(m, rank_requests(r));
     REQUIRE(ops.ok());
     plans.push_back(ops.value());
-    needs.push_back({r, r < 4 ? "n0" : "n1", ferry::needed_ranges(ops.value(), m)});
+    needs.push_back({r, r < 4 ? "n0" : "n1", ferry::needed_ranges(ops.value(), m), {}});
   }
   const auto shared = ferry::assign_shared_reads(needs);
 
@@ -424,7 +424,7 @@ TEST_CASE("shared reads: a replicated state splits evenly across the ranks of a 
   auto ops = ferry::make_load_plan(m, reqs);
   REQUIRE(ops.ok());
   std::vector<ferry::RankNeeds> needs;
-  for (int r = 0; r < 4; ++r) needs.push_back({r, "n0", ferry::needed_ranges(ops.value(), m)});
+  for (int r = 0; r < 4; ++r) needs.push_back({r, "n0", ferry::needed_ranges(ops.value(), m), {}});
   const auto shared = ferry::assign_shared_reads(needs);
   std::vector<uint64_t> read(4, 0);
   for (const auto& s : shared) {
@@ -459,7 +459,7 @@ TEST_CASE("shared reads: ranks splitting a block between them receive only the b
     auto ops = ferry::make_load_plan(m, {request("a", {kRows, 1024}, box_of(r), 0)});
     REQUIRE(ops.ok());
     plans.push_back(ops.value());
-    needs.push_back({r, "n0", ferry::needed_ranges(ops.value(), m)});
+    needs.push_back({r, "n0", ferry::needed_ranges(ops.value(), m), {}});
     REQUIRE(needs[r].ranges.size() == 1);
     CHECK(needs[r].ranges[0].region == box_of(r));
   }

@@ -46,7 +46,7 @@ extern "C" {
 #endif
 
 /* Bumped when a struct layout or a function signature changes. */
-#define FERRY_C_ABI_VERSION 2
+#define FERRY_C_ABI_VERSION 3
 
 /* Mirrors ferry::StatusCode. */
 typedef enum ferry_status {
@@ -397,9 +397,12 @@ FERRY_API ferry_status ferry_planner_barrier(ferry_planner* p, const char** path
 FERRY_API ferry_status ferry_planner_barrier_for(ferry_planner* p, int64_t timeout_ms,
                                                  const char** path);
 
-/* The global plan of local plans gathered by any means, with no job. */
+/* The global plan of local plans gathered by any means, with no job; its
+ * files are named and cut as a save with `files` would write them (NULL or
+ * zeroed: prefix "rank", no cap, raw). */
 FERRY_API ferry_status ferry_plan_global(const char* const* local_plans, const size_t* lens,
-                                         size_t num_ranks, int lowest_rank, ferry_plans** out);
+                                         size_t num_ranks, int lowest_rank,
+                                         const ferry_save_options* files, ferry_plans** out);
 FERRY_API size_t ferry_plans_count(const ferry_plans* ps);
 FERRY_API ferry_status ferry_plans_get(const ferry_plans* ps, size_t rank, const char** bytes,
                                        size_t* len);

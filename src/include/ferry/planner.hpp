@@ -82,11 +82,13 @@ struct FERRY_EXPORT SavePlan {
 
 namespace plan {
 // The global plan from every rank's local plan (plans[r].rank == r), with no
-// job: what the coordinator computes, for plans gathered by any means (the
-// files named as with the default file options: "rank" prefix, no cap, raw).
-// Errors (invalid_argument) name the key and the ranks.
+// job: what the coordinator computes, for plans gathered by any means. The
+// files are named and cut as a save with `files`' filename_prefix,
+// shard_size and compress would write them (unset: "rank", no cap, raw).
+// Errors (invalid_argument) name the key and the ranks, or the option.
 FERRY_EXPORT Result<std::vector<SavePlan>> global_plan(
-    const std::vector<LocalSavePlan>& local_plans, OwnerPolicy policy = OwnerPolicy::balanced);
+    const std::vector<LocalSavePlan>& local_plans, OwnerPolicy policy = OwnerPolicy::balanced,
+    const SaveOptions& files = {});
 // A rank's local plan of a state dict, with no job.
 FERRY_EXPORT Result<LocalSavePlan> local_plan(const StateDict& sd, int32_t rank);
 }  // namespace plan
