@@ -209,7 +209,7 @@ void save_first(const Hosts& h, const std::string& root) {
 
 }  // namespace
 
-TEST_CASE("hosts: 2 hosts x 2 ranks save; 3 hosts x 1 and 1 host x 4 load it resharded",
+TEST_CASE("hosts: 2 hosts x 2 ranks save, 3 hosts x 1 and 1 host x 4 load it resharded",
           "[hosts]") {
   FERRY_NEED_HOSTS();
   TempDir d;
@@ -325,7 +325,7 @@ TEST_CASE("hosts: a host whose link goes down during a save fails it on every ra
   }
 }
 
-TEST_CASE("hosts: a host killed during a save; the job restarts on the rest with another size",
+TEST_CASE("hosts: a host killed during a save, the job restarts on the rest with another size",
           "[hosts][dead]") {
   FERRY_NEED_HOSTS();
   TempDir d;
