@@ -170,22 +170,28 @@ pid_t parent_of(pid_t pid) {
   return ppid;
 }
 
-// Starts a 2 hosts x 2 ranks save of step 2 (seed 8) into `root` in which
-// rank 2 stops itself at kill point `point`; its pid once it has stopped.
-pid_t start_stopped_save(const Hosts& h, const std::string& root, const std::string& point,
-                         std::unique_ptr<ferry::testing::Process>* job) {
+// Starts a 2 hosts x 2 ranks job of the worker with `args` in which rank 2
+// stops itself at kill point `point`; its pid once it has stopped (found by
+// `root`, which its command line holds).
+pid_t start_stopped(const Hosts& h, const std::string& root, const std::string& args,
+                    const std::string& point, std::unique_ptr<ferry::testing::Process>* job) {
   ferry::testing::ProcessOptions o;
   o.capture_stdout = true;
   o.merge_stderr = true;
   *job = std::make_unique<ferry::testing::Process>(
-      std::vector<std::string>{
-          "/bin/sh", "-c",
-          h.job_cmd(2, "0,1", "--mode save --step 2 --seed 8 --root " + root + kModel,
-                    "FERRY_KILL_AT='" + point + "@2!stop'")},
+      std::vector<std::string>{"/bin/sh", "-c",
+                               h.job_cmd(2, "0,1", args + " --root " + root + kModel,
+                                         "FERRY_KILL_AT='" + point + "@2!stop'")},
       o);
   pid_t pid = 0;
   REQUIRE(ferry::testing::eventually([&] { return (pid = stopped_with(root)) > 0; }));
   return pid;
+}
+
+// A save of step 2 (seed 8) in which rank 2 stops at `point`.
+pid_t start_stopped_save(const Hosts& h, const std::string& root, const std::string& point,
+                         std::unique_ptr<ferry::testing::Process>* job) {
+  return start_stopped(h, root, "--mode save --step 2 --seed 8", point, job);
 }
 
 void check_nothing_pending(const std::string& root) {
@@ -323,6 +329,38 @@ TEST_CASE("hosts: a host whose link goes down during a save fails it on every ra
     check_nothing_pending(d.path());
     check_loaded(h.job(1, "0,1", "--mode load --seed 7 --root " + d.path() + kModel), 2);
   }
+}
+
+TEST_CASE("hosts: a host whose link goes down during a load fails it on every rank, naming it",
+          "[hosts][partition]") {
+  FERRY_NEED_HOSTS();
+  TempDir d;
+  Hosts h(2, d.path());
+  save_first(h, d.path());
+  // Every rank loads the whole state; rank 2 stands after its first read.
+  std::unique_ptr<ferry::testing::Process> job;
+  const pid_t stopped =
+      start_stopped(h, d.path(), "--mode load --layout full --seed 7", "load.read", &job);
+  const auto t0 = ferry::testing::Clock::now();
+  h.tool("link " + h.name() + " 1 down");
+  ::kill(parent_of(stopped), SIGCONT);
+  std::string out;
+  REQUIRE(job->read_all(&out, 90));
+  INFO(out);
+  CHECK(job->wait_exit(10).value_or(0) != 0);
+  CHECK(ferry::testing::seconds_since(t0) < 20);
+  CHECK(count(out, "every byte equal") == 0);
+  for (int r : {0, 1}) {
+    INFO("rank " << r);
+    const auto errors = lines_with(out, "[rank " + std::to_string(r) + "] ERROR load:");
+    REQUIRE(errors.size() == 1);
+    CHECK_THAT(errors[0], Catch::Contains("rank 2") || Catch::Contains("rank 3"));
+  }
+  for (int r : {2, 3}) CHECK(count(out, "[rank " + std::to_string(r) + "] ERROR load:") == 1);
+  // With the link back, the checkpoint loads.
+  h.tool("link " + h.name() + " 1 up");
+  check_loaded(h.job(2, "0,1", "--mode load --layout full --seed 7 --root " + d.path() + kModel),
+               4);
 }
 
 TEST_CASE("hosts: a host killed during a save, the job restarts on the rest with another size",
