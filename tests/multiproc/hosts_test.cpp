@@ -397,6 +397,34 @@ TEST_CASE("hosts: a host killed during a save, the job restarts on the rest with
   CHECK(ferry::testing::manifest_of(latest_path(d.path())).step == 2);
 }
 
+TEST_CASE("hosts: each host has its own name, address, processes and node-local directory",
+          "[hosts]") {
+  FERRY_NEED_HOSTS();
+  TempDir d;
+  Hosts h(2, d.path());
+  for (int i = 0; i < 2; ++i)
+    h.tool("run " + h.name() + " " + std::to_string(i) +
+           " -- sh -c 'echo $(hostname) > $FERRY_NODE_DIR/who; hostname > $FERRY_SHARED_DIR/h" +
+           std::to_string(i) + "'");
+  for (int i = 0; i < 2; ++i) {
+    const RunResult r = run_shell(kTool + " run " + h.name() + " " + std::to_string(i) +
+                                  " -- sh -c 'cat $FERRY_NODE_DIR/who; ip -4 -o addr show eth0; "
+                                  "ls /proc | grep -c -E ^[0-9]+$'");
+    INFO(r.out);
+    REQUIRE(r.code == 0);
+    const std::string me = h.name() + "-" + std::to_string(i);
+    const auto lines = ferry::testing::lines_of(r.out);
+    REQUIRE(lines.size() == 3);
+    CHECK(lines[0] == me);  // its own file, not the other host's
+    CHECK_THAT(lines[1], Catch::Contains("10.77.0." + std::to_string(i + 1) + "/24"));
+    CHECK(std::stoi(lines[2]) <= 5);  // its PID 1, the shell, its children: not this machine's
+    std::ifstream shared(d.sub("h" + std::to_string(i)));
+    std::string name;
+    shared >> name;
+    CHECK(name == me);  // the shared directory is this one
+  }
+}
+
 TEST_CASE("hosts: hosts left behind by a dead owner are removed by the next start", "[hosts]") {
   FERRY_NEED_HOSTS();
   TempDir d;
