@@ -737,6 +737,7 @@ Status load_local(Runtime::Impl& im, caf::scoped_actor& self, StateDict& sd, con
   if (im.ctx->world_size > 1) {
     const Options& o = im.ctx->opts;
     const std::string host = host_name();
+    report->node = host;
     RankNeeds mine{im.ctx->rank, host, {}, {}};
     if (planned.ok()) {
       mine.ranges = needed_ranges(ops, *manifest);
@@ -760,6 +761,7 @@ Status load_local(Runtime::Impl& im, caf::scoped_actor& self, StateDict& sd, con
     for (const RankNeeds& n : *needs)
       if (o.share_memory && n.rank != im.ctx->rank && n.host == host && n.ring.offered())
         rings[n.rank] = n.ring;
+    for (const auto& [peer, info] : rings) report->share_ring_peers.push_back(peer);
     if (!rings.empty())
       job.peer_rings = std::make_shared<PeerRings>(im.ctx->rank, im.ctx->world_size,
                                                    o.share_window_bytes, std::move(rings));

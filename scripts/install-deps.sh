@@ -8,6 +8,7 @@ packages=(
   libcaf-dev libucx-dev ucx-utils
   capnproto libcapnp-dev
   catch2 libxxhash-dev libzstd-dev python3 python3-torch
+  iproute2 util-linux  # the many-host tests' emulated hosts (tests/hosts/hosts.sh)
 )
 
 missing=()

@@ -553,6 +553,10 @@ int main(int argc, char** argv) {
           static_cast<unsigned long long>(peak_rss_bytes() - hwm0),
           static_cast<unsigned long long>(report->share_frames_relayed),
           static_cast<unsigned long long>(report->shared_in_memory));
+      std::string peers;
+      for (int32_t p : report->share_ring_peers)
+        peers += (peers.empty() ? "" : ",") + std::to_string(p);
+      std::printf("RINGPEERS node=%s peers=%s\n", report->node.c_str(), peers.c_str());
       const auto [rings, inode] = share_rings();
       std::printf("RINGS open=%d inode=%llu\n", rings, static_cast<unsigned long long>(inode));
       std::vector<uint8_t> expect;
