@@ -18,6 +18,7 @@
 #include "cuda/device_cuda.hpp"
 #include "drills/fault_fs.hpp"
 #include "drills/kill_point.hpp"
+#include "node.hpp"
 #include "verify.hpp"
 
 namespace ferry {
@@ -281,10 +282,8 @@ Status start_transport(Runtime::Impl& impl, const std::string& token) {
   to.heartbeat_interval_s = ctx.opts.heartbeat_interval_s;
   to.heartbeat_timeout_s = ctx.opts.heartbeat_timeout_s;
 
-  char host[256] = {0};
-  gethostname(host, sizeof(host) - 1);
   const std::string hello =
-      encode_message(JoinMsg{ctx.job_id, token, ctx.rank, ctx.world_size, host, getpid()});
+      encode_message(JoinMsg{ctx.job_id, token, ctx.rank, ctx.world_size, host_name(), getpid()});
   const std::string heartbeat = encode_message(HeartbeatMsg{ctx.job_id, ctx.rank, 0});
 
   // Ranks > 0: the join verdict and the start barrier, from the progress thread.
@@ -688,12 +687,6 @@ Status plan_load(Runtime::Impl& im, StateDict& sd, const LoadReplyMsg& reply,
   return Status();
 }
 
-std::string host_name() {
-  char buf[256] = {};
-  if (::gethostname(buf, sizeof(buf) - 1) != 0) return "?";
-  return buf;
-}
-
 // Ranks > 1, before the reads: every rank's plan (or its failure) goes to
 // rank 0, and every rank's needs come back, so ranks of one node read the
 // bytes they share once. Every rank takes part, failed or not.
@@ -736,9 +729,9 @@ Status load_local(Runtime::Impl& im, caf::scoped_actor& self, StateDict& sd, con
   job.manifest = manifest;
   if (im.ctx->world_size > 1) {
     const Options& o = im.ctx->opts;
-    const std::string host = host_name();
-    report->node = host;
-    RankNeeds mine{im.ctx->rank, host, {}, {}};
+    const std::string node = node_identity();
+    report->node = node;
+    RankNeeds mine{im.ctx->rank, node, {}, {}};
     if (planned.ok()) {
       mine.ranges = needed_ranges(ops, *manifest);
       // A ring for what others read for this rank, offered whether or not
@@ -759,7 +752,7 @@ Status load_local(Runtime::Impl& im, caf::scoped_actor& self, StateDict& sd, con
     if (!needs.ok()) return needs.status();
     std::map<int32_t, RingInfo> rings;
     for (const RankNeeds& n : *needs)
-      if (o.share_memory && n.rank != im.ctx->rank && n.host == host && n.ring.offered())
+      if (o.share_memory && n.rank != im.ctx->rank && n.host == node && n.ring.offered())
         rings[n.rank] = n.ring;
     for (const auto& [peer, info] : rings) report->share_ring_peers.push_back(peer);
     if (!rings.empty())

@@ -20,6 +20,7 @@
 #include "actors/transport.hpp"
 
 #include "frame_buffers.hpp"
+#include "node.hpp"
 
 #include <arpa/inet.h>
 #include <dlfcn.h>
@@ -239,21 +240,6 @@ std::string describe(const sockaddr_storage& s) {
     inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6&>(s).sin6_addr, host, sizeof(host));
   }
   return std::string(host) + ":" + std::to_string(port_of(s));
-}
-
-// Two processes are on one node when they saw the same boot (the boot id
-// tells apart containers' hosts that share a name) under the same host name.
-std::string this_node() {
-  std::string boot;
-  if (FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
-    char buf[64] = {0};
-    if (std::fgets(buf, sizeof(buf), f) != nullptr) boot = buf;
-    std::fclose(f);
-  }
-  while (!boot.empty() && (boot.back() == '\n' || boot.back() == ' ')) boot.pop_back();
-  char host[256] = {0};
-  gethostname(host, sizeof(host) - 1);
-  return boot + ":" + host;
 }
 
 }  // namespace
@@ -564,7 +550,7 @@ Status Transport::Impl::init() {
         mode + "'");
   }
   if (lane_mode_ != LaneMode::off) {
-    node_ = mode + "|" + (opts_.node.empty() ? this_node() : opts_.node);
+    node_ = mode + "|" + (opts_.node.empty() ? node_identity() : opts_.node);
     if (node_.size() > kMaxNodeBytes) node_.resize(kMaxNodeBytes);
   }
 

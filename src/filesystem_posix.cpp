@@ -15,6 +15,7 @@
 
 #include "drills/kill_point.hpp"
 #include "ferry/filesystem.hpp"
+#include "node.hpp"
 
 namespace ferry {
 namespace {
@@ -265,9 +266,7 @@ class PosixFilesystem : public Filesystem {
     }
     // Who holds it, for the error another waiter reports. Advisory only: a
     // failure here does not make the lock less held.
-    char host[256] = {0};
-    (void)::gethostname(host, sizeof(host) - 1);
-    std::string who = "pid " + std::to_string(::getpid()) + " on " + host + "\n";
+    std::string who = "pid " + std::to_string(::getpid()) + " on " + host_name() + "\n";
     if (::ftruncate(fd, 0) == 0) (void)!::pwrite(fd, who.data(), who.size(), 0);
     return std::unique_ptr<FileLock>(new PosixLock(fd));
   }

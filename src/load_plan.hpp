@@ -143,7 +143,7 @@ struct NeededRange {
 // The ranges one rank's plan reads, and the node it runs on.
 struct RankNeeds {
   int32_t rank = 0;
-  std::string host;
+  std::string host;  // its node: node_identity() (src/node.hpp)
   std::vector<NeededRange> ranges;
   RingInfo ring;  // where ranks of its node may put the bytes they read for it
 };

@@ -125,7 +125,7 @@ struct LoadReport {
   // Bytes this rank read for others of its node and put in their share rings
   // (share-memory), not in frames over the network.
   uint64_t shared_in_memory = 0;
-  // The node this rank's load counted itself on (its host name): ranks of
+  // The node this rank's load counted itself on (boot id and host name): ranks of
   // one node read replicated bytes once between them. Empty in a 1-rank job.
   std::string node;
   // The ranks of its node whose share rings it may put those bytes in
