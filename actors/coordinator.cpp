@@ -46,6 +46,7 @@
 #include "catalog.hpp"
 #include "manifest_check.hpp"
 #include "planner_api.hpp"
+#include "replica_check.hpp"
 
 namespace ferry {
 
@@ -176,6 +177,43 @@ std::string missing_ranks(const std::vector<bool>& have) {
   for (size_t r = 0; r < have.size(); ++r)
     if (!have[r]) s += (s.empty() ? "" : ", ") + std::to_string(r);
   return s;
+}
+
+// "1", "1, 3" or "1-3": the ranks whose flag is `want`, runs joined.
+std::string rank_runs(const std::vector<bool>& have, bool want, size_t* n) {
+  std::string s;
+  *n = 0;
+  for (size_t r = 0; r < have.size();) {
+    if (have[r] != want) {
+      ++r;
+      continue;
+    }
+    size_t e = r;
+    while (e + 1 < have.size() && have[e + 1] == want) ++e;
+    s += (s.empty() ? "" : ", ") + std::to_string(r);
+    if (e > r) s += (e == r + 1 ? ", " : "-") + std::to_string(e);
+    *n += e - r + 1;
+    r = e + 1;
+  }
+  return s;
+}
+
+// The plan phase ran out with some ranks' plans missing: they never called
+// save (a save under `if rank == 0`, say), which no wait can mend.
+Status plan_timed_out(const Checkpoint& c, double limit_s) {
+  std::vector<bool> have;
+  for (const auto& p : c.plans) have.push_back(p.has_value());
+  size_t saving = 0, missing = 0;
+  const std::string in = rank_runs(have, true, &saving);
+  const std::string out = rank_runs(have, false, &missing);
+  char limit[32];
+  std::snprintf(limit, sizeof(limit), "%g s", limit_s);
+  return Status::timeout(
+      (saving == 1 ? "rank " : "ranks ") + in + (saving == 1 ? " is" : " are") + " saving step " +
+      std::to_string(c.step) + "; " + (missing == 1 ? "rank " : "ranks ") + out +
+      (missing == 1 ? " has" : " have") + " not called save within plan-timeout (" + limit +
+      "): every rank calls save_async with its own shards, even for "
+      "replicated state");
 }
 
 void report_undeleted(coordinator_state& st, const std::string& dir, const Status& why) {
@@ -330,6 +368,11 @@ void on_all_results(coordinator_ptr self) {
   Checkpoint& c = *st.active;
   std::vector<WriteResult> results;
   for (auto& r : c.results) results.push_back(std::move(*r));
+  // Before the commit point: replicas written once must be one value.
+  std::vector<RankDigests> digests;
+  for (const auto& r : results) digests.push_back({r.rank, &r.replica_digests});
+  if (Status s = compare_replica_digests(digests); !s.ok())
+    return abort_active(self, s.with_context("rank 0 (commit phase): "));
   Manifest h;
   h.step = c.step;
   h.world_size = st.ctx->world_size;
@@ -649,6 +692,8 @@ coordinator_actor::behavior_type coordinator_fun(coordinator_ptr self, ContextPt
         auto& st = self->state;
         if (!st.active || st.active->id != id || phase != phase_of(*st.active)) return;
         const Checkpoint& c = *st.active;
+        if (c.phase == Phase::planning)
+          return abort_active(self, plan_timed_out(c, st.ctx->opts.plan_timeout_s));
         std::vector<bool> have;
         if (c.phase == Phase::writing)
           for (const auto& r : c.results) have.push_back(r.has_value());

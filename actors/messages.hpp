@@ -50,6 +50,7 @@ CAF_ADD_ATOM(ferry, ferry::atom, aborted, "aborted")
 CAF_ADD_ATOM(ferry, ferry::atom, proceed, "proceed")
 CAF_ADD_ATOM(ferry, ferry::atom, custom, "custom")
 CAF_ADD_ATOM(ferry, ferry::atom, compress, "compress")
+CAF_ADD_ATOM(ferry, ferry::atom, hash, "hash")
 // The coordinator's interface (coordinator_api), served by the coordinator
 // on rank 0 and by the link elsewhere.
 CAF_ADD_ATOM(ferry, ferry::atom, plan, "plan")
@@ -148,6 +149,20 @@ struct CompressDone {
   FileChunks chunks;
 };
 
+// planner -> hasher: the replicated items of a save whose bytes every holder
+// hashes (replica-check), from the caller's tensors.
+struct HashJob {
+  std::vector<ReplicaDigest> items;  // key and offsets set; digest filled in by the hasher
+  std::vector<TensorView> views;     // by item
+  ReplicaCheck mode = ReplicaCheck::automatic;
+};
+
+struct HashDone {
+  Status status;
+  std::vector<ReplicaDigest> digests;
+  double ms = 0;  // time the hashing took
+};
+
 // planner -> snapshot and serializer: everything about the files of a save.
 struct StreamJob {
   uint64_t save = 0;
@@ -241,6 +256,8 @@ CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::CustomWrite)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::CustomWritten)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::CompressJob)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::CompressDone)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::HashJob)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::HashDone)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::PlanRequest)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::PlanReply)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(ferry::StreamJob)

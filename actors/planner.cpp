@@ -32,6 +32,12 @@
 // waits for the slowest rank's write too). A commit that times out ends
 // "outcome unknown": rank 0 may still commit.
 // Saves queue here: one runs at a time.
+//
+// Replica check: the items this rank holds that other ranks hold too are
+// hashed on the hasher's thread while the snapshot copies (replica-check);
+// the snapshot counts as done, and the write result goes to rank 0, only
+// once the digests are in, and a failed save's drain waits for the hashing
+// (it reads the caller's tensors).
 
 #include <deque>
 #include <functional>
@@ -44,6 +50,7 @@
 #include "codec.hpp"
 #include "data_files.hpp"
 #include "drills/kill_point.hpp"
+#include "replica_check.hpp"
 #include "storage_writer.hpp"
 
 namespace ferry {
@@ -95,7 +102,43 @@ struct Current {
   // A staged save: the caller's go-aheads, which may come before the step.
   bool write_go = false;
   bool commit_go = false;
+  // Replica check: hashing runs (`hashing`), digests are in (`hashed`;
+  // true when there is nothing to hash), and what waits for them.
+  bool hashing = false;
+  bool hashed = true;
+  bool durable_early = false;
+  std::vector<ReplicaDigest> digests;
 };
+
+using hasher_actor = caf::typed_actor<caf::replies_to<atom::hash, HashJob>::with<HashDone>>;
+
+// Hashes replicated items on its own thread: CPU work (and, for GPU tensors,
+// blocking copies) that must not hold a scheduler thread.
+hasher_actor::behavior_type hasher_fun(hasher_actor::pointer self, ContextPtr ctx) {
+  (void)self;
+  return {
+      [ctx](atom::hash, HashJob& job) -> HashDone {
+        HashDone out;
+        const auto t0 = std::chrono::steady_clock::now();
+        for (size_t i = 0; i < job.items.size(); ++i) {
+          const TensorView& v = job.views[i];
+          const ReplicaCheck mode = replica_mode(job.mode, v.nbytes());
+          auto d = replica_digest(*ctx->device, v, mode);
+          if (!d.ok()) {
+            out.status =
+                d.status().with_context("replica check of tensor '" + job.items[i].key + "': ");
+            return out;
+          }
+          job.items[i].digest = *d;
+          job.items[i].sampled = mode == ReplicaCheck::sampled;
+        }
+        out.digests = std::move(job.items);
+        out.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                     .count();
+        return out;
+      },
+  };
+}
 
 struct planner_state {
   static inline const char* name = "ferry.planner";
@@ -111,6 +154,7 @@ struct planner_state {
   std::deque<SaveJob> queue;
   uint64_t next_id = 1;
   Current cur;
+  hasher_actor hasher;  // spawned at the first save with replicated items
 };
 
 using planner_ptr = planner_actor::stateful_pointer<planner_state>;
@@ -291,12 +335,72 @@ void fail(planner_ptr self, Status status, bool local = true) {
   cur.phase = Phase::draining;
   cur.failure = std::move(status);
   cur.drain_stage = 0;
-  cur.drain_left = 3;  // the snapshot, the serializer, and this call's own step
+  // The snapshot, the serializer, this call's own step, and a running hash.
+  cur.drain_left = cur.hashing ? 4 : 3;
   auto next = [self, id](bool) { drain_step(self, id); };
   auto next_err = [self, id](caf::error&) { drain_step(self, id); };
   self->request(st.snapshot, caf::infinite, atom::abandon_v, id).then(next, next_err);
   self->request(st.serializer, caf::infinite, atom::abandon_v, id).then(next, next_err);
   drain_step(self, id);
+}
+
+// The snapshot is done for the caller once its copies landed and the
+// replicated items are hashed: both read the caller's tensors.
+void snapshot_landed(planner_ptr self) {
+  auto& cur = self->state.cur;
+  if (cur.snapshot_done && cur.hashed) cur.job.state->finish_snapshot(Status());
+}
+
+void files_durable(planner_ptr self);
+
+void on_hashed(planner_ptr self, uint64_t id, HashDone& d) {
+  auto& cur = self->state.cur;
+  if (cur.id != id || !cur.hashing) return;
+  cur.hashing = false;
+  cur.job.state->set_hashing(false);
+  if (cur.phase == Phase::draining) return drain_step(self, id);
+  if (!live(self->state, id)) return;
+  if (!d.status.ok()) return fail(self, d.status);
+  cur.digests = std::move(d.digests);
+  cur.hashed = true;
+  cur.job.state->update_metrics([&](SaveMetrics& m) { m.replica_check_ms = d.ms; });
+  snapshot_landed(self);
+  if (cur.durable_early) {
+    cur.durable_early = false;
+    files_durable(self);
+  }
+}
+
+// Hashes the items of this rank that rank 0's plan says other ranks hold too.
+Status start_hashing(planner_ptr self) {
+  auto& st = self->state;
+  auto& cur = st.cur;
+  if (st.ctx->opts.replica_check == ReplicaCheck::off || cur.plan.replicated.empty())
+    return Status();
+  HashJob job;
+  job.mode = st.ctx->opts.replica_check;
+  const auto& entries = cur.job.sd.entries();
+  for (uint32_t i : cur.plan.replicated) {
+    if (i >= cur.local.items.size() || cur.local.items[i].entry >= entries.size())
+      return Status::invalid_argument("rank 0's plan names replicated item " + std::to_string(i) +
+                                      " of " + std::to_string(cur.local.items.size()));
+    const WriteItem& it = cur.local.items[i];
+    job.items.push_back({it.key, it.box.offsets, 0, false});
+    job.views.push_back(entries[it.entry].view);
+  }
+  if (!st.hasher) st.hasher = self->spawn<caf::detached + caf::linked>(hasher_fun, st.ctx);
+  cur.hashing = true;
+  cur.hashed = false;
+  cur.job.state->set_hashing(true);
+  const uint64_t id = cur.id;
+  self->request(st.hasher, caf::infinite, atom::hash_v, std::move(job))
+      .then([self, id](HashDone& d) { on_hashed(self, id, d); },
+            [self, id](caf::error& e) {
+              HashDone d;
+              d.status = Status::internal("replica check: the hasher: " + self->system().render(e));
+              on_hashed(self, id, d);
+            });
+  return Status();
 }
 
 void send_result(planner_ptr self) {
@@ -313,6 +417,7 @@ void send_result(planner_ptr self) {
   const double now = cur.job.state->ms_since_start();
   WriteResult wr;
   wr.rank = st.ctx->rank;
+  wr.replica_digests = std::move(cur.digests);
   for (size_t f = 0; f < cur.layouts.size(); ++f) {
     const FileLayout& l = cur.layouts[f];
     wr.files.push_back(
@@ -377,6 +482,10 @@ void send_result(planner_ptr self) {
 // This rank's files are durable: commit, or a staged save waits for barrier().
 void files_durable(planner_ptr self) {
   auto& cur = self->state.cur;
+  if (!cur.hashed) {
+    cur.durable_early = true;  // the digests go with the write result
+    return;
+  }
   if (cur.job.staged) {
     cur.job.state->mark_written();
     if (!cur.commit_go) {
@@ -504,7 +613,7 @@ void start_custom_write(planner_ptr self) {
             cur.sums.sums = std::move(r.sums);
             cur.have_sums = true;
             cur.snapshot_done = true;
-            cur.job.state->finish_snapshot(Status());
+            snapshot_landed(self);
             uint64_t total = 0;
             for (const auto& l : cur.layouts) total += l.size;
             cur.job.state->bytes_persisted += total;
@@ -535,6 +644,7 @@ void on_plan(planner_ptr self, const PlanReply& r) {
   cur.write_deadline = std::chrono::steady_clock::now() + seconds(st.ctx->opts.write_timeout_s);
   arm_deadline(self, "write", seconds(st.ctx->opts.write_timeout_s));
   cur.all_plans = r.all_plans;
+  if (Status s = start_hashing(self); !s.ok()) return fail(self, s);
   FileChunks chunks;
   if (Status s = plan_chunks(st, chunks); !s.ok()) return fail(self, s);
   const int level = cur.job.files.level();
@@ -591,8 +701,8 @@ void start_write(planner_ptr self) {
   auto& cur = st.cur;
   if (cur.job.checkpoint_fn && !cur.layouts.empty()) return start_custom_write(self);
   if (cur.layouts.empty()) {
-    cur.job.state->finish_snapshot(Status());
     cur.snapshot_done = true;
+    snapshot_landed(self);
     cur.have_sums = true;
     cur.phase = Phase::finishing;
     return maybe_finish(self);
@@ -652,7 +762,11 @@ void start_next(planner_ptr self) {
     if (!local.ok()) return doom(local.status());
     cur.local = std::move(local).value();
   }
-  arm_deadline(self, "plan", seconds(st.ctx->opts.plan_timeout_s));
+  // With other ranks, rank 0's coordinator ends a plan phase they never
+  // join, naming them: this rank's own deadline is the backstop behind it.
+  double plan_wait_s = st.ctx->opts.plan_timeout_s;
+  if (st.ctx->world_size > 1) plan_wait_s += st.ctx->opts.heartbeat_timeout_s;
+  arm_deadline(self, "plan", seconds(plan_wait_s));
   PlanRequest req{st.ctx->job_id, cur.checkpoint_id,      st.ctx->rank,          cur.job.step,
                   cur.job.root,   cur.job.opts.overwrite, cur.job.opts.metadata, cur.local,
                   cur.job.staged, cur.job.owner_policy,   cur.job.files};
@@ -690,7 +804,7 @@ planner_actor::behavior_type planner_fun(planner_ptr self, ContextPtr ctx,
         if (!live(self->state, id)) return;
         if (!s.ok()) return fail(self, s);
         cur.snapshot_done = true;
-        cur.job.state->finish_snapshot(Status());
+        snapshot_landed(self);
       },
       [self](atom::written, uint64_t id, uint32_t f, uint64_t bytes, const Status& s) {
         auto& cur = self->state.cur;
@@ -757,7 +871,8 @@ planner_actor::behavior_type planner_fun(planner_ptr self, ContextPtr ctx,
                          "); the checkpoint may or may not be committed: check the root"));
           return;
         }
-        const double limit = phase == "plan" ? o.plan_timeout_s : o.write_timeout_s;
+        double limit = phase == "plan" ? o.plan_timeout_s : o.write_timeout_s;
+        if (phase == "plan" && st.ctx->world_size > 1) limit += o.heartbeat_timeout_s;
         fail(self, Status::timeout("the " + phase + " phase timed out after " +
                                    seconds_text(limit) + busy_writers(st)));
       },

@@ -65,7 +65,7 @@ Status SaveHandle::wait_snapshot(void* stream, const Device& stream_device) cons
   if (host_tensors || !s_->device) return wait_snapshot();
   {
     std::unique_lock<std::mutex> lock(s_->mu);
-    s_->cv.wait(lock, [this] { return s_->copies_issued || s_->snapshot_done; });
+    s_->cv.wait(lock, [this] { return (s_->copies_issued && !s_->hashing) || s_->snapshot_done; });
     if (s_->snapshot_done) return s_->snapshot_status;
   }
   Status st = order_stream_after(*s_->device, s_->sd, stream_device, stream);
@@ -358,6 +358,11 @@ Status start_transport(Runtime::Impl& impl, const std::string& token) {
   Status s = impl.transport->wait_peers(ctx.opts.connect_timeout_s);
   const std::string me = "rank " + std::to_string(ctx.rank);
   if (rank0) {
+    if (!s.ok() && s.code() == StatusCode::timeout)
+      // The `if rank == 0: save` habit with a runtime the save starts.
+      return Status(s.code(), me + " waiting for the other ranks: " + s.message() +
+                                  ": every rank starts Ferry and calls save_async (or load) with "
+                                  "its own shards, even for replicated state");
     if (!s.ok()) return s.with_context(me + " waiting for the other ranks: ");
     // The start barrier: no rank starts (and maybe finishes and leaves)
     // before every rank is connected.

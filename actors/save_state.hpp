@@ -57,6 +57,15 @@ struct SaveState {
     cv.notify_all();
   }
 
+  // Replica check: the caller's tensors are being hashed, so a GPU stream
+  // must not be let go at copies_issued alone (wait_snapshot(stream)).
+  bool hashing = false;
+  void set_hashing(bool on) {
+    std::lock_guard<std::mutex> lock(mu);
+    hashing = on;
+    cv.notify_all();
+  }
+
   // Idempotent: the first call wins.
   void finish_snapshot(const Status& st) {
     std::lock_guard<std::mutex> lock(mu);

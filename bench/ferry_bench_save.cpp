@@ -58,6 +58,7 @@
 #include "codec.hpp"
 #include "cpus.hpp"
 #include "ferry/runtime.hpp"
+#include "replica_check.hpp"
 
 namespace {
 
@@ -344,6 +345,11 @@ double quantile(std::vector<double> v, double q) {
   const size_t hi = std::min(lo + 1, v.size() - 1);
   return v[lo] + (v[hi] - v[lo]) * (at - static_cast<double>(lo));
 }
+
+// What the replica check costs a rank that holds the whole state replicated
+// (data parallel): its hasher's pass over every tensor in `mode`, in ms,
+// the median of 3.
+double replica_check_ms(const ferry::StateDict& sd, ferry::ReplicaCheck mode);
 
 double median(const std::vector<double>& v) {
   return quantile(v, 0.5);
@@ -837,6 +843,14 @@ int run(const Flags& flags) {
   std::printf("  memcpy          %8.1f ms  %6.2f GB/s  [%.1f ms]\n", memcpy_ms,
               state_bytes / (memcpy_ms * 1e6), best(memcpy_v));
   std::printf("  snapshot ratio  %8.3f\n", snapshot_ratio);
+  // The hasher runs beside the snapshot; its time against the save's says
+  // what the check adds at most, with every tensor replicated.
+  const double rc_full_ms = replica_check_ms(sd, ferry::ReplicaCheck::full);
+  const double rc_auto_ms = replica_check_ms(sd, ferry::ReplicaCheck::automatic);
+  std::printf(
+      "  replica check   %8.1f ms full (%.3f of the save), %.1f ms auto (%.3f of the save):\n"
+      "                            hashing the whole state as a rank holding it replicated does\n",
+      rc_full_ms, rc_full_ms / ferry_ms, rc_auto_ms, rc_auto_ms / ferry_ms);
   double z_ms = 0, z_gbps = 0, z_ratio = 0, z_persist_ratio = 0;
   if (flags.compress) {
     z_ms = median(pick_from(zsaves, &SaveSample::total_ms));
@@ -897,14 +911,36 @@ int run(const Flags& flags) {
       "\"snapshot_ratio\":%.3f,\"total_ms\":%.1f,\"raw_ms\":%.1f,\"peak_rss_mib\":%.0f,"
       "\"baseline_rss_mib\":%.0f,\"rss_growth_mib\":%.0f,\"verified\":true,\"compress\":%s,"
       "\"compressed_total_ms\":%.1f,\"compressed_persist_ratio\":%.3f,"
-      "\"compressed_state_ratio\":%.3f,\"codec\":[%s]}\n",
+      "\"compressed_state_ratio\":%.3f,\"codec\":[%s],\"replica_check_full_ms\":%.1f,"
+      "\"replica_check_auto_ms\":%.1f,\"replica_check_full_ratio\":%.4f}\n",
       static_cast<unsigned long long>(flags.state_mib), pool_mib,
       static_cast<double>(opts.chunk_bytes) / kMiB, opts.writers, flags.tensors, flags.reps,
       flags.rss_run ? "true" : "false", ferry_gbps, raw_gbps, persist_ratio, persist_q1, persist_q3,
       raw_par_gbps, par, raw_direct ? "true" : "false", save_async_ms, snapshot_ms, memcpy_ms,
       snapshot_ratio, ferry_ms, raw_ms, peak_mib, baseline_mib, growth_mib,
-      flags.compress ? "true" : "false", z_ms, z_persist_ratio, z_ratio, codec_json.c_str());
+      flags.compress ? "true" : "false", z_ms, z_persist_ratio, z_ratio, codec_json.c_str(),
+      rc_full_ms, rc_auto_ms, rc_full_ms / ferry_ms);
   return 0;
+}
+
+double replica_check_ms(const ferry::StateDict& sd, ferry::ReplicaCheck mode) {
+  auto device = ferry::host_device();
+  std::vector<double> runs;
+  uint64_t sink = 0;
+  for (int rep = 0; rep < 3; ++rep) {
+    const auto t0 = Clock::now();
+    for (const auto& e : sd.entries()) {
+      auto d = ferry::replica_digest(*device, e.view, ferry::replica_mode(mode, e.view.nbytes()));
+      if (!d.ok()) {
+        std::fprintf(stderr, "replica digest: %s\n", d.status().to_string().c_str());
+        throw Fatal{};
+      }
+      sink ^= *d;
+    }
+    runs.push_back(ms_since(t0));
+  }
+  if (sink == 42) std::printf(" ");  // keeps the hashing from being optimized away
+  return median(runs);
 }
 
 }  // namespace

@@ -53,6 +53,7 @@ struct RankPlan {
   files @1 :UInt32;                # how many data files the rank writes
   chunks @2 :List(ChunkAssignment); # in the order the rank writes them
   bytes @3 :UInt64;                # sum of the chunks' bytes
+  replicated @4 :List(UInt32);     # its items other ranks hold too (LocalPlan.items indices): replica-check hashes them
 }
 
 # A data file a rank wrote.
@@ -89,6 +90,15 @@ struct WriteResult {
   writeMs @4 :Float64;             # time until its files were durable
   bytes @5 :UInt64;                # bytes it wrote
   readyMs @6 :Float64;             # save_async -> its files and directory durable
+  replicaDigests @7 :List(ReplicaDigest); # one per item of RankPlan.replicated, unless replica-check = off
+}
+
+# A rank's hash of one replicated item's bytes; rank 0 compares the holders'.
+struct ReplicaDigest {
+  key @0 :Text;                    # state dict key
+  offsets @1 :List(Int64);         # the item's box origin (its replica group's)
+  digest @2 :UInt64;               # xxh3-64 of the bytes, or of the sample
+  sampled @3 :Bool;                # the digest covers a sample of the bytes (replica-check)
 }
 
 # Rank -> rank 0: the rank's local plan for one checkpoint.

@@ -42,6 +42,14 @@ struct WrittenFile {
   uint64_t header_checksum = 0;
 };
 
+// A rank's hash of one replicated item's bytes (replica_check.hpp).
+struct ReplicaDigest {
+  std::string key;
+  std::vector<int64_t> offsets;  // the item's box origin: with the key, its replica group
+  uint64_t digest = 0;
+  bool sampled = false;  // covers a sample of the bytes, not all of them
+};
+
 // One rank's report after its files and the pending directory are durable.
 struct WriteResult {
   int32_t rank = 0;
@@ -50,7 +58,8 @@ struct WriteResult {
   double snapshot_ms = 0;
   double write_ms = 0;
   uint64_t bytes = 0;
-  double ready_ms = 0;  // save_async -> files and directory durable
+  double ready_ms = 0;                         // save_async -> files and directory durable
+  std::vector<ReplicaDigest> replica_digests;  // its replicated items, unless replica-check = off
 };
 
 // Merges the ranks' reports (results[r].rank == r) into `header`, a manifest

@@ -364,7 +364,9 @@ const std::vector<KeySpec>& key_table() {
        [](const std::string& v, Options& o, std::string& why) {
          return parse_positive_duration(v, o.heartbeat_timeout_s, why);
        }},
-      {{"plan-timeout", "60s", "time for every rank's local plan to reach rank 0"},
+      {{"plan-timeout", "30s",
+        "time for every rank's local plan to reach rank 0 after the first; a save some ranks "
+        "never call fails after it, naming them"},
        [](const std::string& v, Options& o, std::string& why) {
          return parse_positive_duration(v, o.plan_timeout_s, why);
        }},
@@ -387,6 +389,26 @@ const std::vector<KeySpec>& key_table() {
          } else {
            return false;
          }
+         return true;
+       }},
+      {{"replica-check", "auto",
+        "before the commit, every holder of a replicated tensor (same key and box on several "
+        "ranks, written once) hashes its bytes and rank 0 compares: a mismatch fails the save "
+        "naming the key and ranks. full hashes every byte, sampled the size and 64 windows of "
+        "4KiB, auto is full up to 64MiB per tensor and sampled above, off skips the check"},
+       [](const std::string& v, Options& o, std::string& why) {
+         why = "expected auto, full, sampled or off";
+         const std::string t = lower(trim(v));
+         if (t == "auto")
+           o.replica_check = ReplicaCheck::automatic;
+         else if (t == "full")
+           o.replica_check = ReplicaCheck::full;
+         else if (t == "sampled")
+           o.replica_check = ReplicaCheck::sampled;
+         else if (t == "off")
+           o.replica_check = ReplicaCheck::off;
+         else
+           return false;
          return true;
        }},
       {{"cuda-register-pool", "true",

@@ -956,6 +956,10 @@ class GlobalPlanner {
       if (rp.files > 1) assign_files(&rp, plans_[r].items);
       gp.total_bytes += rp.bytes;
     }
+    for (const Group& g : groups_)
+      for (uint32_t m = g.begin; m < g.end; ++m)
+        gp.ranks[members_[m].rank].replicated.push_back(members_[m].index);
+    for (RankPlan& rp : gp.ranks) std::sort(rp.replicated.begin(), rp.replicated.end());
     return gp;
   }
 

@@ -66,6 +66,9 @@ struct RankPlan {
   uint32_t files = 1;
   std::vector<ChunkAssignment> chunks;  // in the order the rank writes them
   uint64_t bytes = 0;
+  // Its items that other ranks hold too (indices into its LocalPlan::items,
+  // ascending): every holder hashes them, so rank 0 can check they agree.
+  std::vector<uint32_t> replicated;
 };
 
 struct GlobalPlan {

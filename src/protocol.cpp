@@ -271,6 +271,8 @@ struct Encoder {
         set_box(cb.initBox(), c.box);
       cb.setFile(c.file);
     }
+    auto replicated = plan.initReplicated(static_cast<unsigned>(m.plan.replicated.size()));
+    for (unsigned i = 0; i < replicated.size(); ++i) replicated.set(i, m.plan.replicated[i]);
     return frame(kPlanProtocol, mb);
   }
 
@@ -302,6 +304,14 @@ struct Encoder {
       fill(cb.initGlobalShape(static_cast<unsigned>(c.global_shape.size())), c.global_shape);
       set_box(cb.initBox(), c.box);
       capnp_util::set_stored_bytes(cb, c);
+    }
+    auto digests = rb.initReplicaDigests(static_cast<unsigned>(r.replica_digests.size()));
+    for (unsigned i = 0; i < digests.size(); ++i) {
+      const ReplicaDigest& d = r.replica_digests[i];
+      digests[i].setKey(text(d.key));
+      fill(digests[i].initOffsets(static_cast<unsigned>(d.offsets.size())), d.offsets);
+      digests[i].setDigest(d.digest);
+      digests[i].setSampled(d.sampled);
     }
     return frame(kPlanProtocol, mb);
   }
@@ -680,6 +690,9 @@ Result<WireMessage> read_plan_reply(proto::PlanReply::Reader r) {
                                       " but the rank writes " + std::to_string(m.plan.files) +
                                       " files");
   }
+  auto replicated = plan.getReplicated();
+  m.plan.replicated.reserve(replicated.size());
+  for (uint32_t i : replicated) m.plan.replicated.push_back(i);
   return WireMessage(std::move(m));
 }
 
@@ -725,6 +738,15 @@ Result<WireMessage> read_commit_request(proto::CommitRequest::Reader r) {
       return Status::invalid_argument(where + ": file " + std::to_string(wc.file) +
                                       " but the rank reports " + std::to_string(w.files.size()) +
                                       " files");
+  }
+  auto digests = res.getReplicaDigests();
+  w.replica_digests.resize(digests.size());
+  for (unsigned i = 0; i < digests.size(); ++i) {
+    ReplicaDigest& d = w.replica_digests[i];
+    d.key = str(digests[i].getKey());
+    d.offsets = i64s(digests[i].getOffsets());
+    d.digest = digests[i].getDigest();
+    d.sampled = digests[i].getSampled();
   }
   return WireMessage(std::move(m));
 }

@@ -804,6 +804,9 @@ def _load(rt, state_dict, path, strict, cast, key_map):
                 values[ck] = man.leaves.get(ck)
         if not values:
             continue  # nothing of it in the checkpoint (strict=False): left as it is
+        if (_tree.is_optimizer(obj) and _tree.is_named_optim_state(sd)
+                and _tree.load_optim_by_name(obj, values, cp, flat.param_names)):
+            continue
         depth = len(man.paths[cp]) if cp in man.paths else len(opath)
         paths = {ck: man.paths.get(ck) or flat.paths.get(claims.get(ck, ""), [ck]) for ck in values}
         sub = _tree.build(values, paths, strip=depth)
@@ -902,9 +905,24 @@ def save_async(state_dict, root, step, overwrite=False, metadata=None, runtime=N
     a SaveHandle at once. Tensors must not change until
     handle.wait_snapshot(); non-contiguous ones are copied first.
     options: a ferry.CheckpointOptions (file prefix, shard size, compression)."""
-    rt = runtime or default_runtime()
+    rt = runtime or _runtime_for_save(step)
     return rt.save_async(state_dict, root, step, overwrite=overwrite, metadata=metadata,
                          options=options)
+
+
+def _runtime_for_save(step):
+    """The default runtime. A save that starts it and finds the other ranks
+    absent is the `if rank == 0: save` habit: the error says so."""
+    try:
+        return default_runtime()
+    except FerryError as e:
+        if e.code != "timeout" or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            raise
+        raise FerryError(
+            "rank %s is saving step %d; the other ranks have not started Ferry: %s"
+            % (os.environ.get("RANK", "0"), int(step), e.message),
+            e.code,
+        ) from None
 
 
 def save(state_dict, root, step, overwrite=False, metadata=None, runtime=None, options=None):

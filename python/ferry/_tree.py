@@ -7,7 +7,12 @@ load_state_dict() (an nn.Module, an optimizer: their state dict is saved in
 their place) and small JSON values (int, float, str, bool, None, lists and
 dicts of them: kept in the manifest's metadata).
 
-Flat keys join the path with "." ("model.layer0.weight", "optim.state.0.exp_avg").
+Flat keys join the path with "." ("model.layer0.weight",
+"optim.state.layer0.weight.exp_avg"). A torch optimizer's state is keyed by
+parameter name, not by torch's integer ids, when every parameter it holds
+belongs to a module of the same state dict (named_parameters()): two pipeline
+stages then never both save "optim.state.0", and a load maps the names back
+to the ids of the optimizer it fills.
 The path itself is kept too (a list per key, ints as ints, list positions as
 [i]) so a state dict can be rebuilt with its original key types.
 """
@@ -81,6 +86,7 @@ class Flat:
         self.paths = {}
         self.slots = {}
         self.stateful = {}
+        self.param_names = {}  # id(parameter) -> name, from the modules in the tree
 
     def _add(self, path, kind, value, slot):
         key = join(path)
@@ -98,8 +104,94 @@ def flatten(state_dict):
     if not isinstance(state_dict, dict):
         raise TypeError("ferry: a state dict must be a dict, got %s" % type(state_dict).__name__)
     flat = Flat()
+    _collect_param_names(state_dict, flat.param_names)
     _walk(state_dict, [], flat, None)
     return flat
+
+
+def _is_module(v):
+    import torch
+
+    return isinstance(v, torch.nn.Module)
+
+
+def is_optimizer(v):
+    import torch
+
+    return isinstance(v, torch.optim.Optimizer)
+
+
+def _collect_param_names(v, out):
+    if _is_module(v):
+        for name, p in v.named_parameters():
+            out.setdefault(id(p), name)
+    elif isinstance(v, dict):
+        for x in v.values():
+            _collect_param_names(x, out)
+    elif isinstance(v, (list, tuple)):
+        for x in v:
+            _collect_param_names(x, out)
+
+
+def _optimizer_params(opt):
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+def optim_state_by_name(opt, names):
+    """opt.state_dict() with its state and param_groups' params keyed by
+    parameter name; torch's own (integer ids) when a parameter has no name
+    here or two share one."""
+    sd = opt.state_dict()
+    params = _optimizer_params(opt)
+    named = [names.get(id(p)) for p in params]
+    if not params or None in named or len(set(named)) != len(named):
+        return sd
+    # torch numbers the parameters in param_groups order.
+    return {
+        "state": {named[i]: s for i, s in sd["state"].items()},
+        "param_groups": [dict(g, params=[named[i] for i in g["params"]])
+                         for g in sd["param_groups"]],
+    }
+
+
+def is_named_optim_state(sd):
+    groups = sd.get("param_groups") if isinstance(sd, dict) else None
+    return bool(groups) and all(
+        isinstance(i, str) for g in groups for i in g.get("params", [])
+    )
+
+
+def load_optim_by_name(opt, values, prefix, names):
+    """Fills `opt` from checkpoint values (flat key -> value) saved by name
+    under `prefix`: each "<prefix>.state.<name>.<field>" goes to the
+    parameter of that name here (other names, another stage's, are not this
+    optimizer's), hyperparameters from the saved "<prefix>.param_groups".
+    False, touching nothing, when the checkpoint keyed it by integer ids."""
+    head = prefix + "." if prefix else ""
+    saved_groups = values.get(head + "param_groups")
+    if not isinstance(saved_groups, list) or not all(
+        isinstance(g, dict) and all(isinstance(n, str) for n in g.get("params", []))
+        for g in saved_groups
+    ):
+        return False  # saved by torch's integer ids: the caller loads it as torch does
+    params = _optimizer_params(opt)
+    index = {names[id(p)]: i for i, p in enumerate(params)}
+    longest_first = sorted(index, key=len, reverse=True)
+    state = {}
+    for ck, v in values.items():
+        if ck.startswith(head + "state."):
+            rest = ck[len(head) + len("state."):]
+            name = next((n for n in longest_first if rest.startswith(n + ".")), None)
+            if name is not None:
+                state.setdefault(index[name], {})[rest[len(name) + 1:]] = v
+    param_groups = []
+    for gi, g in enumerate(opt.param_groups):
+        saved = saved_groups[gi] if gi < len(saved_groups) else {}
+        group = {k: saved.get(k, x) for k, x in g.items() if k != "params"}
+        group["params"] = [index[names[id(p)]] for p in g["params"]]
+        param_groups.append(group)
+    opt.load_state_dict({"state": state, "param_groups": param_groups})
+    return True
 
 
 def _walk(v, path, flat, slot):
@@ -109,7 +201,7 @@ def _walk(v, path, flat, slot):
         flat._add(path, "tensor", v, slot)
         return
     if is_stateful(v):
-        sd = v.state_dict()
+        sd = optim_state_by_name(v, flat.param_names) if is_optimizer(v) else v.state_dict()
         flat.stateful[join(path)] = (v, sd, list(path))
         _walk(sd, path, flat, None)
         return

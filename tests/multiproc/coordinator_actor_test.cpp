@@ -6,6 +6,7 @@
 #include <filesystem>
 
 #include "actor_fixture.hpp"
+#include "catalog.hpp"
 #include "test_util.hpp"
 
 namespace {
@@ -121,7 +122,36 @@ TEST_CASE("coordinator alone: the plan phase times out naming the missing ranks"
   Ask<ferry::PlanReply> r1(*c.sys, c.coordinator, ferry::atom::plan_v, plan(1, d.path()));
   const Status& s = r1.answer().status;
   CHECK(s.code() == StatusCode::timeout);
-  CHECK_THAT(s.message(), Catch::Contains("plan phase") && Catch::Contains("rank(s) 0, 2"));
+  CHECK_THAT(s.message(),
+             Catch::Contains("rank 1 is saving step 1; ranks 0, 2 have not called save within "
+                             "plan-timeout (0.2 s): every rank calls save_async with its own "
+                             "shards, even for replicated state"));
+}
+
+TEST_CASE("coordinator alone: replicas whose digests differ fail the commit, naming key and ranks",
+          "[coordinator][actor][replica]") {
+  TempDir d;
+  Coordinator c(3);
+  std::vector<std::unique_ptr<Ask<ferry::PlanReply>>> plans;
+  for (int32_t r = 0; r < 3; ++r)
+    plans.push_back(std::make_unique<Ask<ferry::PlanReply>>(
+        *c.sys, c.coordinator, ferry::atom::plan_v, plan(r, d.path())));
+  for (auto& p : plans) REQUIRE(p->answer().status.ok());
+  std::vector<std::unique_ptr<Ask<ferry::CommitMsg>>> commits;
+  for (int32_t r = 0; r < 3; ++r) {
+    ferry::CommitRequest req = write_result(r);
+    // Two replicated items: "step" agrees everywhere, "rng" differs on rank 2.
+    req.result.replica_digests = {{"step", {}, 77, false}, {"rng", {0}, r == 2 ? 2u : 1u, false}};
+    commits.push_back(
+        std::make_unique<Ask<ferry::CommitMsg>>(*c.sys, c.coordinator, ferry::atom::commit_v, req));
+  }
+  for (auto& cm : commits) {
+    const Status& s = cm->answer().status;
+    CHECK(s.code() == StatusCode::invalid_argument);
+    CHECK_THAT(s.message(), Catch::Contains("tensor 'rng'") &&
+                                Catch::Contains("ranks 0, 1 hold one value, rank 2 another"));
+  }
+  CHECK(ferry::list_checkpoints(*ferry::posix_filesystem(), d.path())->empty());
 }
 
 TEST_CASE("coordinator alone: a rank's abort reaches the others, and a commit of it is refused",

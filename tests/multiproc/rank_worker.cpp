@@ -14,6 +14,12 @@
 //               save again, which must fail at once naming it)
 //               [--big-mib N]  (one more replicated f32 tensor, "rep_huge", of N MiB)
 //               [--overwrite 1]  (save: replace the step if it is committed)
+//   rank_worker --mode replica-differ --root DIR [--differ-rank R] [--differ-key K]
+//               (rank R changes one byte of replicated tensor K, default
+//               layers.0.bias: the save must fail naming K)
+//   rank_worker --mode rank0-only --root DIR [--step S]
+//               (only rank 0 calls save; the others wait until it has its
+//               answer, which must be an error)
 // A load prints LOADSTATS with its LoadReport figures, the bytes this process
 // read from disk (/proc/self/io read_bytes) and how much its peak resident
 // memory (VmHWM) grew during the load.
@@ -597,6 +603,33 @@ int main(int argc, char** argv) {
     return planner_steps(rt, sd, replicated, mode, argc, argv);
   }
 
+  if (mode == "rank0-only") {
+    // The `if rank == 0: save` habit: the others stay alive (no "left the
+    // job") until rank 0 has its answer, which it leaves in a marker file.
+    const std::string marker = root + "/rank0-done";
+    if (rank != 0) {
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+      while (!std::filesystem::exists(marker) && std::chrono::steady_clock::now() < deadline)
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      std::printf("IDLE rank %d never saved\n", rank);
+      return std::filesystem::exists(marker) ? 0 : 1;
+    }
+    const auto r0 = std::chrono::steady_clock::now();
+    ferry::Status st = rt.save_async(sd, step).wait_committed();
+    std::printf(
+        "FAILED as expected after %.0f ms: %s\n",
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - r0).count(),
+        st.to_string().c_str());
+    std::ofstream(marker) << "done\n";
+    return st.ok() ? 1 : 0;
+  }
+  if (mode == "replica-differ") {
+    const int differ_rank = std::stoi(arg(argc, argv, "--differ-rank", "1"));
+    const std::string differ_key = arg(argc, argv, "--differ-key", "layers.0.bias");
+    for (size_t k = 0; k < specs.size(); ++k)
+      if (specs[k].key == differ_key && rank == differ_rank) locals[k].bytes[1] ^= 0x5a;
+  }
+
   uint64_t my_step = step;
   ferry::SaveOptions so;
   so.overwrite = arg(argc, argv, "--overwrite", "0") == std::string("1");
@@ -660,12 +693,21 @@ int main(int argc, char** argv) {
                ? 0
                : 1;
   }
+  if (mode == "replica-differ" && st.ok()) {
+    std::printf("SAVED despite differing replicas: %s\n", h.path().c_str());
+    return 2;
+  }
   // mismatch / kill: the save must fail, quickly, naming what failed.
   std::printf("FAILED as expected after %.0f ms: %s\n", ms, st.to_string().c_str());
   if (st.ok()) return 1;
   if (mode == "mismatch") return st.message().find("layers.0.bias") != std::string::npos ? 0 : 1;
   if (mode == "garbage") return 0;  // rank 0 is alive and reports the failed save
   if (mode == "disagree") return st.message().find("disagree") != std::string::npos ? 0 : 1;
+  if (mode == "replica-differ")
+    return st.message().find("'" + arg(argc, argv, "--differ-key", "layers.0.bias") + "'") !=
+                   std::string::npos
+               ? 0
+               : 1;
   // Exit 3, not 0: an expected failure, but a failure, so that `ferry
   // launch` reaps a rank that was stopped rather than killed.
   return st.message().find("rank " + std::to_string(kill_rank)) != std::string::npos ||

@@ -42,6 +42,8 @@ void check_defaults(const Options& o) {
   CHECK(o.filename_prefix == d.filename_prefix);
   CHECK(o.shard_size == d.shard_size);
   CHECK(o.compress == d.compress);
+  CHECK(o.replica_check == d.replica_check);
+  CHECK(o.plan_timeout_s == d.plan_timeout_s);
 }
 
 ferry::Result<Options> resolve1(const std::string& key, const std::string& value) {
@@ -145,6 +147,7 @@ TEST_CASE("option_infos lists every key once, and its defaults resolve to Option
                                              "write-timeout",
                                              "commit-timeout",
                                              "owner-policy",
+                                             "replica-check",
                                              "cuda-register-pool",
                                              "filename-prefix",
                                              "shard-size",
@@ -702,4 +705,25 @@ TEST_CASE("a config path that is a FIFO or huge is refused, never read", "[optio
   REQUIRE_FALSE(b.ok());
   CHECK(contains(b.status().message(), big));
   std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("replica-check takes auto, full, sampled or off; plan-timeout defaults below 60 s",
+          "[options]") {
+  CHECK(Options{}.replica_check == ferry::ReplicaCheck::automatic);
+  // Shorter than the 60 s a save some ranks never call used to wait.
+  CHECK(Options{}.plan_timeout_s < 60);
+  const std::pair<const char*, ferry::ReplicaCheck> ok[] = {
+      {"auto", ferry::ReplicaCheck::automatic},
+      {"full", ferry::ReplicaCheck::full},
+      {"Sampled", ferry::ReplicaCheck::sampled},
+      {"off", ferry::ReplicaCheck::off}};
+  for (const auto& [text, mode] : ok) {
+    auto r = resolve1("replica-check", text);
+    REQUIRE(r.ok());
+    CHECK(r->replica_check == mode);
+  }
+  auto bad = resolve1("replica-check", "some");
+  REQUIRE_FALSE(bad.ok());
+  CHECK(contains(bad.status().message(), "replica-check"));
+  CHECK(contains(bad.status().message(), "expected auto, full, sampled or off"));
 }

@@ -876,3 +876,28 @@ TEST_CASE("mixed model over 64 ranks is covered exactly once and balanced", "[pl
   // Every rank writes its own shards; the replicas are spread on top of that.
   CHECK(most <= total / 64 + 4096);
 }
+
+TEST_CASE("each rank's plan lists the items other ranks hold too, for the replica check",
+          "[plan][replica]") {
+  for (auto policy : {OwnerPolicy::balanced, OwnerPolicy::lowest_rank}) {
+    auto plans = empty_plans(3);
+    add_row_sharded(&plans, "w", {9, 4});                 // item 0: sharded, no replicas
+    add_replicated(&plans, "norm", {16});                 // item 1: on every rank
+    add_replicated(&plans, "emb", {10, 64}, DType::f32);  // item 2: split when large
+    // item 3: replicated on ranks 0 and 2 only (a box of their own), rank 1 the rest
+    plans[0].items.push_back(rows("half", {4, 2}, 0, 2));
+    plans[1].items.push_back(rows("half", {4, 2}, 2, 4));
+    plans[2].items.push_back(rows("half", {4, 2}, 0, 2));
+    GlobalPlanOptions o;
+    o.policy = policy;
+    o.split_bytes = 1024;
+    const auto gp = plan_ok(plans, o);
+    CHECK(gp.ranks[0].replicated == std::vector<uint32_t>{1, 2, 3});
+    CHECK(gp.ranks[1].replicated == std::vector<uint32_t>{1, 2});
+    CHECK(gp.ranks[2].replicated == std::vector<uint32_t>{1, 2, 3});
+  }
+  // One rank: nothing is replicated.
+  auto one = empty_plans(1);
+  add_replicated(&one, "norm", {16});
+  CHECK(plan_ok(one).ranks[0].replicated.empty());
+}

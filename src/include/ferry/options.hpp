@@ -15,6 +15,16 @@
 
 namespace ferry {
 
+// replica-check: how the holders of a replicated item prove they hold the
+// same bytes before the commit (each hashes its copy; rank 0 compares).
+enum class ReplicaCheck : uint8_t {
+  automatic,  // auto: full for items up to kReplicaCheckFullBytes, sampled above
+  full,       // every byte
+  sampled,    // the size and 64 windows of 4 KiB spread over the bytes
+  off,
+};
+constexpr uint64_t kReplicaCheckFullBytes = 64ull << 20;
+
 struct Options {
   std::string root;                    // root: checkpoint directory ("" = must be given per call)
   uint64_t pool_bytes = 1ull << 30;    // pool-bytes: staging pool size
@@ -42,10 +52,11 @@ struct Options {
   double connect_timeout_s = 60;    // connect-timeout: ranks wait this long for each other
   double heartbeat_interval_s = 1;  // heartbeat-interval
   double heartbeat_timeout_s = 10;  // heartbeat-timeout: a silent peer is failed after it
-  double plan_timeout_s = 60;       // plan-timeout: all local plans in
+  double plan_timeout_s = 30;       // plan-timeout: all local plans in
   double write_timeout_s = 600;     // write-timeout: all write results in
   double commit_timeout_s = 60;     // commit-timeout: manifest, renames, LATEST
   bool owner_lowest_rank = false;   // owner-policy: "balanced" (default) or "lowest-rank"
+  ReplicaCheck replica_check = ReplicaCheck::automatic;  // replica-check: auto|full|sampled|off
   // GPU: an unpinnable pool is an error at start unless this is false.
   bool cuda_register_pool = true;  // cuda-register-pool
   // Data files. Each of these is also a SaveOptions field for one save.

@@ -47,8 +47,9 @@ struct SaveMetrics {
   double total_ms = 0;       // save_async -> committed
   uint64_t bytes = 0;        // data bytes this rank wrote
   uint64_t files = 0;
-  int32_t slowest_rank = -1;   // the rank whose files were durable last
-  double slowest_rank_ms = 0;  // its save_async -> durable time
+  int32_t slowest_rank = -1;    // the rank whose files were durable last
+  double slowest_rank_ms = 0;   // its save_async -> durable time
+  double replica_check_ms = 0;  // hashing this rank's replicated tensors (replica-check)
   double persist_gbps() const { return total_ms > 0 ? bytes / (total_ms * 1e6) : 0; }
 };
 
