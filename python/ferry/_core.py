@@ -411,9 +411,9 @@ class Runtime:
         del kv_keep
         return h
 
-    def load(self, state_dict, path, strict=None, cast=False, key_map=None):
+    def load(self, state_dict, path, strict=None, cast=False, key_map=None, allow_pickle=False):
         """See ferry.load."""
-        return _load(self, state_dict, path, strict, cast, key_map)
+        return _load(self, state_dict, path, strict, cast, key_map, allow_pickle)
 
     def wait_for_inflight(self, timeout_s=None):
         """Waits for the latest save to end; False if still running after timeout_s."""
@@ -572,6 +572,10 @@ class Manifest:
         finally:
             L.ferry_manifest_close(m)
         self.paths, self.leaves = _tree.decode_meta(self.metadata)
+        # Typed leaves (tuples, pickled objects: those as ferry.Pickled until
+        # a load allows them); `pickled` names the keys that hold pickle.
+        values, self.pickled = _tree.decode_values(self.metadata)
+        self.leaves.update(values)
 
     def torch_dtype(self, key):
         return torch_dtype(self.tensors[key].dtype)
@@ -666,7 +670,18 @@ def _is_module(obj):
     return isinstance(obj, torch.nn.Module)
 
 
-def _load(rt, state_dict, path, strict, cast, key_map):
+def _refuse_pickle(man, keys):
+    """The error for checkpoint values stored with pickle that a load without
+    allow_pickle=True would need."""
+    what = ", ".join("'%s' (%s)" % (k, "/".join(_tree.pickled_types(man.leaves[k])))
+                     for k in sorted(keys))
+    return FerryError(
+        "load %s: %s stored with pickle, and unpickling runs code from the checkpoint: pass "
+        "allow_pickle=True to load it if you trust the checkpoint" % (man.path, what),
+        "invalid_argument")
+
+
+def _load(rt, state_dict, path, strict, cast, key_map, allow_pickle=False):
     import torch
 
     if strict not in (None, True, False):
@@ -689,6 +704,15 @@ def _load(rt, state_dict, path, strict, cast, key_map):
         for p, (obj, _, _) in flat.stateful.items()
         if not _is_module(obj)
     }
+    # An empty dict outside any object's state dict is a placeholder: it
+    # takes whatever the checkpoint holds under its key.
+    placeholders = {}  # ckpt key -> (target key, the dict)
+    for key, v in flat.leaves.items():
+        if type(v) is dict and not v and not any(_under(key, p) for p in flat.stateful):
+            ck = _map_key(key_map, key)
+            if ck not in ckpt_keys and any(_under(k, ck) for k in ckpt_keys):
+                placeholders[ck] = (key, v)
+                open_prefixes[ck] = key
 
     def in_open(ck):
         return any(_under(ck, p) for p in open_prefixes)
@@ -766,6 +790,24 @@ def _load(rt, state_dict, path, strict, cast, key_map):
         adopted[ck] = t
         items.append((ck, t, None, None))
 
+    # Refused before anything is loaded: pickled values this load would use.
+    used = [ck for ck in man.pickled if ck in claims or in_open(ck)]
+    if used and not allow_pickle:
+        raise _refuse_pickle(man, used)
+
+    def owner_of(ck):
+        # The object whose state dict holds ck (innermost), for pickled references to it.
+        best = None
+        for p, (obj, _, _) in flat.stateful.items():
+            cp = _map_key(key_map, p) if p else p
+            if _under(ck, cp) and (best is None or len(cp) >= len(best[0])):
+                best = (cp, obj)
+        return best[1] if best else None
+
+    def leaf(ck):
+        v = man.leaves[ck]
+        return _tree.unpickle(ck, v, owner_of(ck)) if ck in man.pickled else v
+
     entries = _Entries(items)
     stats = _lib.LoadStats()
     check(
@@ -783,7 +825,22 @@ def _load(rt, state_dict, path, strict, cast, key_map):
         if ck in man.leaves:
             slot = flat.slots.get(key)
             if slot is not None and not isinstance(slot[0], tuple):  # a tuple cannot take it
-                slot[0][slot[1]] = man.leaves[ck]
+                slot[0][slot[1]] = leaf(ck)
+
+    # Placeholders get the subtree the checkpoint holds under them.
+    for ck, (key, ph) in placeholders.items():
+        values = {k: adopted[k] for k in adopted if _under(k, ck)}
+        values.update({k: leaf(k) for k in man.leaves if _under(k, ck)})
+        some = next((man.paths[k] for k in values if k in man.paths), None)
+        depth = len(flat.paths[key]) if some is None else _prefix_depth(some, ck)
+        sub = _tree.build(values, man.paths, strip=depth - 1)
+        sub = next(iter(sub.values())) if sub else {}
+        if isinstance(sub, dict):
+            ph.update(sub)  # in place: the caller's reference to the dict sees it
+        else:
+            slot = flat.slots.get(key)
+            if slot is not None and not isinstance(slot[0], tuple):
+                slot[0][slot[1]] = sub
 
     # Objects get their state dict back through their own load_state_dict.
     inv = {}
@@ -801,7 +858,7 @@ def _load(rt, state_dict, path, strict, cast, key_map):
             elif ck in inv:
                 values[ck] = inv[ck]
             else:
-                values[ck] = man.leaves.get(ck)
+                values[ck] = leaf(ck)
         if not values:
             continue  # nothing of it in the checkpoint (strict=False): left as it is
         depth = len(man.paths[cp]) if cp in man.paths else len(opath)
@@ -818,16 +875,20 @@ def _load(rt, state_dict, path, strict, cast, key_map):
     return result
 
 
-def load_state_dict(path, runtime=None, prefix=None):
+def load_state_dict(path, runtime=None, prefix=None, allow_pickle=False):
     """A new state dict with everything in the checkpoint (tensors allocated
     on the CPU with their saved dtypes and global shapes, leaves restored),
-    nested as it was saved. `prefix` selects one subtree ("optim")."""
+    nested as it was saved. `prefix` selects one subtree ("optim").
+    allow_pickle: values stored with pickle are refused unless True."""
     import torch
 
     rt = runtime or default_runtime()
     ptr = rt._alive()
     resolved, _ = _resolve(ptr, path)
     man = Manifest(resolved)
+    used = [k for k in man.pickled if prefix is None or _under(k, prefix)]
+    if used and not allow_pickle:
+        raise _refuse_pickle(man, used)
     keys = [k for k in man.tensors if prefix is None or _under(k, prefix)]
     tensors = {k: torch.empty(man.tensors[k].shape, dtype=man.torch_dtype(k)) for k in keys}
     entries = _Entries([(k, t, None, None) for k, t in tensors.items()])
@@ -835,7 +896,7 @@ def load_state_dict(path, runtime=None, prefix=None):
     values = dict(tensors)
     for k, v in man.leaves.items():
         if prefix is None or _under(k, prefix):
-            values[k] = v
+            values[k] = _tree.unpickle(k, v) if k in man.pickled else v
     strip = 0
     if prefix:
         some = next((man.paths[k] for k in values if k in man.paths), None)
@@ -912,14 +973,21 @@ def save(state_dict, root, step, overwrite=False, metadata=None, runtime=None, o
     return save_async(state_dict, root, step, overwrite, metadata, runtime, options).wait()
 
 
-def load(state_dict, path, strict=None, cast=False, key_map=None, runtime=None):
+def load(state_dict, path, strict=None, cast=False, key_map=None, runtime=None,
+         allow_pickle=False):
     """Fills `state_dict` in place from the checkpoint at `path` (a step
     directory, or a root: its latest, as rank 0 picks it for every rank).
 
     Tensors are filled in place; ferry.Shard entries (and torch sharded
     tensors) get their box of the global tensor, whatever sharding saved it;
-    JSON leaves are put back; objects with load_state_dict() (modules,
-    optimizers) get their state dict through it.
+    other values are put back with their types (tuples stay tuples); an
+    empty dict takes whatever the checkpoint holds under its key; objects
+    with load_state_dict() (modules, optimizers) get their state dict
+    through it.
+    allow_pickle: values the save stored with pickle (what JSON and the
+    typed encoding cannot hold, e.g. OneCycleLR's anneal_func) are refused,
+    naming their keys, unless True: unpickling runs code from the
+    checkpoint (torch.load's weights_only, the other way round).
     strict: by default a key the state dict asks for that the checkpoint
     lacks raises a FerryError naming it, and checkpoint keys nobody asked
     for are only reported (LoadResult.unexpected_keys): a pipeline stage or
@@ -930,4 +998,5 @@ def load(state_dict, path, strict=None, cast=False, key_map=None, runtime=None):
     (then the saved values are converted).
     key_map: {state dict key: checkpoint key} or a function of the key."""
     rt = runtime or default_runtime()
-    return rt.load(state_dict, path, strict=strict, cast=cast, key_map=key_map)
+    return rt.load(state_dict, path, strict=strict, cast=cast, key_map=key_map,
+                   allow_pickle=allow_pickle)
