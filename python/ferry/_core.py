@@ -2,6 +2,7 @@
 
 import atexit
 import ctypes
+import itertools
 import os
 import sys
 import threading
@@ -288,6 +289,82 @@ def _setting_value(v):
     return str(v)
 
 
+# --- tensors changed during the snapshot ------------------------------------------
+
+_ON_MUTATION = ("error", "warn", "ignore")
+
+
+class _VersionCheck:
+    """torch's version counters of a save's tensors at save_async, compared
+    once, when the snapshot ends (Ferry's thread calls it just before the
+    snapshot is reported done) or when wait_snapshot(stream=...) hands the
+    tensors back to a stream. Keeps the tensors alive until then."""
+
+    def __init__(self, recs, on_mutation):
+        self.recs = recs  # [(key, tensor, version and data_ptr at save_async)]
+        self.on_mutation = on_mutation
+        self.warnings = []
+        self._lock = threading.Lock()
+
+    def run(self):
+        """None when no tensor changed or on_mutation="warn"; else the error."""
+        with self._lock:
+            recs, self.recs = self.recs, None
+            if recs is None:
+                return None
+            # A tensor moved to other memory (t.set_) left the saved bytes,
+            # which the handle keeps alive, as they were.
+            changed = ["'%s' (version %d -> %d)" % (k, v, t._version)
+                       for k, t, v, ptr in recs if t._version != v and t.data_ptr() == ptr]
+            if not changed:
+                return None
+            shown = ", ".join(changed[:8]) + (
+                " and %d more" % (len(changed) - 8) if len(changed) > 8 else "")
+            what = "tensor %s was" % shown if len(changed) == 1 else "tensors %s were" % shown
+            msg = ("%s changed in place between save_async and the end of the snapshot, so the "
+                   "checkpoint may hold a mix of old and new bytes: call h.wait_snapshot() "
+                   "before changing saved tensors (optimizer.step())" % what)
+            if self.on_mutation == "warn":
+                self.warnings.append(msg + " (on_mutation='warn': committed anyway)")
+                return None
+            return msg + ", or pass on_mutation='warn' to commit anyway"
+
+
+_checks = {}  # id -> _VersionCheck, until it ran (or its save ended without a snapshot)
+_check_ids = itertools.count(1)
+
+
+def _snapshot_check(user, error, error_len):
+    chk = _checks.pop(user or 0, None)
+    try:
+        msg = chk.run() if chk is not None else None
+    except Exception as e:  # never let a Python error pass for "no change"
+        msg = "the tensor version check failed: %r" % (e,)
+    if msg is None:
+        return 0
+    raw = msg.encode("utf-8")[: max(int(error_len) - 1, 0)]
+    if error and error_len:
+        ctypes.memmove(error, raw + b"\0", len(raw) + 1)
+    return 1
+
+
+# One callback for the process, never freed: Ferry may call it after every
+# Python object of the save is gone.
+_SNAPSHOT_CHECK_FN = _lib.SnapshotCheckFn(_snapshot_check)
+
+
+def _cuda_stream_of(tensors):
+    """(cudaStream_t, device index) of torch's current stream on the device
+    of the first CUDA tensor, or (None, 0) when none is on a GPU."""
+    for t in tensors:
+        if t.device.type == "cuda":
+            import torch
+
+            s = torch.cuda.current_stream(t.device)
+            return s.cuda_stream, t.device.index or 0
+    return None, 0
+
+
 class CheckpointOptions:
     """How a save lays out its data files (each None: the configured
     ferry.filename-prefix / shard-size / compress).
@@ -378,35 +455,63 @@ class Runtime:
             )
         return self._ptr
 
-    def save_async(self, state_dict, root, step, overwrite=False, metadata=None, options=None):
+    def save_async(self, state_dict, root, step, overwrite=False, metadata=None, options=None,
+                   on_mutation="error", stream=None):
         """See ferry.save_async."""
         ptr = self._alive()
         if options is not None and not isinstance(options, CheckpointOptions):
             raise FerryError("save_async: options must be a ferry.CheckpointOptions, not %s"
                              % type(options).__name__)
+        if on_mutation not in _ON_MUTATION:
+            raise FerryError("save_async: on_mutation = %r: expected one of %s"
+                             % (on_mutation, ", ".join(repr(x) for x in _ON_MUTATION)))
         copts = options._c() if options is not None else None
         items, staged, entries, pairs = _save_entries(state_dict, metadata)
         kv, kv_keep = _kvs(pairs)
         out = ctypes.c_void_p()
         root_b = os.fspath(root).encode("utf-8") if root else None
+        extra = _lib.SaveExtra()
+        if stream is not None:
+            extra.stream, extra.stream_device = stream.cuda_stream, stream.device.index or 0
+        else:
+            extra.stream, extra.stream_device = _cuda_stream_of(t for _, t, _, _ in items)
+        chk = cid = None
+        if on_mutation != "ignore":
+            # Staged tensors are private copies: the caller cannot change them.
+            skip = set(staged)
+            chk = _VersionCheck([(k, t, t._version, t.data_ptr())
+                                 for k, t, _, _ in items if k not in skip], on_mutation)
+            cid = next(_check_ids)
+            _checks[cid] = chk
+            extra.snapshot_check = _SNAPSHOT_CHECK_FN
+            extra.snapshot_check_user = cid
         with self._lock:
-            check(
-                lib().ferry_save_async_opts(
-                    ptr,
-                    entries.array,
-                    len(items),
-                    int(step),
-                    root_b,
-                    1 if overwrite else 0,
-                    kv,
-                    len(pairs),
-                    ctypes.byref(copts) if copts is not None else None,
-                    ctypes.byref(out),
+            try:
+                check(
+                    lib().ferry_save_async_ex(
+                        ptr,
+                        entries.array,
+                        len(items),
+                        int(step),
+                        root_b,
+                        1 if overwrite else 0,
+                        kv,
+                        len(pairs),
+                        ctypes.byref(copts) if copts is not None else None,
+                        ctypes.byref(extra),
+                        ctypes.byref(out),
+                    )
                 )
-            )
-            h = SaveHandle(out, entries, [t for _, t, _, _ in items], staged)
+            except BaseException:
+                _checks.pop(cid, None)
+                raise
             # The C++ runtime waited for the previous save's snapshot before
-            # it started this one, so the previous tensors may go now.
+            # it started this one: its check ran, or never will.
+            if self._last is not None:
+                _checks.pop(self._last._check_id, None)
+            h = SaveHandle(out, entries, [t for _, t, _, _ in items], staged)
+            h._check, h._check_id = chk, cid
+            # The previous tensors may go now.
             self._last = h
         del kv_keep
         return h
@@ -452,6 +557,9 @@ class SaveHandle:
     Waits wake every few milliseconds for signals: Ctrl-C raises
     KeyboardInterrupt at once, and the save goes on."""
 
+    _check = None  # the _VersionCheck of its tensors (on_mutation)
+    _check_id = None
+
     def __init__(self, ptr, entries, tensors, staged):
         self._ptr = ptr
         self._entries = entries
@@ -468,10 +576,28 @@ class SaveHandle:
 
     # Waits run in short slices (ferry._lib.wait_sliced), so Ctrl-C raises
     # KeyboardInterrupt at once; the save goes on, and may be waited on again.
-    def wait_snapshot(self):
+    def wait_snapshot(self, stream=None):
+        """stream: a torch.cuda.Stream that is made to wait, on the GPU, for
+        the copies off the CUDA tensors (kernels queued on it afterwards may
+        change them); the host waits only until every copy is queued. Host
+        tensors are waited for on the host either way."""
         p = self._p()
-        wait_sliced(lambda ms: lib().ferry_save_wait_snapshot_for(p, ms))
+        if stream is None:
+            wait_sliced(lambda ms: lib().ferry_save_wait_snapshot_for(p, ms))
+        else:
+            check(lib().ferry_save_wait_snapshot_stream(p, stream.cuda_stream,
+                                                        stream.device.index or 0))
+            # From here the stream may change the tensors: compare now.
+            chk = _checks.pop(self._check_id, None)
+            msg = chk.run() if chk is not None else None
+            if msg is not None:
+                raise FerryError(msg, "aborted")
         self._drop_tensors()
+
+    def warnings(self):
+        """What the save committed despite: tensors changed during the
+        snapshot under on_mutation="warn"."""
+        return list(self._check.warnings) if self._check is not None else []
 
     def wait(self):
         """Blocks until committed; returns the checkpoint's path."""
@@ -515,6 +641,7 @@ class SaveHandle:
         return d
 
     def _drop_tensors(self):
+        _checks.pop(self._check_id, None)
         with self._lock:
             self._tensors = None
             self._storages = None
@@ -958,19 +1085,26 @@ atexit.register(_at_exit)
 
 
 def save_async(state_dict, root, step, overwrite=False, metadata=None, runtime=None,
-               options=None):
+               options=None, on_mutation="error", stream=None):
     """Starts a checkpoint of `state_dict` at `step` under `root` and returns
     a SaveHandle at once. Tensors must not change until
     handle.wait_snapshot(); non-contiguous ones are copied first.
-    options: a ferry.CheckpointOptions (file prefix, shard size, compression)."""
+    options: a ferry.CheckpointOptions (file prefix, shard size, compression).
+    on_mutation: a tensor changed in place before the snapshot ended (torch's
+    version counter moved) fails the save naming it ("error"), or the save
+    commits and handle.warnings() says so ("warn"); "ignore" skips the check.
+    stream: the torch.cuda.Stream the copies off CUDA tensors are ordered
+    after (default: torch's current stream on their device)."""
     rt = runtime or default_runtime()
     return rt.save_async(state_dict, root, step, overwrite=overwrite, metadata=metadata,
-                         options=options)
+                         options=options, on_mutation=on_mutation, stream=stream)
 
 
-def save(state_dict, root, step, overwrite=False, metadata=None, runtime=None, options=None):
+def save(state_dict, root, step, overwrite=False, metadata=None, runtime=None, options=None,
+         on_mutation="error"):
     """save_async + wait: returns the committed checkpoint's path."""
-    return save_async(state_dict, root, step, overwrite, metadata, runtime, options).wait()
+    return save_async(state_dict, root, step, overwrite, metadata, runtime, options,
+                      on_mutation).wait()
 
 
 def load(state_dict, path, strict=None, cast=False, key_map=None, runtime=None,
