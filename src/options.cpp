@@ -292,14 +292,9 @@ const std::vector<KeySpec>& key_table() {
        [](const std::string& v, Options& o, std::string& why) {
          return parse_bool(v, o.fail_fast, why);
        }},
-      {{"verify-snapshot",
-#ifdef NDEBUG
-        "false",
-#else
-        "true",
-#endif
+      {{"verify-snapshot", "false",
         "checksum each host tensor before and after its snapshot copy; a tensor changed "
-        "meanwhile fails the save (on in debug builds)"},
+        "meanwhile fails the save (always on in debug builds)"},
        [](const std::string& v, Options& o, std::string& why) {
          return parse_bool(v, o.verify_snapshot, why);
        }},

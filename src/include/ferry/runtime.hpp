@@ -69,8 +69,9 @@ struct RuntimeAccess;  // actors/runtime_access.hpp: SavePlanner's way in
 // until wait_snapshot() returns (or a stream that wait_snapshot(stream) made
 // wait has passed that point). Ferry cannot see a change in release builds:
 // the checkpoint then holds a mix of old and new bytes. Debug builds (NDEBUG
-// not defined) checksum each host tensor's bytes before and after its copy
-// and fail the save naming the tensor that changed; SaveOptions::
+// not defined, or ferry.verify-snapshot = true) checksum each host tensor's
+// bytes before and after its copy and fail the save naming the tensor that
+// changed; SaveOptions::
 // snapshot_check lets a caller that can tell (tensor versions) do the same.
 // Waits never throw: errors come back as a Status. A failed save is reported
 // only once nothing of Ferry touches the caller's tensors again: after a
