@@ -14,16 +14,13 @@
 #include <unordered_set>
 #include <vector>
 
+#include "actors/c_api_internal.hpp"
 #include "catalog.hpp"
 #include "ferry/export.hpp"
 #include "ferry/filesystem.hpp"
 #include "ferry/planner.hpp"
 #include "ferry/runtime.hpp"
 #include "manifest.hpp"
-
-struct ferry_runtime {
-  std::unique_ptr<ferry::Runtime> rt;
-};
 
 struct ferry_save {
   ferry::SaveHandle h;
@@ -203,6 +200,11 @@ ferry_status timed_wait(int64_t timeout_ms, Wait&& wait, Done&& done, Final&& fi
 
 }  // namespace
 
+ferry_runtime* ferry::detail::adopt_c_runtime(std::unique_ptr<Runtime> rt) {
+  return handles<ferry_runtime>().add(
+      std::unique_ptr<ferry_runtime>(new ferry_runtime{std::move(rt)}));
+}
+
 extern "C" {
 
 const char* ferry_last_error(void) {
@@ -322,6 +324,15 @@ ferry_status ferry_save_async_opts(ferry_runtime* rt, const ferry_tensor* tensor
                                    size_t num_tensors, uint64_t step, const char* root,
                                    int overwrite, const ferry_kv* metadata, size_t num_metadata,
                                    const ferry_save_options* file_opts, ferry_save** out) {
+  return ferry_save_async_ex(rt, tensors, num_tensors, step, root, overwrite, metadata,
+                             num_metadata, file_opts, nullptr, out);
+}
+
+ferry_status ferry_save_async_ex(ferry_runtime* rt, const ferry_tensor* tensors, size_t num_tensors,
+                                 uint64_t step, const char* root, int overwrite,
+                                 const ferry_kv* metadata, size_t num_metadata,
+                                 const ferry_save_options* file_opts, const ferry_save_extra* extra,
+                                 ferry_save** out) {
   return guarded([&] {
     if (!out) return null_arg("out");
     *out = nullptr;
@@ -332,10 +343,37 @@ ferry_status ferry_save_async_opts(ferry_runtime* rt, const ferry_tensor* tensor
     auto opts = save_options(overwrite, metadata, num_metadata, file_opts, &error);
     if (!opts) return error;
     opts->root = root ? root : "";
+    if (extra) {
+      if (extra->stream_device < 0)
+        return fail(FERRY_INVALID_ARGUMENT,
+                    "stream_device = " + std::to_string(extra->stream_device) + ": must be >= 0");
+      opts->stream = extra->stream;
+      opts->stream_device = ferry::Device::cuda(extra->stream_device);
+      if (ferry_snapshot_check_fn fn = extra->snapshot_check) {
+        void* user = extra->snapshot_check_user;
+        opts->snapshot_check = [fn, user]() {
+          char msg[1024] = {0};
+          if (fn(user, msg, sizeof msg) == 0) return ferry::Status();
+          msg[sizeof msg - 1] = '\0';
+          return ferry::Status::aborted(msg[0] ? std::string(msg)
+                                               : std::string("the snapshot check failed"));
+        };
+      }
+    }
     auto s = std::make_unique<ferry_save>();
     s->h = rt->rt->save_async(sd, step, *opts);
     *out = handles<ferry_save>().add(std::move(s));
     return to_c(ferry::Status());
+  });
+}
+
+ferry_status ferry_save_wait_snapshot_stream(ferry_save* s, void* stream, int32_t stream_device) {
+  return guarded([&] {
+    FERRY_CHECK_HANDLE(s, "save");
+    if (stream_device < 0)
+      return fail(FERRY_INVALID_ARGUMENT,
+                  "stream_device = " + std::to_string(stream_device) + ": must be >= 0");
+    return to_c(s->h.wait_snapshot(stream, ferry::Device::cuda(stream_device)));
   });
 }
 

@@ -803,6 +803,9 @@ planner_actor::behavior_type planner_fun(planner_ptr self, ContextPtr ctx,
         auto& cur = self->state.cur;
         if (!live(self->state, id)) return;
         if (!s.ok()) return fail(self, s);
+        if (cur.job.opts.snapshot_check) {
+          if (Status c = cur.job.opts.snapshot_check(); !c.ok()) return fail(self, c);
+        }
         cur.snapshot_done = true;
         snapshot_landed(self);
       },

@@ -17,7 +17,12 @@
 // (spawned when a save first uses it), which hands them to that device's
 // copy stream in the backend (its per-device bound on copies in flight
 // holds). A block's copies on one device post one `copied`; this actor stays
-// the state machine (lease order, file order, abandon). It alone leases pool
+// the state machine (lease order, file order, abandon).
+//
+// verify-snapshot (always in debug builds): each host chunk's source bytes are
+// hashed when the save starts and again when its snapshot ends; a tensor
+// that changed in between (the caller broke the snapshot contract) fails
+// the save naming it, instead of committing a torn checkpoint. It alone leases pool
 // blocks and forwards them, both in file order: the serializer's running
 // checksums need each file's blocks in order, and leasing in that order
 // means the oldest unforwarded block always holds a lease, so streaming a
@@ -46,6 +51,7 @@
 
 #include "actors/messages.hpp"
 #include "actors/snapshot_actor.hpp"
+#include "checksum.hpp"
 
 namespace ferry {
 
@@ -165,6 +171,51 @@ std::vector<std::vector<BlockCopy>> split_copies(std::vector<BlockCopy> copies, 
   return out;
 }
 
+// A host chunk's source bytes and their xxh3 when the save started.
+struct SourceSum {
+  std::string key;
+  const uint8_t* data = nullptr;
+  uint64_t len = 0;
+  uint64_t sum = 0;
+};
+
+// verify-snapshot: the sums of every contiguous host source of `job` (device
+// tensors would need a copy of their own to hash).
+std::vector<SourceSum> source_sums(const StreamJob& job) {
+  std::vector<SourceSum> out;
+  for (size_t f = 0; f < job.files.size() && f < job.sources.size(); ++f) {
+    const auto& chunks = job.files[f].chunks;
+    for (size_t i = 0; i < chunks.size() && i < job.sources[f].size(); ++i) {
+      const ChunkSource& src = job.sources[f][i];
+      if (!src.view.device.is_host() || !src.view.data || !src.view.is_contiguous()) continue;
+      SourceSum s;
+      s.key = chunks[i].chunk.key;
+      s.data = static_cast<const uint8_t*>(src.view.data) + src.offset;
+      s.len = chunks[i].length;
+      s.sum = xxh3_64(s.data, s.len);
+      out.push_back(std::move(s));
+    }
+  }
+  return out;
+}
+
+// The first source whose bytes changed since source_sums, as the save's error.
+Status check_sources(const std::vector<SourceSum>& sums) {
+  for (const SourceSum& s : sums)
+    if (xxh3_64(s.data, s.len) != s.sum)
+      return Status::aborted("tensor '" + s.key +
+                             "' changed while the snapshot copied it (its bytes differ before "
+                             "and after the copy): a saved tensor must not change until "
+                             "wait_snapshot() returns (verify-snapshot)");
+  return Status();
+}
+
+#ifdef NDEBUG
+constexpr bool kAlwaysVerify = false;
+#else
+constexpr bool kAlwaysVerify = true;  // debug builds check the snapshot contract
+#endif
+
 struct InFlight {
   BlockMsg msg;
   uint32_t outstanding = 0;
@@ -195,6 +246,7 @@ struct snapshot_state {
   // Set when the current save is abandoned or fails: its queued lane tasks
   // are skipped. A fresh flag per save.
   std::shared_ptr<std::atomic<bool>> cancelled;
+  std::vector<SourceSum> sums;             // verify-snapshot: the current save's
   std::vector<int> job_devices;            // the current save's: -1 host, N cuda:N
   std::map<int, gpu_snapshot_actor> gpus;  // by CUDA device index
   // Last: destroyed (joined) first, while the pool the copies write to and
@@ -238,8 +290,10 @@ void cancel_queued(snapshot_state& st) {
   if (st.cancelled) st.cancelled->store(true);
 }
 
-void finish(snapshot_ptr self, const Status& status) {
+void finish(snapshot_ptr self, Status status) {
   auto& st = self->state;
+  if (status.ok()) status = check_sources(st.sums);
+  st.sums.clear();
   self->send(st.planner, atom::snapped_v, st.job.save, status);
   if (!status.ok()) {
     cancel_queued(st);
@@ -406,6 +460,8 @@ snapshot_actor::behavior_type snapshot_fun(snapshot_ptr self, ContextPtr ctx,
         st.waiting_for_block = false;
         st.cancelled = std::make_shared<std::atomic<bool>>(false);
         st.job_devices.clear();
+        st.sums.clear();
+        if (kAlwaysVerify || st.ctx->opts.verify_snapshot) st.sums = source_sums(job);
         if (st.all_issued()) {
           finish(self, Status());
           return;

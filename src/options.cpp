@@ -292,6 +292,12 @@ const std::vector<KeySpec>& key_table() {
        [](const std::string& v, Options& o, std::string& why) {
          return parse_bool(v, o.fail_fast, why);
        }},
+      {{"verify-snapshot", "false",
+        "checksum each host tensor before and after its snapshot copy; a tensor changed "
+        "meanwhile fails the save (always on in debug builds)"},
+       [](const std::string& v, Options& o, std::string& why) {
+         return parse_bool(v, o.verify_snapshot, why);
+       }},
       {{"lease-seconds", "30",
         "lease on a pending checkpoint directory; after it a crashed save may be cleaned up"},
        [](const std::string& v, Options& o, std::string& why) {

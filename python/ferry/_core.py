@@ -2,6 +2,7 @@
 
 import atexit
 import ctypes
+import itertools
 import os
 import sys
 import threading
@@ -288,6 +289,82 @@ def _setting_value(v):
     return str(v)
 
 
+# --- tensors changed during the snapshot ------------------------------------------
+
+_ON_MUTATION = ("error", "warn", "ignore")
+
+
+class _VersionCheck:
+    """torch's version counters of a save's tensors at save_async, compared
+    once, when the snapshot ends (Ferry's thread calls it just before the
+    snapshot is reported done) or when wait_snapshot(stream=...) hands the
+    tensors back to a stream. Keeps the tensors alive until then."""
+
+    def __init__(self, recs, on_mutation):
+        self.recs = recs  # [(key, tensor, version and data_ptr at save_async)]
+        self.on_mutation = on_mutation
+        self.warnings = []
+        self._lock = threading.Lock()
+
+    def run(self):
+        """None when no tensor changed or on_mutation="warn"; else the error."""
+        with self._lock:
+            recs, self.recs = self.recs, None
+            if recs is None:
+                return None
+            # A tensor moved to other memory (t.set_) left the saved bytes,
+            # which the handle keeps alive, as they were.
+            changed = ["'%s' (version %d -> %d)" % (k, v, t._version)
+                       for k, t, v, ptr in recs if t._version != v and t.data_ptr() == ptr]
+            if not changed:
+                return None
+            shown = ", ".join(changed[:8]) + (
+                " and %d more" % (len(changed) - 8) if len(changed) > 8 else "")
+            what = "tensor %s was" % shown if len(changed) == 1 else "tensors %s were" % shown
+            msg = ("%s changed in place between save_async and the end of the snapshot, so the "
+                   "checkpoint may hold a mix of old and new bytes: call h.wait_snapshot() "
+                   "before changing saved tensors (optimizer.step())" % what)
+            if self.on_mutation == "warn":
+                self.warnings.append(msg + " (on_mutation='warn': committed anyway)")
+                return None
+            return msg + ", or pass on_mutation='warn' to commit anyway"
+
+
+_checks = {}  # id -> _VersionCheck, until it ran (or its save ended without a snapshot)
+_check_ids = itertools.count(1)
+
+
+def _snapshot_check(user, error, error_len):
+    chk = _checks.pop(user or 0, None)
+    try:
+        msg = chk.run() if chk is not None else None
+    except Exception as e:  # never let a Python error pass for "no change"
+        msg = "the tensor version check failed: %r" % (e,)
+    if msg is None:
+        return 0
+    raw = msg.encode("utf-8")[: max(int(error_len) - 1, 0)]
+    if error and error_len:
+        ctypes.memmove(error, raw + b"\0", len(raw) + 1)
+    return 1
+
+
+# One callback for the process, never freed: Ferry may call it after every
+# Python object of the save is gone.
+_SNAPSHOT_CHECK_FN = _lib.SnapshotCheckFn(_snapshot_check)
+
+
+def _cuda_stream_of(tensors):
+    """(cudaStream_t, device index) of torch's current stream on the device
+    of the first CUDA tensor, or (None, 0) when none is on a GPU."""
+    for t in tensors:
+        if t.device.type == "cuda":
+            import torch
+
+            s = torch.cuda.current_stream(t.device)
+            return s.cuda_stream, t.device.index or 0
+    return None, 0
+
+
 class CheckpointOptions:
     """How a save lays out its data files (each None: the configured
     ferry.filename-prefix / shard-size / compress).
@@ -378,42 +455,70 @@ class Runtime:
             )
         return self._ptr
 
-    def save_async(self, state_dict, root, step, overwrite=False, metadata=None, options=None):
+    def save_async(self, state_dict, root, step, overwrite=False, metadata=None, options=None,
+                   on_mutation="error", stream=None):
         """See ferry.save_async."""
         ptr = self._alive()
         if options is not None and not isinstance(options, CheckpointOptions):
             raise FerryError("save_async: options must be a ferry.CheckpointOptions, not %s"
                              % type(options).__name__)
+        if on_mutation not in _ON_MUTATION:
+            raise FerryError("save_async: on_mutation = %r: expected one of %s"
+                             % (on_mutation, ", ".join(repr(x) for x in _ON_MUTATION)))
         copts = options._c() if options is not None else None
         items, staged, entries, pairs = _save_entries(state_dict, metadata)
         kv, kv_keep = _kvs(pairs)
         out = ctypes.c_void_p()
         root_b = os.fspath(root).encode("utf-8") if root else None
+        extra = _lib.SaveExtra()
+        if stream is not None:
+            extra.stream, extra.stream_device = stream.cuda_stream, stream.device.index or 0
+        else:
+            extra.stream, extra.stream_device = _cuda_stream_of(t for _, t, _, _ in items)
+        chk = cid = None
+        if on_mutation != "ignore":
+            # Staged tensors are private copies: the caller cannot change them.
+            skip = set(staged)
+            chk = _VersionCheck([(k, t, t._version, t.data_ptr())
+                                 for k, t, _, _ in items if k not in skip], on_mutation)
+            cid = next(_check_ids)
+            _checks[cid] = chk
+            extra.snapshot_check = _SNAPSHOT_CHECK_FN
+            extra.snapshot_check_user = cid
         with self._lock:
-            check(
-                lib().ferry_save_async_opts(
-                    ptr,
-                    entries.array,
-                    len(items),
-                    int(step),
-                    root_b,
-                    1 if overwrite else 0,
-                    kv,
-                    len(pairs),
-                    ctypes.byref(copts) if copts is not None else None,
-                    ctypes.byref(out),
+            try:
+                check(
+                    lib().ferry_save_async_ex(
+                        ptr,
+                        entries.array,
+                        len(items),
+                        int(step),
+                        root_b,
+                        1 if overwrite else 0,
+                        kv,
+                        len(pairs),
+                        ctypes.byref(copts) if copts is not None else None,
+                        ctypes.byref(extra),
+                        ctypes.byref(out),
+                    )
                 )
-            )
-            h = SaveHandle(out, entries, [t for _, t, _, _ in items], staged)
+            except BaseException:
+                _checks.pop(cid, None)
+                raise
             # The C++ runtime waited for the previous save's snapshot before
-            # it started this one, so the previous tensors may go now.
+            # it started this one: its check ran, or never will.
+            if self._last is not None:
+                _checks.pop(self._last._check_id, None)
+            h = SaveHandle(out, entries, [t for _, t, _, _ in items], staged)
+            h._check, h._check_id = chk, cid
+            # The previous tensors may go now.
             self._last = h
         del kv_keep
         return h
 
-    def load(self, state_dict, path, strict=None, cast=False, key_map=None):
+    def load(self, state_dict, path, strict=None, cast=False, key_map=None, allow_pickle=False):
         """See ferry.load."""
-        return _load(self, state_dict, path, strict, cast, key_map)
+        return _load(self, state_dict, path, strict, cast, key_map, allow_pickle)
 
     def wait_for_inflight(self, timeout_s=None):
         """Waits for the latest save to end; False if still running after timeout_s."""
@@ -452,6 +557,9 @@ class SaveHandle:
     Waits wake every few milliseconds for signals: Ctrl-C raises
     KeyboardInterrupt at once, and the save goes on."""
 
+    _check = None  # the _VersionCheck of its tensors (on_mutation)
+    _check_id = None
+
     def __init__(self, ptr, entries, tensors, staged):
         self._ptr = ptr
         self._entries = entries
@@ -468,10 +576,28 @@ class SaveHandle:
 
     # Waits run in short slices (ferry._lib.wait_sliced), so Ctrl-C raises
     # KeyboardInterrupt at once; the save goes on, and may be waited on again.
-    def wait_snapshot(self):
+    def wait_snapshot(self, stream=None):
+        """stream: a torch.cuda.Stream that is made to wait, on the GPU, for
+        the copies off the CUDA tensors (kernels queued on it afterwards may
+        change them); the host waits only until every copy is queued. Host
+        tensors are waited for on the host either way."""
         p = self._p()
-        wait_sliced(lambda ms: lib().ferry_save_wait_snapshot_for(p, ms))
+        if stream is None:
+            wait_sliced(lambda ms: lib().ferry_save_wait_snapshot_for(p, ms))
+        else:
+            check(lib().ferry_save_wait_snapshot_stream(p, stream.cuda_stream,
+                                                        stream.device.index or 0))
+            # From here the stream may change the tensors: compare now.
+            chk = _checks.pop(self._check_id, None)
+            msg = chk.run() if chk is not None else None
+            if msg is not None:
+                raise FerryError(msg, "aborted")
         self._drop_tensors()
+
+    def warnings(self):
+        """What the save committed despite: tensors changed during the
+        snapshot under on_mutation="warn"."""
+        return list(self._check.warnings) if self._check is not None else []
 
     def wait(self):
         """Blocks until committed; returns the checkpoint's path."""
@@ -515,6 +641,7 @@ class SaveHandle:
         return d
 
     def _drop_tensors(self):
+        _checks.pop(self._check_id, None)
         with self._lock:
             self._tensors = None
             self._storages = None
@@ -572,6 +699,10 @@ class Manifest:
         finally:
             L.ferry_manifest_close(m)
         self.paths, self.leaves = _tree.decode_meta(self.metadata)
+        # Typed leaves (tuples, pickled objects: those as ferry.Pickled until
+        # a load allows them); `pickled` names the keys that hold pickle.
+        values, self.pickled = _tree.decode_values(self.metadata)
+        self.leaves.update(values)
 
     def torch_dtype(self, key):
         return torch_dtype(self.tensors[key].dtype)
@@ -666,7 +797,18 @@ def _is_module(obj):
     return isinstance(obj, torch.nn.Module)
 
 
-def _load(rt, state_dict, path, strict, cast, key_map):
+def _refuse_pickle(man, keys):
+    """The error for checkpoint values stored with pickle that a load without
+    allow_pickle=True would need."""
+    what = ", ".join("'%s' (%s)" % (k, "/".join(_tree.pickled_types(man.leaves[k])))
+                     for k in sorted(keys))
+    return FerryError(
+        "load %s: %s stored with pickle, and unpickling runs code from the checkpoint: pass "
+        "allow_pickle=True to load it if you trust the checkpoint" % (man.path, what),
+        "invalid_argument")
+
+
+def _load(rt, state_dict, path, strict, cast, key_map, allow_pickle=False):
     import torch
 
     if strict not in (None, True, False):
@@ -689,6 +831,15 @@ def _load(rt, state_dict, path, strict, cast, key_map):
         for p, (obj, _, _) in flat.stateful.items()
         if not _is_module(obj)
     }
+    # An empty dict outside any object's state dict is a placeholder: it
+    # takes whatever the checkpoint holds under its key.
+    placeholders = {}  # ckpt key -> (target key, the dict)
+    for key, v in flat.leaves.items():
+        if type(v) is dict and not v and not any(_under(key, p) for p in flat.stateful):
+            ck = _map_key(key_map, key)
+            if ck not in ckpt_keys and any(_under(k, ck) for k in ckpt_keys):
+                placeholders[ck] = (key, v)
+                open_prefixes[ck] = key
 
     def in_open(ck):
         return any(_under(ck, p) for p in open_prefixes)
@@ -766,6 +917,24 @@ def _load(rt, state_dict, path, strict, cast, key_map):
         adopted[ck] = t
         items.append((ck, t, None, None))
 
+    # Refused before anything is loaded: pickled values this load would use.
+    used = [ck for ck in man.pickled if ck in claims or in_open(ck)]
+    if used and not allow_pickle:
+        raise _refuse_pickle(man, used)
+
+    def owner_of(ck):
+        # The object whose state dict holds ck (innermost), for pickled references to it.
+        best = None
+        for p, (obj, _, _) in flat.stateful.items():
+            cp = _map_key(key_map, p) if p else p
+            if _under(ck, cp) and (best is None or len(cp) >= len(best[0])):
+                best = (cp, obj)
+        return best[1] if best else None
+
+    def leaf(ck):
+        v = man.leaves[ck]
+        return _tree.unpickle(ck, v, owner_of(ck)) if ck in man.pickled else v
+
     entries = _Entries(items)
     stats = _lib.LoadStats()
     check(
@@ -783,7 +952,22 @@ def _load(rt, state_dict, path, strict, cast, key_map):
         if ck in man.leaves:
             slot = flat.slots.get(key)
             if slot is not None and not isinstance(slot[0], tuple):  # a tuple cannot take it
-                slot[0][slot[1]] = man.leaves[ck]
+                slot[0][slot[1]] = leaf(ck)
+
+    # Placeholders get the subtree the checkpoint holds under them.
+    for ck, (key, ph) in placeholders.items():
+        values = {k: adopted[k] for k in adopted if _under(k, ck)}
+        values.update({k: leaf(k) for k in man.leaves if _under(k, ck)})
+        some = next((man.paths[k] for k in values if k in man.paths), None)
+        depth = len(flat.paths[key]) if some is None else _prefix_depth(some, ck)
+        sub = _tree.build(values, man.paths, strip=depth - 1)
+        sub = next(iter(sub.values())) if sub else {}
+        if isinstance(sub, dict):
+            ph.update(sub)  # in place: the caller's reference to the dict sees it
+        else:
+            slot = flat.slots.get(key)
+            if slot is not None and not isinstance(slot[0], tuple):
+                slot[0][slot[1]] = sub
 
     # Objects get their state dict back through their own load_state_dict.
     inv = {}
@@ -801,7 +985,7 @@ def _load(rt, state_dict, path, strict, cast, key_map):
             elif ck in inv:
                 values[ck] = inv[ck]
             else:
-                values[ck] = man.leaves.get(ck)
+                values[ck] = leaf(ck)
         if not values:
             continue  # nothing of it in the checkpoint (strict=False): left as it is
         if (_tree.is_optimizer(obj) and _tree.is_named_optim_state(sd)
@@ -821,16 +1005,20 @@ def _load(rt, state_dict, path, strict, cast, key_map):
     return result
 
 
-def load_state_dict(path, runtime=None, prefix=None):
+def load_state_dict(path, runtime=None, prefix=None, allow_pickle=False):
     """A new state dict with everything in the checkpoint (tensors allocated
     on the CPU with their saved dtypes and global shapes, leaves restored),
-    nested as it was saved. `prefix` selects one subtree ("optim")."""
+    nested as it was saved. `prefix` selects one subtree ("optim").
+    allow_pickle: values stored with pickle are refused unless True."""
     import torch
 
     rt = runtime or default_runtime()
     ptr = rt._alive()
     resolved, _ = _resolve(ptr, path)
     man = Manifest(resolved)
+    used = [k for k in man.pickled if prefix is None or _under(k, prefix)]
+    if used and not allow_pickle:
+        raise _refuse_pickle(man, used)
     keys = [k for k in man.tensors if prefix is None or _under(k, prefix)]
     tensors = {k: torch.empty(man.tensors[k].shape, dtype=man.torch_dtype(k)) for k in keys}
     entries = _Entries([(k, t, None, None) for k, t in tensors.items()])
@@ -838,7 +1026,7 @@ def load_state_dict(path, runtime=None, prefix=None):
     values = dict(tensors)
     for k, v in man.leaves.items():
         if prefix is None or _under(k, prefix):
-            values[k] = v
+            values[k] = _tree.unpickle(k, v) if k in man.pickled else v
     strip = 0
     if prefix:
         some = next((man.paths[k] for k in values if k in man.paths), None)
@@ -900,14 +1088,19 @@ atexit.register(_at_exit)
 
 
 def save_async(state_dict, root, step, overwrite=False, metadata=None, runtime=None,
-               options=None):
+               options=None, on_mutation="error", stream=None):
     """Starts a checkpoint of `state_dict` at `step` under `root` and returns
     a SaveHandle at once. Tensors must not change until
     handle.wait_snapshot(); non-contiguous ones are copied first.
-    options: a ferry.CheckpointOptions (file prefix, shard size, compression)."""
+    options: a ferry.CheckpointOptions (file prefix, shard size, compression).
+    on_mutation: a tensor changed in place before the snapshot ended (torch's
+    version counter moved) fails the save naming it ("error"), or the save
+    commits and handle.warnings() says so ("warn"); "ignore" skips the check.
+    stream: the torch.cuda.Stream the copies off CUDA tensors are ordered
+    after (default: torch's current stream on their device)."""
     rt = runtime or _runtime_for_save(step)
     return rt.save_async(state_dict, root, step, overwrite=overwrite, metadata=metadata,
-                         options=options)
+                         options=options, on_mutation=on_mutation, stream=stream)
 
 
 def _runtime_for_save(step):
@@ -925,19 +1118,28 @@ def _runtime_for_save(step):
         ) from None
 
 
-def save(state_dict, root, step, overwrite=False, metadata=None, runtime=None, options=None):
+def save(state_dict, root, step, overwrite=False, metadata=None, runtime=None, options=None,
+         on_mutation="error"):
     """save_async + wait: returns the committed checkpoint's path."""
-    return save_async(state_dict, root, step, overwrite, metadata, runtime, options).wait()
+    return save_async(state_dict, root, step, overwrite, metadata, runtime, options,
+                      on_mutation).wait()
 
 
-def load(state_dict, path, strict=None, cast=False, key_map=None, runtime=None):
+def load(state_dict, path, strict=None, cast=False, key_map=None, runtime=None,
+         allow_pickle=False):
     """Fills `state_dict` in place from the checkpoint at `path` (a step
     directory, or a root: its latest, as rank 0 picks it for every rank).
 
     Tensors are filled in place; ferry.Shard entries (and torch sharded
     tensors) get their box of the global tensor, whatever sharding saved it;
-    JSON leaves are put back; objects with load_state_dict() (modules,
-    optimizers) get their state dict through it.
+    other values are put back with their types (tuples stay tuples); an
+    empty dict takes whatever the checkpoint holds under its key; objects
+    with load_state_dict() (modules, optimizers) get their state dict
+    through it.
+    allow_pickle: values the save stored with pickle (what JSON and the
+    typed encoding cannot hold, e.g. OneCycleLR's anneal_func) are refused,
+    naming their keys, unless True: unpickling runs code from the
+    checkpoint (torch.load's weights_only, the other way round).
     strict: by default a key the state dict asks for that the checkpoint
     lacks raises a FerryError naming it, and checkpoint keys nobody asked
     for are only reported (LoadResult.unexpected_keys): a pipeline stage or
@@ -948,4 +1150,5 @@ def load(state_dict, path, strict=None, cast=False, key_map=None, runtime=None):
     (then the saved values are converted).
     key_map: {state dict key: checkpoint key} or a function of the key."""
     rt = runtime or default_runtime()
-    return rt.load(state_dict, path, strict=strict, cast=cast, key_map=key_map)
+    return rt.load(state_dict, path, strict=strict, cast=cast, key_map=key_map,
+                   allow_pickle=allow_pickle)

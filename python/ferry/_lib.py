@@ -82,6 +82,19 @@ class SaveOptions(ctypes.Structure):
     ]
 
 
+# int (*)(void* user, char* error, size_t error_len): ferry_snapshot_check_fn
+SnapshotCheckFn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+
+
+class SaveExtra(ctypes.Structure):
+    _fields_ = [
+        ("stream", ctypes.c_void_p),
+        ("stream_device", ctypes.c_int32),
+        ("snapshot_check", SnapshotCheckFn),
+        ("snapshot_check_user", ctypes.c_void_p),
+    ]
+
+
 class SaveMetrics(ctypes.Structure):
     _fields_ = [
         ("save_async_ms", ctypes.c_double),
@@ -175,6 +188,12 @@ def _declare(L):
             [vp, tp, sz, ctypes.c_uint64, ctypes.c_char_p, ctypes.c_int, kvp, sz,
              ctypes.POINTER(SaveOptions), ctypes.POINTER(vp)],
         ),
+        "ferry_save_async_ex": (
+            st,
+            [vp, tp, sz, ctypes.c_uint64, ctypes.c_char_p, ctypes.c_int, kvp, sz,
+             ctypes.POINTER(SaveOptions), ctypes.POINTER(SaveExtra), ctypes.POINTER(vp)],
+        ),
+        "ferry_save_wait_snapshot_stream": (st, [vp, vp, ctypes.c_int32]),
         "ferry_save_wait_snapshot": (st, [vp]),
         "ferry_save_wait": (st, [vp]),
         "ferry_save_wait_snapshot_for": (st, [vp, ctypes.c_int64]),

@@ -4,8 +4,11 @@ A state dict is a tree of dicts (str or int keys), lists and tuples, whose
 leaves are tensors (saved as tensors), ferry.Shard / torch sharded tensors
 (saved as shards of a global tensor), objects with state_dict() and
 load_state_dict() (an nn.Module, an optimizer: their state dict is saved in
-their place) and small JSON values (int, float, str, bool, None, lists and
-dicts of them: kept in the manifest's metadata).
+their place) and small Python values (kept in the manifest's metadata):
+JSON values as JSON; tuples, sets, bytes, dicts with non-str keys, and
+containers of them in a typed encoding that keeps their types; anything else
+with pickle, marked so that a load runs it only when allowed
+(allow_pickle=True).
 
 Flat keys join the path with "." ("model.layer0.weight",
 "optim.state.layer0.weight.exp_avg"). A torch optimizer's state is keyed by
@@ -17,10 +20,15 @@ The path itself is kept too (a list per key, ints as ints, list positions as
 [i]) so a state dict can be rebuilt with its original key types.
 """
 
+import base64
+import io
 import json
+import pickle
 
 TREE_META_KEY = "ferry.python.tree"
-LEAVES_META_KEY = "ferry.python.leaves"
+LEAVES_META_KEY = "ferry.python.leaves"  # flat key -> JSON value (values JSON holds as they are)
+VALUES_META_KEY = "ferry.python.values"  # flat key -> typed encoding (the others)
+PICKLED_META_KEY = "ferry.python.pickled"  # the keys of VALUES whose encoding holds pickle
 
 # A JSON leaf larger than this is refused: the manifest is read whole on
 # every load, and big values belong in tensors.
@@ -78,6 +86,8 @@ class Flat:
     slots:     flat key -> (container, key or index) holding the value, so a
                load can put a restored leaf back in its place
     stateful:  flat key prefix -> (object, its state dict)
+    typed:     flat key -> typed encoding, for leaves JSON cannot hold as they are
+    pickled:   the keys of typed whose encoding holds pickle
     """
 
     def __init__(self):
@@ -87,6 +97,8 @@ class Flat:
         self.slots = {}
         self.stateful = {}
         self.param_names = {}  # id(parameter) -> name, from the modules in the tree
+        self.typed = {}
+        self.pickled = set()
 
     def _add(self, path, kind, value, slot):
         key = join(path)
@@ -105,7 +117,7 @@ def flatten(state_dict):
         raise TypeError("ferry: a state dict must be a dict, got %s" % type(state_dict).__name__)
     flat = Flat()
     _collect_param_names(state_dict, flat.param_names)
-    _walk(state_dict, [], flat, None)
+    _walk(state_dict, [], flat, None, None)
     return flat
 
 
@@ -194,7 +206,7 @@ def load_optim_by_name(opt, values, prefix, names):
     return True
 
 
-def _walk(v, path, flat, slot):
+def _walk(v, path, flat, slot, owner):
     if is_tensor_like(v):
         if not path:
             raise TypeError("ferry: a state dict must be a dict")
@@ -203,7 +215,7 @@ def _walk(v, path, flat, slot):
     if is_stateful(v):
         sd = optim_state_by_name(v, flat.param_names) if is_optimizer(v) else v.state_dict()
         flat.stateful[join(path)] = (v, sd, list(path))
-        _walk(sd, path, flat, None)
+        _walk(sd, path, flat, None, v)
         return
     if isinstance(v, dict) and (v or not path):
         for k, x in v.items():
@@ -214,34 +226,213 @@ def _walk(v, path, flat, slot):
                 )
             if isinstance(k, str) and "." in k and not path:
                 pass  # "layer.weight" style keys of module state dicts are fine
-            _walk(x, path + [k], flat, (v, k))
+            _walk(x, path + [k], flat, (v, k), owner)
         return
     if isinstance(v, (list, tuple)) and _has_tensor(v):
         for i, x in enumerate(v):
-            _walk(x, path + [[i]], flat, (v, i))
+            _walk(x, path + [[i]], flat, (v, i), owner)
         return
-    # A JSON leaf.
-    try:
+    # A leaf: JSON when JSON gives it back as it is, else the typed encoding.
+    key = join(path)
+    enc = None
+    if _plain(v):
         text = json.dumps(v, allow_nan=True)
-    except (TypeError, ValueError) as e:
-        raise TypeError(
-            "ferry: value at %r (a %s) is neither a tensor nor JSON-serializable: %s"
-            % (join(path), type(v).__name__, e)
-        ) from None
+    else:
+        ctx = _Encoder(key, owner)
+        enc = ctx.encode(v)
+        text = json.dumps(enc, allow_nan=True)
     if len(text) > MAX_LEAF_JSON_BYTES:
         raise ValueError(
-            "ferry: value at %r is %d bytes as JSON (limit %d): store it as a tensor"
-            % (join(path), len(text), MAX_LEAF_JSON_BYTES)
+            "ferry: value at %r is %d bytes encoded (limit %d): store it as a tensor"
+            % (key, len(text), MAX_LEAF_JSON_BYTES)
         )
     flat._add(path, "leaf", v, slot)
+    if enc is not None:
+        flat.typed[key] = enc
+        if ctx.pickled:
+            flat.pickled.add(key)
+
+
+_SCALARS = (type(None), bool, int, float, str)
+
+
+def _plain(v):
+    """True when JSON gives v back with the same types (exact types: a
+    subclass such as an IntEnum or numpy.float64 is not plain)."""
+    t = type(v)
+    if t in _SCALARS:
+        return True
+    if t is list:
+        return all(_plain(x) for x in v)
+    if t is dict:
+        return all(type(k) is str and _plain(x) for k, x in v.items())
+    return False
+
+
+class _OwnerPickler(pickle.Pickler):
+    """Pickles the object whose state dict holds the value as a reference, so
+    a scheduler's bound method (OneCycleLR.anneal_func) stores its name, not
+    the scheduler, its optimizer and their tensors."""
+
+    def __init__(self, f, owner):
+        super().__init__(f, protocol=4)
+        self._owner = owner
+
+    def persistent_id(self, obj):
+        return "owner" if self._owner is not None and obj is self._owner else None
+
+
+class _OwnerUnpickler(pickle.Unpickler):
+    def __init__(self, f, owner, key):
+        super().__init__(f)
+        self._owner = owner
+        self._key = key
+
+    def persistent_load(self, pid):
+        if pid == "owner" and self._owner is not None:
+            return self._owner
+        from ._lib import FerryError
+
+        raise FerryError("the value at %r refers to the object whose state dict held it (%r); "
+                         "load it into that object (ferry.load with the object in the state "
+                         "dict)" % (self._key, pid), "invalid_argument")
+
+
+class _Encoder:
+    """Typed encoding of one leaf: JSON scalars as they are, containers as
+    {"tuple"|"list"|"set"|"frozenset": [...]}, {"dict": [[k, v], ...]},
+    {"bytes": base64}, anything else {"pickle": base64, "type": name}."""
+
+    def __init__(self, key, owner):
+        self.key = key
+        self.owner = owner
+        self.pickled = False
+
+    def encode(self, v):
+        t = type(v)
+        if t in _SCALARS:
+            return v
+        if t in (list, tuple, set, frozenset):
+            return {t.__name__: [self.encode(x) for x in v]}
+        if t is dict:
+            return {"dict": [[self.encode(k), self.encode(x)] for k, x in v.items()]}
+        if t is bytes:
+            return {"bytes": base64.b64encode(v).decode("ascii")}
+        buf = io.BytesIO()
+        try:
+            _OwnerPickler(buf, self.owner).dump(v)
+        except Exception as e:
+            raise TypeError("ferry: value at %r (a %s) is neither a tensor, JSON, nor picklable: %s"
+                            % (self.key, t.__name__, e)) from None
+        self.pickled = True
+        return {"pickle": base64.b64encode(buf.getvalue()).decode("ascii"), "type": _type_name(t)}
+
+
+def _type_name(t):
+    return t.__name__ if t.__module__ == "builtins" else "%s.%s" % (t.__module__, t.__qualname__)
+
+
+class Pickled:
+    """A value of a checkpoint stored with pickle, not yet unpickled (a load
+    unpickles it only with allow_pickle=True)."""
+
+    __slots__ = ("data", "type")
+
+    def __init__(self, data, type_name):
+        self.data = data
+        self.type = type_name
+
+    def __repr__(self):
+        return "<ferry.Pickled %s, %d bytes: load with allow_pickle=True>" % (self.type,
+                                                                             len(self.data))
+
+
+def _decode(key, e):
+    if type(e) in _SCALARS:
+        return e
+    if type(e) is dict and len(e) in (1, 2):
+        tag = next(iter(e))
+        x = e[tag]
+        if tag in ("list", "tuple", "set", "frozenset") and type(x) is list and len(e) == 1:
+            items = [_decode(key, y) for y in x]
+            return items if tag == "list" else {"tuple": tuple, "set": set,
+                                                "frozenset": frozenset}[tag](items)
+        if tag == "dict" and type(x) is list and len(e) == 1:
+            out = {}
+            for kv in x:
+                if type(kv) is not list or len(kv) != 2:
+                    break
+                out[_decode(key, kv[0])] = _decode(key, kv[1])
+            else:
+                return out
+        if tag in ("bytes", "pickle") and type(x) is str:
+            try:
+                raw = base64.b64decode(x.encode("ascii"), validate=True)
+            except ValueError:
+                raw = None
+            if raw is not None and tag == "bytes" and len(e) == 1:
+                return raw
+            if raw is not None and tag == "pickle" and type(e.get("type")) is str:
+                return Pickled(raw, e["type"])
+    raise _bad_value(key, e)
+
+
+def _bad_value(key, e):
+    from ._lib import FerryError
+
+    text = json.dumps(e)
+    return FerryError("checkpoint value metadata (%s) of key %r: %s is not a value encoding"
+                      % (VALUES_META_KEY, key, text[:200]), "corruption")
+
+
+def pickled_types(v):
+    """The type names of the pickled parts of a decoded value."""
+    if isinstance(v, Pickled):
+        return [v.type]
+    if isinstance(v, dict):
+        return [t for k, x in v.items() for t in pickled_types(k) + pickled_types(x)]
+    if isinstance(v, (list, tuple, set, frozenset)):
+        return [t for x in v for t in pickled_types(x)]
+    return []
+
+
+def unpickle(key, v, owner=None):
+    """v with its Pickled parts unpickled; `owner` stands for the object
+    whose state dict held the value when it was saved."""
+    if isinstance(v, Pickled):
+        return _OwnerUnpickler(io.BytesIO(v.data), owner, key).load()
+    if type(v) is dict:
+        return {unpickle(key, k, owner): unpickle(key, x, owner) for k, x in v.items()}
+    if type(v) in (list, tuple, set, frozenset):
+        return type(v)(unpickle(key, x, owner) for x in v)
+    return v
 
 
 def encode_meta(flat):
     """The metadata pairs that let a load restore leaves and rebuild the tree."""
-    return [
+    plain = {k: v for k, v in flat.leaves.items() if k not in flat.typed}
+    pairs = [
         (TREE_META_KEY, json.dumps(flat.paths, allow_nan=True)),
-        (LEAVES_META_KEY, json.dumps(flat.leaves, allow_nan=True)),
+        (LEAVES_META_KEY, json.dumps(plain, allow_nan=True)),
     ]
+    if flat.typed:
+        pairs.append((VALUES_META_KEY, json.dumps(flat.typed, allow_nan=True)))
+    if flat.pickled:
+        pairs.append((PICKLED_META_KEY, json.dumps(sorted(flat.pickled))))
+    return pairs
+
+
+def decode_values(metadata):
+    """(flat key -> value, keys holding pickle) of the typed leaves: pickled
+    parts stay Pickled (nothing of the checkpoint runs here)."""
+    if VALUES_META_KEY not in metadata:
+        return {}, set()
+    raw = json.loads(metadata[VALUES_META_KEY])
+    if type(raw) is not dict:
+        raise _bad_value(VALUES_META_KEY, raw)
+    values = {k: _decode(k, e) for k, e in raw.items()}
+    pickled = {k for k, v in values.items() if pickled_types(v)}
+    return values, pickled
 
 
 def decode_meta(metadata):

@@ -126,7 +126,8 @@ class CheckpointManager:
     def step_path(self, step):
         return os.path.join(self.root, "step-%08d" % int(step))
 
-    def restore(self, step=None, state=None, strict=None, cast=False, key_map=None):
+    def restore(self, step=None, state=None, strict=None, cast=False, key_map=None,
+                allow_pickle=False):
         """Loads step (default: the latest, as rank 0 picks it for every
         rank). With `state`, fills it in place (see ferry.load) and returns
         it; without, returns a new state dict."""
@@ -138,8 +139,9 @@ class CheckpointManager:
         else:
             path = self.step_path(step)
         if state is None:
-            return _core.load_state_dict(path, runtime=self.runtime)
-        _core.load(state, path, strict=strict, cast=cast, key_map=key_map, runtime=self.runtime)
+            return _core.load_state_dict(path, runtime=self.runtime, allow_pickle=allow_pickle)
+        _core.load(state, path, strict=strict, cast=cast, key_map=key_map, runtime=self.runtime,
+                   allow_pickle=allow_pickle)
         return state
 
     def close(self):

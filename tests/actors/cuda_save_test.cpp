@@ -13,6 +13,7 @@
 #include <map>
 #include <thread>
 
+#include "actors/c_api_internal.hpp"
 #include "cuda/device_cuda.hpp"
 #include "fake_cuda.hpp"
 #include "ferry/planner.hpp"
@@ -427,4 +428,85 @@ TEST_CASE("cuda save: an error on cuda:1 ends a mixed save naming the tensor and
   CHECK(got[0] == a);
   CHECK(got[1] == b);
   CHECK(got[2] == c);
+}
+
+// The C ABI carries the stream (the Python package passes torch's current
+// stream): the same ordering as SaveOptions::stream and wait_snapshot(stream).
+namespace {
+
+// The rig's runtime as a C handle, destroyed before the rig.
+struct CRuntime {
+  ferry_runtime* rt;
+  explicit CRuntime(GpuRig& rig) : rt(ferry::detail::adopt_c_runtime(std::move(rig.rt))) {}
+  ~CRuntime() { ferry_runtime_destroy(rt); }
+};
+
+ferry_save* c_save(ferry_runtime* rt, void* data, int64_t n, uint64_t step, void* stream) {
+  ferry_tensor t{};
+  t.key = "w";
+  t.data = data;
+  t.dtype = FERRY_DTYPE_U8;
+  t.ndim = 1;
+  t.shape = &n;
+  t.device_type = FERRY_DEVICE_CUDA;
+  t.device_index = 0;
+  ferry_save_extra extra{};
+  extra.stream = stream;
+  extra.stream_device = 0;
+  ferry_save* s = nullptr;
+  INFO(ferry_last_error());
+  REQUIRE(ferry_save_async_ex(rt, &t, 1, step, nullptr, 0, nullptr, 0, nullptr, &extra, &s) ==
+          FERRY_OK);
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("cuda save through the C ABI: the copies wait for the caller's stream",
+          "[actors][cuda]") {
+  TempDir dir;
+  GpuRig rig(dir.path());
+  auto t = rig.upload(0, std::vector<uint8_t>(300000, 0));
+  const auto written = random_bytes(300000, 21);
+  rig.fake->hold(rig.stream);  // the training step is still running
+  rig.fake->write_on_stream(rig.stream, t.data, written);
+  CRuntime c(rig);
+  ferry_save* s = c_save(c.rt, t.data, 300000, 1, rig.stream);
+  REQUIRE(eventually([&] { return rig.fake->copies_enqueued() >= 1; }));
+  rig.fake->drain();
+  CHECK_FALSE(ferry_save_snapshot_done(s));  // the copies wait for the training step
+  rig.fake->release(rig.stream);
+  REQUIRE(ferry_save_wait(s) == FERRY_OK);
+  CHECK(load_host(*c.rt->rt, ferry_save_path(s), {{"w", written.size()}})[0] == written);
+  ferry_save_release(s);
+}
+
+TEST_CASE("cuda save through the C ABI: ferry_save_wait_snapshot_stream makes the stream wait",
+          "[actors][cuda]") {
+  TempDir dir;
+  GpuRig rig(dir.path(), {{"pool-bytes", "8MiB"}});
+  const auto orig = random_bytes(1 << 20, 22);
+  auto t = rig.upload(0, orig);
+  CRuntime c(rig);
+  rig.fake->pause();  // the GPU copies nothing until resume()
+  ferry_save* s = c_save(c.rt, t.data, 1 << 20, 2, rig.stream);
+  auto waited = std::async(std::launch::async, [&] {
+    rig.fake->set_device(0);
+    return ferry_save_wait_snapshot_stream(s, rig.stream, 0);
+  });
+  REQUIRE(waited.wait_for(std::chrono::seconds(20)) == std::future_status::ready);
+  REQUIRE(waited.get() == FERRY_OK);
+  CHECK_FALSE(ferry_save_snapshot_done(s));  // the host went on; no copy ran yet
+  std::atomic<bool> step_ran{false};
+  rig.fake->launch(rig.stream, [&] {
+    step_ran = true;
+    std::memset(t.data, 0, t.nbytes());
+  });
+  rig.fake->resume();
+  REQUIRE(ferry_save_wait(s) == FERRY_OK);
+  REQUIRE(rig.fake->drain());
+  CHECK(step_ran);
+  CHECK(load_host(*c.rt->rt, ferry_save_path(s), {{"w", orig.size()}})[0] == orig);
+  CHECK(ferry_save_wait_snapshot_stream(s, rig.stream, -1) == FERRY_INVALID_ARGUMENT);
+  ferry_save_release(s);
 }

@@ -64,6 +64,15 @@ static int failing_fn(void* user, const ferry_tensor* planned, size_t n, const c
   return 1;
 }
 
+/* A snapshot check: counts its calls; fails with a message when *user says so. */
+static int check_calls = 0;
+static int snapshot_check(void* user, char* error, size_t error_len) {
+  ++check_calls;
+  if (!*(const int*)user) return 0;
+  snprintf(error, error_len, "tensor 'w' changed during the snapshot");
+  return 1;
+}
+
 int main(void) {
   char root[] = "/tmp/ferry_c_api_XXXXXX";
   if (!mkdtemp(root)) {
@@ -319,6 +328,38 @@ int main(void) {
   CHECK(st == FERRY_INVALID_ARGUMENT);
   CHECK(strstr(ferry_last_error(), "filename_prefix") != NULL);
   ferry_save_release(s);
+
+  /* The snapshot check runs once per save, before the snapshot is reported
+   * done; a failing one fails the save with its message and commits nothing. */
+  {
+    int refuse = 0;
+    ferry_save_extra ex;
+    memset(&ex, 0, sizeof ex);
+    ex.snapshot_check = snapshot_check;
+    ex.snapshot_check_user = &refuse;
+    s = NULL;
+    CHECK_OK(ferry_save_async_ex(rt, ts, 1, 61, root, 0, NULL, 0, NULL, &ex, &s));
+    CHECK_OK(ferry_save_wait_snapshot(s));
+    CHECK(check_calls == 1);
+    CHECK_OK(ferry_save_wait(s));
+    ferry_save_release(s);
+    refuse = 1;
+    s = NULL;
+    CHECK_OK(ferry_save_async_ex(rt, ts, 1, 62, root, 0, NULL, 0, NULL, &ex, &s));
+    st = ferry_save_wait(s);
+    CHECK(st == FERRY_ABORTED);
+    CHECK(strstr(ferry_last_error(), "tensor 'w' changed during the snapshot") != NULL);
+    CHECK(check_calls == 2);
+    ferry_save_release(s);
+    char step62[512];
+    snprintf(step62, sizeof step62, "%s/step-00000062", root);
+    CHECK(access(step62, F_OK) != 0);
+    ex.stream_device = -1;
+    s = NULL;
+    CHECK(ferry_save_async_ex(rt, ts, 1, 63, root, 0, NULL, 0, NULL, &ex, &s) ==
+          FERRY_INVALID_ARGUMENT);
+    CHECK(s == NULL && strstr(ferry_last_error(), "stream_device") != NULL);
+  }
 
   /* Handles: a NULL array with a count is refused; a released handle is
    * refused by every call, and releasing it again does nothing. */

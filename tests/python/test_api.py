@@ -394,8 +394,10 @@ class Errors(Base):
         self.assertEqual(out["w"].item(), 1.0)
 
     def test_bad_values(self):
-        with self.assertRaises(TypeError):
-            ferry.save_async({"x": object()}, self.root, 1)
+        # Neither a tensor, JSON, the typed encoding nor picklable.
+        with self.assertRaises(TypeError) as cm:
+            ferry.save_async({"x": lambda: 0}, self.root, 1)
+        self.assertIn("'x'", str(cm.exception))
         with self.assertRaises(ferry.FerryError) as cm:
             ferry.save_async({"c": torch.zeros(2, dtype=torch.complex64)}, self.root, 1)
         self.assertIn("'c'", str(cm.exception))

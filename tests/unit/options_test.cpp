@@ -35,6 +35,7 @@ void check_defaults(const Options& o) {
   CHECK(o.checksum_block_bytes == d.checksum_block_bytes);
   CHECK(o.keep_last == d.keep_last);
   CHECK(o.fail_fast == d.fail_fast);
+  CHECK(o.verify_snapshot == d.verify_snapshot);
   CHECK(o.lease_seconds == d.lease_seconds);
   CHECK(o.readers == d.readers);
   CHECK(o.share_window_bytes == d.share_window_bytes);
@@ -133,6 +134,7 @@ TEST_CASE("option_infos lists every key once, and its defaults resolve to Option
                                              "checksum-block-bytes",
                                              "keep-last",
                                              "fail-fast",
+                                             "verify-snapshot",
                                              "lease-seconds",
                                              "readers",
                                              "read-into-tensors",

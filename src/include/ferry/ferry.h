@@ -174,8 +174,39 @@ FERRY_API ferry_status ferry_save_async_opts(ferry_runtime* rt, const ferry_tens
                                              int overwrite, const ferry_kv* metadata,
                                              size_t num_metadata, const ferry_save_options* opts,
                                              ferry_save** out);
+/* Called once when this rank's snapshot of a save has ended (every byte is
+ * off the tensors), on one of Ferry's threads, before the snapshot waits
+ * return. Returns 0 to go on; otherwise it may put a message in error
+ * (error_len bytes, NUL-terminated) and the save fails with it on every
+ * rank. It must not wait for that save. (The Python package compares
+ * torch's tensor versions here: a tensor changed during the snapshot.) */
+typedef int (*ferry_snapshot_check_fn)(void* user, char* error, size_t error_len);
+/* What else a save may carry. Zero-initialize, then set what differs. */
+typedef struct ferry_save_extra {
+  /* The caller's CUDA stream (a cudaStream_t) on CUDA device stream_device:
+   * copies off CUDA tensors are ordered after the work queued on it before
+   * the save. NULL: the legacy default stream. */
+  void* stream;
+  int32_t stream_device;
+  ferry_snapshot_check_fn snapshot_check; /* NULL: none */
+  void* snapshot_check_user;              /* its first argument */
+} ferry_save_extra;
+/* ferry_save_async_opts with more (`extra` may be NULL). */
+FERRY_API ferry_status ferry_save_async_ex(ferry_runtime* rt, const ferry_tensor* tensors,
+                                           size_t num_tensors, uint64_t step, const char* root,
+                                           int overwrite, const ferry_kv* metadata,
+                                           size_t num_metadata, const ferry_save_options* opts,
+                                           const ferry_save_extra* extra, ferry_save** out);
 /* Blocks until every byte is off the caller's tensors (or the save failed). */
 FERRY_API ferry_status ferry_save_wait_snapshot(ferry_save* s);
+/* Stream-ordered: makes the CUDA stream `stream` (a cudaStream_t on device
+ * stream_device; NULL: the legacy default stream) wait, on the GPU, for the
+ * copies off the CUDA tensors, so work queued on it afterwards may change
+ * them; the host waits only until every copy is queued (host tensors of the
+ * save: until they are copied). A copy that fails afterwards fails the save
+ * (ferry_save_wait reports it). */
+FERRY_API ferry_status ferry_save_wait_snapshot_stream(ferry_save* s, void* stream,
+                                                       int32_t stream_device);
 /* Blocks until the checkpoint is committed (or failed). Every save ends by
  * its phase deadlines (plan-, write-, commit-timeout, plus a short drain):
  * a write or checkpoint_fn that never returns fails it with FERRY_TIMEOUT

@@ -37,7 +37,11 @@ struct Options {
   uint64_t checksum_block_bytes = 1ull << 20;  // checksum-block-bytes
   uint32_t keep_last = 0;                      // keep-last: retention, 0 keeps all
   bool fail_fast = false;                      // fail-fast: 2nd save_async fails instead of waiting
-  double lease_seconds = 30.0;                 // lease-seconds: pending directory lease
+  // verify-snapshot: xxh3 of each host tensor's bytes before and after its
+  // snapshot copy; a change fails the save naming the tensor. Debug builds
+  // (NDEBUG not defined) always do it.
+  bool verify_snapshot = false;
+  double lease_seconds = 30.0;  // lease-seconds: pending directory lease
   uint32_t readers = 0;  // readers: reader threads for load; 0 = auto (1 on <= 2 CPUs, else 2)
   bool read_into_tensors = true;  // read-into-tensors: load reads straight into aligned tensors
   // share-window: most bytes of a load's shared (replicated) data one rank

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -35,6 +36,12 @@ struct SaveOptions {
   std::optional<std::string> filename_prefix;  // data files <prefix>-<rank>-<k>.<ext>
   std::optional<int64_t> shard_size;           // most data bytes per file; must be > 0
   std::optional<std::string> compress;         // none, true, zstd, zstd:<level>
+  // Called once when this rank's snapshot has ended (every byte is off the
+  // tensors), on one of Ferry's threads, before wait_snapshot() returns; an
+  // error fails the save with its message. Lets a caller that can see
+  // mutations (the Python package compares torch's tensor versions) refuse
+  // a torn snapshot. It must not wait for this save.
+  std::function<Status()> snapshot_check;
 };
 
 // Figures of one save, filled in as it goes.
@@ -59,6 +66,14 @@ struct RuntimeAccess;  // actors/runtime_access.hpp: SavePlanner's way in
 }  // namespace detail
 
 // Returned by save_async at once. Copyable; all copies see the same save.
+// The snapshot contract: the saved tensors must not change from save_async
+// until wait_snapshot() returns (or a stream that wait_snapshot(stream) made
+// wait has passed that point). Ferry cannot see a change in release builds:
+// the checkpoint then holds a mix of old and new bytes. Debug builds (NDEBUG
+// not defined, or ferry.verify-snapshot = true) checksum each host tensor's
+// bytes before and after its copy and fail the save naming the tensor that
+// changed; SaveOptions::
+// snapshot_check lets a caller that can tell (tensor versions) do the same.
 // Waits never throw: errors come back as a Status. A failed save is reported
 // only once nothing of Ferry touches the caller's tensors again: after a
 // wait returned an error, the caller may free them (except the tensors an
@@ -165,7 +180,8 @@ class FERRY_EXPORT Runtime {
   Runtime& operator=(const Runtime&) = delete;
 
   // Starts a checkpoint of `sd` at `step` and returns at once. The views'
-  // memory must not change until wait_snapshot(). One save is in flight at a
+  // memory must not change until wait_snapshot() (see SaveHandle: a change
+  // makes a torn checkpoint; debug builds detect it for host tensors). One save is in flight at a
   // time: a second call waits for the first's snapshot, or fails fast
   // (busy) when configured. An empty `sd` is invalid_argument. Saves are
   // collective: every rank passes the same step, root and overwrite flag (a
