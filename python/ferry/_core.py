@@ -8,7 +8,7 @@ import threading
 import weakref
 from collections import namedtuple
 
-from . import _lib, _tree
+from . import _lib, _save_cache, _tree
 from ._lib import FerryError, check, lib, wait_sliced
 
 # ferry_dtype codes (ferry.h) of the torch dtypes safetensors names.
@@ -182,48 +182,14 @@ def _as_shard(key, v):
 
 
 class _Entries:
-    """ctypes ferry_tensor records for a list of (key, tensor, shard); keeps
-    every buffer they point at alive for as long as it lives."""
+    """ctypes ferry_tensor records for a list of (key, tensor, global shape,
+    offsets); keeps every buffer they point at alive for as long as it lives."""
 
     def __init__(self, items):
-        n = len(items)
-        self.array = (_lib.Tensor * n)()
-        self.keep = []
-        for i, (key, t, gshape, offsets) in enumerate(items):
-            rec = self.array[i]
-            _no_nul("tensor key", key)
-            kb = key.encode("utf-8")
-            self.keep.append(kb)
-            rec.key = kb
-            rec.data = t.data_ptr() if t.numel() > 0 else None
-            rec.dtype = _dtype_code(key, t.dtype)
-            rec.ndim = t.dim()
-            shape = (ctypes.c_int64 * max(t.dim(), 1))(*t.shape)
-            self.keep.append(shape)
-            rec.shape = ctypes.cast(shape, _lib.c_int64_p)
-            if t.is_contiguous():
-                rec.strides = None
-            else:
-                st = (ctypes.c_int64 * max(t.dim(), 1))(*t.stride())
-                self.keep.append(st)
-                rec.strides = ctypes.cast(st, _lib.c_int64_p)
-            if t.device.type == "cuda":
-                rec.device_type = 1
-                rec.device_index = t.device.index or 0
-            elif t.device.type == "cpu":
-                rec.device_type = 0
-                rec.device_index = 0
-            else:
-                raise FerryError("tensor '%s': device %s is not supported" % (key, t.device))
-            if gshape is None:
-                rec.global_shape = None
-                rec.offsets = None
-            else:
-                g = (ctypes.c_int64 * max(len(gshape), 1))(*gshape)
-                o = (ctypes.c_int64 * max(len(offsets), 1))(*offsets)
-                self.keep += [g, o]
-                rec.global_shape = ctypes.cast(g, _lib.c_int64_p)
-                rec.offsets = ctypes.cast(o, _lib.c_int64_p)
+        for key, _, _, _ in items:
+            if "\0" in key:
+                _no_nul("tensor key", key)
+        self.array, self.keep = _save_cache.pack_items(items)
 
 
 def _no_nul(what, s):
@@ -232,13 +198,6 @@ def _no_nul(what, s):
     if "\0" in s:
         raise FerryError("%s %r contains a NUL character, which Ferry cannot store" % (what, s),
                          "invalid_argument")
-
-
-def _storage_of(t):
-    """The memory a tensor views. A pending save holds it, not only the
-    tensor: t.set_(...) would otherwise free what the snapshot copies from."""
-    f = getattr(t, "untyped_storage", None)  # torch >= 2.0; 1.13 has storage()
-    return f() if f is not None else t.storage()
 
 
 def _save_entries(state_dict, metadata):
@@ -358,6 +317,8 @@ class Runtime:
         self._pid = os.getpid()
         self._last = None  # the latest SaveHandle: keeps its tensors alive
         self._lock = threading.Lock()
+        # What save_async keeps between saves of one state dict.
+        self._save_cache = _save_cache.SaveCache()
         _runtimes.add(self)
 
     @property
@@ -385,26 +346,26 @@ class Runtime:
             raise FerryError("save_async: options must be a ferry.CheckpointOptions, not %s"
                              % type(options).__name__)
         copts = options._c() if options is not None else None
-        items, staged, entries, pairs = _save_entries(state_dict, metadata)
-        kv, kv_keep = _kvs(pairs)
         out = ctypes.c_void_p()
         root_b = os.fspath(root).encode("utf-8") if root else None
         with self._lock:
+            # The cache is this runtime's: one save prepares at a time.
+            p = self._save_cache.prepare(state_dict, metadata)
+            kv, kv_keep = _kvs(p.pairs)
             check(
-                lib().ferry_save_async_opts(
+                lib().ferry_save_async_sd(
                     ptr,
-                    entries.array,
-                    len(items),
+                    p.handle,
                     int(step),
                     root_b,
                     1 if overwrite else 0,
                     kv,
-                    len(pairs),
+                    len(p.pairs),
                     ctypes.byref(copts) if copts is not None else None,
                     ctypes.byref(out),
                 )
             )
-            h = SaveHandle(out, entries, [t for _, t, _, _ in items], staged)
+            h = SaveHandle(out, p, p.tensors, p.staged)
             # The C++ runtime waited for the previous save's snapshot before
             # it started this one, so the previous tensors may go now.
             self._last = h
@@ -438,6 +399,7 @@ class Runtime:
             return
         # Save handles stay usable: they share the save's state, not the runtime.
         ptr, self._ptr = self._ptr, None
+        self._save_cache.clear()
         lib().ferry_runtime_destroy(ptr)
 
 
@@ -456,7 +418,7 @@ class SaveHandle:
         self._ptr = ptr
         self._entries = entries
         self._tensors = tensors
-        self._storages = [_storage_of(t) for t in tensors]
+        self._storages = list(map(_save_cache.storage_fn(), tensors))
         self.staged = staged  # keys of non-contiguous tensors copied before the save
         self._lock = threading.Lock()
         self.step = lib().ferry_save_step(ptr)
