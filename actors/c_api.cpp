@@ -27,6 +27,10 @@ struct ferry_save {
   std::string path;  // backs ferry_save_path's pointer
 };
 
+struct ferry_state_dict {
+  ferry::StateDict sd;
+};
+
 struct ferry_manifest {
   std::string dir;
   ferry::Manifest m;
@@ -84,41 +88,47 @@ std::vector<ferry::Setting> to_settings(const ferry_kv* kv, size_t n) {
   return out;
 }
 
-// Builds a StateDict of views over the caller's tensors; the message names
-// the tensor by index when it has no key to name it by.
+// One of the caller's tensors as a validated entry; the message names the
+// tensor by index when it has no key to name it by.
+ferry::Status to_entry(const ferry_tensor& t, size_t i, ferry::StateEntry* out) {
+  std::string key = t.key ? t.key : "";
+  // Built only for a message: a state dict of n entries is n calls.
+  auto who = [&] { return key.empty() ? "tensor #" + std::to_string(i) : "tensor '" + key + "'"; };
+  if (!valid_dtype(t.dtype))
+    return ferry::Status::invalid_argument(who() + ": unknown dtype " + std::to_string(t.dtype));
+  if (t.ndim < 0 || (t.ndim > 0 && !t.shape))
+    return ferry::Status::invalid_argument(who() + ": bad ndim " + std::to_string(t.ndim) +
+                                           " or NULL shape");
+  if ((t.global_shape == nullptr) != (t.offsets == nullptr))
+    return ferry::Status::invalid_argument(who() +
+                                           ": global_shape and offsets must both be set or NULL");
+  ferry::Device dev;
+  if (t.device_type == FERRY_DEVICE_CUDA)
+    dev = ferry::Device::cuda(t.device_index);
+  else if (t.device_type != FERRY_DEVICE_HOST)
+    return ferry::Status::invalid_argument(who() + ": unknown device type " +
+                                           std::to_string(t.device_type));
+  const size_t nd = static_cast<size_t>(t.ndim);
+  std::vector<int64_t> shape(t.shape, t.shape + nd);
+  std::vector<int64_t> strides;
+  if (t.strides) strides.assign(t.strides, t.strides + nd);
+  out->key = std::move(key);
+  out->view = ferry::TensorView(t.data, static_cast<ferry::DType>(t.dtype), std::move(shape), dev,
+                                std::move(strides));
+  out->shard.reset();
+  if (t.global_shape)
+    out->shard = ferry::Shard{std::vector<int64_t>(t.global_shape, t.global_shape + nd),
+                              std::vector<int64_t>(t.offsets, t.offsets + nd)};
+  return ferry::validate_entry(*out);
+}
+
+// Builds a StateDict of views over the caller's tensors.
 ferry::Status to_state_dict(const ferry_tensor* ts, size_t n, ferry::StateDict* sd) {
   if (n > 0 && !ts) return ferry::Status::invalid_argument("tensors is NULL");
+  ferry::StateEntry e;
   for (size_t i = 0; i < n; ++i) {
-    const ferry_tensor& t = ts[i];
-    const std::string key = t.key ? t.key : "";
-    const std::string who = key.empty() ? "tensor #" + std::to_string(i) : "tensor '" + key + "'";
-    if (!valid_dtype(t.dtype))
-      return ferry::Status::invalid_argument(who + ": unknown dtype " + std::to_string(t.dtype));
-    if (t.ndim < 0 || (t.ndim > 0 && !t.shape))
-      return ferry::Status::invalid_argument(who + ": bad ndim " + std::to_string(t.ndim) +
-                                             " or NULL shape");
-    if ((t.global_shape == nullptr) != (t.offsets == nullptr))
-      return ferry::Status::invalid_argument(who +
-                                             ": global_shape and offsets must both be set or NULL");
-    ferry::Device dev;
-    if (t.device_type == FERRY_DEVICE_CUDA)
-      dev = ferry::Device::cuda(t.device_index);
-    else if (t.device_type != FERRY_DEVICE_HOST)
-      return ferry::Status::invalid_argument(who + ": unknown device type " +
-                                             std::to_string(t.device_type));
-    const size_t nd = static_cast<size_t>(t.ndim);
-    std::vector<int64_t> shape(t.shape, t.shape + nd);
-    std::vector<int64_t> strides;
-    if (t.strides) strides.assign(t.strides, t.strides + nd);
-    ferry::TensorView v(t.data, static_cast<ferry::DType>(t.dtype), std::move(shape), dev,
-                        std::move(strides));
-    std::optional<ferry::Shard> shard;
-    if (t.global_shape)
-      shard = ferry::Shard{std::vector<int64_t>(t.global_shape, t.global_shape + nd),
-                           std::vector<int64_t>(t.offsets, t.offsets + nd)};
-    ferry::StateEntry probe{key, v, shard};
-    FERRY_RETURN_IF_ERROR(ferry::validate_entry(probe));
-    FERRY_RETURN_IF_ERROR(sd->add(key, std::move(v), std::move(shard)));
+    FERRY_RETURN_IF_ERROR(to_entry(ts[i], i, &e));
+    FERRY_RETURN_IF_ERROR(sd->add(std::move(e.key), std::move(e.view), std::move(e.shard)));
   }
   return ferry::Status();
 }
@@ -374,6 +384,69 @@ ferry_status ferry_save_wait_snapshot_stream(ferry_save* s, void* stream, int32_
       return fail(FERRY_INVALID_ARGUMENT,
                   "stream_device = " + std::to_string(stream_device) + ": must be >= 0");
     return to_c(s->h.wait_snapshot(stream, ferry::Device::cuda(stream_device)));
+  });
+}
+
+// --- prepared state dicts ----------------------------------------------------
+
+ferry_status ferry_state_dict_create(const ferry_tensor* tensors, size_t num_tensors,
+                                     ferry_state_dict** out) {
+  return guarded([&] {
+    if (!out) return null_arg("out");
+    *out = nullptr;
+    auto h = std::make_unique<ferry_state_dict>();
+    if (auto st = to_state_dict(tensors, num_tensors, &h->sd); !st.ok()) return to_c(st);
+    *out = handles<ferry_state_dict>().add(std::move(h));
+    return to_c(ferry::Status());
+  });
+}
+
+ferry_status ferry_state_dict_set(ferry_state_dict* sd, size_t index, const ferry_tensor* tensor) {
+  return guarded([&] {
+    FERRY_CHECK_HANDLE(sd, "state dict");
+    if (!tensor) return null_arg("tensor");
+    auto& entries = sd->sd.entries();
+    if (index >= entries.size())
+      return fail(FERRY_INVALID_ARGUMENT, "index " + std::to_string(index) +
+                                              " is past the state dict's " +
+                                              std::to_string(entries.size()) + " entries");
+    ferry::StateEntry e;
+    if (auto st = to_entry(*tensor, index, &e); !st.ok()) return to_c(st);
+    if (e.key != entries[index].key)
+      return fail(FERRY_INVALID_ARGUMENT, "tensor '" + e.key + "' at index " +
+                                              std::to_string(index) + ": the entry there is '" +
+                                              entries[index].key + "' (keys cannot change)");
+    entries[index].view = std::move(e.view);
+    entries[index].shard = std::move(e.shard);
+    return to_c(ferry::Status());
+  });
+}
+
+size_t ferry_state_dict_size(const ferry_state_dict* sd) {
+  return live(sd) ? sd->sd.size() : 0;
+}
+
+void ferry_state_dict_release(ferry_state_dict* sd) {
+  handles<ferry_state_dict>().take(sd).reset();
+}
+
+ferry_status ferry_save_async_sd(ferry_runtime* rt, const ferry_state_dict* sd, uint64_t step,
+                                 const char* root, int overwrite, const ferry_kv* metadata,
+                                 size_t num_metadata, const ferry_save_options* file_opts,
+                                 ferry_save** out) {
+  return guarded([&] {
+    if (!out) return null_arg("out");
+    *out = nullptr;
+    FERRY_CHECK_HANDLE(rt, "runtime");
+    FERRY_CHECK_HANDLE(sd, "state dict");
+    ferry_status error = FERRY_OK;
+    auto opts = save_options(overwrite, metadata, num_metadata, file_opts, &error);
+    if (!opts) return error;
+    opts->root = root ? root : "";
+    auto s = std::make_unique<ferry_save>();
+    s->h = rt->rt->save_async(sd->sd, step, *opts);
+    *out = handles<ferry_save>().add(std::move(s));
+    return to_c(ferry::Status());
   });
 }
 

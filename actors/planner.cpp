@@ -41,6 +41,7 @@
 
 #include <deque>
 #include <functional>
+#include <utility>
 
 #include "actors/messages.hpp"
 #include "actors/planner_actor.hpp"
@@ -552,7 +553,7 @@ void start_streaming(planner_ptr self) {
 // in every rank's SavePlan.
 Status plan_chunks(planner_state& st, FileChunks& out) {
   auto& cur = st.cur;
-  const auto& entries = cur.job.sd.entries();
+  const auto& entries = std::as_const(cur.job.sd).entries();
   FERRY_ASSIGN_OR_RETURN(auto files, data_files(cur.local, cur.plan, cur.job.files));
   out = FileChunks{};
   for (PlannedFile& f : files) {

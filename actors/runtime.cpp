@@ -9,6 +9,7 @@
 #include <fstream>
 #include <map>
 #include <random>
+#include <utility>
 
 #include "actors/actors.hpp"
 #include "actors/messages.hpp"
@@ -58,7 +59,7 @@ Status SaveHandle::wait_snapshot(std::chrono::milliseconds timeout) const {
 Status SaveHandle::wait_snapshot(void* stream, const Device& stream_device) const {
   if (!s_) return no_save();
   const bool host_tensors =
-      std::any_of(s_->sd.entries().begin(), s_->sd.entries().end(),
+      std::any_of(std::as_const(s_->sd).entries().begin(), std::as_const(s_->sd).entries().end(),
                   [](const StateEntry& e) { return e.view.device.is_host(); });
   // Nothing on the GPU to order the stream after: the host copies are the
   // snapshot.

@@ -9,9 +9,14 @@
 //     here);
 //   - snapshot: memcpy of the same tensors into warm (pre-touched) memory.
 //
-//   ferry_bench_save [--state-mib N] [--tensors N] [--pool-mib N] [--chunk-mib N]
-//                    [--writers N] [--reps N] [--dir DIR] [--rss-run] [--compress]
-//                    [--set K=V]...
+//   ferry_bench_save [--state-mib N] [--tensors N] [--large N] [--pool-mib N]
+//                    [--chunk-mib N] [--writers N] [--reps N] [--dir DIR] [--rss-run]
+//                    [--compress] [--set K=V]...
+//
+// --large N makes the state look like a model's: N large tensors hold half
+// the bytes and the other tensors (many, small) the other half. The per-save
+// fixed costs (save_async, plan, commit: they grow with the tensor count,
+// not the bytes) are printed beside the throughput.
 //
 // --compress fills the state with realistic values instead of a pattern (bf16
 // weights from a normal distribution; f32 Adam moments, the second ones with
@@ -77,6 +82,7 @@ double ms_since(Clock::time_point t0) {
 struct Flags {
   uint64_t state_mib = 2048;
   uint32_t tensors = 120;
+  uint32_t large = 0;      // of them, large ones holding half the state
   uint64_t pool_mib = 0;   // 0: state + header (instant snapshot)
   uint64_t chunk_mib = 0;  // 0: the runtime's default
   uint32_t writers = 0;    // 0: the runtime's default
@@ -97,6 +103,7 @@ struct Flags {
                "                        [--set KEY=VALUE]...\n"
                "  --state-mib  state size (default 2048; 4096 with --rss-run)\n"
                "  --tensors    number of tensors (default 120; try 2000 for many small ones)\n"
+               "  --large N    N of them large, holding half the state; the rest small\n"
                "  --pool-mib   staging pool (default: the state plus its header; 512 with\n"
                "               --rss-run)\n"
                "  --chunk-mib  pool block / write size (default: the runtime's)\n"
@@ -142,6 +149,8 @@ Flags parse(int argc, char** argv) {
       state_set = true;
     } else if (flag == "--tensors") {
       f.tensors = static_cast<uint32_t>(parse_positive(v, flag));
+    } else if (flag == "--large") {
+      f.large = static_cast<uint32_t>(parse_positive(v, flag));
     } else if (flag == "--pool-mib") {
       f.pool_mib = parse_positive(v, flag);
       pool_set = true;
@@ -167,7 +176,10 @@ Flags parse(int argc, char** argv) {
   // Explicit sizes win over the memory run's, whatever the flag order.
   if (f.rss_run && !state_set) f.state_mib = 4096;
   if (f.rss_run && !pool_set) f.pool_mib = 512;
-  if (f.state_mib * kMiB / f.tensors < 256)
+  if (f.large >= f.tensors)
+    usage("--large " + std::to_string(f.large) + " must be fewer than --tensors " +
+          std::to_string(f.tensors));
+  if (f.state_mib * kMiB / (f.large ? 2 : 1) / (f.tensors - f.large) < 256)
     usage("--tensors " + std::to_string(f.tensors) + " is too many for " +
           std::to_string(f.state_mib) + " MiB (each tensor needs at least 256 bytes)");
   // Each save's ratio moves by about 10% with the disk here: the median of
@@ -318,10 +330,17 @@ struct Tensor {
 // Uneven sizes (1x to 3x of each other) so blocks mix tensors and tensors
 // straddle blocks, as in a real model. Every size is a multiple of 256 bytes
 // and the sizes sum to `total` exactly.
-std::vector<Tensor> make_tensors(uint64_t total, uint32_t n) {
+// With `large` > 0, the first `large` tensors share half of `total`
+// equally and the others the rest as above (a model's few big matrices and
+// its many small vectors).
+std::vector<Tensor> make_tensors(uint64_t total, uint32_t n, uint32_t large = 0) {
   std::vector<double> weight(n);
-  double sum = 0;
-  for (uint32_t i = 0; i < n; ++i) sum += weight[i] = 1.0 + (i * 7919u % 13u) / 6.0;
+  double sum = 0, small_sum = 0;
+  for (uint32_t i = large; i < n; ++i) small_sum += 1.0 + (i * 7919u % 13u) / 6.0;
+  for (uint32_t i = 0; i < n; ++i) {
+    const double w = 1.0 + (i * 7919u % 13u) / 6.0;
+    sum += weight[i] = i < large ? small_sum / large : w;
+  }
   std::vector<Tensor> ts(n);
   uint64_t used = 0;
   for (uint32_t i = 0; i < n; ++i) {
@@ -606,12 +625,12 @@ int run(const Flags& flags) {
   const std::string root = scratch.path() + "/ckpt";
 
   // --- the state, allocated and touched before anything of Ferry exists ----
-  std::printf("state: %llu MiB in %u tensors, filling...\n",
-              static_cast<unsigned long long>(flags.state_mib), flags.tensors);
+  std::printf("state: %llu MiB in %u tensors (%u large), filling...\n",
+              static_cast<unsigned long long>(flags.state_mib), flags.tensors, flags.large);
   std::fflush(stdout);
   // Plain pages, as a framework's allocator hands them out.
   Region state(state_bytes, false);
-  const std::vector<Tensor> tensors = make_tensors(state_bytes, flags.tensors);
+  const std::vector<Tensor> tensors = make_tensors(state_bytes, flags.tensors, flags.large);
   if (flags.compress) {
     for (size_t i = 0; i < tensors.size(); ++i) {
       const Tensor& t = tensors[i];
@@ -798,6 +817,13 @@ int run(const Flags& flags) {
   const double ferry_ms = median(total_v), raw_ms = median(raw_v);
   const double snapshot_ms = median(snap_v), memcpy_ms = median(memcpy_v);
   const double save_async_ms = median(async_v);
+  // The per-save fixed costs beside it, from each save's own metrics.
+  std::vector<double> plan_v, commit_v;
+  for (const auto& sv : saves) {
+    plan_v.push_back(sv.metrics.plan_ms);
+    commit_v.push_back(sv.metrics.commit_ms);
+  }
+  const double plan_ms = median(plan_v), commit_ms = median(commit_v);
   const double ferry_gbps = state_bytes / (ferry_ms * 1e6);
   const double raw_gbps = state_bytes / (raw_ms * 1e6);
   // Ratios of each rep's own figures, then their median: they ran within a
@@ -837,7 +863,10 @@ int run(const Flags& flags) {
       "  persist ratio   %8.3f  (middle half of the saves %.3f-%.3f; %.3f against %u "
       "writing threads)\n",
       persist_ratio, persist_q1, persist_q3, ferry_gbps / raw_par_gbps, par);
-  std::printf("  save_async      %8.3f ms  [%.3f ms]\n", save_async_ms, best(async_v));
+  std::printf("  save_async      %8.3f ms  [%.3f ms]  (%u tensors, %u large)\n", save_async_ms,
+              best(async_v), flags.tensors, flags.large);
+  std::printf("  plan            %8.3f ms  [%.3f ms]\n", plan_ms, best(plan_v));
+  std::printf("  commit          %8.3f ms  [%.3f ms]\n", commit_ms, best(commit_v));
   std::printf("  snapshot        %8.1f ms  %6.2f GB/s  [%.1f ms]\n", snapshot_ms,
               state_bytes / (snapshot_ms * 1e6), best(snap_v));
   std::printf("  memcpy          %8.1f ms  %6.2f GB/s  [%.1f ms]\n", memcpy_ms,
@@ -903,10 +932,10 @@ int run(const Flags& flags) {
 
   std::printf(
       "{\"bench\":\"save\",\"state_mib\":%llu,\"pool_mib\":%.0f,\"chunk_mib\":%.0f,"
-      "\"writers\":%u,\"tensors\":%u,\"reps\":%u,\"rss_run\":%s,"
+      "\"writers\":%u,\"tensors\":%u,\"large\":%u,\"reps\":%u,\"rss_run\":%s,"
       "\"ferry_persist_gbps\":%.3f,\"raw_write_gbps\":%.3f,\"persist_ratio\":%.3f,"
       "\"persist_ratio_q1\":%.3f,\"persist_ratio_q3\":%.3f,\"raw_write_par_gbps\":%.3f,\"raw_par_"
-      "threads\":%u,\"raw_direct\":%s,\"save_async_ms\":%.3f,"
+      "threads\":%u,\"raw_direct\":%s,\"save_async_ms\":%.3f,\"plan_ms\":%.3f,\"commit_ms\":%.3f,"
       "\"snapshot_ms\":%.1f,\"memcpy_ms\":%.1f,"
       "\"snapshot_ratio\":%.3f,\"total_ms\":%.1f,\"raw_ms\":%.1f,\"peak_rss_mib\":%.0f,"
       "\"baseline_rss_mib\":%.0f,\"rss_growth_mib\":%.0f,\"verified\":true,\"compress\":%s,"
@@ -914,12 +943,12 @@ int run(const Flags& flags) {
       "\"compressed_state_ratio\":%.3f,\"codec\":[%s],\"replica_check_full_ms\":%.1f,"
       "\"replica_check_auto_ms\":%.1f,\"replica_check_full_ratio\":%.4f}\n",
       static_cast<unsigned long long>(flags.state_mib), pool_mib,
-      static_cast<double>(opts.chunk_bytes) / kMiB, opts.writers, flags.tensors, flags.reps,
-      flags.rss_run ? "true" : "false", ferry_gbps, raw_gbps, persist_ratio, persist_q1, persist_q3,
-      raw_par_gbps, par, raw_direct ? "true" : "false", save_async_ms, snapshot_ms, memcpy_ms,
-      snapshot_ratio, ferry_ms, raw_ms, peak_mib, baseline_mib, growth_mib,
-      flags.compress ? "true" : "false", z_ms, z_persist_ratio, z_ratio, codec_json.c_str(),
-      rc_full_ms, rc_auto_ms, rc_full_ms / ferry_ms);
+      static_cast<double>(opts.chunk_bytes) / kMiB, opts.writers, flags.tensors, flags.large,
+      flags.reps, flags.rss_run ? "true" : "false", ferry_gbps, raw_gbps, persist_ratio, persist_q1,
+      persist_q3, raw_par_gbps, par, raw_direct ? "true" : "false", save_async_ms, plan_ms,
+      commit_ms, snapshot_ms, memcpy_ms, snapshot_ratio, ferry_ms, raw_ms, peak_mib, baseline_mib,
+      growth_mib, flags.compress ? "true" : "false", z_ms, z_persist_ratio, z_ratio,
+      codec_json.c_str(), rc_full_ms, rc_auto_ms, rc_full_ms / ferry_ms);
   return 0;
 }
 

@@ -15,6 +15,12 @@ object with every figure and the ratios.
 
     PYTHONPATH=python python3 bench/torch_compare.py --gib 2 --dir /data/bench
     ... --small            # 2,000 small tensors instead of ~120 large ones
+    ... --tensors 50000 --large 40   # a model's shape: 40 large tensors hold
+                                     # half the bytes, 49,960 small ones the rest
+
+Beside the throughput, Ferry's per-save fixed costs (they grow with the
+tensor count, not the bytes) are printed: save_async's return on the first
+save and on a repeated one, and the C++ plan and commit phases.
 """
 
 import argparse
@@ -33,21 +39,38 @@ ALIGN = 4096
 RAW_BLOCK = 8 << 20
 
 
-def build_state(gib, small, seed=0):
+def tensor_count(args):
+    return args.tensors or (2000 if args.small else 120)
+
+
+def build_state(gib, n, large=0, seed=0):
+    """n float32 tensors of `gib` GiB; with large > 0, the first `large`
+    share half of it and the others (small, one of three a vector) the rest."""
     import torch
 
     total = int(gib * (1 << 30))
-    n = 2000 if small else 120
-    per = max(1, total // (4 * n))
     torch.manual_seed(seed)
     sd = {}
     for i in range(n):
-        cols = 1024 if per >= 4096 else 1
+        if large:
+            per = max(1, total // 2 // (4 * large)) if i < large else \
+                max(1, total // 2 // (4 * (n - large)))
+        else:
+            per = max(1, total // (4 * n))
+        cols = 1024 if per >= 4096 else (per if i % 3 == 0 else 1)
         rows = max(1, per // cols)
         t = torch.empty(rows, cols, dtype=torch.float32)
         t.uniform_(-1, 1)
-        sd["layers.%04d.weight" % i] = t
+        sd["layers.%06d.weight" % i] = t
     return sd
+
+
+def assert_same(target, sd):
+    """Every tensor loaded back equal (a load that misses one is no figure)."""
+    import torch
+
+    bad = [k for k, v in sd.items() if not torch.equal(target[k], v)]
+    assert not bad, "%d tensors differ after the load, e.g. %s" % (len(bad), bad[0])
 
 
 def state_bytes(sd):
@@ -111,7 +134,7 @@ def run_torch(sd, d, args):
     t0 = time.perf_counter()
     loaded = torch.load(path, map_location="cpu")
     out["load_s"] = time.perf_counter() - t0
-    assert torch.equal(loaded["layers.0000.weight"], sd["layers.0000.weight"])
+    assert_same(loaded, sd)
     return out
 
 
@@ -149,7 +172,7 @@ def run_dcp(sd, d, args):
     else:
         dcp.load_state_dict(target, reader, no_dist=True)
     out["load_s"] = time.perf_counter() - t0
-    assert torch.equal(target["layers.0000.weight"], sd["layers.0000.weight"])
+    assert_same(target, sd)
     return out
 
 
@@ -187,10 +210,12 @@ def run_ferry(sd, d, args):
         # the ratios use are the second save's.
         t0 = time.perf_counter()
         first = rt.save_async(sd, root, 1)
+        tr = time.perf_counter()
         first.wait_snapshot()
         t1 = time.perf_counter()
         first.wait()
-        first_s = {"first_blocked_snapshot_s": t1 - t0, "first_durable_s": time.perf_counter() - t0}
+        first_s = {"first_blocked_s": tr - t0, "first_blocked_snapshot_s": t1 - t0,
+                   "first_durable_s": time.perf_counter() - t0}
         t0 = time.perf_counter()
         h = rt.save_async(sd, root, 2)
         t1 = time.perf_counter()
@@ -206,12 +231,21 @@ def run_ferry(sd, d, args):
             "metrics": h.metrics(),
         }
         out.update(first_s)
+        m = out["metrics"]
+        # The per-save fixed costs, in ms: what grows with the tensor count.
+        out["fixed_ms"] = {
+            "save_async_first": round(first_s["first_blocked_s"] * 1e3, 3),
+            "save_async": round(out["blocked_s"] * 1e3, 3),
+            "cpp_save_async": round(m["save_async_ms"], 3),
+            "plan": round(m["plan_ms"], 3),
+            "commit": round(m["commit_ms"], 3),
+        }
         target = {k: torch.empty_like(v) for k, v in sd.items()}
         evict(path)
         t0 = time.perf_counter()
         rt.load(target, path)
         out["load_s"] = time.perf_counter() - t0
-        assert torch.equal(target["layers.0000.weight"], sd["layers.0000.weight"])
+        assert_same(target, sd)
     finally:
         rt.close()
     return out
@@ -281,7 +315,7 @@ TOOLS = {
 
 
 def worker(args):
-    sd = build_state(args.gib, args.small)
+    sd = build_state(args.gib, tensor_count(args), args.large)
     base = rss_bytes()
     d = os.path.join(args.dir, args.worker)
     shutil.rmtree(d, ignore_errors=True)
@@ -305,18 +339,30 @@ def main():
     ap.add_argument("--dir", default="/tmp/ferry_torch_compare", help="on the disk to measure")
     ap.add_argument("--gib", type=float, default=2.0, help="state dict size")
     ap.add_argument("--small", action="store_true", help="2,000 small tensors")
+    ap.add_argument("--tensors", type=int, default=0, help="tensor count (default 120, "
+                    "2,000 with --small)")
+    ap.add_argument("--large", type=int, default=0, help="of them, large ones holding half the "
+                    "state (the rest small)")
     ap.add_argument("--tools", default=",".join(TOOLS))
     ap.add_argument("--pool-bytes", default=None, help="Ferry's pool (default: the state's size)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.large and args.large >= tensor_count(args):
+        ap.error("--large must be fewer than the tensors (%d)" % tensor_count(args))
     if args.worker:
         return worker(args)
 
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("SKIP: torch is not importable from %s" % sys.executable)
+        return 77
     os.makedirs(args.dir, exist_ok=True)
     results = {}
     for tool in args.tools.split(","):
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", tool, "--dir", args.dir,
-               "--gib", str(args.gib)] + (["--small"] if args.small else [])
+               "--gib", str(args.gib), "--tensors", str(tensor_count(args)),
+               "--large", str(args.large)]
         if args.pool_bytes:
             cmd += ["--pool-bytes", args.pool_bytes]
         p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -338,7 +384,9 @@ def main():
     summary = {
         "bench": "torch_compare",
         "state_gb": round(gb, 3),
-        "tensors": 2000 if args.small else 120,
+        "tensors": tensor_count(args),
+        "large": args.large,
+        "ferry_fixed_ms": get("ferry", "fixed_ms"),
         "results": results,
         "ratios": {
             "durable_torch_save_over_ferry": ratio(get("torch_save", "durable_s"), get("ferry", "durable_s")),
@@ -359,7 +407,8 @@ def main():
         },
     }
     print(json.dumps(summary), flush=True)
-    return 0
+    # A tool that failed (or loaded wrong bytes) fails the run: no figure.
+    return 1 if any("error" in r for r in results.values()) else 0
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 #include "ferry/tensor.hpp"
 
+#include <atomic>
 #include <limits>
 
 namespace ferry {
@@ -71,17 +72,41 @@ bool TensorView::is_contiguous() const {
   return true;
 }
 
+StateDict::Data& StateDict::mut() {
+  if (!d_) {
+    d_ = std::make_shared<Data>();
+  } else if (d_.use_count() > 1) {
+    d_ = std::make_shared<Data>(*d_);
+  } else {
+    // The last other owner may have just let go on another thread: its reads
+    // happen before these writes.
+    std::atomic_thread_fence(std::memory_order_acquire);
+  }
+  return *d_;
+}
+
+const std::vector<StateEntry>& StateDict::entries() const {
+  static const std::vector<StateEntry> kNone;
+  return d_ ? d_->entries : kNone;
+}
+
+std::vector<StateEntry>& StateDict::entries() {
+  return mut().entries;
+}
+
 Status StateDict::add(std::string key, TensorView view, std::optional<Shard> shard) {
   if (key.empty()) return Status::invalid_argument("state dict key is empty");
-  auto [it, fresh] = index_.emplace(key, entries_.size());
+  Data& d = mut();
+  auto [it, fresh] = d.index.emplace(key, d.entries.size());
   if (!fresh) return Status::invalid_argument("duplicate state dict key '" + key + "'");
-  entries_.push_back({std::move(key), std::move(view), std::move(shard)});
+  d.entries.push_back({std::move(key), std::move(view), std::move(shard)});
   return Status();
 }
 
 const StateEntry* StateDict::find(const std::string& key) const {
-  auto it = index_.find(key);
-  return it == index_.end() ? nullptr : &entries_[it->second];
+  if (!d_) return nullptr;
+  auto it = d_->index.find(key);
+  return it == d_->index.end() ? nullptr : &d_->entries[it->second];
 }
 
 Status validate_entry(const StateEntry& e) {

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ferry/tensor.hpp"
@@ -56,4 +57,31 @@ TEST_CASE("building a state dict of 100,000 entries is linear in its entries") {
   }
   INFO("10 x 10,000 entries: " << ten_small * 1e3 << " ms, 1 x 100,000: " << large * 1e3 << " ms");
   CHECK(large <= 3 * ten_small);
+}
+
+TEST_CASE("copies of a state dict share entries until one changes, then differ") {
+  std::vector<float> d(4);
+  ferry::StateDict a;
+  REQUIRE(a.add("x", ferry::TensorView{&d[0], ferry::DType::f32, {1}}).ok());
+  const ferry::StateDict b = a;  // shares
+  CHECK(&b.entries() == &std::as_const(a).entries());
+  // A change through either side leaves the other as it was.
+  a.entries()[0].view.data = &d[1];
+  REQUIRE(a.add("y", ferry::TensorView{&d[2], ferry::DType::f32, {1}}).ok());
+  CHECK(b.size() == 1);
+  CHECK(b.find("x")->view.data == &d[0]);
+  CHECK(b.find("y") == nullptr);
+  CHECK(a.find("x")->view.data == &d[1]);
+  ferry::StateDict c = b;
+  REQUIRE(c.add("z", ferry::TensorView{&d[3], ferry::DType::f32, {1}}).ok());
+  CHECK(b.size() == 1);
+  CHECK(c.size() == 2);
+  // A duplicate refused on a shared copy changes nothing either.
+  ferry::StateDict e = b;
+  CHECK_FALSE(e.add("x", ferry::TensorView{&d[3], ferry::DType::f32, {1}}).ok());
+  CHECK(b.find("x")->view.data == &d[0]);
+  // An empty state dict (no data yet) reads as empty.
+  const ferry::StateDict none;
+  CHECK(none.entries().empty());
+  CHECK(none.find("x") == nullptr);
 }

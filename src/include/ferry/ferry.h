@@ -117,6 +117,7 @@ typedef struct ferry_kv {
 typedef struct ferry_runtime ferry_runtime;
 typedef struct ferry_save ferry_save;
 typedef struct ferry_manifest ferry_manifest;
+typedef struct ferry_state_dict ferry_state_dict;
 
 /* --- errors and versions ------------------------------------------------- */
 
@@ -197,6 +198,23 @@ FERRY_API ferry_status ferry_save_async_ex(ferry_runtime* rt, const ferry_tensor
                                            int overwrite, const ferry_kv* metadata,
                                            size_t num_metadata, const ferry_save_options* opts,
                                            const ferry_save_extra* extra, ferry_save** out);
+/* A prepared state dict: the tensors validated and copied (keys, shapes,
+ * pointers; not their bytes) once, for saves that repeat with the same
+ * tensors, so a save of n tensors costs O(1) here instead of O(n). The
+ * memory rules of ferry_tensor apply to each save of it. */
+FERRY_API ferry_status ferry_state_dict_create(const ferry_tensor* tensors, size_t num_tensors,
+                                               ferry_state_dict** out);
+/* Replaces entry `index` (a tensor moved, was reshaped, ...); its key must
+ * stay the same. A save already started keeps the entries it was given. */
+FERRY_API ferry_status ferry_state_dict_set(ferry_state_dict* sd, size_t index,
+                                            const ferry_tensor* tensor);
+FERRY_API size_t ferry_state_dict_size(const ferry_state_dict* sd);
+FERRY_API void ferry_state_dict_release(ferry_state_dict* sd);
+/* ferry_save_async_opts of a prepared state dict. */
+FERRY_API ferry_status ferry_save_async_sd(ferry_runtime* rt, const ferry_state_dict* sd,
+                                           uint64_t step, const char* root, int overwrite,
+                                           const ferry_kv* metadata, size_t num_metadata,
+                                           const ferry_save_options* opts, ferry_save** out);
 /* Blocks until every byte is off the caller's tensors (or the save failed). */
 FERRY_API ferry_status ferry_save_wait_snapshot(ferry_save* s);
 /* Stream-ordered: makes the CUDA stream `stream` (a cudaStream_t on device

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -84,22 +85,30 @@ struct StateEntry {
 };
 
 // Keys are unique; insertion order is kept (it is the order of the files).
+// Copies share their entries until one of them is changed (copy on write),
+// so handing a state dict to a save costs O(1), not O(n).
 class FERRY_EXPORT StateDict {
  public:
   // Returns invalid_argument for a duplicate or empty key. O(1): a state dict
   // of n entries is built in O(n).
   Status add(std::string key, TensorView view, std::optional<Shard> shard = std::nullopt);
-  const std::vector<StateEntry>& entries() const { return entries_; }
+  const std::vector<StateEntry>& entries() const;
   // REQUIRES: keys are not changed through this reference (the index of
-  // find() and add() holds them); views and shards may be.
-  std::vector<StateEntry>& entries() { return entries_; }
-  size_t size() const { return entries_.size(); }
-  bool empty() const { return entries_.empty(); }
+  // find() and add() holds them); views and shards may be. The reference is
+  // this state dict's own until it is next copied: change entries through
+  // it before copying the state dict, not after.
+  std::vector<StateEntry>& entries();
+  size_t size() const { return d_ ? d_->entries.size() : 0; }
+  bool empty() const { return size() == 0; }
   const StateEntry* find(const std::string& key) const;
 
  private:
-  std::vector<StateEntry> entries_;
-  std::unordered_map<std::string, size_t> index_;  // key -> position in entries_
+  struct Data {
+    std::vector<StateEntry> entries;
+    std::unordered_map<std::string, size_t> index;  // key -> position in entries
+  };
+  Data& mut();  // this state dict's own data (copied first if shared)
+  std::shared_ptr<Data> d_;
 };
 
 // Checks one entry: known dtype, shape >= 0, strides rank, shard inside its

@@ -1,0 +1,84 @@
+"""A state dict of 100,000 tensors costs about ten times one of 10,000
+through the Python package (issue 45): the first save_async (walk, entries,
+the prepared C++ state dict), a repeated one (the cache), the save to
+committed and the load back, whose bytes must equal the state's. The bound
+is loose (25x) so a shared, loaded machine does not fail it; a quadratic
+step makes 100x.
+
+Run by ctest (exit 77 = skipped when torch is not importable)."""
+
+import gc
+import shutil
+import tempfile
+import time
+import unittest
+
+import _support  # noqa: F401 (exits 77, skipped, without torch)
+import torch  # noqa: E402
+
+import ferry
+
+ELEMS = 16  # floats per tensor: the cost is per tensor, not per byte
+BOUND = 25
+
+
+def run(n):
+    """Times of a state of n tensors (views into one buffer, so the bytes
+    are compared in one call). The collector is off while timing: its
+    pauses depend on the whole process's heap, not on the call timed."""
+    gc.collect()
+    gc.disable()
+    try:
+        return _run(n)
+    finally:
+        gc.enable()
+
+
+def _run(n):
+    d = tempfile.mkdtemp(prefix="ferry-scale-")
+    rt = ferry.Runtime({"pool_bytes": "32MiB"}, rank=0, world_size=1)
+    try:
+        flat = torch.arange(n * ELEMS, dtype=torch.float32)
+        sd = {"layers.%d.expert.w" % i: flat[i * ELEMS:(i + 1) * ELEMS] for i in range(n)}
+        # save_async's own work is this thread's: its CPU time, not wall
+        # time, which on a loaded machine favours a call short enough to
+        # run within one time slice.
+        t = {}
+        t0 = time.thread_time()
+        h = rt.save_async(sd, d, 1)
+        t["first_save_async"] = time.thread_time() - t0
+        h.wait()
+        flat[0] = -1.0  # the second save has its own bytes
+        t0, c0 = time.perf_counter(), time.thread_time()
+        h = rt.save_async(sd, d, 2)
+        t["save_async"] = time.thread_time() - c0
+        path = h.wait()
+        t["save"] = time.perf_counter() - t0
+        back = torch.zeros_like(flat)
+        target = {k: back[i * ELEMS:(i + 1) * ELEMS] for i, k in enumerate(sd)}
+        t0 = time.perf_counter()
+        rt.load(target, path)
+        t["load"] = time.perf_counter() - t0
+        assert torch.equal(back, flat), "the state loaded back differs"
+        return t
+    finally:
+        rt.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+class Scale(unittest.TestCase):
+    def test_100000_tensors_cost_about_10x_10000(self):
+        small = run(10_000)
+        big = run(100_000)
+        msg = "10,000: %s; 100,000: %s" % (
+            {k: round(v, 4) for k, v in small.items()}, {k: round(v, 4) for k, v in big.items()})
+        print(msg)
+        for key in ("first_save_async", "save_async"):
+            self.assertLessEqual(big[key] / max(small[key], 1e-4), BOUND, key + ": " + msg)
+        # Save and load together: one stall of a shared disk moves either alone.
+        self.assertLessEqual((big["save"] + big["load"]) / (small["save"] + small["load"]), BOUND,
+                             msg)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
