@@ -962,6 +962,8 @@ def _load(rt, state_dict, path, strict, cast, key_map, allow_pickle=False):
         depth = len(flat.paths[key]) if some is None else _prefix_depth(some, ck)
         sub = _tree.build(values, man.paths, strip=depth - 1)
         sub = next(iter(sub.values())) if sub else {}
+        if isinstance(sub, dict) and "state" in sub and _tree.is_named_optim_state(sub):
+            sub = _tree.optim_state_by_id(sub)
         if isinstance(sub, dict):
             ph.update(sub)  # in place: the caller's reference to the dict sees it
         else:

@@ -173,6 +173,19 @@ def is_named_optim_state(sd):
     )
 
 
+def optim_state_by_id(sd):
+    """An optimizer state saved by parameter name in torch's own form:
+    torch numbers parameters in param_groups order, so the saved groups give
+    each name its id (what a `{}` placeholder hands the caller)."""
+    order = [n for g in sd["param_groups"] for n in g.get("params", [])]
+    index = {n: i for i, n in enumerate(order)}
+    return {
+        "state": {index[n]: s for n, s in sd.get("state", {}).items() if n in index},
+        "param_groups": [dict(g, params=[index[n] for n in g.get("params", [])])
+                         for g in sd["param_groups"]],
+    }
+
+
 def load_optim_by_name(opt, values, prefix, names):
     """Fills `opt` from checkpoint values (flat key -> value) saved by name
     under `prefix`: each "<prefix>.state.<name>.<field>" goes to the

@@ -118,7 +118,8 @@ std::string latest_path(const std::string& root) {
   return latest->path;
 }
 
-// Each rank's RINGPEERS line: its node and the ranks whose rings it may use.
+// Each rank's RINGPEERS line: its node's host name and the ranks whose rings
+// it may use.
 std::map<int, std::pair<std::string, std::set<int>>> ring_peers(const std::string& out, int ranks) {
   std::map<int, std::pair<std::string, std::set<int>>> peers;
   for (int r = 0; r < ranks; ++r) {
@@ -126,7 +127,9 @@ std::map<int, std::pair<std::string, std::set<int>>> ring_peers(const std::strin
     if (lines.size() != 1) continue;
     const std::string& l = lines[0];
     const auto node_at = l.find("node=") + 5;
-    const std::string node = l.substr(node_at, l.find(' ', node_at) - node_at);
+    // "<boot id>:<host name>": emulated hosts share the boot, so the name tells.
+    std::string node = l.substr(node_at, l.find(' ', node_at) - node_at);
+    node = node.substr(node.find(':') + 1);
     std::set<int> ps;
     std::string list = l.substr(l.find("peers=") + 6);
     for (size_t at = 0; at < list.size();) {

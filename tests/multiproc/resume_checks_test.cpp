@@ -28,7 +28,7 @@ TEST_CASE("a replicated tensor whose holders differ fails the save, naming key a
   ferry::testing::check_nothing_saved(d.path());
 }
 
-TEST_CASE("replica-check sampled catches a large replica that differs; off saves one of them",
+TEST_CASE("replica-check sampled catches a large replica that differs, and off saves one of them",
           "[ranks][replica]") {
   {
     TempDir d;

@@ -709,7 +709,7 @@ TEST_CASE("a config path that is a FIFO or huge is refused, never read", "[optio
   std::filesystem::remove_all(dir);
 }
 
-TEST_CASE("replica-check takes auto, full, sampled or off; plan-timeout defaults below 60 s",
+TEST_CASE("replica-check takes auto, full, sampled or off, and plan-timeout defaults below 60 s",
           "[options]") {
   CHECK(Options{}.replica_check == ferry::ReplicaCheck::automatic);
   // Shorter than the 60 s a save some ranks never call used to wait.

@@ -40,7 +40,7 @@ TEST_CASE("replica mode: auto is full up to the threshold, sampled above", "[rep
         std::vector<std::pair<uint64_t, uint64_t>>{{0, 1000}});
 }
 
-TEST_CASE("replica digest: equal bytes agree; one byte apart differs; strided = contiguous",
+TEST_CASE("replica digest: equal bytes agree, one byte apart differs, strided = contiguous",
           "[replica]") {
   std::vector<float> a(4096), b;
   std::iota(a.begin(), a.end(), 0.5f);
