@@ -9,7 +9,7 @@ import threading
 import weakref
 from collections import namedtuple
 
-from . import _lib, _tree
+from . import _lib, _pack, _tree
 from ._lib import FerryError, check, lib, wait_sliced
 
 # ferry_dtype codes (ferry.h) of the torch dtypes safetensors names.
@@ -183,48 +183,14 @@ def _as_shard(key, v):
 
 
 class _Entries:
-    """ctypes ferry_tensor records for a list of (key, tensor, shard); keeps
-    every buffer they point at alive for as long as it lives."""
+    """ctypes ferry_tensor records for a list of (key, tensor, global shape,
+    offsets); keeps every buffer they point at alive for as long as it lives."""
 
     def __init__(self, items):
-        n = len(items)
-        self.array = (_lib.Tensor * n)()
-        self.keep = []
-        for i, (key, t, gshape, offsets) in enumerate(items):
-            rec = self.array[i]
-            _no_nul("tensor key", key)
-            kb = key.encode("utf-8")
-            self.keep.append(kb)
-            rec.key = kb
-            rec.data = t.data_ptr() if t.numel() > 0 else None
-            rec.dtype = _dtype_code(key, t.dtype)
-            rec.ndim = t.dim()
-            shape = (ctypes.c_int64 * max(t.dim(), 1))(*t.shape)
-            self.keep.append(shape)
-            rec.shape = ctypes.cast(shape, _lib.c_int64_p)
-            if t.is_contiguous():
-                rec.strides = None
-            else:
-                st = (ctypes.c_int64 * max(t.dim(), 1))(*t.stride())
-                self.keep.append(st)
-                rec.strides = ctypes.cast(st, _lib.c_int64_p)
-            if t.device.type == "cuda":
-                rec.device_type = 1
-                rec.device_index = t.device.index or 0
-            elif t.device.type == "cpu":
-                rec.device_type = 0
-                rec.device_index = 0
-            else:
-                raise FerryError("tensor '%s': device %s is not supported" % (key, t.device))
-            if gshape is None:
-                rec.global_shape = None
-                rec.offsets = None
-            else:
-                g = (ctypes.c_int64 * max(len(gshape), 1))(*gshape)
-                o = (ctypes.c_int64 * max(len(offsets), 1))(*offsets)
-                self.keep += [g, o]
-                rec.global_shape = ctypes.cast(g, _lib.c_int64_p)
-                rec.offsets = ctypes.cast(o, _lib.c_int64_p)
+        for key, _, _, _ in items:
+            if "\0" in key:
+                _no_nul("tensor key", key)
+        self.array, self.keep = _pack.pack_items(items)
 
 
 def _no_nul(what, s):
@@ -233,13 +199,6 @@ def _no_nul(what, s):
     if "\0" in s:
         raise FerryError("%s %r contains a NUL character, which Ferry cannot store" % (what, s),
                          "invalid_argument")
-
-
-def _storage_of(t):
-    """The memory a tensor views. A pending save holds it, not only the
-    tensor: t.set_(...) would otherwise free what the snapshot copies from."""
-    f = getattr(t, "untyped_storage", None)  # torch >= 2.0; 1.13 has storage()
-    return f() if f is not None else t.storage()
 
 
 def _save_entries(state_dict, metadata):
@@ -564,7 +523,7 @@ class SaveHandle:
         self._ptr = ptr
         self._entries = entries
         self._tensors = tensors
-        self._storages = [_storage_of(t) for t in tensors]
+        self._storages = list(map(_pack.storage_fn(), tensors))
         self.staged = staged  # keys of non-contiguous tensors copied before the save
         self._lock = threading.Lock()
         self.step = lib().ferry_save_step(ptr)
