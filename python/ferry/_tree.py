@@ -41,13 +41,19 @@ def _is_tensor(v):
     return isinstance(v, torch.Tensor) and type(v).__name__ != "DTensor"
 
 
+_tensor_like_types = {}  # type -> is_tensor_like: it depends on the type alone
+
+
 def is_tensor_like(v):
+    tp = type(v)
+    known = _tensor_like_types.get(tp)
+    if known is not None:
+        return known
     from ._core import Shard
 
-    if isinstance(v, Shard) or _is_tensor(v):
-        return True
-    name = type(v).__name__
-    return name in ("ShardedTensor", "DTensor")
+    r = isinstance(v, Shard) or _is_tensor(v) or tp.__name__ in ("ShardedTensor", "DTensor")
+    _tensor_like_types[tp] = r
+    return r
 
 
 def is_stateful(v):
@@ -74,7 +80,10 @@ def _component_str(c):
 
 
 def join(path):
-    return ".".join(_component_str(c) for c in path)
+    try:
+        return ".".join(path)  # all str: the common case, at C speed
+    except TypeError:
+        return ".".join(_component_str(c) for c in path)
 
 
 class Flat:
@@ -96,9 +105,19 @@ class Flat:
         self.paths = {}
         self.slots = {}
         self.stateful = {}
-        self.param_names = {}  # id(parameter) -> name, from the modules in the tree
+        self.root = None
+        self._param_names = None
         self.typed = {}
         self.pickled = set()
+
+    @property
+    def param_names(self):
+        """id(parameter) -> name, from the modules in the tree; walked only
+        when an optimizer needs it."""
+        if self._param_names is None:
+            self._param_names = {}
+            _collect_param_names(self.root, self._param_names)
+        return self._param_names
 
     def _add(self, path, kind, value, slot):
         key = join(path)
@@ -116,7 +135,7 @@ def flatten(state_dict):
     if not isinstance(state_dict, dict):
         raise TypeError("ferry: a state dict must be a dict, got %s" % type(state_dict).__name__)
     flat = Flat()
-    _collect_param_names(state_dict, flat.param_names)
+    flat.root = state_dict
     _walk(state_dict, [], flat, None, None)
     return flat
 
