@@ -338,6 +338,43 @@ ferry_status ferry_save_async_opts(ferry_runtime* rt, const ferry_tensor* tensor
                              num_metadata, file_opts, nullptr, out);
 }
 
+namespace {
+
+// One save of a prepared or a fresh state dict: the options from the C
+// arguments, then the save started and its handle made.
+ferry_status start_save(ferry_runtime* rt, const ferry::StateDict& sd, uint64_t step,
+                        const char* root, int overwrite, const ferry_kv* metadata,
+                        size_t num_metadata, const ferry_save_options* file_opts,
+                        const ferry_save_extra* extra, ferry_save** out) {
+  ferry_status error = FERRY_OK;
+  auto opts = save_options(overwrite, metadata, num_metadata, file_opts, &error);
+  if (!opts) return error;
+  opts->root = root ? root : "";
+  if (extra) {
+    if (extra->stream_device < 0)
+      return fail(FERRY_INVALID_ARGUMENT,
+                  "stream_device = " + std::to_string(extra->stream_device) + ": must be >= 0");
+    opts->stream = extra->stream;
+    opts->stream_device = ferry::Device::cuda(extra->stream_device);
+    if (ferry_snapshot_check_fn fn = extra->snapshot_check) {
+      void* user = extra->snapshot_check_user;
+      opts->snapshot_check = [fn, user]() {
+        char msg[1024] = {0};
+        if (fn(user, msg, sizeof msg) == 0) return ferry::Status();
+        msg[sizeof msg - 1] = '\0';
+        return ferry::Status::aborted(msg[0] ? std::string(msg)
+                                             : std::string("the snapshot check failed"));
+      };
+    }
+  }
+  auto s = std::make_unique<ferry_save>();
+  s->h = rt->rt->save_async(sd, step, *opts);
+  *out = handles<ferry_save>().add(std::move(s));
+  return to_c(ferry::Status());
+}
+
+}  // namespace
+
 ferry_status ferry_save_async_ex(ferry_runtime* rt, const ferry_tensor* tensors, size_t num_tensors,
                                  uint64_t step, const char* root, int overwrite,
                                  const ferry_kv* metadata, size_t num_metadata,
@@ -349,31 +386,7 @@ ferry_status ferry_save_async_ex(ferry_runtime* rt, const ferry_tensor* tensors,
     FERRY_CHECK_HANDLE(rt, "runtime");
     ferry::StateDict sd;
     if (auto st = to_state_dict(tensors, num_tensors, &sd); !st.ok()) return to_c(st);
-    ferry_status error = FERRY_OK;
-    auto opts = save_options(overwrite, metadata, num_metadata, file_opts, &error);
-    if (!opts) return error;
-    opts->root = root ? root : "";
-    if (extra) {
-      if (extra->stream_device < 0)
-        return fail(FERRY_INVALID_ARGUMENT,
-                    "stream_device = " + std::to_string(extra->stream_device) + ": must be >= 0");
-      opts->stream = extra->stream;
-      opts->stream_device = ferry::Device::cuda(extra->stream_device);
-      if (ferry_snapshot_check_fn fn = extra->snapshot_check) {
-        void* user = extra->snapshot_check_user;
-        opts->snapshot_check = [fn, user]() {
-          char msg[1024] = {0};
-          if (fn(user, msg, sizeof msg) == 0) return ferry::Status();
-          msg[sizeof msg - 1] = '\0';
-          return ferry::Status::aborted(msg[0] ? std::string(msg)
-                                               : std::string("the snapshot check failed"));
-        };
-      }
-    }
-    auto s = std::make_unique<ferry_save>();
-    s->h = rt->rt->save_async(sd, step, *opts);
-    *out = handles<ferry_save>().add(std::move(s));
-    return to_c(ferry::Status());
+    return start_save(rt, sd, step, root, overwrite, metadata, num_metadata, file_opts, extra, out);
   });
 }
 
@@ -439,14 +452,8 @@ ferry_status ferry_save_async_sd(ferry_runtime* rt, const ferry_state_dict* sd, 
     *out = nullptr;
     FERRY_CHECK_HANDLE(rt, "runtime");
     FERRY_CHECK_HANDLE(sd, "state dict");
-    ferry_status error = FERRY_OK;
-    auto opts = save_options(overwrite, metadata, num_metadata, file_opts, &error);
-    if (!opts) return error;
-    opts->root = root ? root : "";
-    auto s = std::make_unique<ferry_save>();
-    s->h = rt->rt->save_async(sd->sd, step, *opts);
-    *out = handles<ferry_save>().add(std::move(s));
-    return to_c(ferry::Status());
+    return start_save(rt, sd->sd, step, root, overwrite, metadata, num_metadata, file_opts, nullptr,
+                      out);
   });
 }
 
