@@ -197,6 +197,20 @@ pid_t start_stopped_save(const Hosts& h, const std::string& root, const std::str
   return start_stopped(h, root, "--mode save --step 2 --seed 8", point, job);
 }
 
+// Host 0's ranks (0, 1) each report one `op` ("save", "load") error naming
+// one of host 1's ranks; their lines, for what a case checks further.
+std::vector<std::string> host0_errors_name_host1(const std::string& out, const std::string& op) {
+  std::vector<std::string> found;
+  for (int r : {0, 1}) {
+    INFO("rank " << r);
+    const auto errors = lines_with(out, "[rank " + std::to_string(r) + "] ERROR " + op + ":");
+    REQUIRE(errors.size() == 1);
+    CHECK_THAT(errors[0], Catch::Contains("rank 2") || Catch::Contains("rank 3"));
+    found.push_back(errors[0]);
+  }
+  return found;
+}
+
 void check_nothing_pending(const std::string& root) {
   for (const auto& e : fs::directory_iterator(root))
     CHECK_FALSE(ferry::is_pending_dir_name(e.path().filename().string()));
@@ -316,13 +330,8 @@ TEST_CASE("hosts: a host whose link goes down during a save fails it on every ra
     CHECK(count(out, "SAVED") == 0);
     // Host 0's ranks name the lost host's ranks and the phase, within a
     // few heartbeat timeouts (3 s), far from plan-timeout and write-timeout.
-    for (int r : {0, 1}) {
-      INFO("rank " << r);
-      const auto errors = lines_with(out, "[rank " + std::to_string(r) + "] ERROR save:");
-      REQUIRE(errors.size() == 1);
-      CHECK_THAT(errors[0], Catch::Contains("rank 2") || Catch::Contains("rank 3"));
-      CHECK_THAT(errors[0], Catch::Contains(std::string(point) == "plan.sent" ? "plan" : "write"));
-    }
+    for (const std::string& e : host0_errors_name_host1(out, "save"))
+      CHECK_THAT(e, Catch::Contains(std::string(point) == "plan.sent" ? "plan" : "write"));
     // Host 1's ranks lose rank 0 and fail too.
     for (int r : {2, 3}) CHECK(count(out, "[rank " + std::to_string(r) + "] ERROR save:") == 1);
     CHECK(seconds < 20);
@@ -353,12 +362,7 @@ TEST_CASE("hosts: a host whose link goes down during a load fails it on every ra
   CHECK(job->wait_exit(10).value_or(0) != 0);
   CHECK(ferry::testing::seconds_since(t0) < 20);
   CHECK(count(out, "every byte equal") == 0);
-  for (int r : {0, 1}) {
-    INFO("rank " << r);
-    const auto errors = lines_with(out, "[rank " + std::to_string(r) + "] ERROR load:");
-    REQUIRE(errors.size() == 1);
-    CHECK_THAT(errors[0], Catch::Contains("rank 2") || Catch::Contains("rank 3"));
-  }
+  host0_errors_name_host1(out, "load");
   for (int r : {2, 3}) CHECK(count(out, "[rank " + std::to_string(r) + "] ERROR load:") == 1);
   // With the link back, the checkpoint loads.
   h.tool("link " + h.name() + " 1 up");
@@ -383,12 +387,7 @@ TEST_CASE("hosts: a host killed during a save, the job restarts on the rest with
   CHECK(job->wait_exit(10).value_or(0) != 0);
   CHECK(ferry::testing::seconds_since(t0) < 20);
   CHECK(count(out, "SAVED") == 0);
-  for (int r : {0, 1}) {
-    INFO("rank " << r);
-    const auto errors = lines_with(out, "[rank " + std::to_string(r) + "] ERROR save:");
-    REQUIRE(errors.size() == 1);
-    CHECK_THAT(errors[0], Catch::Contains("rank 2") || Catch::Contains("rank 3"));
-  }
+  host0_errors_name_host1(out, "save");
   CHECK(ferry::testing::manifest_of(latest_path(d.path())).step == 1);
   check_nothing_pending(d.path());
   // The job restarts on host 0 alone, 3 ranks: it resumes from step 1 and
