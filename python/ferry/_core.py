@@ -221,6 +221,11 @@ def _no_nul(what, s):
 def _save_entries(state_dict, metadata):
     """What a save hands the C ABI: (items, staged keys, _Entries, metadata
     pairs), shared by save_async and ferry.SavePlanner."""
+    with _gc_paused():
+        return _save_entries_of(state_dict, metadata)
+
+
+def _save_entries_of(state_dict, metadata):
     flat = _tree.flatten(state_dict)
     items, staged = [], []
     for key, v in flat.tensors.items():
@@ -434,12 +439,6 @@ class Runtime:
     def save_async(self, state_dict, root, step, overwrite=False, metadata=None, options=None,
                    on_mutation="error", stream=None):
         """See ferry.save_async."""
-        with _gc_paused():
-            return self._save_async(state_dict, root, step, overwrite, metadata, options,
-                                    on_mutation, stream)
-
-    def _save_async(self, state_dict, root, step, overwrite, metadata, options, on_mutation,
-                    stream):
         ptr = self._alive()
         if options is not None and not isinstance(options, CheckpointOptions):
             raise FerryError("save_async: options must be a ferry.CheckpointOptions, not %s"
