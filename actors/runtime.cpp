@@ -448,6 +448,8 @@ Result<std::unique_ptr<Runtime>> Runtime::create(RuntimeArgs args) {
   // FERRY_FAULTS wraps the filesystem in the fault injector (tests, crash
   // drills) without recompiling; unset, this is the plain one.
   FERRY_ASSIGN_OR_RETURN(ctx->fs, filesystem_from_env(args.fs ? args.fs : posix_filesystem()));
+  // Nothing below a root is reached through a link (Filesystem::add_root).
+  if (!opts.root.empty()) ctx->fs->add_root(opts.root);
   // The CUDA backend when this machine has a GPU (host tensors still take
   // the host path through it), else the host device alone.
   ctx->device = args.device ? args.device : make_default_device(opts);
@@ -606,6 +608,7 @@ std::shared_ptr<detail::SaveState> detail::RuntimeAccess::start_save(
     return refuse(
         Status::invalid_argument("no checkpoint root: set ferry.root or SaveOptions::root"));
   }
+  impl_->ctx->fs->add_root(root);
   // Resolved once here: the plan and the writers see this one value.
   auto files = resolve_data_files(impl_->ctx->opts, opts, static_cast<bool>(checkpoint_fn));
   if (!files.ok()) {
@@ -875,6 +878,7 @@ Result<LoadReport> Runtime::resolve(const std::string& path) {
 Result<LoadReport> Runtime::load_report(StateDict& sd, const std::string& path) {
   Impl& im = *impl_;
   const std::string id = "load-" + std::to_string(++im.loads);
+  im.ctx->fs->add_root(path);
   caf::scoped_actor self{*im.sys};
   LoadReplyMsg reply = resolve_on_rank0(im, self, id, path);
   LoadReport report;
@@ -900,11 +904,13 @@ Status Runtime::load(StateDict& sd, const std::string& path) {
 }
 
 std::string Runtime::latest(const std::string& root) const {
+  if (!root.empty()) impl_->ctx->fs->add_root(root);
   auto r = find_latest(*impl_->ctx->fs, root.empty() ? impl_->ctx->opts.root : root);
   return r.ok() ? r->path : "";
 }
 
 std::string Runtime::latest_valid(const std::string& root) const {
+  if (!root.empty()) impl_->ctx->fs->add_root(root);
   auto r = ferry::latest_valid(*impl_->ctx->fs, root.empty() ? impl_->ctx->opts.root : root);
   return r.ok() ? r->path : "";
 }
