@@ -461,7 +461,16 @@ Result<std::unique_ptr<Runtime>> Runtime::create(RuntimeArgs args) {
   impl->ctx = ctx;
 
   impl->sys = std::make_unique<caf::actor_system>(impl->cfg);
-  if (args.rank == 0) impl->coordinator = spawn_coordinator(*impl->sys, ctx);
+  // Each actor thread says when it has ended (the coordinator itself, after
+  // its own cleanup): shutdown waits for that a bounded time.
+  auto track = [threads = ctx->threads](const auto& actor, const std::string& name) {
+    threads->started(name);
+    actor->attach_functor([threads, name] { threads->ended(name); });
+  };
+  if (args.rank == 0) {
+    ctx->threads->started(kCoordinatorThread);
+    impl->coordinator = spawn_coordinator(*impl->sys, ctx);
+  }
   if (args.world_size > 1) {
     impl->link = spawn_link(*impl->sys, ctx, impl->coordinator);
     if (impl->coordinator)
@@ -476,6 +485,9 @@ Result<std::unique_ptr<Runtime>> Runtime::create(RuntimeArgs args) {
                                "): the save is abandoned; its pending directory is left to gc"));
   });
   impl->loader = spawn_loader(*impl->sys, ctx);
+  track(impl->planner, "the planner");
+  track(impl->loader, "the loader");
+  if (impl->link) track(impl->link, "the link");
   if (impl->link) caf::anon_send(impl->link, atom::attach_loader_v, impl->loader);
   std::unique_ptr<Runtime> rt(new Runtime(std::move(impl)));
   if (args.world_size > 1) {
@@ -549,14 +561,19 @@ Runtime::~Runtime() {
   // forever: past a short wait, the system and everything it may still
   // touch are left behind, and the process exits around them.
   // A save still in flight may have its writers in such a call too.
+  // So would an actor inside a call that never returns (a commit's rename
+  // or fsync on a hung mount).
   const auto stragglers = impl_->ctx->stragglers;
-  if (in_flight || !stragglers->wait_none(std::chrono::seconds(2))) {
-    std::fprintf(stderr, "ferry[rank %d]: %s at shutdown: its threads are left running\n",
-                 impl_->ctx->rank,
-                 in_flight ? "a save still in flight"
-                           : (std::to_string(stragglers->count()) +
-                              " writer thread(s) still stuck in storage or a checkpoint_fn")
-                                 .c_str());
+  const std::vector<std::string> stuck =
+      impl_->ctx->threads->wait_ended(std::chrono::seconds(in_flight ? 0 : 2));
+  if (in_flight || !stuck.empty() || !stragglers->wait_none(std::chrono::seconds(2))) {
+    std::string what = in_flight ? "a save still in flight" : "";
+    for (const std::string& s : stuck) what += (what.empty() ? "" : ", ") + s;
+    if (stragglers->count() > 0)
+      what += (what.empty() ? "" : ", ") + std::to_string(stragglers->count()) +
+              " writer thread(s) still stuck in storage or a checkpoint_fn";
+    std::fprintf(stderr, "ferry[rank %d]: at shutdown: %s: its threads are left running\n",
+                 impl_->ctx->rank, what.c_str());
     leave_behind(std::move(impl_));
     return;
   }
