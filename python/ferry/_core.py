@@ -416,6 +416,7 @@ class Runtime:
         self._pid = os.getpid()
         self._last = None  # the latest SaveHandle: keeps its tensors alive
         self._lock = threading.Lock()
+        self._calls = set()  # loads still running after an interrupt (_lib.call_interruptibly)
         _runtimes.add(self)
 
     @property
@@ -521,6 +522,11 @@ class Runtime:
                 % (h.step, timeout_s)
             )
             # Stopping the actors now would wait for the stuck save again.
+            self._ptr = None
+            return
+        if not _lib.join_inflight(self._calls, timeout_s):
+            sys.stderr.write("ferry: a load interrupted earlier is still running after %.0f s at "
+                             "shutdown; the runtime is left running\n" % timeout_s)
             self._ptr = None
             return
         # Save handles stay usable: they share the save's state, not the runtime.
@@ -919,11 +925,11 @@ def _load(rt, state_dict, path, strict, cast, key_map, allow_pickle=False):
 
     entries = _Entries(items)
     stats = _lib.LoadStats()
-    check(
-        lib().ferry_load_with_stats(
-            ptr, entries.array, len(items), man.path.encode("utf-8"), ctypes.byref(stats)
-        )
-    )
+    # Ctrl-C is seen at once; the load goes on, holding its tensors.
+    _lib.call_interruptibly(
+        lib().ferry_load_with_stats,
+        (ptr, entries.array, len(items), man.path.encode("utf-8"), ctypes.byref(stats)),
+        keep=(entries, items, stats, copy_back), inflight=rt._calls)
     with torch.no_grad():
         for dest, buf in copy_back:
             dest.copy_(buf)
@@ -1006,7 +1012,9 @@ def load_state_dict(path, runtime=None, prefix=None, allow_pickle=False):
     keys = [k for k in man.tensors if prefix is None or _under(k, prefix)]
     tensors = {k: torch.empty(man.tensors[k].shape, dtype=man.torch_dtype(k)) for k in keys}
     entries = _Entries([(k, t, None, None) for k, t in tensors.items()])
-    check(lib().ferry_load(ptr, entries.array, len(keys), man.path.encode("utf-8")))
+    _lib.call_interruptibly(lib().ferry_load,
+                            (ptr, entries.array, len(keys), man.path.encode("utf-8")),
+                            keep=(entries, tensors), inflight=rt._calls)
     values = dict(tensors)
     for k, v in man.leaves.items():
         if prefix is None or _under(k, prefix):
