@@ -534,6 +534,50 @@ class Runtime:
         lib().ferry_runtime_destroy(ptr)
 
 
+# Handles whose snapshot may still read their tensors' memory.
+_snapshotting = weakref.WeakSet()
+_resize_guarded = False
+
+
+def _guard_resizes():
+    """torch's resize_ reallocates a storage in place, freeing the memory a
+    pending snapshot copies from, and does not bump _version: resize_ of a
+    tensor or storage a pending snapshot reads waits for that snapshot to
+    end first. Installed at the first save."""
+    global _resize_guarded
+    if _resize_guarded:
+        return
+    import torch
+
+    storage_of = _pack.storage_fn()
+
+    def guard(cls, name, storage):
+        orig = getattr(cls, name)
+
+        def resize(self, *args, **kwargs):
+            if _snapshotting:
+                _end_snapshots_reading(storage(self))
+            return orig(self, *args, **kwargs)
+
+        resize.__name__, resize.__doc__ = orig.__name__, orig.__doc__
+        setattr(cls, name, resize)
+
+    guard(torch.Tensor, "resize_", storage_of)
+    guard(torch.Tensor, "resize_as_", storage_of)
+    untyped = getattr(torch, "UntypedStorage", None) or torch.storage.UntypedStorage
+    guard(untyped, "resize_", lambda st: st)  # TypedStorage.resize_ resizes through it
+    _resize_guarded = True
+
+
+def _end_snapshots_reading(storage):
+    ptr = storage.data_ptr()
+    if ptr == 0:
+        return
+    for h in list(_snapshotting):
+        if ptr in h._storage_ptrs():
+            h._end_snapshot_quietly()
+
+
 class SaveHandle:
     """An asynchronous save, returned by save_async at once.
 
@@ -541,7 +585,8 @@ class SaveHandle:
     wait(): the checkpoint is committed; raises FerryError if it failed.
     The handle holds the tensors, their storages (so t.set_(...) cannot free
     what the snapshot copies) and staged copies until the snapshot is done,
-    even if the caller drops it, since the runtime keeps the latest.
+    even if the caller drops it, since the runtime keeps the latest; and
+    t.resize_(...) (which reallocates in place) waits for the snapshot.
     Waits wake every few milliseconds for signals: Ctrl-C raises
     KeyboardInterrupt at once, and the save goes on."""
 
@@ -553,9 +598,12 @@ class SaveHandle:
         self._entries = entries
         self._tensors = tensors
         self._storages = list(map(_pack.storage_fn(), tensors))
+        self._ptrs = None  # addresses of the storages, found at the first resize_
         self.staged = staged  # keys of non-contiguous tensors copied before the save
         self._lock = threading.Lock()
         self.step = lib().ferry_save_step(ptr)
+        _guard_resizes()
+        _snapshotting.add(self)
 
     def _p(self):
         if self._ptr is None:
@@ -628,7 +676,24 @@ class SaveHandle:
         d["bytes_total"] = lib().ferry_save_bytes_total(self._ptr)
         return d
 
+    def _storage_ptrs(self):
+        with self._lock:
+            if self._ptrs is None:
+                self._ptrs = frozenset(s.data_ptr() for s in self._storages or ())
+            return self._ptrs
+
+    def _end_snapshot_quietly(self):
+        # For resize_: the save's own outcome (a mutation found) is for its waits to report.
+        p = self._ptr
+        if p is not None:
+            try:
+                wait_sliced(lambda ms: lib().ferry_save_wait_snapshot_for(p, ms))
+            except FerryError:
+                pass
+        _snapshotting.discard(self)
+
     def _drop_tensors(self):
+        _snapshotting.discard(self)
         _checks.pop(self._check_id, None)
         with self._lock:
             self._tensors = None
