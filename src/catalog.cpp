@@ -287,6 +287,7 @@ Result<std::vector<CheckpointInfo>> list_checkpoints_here(Filesystem& fs, const 
       info.bytes = m->total_bytes();
       info.tensors = m->tensors.size();
     } else {
+      info.state = CheckpointState::corrupt;
       info.status = m.status();
     }
     out.push_back(std::move(info));

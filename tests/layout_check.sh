@@ -2,7 +2,9 @@
 # The architecture as include rules, checked on every test run:
 #   src/ (the pure core) includes nothing from actors/, CAF or UCX;
 #   a public header (src/include/ferry/) includes only the standard library
-#   and other public headers, so the installed package stands alone.
+#   and other public headers, so the installed package stands alone;
+#   tools/ (the CLI) includes only public headers and its own: what the CLI
+#   does, a user can do through the public API.
 set -uo pipefail
 src=$1
 bad=0
@@ -22,5 +24,15 @@ for h in "$src"/src/include/ferry/*; do
     esac
   done < <(grep -E '^#include ' "$h")
 done
-[ $bad = 0 ] && echo "include rules hold: src/ -> no actors/CAF/UCX; public headers stand alone"
+while IFS= read -r hit; do
+  name=$(sed -E 's/.*#include "([^"]+)".*/\1/' <<< "$hit")
+  case "$name" in
+    ferry/*) [ -f "$src/src/include/$name" ] && continue ;;
+    tools/*) [ -f "$src/$name" ] && continue ;;
+  esac
+  echo "tools/ reaches an internal header: ${hit#$src/}"
+  bad=1
+done < <(grep -rnE '^#include "' "$src/tools" --include='*.hpp' --include='*.cpp' --include='*.h')
+[ $bad = 0 ] && echo "include rules hold: src/ -> no actors/CAF/UCX; public headers stand alone;" \
+  "tools/ -> public headers only"
 exit $bad
