@@ -89,6 +89,10 @@ class FERRY_EXPORT Filesystem {
   // file that is a symbolic link or has other hard links is refused: taking
   // the lock writes into it.
   virtual Result<std::unique_ptr<FileLock>> lock(const std::string& path, int64_t wait_ms) = 0;
+  // Ferry passed the named crash point of its protocol (`ferry kill-points`
+  // lists them). A no-op: a crash drill or a test wraps the filesystem and
+  // overrides it to observe the points, or to crash at one.
+  virtual void crash_point(const char* point) { (void)point; }
 };
 
 // The default: POSIX calls, errors via Status::from_errno naming op and path.
@@ -115,6 +119,7 @@ class FERRY_EXPORT FilesystemWrapper : public Filesystem {
   Result<std::unique_ptr<FileLock>> lock(const std::string& p, int64_t wait_ms) override {
     return target_->lock(p, wait_ms);
   }
+  void crash_point(const char* point) override { target_->crash_point(point); }
 
  protected:
   std::shared_ptr<Filesystem> target_;
@@ -138,18 +143,15 @@ FERRY_EXPORT Status read_file_into(Filesystem& fs, const std::string& path, std:
 FERRY_EXPORT Result<std::string> read_file_head(Filesystem& fs, const std::string& path,
                                                 uint64_t max_bytes);
 // temp file in the same directory, write, fsync (if `sync`), rename over
-// `path`, fsync the directory (if `sync`). With `kill_prefix` ("manifest"),
-// passes the kill points <prefix>.write/.fsync/.rename/.dirsync.
+// `path`, fsync the directory (if `sync`).
 FERRY_EXPORT Status write_file_atomic(Filesystem& fs, const std::string& path,
-                                      const std::string& bytes, bool sync,
-                                      const char* kill_prefix = nullptr);
+                                      const std::string& bytes, bool sync);
 // The first half of write_file_atomic: the temp file beside `path`
 // ("<path>.tmp-<pid>-<n>"), written and fsynced (if `sync`); returns its
 // path. The caller renames it over `path` when it chooses (and removes it
 // if it does not), so that one directory fsync can cover several renames.
 FERRY_EXPORT Result<std::string> write_temp_file(Filesystem& fs, const std::string& path,
-                                                 const std::string& bytes, bool sync,
-                                                 const char* kill_prefix = nullptr);
+                                                 const std::string& bytes, bool sync);
 // Removes a file or a directory tree; not_found is not an error.
 FERRY_EXPORT Status remove_all(Filesystem& fs, const std::string& path);
 
