@@ -15,12 +15,11 @@
 #include <vector>
 
 #include "actors/c_api_internal.hpp"
-#include "catalog.hpp"
+#include "ferry/catalog.hpp"
 #include "ferry/export.hpp"
 #include "ferry/filesystem.hpp"
 #include "ferry/planner.hpp"
 #include "ferry/runtime.hpp"
-#include "manifest.hpp"
 
 struct ferry_save {
   ferry::SaveHandle h;
@@ -32,8 +31,7 @@ struct ferry_state_dict {
 };
 
 struct ferry_manifest {
-  std::string dir;
-  ferry::Manifest m;
+  ferry::CheckpointManifest m;
 };
 
 namespace {
@@ -620,8 +618,7 @@ ferry_status ferry_latest(const char* root, const char** out) {
     if (!root) return null_arg("root");
     if (!out) return null_arg("out");
     *out = "";
-    ferry::posix_filesystem()->add_root(root);
-    auto r = ferry::find_latest(*ferry::posix_filesystem(), root);
+    auto r = ferry::Catalog().latest(root);
     if (!r.ok()) return to_c(r.status());
     return string_out(r->path, out);
   });
@@ -632,12 +629,11 @@ ferry_status ferry_list_steps(const char* root, uint64_t* steps, size_t capacity
     if (!root) return null_arg("root");
     if (!count) return null_arg("count");
     *count = 0;
-    ferry::posix_filesystem()->add_root(root);
-    auto r = ferry::list_checkpoints(*ferry::posix_filesystem(), root);
+    auto r = ferry::Catalog().list(root, ferry::ListOptions{/*include_uncommitted=*/false});
     if (!r.ok()) return to_c(r.status());
     size_t n = 0;
     for (const auto& c : *r) {
-      if (!c.status.ok()) continue;
+      if (c.state != ferry::CheckpointState::committed) continue;
       if (steps && n < capacity) steps[n] = c.step;
       ++n;
     }
@@ -649,8 +645,7 @@ ferry_status ferry_list_steps(const char* root, uint64_t* steps, size_t capacity
 ferry_status ferry_apply_retention(const char* root, uint32_t keep_last) {
   return guarded([&] {
     if (!root) return null_arg("root");
-    ferry::posix_filesystem()->add_root(root);
-    auto r = ferry::apply_retention(*ferry::posix_filesystem(), root, keep_last);
+    auto r = ferry::Catalog().apply_retention(root, keep_last);
     return to_c(r.status());
   });
 }
@@ -660,14 +655,10 @@ ferry_status ferry_manifest_open(const char* path, ferry_manifest** out) {
     if (!out) return null_arg("out");
     *out = nullptr;
     if (!path) return null_arg("path");
-    auto fs = ferry::posix_filesystem();
-    fs->add_root(path);
-    auto dir = ferry::resolve_checkpoint(*fs, path);
-    if (!dir.ok()) return to_c(dir.status());
-    auto m = ferry::read_manifest(*fs, *dir);
+    auto m = ferry::Catalog().manifest(path);
     if (!m.ok()) return to_c(m.status());
-    *out = handles<ferry_manifest>().add(std::unique_ptr<ferry_manifest>(
-        new ferry_manifest{std::move(dir).value(), std::move(m).value()}));
+    *out = handles<ferry_manifest>().add(
+        std::unique_ptr<ferry_manifest>(new ferry_manifest{std::move(m).value()}));
     return to_c(ferry::Status());
   });
 }
@@ -677,7 +668,7 @@ void ferry_manifest_close(ferry_manifest* m) {
 }
 
 const char* ferry_manifest_path(const ferry_manifest* m) {
-  return live(m) ? m->dir.c_str() : "";
+  return live(m) ? m->m.path.c_str() : "";
 }
 
 uint64_t ferry_manifest_step(const ferry_manifest* m) {
@@ -702,13 +693,12 @@ ferry_status ferry_manifest_tensor(const ferry_manifest* m, size_t i, ferry_tens
   if (i >= m->m.tensors.size())
     return fail(FERRY_INVALID_ARGUMENT, "tensor index " + std::to_string(i) + " out of range (" +
                                             std::to_string(m->m.tensors.size()) + " tensors)");
-  const ferry::ManifestTensor& t = m->m.tensors[i];
+  const ferry::ManifestTensorInfo& t = m->m.tensors[i];
   out->key = t.key.c_str();
   out->dtype = static_cast<int32_t>(t.dtype);
   out->ndim = static_cast<int32_t>(t.global_shape.size());
   out->global_shape = t.global_shape.data();
-  out->bytes = 0;
-  for (const auto& c : t.chunks) out->bytes += c.byte_length;
+  out->bytes = t.bytes;
   out->num_chunks = t.chunks.size();
   return FERRY_OK;
 }

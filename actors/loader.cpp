@@ -40,7 +40,6 @@
 #include "codec.hpp"
 #include "copy_bytes.hpp"
 #include "cpus.hpp"
-#include "drills/kill_point.hpp"
 #include "populate.hpp"
 
 namespace ferry {
@@ -768,7 +767,7 @@ class RunReader {
       if (f.work->direct) unverified(run.ops.front());
       return read;
     }
-    kill_point("load.read");
+    ctx_.fs->crash_point("load.read");
     if (f.work->direct) return finish_direct(*f.file, run, f.work->direct, got.value());
     CopyLatch latch;
     Status s;
@@ -1239,7 +1238,7 @@ void on_share(loader_ptr self, const BlockShareMsg& msg) {
     return;
   }
   ShareWait& w = it->second;
-  kill_point("load.receive");
+  st.ctx->fs->crash_point("load.receive");
   Status s = take_share(*st.ctx, w, msg);
   if (!s.ok()) return end_share(self, msg.load_id, std::move(s));
   if (w.transport) send_ack(*st.ctx, *w.transport, msg.load_id, msg.from, msg.length(), s);

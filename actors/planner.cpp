@@ -50,7 +50,6 @@
 #include "checksum.hpp"
 #include "codec.hpp"
 #include "data_files.hpp"
-#include "drills/kill_point.hpp"
 #include "replica_check.hpp"
 #include "storage_writer.hpp"
 
@@ -455,7 +454,7 @@ void send_result(planner_ptr self) {
     wr.ready_ms = now;
   });
   const uint64_t id = cur.id;
-  kill_point("writer.report");
+  st.ctx->fs->crash_point("writer.report");
   self->request(st.coordinator, caf::infinite, atom::commit_v,
                 CommitRequest{st.ctx->job_id, cur.checkpoint_id, std::move(wr)})
       .then(
@@ -635,7 +634,7 @@ void on_chunks(planner_ptr self, FileChunks& chunks);
 void on_plan(planner_ptr self, const PlanReply& r) {
   auto& st = self->state;
   auto& cur = st.cur;
-  kill_point("plan.received");
+  st.ctx->fs->crash_point("plan.received");
   if (!r.status.ok()) {
     cur.checkpoint_id.clear();  // the coordinator created nothing
     return fail(self, r.status, false);
@@ -781,7 +780,7 @@ void start_next(planner_ptr self) {
             if (live(self->state, id))
               fail(self, Status::aborted("plan: " + self->system().render(e)));
           });
-  kill_point("plan.sent");
+  st.ctx->fs->crash_point("plan.sent");
 }
 
 planner_actor::behavior_type planner_fun(planner_ptr self, ContextPtr ctx,

@@ -406,8 +406,6 @@ Runtime::Runtime(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Result<std::unique_ptr<Runtime>> Runtime::create(RuntimeArgs args) {
   const std::string config_file = config_file_from(args);
   FERRY_ASSIGN_OR_RETURN(Options opts, load_options(args.settings, config_file));
-  if (const char* k = std::getenv("FERRY_KILL_AT"); k && *k)
-    FERRY_RETURN_IF_ERROR(check_kill_spec(k));
   if (args.world_size < 1 || args.rank < 0 || args.rank >= args.world_size)
     return Status::invalid_argument("rank " + std::to_string(args.rank) + " outside world size " +
                                     std::to_string(args.world_size));
@@ -435,7 +433,6 @@ Result<std::unique_ptr<Runtime>> Runtime::create(RuntimeArgs args) {
   if (auto err = impl->cfg.parse(caf_args, ini.empty() ? nullptr : ini.c_str()))
     return Status::invalid_argument("actor system config: " + caf::to_string(err));
 
-  set_kill_point_rank(args.rank);
   auto ctx = std::make_shared<RankContext>();
   ctx->opts = opts;
   ctx->rank = args.rank;
@@ -450,6 +447,8 @@ Result<std::unique_ptr<Runtime>> Runtime::create(RuntimeArgs args) {
   FERRY_ASSIGN_OR_RETURN(ctx->fs, filesystem_from_env(args.fs ? args.fs : posix_filesystem()));
   // Nothing below a root is reached through a link (Filesystem::add_root).
   if (!opts.root.empty()) ctx->fs->add_root(opts.root);
+  // Crash drills (FERRY_KILL_AT) observe this runtime's crash points only.
+  FERRY_ASSIGN_OR_RETURN(ctx->fs, kill_points_from_env(std::move(ctx->fs), args.rank));
   // The CUDA backend when this machine has a GPU (host tensors still take
   // the host path through it), else the host device alone.
   ctx->device = args.device ? args.device : make_default_device(opts);

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "ferry/tensor.hpp"
+
 namespace ferry {
 
 struct Box {
@@ -26,8 +28,7 @@ struct Box {
   static Box whole(const std::vector<int64_t>& shape);
 };
 
-// How every message spells a shape, "[4096, 128]".
-std::string shape_to_string(const std::vector<int64_t>& dims);
+// shape_to_string, how every message spells a shape, is public (ferry/tensor.hpp).
 // How every message spells a box, "[0:4096, 0:128]" (Python slices), from
 // flat arrays as the planner keeps them. Safe on hostile input: an end that
 // would overflow is printed as "offset+size".

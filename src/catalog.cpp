@@ -1,7 +1,6 @@
 // The catalog reads a checkpoint root only through the Filesystem interface,
 // so fault-injection tests see every call it makes.
 #include "catalog.hpp"
-#include "drills/kill_point.hpp"
 
 #include <unistd.h>
 
@@ -287,6 +286,7 @@ Result<std::vector<CheckpointInfo>> list_checkpoints_here(Filesystem& fs, const 
       info.bytes = m->total_bytes();
       info.tensors = m->tensors.size();
     } else {
+      info.state = CheckpointState::corrupt;
       info.status = m.status();
     }
     out.push_back(std::move(info));
@@ -608,7 +608,7 @@ Result<GcReport> collect_garbage(Filesystem& fs, const std::string& root, int64_
     if (moved) FERRY_RETURN_IF_ERROR(fs.sync_dir(root));
   }
   for (const std::string& path : trash) {
-    kill_point("gc.delete");
+    fs.crash_point("gc.delete");
     Status st = remove_all(fs, path);
     if (st.ok()) continue;
     report.failed.push_back({path, st.with_context("deleting " + path + ": ")});
@@ -665,7 +665,7 @@ Result<Retired> retire_checkpoints(Filesystem& fs, const std::string& root, uint
   }
   if (out.trash.empty()) return out;
   FERRY_RETURN_IF_ERROR(fs.sync_dir(root));
-  kill_point("retention.delete");
+  fs.crash_point("retention.delete");
   return out;
 }
 

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "ferry/catalog.hpp"
 #include "ferry/filesystem.hpp"
 #include "ferry/status.hpp"
 #include "manifest.hpp"
@@ -44,20 +45,13 @@ bool is_trash_dir_name(const std::string& name);
 Result<std::unique_ptr<FileLock>> lock_root(Filesystem& fs, const std::string& root,
                                             int64_t wait_ms = kDefaultLockWaitMs);
 
-struct CheckpointInfo {
-  std::string path;  // ROOT/step-...
-  uint64_t step = 0;
-  uint64_t commit_seq = 0;
-  uint64_t bytes = 0;  // data bytes (manifest)
-  uint64_t tensors = 0;
-  bool latest_hint = false;  // LATEST names it
-  Status status;             // ok, or why its manifest could not be read
-};
+// CheckpointInfo, PendingLease and GcReport are the public catalog's
+// (ferry/catalog.hpp); these functions fill them.
 
 // Committed checkpoints (step-* directories), sorted by commit sequence.
 // Pending directories are never listed. Unreadable manifests (and step
 // directories that are symbolic links, never followed) are listed with
-// their status set (so `ferry ls` can show them) and never chosen as latest.
+// their status set and state corrupt (so `ferry ls` can show them) and never chosen as latest.
 // Like find_latest and resolve_checkpoint, it first finishes what an
 // interrupted overwrite left (finish_interrupted_overwrites).
 Result<std::vector<CheckpointInfo>> list_checkpoints(Filesystem& fs, const std::string& root);
@@ -86,10 +80,6 @@ Result<Manifest> read_manifest(Filesystem& fs, const std::string& checkpoint_dir
 Status write_lease(Filesystem& fs, const std::string& pending_dir, int64_t expires_unix_ms,
                    const std::string& owner);
 
-struct PendingLease {
-  int64_t expires_unix_ms = 0;
-  std::string owner;
-};
 // not_found when there is no LEASE; corruption when it is not a lease.
 Result<PendingLease> read_lease(Filesystem& fs, const std::string& pending_dir);
 
@@ -102,22 +92,6 @@ struct PendingInfo {
 };
 Result<std::vector<PendingInfo>> list_pending(Filesystem& fs, const std::string& root);
 
-struct GcReport {
-  std::vector<std::string> removed;   // pending dirs whose lease expired
-  std::vector<std::string> kept;      // pending dirs still leased
-  std::vector<std::string> restored;  // displaced steps put back (nothing replaced them)
-  // Leftovers nobody owns: trash, displaced entries that were replaced or
-  // are no checkpoint of their step, and LATEST temp files of a killed write.
-  std::vector<std::string> discarded;
-  // Out of sight but not deleted (a file that cannot be unlinked), and so
-  // not in `discarded`: each error names its directory, which the next gc
-  // tries again.
-  struct Failed {
-    std::string path;
-    Status status;
-  };
-  std::vector<Failed> failed;
-};
 // Under ROOT's lock (waiting up to lock_wait_ms): puts back every displaced
 // step that nothing replaced (recover_displaced), and takes out of sight (renamed to a trash
 // name, then ROOT fsynced) every pending directory whose lease expired

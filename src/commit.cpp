@@ -5,7 +5,7 @@
 
 #include "catalog.hpp"
 #include "codec.hpp"
-#include "drills/kill_point.hpp"
+#include "crash_points.hpp"
 
 namespace ferry {
 
@@ -184,7 +184,7 @@ Status prepare_pending(Filesystem& fs, const std::string& root, const std::strin
     remove_created(fs, root, created);
     return st;
   }
-  kill_point("pending.created");
+  fs.crash_point("pending.created");
   return Status();
 }
 
@@ -222,8 +222,8 @@ Result<CommitOutcome> commit_checkpoint(Filesystem& fs, const std::string& root,
         "the manifest of " + pending_dir + " would be " + std::to_string(encoded.size()) +
         " bytes, more than the " + std::to_string(kMaxManifestBytes) +
         " a reader accepts (fewer, larger chunks or checksum blocks make it smaller)");
-  FERRY_RETURN_IF_ERROR(write_file_atomic(fs, join_path(pending_dir, kManifestFileName), encoded,
-                                          opts.fsync, "manifest"));
+  FERRY_RETURN_IF_ERROR(write_file_atomic_passing(fs, join_path(pending_dir, kManifestFileName),
+                                                  encoded, opts.fsync, "manifest"));
   FERRY_RETURN_IF_ERROR(check_pending(fs, pending_dir, manifest, opts));
 
   const std::string name = step_dir_name(manifest.step);
@@ -234,7 +234,7 @@ Result<CommitOutcome> commit_checkpoint(Filesystem& fs, const std::string& root,
   // numbers), so failing to write it is only a warning.
   const std::string latest_path = join_path(root, kLatestFileName);
   Result<std::string> latest_tmp =
-      write_temp_file(fs, latest_path, name + "\n", opts.fsync, "latest");
+      write_temp_file_passing(fs, latest_path, name + "\n", opts.fsync, "latest");
   // Whatever way this returns, the temp file goes unless it became LATEST.
   struct Unlinked {
     Filesystem& fs;
@@ -252,7 +252,7 @@ Result<CommitOutcome> commit_checkpoint(Filesystem& fs, const std::string& root,
     // it without a step in its place (a crash right here) puts it back.
     displaced = join_path(root, displaced_dir_name(manifest.step, std::to_string(seq + 1)));
     FERRY_RETURN_IF_ERROR(fs.rename(step_dir, displaced));
-    kill_point("overwrite.aside");
+    fs.crash_point("overwrite.aside");
   }
   Status committed = fs.rename(pending_dir, step_dir);  // the commit point
   if (!committed.ok()) {
@@ -265,7 +265,7 @@ Result<CommitOutcome> commit_checkpoint(Filesystem& fs, const std::string& root,
     }
     return committed;
   }
-  kill_point("commit.rename");
+  fs.crash_point("commit.rename");
   // From here the checkpoint is committed and is what load picks: whatever
   // fails now is a warning, never a failed save (a retry would only meet
   // already_exists).
@@ -278,7 +278,7 @@ Result<CommitOutcome> commit_checkpoint(Filesystem& fs, const std::string& root,
   if (latest.ok()) latest = fs.rename(*latest_tmp, latest_path);
   if (latest.ok()) {
     leftover.path.clear();
-    kill_point("latest.rename");
+    fs.crash_point("latest.rename");
   }
   if (!latest.ok())
     out.warnings.push_back(latest.with_context("committed " + step_dir + ", but LATEST: "));
@@ -290,7 +290,7 @@ Result<CommitOutcome> commit_checkpoint(Filesystem& fs, const std::string& root,
       out.warnings.push_back(st.with_context("committed " + step_dir + ", but fsync of ROOT: "));
     }
   }
-  kill_point("root.fsync");
+  fs.crash_point("root.fsync");
   // Until ROOT is durable a power cut may undo the commit rename; the old
   // step must then still be there to come back.
   if (!displaced.empty() && durable) {

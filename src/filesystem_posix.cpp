@@ -17,7 +17,7 @@
 #include <utility>
 #include <vector>
 
-#include "drills/kill_point.hpp"
+#include "crash_points.hpp"
 #include "ferry/filesystem.hpp"
 #include "node.hpp"
 
@@ -615,14 +615,20 @@ Result<std::string> read_file(Filesystem& fs, const std::string& path, uint64_t 
 
 namespace {
 
-void kill_point_of(const char* prefix, const char* step) {
-  if (prefix) kill_point((std::string(prefix) + "." + step).c_str());
+void crash_point_of(Filesystem& fs, const char* points, const char* step) {
+  if (points) fs.crash_point((std::string(points) + "." + step).c_str());
 }
 
 }  // namespace
 
 Result<std::string> write_temp_file(Filesystem& fs, const std::string& path,
-                                    const std::string& bytes, bool sync, const char* kill_prefix) {
+                                    const std::string& bytes, bool sync) {
+  return write_temp_file_passing(fs, path, bytes, sync, nullptr);
+}
+
+Result<std::string> write_temp_file_passing(Filesystem& fs, const std::string& path,
+                                            const std::string& bytes, bool sync,
+                                            const char* points) {
   static std::atomic<uint64_t> counter{0};
   std::string tmp = path + ".tmp-" + std::to_string(::getpid()) + "-" +
                     std::to_string(counter.fetch_add(1, std::memory_order_relaxed));
@@ -632,10 +638,10 @@ Result<std::string> write_temp_file(Filesystem& fs, const std::string& path,
   o.exclusive = true;
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<File> f, fs.open(tmp, o));
   Status st = f->pwrite(bytes.data(), bytes.size(), 0);
-  if (st.ok()) kill_point_of(kill_prefix, "write");
+  if (st.ok()) crash_point_of(fs, points, "write");
   if (st.ok() && sync) {
     st = f->sync();
-    if (st.ok()) kill_point_of(kill_prefix, "fsync");
+    if (st.ok()) crash_point_of(fs, points, "fsync");
   }
   Status closed = f->close();
   if (st.ok()) st = closed;
@@ -647,16 +653,21 @@ Result<std::string> write_temp_file(Filesystem& fs, const std::string& path,
 }
 
 Status write_file_atomic(Filesystem& fs, const std::string& path, const std::string& bytes,
-                         bool sync, const char* kill_prefix) {
-  FERRY_ASSIGN_OR_RETURN(std::string tmp, write_temp_file(fs, path, bytes, sync, kill_prefix));
+                         bool sync) {
+  return write_file_atomic_passing(fs, path, bytes, sync, nullptr);
+}
+
+Status write_file_atomic_passing(Filesystem& fs, const std::string& path, const std::string& bytes,
+                                 bool sync, const char* points) {
+  FERRY_ASSIGN_OR_RETURN(std::string tmp, write_temp_file_passing(fs, path, bytes, sync, points));
   Status st = fs.rename(tmp, path);
   if (!st.ok()) {
     (void)fs.unlink(tmp);
     return st;
   }
-  kill_point_of(kill_prefix, "rename");
+  crash_point_of(fs, points, "rename");
   if (sync) FERRY_RETURN_IF_ERROR(fs.sync_dir(parent_path(path)));
-  kill_point_of(kill_prefix, "dirsync");
+  crash_point_of(fs, points, "dirsync");
   return Status::ok_status();
 }
 

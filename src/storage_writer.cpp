@@ -1,7 +1,6 @@
 #include "storage_writer.hpp"
 
 #include "checkpoint_fn.hpp"
-#include "drills/kill_point.hpp"
 
 namespace ferry {
 
@@ -14,14 +13,14 @@ Result<std::vector<std::shared_ptr<File>>> PosixStorageWriter::open_checkpoint(
   for (const auto& p : paths) {
     FERRY_ASSIGN_OR_RETURN(auto f, fs_->open(p, o));
     files.emplace_back(std::move(f));
-    kill_point("writer.open");
+    fs_->crash_point("writer.open");
   }
   return files;
 }
 
 Status PosixStorageWriter::write(File& f, const void* data, uint64_t len, uint64_t offset) {
   FERRY_RETURN_IF_ERROR(f.pwrite(data, len, offset));
-  kill_point("writer.write");
+  fs_->crash_point("writer.write");
   return Status();
 }
 
@@ -30,10 +29,10 @@ Status PosixStorageWriter::finish_file(size_t, File* f, uint64_t size) {
   FERRY_RETURN_IF_ERROR(f->truncate(size));
   if (fsync_) {
     FERRY_RETURN_IF_ERROR(f->sync());
-    kill_point("writer.fsync");
+    fs_->crash_point("writer.fsync");
   }
   FERRY_RETURN_IF_ERROR(f->close());
-  kill_point("writer.close");
+  fs_->crash_point("writer.close");
   return Status();
 }
 

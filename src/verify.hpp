@@ -13,23 +13,7 @@
 
 namespace ferry {
 
-struct VerifyReport {
-  uint64_t files = 0;
-  uint64_t chunks = 0;
-  uint64_t bytes_checked = 0;
-  // Chunks saved without checksums (checksum = false): their bytes were
-  // not, and cannot be, checked.
-  uint64_t unchecked_chunks = 0;
-  uint64_t unchecked_bytes = 0;
-  // Each names the file (and tensor). io_error: a file could not be read
-  // (permissions, a failing device), which says nothing of its bytes; any
-  // other code: the checkpoint is damaged or malformed.
-  std::vector<Status> problems;
-  bool ok() const { return problems.empty(); }
-  // "CORRUPT" (a problem other than an I/O error), "UNREADABLE" (only I/O
-  // errors), "UNCHECKED" (no problem, but chunks without checksums), "OK".
-  const char* verdict() const;
-};
+// VerifyReport is the public catalog's (ferry/catalog.hpp).
 
 // Reads every byte. Returns an error only when the manifest itself cannot
 // be read; problems in data files, and a malformed manifest

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # The architecture as include rules, checked on every test run:
-#   src/ (the pure core) includes nothing from actors/, CAF or UCX;
+#   src/ (the pure core) includes nothing from actors/, CAF or UCX, nor a
+#   drill (src/drills/) outside the drills: the core announces crash points
+#   to its filesystem and never knows who observes them;
 #   a public header (src/include/ferry/) includes only the standard library
-#   and other public headers, so the installed package stands alone.
+#   and other public headers, so the installed package stands alone;
+#   tools/ (the CLI) includes only public headers and its own: what the CLI
+#   does, a user can do through the public API.
 set -uo pipefail
 src=$1
 bad=0
@@ -11,6 +15,11 @@ while IFS= read -r hit; do
   bad=1
 done < <(grep -rnE '#include [<"](actors/|caf/|ucp/|ucs/|uct/)' "$src/src" --include='*.hpp' \
            --include='*.cpp' --include='*.h' | sed "s|$src/||")
+while IFS= read -r hit; do
+  echo "src/ reaches the drills: $hit"
+  bad=1
+done < <(grep -rnE '#include [<"]drills/' "$src/src" --include='*.hpp' --include='*.cpp' \
+           --include='*.h' --exclude-dir=drills | sed "s|$src/||")
 for h in "$src"/src/include/ferry/*; do
   while IFS= read -r inc; do
     name=$(sed -E 's/#include [<"]([^>"]+)[>"].*/\1/' <<< "$inc")
@@ -22,5 +31,15 @@ for h in "$src"/src/include/ferry/*; do
     esac
   done < <(grep -E '^#include ' "$h")
 done
-[ $bad = 0 ] && echo "include rules hold: src/ -> no actors/CAF/UCX; public headers stand alone"
+while IFS= read -r hit; do
+  name=$(sed -E 's/.*#include "([^"]+)".*/\1/' <<< "$hit")
+  case "$name" in
+    ferry/*) [ -f "$src/src/include/$name" ] && continue ;;
+    tools/*) [ -f "$src/$name" ] && continue ;;
+  esac
+  echo "tools/ reaches an internal header: ${hit#$src/}"
+  bad=1
+done < <(grep -rnE '^#include "' "$src/tools" --include='*.hpp' --include='*.cpp' --include='*.h')
+[ $bad = 0 ] && echo "include rules hold: src/ -> no actors/CAF/UCX/drills; public headers stand alone;" \
+  "tools/ -> public headers only"
 exit $bad

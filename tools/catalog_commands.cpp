@@ -1,16 +1,13 @@
 // ls, inspect, verify, gc, config: read-only views of a root (gc aside).
 
+#include <algorithm>
+#include <chrono>
 #include <cinttypes>
 #include <cstdio>
 
-#include "box.hpp"
-#include "catalog.hpp"
-#include "drills/fault_fs.hpp"
-#include "drills/kill_point.hpp"
+#include "ferry/catalog.hpp"
 #include "ferry/options.hpp"
-#include "manifest.hpp"
 #include "tools/commands.hpp"
-#include "verify.hpp"
 
 namespace ferry::cli {
 
@@ -77,15 +74,11 @@ std::string printable(const std::string& s) {
   return out;
 }
 
-namespace {
-
 int need_one(const Args& args, const char* what) {
   if (args.size() == 1) return 0;
   std::fprintf(stderr, "expected exactly one argument: %s\n", what);
   return 2;
 }
-
-}  // namespace
 
 int cmd_ls(const Args& all_args) {
   // --verify re-reads every checkpoint and marks the newest one that verifies.
@@ -98,14 +91,23 @@ int cmd_ls(const Args& all_args) {
       args.push_back(a);
   }
   if (int rc = need_one(args, "ROOT [--verify]")) return rc;
-  auto fs = posix_filesystem();
-  auto list = list_checkpoints(*fs, args[0]);
-  if (!list.ok()) return failed("ls", list.status());
-  auto latest = find_latest(*fs, args[0]);
+  const Catalog catalog;
+  auto all = catalog.list(args[0]);
+  if (!all.ok()) return failed("ls", all.status());
+  auto latest = catalog.latest(args[0]);
   std::printf("%-16s %12s %10s %12s %8s  %s\n", "CHECKPOINT", "STEP", "SEQ", "SIZE", "TENSORS", "");
   bool valid_marked = false;
   bool latest_corrupt = false;
-  std::vector<CheckpointInfo> newest_first(list->rbegin(), list->rend());
+  // Committed (and corrupt) newest first, then pending saves; displaced
+  // steps are gc's business and not shown.
+  std::vector<CheckpointInfo> newest_first, pending;
+  for (const auto& c : *all) {
+    if (c.state == CheckpointState::committed || c.state == CheckpointState::corrupt)
+      newest_first.push_back(c);
+    else if (c.state == CheckpointState::pending)
+      pending.push_back(c);
+  }
+  std::reverse(newest_first.begin(), newest_first.end());
   for (const auto& c : newest_first) {
     const std::string name = c.path.substr(c.path.find_last_of('/') + 1);
     if (!c.status.ok()) {
@@ -117,7 +119,7 @@ int cmd_ls(const Args& all_args) {
     if (latest.ok() && latest->path == c.path) mark = "LATEST";
     if (c.latest_hint && mark.empty()) mark = "(LATEST file points here)";
     if (verify) {
-      auto rep = verify_checkpoint(*fs, c.path);
+      auto rep = catalog.verify(c.path);
       const bool good = rep.ok() && rep->ok();
       const std::string verdict = !rep.ok() ? "UNREADABLE"
                                   : !good   ? rep->verdict()
@@ -134,12 +136,12 @@ int cmd_ls(const Args& all_args) {
     std::printf("%-16s %12" PRIu64 " %10" PRIu64 " %12s %8" PRIu64 "  %s\n", name.c_str(), c.step,
                 c.commit_seq, human_bytes(c.bytes).c_str(), c.tensors, mark.c_str());
   }
-  if (list->empty()) std::printf("(no committed checkpoints in %s)\n", args[0].c_str());
+  if (newest_first.empty()) std::printf("(no committed checkpoints in %s)\n", args[0].c_str());
   // Pending saves, so that a crashed one is visible before gc takes it.
-  auto pending = list_pending(*fs, args[0]);
-  if (!pending.ok()) return failed("ls", pending.status());
-  const int64_t now = now_unix_ms();
-  for (const auto& p : *pending) {
+  const int64_t now = std::chrono::duration_cast<std::chrono::milliseconds>(
+                          std::chrono::system_clock::now().time_since_epoch())
+                          .count();
+  for (const auto& p : pending) {
     const std::string name = p.path.substr(p.path.find_last_of('/') + 1);
     std::string state;
     if (!p.has_lease) {
@@ -162,28 +164,16 @@ int cmd_ls(const Args& all_args) {
   return 0;
 }
 
-namespace {
-
-// A checkpoint directory, or a root meaning its latest checkpoint.
-Result<std::string> checkpoint_arg(Filesystem& fs, const std::string& arg) {
-  return resolve_checkpoint(fs, arg);
-}
-
-}  // namespace
-
 int cmd_inspect(const Args& args) {
   if (int rc = need_one(args, "CKPT|ROOT (a step directory, or a root: its latest)")) return rc;
-  auto fs = posix_filesystem();
-  auto dir = checkpoint_arg(*fs, args[0]);
-  if (!dir.ok()) return failed("inspect", dir.status());
-  auto m = read_manifest(*fs, *dir);
+  auto m = Catalog().manifest(args[0], ManifestOptions{/*check_headers=*/true});
   if (!m.ok()) return failed("inspect", m.status());
   std::printf("checkpoint %s\n  step %" PRIu64 ", commit seq %" PRIu64
               ", world size %d, job %s, id %s\n  fsynced %s, checksum block %s, %zu files, %s\n",
-              printable(*dir).c_str(), m->step, m->commit_seq, m->world_size,
+              printable(m->path).c_str(), m->step, m->commit_seq, m->world_size,
               printable(m->job_id).c_str(), printable(m->checkpoint_id).c_str(),
               m->fsynced ? "yes" : "no", human_bytes(m->checksum_block_bytes).c_str(),
-              m->files.size(), human_bytes(m->total_bytes()).c_str());
+              m->files.size(), human_bytes(m->bytes).c_str());
   // Keys, values and names are the saver's bytes: a control character
   // printed raw would drive the terminal.
   for (const auto& [k, v] : m->metadata)
@@ -192,9 +182,9 @@ int cmd_inspect(const Args& args) {
   for (const auto& t : m->tensors)
     for (const auto& c : t.chunks) {
       if (c.codec.empty()) continue;
-      raw += c.raw_bytes();
+      raw += c.raw_bytes;
       stored += c.byte_length;
-      frames += c.frame_ends.size();
+      frames += c.frames;
     }
   if (raw > 0)
     std::printf("  codec zstd: %s raw in %s stored, ratio %.2fx, %" PRIu64 " frames\n",
@@ -203,15 +193,14 @@ int cmd_inspect(const Args& args) {
   int rc = 0;
   std::printf("files:\n");
   for (uint32_t i = 0; i < m->files.size(); ++i) {
-    Status s = check_data_file_header(*fs, *dir, i, *m);
-    std::printf("  [%u] %s  %s  rank %d  header %s\n", i, printable(m->files[i].name).c_str(),
-                human_bytes(m->files[i].size).c_str(), m->files[i].rank,
-                s.ok() ? "ok" : printable(s.to_string()).c_str());
-    if (!s.ok()) rc = 1;
+    const ManifestFileInfo& f = m->files[i];
+    std::printf("  [%u] %s  %s  rank %d  header %s\n", i, printable(f.name).c_str(),
+                human_bytes(f.size).c_str(), f.rank,
+                f.header.ok() ? "ok" : printable(f.header.to_string()).c_str());
+    if (!f.header.ok()) rc = 1;
   }
-  Status shape = check_manifest_coverage(*m);
-  if (!shape.ok()) {
-    std::printf("%s\n", printable(shape.to_string()).c_str());
+  if (!m->coverage.ok()) {
+    std::printf("%s\n", printable(m->coverage.to_string()).c_str());
     rc = 1;
   }
   std::printf("tensors:\n");
@@ -229,11 +218,10 @@ int cmd_inspect(const Args& args) {
       std::printf("  (%zu block checksum%s)", c.checksums.size(),
                   c.checksums.size() == 1 ? "" : "s");
       if (!c.codec.empty())
-        std::printf("  %s %" PRIu64 " -> %" PRIu64 " bytes (%.2fx), %zu frame%s of %s",
-                    printable(c.codec).c_str(), c.raw_bytes(), c.byte_length,
-                    c.byte_length ? double(c.raw_bytes()) / double(c.byte_length) : 0.0,
-                    c.frame_ends.size(), c.frame_ends.size() == 1 ? "" : "s",
-                    human_bytes(c.frame_bytes).c_str());
+        std::printf("  %s %" PRIu64 " -> %" PRIu64 " bytes (%.2fx), %" PRIu64 " frame%s of %s",
+                    printable(c.codec).c_str(), c.raw_bytes, c.byte_length,
+                    c.byte_length ? double(c.raw_bytes) / double(c.byte_length) : 0.0, c.frames,
+                    c.frames == 1 ? "" : "s", human_bytes(c.frame_bytes).c_str());
       std::printf("\n");
     }
   }
@@ -242,10 +230,10 @@ int cmd_inspect(const Args& args) {
 
 int cmd_verify(const Args& args) {
   if (int rc = need_one(args, "CKPT|ROOT (a step directory, or a root: its latest)")) return rc;
-  auto fs = posix_filesystem();
-  auto dir = checkpoint_arg(*fs, args[0]);
+  const Catalog catalog;
+  auto dir = catalog.resolve(args[0]);
   if (!dir.ok()) return failed("verify", dir.status());
-  auto rep = verify_checkpoint(*fs, *dir);
+  auto rep = catalog.verify(*dir);
   if (!rep.ok()) return failed("verify", rep.status());
   for (const auto& p : rep->problems) std::printf("PROBLEM %s\n", printable(p.to_string()).c_str());
   if (rep->unchecked_chunks > 0)
@@ -262,8 +250,7 @@ int cmd_verify(const Args& args) {
 
 int cmd_gc(const Args& args) {
   if (int rc = need_one(args, "ROOT")) return rc;
-  auto fs = posix_filesystem();
-  auto rep = collect_garbage(*fs, args[0], now_unix_ms());
+  auto rep = Catalog().gc(args[0]);
   if (!rep.ok()) return failed("gc", rep.status());
   // Names in a root are anyone's bytes: printed escaped.
   for (const auto& p : rep->restored)
@@ -278,27 +265,6 @@ int cmd_gc(const Args& args) {
   std::printf("%zu removed, %zu kept, %zu not deleted\n", rep->removed.size(), rep->kept.size(),
               rep->failed.size());
   return rep->failed.empty() ? 0 : 1;
-}
-
-int cmd_kill_points(const Args&) {
-  std::printf(
-      "Kill points (FERRY_KILL_AT=<point>[:<nth>][@<rank>][!stop] SIGKILLs, or SIGSTOPs, "
-      "there):\n");
-  for (const auto& k : kill_points())
-    std::printf("  %-18s %-10s %s\n", k.name,
-                k.roles == KillPointRoles::rank0 ? "rank 0" : "any rank", k.where);
-  return 0;
-}
-
-int cmd_power_cut(const Args& args) {
-  if (int rc = need_one(args, "JOURNAL (the journal= file of FERRY_FAULTS)")) return rc;
-  Status s = FaultFilesystem::apply_power_cut_from_journal(*posix_filesystem(), args[0]);
-  if (!s.ok()) {
-    std::fprintf(stderr, "ferry power-cut: %s\n", s.to_string().c_str());
-    return 1;
-  }
-  std::printf("applied the power cut recorded in %s\n", args[0].c_str());
-  return 0;
 }
 
 int cmd_config(const Args&) {

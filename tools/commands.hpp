@@ -16,6 +16,7 @@ int cmd_inspect(const Args& args);
 int cmd_verify(const Args& args);
 int cmd_gc(const Args& args);
 int cmd_config(const Args& args);
+// The drill commands live beside the drills (src/drills/cli/).
 int cmd_kill_points(const Args& args);
 int cmd_power_cut(const Args& args);
 int cmd_demo(const Args& args);
@@ -28,6 +29,9 @@ std::string human_bytes(double bytes);
 // `s` safe to print to a terminal: control characters (C0, DEL, C1), bytes
 // that are not well-formed UTF-8 and backslashes become "\xNN" / "\\".
 std::string printable(const std::string& s);
+
+// 0 when `args` is one argument; else prints the usage `what` and returns 2.
+int need_one(const Args& args, const char* what);
 
 // Prints "ferry CMD: <why>" to stderr; 1, the exit code of a command that
 // failed.

@@ -20,7 +20,7 @@
 #include <cstring>
 #include <thread>
 
-#include "catalog.hpp"
+#include "ferry/catalog.hpp"
 #include "ferry/filesystem.hpp"
 #include "ferry/runtime.hpp"
 #include "tools/commands.hpp"
@@ -554,13 +554,6 @@ std::string quote(const std::string& s) {
 // checkpoints in it are the demo's to remove.
 constexpr char kDemoMarker[] = ".ferry-demo";
 
-bool is_ferry_entry(const std::string& name) {
-  uint64_t step = 0;
-  return parse_step_dir_name(name, &step) || is_pending_dir_name(name) || is_trash_dir_name(name) ||
-         parse_displaced_dir_name(name, &step) || name == kLatestFileName ||
-         name.rfind(std::string(kLatestFileName) + ".tmp-", 0) == 0;
-}
-
 // Makes `root` ready for a fresh run without touching what the demo did not
 // create: a user's files stay, and a root holding checkpoints that are not
 // the demo's is refused. Returns an exit code, or -1 to go on.
@@ -580,7 +573,7 @@ int prepare_demo_root(const std::string& root) {
   const bool ours = std::find(names->begin(), names->end(), kDemoMarker) != names->end();
   std::vector<std::string> leftovers;
   for (const auto& n : *names)
-    if (is_ferry_entry(n)) leftovers.push_back(n);
+    if (Catalog::is_ferry_entry_name(n)) leftovers.push_back(n);
   if (!ours && !leftovers.empty()) {
     std::fprintf(stderr,
                  "ferry demo: %s holds checkpoints the demo did not make (%s, ...); "

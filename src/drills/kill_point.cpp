@@ -1,10 +1,7 @@
 #include "drills/kill_point.hpp"
 
-#include <atomic>
 #include <csignal>
 #include <cstdlib>
-#include <cstring>
-#include <mutex>
 
 namespace ferry {
 
@@ -41,15 +38,9 @@ const std::vector<KillPointInfo>& kill_points() {
 
 namespace {
 
-struct Spec {
-  std::string point;
-  long nth = 1;
-  int rank = -1;  // any
-  int signal = SIGKILL;
-};
-
-bool parse(const std::string& s, Spec* out, std::string* why) {
-  Spec sp;
+bool parse(const std::string& s, KillSpec* out, std::string* why) {
+  KillSpec sp;
+  sp.signal = SIGKILL;
   std::string rest = s;
   // "!stop": SIGSTOP, a process that hangs right there instead of dying.
   if (auto bang = rest.find('!'); bang != std::string::npos) {
@@ -89,49 +80,43 @@ bool parse(const std::string& s, Spec* out, std::string* why) {
   return true;
 }
 
-std::atomic<int> g_rank{0};
-std::atomic<bool> g_armed{false};
-std::once_flag g_once;
-Spec g_spec;
-std::atomic<long> g_hits{0};
-
-void arm() {
-  const char* v = std::getenv("FERRY_KILL_AT");
-  if (!v || !*v) return;
-  std::string why;
-  if (parse(v, &g_spec, &why)) g_armed = true;
-}
-
 }  // namespace
 
-void set_kill_point_rank(int rank) {
-  g_rank = rank;
+Result<KillSpec> parse_kill_spec(const std::string& spec) {
+  KillSpec sp;
+  std::string why;
+  if (!parse(spec, &sp, &why)) return Status::invalid_argument("FERRY_KILL_AT: " + why);
+  return sp;
 }
 
 Status check_kill_spec(const std::string& spec) {
-  Spec sp;
-  std::string why;
-  if (!parse(spec, &sp, &why)) return Status::invalid_argument("FERRY_KILL_AT: " + why);
-  return Status();
+  return parse_kill_spec(spec).status();
 }
 
-Status arm_kill_point(const std::string& spec) {
-  std::call_once(g_once, arm);  // so that a later first pass does not re-arm from the env
-  Spec sp;
-  std::string why;
-  if (!parse(spec, &sp, &why)) return Status::invalid_argument("kill point: " + why);
-  g_spec = sp;
-  g_hits = 0;
-  g_armed = true;
-  return Status();
+KillPointFilesystem::KillPointFilesystem(std::shared_ptr<Filesystem> target, KillSpec spec,
+                                         int rank)
+    : FilesystemWrapper(std::move(target)),
+      spec_(std::move(spec)),
+      mine_(spec_.rank < 0 || spec_.rank == rank) {}
+
+void KillPointFilesystem::crash_point(const char* point) {
+  if (mine_ && spec_.point == point && hits_.fetch_add(1) + 1 == spec_.nth)
+    std::raise(spec_.signal);
+  target_->crash_point(point);
 }
 
-void kill_point(const char* name) {
-  std::call_once(g_once, arm);
-  if (!g_armed.load(std::memory_order_relaxed)) return;
-  if (g_spec.point != name) return;
-  if (g_spec.rank >= 0 && g_spec.rank != g_rank.load()) return;
-  if (g_hits.fetch_add(1) + 1 == g_spec.nth) std::raise(g_spec.signal);
+Result<std::shared_ptr<Filesystem>> kill_point_filesystem(std::shared_ptr<Filesystem> base,
+                                                          const std::string& spec, int rank) {
+  FERRY_ASSIGN_OR_RETURN(KillSpec sp, parse_kill_spec(spec));
+  return std::shared_ptr<Filesystem>(
+      std::make_shared<KillPointFilesystem>(std::move(base), std::move(sp), rank));
+}
+
+Result<std::shared_ptr<Filesystem>> kill_points_from_env(std::shared_ptr<Filesystem> base,
+                                                         int rank) {
+  const char* spec = std::getenv("FERRY_KILL_AT");
+  if (spec == nullptr || *spec == '\0') return base;
+  return kill_point_filesystem(std::move(base), spec, rank);
 }
 
 }  // namespace ferry

@@ -4,16 +4,22 @@
 //
 //   FERRY_KILL_AT=<point>[:<nth>][@<rank>][!stop]
 //
-// kills the process the nth time (default 1st) it passes <point>, only on
-// <rank> when given (every rank of a job inherits the variable); with !stop
-// it SIGSTOPs itself instead, a rank that hangs at that step. Unset, a
-// kill point costs one relaxed atomic load. Part of the drills library
-// (src/drills/kill_point.cpp), which the core's commit code calls into.
+// kills the process the nth time (default 1st) its runtime passes <point>,
+// only on <rank> when given (every rank of a job inherits the variable); with
+// !stop it SIGSTOPs itself instead, a rank that hangs at that step.
+//
+// The core and the actors only announce the points they pass
+// (Filesystem::crash_point, a no-op by default); a KillPointFilesystem
+// wrapped around a runtime's filesystem is what crashes there. It holds its
+// own spec and count: two runtimes in one process never share them.
 #pragma once
 
+#include <atomic>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "ferry/filesystem.hpp"
 #include "ferry/status.hpp"
 
 namespace ferry {
@@ -31,20 +37,39 @@ struct KillPointInfo {
 };
 const std::vector<KillPointInfo>& kill_points();
 
-// Passes the named point (which must be in kill_points()).
-void kill_point(const char* name);
+// A parsed FERRY_KILL_AT value.
+struct KillSpec {
+  std::string point;
+  long nth = 1;
+  int rank = -1;   // any
+  int signal = 0;  // SIGKILL, or SIGSTOP with !stop
+};
 
-// The rank that `@rank` selectors compare with (set by the Runtime).
-void set_kill_point_rank(int rank);
-
-// Arms this process as FERRY_KILL_AT=`spec` would, replacing what the
-// variable said (which is read once per process, so a forked child cannot
-// arm itself through setenv). For tests that fork a child to crash in it.
-// REQUIRES: no other thread is passing kill points.
-Status arm_kill_point(const std::string& spec);
-
-// Parses a FERRY_KILL_AT value; errors name the bad part (used at start so a
-// typo fails loudly instead of never firing).
+// Parses a FERRY_KILL_AT value; errors name the bad part (checked at start
+// so a typo fails loudly instead of never firing).
+Result<KillSpec> parse_kill_spec(const std::string& spec);
 Status check_kill_spec(const std::string& spec);
+
+// Forwards everything to its target and raises the spec's signal the nth
+// time `crash_point(spec.point)` is called, when `rank` is the spec's.
+class KillPointFilesystem : public FilesystemWrapper {
+ public:
+  KillPointFilesystem(std::shared_ptr<Filesystem> target, KillSpec spec, int rank);
+  void crash_point(const char* point) override;
+
+ private:
+  const KillSpec spec_;
+  const bool mine_;  // the spec names this rank, or any
+  std::atomic<long> hits_{0};
+};
+
+// `base` wrapped to crash at `spec` (FERRY_KILL_AT's syntax) on `rank`.
+Result<std::shared_ptr<Filesystem>> kill_point_filesystem(std::shared_ptr<Filesystem> base,
+                                                          const std::string& spec, int rank);
+
+// kill_point_filesystem with FERRY_KILL_AT's value; `base` itself when the
+// variable is unset or empty. A bad value is an error naming the variable.
+Result<std::shared_ptr<Filesystem>> kill_points_from_env(std::shared_ptr<Filesystem> base,
+                                                         int rank);
 
 }  // namespace ferry

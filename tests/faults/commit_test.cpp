@@ -396,14 +396,17 @@ TEST_CASE("an overwrite whose commit rename fails puts the old step back", "[com
   }
 }
 
-// Runs `commit` in a child process armed to SIGKILL itself at `point`.
+// Runs `commit` in a child process, through `fs` wrapped to SIGKILL the
+// process at `point` (the drills' observer of crash points).
 template <typename Fn>
-void run_killed_at(const char* point, Fn commit) {
+void run_killed_at(Filesystem& fs, const char* point, Fn commit) {
   pid_t pid = ::fork();
   REQUIRE(pid >= 0);
   if (pid == 0) {
-    if (!arm_kill_point(point).ok()) ::_exit(3);
-    commit();
+    auto killer = kill_point_filesystem(std::shared_ptr<Filesystem>(&fs, [](Filesystem*) {}), point,
+                                        /*rank=*/0);
+    if (!killer.ok()) ::_exit(3);
+    commit(**killer);
     ::_exit(0);  // not killed: the point was never reached
   }
   int status = 0;
@@ -420,7 +423,9 @@ void overwrite_killed_at(Filesystem& fs, const std::string& root, uint64_t step,
   opts.overwrite = true;
   Manifest m;
   std::string pending = stage(fs, root, step, &m, "new", true);
-  run_killed_at(point, [&] { (void)commit_checkpoint(fs, root, pending, m, opts); });
+  run_killed_at(fs, point, [&](Filesystem& killing) {
+    (void)commit_checkpoint(killing, root, pending, m, opts);
+  });
 }
 
 TEST_CASE("an overwrite killed with the old step aside: the old step comes back",
@@ -912,3 +917,54 @@ TEST_CASE("kill point specs: a typo is an error naming it, !stop is the one sign
   CHECK_THAT(check_kill_spec("plan.sent@x").message(), Catch::Contains("bad rank"));
   CHECK_THAT(check_kill_spec("plan.sent:0").message(), Catch::Contains("bad count"));
 }
+
+namespace ferry {
+namespace {
+
+// Records the crash points passed through it: a test's observer.
+class RecordingFilesystem : public FilesystemWrapper {
+ public:
+  using FilesystemWrapper::FilesystemWrapper;
+  void crash_point(const char* point) override { passed.emplace_back(point); }
+  std::vector<std::string> passed;
+};
+
+TEST_CASE("a commit announces its crash points, in order, to its filesystem's observer",
+          "[killpoints]") {
+  TempDir tmp;
+  auto rec = std::make_shared<RecordingFilesystem>(posix_filesystem());
+  Manifest m;
+  const std::string pending = stage(*rec, tmp.path(), 3, &m);
+  rec->passed.clear();
+  REQUIRE(commit_checkpoint(*rec, tmp.path(), pending, m, CommitOptions{}).ok());
+  const std::vector<std::string> want = {"manifest.write",   "manifest.fsync", "manifest.rename",
+                                         "manifest.dirsync", "latest.write",   "latest.fsync",
+                                         "commit.rename",    "latest.rename",  "root.fsync"};
+  CHECK(rec->passed == want);
+  // Every point announced is one the drills know.
+  for (const auto& p : rec->passed) CHECK(check_kill_spec(p).ok());
+}
+
+TEST_CASE("kill points count per filesystem and per rank, never per process", "[killpoints]") {
+  pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    auto a = kill_point_filesystem(posix_filesystem(), "commit.rename:2", 0);
+    auto b = kill_point_filesystem(posix_filesystem(), "commit.rename:2", 0);
+    auto other_rank = kill_point_filesystem(posix_filesystem(), "commit.rename@1", 0);
+    if (!a.ok() || !b.ok() || !other_rank.ok()) ::_exit(3);
+    (*a)->crash_point("commit.rename");
+    (*b)->crash_point("commit.rename");  // b's first: a's count is a's own
+    (*other_rank)->crash_point("commit.rename");
+    (*a)->crash_point("latest.rename");
+    (*a)->crash_point("commit.rename");  // a's second: killed here
+    ::_exit(0);
+  }
+  int status = 0;
+  REQUIRE(::waitpid(pid, &status, 0) == pid);
+  REQUIRE(WIFSIGNALED(status));
+  CHECK(WTERMSIG(status) == SIGKILL);
+}
+
+}  // namespace
+}  // namespace ferry

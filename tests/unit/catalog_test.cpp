@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "ferry/catalog.hpp"
 #include "ferry/filesystem.hpp"
 #include "manifest.hpp"
 #include "test_util.hpp"
@@ -503,6 +504,114 @@ TEST_CASE("a symbolic link in a root is never followed as a step or a MANIFEST",
   REQUIRE_FALSE(m.ok());
   CHECK(contains(m.status().message(), join_path(two, kManifestFileName)));
   CHECK(contains(m.status().message(), "symbolic link"));
+}
+
+}  // namespace
+}  // namespace ferry
+
+// The public catalog (ferry/catalog.hpp) over the same roots.
+namespace ferry {
+namespace {
+
+const CheckpointInfo* entry_named(const std::vector<CheckpointInfo>& v, const std::string& path) {
+  for (const auto& c : v)
+    if (c.path == path) return &c;
+  return nullptr;
+}
+
+TEST_CASE("public catalog lists committed, corrupt, pending and displaced entries",
+          "[catalog][public]") {
+  TempDir tmp;
+  auto fs = posix_filesystem();
+  const std::string& root = tmp.path();
+  const std::string c10 = make_checkpoint(*fs, root, 10, 1);
+  const std::string c20 = make_checkpoint(*fs, root, 20, 2);
+  const std::string bad = join_path(root, step_dir_name(30));  // no MANIFEST
+  REQUIRE(fs->mkdir(bad).ok());
+  const std::string pending = join_path(root, pending_dir_name(40, "jobA", "x1"));
+  REQUIRE(fs->mkdir(pending).ok());
+  REQUIRE(write_lease(*fs, pending, 1234567, "jobA/x1").ok());
+  // Step 10 moved aside and replaced since: a displaced entry gc collects.
+  const std::string aside = join_path(root, displaced_dir_name(10, "t"));
+  REQUIRE(fs->mkdir(aside).ok());
+
+  const Catalog catalog(fs);
+  auto all = catalog.list(root);
+  REQUIRE(all.ok());
+  REQUIRE(all->size() == 5);
+  const CheckpointInfo* e = entry_named(*all, c10);
+  REQUIRE(e);
+  CHECK(e->state == CheckpointState::committed);
+  CHECK(e->commit_seq == 1);
+  e = entry_named(*all, c20);
+  REQUIRE(e);
+  CHECK(e->state == CheckpointState::committed);
+  CHECK((e->step == 20 && e->commit_seq == 2));
+  e = entry_named(*all, bad);
+  REQUIRE(e);
+  CHECK(e->state == CheckpointState::corrupt);
+  CHECK(e->step == 30);
+  CHECK(contains(e->status.message(), bad));
+  e = entry_named(*all, pending);
+  REQUIRE(e);
+  CHECK(e->state == CheckpointState::pending);
+  CHECK(e->step == 40);
+  CHECK(e->has_lease);
+  CHECK(e->lease.expires_unix_ms == 1234567);
+  CHECK(e->lease.owner == "jobA/x1");
+  e = entry_named(*all, aside);
+  REQUIRE(e);
+  CHECK(e->state == CheckpointState::displaced);
+  CHECK(e->step == 10);
+  CHECK(std::string(checkpoint_state_name(CheckpointState::displaced)) == "displaced");
+
+  auto committed_only = catalog.list(root, ListOptions{/*include_uncommitted=*/false});
+  REQUIRE(committed_only.ok());
+  CHECK(committed_only->size() == 3);
+
+  auto latest = catalog.latest(root);
+  REQUIRE(latest.ok());
+  CHECK(latest->path == c20);
+  auto valid = catalog.latest_valid(root);
+  REQUIRE(valid.ok());
+  CHECK(valid->path == c20);
+  // Neither a pending nor a displaced directory is a checkpoint to open.
+  CHECK_FALSE(catalog.resolve(pending).ok());
+  CHECK_FALSE(catalog.resolve(aside).ok());
+  CHECK(*catalog.resolve(root) == c20);
+
+  for (const char* name : {"step-00000010", ".pending-00000001-j-i", ".displaced-00000001-t",
+                           ".trash-x", "LATEST", "LATEST.tmp-1"})
+    CHECK(Catalog::is_ferry_entry_name(name));
+  for (const char* name : {"notes.txt", "step-", ".ferry-demo"})
+    CHECK_FALSE(Catalog::is_ferry_entry_name(name));
+}
+
+TEST_CASE("public catalog gc and retention", "[catalog][public]") {
+  TempDir tmp;
+  auto fs = posix_filesystem();
+  const std::string& root = tmp.path();
+  const std::string c10 = make_checkpoint(*fs, root, 10, 1);
+  const std::string c20 = make_checkpoint(*fs, root, 20, 2);
+  const std::string c30 = make_checkpoint(*fs, root, 30, 3);
+  const std::string expired = join_path(root, pending_dir_name(40, "j", "old"));
+  REQUIRE(fs->mkdir(expired).ok());
+  REQUIRE(write_lease(*fs, expired, 1000, "j/old").ok());
+  const Catalog catalog(fs);
+
+  auto gc = catalog.gc(root, GcOptions{/*now_unix_ms=*/5000});
+  REQUIRE(gc.ok());
+  CHECK(gc->removed == std::vector<std::string>{expired});
+
+  auto retired = catalog.apply_retention(root, 2);
+  REQUIRE(retired.ok());
+  CHECK(*retired == std::vector<std::string>{c10});
+  auto left = catalog.list(root);
+  REQUIRE(left.ok());
+  CHECK(steps_of(*left) == std::vector<uint64_t>{20, 30});
+  // 0 keeps all.
+  REQUIRE(catalog.apply_retention(root, 0).ok());
+  CHECK(catalog.list(root)->size() == 2);
 }
 
 }  // namespace

@@ -98,6 +98,10 @@ class FERRY_EXPORT Filesystem {
   // Matching is lexical, on the path as callers spell it; the outermost
   // declared root containing a path wins. lock() declares its directory.
   virtual void add_root(const std::string& /*root*/) {}
+  // Ferry passed the named crash point of its protocol (`ferry kill-points`
+  // lists them). A no-op: a crash drill or a test wraps the filesystem and
+  // overrides it to observe the points, or to crash at one.
+  virtual void crash_point(const char* point) { (void)point; }
 };
 
 // The default: POSIX calls, errors via Status::from_errno naming op and path.
@@ -131,6 +135,7 @@ class FERRY_EXPORT FilesystemWrapper : public Filesystem {
     return target_->lock(p, wait_ms);
   }
   void add_root(const std::string& root) override { target_->add_root(root); }
+  void crash_point(const char* point) override { target_->crash_point(point); }
 
  protected:
   std::shared_ptr<Filesystem> target_;
@@ -154,18 +159,15 @@ FERRY_EXPORT Status read_file_into(Filesystem& fs, const std::string& path, std:
 FERRY_EXPORT Result<std::string> read_file_head(Filesystem& fs, const std::string& path,
                                                 uint64_t max_bytes);
 // temp file in the same directory, write, fsync (if `sync`), rename over
-// `path`, fsync the directory (if `sync`). With `kill_prefix` ("manifest"),
-// passes the kill points <prefix>.write/.fsync/.rename/.dirsync.
+// `path`, fsync the directory (if `sync`).
 FERRY_EXPORT Status write_file_atomic(Filesystem& fs, const std::string& path,
-                                      const std::string& bytes, bool sync,
-                                      const char* kill_prefix = nullptr);
+                                      const std::string& bytes, bool sync);
 // The first half of write_file_atomic: the temp file beside `path`
 // ("<path>.tmp-<pid>-<n>"), written and fsynced (if `sync`); returns its
 // path. The caller renames it over `path` when it chooses (and removes it
 // if it does not), so that one directory fsync can cover several renames.
 FERRY_EXPORT Result<std::string> write_temp_file(Filesystem& fs, const std::string& path,
-                                                 const std::string& bytes, bool sync,
-                                                 const char* kill_prefix = nullptr);
+                                                 const std::string& bytes, bool sync);
 // Removes a file or a directory tree; not_found is not an error.
 FERRY_EXPORT Status remove_all(Filesystem& fs, const std::string& path);
 

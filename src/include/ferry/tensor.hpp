@@ -36,6 +36,8 @@ FERRY_EXPORT size_t dtype_size(DType d);
 // Safetensors spelling: "F32", "BF16", "BOOL", "F8_E4M3", ...
 FERRY_EXPORT const char* dtype_name(DType d);
 FERRY_EXPORT Result<DType> parse_dtype(const std::string& name);
+// How every message spells a shape, "[4096, 128]".
+FERRY_EXPORT std::string shape_to_string(const std::vector<int64_t>& dims);
 
 struct FERRY_EXPORT Device {
   enum class Kind : uint8_t { host, cuda };
