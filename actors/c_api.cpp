@@ -116,6 +116,11 @@ ferry::Status to_entry(const ferry_tensor& t, size_t i, ferry::StateEntry* out) 
   out->view = ferry::TensorView(t.data, static_cast<ferry::DType>(t.dtype), std::move(shape), dev,
                                 std::move(strides));
   out->shard.reset();
+  if (t.flags & ~(FERRY_TENSOR_PER_RANK | FERRY_TENSOR_RESIZE_FIRST))
+    return ferry::Status::invalid_argument(who() + ": unknown flags " + std::to_string(t.flags));
+  out->per_rank = (t.flags & FERRY_TENSOR_PER_RANK) != 0;
+  out->on_resize =
+      (t.flags & FERRY_TENSOR_RESIZE_FIRST) ? ferry::OnResize::first : ferry::OnResize::error;
   if (t.global_shape)
     out->shard = ferry::Shard{std::vector<int64_t>(t.global_shape, t.global_shape + nd),
                               std::vector<int64_t>(t.offsets, t.offsets + nd)};
@@ -128,7 +133,10 @@ ferry::Status to_state_dict(const ferry_tensor* ts, size_t n, ferry::StateDict* 
   ferry::StateEntry e;
   for (size_t i = 0; i < n; ++i) {
     FERRY_RETURN_IF_ERROR(to_entry(ts[i], i, &e));
-    FERRY_RETURN_IF_ERROR(sd->add(std::move(e.key), std::move(e.view), std::move(e.shard)));
+    if (e.per_rank)
+      FERRY_RETURN_IF_ERROR(sd->add_per_rank(std::move(e.key), std::move(e.view), e.on_resize));
+    else
+      FERRY_RETURN_IF_ERROR(sd->add(std::move(e.key), std::move(e.view), std::move(e.shard)));
   }
   return ferry::Status();
 }
@@ -431,6 +439,8 @@ ferry_status ferry_state_dict_set(ferry_state_dict* sd, size_t index, const ferr
                                               entries[index].key + "' (keys cannot change)");
     entries[index].view = std::move(e.view);
     entries[index].shard = std::move(e.shard);
+    entries[index].per_rank = e.per_rank;
+    entries[index].on_resize = e.on_resize;
     return to_c(ferry::Status());
   });
 }
