@@ -141,6 +141,17 @@ ferry::Status to_state_dict(const ferry_tensor* ts, size_t n, ferry::StateDict* 
   return ferry::Status();
 }
 
+// The caller's snapshot check as SaveOptions::snapshot_check.
+std::function<ferry::Status()> snapshot_check(ferry_snapshot_check_fn fn, void* user) {
+  return [fn, user]() {
+    char msg[1024] = {0};
+    if (fn(user, msg, sizeof msg) == 0) return ferry::Status();
+    msg[sizeof msg - 1] = '\0';
+    return ferry::Status::aborted(msg[0] ? std::string(msg)
+                                         : std::string("the snapshot check failed"));
+  };
+}
+
 ferry_status null_arg(const char* what) {
   return fail(FERRY_INVALID_ARGUMENT, std::string(what) + " is NULL");
 }
@@ -364,16 +375,8 @@ ferry_status start_save(ferry_runtime* rt, const ferry::StateDict& sd, uint64_t 
                   "stream_device = " + std::to_string(extra->stream_device) + ": must be >= 0");
     opts->stream = extra->stream;
     opts->stream_device = ferry::Device::cuda(extra->stream_device);
-    if (ferry_snapshot_check_fn fn = extra->snapshot_check) {
-      void* user = extra->snapshot_check_user;
-      opts->snapshot_check = [fn, user]() {
-        char msg[1024] = {0};
-        if (fn(user, msg, sizeof msg) == 0) return ferry::Status();
-        msg[sizeof msg - 1] = '\0';
-        return ferry::Status::aborted(msg[0] ? std::string(msg)
-                                             : std::string("the snapshot check failed"));
-      };
-    }
+    if (extra->snapshot_check)
+      opts->snapshot_check = snapshot_check(extra->snapshot_check, extra->snapshot_check_user);
   }
   auto s = std::make_unique<ferry_save>();
   s->h = rt->rt->save_async(sd, step, *opts);
@@ -919,6 +922,8 @@ ferry_status ferry_planner_create_ex(ferry_runtime* rt, const ferry_tensor* tens
       }
       if (popts->transform_local_plan)
         o.transform_local_plan = wrap_transform(popts->transform_local_plan, popts->transform_user);
+      if (popts->snapshot_check)
+        o.save.snapshot_check = snapshot_check(popts->snapshot_check, popts->snapshot_check_user);
     }
     auto p = std::make_unique<ferry_planner>();
     p->p = std::make_unique<ferry::SavePlanner>(

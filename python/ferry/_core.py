@@ -359,6 +359,26 @@ def _snapshot_check(user, error, error_len):
 _SNAPSHOT_CHECK_FN = _lib.SnapshotCheckFn(_snapshot_check)
 
 
+def _check_on_mutation(what, on_mutation):
+    if on_mutation not in _ON_MUTATION:
+        raise FerryError("%s: on_mutation = %r: expected one of %s"
+                         % (what, on_mutation, ", ".join(repr(x) for x in _ON_MUTATION)))
+
+
+def _version_check(items, staged, on_mutation):
+    """(the _VersionCheck of a save's tensors, its id for _SNAPSHOT_CHECK_FN),
+    registered; (None, None) for on_mutation="ignore"."""
+    if on_mutation == "ignore":
+        return None, None
+    # Staged tensors are private copies: the caller cannot change them.
+    skip = set(staged)
+    chk = _VersionCheck([(k, t, t._version, t.data_ptr())
+                         for k, t, _, _ in items if k not in skip], on_mutation)
+    cid = next(_check_ids)
+    _checks[cid] = chk
+    return chk, cid
+
+
 def _cuda_stream_of(tensors):
     """(cudaStream_t, device index) of torch's current stream on the device
     of the first CUDA tensor, or (None, 0) when none is on a GPU."""
@@ -468,9 +488,7 @@ class Runtime:
         if options is not None and not isinstance(options, CheckpointOptions):
             raise FerryError("save_async: options must be a ferry.CheckpointOptions, not %s"
                              % type(options).__name__)
-        if on_mutation not in _ON_MUTATION:
-            raise FerryError("save_async: on_mutation = %r: expected one of %s"
-                             % (on_mutation, ", ".join(repr(x) for x in _ON_MUTATION)))
+        _check_on_mutation("save_async", on_mutation)
         copts = options._c() if options is not None else None
         items, staged, entries, pairs = _save_entries(state_dict, metadata)
         kv, kv_keep = _kvs(pairs)
@@ -481,14 +499,8 @@ class Runtime:
             extra.stream, extra.stream_device = stream.cuda_stream, stream.device.index or 0
         else:
             extra.stream, extra.stream_device = _cuda_stream_of(t for _, t, _, _ in items)
-        chk = cid = None
-        if on_mutation != "ignore":
-            # Staged tensors are private copies: the caller cannot change them.
-            skip = set(staged)
-            chk = _VersionCheck([(k, t, t._version, t.data_ptr())
-                                 for k, t, _, _ in items if k not in skip], on_mutation)
-            cid = next(_check_ids)
-            _checks[cid] = chk
+        chk, cid = _version_check(items, staged, on_mutation)
+        if chk is not None:
             extra.snapshot_check = _SNAPSHOT_CHECK_FN
             extra.snapshot_check_user = cid
         with self._lock:

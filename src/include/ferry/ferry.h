@@ -428,6 +428,8 @@ typedef struct ferry_planner_options {
                                                    must pass the same */
   ferry_plan_transform_fn transform_local_plan; /* NULL: the plan as made */
   void* transform_user;                         /* its first argument */
+  ferry_snapshot_check_fn snapshot_check;       /* as ferry_save_extra's; NULL: none */
+  void* snapshot_check_user;                    /* its first argument */
 } ferry_planner_options;
 
 /* ferry_planner_create_opts with the planner's options (`popts` may be NULL). */
