@@ -114,6 +114,11 @@ ferry::Status to_entry(const ferry_tensor& t, size_t i, ferry::StateEntry* out) 
   out->view = ferry::TensorView(t.data, static_cast<ferry::DType>(t.dtype), std::move(shape), dev,
                                 std::move(strides));
   out->shard.reset();
+  if (t.flags & ~(FERRY_TENSOR_PER_RANK | FERRY_TENSOR_RESIZE_FIRST))
+    return ferry::Status::invalid_argument(who() + ": unknown flags " + std::to_string(t.flags));
+  out->per_rank = (t.flags & FERRY_TENSOR_PER_RANK) != 0;
+  out->on_resize =
+      (t.flags & FERRY_TENSOR_RESIZE_FIRST) ? ferry::OnResize::first : ferry::OnResize::error;
   if (t.global_shape)
     out->shard = ferry::Shard{std::vector<int64_t>(t.global_shape, t.global_shape + nd),
                               std::vector<int64_t>(t.offsets, t.offsets + nd)};
@@ -126,9 +131,23 @@ ferry::Status to_state_dict(const ferry_tensor* ts, size_t n, ferry::StateDict* 
   ferry::StateEntry e;
   for (size_t i = 0; i < n; ++i) {
     FERRY_RETURN_IF_ERROR(to_entry(ts[i], i, &e));
-    FERRY_RETURN_IF_ERROR(sd->add(std::move(e.key), std::move(e.view), std::move(e.shard)));
+    if (e.per_rank)
+      FERRY_RETURN_IF_ERROR(sd->add_per_rank(std::move(e.key), std::move(e.view), e.on_resize));
+    else
+      FERRY_RETURN_IF_ERROR(sd->add(std::move(e.key), std::move(e.view), std::move(e.shard)));
   }
   return ferry::Status();
+}
+
+// The caller's snapshot check as SaveOptions::snapshot_check.
+std::function<ferry::Status()> snapshot_check(ferry_snapshot_check_fn fn, void* user) {
+  return [fn, user]() {
+    char msg[1024] = {0};
+    if (fn(user, msg, sizeof msg) == 0) return ferry::Status();
+    msg[sizeof msg - 1] = '\0';
+    return ferry::Status::aborted(msg[0] ? std::string(msg)
+                                         : std::string("the snapshot check failed"));
+  };
 }
 
 ferry_status null_arg(const char* what) {
@@ -354,16 +373,8 @@ ferry_status start_save(ferry_runtime* rt, const ferry::StateDict& sd, uint64_t 
                   "stream_device = " + std::to_string(extra->stream_device) + ": must be >= 0");
     opts->stream = extra->stream;
     opts->stream_device = ferry::Device::cuda(extra->stream_device);
-    if (ferry_snapshot_check_fn fn = extra->snapshot_check) {
-      void* user = extra->snapshot_check_user;
-      opts->snapshot_check = [fn, user]() {
-        char msg[1024] = {0};
-        if (fn(user, msg, sizeof msg) == 0) return ferry::Status();
-        msg[sizeof msg - 1] = '\0';
-        return ferry::Status::aborted(msg[0] ? std::string(msg)
-                                             : std::string("the snapshot check failed"));
-      };
-    }
+    if (extra->snapshot_check)
+      opts->snapshot_check = snapshot_check(extra->snapshot_check, extra->snapshot_check_user);
   }
   auto s = std::make_unique<ferry_save>();
   s->h = rt->rt->save_async(sd, step, *opts);
@@ -429,6 +440,8 @@ ferry_status ferry_state_dict_set(ferry_state_dict* sd, size_t index, const ferr
                                               entries[index].key + "' (keys cannot change)");
     entries[index].view = std::move(e.view);
     entries[index].shard = std::move(e.shard);
+    entries[index].per_rank = e.per_rank;
+    entries[index].on_resize = e.on_resize;
     return to_c(ferry::Status());
   });
 }
@@ -903,6 +916,8 @@ ferry_status ferry_planner_create_ex(ferry_runtime* rt, const ferry_tensor* tens
       }
       if (popts->transform_local_plan)
         o.transform_local_plan = wrap_transform(popts->transform_local_plan, popts->transform_user);
+      if (popts->snapshot_check)
+        o.save.snapshot_check = snapshot_check(popts->snapshot_check, popts->snapshot_check_user);
     }
     auto p = std::make_unique<ferry_planner>();
     p->p = std::make_unique<ferry::SavePlanner>(

@@ -189,9 +189,14 @@ Result<std::string> export_checkpoint(Runtime& rt, const std::string& checkpoint
   std::vector<std::pair<std::string, std::string>> meta = {{"format", "pt"},
                                                            {"ferry.step", std::to_string(m.step)}};
   for (const auto& kv : m.metadata) {
-    // The Python package's non-tensor values (JSON) belong to the state: they
-    // travel as "ferry.leaves" whoever runs the export (CLI, C, Python).
-    if (kv.first == "ferry.python.leaves") meta.emplace_back("ferry.leaves", kv.second);
+    // The Python package's non-tensor values belong to the state: they travel
+    // whoever runs the export (CLI, C, Python): JSON leaves as "ferry.leaves",
+    // typed ones (tuples, pickle) as "ferry.values" with "ferry.pickled"
+    // naming those holding pickle, and how per-rank copies decode as
+    // "ferry.per_rank".
+    for (const char* k : {"leaves", "values", "pickled", "per_rank"})
+      if (kv.first == std::string("ferry.python.") + k)
+        meta.emplace_back(std::string("ferry.") + k, kv.second);
     if (kv.first.rfind("ferry.", 0) != 0) meta.push_back(kv);
   }
   for (const auto& kv : o.metadata) meta.push_back(kv);

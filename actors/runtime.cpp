@@ -703,6 +703,8 @@ Status plan_load(Runtime::Impl& im, StateDict& sd, const LoadReplyMsg& reply,
   if (!m.ok()) return m.status().with_context(join_path(reply.dir, kManifestFileName) + ": ");
   *manifest = std::make_shared<const Manifest>(std::move(m).value());
   FERRY_ASSIGN_OR_RETURN(*requests, make_load_requests(sd));
+  FERRY_RETURN_IF_ERROR(
+      resolve_per_rank(*requests, sd, **manifest, im.ctx->rank, im.ctx->world_size));
   // Device copies into the caller's tensors come after its queued work on
   // them (the legacy default stream); load returns once they have landed.
   FERRY_RETURN_IF_ERROR(order_copies_after(*im.ctx->device, sd, Device::cuda(0), nullptr));

@@ -36,6 +36,8 @@ struct Tensor {
   dtype @1 :Text;                  # safetensors dtype name ("F32", "BF16", ...)
   globalShape @2 :List(Int64);     # shape of the whole tensor
   chunks @3 :List(Chunk);          # disjoint boxes covering the tensor
+  perRank @4 :Bool;                # one rank's value of a per-rank entry: key is "<entry>@rank<rank>"
+  rank @5 :Int32;                  # that rank (when perRank)
 }
 
 struct Chunk {

@@ -38,7 +38,11 @@ Result<Manifest> assemble_manifest(Manifest header, const std::vector<WriteResul
         return Status::internal("rank " + std::to_string(wr.rank) + " reported chunk of '" + c.key +
                                 "' in unknown file " + std::to_string(c.file));
       auto [it, fresh] = tensor_index.emplace(c.key, m.tensors.size());
-      if (fresh) m.tensors.push_back({c.key, c.dtype, c.global_shape, {}});
+      if (fresh) {
+        m.tensors.push_back({c.key, c.dtype, c.global_shape, {}});
+        // make_local_plan refuses other keys of this form: it is a per-rank value.
+        if (auto pr = parse_per_rank_key(c.key)) m.tensors.back().per_rank = pr->second;
+      }
       ManifestTensor& t = m.tensors[it->second];
       if (t.dtype != c.dtype || t.global_shape != c.global_shape)
         return Status::invalid_argument("tensor '" + c.key +

@@ -309,15 +309,53 @@ std::vector<ReadRun> make_read_runs(std::vector<ReadOp> ops, const Manifest& m,
   return runs;
 }
 
+Status resolve_per_rank(std::vector<LoadRequest>& requests, const StateDict& sd, const Manifest& m,
+                        int32_t rank, int32_t world_size) {
+  const auto& entries = sd.entries();
+  for (LoadRequest& r : requests) {
+    const StateEntry& e = entries[r.entry];
+    if (!e.per_rank || m.find(e.key) != nullptr) continue;  // saved as one value: load that
+    int32_t from = rank;
+    if (m.world_size != world_size) {
+      if (e.on_resize == OnResize::error)
+        return Status::invalid_argument(
+            "tensor '" + e.key + "' is per-rank: saved by " + std::to_string(m.world_size) +
+            " ranks, loaded by " + std::to_string(world_size) +
+            ", and its on_resize policy is error (choose first, or in Python a function of the "
+            "saved values, to say what each rank gets)");
+      from = 0;
+    }
+    r.key = per_rank_key(e.key, from);
+    if (m.find(r.key) == nullptr)
+      return Status::not_found("tensor '" + e.key +
+                               "': the checkpoint has no per-rank value of "
+                               "rank " +
+                               std::to_string(from) + " (saved by " + std::to_string(m.world_size) +
+                               " ranks)");
+  }
+  return Status();
+}
+
 std::vector<std::string> tensors_not_requested(const Manifest& m,
                                                const std::vector<LoadRequest>& requests) {
   std::vector<const std::string*> asked;
   asked.reserve(requests.size());
-  for (const auto& r : requests) asked.push_back(&r.key);
+  // Per-rank entries asked for: the other ranks' values of them are not left out.
+  std::vector<std::string> per_rank_asked;
+  for (const auto& r : requests) {
+    asked.push_back(&r.key);
+    if (auto pr = parse_per_rank_key(r.key)) per_rank_asked.push_back(pr->first);
+  }
+  std::sort(per_rank_asked.begin(), per_rank_asked.end());
   std::sort(asked.begin(), asked.end(),
             [](const std::string* a, const std::string* b) { return *a < *b; });
   std::vector<std::string> left;
   for (const auto& t : m.tensors) {
+    if (t.per_rank >= 0 && !per_rank_asked.empty()) {
+      auto pr = parse_per_rank_key(t.key);
+      if (pr && std::binary_search(per_rank_asked.begin(), per_rank_asked.end(), pr->first))
+        continue;
+    }
     auto it = std::lower_bound(asked.begin(), asked.end(), &t.key,
                                [](const std::string* a, const std::string* b) { return *a < *b; });
     if (it == asked.end() || **it != t.key) left.push_back(t.key);

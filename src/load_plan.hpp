@@ -72,6 +72,14 @@ struct LoadPlanOptions {
   uint64_t max_read_bytes = 64ull << 20;  // reads are split at block boundaries past this
 };
 
+// Points the requests of per-rank entries (StateEntry::per_rank) at the
+// value the load gives rank `rank` of `world_size`: its own when the
+// checkpoint was saved by as many ranks, else by the entry's on_resize
+// (error: invalid_argument naming the key and both world sizes; first:
+// rank 0's). An entry the checkpoint holds as one ordinary tensor loads it.
+Status resolve_per_rank(std::vector<LoadRequest>& requests, const StateDict& sd, const Manifest& m,
+                        int32_t rank, int32_t world_size);
+
 // Errors (invalid_argument / not_found, naming the key): key absent from the
 // checkpoint, dtype or global shape different from the saved one, a requested
 // region the saved chunks do not fully cover. Only blocks that hold bytes of

@@ -118,6 +118,14 @@ Status from_proto(proto::Manifest::Reader root, Manifest* out) {
       return Status::corruption("manifest: tensor '" + mt.key + "': unknown dtype '" + dtype + "'");
     mt.dtype = parsed.value();
     for (int64_t d : t.getGlobalShape()) mt.global_shape.push_back(d);
+    if (t.getPerRank()) {
+      auto pr = parse_per_rank_key(mt.key);
+      if (!pr || pr->second != t.getRank())
+        return Status::corruption(
+            "manifest: tensor '" + mt.key + "' is marked rank " + std::to_string(t.getRank()) +
+            "'s per-rank value but its key does not end in @rank" + std::to_string(t.getRank()));
+      mt.per_rank = t.getRank();
+    }
     auto chunks = t.getChunks();
     mt.chunks.reserve(chunks.size());
     for (auto c : chunks) {
@@ -402,6 +410,10 @@ std::string encode_manifest(const Manifest& m) {
     auto t = tensors[static_cast<unsigned>(i)];
     t.setKey(text(mt.key));
     t.setDtype(dtype_name(mt.dtype));
+    if (mt.per_rank >= 0) {
+      t.setPerRank(true);
+      t.setRank(mt.per_rank);
+    }
     fill(t.initGlobalShape(static_cast<unsigned>(mt.global_shape.size())), mt.global_shape);
     auto chunks = t.initChunks(static_cast<unsigned>(mt.chunks.size()));
     for (size_t j = 0; j < mt.chunks.size(); ++j) {

@@ -42,6 +42,9 @@ struct ManifestTensor {
   DType dtype = DType::f32;
   std::vector<int64_t> global_shape;
   std::vector<ManifestChunk> chunks;
+  // >= 0: rank per_rank's value of a per-rank entry, whose key is
+  // per_rank_key(entry, per_rank); -1: an ordinary tensor.
+  int32_t per_rank = -1;
 };
 
 struct ManifestFile {

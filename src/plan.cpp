@@ -72,7 +72,15 @@ Result<LocalPlan> make_local_plan(const StateDict& sd, int32_t rank) {
   for (const auto& e : sd.entries()) {
     FERRY_RETURN_IF_ERROR(validate_entry(e));
     WriteItem it;
-    it.key = e.key;
+    if (e.per_rank) {
+      it.key = per_rank_key(e.key, rank);  // its own key: never a replica of another rank's
+    } else if (parse_per_rank_key(e.key)) {
+      return Status::invalid_argument("tensor '" + e.key +
+                                      "': keys ending in @rank<N> are reserved for the values of "
+                                      "per-rank entries; rename it, or add it as per-rank");
+    } else {
+      it.key = e.key;
+    }
     it.dtype = e.view.dtype;
     it.box.sizes = e.view.shape;
     if (e.shard) {

@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <limits>
+#include <string_view>
 
 namespace ferry {
 
@@ -103,6 +104,37 @@ Status StateDict::add(std::string key, TensorView view, std::optional<Shard> sha
   return Status();
 }
 
+Status StateDict::add_per_rank(std::string key, TensorView view, OnResize on_resize) {
+  FERRY_RETURN_IF_ERROR(add(std::move(key), std::move(view)));
+  StateEntry& e = mut().entries.back();
+  e.per_rank = true;
+  e.on_resize = on_resize;
+  return Status();
+}
+
+namespace {
+constexpr std::string_view kPerRankTag = "@rank";
+}  // namespace
+
+std::string per_rank_key(const std::string& key, int32_t rank) {
+  return key + std::string(kPerRankTag) + std::to_string(rank);
+}
+
+std::optional<std::pair<std::string, int32_t>> parse_per_rank_key(const std::string& key) {
+  size_t digits = 0;
+  while (digits < key.size() && digits < 10 && key[key.size() - 1 - digits] >= '0' &&
+         key[key.size() - 1 - digits] <= '9')
+    ++digits;
+  if (digits == 0 || key.size() < digits + kPerRankTag.size() + 1) return std::nullopt;
+  const size_t tag = key.size() - digits - kPerRankTag.size();
+  if (key.compare(tag, kPerRankTag.size(), kPerRankTag) != 0) return std::nullopt;
+  const std::string num = key.substr(key.size() - digits);
+  if (num.size() > 1 && num[0] == '0') return std::nullopt;  // one spelling per rank
+  const long long r = std::stoll(num);
+  if (r > std::numeric_limits<int32_t>::max()) return std::nullopt;
+  return std::make_pair(key.substr(0, tag), static_cast<int32_t>(r));
+}
+
 const StateEntry* StateDict::find(const std::string& key) const {
   if (!d_) return nullptr;
   auto it = d_->index.find(key);
@@ -129,6 +161,8 @@ Status validate_entry(const StateEntry& e) {
     n *= s;
   }
   if (n > 0 && v.data == nullptr) return bad("data pointer is null");
+  if (e.per_rank && e.shard)
+    return bad("a per-rank entry is one whole value per rank; it cannot be a shard");
   if (e.shard) {
     const auto& sh = *e.shard;
     if (sh.global_shape.size() != v.shape.size() || sh.offsets.size() != v.shape.size())

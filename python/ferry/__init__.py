@@ -32,6 +32,7 @@ from ._core import (
     save_async,
     split_range,
 )
+from ._tree import per_rank
 from .manager import CheckpointManager
 from .planner import SavePlanner, barrier, plan, rank, save_on_this_process
 
@@ -57,6 +58,7 @@ __all__ = [
     "latest",
     "library_path",
     "list_steps",
+    "per_rank",
     "plan",
     "rank",
     "load",

@@ -5,6 +5,7 @@ import contextlib
 import ctypes
 import gc
 import itertools
+import json
 import os
 import sys
 import threading
@@ -188,11 +189,11 @@ class _Entries:
     """ctypes ferry_tensor records for a list of (key, tensor, global shape,
     offsets); keeps every buffer they point at alive for as long as it lives."""
 
-    def __init__(self, items):
+    def __init__(self, items, flags=None):
         for key, _, _, _ in items:
             if "\0" in key:
                 _no_nul("tensor key", key)
-        self.array, self.keep = _pack.pack_items(items)
+        self.array, self.keep = _pack.pack_items(items, flags)
 
 
 @contextlib.contextmanager
@@ -241,10 +242,34 @@ def _save_entries_of(state_dict, metadata):
             items.append((key, t, None, None))
         else:
             items.append((key, t, shard.global_shape, shard.offsets))
-    entries = _Entries(items)
+    flags = {}
+    if flat.per_rank:
+        items, flags = _per_rank_items(flat, items, staged)
+    entries = _Entries(items, flags)
     pairs = [(k, v) for k, v in (metadata or {}).items()]
     pairs += _tree.encode_meta(flat)
     return items, staged, entries, pairs
+
+
+def _per_rank_flags(policy):
+    return _lib.TENSOR_PER_RANK | (_lib.TENSOR_RESIZE_FIRST if policy == "first" else 0)
+
+
+def _per_rank_items(flat, items, staged):
+    """items plus the per-rank leaves as tensors (generator states, encoded
+    values: private copies, so staged), and the C flags of every per-rank item."""
+    import torch
+
+    items = list(items)
+    for key, g in flat.generators.items():
+        items.append((key, g.get_state(), None, None))
+        staged.append(key)
+    for key, b in flat.per_rank_bytes.items():
+        items.append((key, torch.frombuffer(bytearray(b), dtype=torch.uint8).clone(), None, None))
+        staged.append(key)
+    flags = {i: _per_rank_flags(flat.per_rank[it[0]])
+             for i, it in enumerate(items) if it[0] in flat.per_rank}
+    return items, flags
 
 
 def _kvs(pairs):
@@ -332,6 +357,26 @@ def _snapshot_check(user, error, error_len):
 # One callback for the process, never freed: Ferry may call it after every
 # Python object of the save is gone.
 _SNAPSHOT_CHECK_FN = _lib.SnapshotCheckFn(_snapshot_check)
+
+
+def _check_on_mutation(what, on_mutation):
+    if on_mutation not in _ON_MUTATION:
+        raise FerryError("%s: on_mutation = %r: expected one of %s"
+                         % (what, on_mutation, ", ".join(repr(x) for x in _ON_MUTATION)))
+
+
+def _version_check(items, staged, on_mutation):
+    """(the _VersionCheck of a save's tensors, its id for _SNAPSHOT_CHECK_FN),
+    registered; (None, None) for on_mutation="ignore"."""
+    if on_mutation == "ignore":
+        return None, None
+    # Staged tensors are private copies: the caller cannot change them.
+    skip = set(staged)
+    chk = _VersionCheck([(k, t, t._version, t.data_ptr())
+                         for k, t, _, _ in items if k not in skip], on_mutation)
+    cid = next(_check_ids)
+    _checks[cid] = chk
+    return chk, cid
 
 
 def _cuda_stream_of(tensors):
@@ -444,9 +489,7 @@ class Runtime:
         if options is not None and not isinstance(options, CheckpointOptions):
             raise FerryError("save_async: options must be a ferry.CheckpointOptions, not %s"
                              % type(options).__name__)
-        if on_mutation not in _ON_MUTATION:
-            raise FerryError("save_async: on_mutation = %r: expected one of %s"
-                             % (on_mutation, ", ".join(repr(x) for x in _ON_MUTATION)))
+        _check_on_mutation("save_async", on_mutation)
         copts = options._c() if options is not None else None
         items, staged, entries, pairs = _save_entries(state_dict, metadata)
         kv, kv_keep = _kvs(pairs)
@@ -457,14 +500,8 @@ class Runtime:
             extra.stream, extra.stream_device = stream.cuda_stream, stream.device.index or 0
         else:
             extra.stream, extra.stream_device = _cuda_stream_of(t for _, t, _, _ in items)
-        chk = cid = None
-        if on_mutation != "ignore":
-            # Staged tensors are private copies: the caller cannot change them.
-            skip = set(staged)
-            chk = _VersionCheck([(k, t, t._version, t.data_ptr())
-                                 for k, t, _, _ in items if k not in skip], on_mutation)
-            cid = next(_check_ids)
-            _checks[cid] = chk
+        chk, cid = _version_check(items, staged, on_mutation)
+        if chk is not None:
             extra.snapshot_check = _SNAPSHOT_CHECK_FN
             extra.snapshot_check_user = cid
         with self._lock:
@@ -870,6 +907,9 @@ def _load(rt, state_dict, path, strict, cast, key_map, allow_pickle=False):
     flat = _tree.flatten(state_dict)
     resolved, step = _resolve(ptr, path)
     man = Manifest(resolved)
+    # Per-rank entries stand in the checks below as one key each; which
+    # rank's copy this rank gets is decided once the claims are known.
+    copies = _hide_per_rank_copies(man)
 
     # Checkpoint key -> target key for everything the target names.
     claims = {}
@@ -988,6 +1028,9 @@ def _load(rt, state_dict, path, strict, cast, key_map, allow_pickle=False):
         v = man.leaves[ck]
         return _tree.unpickle(ck, v, owner_of(ck)) if ck in man.pickled else v
 
+    wanted = {b: claims.get(b) for b in copies if b in claims or in_open(b)}
+    per_rank_bufs = _per_rank_reads(man, copies, wanted, flat, rt, items)
+
     entries = _Entries(items)
     stats = _lib.LoadStats()
     # Ctrl-C is seen at once; the load goes on, holding its tensors.
@@ -998,11 +1041,19 @@ def _load(rt, state_dict, path, strict, cast, key_map, allow_pickle=False):
     with torch.no_grad():
         for dest, buf in copy_back:
             dest.copy_(buf)
+    _per_rank_values(man, per_rank_bufs, wanted, flat, rt, allow_pickle)
 
     # Leaves go back into their containers.
     for key in flat.leaves:
         ck = _map_key(key_map, key)
         if ck in man.leaves:
+            g = flat.generators.get(key)
+            if g is not None and (type(man.leaves[ck]) is type(g)
+                                  or isinstance(man.leaves[ck], torch.Tensor)):
+                # In place: the caller holds the generator.
+                v = man.leaves[ck]
+                g.set_state(v if isinstance(v, torch.Tensor) else v.get_state())
+                continue
             slot = flat.slots.get(key)
             if slot is not None and not isinstance(slot[0], tuple):  # a tuple cannot take it
                 slot[0][slot[1]] = leaf(ck)
@@ -1060,6 +1111,107 @@ def _load(rt, state_dict, path, strict, cast, key_map, allow_pickle=False):
     return result
 
 
+def _hide_per_rank_copies(man):
+    """Takes the per-rank copies ("<key>@rank<r>") out of man.tensors, puts
+    their entry key among the leaves (its value comes with the load), and
+    returns entry key -> {saved rank: TensorInfo}."""
+    copies = {}
+    for b, by_rank in _tree.per_rank_copies(man.tensors).items():
+        if b in man.tensors or b in man.leaves:
+            continue  # an ordinary entry of that name too: the copies stay plain tensors
+        copies[b] = {r: man.tensors.pop(k) for r, k in by_rank.items()}
+        man.leaves[b] = None
+    return copies
+
+
+def _per_rank_policy(flat, target):
+    return flat.per_rank.get(target, "error") if target is not None else "error"
+
+
+def _per_rank_reads(man, copies, wanted, flat, rt, items):
+    """Appends to `items` the copies this rank reads of the per-rank entries
+    it asks for (its own rank's into the same world size, else by each
+    entry's on_resize); returns entry key -> [(saved rank, buffer)]. Raises
+    before anything is read when a policy refuses the new world size."""
+    import torch
+
+    saved_world, rank, world = man.world_size, rt.rank, rt.world_size
+    out = {}
+    for b, target in wanted.items():
+        policy = _per_rank_policy(flat, target)
+        if saved_world == world:
+            ranks = [rank]
+        elif callable(policy):
+            ranks = list(range(saved_world))
+        elif policy == "first":
+            ranks = [0]
+        else:
+            raise FerryError(
+                "load %s: '%s' is per-rank: saved by %d ranks, loaded by %d, and its on_resize "
+                "policy is 'error'; wrap it in ferry.per_rank(value, on_resize='first' or a "
+                "function (values, rank, world_size) -> value) to say what each rank gets"
+                % (man.path, b, saved_world, world), "invalid_argument")
+        bufs = []
+        for r in ranks:
+            info = copies[b].get(r)
+            if info is None:
+                raise FerryError("load %s: '%s' is per-rank and the checkpoint has no value of "
+                                 "rank %d (saved by %d ranks)" % (man.path, b, r, saved_world),
+                                 "corruption")
+            t = torch.empty(info.shape, dtype=torch_dtype(info.dtype))
+            items.append((info.key, t, None, None))
+            bufs.append((r, t))
+        out[b] = bufs
+    return out
+
+
+def _per_rank_values(man, bufs, wanted, flat, rt, allow_pickle):
+    """Decodes what _per_rank_reads read into man.leaves (a callable
+    on_resize picks from all of them) and copies per-rank tensors into the
+    state dict's own."""
+    import torch
+
+    kinds = {}
+    if _tree.PER_RANK_META_KEY in man.metadata:
+        kinds = json.loads(man.metadata[_tree.PER_RANK_META_KEY])
+    resized = man.world_size != rt.world_size
+    for b, got in bufs.items():
+        values = [_tree.decode_per_rank(b, kinds.get(b, "tensor"), t) for _, t in got]
+        if any(_tree.pickled_types(v) for v in values):
+            if not allow_pickle:
+                man.leaves[b] = next(v for v in values if _tree.pickled_types(v))
+                raise _refuse_pickle(man, [b])
+            man.pickled.add(b)
+        policy = _per_rank_policy(flat, wanted[b])
+        if resized and callable(policy):
+            if b in man.pickled:
+                values = [_tree.unpickle(b, v) for v in values]
+                man.pickled.discard(b)
+            v = policy(values, rt.rank, rt.world_size)
+        else:
+            v = values[0]
+        man.leaves[b] = v
+        dest = flat.tensors.get(wanted[b]) if wanted[b] is not None else None
+        if dest is not None:
+            if isinstance(v, torch.Generator):
+                v = v.get_state()
+            if not isinstance(dest, torch.Tensor) or not isinstance(v, torch.Tensor) or (
+                    dest.shape != v.shape or dest.dtype != v.dtype):
+                raise FerryError("load %s: per-rank tensor '%s' is %s here, %s in the checkpoint"
+                                 % (man.path, b, _describe(dest), _describe(v)),
+                                 "invalid_argument")
+            with torch.no_grad():
+                dest.copy_(v)
+
+
+def _describe(v):
+    import torch
+
+    if isinstance(v, torch.Tensor):
+        return "%s %s" % (v.dtype, tuple(v.shape))
+    return type(v).__name__
+
+
 def load_state_dict(path, runtime=None, prefix=None, allow_pickle=False):
     """A new state dict with everything in the checkpoint (tensors allocated
     on the CPU with their saved dtypes and global shapes, leaves restored),
@@ -1074,12 +1226,18 @@ def load_state_dict(path, runtime=None, prefix=None, allow_pickle=False):
     used = [k for k in man.pickled if prefix is None or _under(k, prefix)]
     if used and not allow_pickle:
         raise _refuse_pickle(man, used)
+    # Per-rank values: this rank's (on_resize "error" across world sizes).
+    copies = _hide_per_rank_copies(man)
+    wanted = {b: None for b in copies if prefix is None or _under(b, prefix)}
     keys = [k for k in man.tensors if prefix is None or _under(k, prefix)]
     tensors = {k: torch.empty(man.tensors[k].shape, dtype=man.torch_dtype(k)) for k in keys}
-    entries = _Entries([(k, t, None, None) for k, t in tensors.items()])
+    items = [(k, t, None, None) for k, t in tensors.items()]
+    bufs = _per_rank_reads(man, copies, wanted, None, rt, items)
+    entries = _Entries(items)
     _lib.call_interruptibly(lib().ferry_load,
-                            (ptr, entries.array, len(keys), man.path.encode("utf-8")),
-                            keep=(entries, tensors), inflight=rt._calls)
+                            (ptr, entries.array, len(items), man.path.encode("utf-8")),
+                            keep=(entries, items, bufs), inflight=rt._calls)
+    _per_rank_values(man, bufs, wanted, None, rt, allow_pickle)
     values = dict(tensors)
     for k, v in man.leaves.items():
         if prefix is None or _under(k, prefix):

@@ -18,7 +18,7 @@ import time
 
 __all__ = ["FerryError", "lib", "check", "library_path", "wait_sliced", "call_interruptibly"]
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 _STATUS_NAMES = {
     0: "ok",
@@ -67,7 +67,14 @@ class Tensor(ctypes.Structure):
         ("device_index", ctypes.c_int32),
         ("global_shape", c_int64_p),
         ("offsets", c_int64_p),
+        ("flags", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint32),
     ]
+
+
+# ferry_tensor.flags (ferry.h)
+TENSOR_PER_RANK = 1
+TENSOR_RESIZE_FIRST = 2
 
 
 class KV(ctypes.Structure):

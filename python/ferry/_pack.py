@@ -16,8 +16,8 @@ from . import _lib
 from ._lib import FerryError
 
 # ferry_tensor: key, data, dtype, ndim, shape, strides, device_type,
-# device_index, global_shape, offsets (native layout).
-_RECORD = struct.Struct("@PPiiPPiiPP")
+# device_index, global_shape, offsets, flags, reserved (native layout).
+_RECORD = struct.Struct("@PPiiPPiiPPII")
 assert _RECORD.size == ctypes.sizeof(_lib.Tensor), "ferry_tensor's layout changed: update _RECORD"
 
 _shape = attrgetter("shape")
@@ -54,9 +54,10 @@ def _device_code(key, dev):
     return c
 
 
-def pack_items(items):
+def pack_items(items, flags=None):
     """The ferry_tensor array of (key, tensor, global shape or None, offsets
-    or None) items, and what must stay alive while C reads it."""
+    or None) items, and what must stay alive while C reads it. flags: {item
+    index: ferry_tensor.flags} for the few items that have any."""
     import torch
 
     from ._core import _dtype_code, _dtype_tables
@@ -108,8 +109,12 @@ def pack_items(items):
     devs = [_device_code(k, d) for k, d in zip(keys, map(_device, tensors))]
     data = [p if m else 0 for p, m in zip(map(torch.Tensor.data_ptr, tensors),
                                            map(torch.Tensor.numel, tensors))]
+    fl = [0] * n
+    for i, f in (flags or {}).items():
+        fl[i] = f
     flat = list(chain.from_iterable(zip(kptrs, data, dcodes, nds, sptrs, stptrs,
-                                        map(_first, devs), map(_second, devs), gptrs, optrs)))
+                                        map(_first, devs), map(_second, devs), gptrs, optrs,
+                                        fl, [0] * n)))
     buf = bytearray(struct.pack("@" + _RECORD.format[1:] * n, *flat))
     arr = (_lib.Tensor * n).from_buffer(buf)
     return arr, (blob, dims, buf)

@@ -16,6 +16,15 @@ parameter name, not by torch's integer ids, when every parameter it holds
 belongs to a module of the same state dict (named_parameters()): two pipeline
 stages then never both save "optim.state.0", and a load maps the names back
 to the ids of the optimizer it fills.
+Per-rank values (one per rank, ferry.per_rank): everything under a
+ferry.per_rank(value) wrapper; torch.Generator objects; everything under a
+key named "rng", "rng_state", "rng_states" or ending in "_rng", "_rng_state",
+"_rng_states" (torch.get_rng_state(), torch.cuda.get_rng_state_all(),
+random.getstate()); and the state dict of a data loader (an object with
+state_dict() whose class is a torch DataLoader or named *DataLoader, as
+torchdata's StatefulDataLoader). Each rank's copy is stored under
+"<key>@rank<r>": tensors as they are, generators as their get_state(), other
+values in the typed encoding below as bytes. Flat.per_rank marks them.
 The path itself is kept too (a list per key, ints as ints, list positions as
 [i]) so a state dict can be rebuilt with its original key types.
 """
@@ -24,11 +33,98 @@ import base64
 import io
 import json
 import pickle
+import re
 
 TREE_META_KEY = "ferry.python.tree"
 LEAVES_META_KEY = "ferry.python.leaves"  # flat key -> JSON value (values JSON holds as they are)
 VALUES_META_KEY = "ferry.python.values"  # flat key -> typed encoding (the others)
 PICKLED_META_KEY = "ferry.python.pickled"  # the keys of VALUES whose encoding holds pickle
+# flat key -> "tensor" | "value" | "generator": how its per-rank copies decode
+PER_RANK_META_KEY = "ferry.python.per_rank"
+
+ON_RESIZE = ("error", "first")
+
+
+class PerRank:
+    """A value each rank holds its own of (ferry.per_rank): see per_rank."""
+
+    __slots__ = ("value", "on_resize")
+
+    def __init__(self, value, on_resize="error"):
+        if not callable(on_resize) and on_resize not in ON_RESIZE:
+            raise ValueError("ferry.per_rank: on_resize = %r: expected 'error', 'first' or a "
+                             "function (saved values, rank, world_size) -> value" % (on_resize,))
+        self.value = value
+        self.on_resize = on_resize
+
+    # A load puts a restored leaf back through its slot: (wrapper, "value").
+    def __getitem__(self, k):
+        return self.value
+
+    def __setitem__(self, k, v):
+        self.value = v
+
+    def __repr__(self):
+        return "ferry.per_rank(%r, on_resize=%r)" % (self.value, self.on_resize)
+
+
+def per_rank(value, on_resize="error"):
+    """Marks `value` (a tensor, a torch.Generator, any value a state dict may
+    hold, or a subtree of them) as one value per rank: every rank stores its
+    own, and a load into the same world size gives each rank its own back
+    (in place: tensors and generators are filled, other values are put in
+    the wrapper's .value). Into another world size, on_resize decides:
+    "error" (the load fails naming the key and both world sizes), "first"
+    (every rank gets rank 0's value), or a function f(values, rank,
+    world_size) given the list of the saved ranks' values (index = saved
+    rank; tensors, decoded values, generators as torch.Generator) that
+    returns this rank's value."""
+    return PerRank(value, on_resize)
+
+
+_RNG_SUFFIXES = ("_rng", "_rng_state", "_rng_states")
+
+
+def _rng_name(c):
+    if not isinstance(c, str):
+        return False
+    c = c.lower()
+    return c in ("rng", "rng_state", "rng_states") or c.endswith(_RNG_SUFFIXES)
+
+
+def _is_generator(v):
+    if type(v).__name__ != "Generator":
+        return False
+    import torch
+
+    return isinstance(v, torch.Generator)
+
+
+def _is_data_loader(v):
+    if type(v).__name__.endswith("DataLoader"):
+        return True
+    import torch
+
+    return isinstance(v, torch.utils.data.DataLoader)
+
+
+_PER_RANK_KEY = re.compile(r"^(.*)@rank(0|[1-9][0-9]{0,9})$", re.S)
+
+
+def parse_per_rank_key(key):
+    """(entry key, rank) of a checkpoint key "<key>@rank<r>", else None."""
+    m = _PER_RANK_KEY.match(key)
+    return (m.group(1), int(m.group(2))) if m else None
+
+
+def per_rank_copies(keys):
+    """entry key -> {saved rank: checkpoint key} of the per-rank copies among keys."""
+    out = {}
+    for k in keys:
+        pr = parse_per_rank_key(k)
+        if pr is not None:
+            out.setdefault(pr[0], {})[pr[1]] = k
+    return out
 
 # A JSON leaf larger than this is refused: the manifest is read whole on
 # every load, and big values belong in tensors.
@@ -66,12 +162,22 @@ def is_stateful(v):
 
 
 def _has_tensor(v):
-    if is_tensor_like(v) or is_stateful(v):
+    if is_tensor_like(v) or is_stateful(v) or type(v) is PerRank:
         return True
     if isinstance(v, dict):
         return any(_has_tensor(x) for x in v.values())
     if isinstance(v, (list, tuple)):
         return any(_has_tensor(x) for x in v)
+    return False
+
+
+def _has_generator(v):
+    if _is_generator(v):
+        return True
+    if isinstance(v, dict):
+        return any(_has_generator(x) for x in v.values())
+    if isinstance(v, (list, tuple)):
+        return any(_has_generator(x) for x in v)
     return False
 
 
@@ -97,6 +203,10 @@ class Flat:
     stateful:  flat key prefix -> (object, its state dict)
     typed:     flat key -> typed encoding, for leaves JSON cannot hold as they are
     pickled:   the keys of typed whose encoding holds pickle
+    per_rank:  flat key -> on_resize policy of the per-rank entries (tensors,
+               and leaves: those are in per_rank_bytes or generators)
+    per_rank_bytes: flat key -> UTF-8 typed encoding of a per-rank leaf
+    generators: flat key -> torch.Generator (a per-rank leaf)
     """
 
     def __init__(self):
@@ -109,6 +219,9 @@ class Flat:
         self._param_names = None
         self.typed = {}
         self.pickled = set()
+        self.per_rank = {}
+        self.per_rank_bytes = {}
+        self.generators = {}
 
     @property
     def param_names(self):
@@ -238,16 +351,38 @@ def load_optim_by_name(opt, values, prefix, names):
     return True
 
 
-def _walk(v, path, flat, slot, owner):
+def _walk(v, path, flat, slot, owner, pr=None):
+    """pr: the on_resize policy when v is (under) a per-rank value, else None."""
+    if type(v) is PerRank:
+        if not path:
+            raise TypeError("ferry: a state dict must be a dict, not a ferry.per_rank value")
+        _walk(v.value, path, flat, (v, "value"), owner, v.on_resize)
+        return
+    if pr is None and path and _rng_name(path[-1]):
+        pr = "error"
     if is_tensor_like(v):
         if not path:
             raise TypeError("ferry: a state dict must be a dict")
         flat._add(path, "tensor", v, slot)
+        if pr is not None:
+            if not _is_tensor(v):
+                raise TypeError("ferry: the per-rank value at %r is a shard (%s); a per-rank "
+                                "value is one whole tensor per rank" % (join(path),
+                                                                       type(v).__name__))
+            flat.per_rank[join(path)] = pr
+        return
+    if _is_generator(v):
+        flat._add(path, "leaf", v, slot)
+        key = join(path)
+        flat.per_rank[key] = pr or "error"
+        flat.generators[key] = v
         return
     if is_stateful(v):
+        if pr is None and _is_data_loader(v):
+            pr = "error"
         sd = optim_state_by_name(v, flat.param_names) if is_optimizer(v) else v.state_dict()
         flat.stateful[join(path)] = (v, sd, list(path))
-        _walk(sd, path, flat, None, v)
+        _walk(sd, path, flat, None, v, pr)
         return
     if isinstance(v, dict) and (v or not path):
         for k, x in v.items():
@@ -258,14 +393,26 @@ def _walk(v, path, flat, slot, owner):
                 )
             if isinstance(k, str) and "." in k and not path:
                 pass  # "layer.weight" style keys of module state dicts are fine
-            _walk(x, path + [k], flat, (v, k), owner)
+            _walk(x, path + [k], flat, (v, k), owner, pr)
         return
-    if isinstance(v, (list, tuple)) and _has_tensor(v):
+    if isinstance(v, (list, tuple)) and (_has_tensor(v) or _has_generator(v)):
         for i, x in enumerate(v):
-            _walk(x, path + [[i]], flat, (v, i), owner)
+            _walk(x, path + [[i]], flat, (v, i), owner, pr)
         return
     # A leaf: JSON when JSON gives it back as it is, else the typed encoding.
     key = join(path)
+    if pr is not None:
+        # Per-rank: stored as bytes in each rank's own copy, never in the
+        # manifest's metadata (which keeps rank 0's).
+        ctx = _Encoder(key, owner)
+        text = json.dumps(ctx.encode(v), allow_nan=True)
+        if len(text) > MAX_LEAF_JSON_BYTES:
+            raise ValueError("ferry: value at %r is %d bytes encoded (limit %d): store it as a "
+                             "tensor" % (key, len(text), MAX_LEAF_JSON_BYTES))
+        flat._add(path, "leaf", v, slot)
+        flat.per_rank[key] = pr
+        flat.per_rank_bytes[key] = text.encode("utf-8")
+        return
     enc = None
     if _plain(v):
         text = json.dumps(v, allow_nan=True)
@@ -442,7 +589,7 @@ def unpickle(key, v, owner=None):
 
 def encode_meta(flat):
     """The metadata pairs that let a load restore leaves and rebuild the tree."""
-    plain = {k: v for k, v in flat.leaves.items() if k not in flat.typed}
+    plain = {k: v for k, v in flat.leaves.items() if k not in flat.typed and k not in flat.per_rank}
     pairs = [
         (TREE_META_KEY, json.dumps(flat.paths, allow_nan=True)),
         (LEAVES_META_KEY, json.dumps(plain, allow_nan=True)),
@@ -451,7 +598,33 @@ def encode_meta(flat):
         pairs.append((VALUES_META_KEY, json.dumps(flat.typed, allow_nan=True)))
     if flat.pickled:
         pairs.append((PICKLED_META_KEY, json.dumps(sorted(flat.pickled))))
+    if flat.per_rank:
+        kinds = {k: "generator" if k in flat.generators else
+                 "value" if k in flat.per_rank_bytes else "tensor" for k in flat.per_rank}
+        pairs.append((PER_RANK_META_KEY, json.dumps(kinds)))
     return pairs
+
+
+def decode_per_rank(key, kind, t):
+    """One saved rank's value of per-rank entry `key` from its loaded tensor:
+    the tensor, a torch.Generator with that state, or the decoded value
+    (pickled parts as Pickled)."""
+    if kind == "generator":
+        import torch
+
+        g = torch.Generator()
+        g.set_state(t)
+        return g
+    if kind == "value":
+        try:
+            e = json.loads(t.numpy().tobytes().decode("utf-8"))
+        except ValueError:
+            from ._lib import FerryError
+
+            raise FerryError("checkpoint per-rank value of key %r is not a value encoding"
+                             % key, "corruption") from None
+        return _decode(key, e)
+    return t
 
 
 def decode_values(metadata):

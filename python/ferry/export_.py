@@ -14,9 +14,14 @@ def export(checkpoint, out_dir, max_shard_bytes=5 << 30, block_bytes=256 << 20, 
     out_dir as model-0000i-of-0000N.safetensors files of at most
     max_shard_bytes each (a larger tensor gets a file of its own) and
     model.safetensors.index.json, reading about block_bytes at a time.
+    The state's non-tensor values travel in every file's __metadata__:
+    "ferry.leaves" (JSON values), "ferry.values" (the typed encoding of
+    tuples, sets, bytes and pickled objects, copied as stored: nothing is
+    unpickled), "ferry.pickled" (its keys that hold pickle) and
+    "ferry.per_rank"; per-rank values are the tensors "<key>@rank<r>".
     Returns the index's path."""
     man = _core.Manifest(checkpoint)
-    meta = {}  # the library carries the leaves ("ferry.leaves"), as `ferry export` does
+    meta = {}  # the library carries the values ("ferry.leaves", "ferry.values", ...) itself
     keys = (ctypes.c_char_p * max(1, len(meta)))(*[k.encode() for k in meta])
     values = (ctypes.c_char_p * max(1, len(meta)))(*[v.encode() for v in meta.values()])
     # A runtime of its own, one process: the load streams through a small pool.

@@ -81,7 +81,8 @@ _TRANSFORM_FN = ctypes.CFUNCTYPE(
 
 class _PlannerOptions(ctypes.Structure):
     _fields_ = [("owner_policy", ctypes.c_int), ("transform_local_plan", _TRANSFORM_FN),
-                ("transform_user", ctypes.c_void_p)]
+                ("transform_user", ctypes.c_void_p),
+                ("snapshot_check", _lib.SnapshotCheckFn), ("snapshot_check_user", ctypes.c_void_p)]
 
 
 _OWNER_POLICIES = {None: 0, "balanced": 1, "lowest_rank": 2}
@@ -335,14 +336,20 @@ class SavePlanner:
     root. step: None = one more than the latest committed step under root
     (0 in an empty root). checkpoint_fn(state_dict, filename),
     transform_local_plan(plan) and owner_policy ("balanced", "lowest_rank"
-    or None): see the module docstring."""
+    or None): see the module docstring. on_mutation: as save_async's, from
+    here until this rank's snapshot ends (a tensor changed in place fails
+    the checkpoint naming it; "warn": planner.warnings() lists it)."""
+
+    _check = None
+    _check_id = None
 
     def __init__(self, state_dict, filename_prefix=None, options=None, checkpoint_fn=None,
                  root=None, step=None, runtime=None, transform_local_plan=None,
-                 owner_policy=None):
+                 owner_policy=None, on_mutation="error"):
         global _current
         self._ptr = None
         self._calls = set()  # an interrupted create_global_plan still running
+        _core._check_on_mutation("SavePlanner", on_mutation)
         if owner_policy not in _OWNER_POLICIES:
             raise FerryError("SavePlanner owner_policy %r: expected 'balanced', 'lowest_rank' or "
                              "None" % (owner_policy,))
@@ -371,14 +378,22 @@ class SavePlanner:
         self._transform = (_wrap_transform(transform_local_plan, self._transform_out)
                            if transform_local_plan else _TRANSFORM_FN())
         popts = _PlannerOptions(_OWNER_POLICIES[owner_policy], self._transform, None)
+        self._check, self._check_id = _core._version_check(items, self.staged, on_mutation)
+        if self._check is not None:
+            popts.snapshot_check = _core._SNAPSHOT_CHECK_FN
+            popts.snapshot_check_user = self._check_id
         out = ctypes.c_void_p()
-        check(_L().ferry_planner_create_ex(
-            self._rt._alive(), self._entries.array, len(items),
-            (filename_prefix or "").encode("utf-8"),
-            str(root).encode("utf-8") if root else None,
-            0 if step is None else 1, int(step or 0), 1 if opts.get("overwrite") else 0,
-            kv, len(pairs), ctypes.byref(copts) if copts is not None else None,
-            ctypes.byref(popts), self._fn, None, ctypes.byref(out)))
+        try:
+            check(_L().ferry_planner_create_ex(
+                self._rt._alive(), self._entries.array, len(items),
+                (filename_prefix or "").encode("utf-8"),
+                str(root).encode("utf-8") if root else None,
+                0 if step is None else 1, int(step or 0), 1 if opts.get("overwrite") else 0,
+                kv, len(pairs), ctypes.byref(copts) if copts is not None else None,
+                ctypes.byref(popts), self._fn, None, ctypes.byref(out)))
+        except BaseException:
+            _core._checks.pop(self._check_id, None)
+            raise
         del kv_keep
         self._ptr = out
         self.step = _L().ferry_planner_step(out)
@@ -417,6 +432,11 @@ class SavePlanner:
         wait_sliced(lambda ms: _L().ferry_planner_barrier_for(p, ms, ctypes.byref(out)))
         return out.value.decode("utf-8")
 
+    def warnings(self):
+        """Tensors changed during the snapshot that on_mutation="warn" let
+        the checkpoint commit despite."""
+        return list(self._check.warnings) if self._check is not None else []
+
     def close(self):
         """Abandons an unfinished checkpoint (on every rank)."""
         # An interrupted create_global_plan still uses the planner: wait for
@@ -424,6 +444,7 @@ class SavePlanner:
         if not _lib.join_inflight(getattr(self, "_calls", ()), 60.0):
             self._ptr = None
             return
+        _core._checks.pop(self._check_id, None)
         ptr, self._ptr = self._ptr, None
         if ptr is not None:
             _L().ferry_planner_destroy(ptr)

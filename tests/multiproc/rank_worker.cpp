@@ -20,6 +20,10 @@
 //   rank_worker --mode rank0-only --root DIR [--step S]
 //               (only rank 0 calls save; the others wait until it has its
 //               answer, which must be an error)
+//   rank_worker --mode save|load ... --per-rank 1 [--saved-world N] [--on-resize error|first]
+//               (one more entry, per-rank "rng", 16 bytes of its rank's own; a
+//               load checks it got its own, or rank 0's after a resize with
+//               first, or that error refused naming the key and world sizes)
 // A load prints LOADSTATS with its LoadReport figures, the bytes this process
 // read from disk (/proc/self/io read_bytes) and how much its peak resident
 // memory (VmHWM) grew during the load.
@@ -535,6 +539,28 @@ int main(int argc, char** argv) {
     }
   }
 
+  // --per-rank 1: a per-rank entry, whose bytes name the rank that saved them.
+  const bool with_per_rank = arg(argc, argv, "--per-rank", "0") == std::string("1");
+  const int saved_world =
+      std::stoi(arg(argc, argv, "--saved-world", std::to_string(world).c_str()));
+  const bool resize_first = arg(argc, argv, "--on-resize", "error") == std::string("first");
+  std::vector<uint8_t> own(16);
+  auto per_rank_bytes = [](int r) {
+    std::vector<uint8_t> b(16);
+    for (size_t i = 0; i < b.size(); ++i) b[i] = static_cast<uint8_t>(r * 16 + i + 1);
+    return b;
+  };
+  if (with_per_rank) {
+    if (mode != "load") own = per_rank_bytes(rank);
+    if (ferry::Status added =
+            sd.add_per_rank("rng", ferry::TensorView(own.data(), ferry::DType::u8, {16}),
+                            resize_first ? ferry::OnResize::first : ferry::OnResize::error);
+        !added.ok()) {
+      std::printf("ERROR state dict: %s\n", added.to_string().c_str());
+      return 1;
+    }
+  }
+
   if (mode == "load") {
     // --kill-after load: this rank dies before it loads; the others must fail.
     if (kill_after == "load" && rank == kill_rank) std::raise(kill_signal);
@@ -545,9 +571,29 @@ int main(int argc, char** argv) {
       const uint64_t disk0 = disk_read_bytes();
       const uint64_t hwm0 = peak_rss_bytes();
       auto report = rt.load_report(sd, path);
+      if (!report.ok() && with_per_rank && saved_world != world && !resize_first) {
+        std::printf("REFUSED as expected: %s\n", report.status().to_string().c_str());
+        return report.status().message().find("tensor 'rng' is per-rank: saved by " +
+                                              std::to_string(saved_world) + " ranks, loaded by " +
+                                              std::to_string(world)) != std::string::npos
+                   ? 0
+                   : 1;
+      }
       if (!report.ok()) {
         std::printf("ERROR load: %s\n", report.status().to_string().c_str());
         return 1;
+      }
+      if (with_per_rank) {
+        const int from = saved_world == world ? rank : 0;
+        if (own != per_rank_bytes(from)) {
+          std::printf("ERROR per-rank rng of rank %d is not rank %d's value\n", rank, from);
+          return 1;
+        }
+        std::printf("PERRANK rank %d got rank %d's value\n", rank, from);
+        if (!report->not_restored.empty()) {
+          std::printf("ERROR not restored: %s\n", report->not_restored.front().c_str());
+          return 1;
+        }
       }
       std::printf(
           "LOADSTATS read=%llu received=%llu disk=%llu queued=%llu hwm_growth=%llu relayed=%llu "

@@ -1,5 +1,6 @@
 // A resume is exactly right or the save fails loudly: replicated tensors
-// whose holders disagree, and saves some ranks never call (issue 41, 1 and 5).
+// whose holders disagree, saves some ranks never call, and per-rank entries
+// (issue 41, 1 and 5).
 
 #include <catch2/catch.hpp>
 
@@ -63,4 +64,32 @@ TEST_CASE("a save only rank 0 calls fails at plan-timeout, saying who never call
                                         "for replicated state"));
   CHECK(r.seconds < 12);  // plan-timeout, not the 20 s of heartbeat and link waits
   ferry::testing::check_nothing_saved(d.path());
+}
+
+TEST_CASE("a per-rank entry comes back to each rank its own, and across sizes by on_resize",
+          "[ranks][per_rank]") {
+  TempDir d;
+  auto saved = launch(2, "--mode save --per-rank 1 --root " + d.path());
+  INFO(saved.out);
+  REQUIRE(saved.code == 0);  // 2 ranks' own values under one key: no replica error
+  {
+    auto r = launch(2, "--mode load --layout save --per-rank 1 --root " + d.path());
+    INFO(r.out);
+    CHECK(r.code == 0);
+    CHECK(count(r.out, "PERRANK rank 0 got rank 0's value") == 1);
+    CHECK(count(r.out, "PERRANK rank 1 got rank 1's value") == 1);
+  }
+  {
+    auto r = launch(3, "--mode load --per-rank 1 --saved-world 2 --root " + d.path());
+    INFO(r.out);
+    CHECK(r.code == 0);
+    CHECK(count(r.out, "REFUSED as expected") == 3);
+  }
+  {
+    auto r =
+        launch(3, "--mode load --per-rank 1 --saved-world 2 --on-resize first --root " + d.path());
+    INFO(r.out);
+    CHECK(r.code == 0);
+    CHECK(count(r.out, "got rank 0's value") == 3);
+  }
 }

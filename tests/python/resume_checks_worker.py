@@ -69,9 +69,10 @@ elif mode == "pipeline-load":
         ok = ok and torch.equal(p, q)
     print("pipeline stage %d loaded its own optimizer state: %s" % (rank, "ok" if ok else "WRONG"))
 elif mode == "differ":
-    rng = torch.Generator().manual_seed(1234 + rank).get_state()
+    # Not a name Ferry takes for per-rank state (rng, *_rng_state): a replica.
+    noise = torch.Generator().manual_seed(1234 + rank).get_state()
     try:
-        ferry.save({"rng": rng, "w": torch.ones(4)}, root, 1)
+        ferry.save({"noise": noise, "w": torch.ones(4)}, root, 1)
         print("saved: wrong")
     except ferry.FerryError as e:
         print("refused: %s" % e)

@@ -29,7 +29,7 @@ def main():
     try:
         p = launch(2, "differ", os.path.join(root, "differ"))
         assert p.stdout.count("refused:") == 2, p.stdout
-        assert "tensor 'rng'" in p.stdout and "rank 0" in p.stdout and "rank 1" in p.stdout, p.stdout
+        assert "tensor 'noise'" in p.stdout and "rank 0" in p.stdout and "rank 1" in p.stdout, p.stdout
         assert "saved: wrong" not in p.stdout, p.stdout
         os.makedirs(os.path.join(root, "only"))
         p = launch(2, "rank0-only", os.path.join(root, "only"))

@@ -46,7 +46,7 @@ extern "C" {
 #endif
 
 /* Bumped when a struct layout or a function signature changes. */
-#define FERRY_C_ABI_VERSION 3
+#define FERRY_C_ABI_VERSION 4
 
 /* Mirrors ferry::StatusCode. */
 typedef enum ferry_status {
@@ -105,7 +105,17 @@ typedef struct ferry_tensor {
    * the whole tensor. */
   const int64_t* global_shape;
   const int64_t* offsets;
+  /* 0, or FERRY_TENSOR_PER_RANK (a whole tensor, no shard): one value per
+   * rank (an RNG state, a data position), stored as "<key>@rank<r>" (keys of
+   * that form are reserved) and never a replica; a load gives each rank its
+   * own. Into another world size the load fails naming the key and both
+   * sizes, unless FERRY_TENSOR_RESIZE_FIRST is set too: every rank then
+   * gets rank 0's value. */
+  uint32_t flags;
+  uint32_t reserved; /* 0 */
 } ferry_tensor;
+#define FERRY_TENSOR_PER_RANK 1u
+#define FERRY_TENSOR_RESIZE_FIRST 2u
 
 /* A key/value pair: settings (the keys of the [ferry] config section, e.g.
  * "pool-bytes" = "64MiB") or manifest metadata. */
@@ -418,6 +428,8 @@ typedef struct ferry_planner_options {
                                                    must pass the same */
   ferry_plan_transform_fn transform_local_plan; /* NULL: the plan as made */
   void* transform_user;                         /* its first argument */
+  ferry_snapshot_check_fn snapshot_check;       /* as ferry_save_extra's; NULL: none */
+  void* snapshot_check_user;                    /* its first argument */
 } ferry_planner_options;
 
 /* ferry_planner_create_opts with the planner's options (`popts` may be NULL). */

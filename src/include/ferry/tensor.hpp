@@ -7,6 +7,7 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "ferry/export_macro.hpp"
@@ -80,11 +81,31 @@ struct Shard {
   std::vector<int64_t> offsets;
 };
 
+// What a load into another world size does with a per-rank entry (one value
+// per saving rank, StateDict::add_per_rank). Into the same world size every
+// rank gets its own value whatever the policy.
+enum class OnResize : uint8_t {
+  error,  // the load fails, naming the key and both world sizes
+  first,  // every rank gets rank 0's value
+};
+
 struct StateEntry {
   std::string key;
   TensorView view;
   std::optional<Shard> shard;
+  // One value per rank (an RNG state, a data position): each rank's is
+  // stored under per_rank_key(key, rank), never treated as a replica, and a
+  // load gives each rank its own (on_resize: when the world size changed).
+  bool per_rank = false;
+  OnResize on_resize = OnResize::error;
 };
+
+// The checkpoint key of rank `rank`'s value of per-rank entry `key`:
+// "<key>@rank<rank>". Keys of that form are reserved for it.
+FERRY_EXPORT std::string per_rank_key(const std::string& key, int32_t rank);
+// The (entry key, rank) a checkpoint key of that form names; nullopt otherwise.
+FERRY_EXPORT std::optional<std::pair<std::string, int32_t>> parse_per_rank_key(
+    const std::string& key);
 
 // Keys are unique; insertion order is kept (it is the order of the files).
 // Copies share their entries until one of them is changed (copy on write),
@@ -94,6 +115,8 @@ class FERRY_EXPORT StateDict {
   // Returns invalid_argument for a duplicate or empty key. O(1): a state dict
   // of n entries is built in O(n).
   Status add(std::string key, TensorView view, std::optional<Shard> shard = std::nullopt);
+  // A per-rank entry (StateEntry::per_rank): a whole tensor, no Shard.
+  Status add_per_rank(std::string key, TensorView view, OnResize on_resize = OnResize::error);
   const std::vector<StateEntry>& entries() const;
   // REQUIRES: keys are not changed through this reference (the index of
   // find() and add() holds them); views and shards may be. The reference is
