@@ -10,6 +10,8 @@
 #include <map>
 #include <string>
 
+#include <unistd.h>
+
 #include "s3/client.hpp"
 #include "test_util.hpp"
 

@@ -16,20 +16,21 @@ cmd=${1:-}
 dir=${2:-}
 [ -n "$cmd" ] && [ -n "$dir" ] || { echo "usage: $0 start|stop DIR" >&2; exit 2; }
 
+# A throw-away cluster: SIGKILL, nothing of it needs to be kept.
 stop() {
   [ -d "$dir/run" ] || return 0
   local pids=()
   for f in "$dir"/run/*.pid; do
     [ -f "$f" ] && pids+=("$(cat "$f")")
   done
-  [ ${#pids[@]} -gt 0 ] && kill "${pids[@]}" 2>/dev/null || true
+  [ ${#pids[@]} -gt 0 ] || return 0
+  kill -9 "${pids[@]}" 2>/dev/null || true
   for _ in $(seq 50); do
     local alive=0
     for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
     [ $alive = 0 ] && break
     sleep 0.1
   done
-  [ ${#pids[@]} -gt 0 ] && kill -9 "${pids[@]}" 2>/dev/null || true
 }
 
 if [ "$cmd" = stop ]; then
