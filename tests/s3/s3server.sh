@@ -86,6 +86,7 @@ pid_file = $dir/run/\$name.pid
 mon_data = $dir/mon/\$id
 osd_data = $dir/osd/\$id
 osd_objectstore = memstore
+osd_class_update_on_start = false
 memstore_device_bytes = 8589934592
 [client.rgw]
 rgw_frontends = beast endpoint=127.0.0.1:$rgw_port
@@ -94,30 +95,51 @@ CONF
 export CEPH_CONF="$dir/ceph.conf"
 fail() {
   echo "s3server: $1 (logs in $dir/log)" >&2
-  tail -5 "$dir"/log/*.log >&2 2>/dev/null || true
+  tail -n 5 "$dir"/log/*.log 1>&2 || true
   exit 1
+}
+# A client's first command to the mon now and then goes out before it knows
+# the cluster's fsid and is refused ("wrong fsid", EPERM) at once; the same
+# command again works. Every step that talks to the mon is retried.
+retried() {
+  local i
+  for i in 1 2 3 4 5; do
+    "$@" 2>>"$dir/log/setup.log" && return 0
+    sleep 0.2
+  done
+  return 1
 }
 monmaptool --create --clobber --fsid "$fsid" --addv a "[v1:127.0.0.1:$mon_port]" "$dir/monmap" \
   >/dev/null || fail "monmaptool failed"
 ceph-mon --mkfs -i a --monmap "$dir/monmap" 2>>"$dir/log/setup.log" || fail "ceph-mon --mkfs failed"
 ceph-mon -i a 2>>"$dir/log/setup.log" || fail "ceph-mon did not start"
 osd_uuid=$(cat /proc/sys/kernel/random/uuid)
-osd_id=$(timeout 30 ceph osd new "$osd_uuid" 2>>"$dir/log/setup.log") || fail "ceph osd new failed"
+osd_id=$(retried timeout 30 ceph osd new "$osd_uuid") || fail "ceph osd new failed"
 mkdir -p "$dir/osd/$osd_id"
 ceph-osd -i "$osd_id" --mkfs --osd-uuid "$osd_uuid" 2>>"$dir/log/setup.log" || fail "ceph-osd --mkfs failed"
-ceph-osd -i "$osd_id" 2>>"$dir/log/setup.log" || fail "ceph-osd did not start"
+retried ceph-osd -i "$osd_id" || fail "ceph-osd did not start"
 radosgw -n client.rgw 2>>"$dir/log/setup.log" || fail "radosgw did not start"
 up=0
+starts=1
 for _ in $(seq 300); do
   code=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$rgw_port/" || true)
   [ "$code" = 200 ] && { up=1; break; }
+  # radosgw can fail its start the same way, after it forked: start it again.
+  if ! kill -0 "$(cat "$dir/run/client.rgw.pid" 2>/dev/null || echo 0)" 2>/dev/null &&
+    [ $starts -lt 4 ]; then
+    sleep 0.5
+    if ! kill -0 "$(cat "$dir/run/client.rgw.pid" 2>/dev/null || echo 0)" 2>/dev/null; then
+      starts=$((starts + 1))
+      radosgw -n client.rgw 2>>"$dir/log/setup.log" || true
+    fi
+  fi
   sleep 0.1
 done
 [ $up = 1 ] || fail "radosgw did not answer on 127.0.0.1:$rgw_port within 30 s"
 key=FERRYTEST$(od -An -N6 -tx1 /dev/urandom | tr -d ' \n' | tr a-f A-F)
 secret=$(od -An -N20 -tx1 /dev/urandom | tr -d ' \n')
-timeout 30 radosgw-admin user create --uid=ferry --display-name=ferry --access-key="$key" \
-  --secret="$secret" >/dev/null 2>>"$dir/log/setup.log" || fail "radosgw-admin user create failed"
+retried timeout 30 radosgw-admin user create --uid=ferry --display-name=ferry --access-key="$key" \
+  --secret="$secret" >/dev/null || fail "radosgw-admin user create failed"
 cat > "$dir/env" <<ENV
 FERRY_S3_ENDPOINT=http://127.0.0.1:$rgw_port
 AWS_ACCESS_KEY_ID=$key
