@@ -620,6 +620,7 @@ ferry_status ferry_latest(const char* root, const char** out) {
     if (!root) return null_arg("root");
     if (!out) return null_arg("out");
     *out = "";
+    ferry::posix_filesystem()->add_root(root);
     auto r = ferry::find_latest(*ferry::posix_filesystem(), root);
     if (!r.ok()) return to_c(r.status());
     return string_out(r->path, out);
@@ -631,6 +632,7 @@ ferry_status ferry_list_steps(const char* root, uint64_t* steps, size_t capacity
     if (!root) return null_arg("root");
     if (!count) return null_arg("count");
     *count = 0;
+    ferry::posix_filesystem()->add_root(root);
     auto r = ferry::list_checkpoints(*ferry::posix_filesystem(), root);
     if (!r.ok()) return to_c(r.status());
     size_t n = 0;
@@ -647,6 +649,7 @@ ferry_status ferry_list_steps(const char* root, uint64_t* steps, size_t capacity
 ferry_status ferry_apply_retention(const char* root, uint32_t keep_last) {
   return guarded([&] {
     if (!root) return null_arg("root");
+    ferry::posix_filesystem()->add_root(root);
     auto r = ferry::apply_retention(*ferry::posix_filesystem(), root, keep_last);
     return to_c(r.status());
   });
@@ -658,6 +661,7 @@ ferry_status ferry_manifest_open(const char* path, ferry_manifest** out) {
     *out = nullptr;
     if (!path) return null_arg("path");
     auto fs = ferry::posix_filesystem();
+    fs->add_root(path);
     auto dir = ferry::resolve_checkpoint(*fs, path);
     if (!dir.ok()) return to_c(dir.status());
     auto m = ferry::read_manifest(*fs, *dir);

@@ -5,9 +5,11 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "actors/share_window.hpp"
 #include "ferry/device.hpp"
@@ -47,6 +49,56 @@ class Stragglers {
   int n_ = 0;
 };
 
+// The runtime's actor threads: each says which blocking call it is in (a
+// commit, a gc) and when it has ended. Shutdown waits for them a bounded
+// time, then leaves the stuck ones running and names what they are in.
+class ActorThreads {
+ public:
+  void started(const std::string& name) {
+    std::lock_guard<std::mutex> lock(mu_);
+    running_[name];
+  }
+  void ended(const std::string& name) {
+    std::lock_guard<std::mutex> lock(mu_);
+    running_.erase(name);
+    cv_.notify_all();
+  }
+  void doing(const std::string& name, std::string what) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = running_.find(name); it != running_.end()) it->second = std::move(what);
+  }
+  // "<name> (in <call>)" of each still running after `timeout`.
+  std::vector<std::string> wait_ended(std::chrono::milliseconds timeout) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, timeout, [this] { return running_.empty(); });
+    std::vector<std::string> out;
+    for (const auto& [name, what] : running_)
+      out.push_back(what.empty() ? name : name + " (in " + what + ")");
+    return out;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<std::string, std::string> running_;
+};
+
+// Marks what an actor thread is blocked in for the duration of a scope.
+class Doing {
+ public:
+  Doing(ActorThreads& threads, std::string name, std::string what)
+      : threads_(threads), name_(std::move(name)) {
+    threads_.doing(name_, std::move(what));
+  }
+  ~Doing() { threads_.doing(name_, ""); }
+  Doing(const Doing&) = delete;
+  Doing& operator=(const Doing&) = delete;
+
+ private:
+  ActorThreads& threads_;
+  std::string name_;
+};
+
 struct RankContext {
   Options opts;
   int32_t rank = 0;
@@ -63,7 +115,11 @@ struct RankContext {
   // readers wait in it, the link feeds it acks and failures.
   std::shared_ptr<ShareWindows> shares = std::make_shared<ShareWindows>();
   std::shared_ptr<Stragglers> stragglers = std::make_shared<Stragglers>();
+  std::shared_ptr<ActorThreads> threads = std::make_shared<ActorThreads>();
 };
+
+// The name the coordinator has in ActorThreads.
+inline constexpr char kCoordinatorThread[] = "rank 0's coordinator";
 
 using ContextPtr = std::shared_ptr<const RankContext>;
 

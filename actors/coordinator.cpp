@@ -231,7 +231,10 @@ void sweep(coordinator_ptr self, const std::string& dir, int32_t tries_left) {
   // A file created between listing and rmdir is seen by the next listing;
   // once rmdir succeeds no writer can create one (opens need the directory).
   bool gone = false;
-  for (int i = 0; i < 4 && !gone; ++i) gone = remove_all(*self->state.ctx->fs, dir).ok();
+  {
+    Doing doing(*self->state.ctx->threads, kCoordinatorThread, "removing " + dir);
+    for (int i = 0; i < 4 && !gone; ++i) gone = remove_all(*self->state.ctx->fs, dir).ok();
+  }
   if (gone || tries_left <= 0) {
     unswept.erase(dir);
     return;
@@ -249,6 +252,7 @@ void tidy(coordinator_ptr self) {
   if (trash.empty()) return;
   Filesystem& fs = *self->state.ctx->fs;
   auto& t = trash.front();
+  Doing doing(*self->state.ctx->threads, kCoordinatorThread, "removing " + t.dir);
   Status s;
   // A link put in its place is removed, never followed (as remove_all).
   if (!t.names && fs.unlink(t.dir).ok()) t.names.emplace();
@@ -341,8 +345,11 @@ void on_all_plans(coordinator_ptr self) {
   c.lease_owner = st.ctx->job_id + "/" + c.id + "/" + nonce;
   // On failure prepare_pending removes what it created, and only that.
   std::vector<GcReport::Failed> undeleted;
-  Status s = prepare_pending(*st.ctx->fs, c.root, c.pending_dir, c.step, c.overwrite, lease_ms(st),
-                             c.lease_owner, st.ctx->opts.fsync, &undeleted);
+  Status s = [&] {
+    Doing doing(*st.ctx->threads, kCoordinatorThread, "preparing " + c.pending_dir);
+    return prepare_pending(*st.ctx->fs, c.root, c.pending_dir, c.step, c.overwrite, lease_ms(st),
+                           c.lease_owner, st.ctx->opts.fsync, &undeleted);
+  }();
   for (const GcReport::Failed& f : undeleted)
     report_undeleted(st, f.path, f.status.with_context("a leftover in the checkpoint root: "));
   if (!s.ok()) return abort_active(self, s);
@@ -389,7 +396,11 @@ void on_all_results(coordinator_ptr self) {
   CommitOptions co{st.ctx->opts.fsync, c.overwrite, st.ctx->opts.keep_last, c.lease_owner};
   co.renew_lease_ms = lease_ms(st);
   const auto commit_started = std::chrono::steady_clock::now();
-  auto out = commit_checkpoint(*st.ctx->fs, c.root, c.pending_dir, std::move(m).value(), co);
+  Result<CommitOutcome> out = [&] {
+    Doing doing(*st.ctx->threads, kCoordinatorThread,
+                "the commit of step " + std::to_string(c.step) + " from " + c.pending_dir);
+    return commit_checkpoint(*st.ctx->fs, c.root, c.pending_dir, std::move(m).value(), co);
+  }();
   const double commit_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - commit_started).count();
   if (!out.ok())
@@ -572,11 +583,17 @@ void fail_loads(coordinator_ptr self, int32_t rank, const Status& why) {
 
 coordinator_actor::behavior_type coordinator_fun(coordinator_ptr self, ContextPtr ctx) {
   self->state.ctx = std::move(ctx);
-  self->attach_functor(
-      [fs = self->state.ctx->fs, unswept = self->state.unswept, trash = self->state.trash] {
-        for (const auto& dir : *unswept) (void)remove_all(*fs, dir);
-        for (const auto& t : *trash) (void)remove_all(*fs, t.dir);
-      });
+  // Runs last in the coordinator's thread: the runtime's shutdown waits for
+  // ended(), a bounded time, and names what the thread is stuck in if not.
+  self->attach_functor([fs = self->state.ctx->fs, threads = self->state.ctx->threads,
+                        unswept = self->state.unswept, trash = self->state.trash] {
+    {
+      Doing doing(*threads, kCoordinatorThread, "removing aborted and replaced directories");
+      for (const auto& dir : *unswept) (void)remove_all(*fs, dir);
+      for (const auto& t : *trash) (void)remove_all(*fs, t.dir);
+    }
+    threads->ended(kCoordinatorThread);
+  });
   return {
       [self](atom::plan, PlanRequest& req) -> caf::result<PlanReply> {
         auto& st = self->state;

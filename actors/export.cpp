@@ -177,6 +177,7 @@ Result<std::string> export_checkpoint(Runtime& rt, const std::string& checkpoint
   if (o.max_shard_bytes == 0 || o.block_bytes == 0)
     return Status::invalid_argument("export: max_shard_bytes and block_bytes must be positive");
   auto fs = posix_filesystem();
+  fs->add_root(checkpoint);
   FERRY_ASSIGN_OR_RETURN(std::string dir, resolve_checkpoint(*fs, checkpoint));
   FERRY_ASSIGN_OR_RETURN(Manifest m, read_manifest(*fs, dir));
   // A size past 2^64 would be written as a wrapped safetensors entry.

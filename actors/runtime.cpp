@@ -448,6 +448,8 @@ Result<std::unique_ptr<Runtime>> Runtime::create(RuntimeArgs args) {
   // FERRY_FAULTS wraps the filesystem in the fault injector (tests, crash
   // drills) without recompiling; unset, this is the plain one.
   FERRY_ASSIGN_OR_RETURN(ctx->fs, filesystem_from_env(args.fs ? args.fs : posix_filesystem()));
+  // Nothing below a root is reached through a link (Filesystem::add_root).
+  if (!opts.root.empty()) ctx->fs->add_root(opts.root);
   // The CUDA backend when this machine has a GPU (host tensors still take
   // the host path through it), else the host device alone.
   ctx->device = args.device ? args.device : make_default_device(opts);
@@ -459,7 +461,16 @@ Result<std::unique_ptr<Runtime>> Runtime::create(RuntimeArgs args) {
   impl->ctx = ctx;
 
   impl->sys = std::make_unique<caf::actor_system>(impl->cfg);
-  if (args.rank == 0) impl->coordinator = spawn_coordinator(*impl->sys, ctx);
+  // Each actor thread says when it has ended (the coordinator itself, after
+  // its own cleanup): shutdown waits for that a bounded time.
+  auto track = [threads = ctx->threads](const auto& actor, const std::string& name) {
+    threads->started(name);
+    actor->attach_functor([threads, name] { threads->ended(name); });
+  };
+  if (args.rank == 0) {
+    ctx->threads->started(kCoordinatorThread);
+    impl->coordinator = spawn_coordinator(*impl->sys, ctx);
+  }
   if (args.world_size > 1) {
     impl->link = spawn_link(*impl->sys, ctx, impl->coordinator);
     if (impl->coordinator)
@@ -474,6 +485,9 @@ Result<std::unique_ptr<Runtime>> Runtime::create(RuntimeArgs args) {
                                "): the save is abandoned; its pending directory is left to gc"));
   });
   impl->loader = spawn_loader(*impl->sys, ctx);
+  track(impl->planner, "the planner");
+  track(impl->loader, "the loader");
+  if (impl->link) track(impl->link, "the link");
   if (impl->link) caf::anon_send(impl->link, atom::attach_loader_v, impl->loader);
   std::unique_ptr<Runtime> rt(new Runtime(std::move(impl)));
   if (args.world_size > 1) {
@@ -547,14 +561,19 @@ Runtime::~Runtime() {
   // forever: past a short wait, the system and everything it may still
   // touch are left behind, and the process exits around them.
   // A save still in flight may have its writers in such a call too.
+  // So would an actor inside a call that never returns (a commit's rename
+  // or fsync on a hung mount).
   const auto stragglers = impl_->ctx->stragglers;
-  if (in_flight || !stragglers->wait_none(std::chrono::seconds(2))) {
-    std::fprintf(stderr, "ferry[rank %d]: %s at shutdown: its threads are left running\n",
-                 impl_->ctx->rank,
-                 in_flight ? "a save still in flight"
-                           : (std::to_string(stragglers->count()) +
-                              " writer thread(s) still stuck in storage or a checkpoint_fn")
-                                 .c_str());
+  const std::vector<std::string> stuck =
+      impl_->ctx->threads->wait_ended(std::chrono::seconds(in_flight ? 0 : 2));
+  if (in_flight || !stuck.empty() || !stragglers->wait_none(std::chrono::seconds(2))) {
+    std::string what = in_flight ? "a save still in flight" : "";
+    for (const std::string& s : stuck) what += (what.empty() ? "" : ", ") + s;
+    if (stragglers->count() > 0)
+      what += (what.empty() ? "" : ", ") + std::to_string(stragglers->count()) +
+              " writer thread(s) still stuck in storage or a checkpoint_fn";
+    std::fprintf(stderr, "ferry[rank %d]: at shutdown: %s: its threads are left running\n",
+                 impl_->ctx->rank, what.c_str());
     leave_behind(std::move(impl_));
     return;
   }
@@ -606,6 +625,7 @@ std::shared_ptr<detail::SaveState> detail::RuntimeAccess::start_save(
     return refuse(
         Status::invalid_argument("no checkpoint root: set ferry.root or SaveOptions::root"));
   }
+  impl_->ctx->fs->add_root(root);
   // Resolved once here: the plan and the writers see this one value.
   auto files = resolve_data_files(impl_->ctx->opts, opts, static_cast<bool>(checkpoint_fn));
   if (!files.ok()) {
@@ -875,6 +895,7 @@ Result<LoadReport> Runtime::resolve(const std::string& path) {
 Result<LoadReport> Runtime::load_report(StateDict& sd, const std::string& path) {
   Impl& im = *impl_;
   const std::string id = "load-" + std::to_string(++im.loads);
+  im.ctx->fs->add_root(path);
   caf::scoped_actor self{*im.sys};
   LoadReplyMsg reply = resolve_on_rank0(im, self, id, path);
   LoadReport report;
@@ -900,11 +921,13 @@ Status Runtime::load(StateDict& sd, const std::string& path) {
 }
 
 std::string Runtime::latest(const std::string& root) const {
+  if (!root.empty()) impl_->ctx->fs->add_root(root);
   auto r = find_latest(*impl_->ctx->fs, root.empty() ? impl_->ctx->opts.root : root);
   return r.ok() ? r->path : "";
 }
 
 std::string Runtime::latest_valid(const std::string& root) const {
+  if (!root.empty()) impl_->ctx->fs->add_root(root);
   auto r = ferry::latest_valid(*impl_->ctx->fs, root.empty() ? impl_->ctx->opts.root : root);
   return r.ok() ? r->path : "";
 }

@@ -1,8 +1,10 @@
 // The POSIX Filesystem and the helpers built on the Filesystem interface.
 #include <dirent.h>
 #include <fcntl.h>
+#include <linux/openat2.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/types.h>
 #include <unistd.h>
 
@@ -13,6 +15,8 @@
 #include <cstdio>
 #include <mutex>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "drills/kill_point.hpp"
 #include "ferry/filesystem.hpp"
@@ -131,8 +135,70 @@ Status check_errno(int rc, const char* op, const std::string& path) {
   return Status::from_errno(errno, op, path);
 }
 
+// The components of `p`, without empty and "." ones.
+std::vector<std::string> components(const std::string& p) {
+  std::vector<std::string> out;
+  size_t i = 0;
+  while (i <= p.size()) {
+    size_t j = std::min(p.find('/', i), p.size());
+    std::string c = p.substr(i, j - i);
+    if (!c.empty() && c != ".") out.push_back(std::move(c));
+    i = j + 1;
+  }
+  return out;
+}
+
+// Lexical normal form: "//", "." and a trailing "/" gone; ".." kept.
+std::string normal_path(const std::string& p) {
+  std::string out = !p.empty() && p[0] == '/' ? "/" : "";
+  for (const std::string& c : components(p)) {
+    if (!out.empty() && out.back() != '/') out += '/';
+    out += c;
+  }
+  return out.empty() ? "." : out;
+}
+
+// A descriptor closed when it goes out of scope.
+class Fd {
+ public:
+  explicit Fd(int fd = -1) : fd_(fd) {}
+  Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  Fd& operator=(Fd&& o) noexcept {
+    std::swap(fd_, o.fd_);
+    return *this;
+  }
+  Fd(const Fd&) = delete;
+  ~Fd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  int get() const { return fd_; }
+  int release() { return std::exchange(fd_, -1); }
+
+ private:
+  int fd_;
+};
+
+// Where an *at call acts for a path: below a root, a descriptor of its
+// parent directory (reached without following any link) and its last
+// component; elsewhere the whole path against the working directory.
+struct At {
+  Fd owned;
+  int dir = AT_FDCWD;
+  std::string name;
+  bool beneath = false;  // then the last component is never followed either
+};
+
 class PosixFilesystem : public Filesystem {
  public:
+  explicit PosixFilesystem(bool openat2 = true) : openat2_(openat2) {}
+
+  void add_root(const std::string& root) override {
+    std::string n = normal_path(root);
+    if (n == "/") return;  // everything would be below it
+    std::lock_guard<std::mutex> lock(roots_mu_);
+    if (std::find(roots_.begin(), roots_.end(), n) == roots_.end()) roots_.push_back(std::move(n));
+  }
+
   Result<std::unique_ptr<File>> open(const std::string& path, const OpenOptions& o) override {
     int flags = O_CLOEXEC | O_NOFOLLOW | (o.write ? O_RDWR : O_RDONLY);
     if (o.create) flags |= O_CREAT;
@@ -142,12 +208,13 @@ class PosixFilesystem : public Filesystem {
     // does: never block in open, and refuse anything but a regular file.
     if (!o.write) flags |= O_NONBLOCK;
     bool direct = o.direct;
-    int fd = open_retrying(path, flags | (direct ? O_DIRECT : 0));
+    FERRY_ASSIGN_OR_RETURN(At a, at(path, "open"));
+    int fd = open_retrying(a, flags | (direct ? O_DIRECT : 0));
     if (fd < 0 && direct && errno == EINVAL) {
       // tmpfs and some FUSE filesystems refuse O_DIRECT: fall back to the
       // page cache and tell the caller through direct().
       direct = false;
-      fd = open_retrying(path, flags);
+      fd = open_retrying(a, flags);
     }
     if (fd < 0) return open_error(errno, "open", path);
     struct stat st;
@@ -165,7 +232,8 @@ class PosixFilesystem : public Filesystem {
   }
 
   Status mkdir(const std::string& path) override {
-    return check_errno(::mkdir(path.c_str(), 0755), "mkdir", path);
+    FERRY_ASSIGN_OR_RETURN(At a, at(path, "mkdir"));
+    return check_errno(::mkdirat(a.dir, a.name.c_str(), 0755), "mkdir", path);
   }
 
   Status mkdirs(const std::string& path) override {
@@ -175,12 +243,13 @@ class PosixFilesystem : public Filesystem {
     while (true) {
       pos = path.find('/', pos + 1);
       std::string prefix = path.substr(0, pos);
-      if (!prefix.empty() && prefix != "/" && ::mkdir(prefix.c_str(), 0755) != 0) {
-        int err = errno;
-        struct stat st;
-        if (err != EEXIST) return Status::from_errno(err, "mkdir", prefix);
-        if (::stat(prefix.c_str(), &st) != 0) return Status::from_errno(errno, "stat", prefix);
-        if (!S_ISDIR(st.st_mode)) return Status::from_errno(ENOTDIR, "mkdir", prefix);
+      if (!prefix.empty() && prefix != "/") {
+        Status made = mkdir(prefix);
+        if (!made.ok()) {
+          if (made.code() != StatusCode::already_exists) return made;
+          FERRY_ASSIGN_OR_RETURN(FileInfo info, stat(prefix));
+          if (!info.is_dir) return Status::from_errno(ENOTDIR, "mkdir", prefix);
+        }
       }
       if (pos == std::string::npos) break;
     }
@@ -188,7 +257,10 @@ class PosixFilesystem : public Filesystem {
   }
 
   Status rename(const std::string& from, const std::string& to) override {
-    return check_errno(::rename(from.c_str(), to.c_str()), "rename", from + " -> " + to);
+    FERRY_ASSIGN_OR_RETURN(At f, at(from, "rename"));
+    FERRY_ASSIGN_OR_RETURN(At t, at(to, "rename"));
+    return check_errno(::renameat(f.dir, f.name.c_str(), t.dir, t.name.c_str()), "rename",
+                       from + " -> " + to);
   }
 
   Status rename_noreplace(const std::string& from, const std::string& to) override {
@@ -205,15 +277,18 @@ class PosixFilesystem : public Filesystem {
   }
 
   Status unlink(const std::string& path) override {
-    return check_errno(::unlink(path.c_str()), "unlink", path);
+    FERRY_ASSIGN_OR_RETURN(At a, at(path, "unlink"));
+    return check_errno(::unlinkat(a.dir, a.name.c_str(), 0), "unlink", path);
   }
 
   Status rmdir(const std::string& path) override {
-    return check_errno(::rmdir(path.c_str()), "rmdir", path);
+    FERRY_ASSIGN_OR_RETURN(At a, at(path, "rmdir"));
+    return check_errno(::unlinkat(a.dir, a.name.c_str(), AT_REMOVEDIR), "rmdir", path);
   }
 
   Status sync_dir(const std::string& path) override {
-    int fd = open_retrying(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    FERRY_ASSIGN_OR_RETURN(At a, at(path, "open directory"));
+    int fd = open_retrying(a, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (fd < 0) return Status::from_errno(errno, "open directory", path);
     Status st;
     while (::fsync(fd) != 0) {
@@ -227,8 +302,15 @@ class PosixFilesystem : public Filesystem {
   }
 
   Result<std::vector<std::string>> list(const std::string& dir) override {
-    DIR* d = ::opendir(dir.c_str());
-    if (d == nullptr) return Status::from_errno(errno, "opendir", dir);
+    FERRY_ASSIGN_OR_RETURN(At a, at(dir, "opendir"));
+    int fd = open_retrying(a, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) return open_error(errno, "opendir", dir);
+    DIR* d = ::fdopendir(fd);
+    if (d == nullptr) {
+      int err = errno;
+      ::close(fd);
+      return Status::from_errno(err, "opendir", dir);
+    }
     std::vector<std::string> names;
     while (true) {
       errno = 0;  // readdir signals an error only through errno
@@ -248,7 +330,10 @@ class PosixFilesystem : public Filesystem {
   }
 
   Result<std::unique_ptr<FileLock>> lock(const std::string& path, int64_t wait_ms) override {
-    int fd = open_retrying(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NONBLOCK | O_NOFOLLOW);
+    // The lock guards a root: whatever Ferry does in it stays below it.
+    add_root(parent_path(path));
+    FERRY_ASSIGN_OR_RETURN(At a, at(path, "open lock file"));
+    int fd = open_retrying(a, O_RDWR | O_CREAT | O_CLOEXEC | O_NONBLOCK | O_NOFOLLOW);
     if (fd < 0) return open_error(errno, "open lock file", path);
     struct stat st;
     if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
@@ -286,14 +371,18 @@ class PosixFilesystem : public Filesystem {
   }
 
   Result<FileInfo> stat(const std::string& path) override {
+    FERRY_ASSIGN_OR_RETURN(At a, at(path, "stat"));
     struct stat st;
-    if (::stat(path.c_str(), &st) != 0) return Status::from_errno(errno, "stat", path);
+    if (::fstatat(a.dir, a.name.c_str(), &st, 0) != 0)
+      return Status::from_errno(errno, "stat", path);
     return info_of(st);
   }
 
   Result<FileInfo> lstat(const std::string& path) override {
+    FERRY_ASSIGN_OR_RETURN(At a, at(path, "lstat"));
     struct stat st;
-    if (::lstat(path.c_str(), &st) != 0) return Status::from_errno(errno, "lstat", path);
+    if (::fstatat(a.dir, a.name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0)
+      return Status::from_errno(errno, "lstat", path);
     return info_of(st);
   }
 
@@ -316,7 +405,106 @@ class PosixFilesystem : public Filesystem {
     if (err == ELOOP)
       return Status::invalid_argument(std::string(op) + " " + path +
                                       ": is a symbolic link, which Ferry never follows there");
+    if (err == EXDEV)
+      return Status::invalid_argument(std::string(op) + " " + path +
+                                      ": leads out of its checkpoint root (\"..\")");
     return Status::from_errno(err, op, path);
+  }
+
+  // The outermost declared root that `path` lies strictly inside, and the
+  // rest of the path below it: a root declared inside another (a lock file's
+  // directory) cannot make a link below the outer one followed.
+  bool find_root(const std::string& path, std::string* root, std::string* rel) {
+    const std::string n = normal_path(path);
+    std::lock_guard<std::mutex> lock(roots_mu_);
+    bool found = false;
+    for (const std::string& r : roots_) {
+      if (found && r.size() >= root->size()) continue;
+      if (r == ".") {
+        if (n[0] == '/' || n == "." || n == ".." || n.compare(0, 3, "../") == 0) continue;
+        *rel = n;
+      } else if (n.size() > r.size() + 1 && n.compare(0, r.size(), r) == 0 && n[r.size()] == '/') {
+        *rel = n.substr(r.size() + 1);
+      } else {
+        continue;
+      }
+      *root = r;
+      found = true;
+    }
+    return found;
+  }
+
+  // Opens directory `rel` below the directory `root` without following a
+  // link in any component or leaving `root`: openat2 where the kernel has
+  // it, else one component at a time.
+  int open_dir_beneath(int root, const std::string& rel) {
+    if (openat2_.load(std::memory_order_relaxed)) {
+      struct open_how how = {};
+      how.flags = O_PATH | O_DIRECTORY | O_CLOEXEC;
+      how.resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS;
+      for (int tries = 0;; ++tries) {
+        long fd = ::syscall(SYS_openat2, root, rel.c_str(), &how, sizeof(how));
+        if (fd >= 0) return static_cast<int>(fd);
+        // EAGAIN: a concurrent rename made the kernel unsure; it asks for a retry.
+        if (errno == EINTR || (errno == EAGAIN && tries < 16)) continue;
+        if (errno != ENOSYS) return -1;
+        openat2_.store(false, std::memory_order_relaxed);
+        break;
+      }
+    }
+    Fd cur(::openat(root, ".", O_PATH | O_DIRECTORY | O_CLOEXEC));
+    if (cur.get() < 0) return -1;
+    for (const std::string& c : components(rel)) {
+      if (c == "..") {
+        errno = EXDEV;
+        return -1;
+      }
+      // O_PATH | O_NOFOLLOW opens a link itself: fstat tells it apart.
+      Fd next(::openat(cur.get(), c.c_str(), O_PATH | O_NOFOLLOW | O_CLOEXEC));
+      if (next.get() < 0) return -1;
+      struct stat st;
+      if (::fstat(next.get(), &st) != 0) return -1;
+      if (!S_ISDIR(st.st_mode)) {
+        errno = S_ISLNK(st.st_mode) ? ELOOP : ENOTDIR;
+        return -1;
+      }
+      cur = std::move(next);
+    }
+    return cur.release();
+  }
+
+  Result<At> at(const std::string& path, const char* op) {
+    At a;
+    std::string root, rel;
+    if (!find_root(path, &root, &rel)) {
+      a.name = path;
+      return a;
+    }
+    a.beneath = true;
+    int fd;
+    do {
+      fd = ::open(root.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
+    } while (fd < 0 && errno == EINTR);
+    if (fd < 0) return Status::from_errno(errno, op, path);
+    Fd root_fd(fd);
+    const size_t slash = rel.rfind('/');
+    a.name = slash == std::string::npos ? rel : rel.substr(slash + 1);
+    if (a.name == "..") return open_error(EXDEV, op, path);
+    if (slash == std::string::npos) {
+      a.owned = std::move(root_fd);
+    } else {
+      a.owned = Fd(open_dir_beneath(root_fd.get(), rel.substr(0, slash)));
+      if (a.owned.get() < 0) {
+        const int err = errno;
+        if (err == ELOOP)
+          return Status::invalid_argument(std::string(op) + " " + path +
+                                          ": a directory on its way below " + root +
+                                          " is a symbolic link, which Ferry never follows there");
+        return open_error(err, op, path);
+      }
+    }
+    a.dir = a.owned.get();
+    return a;
   }
 
   static std::string read_holder(int fd) {
@@ -328,13 +516,19 @@ class PosixFilesystem : public Filesystem {
     return s;
   }
 
-  static int open_retrying(const std::string& path, int flags) {
+  // Below a root the last component is never followed either.
+  static int open_retrying(const At& a, int flags) {
+    if (a.beneath) flags |= O_NOFOLLOW;
     int fd;
     do {
-      fd = ::open(path.c_str(), flags, 0644);
+      fd = ::openat(a.dir, a.name.c_str(), flags, 0644);
     } while (fd < 0 && errno == EINTR);
     return fd;
   }
+
+  std::atomic<bool> openat2_;
+  std::mutex roots_mu_;
+  std::vector<std::string> roots_;  // in normal form
 };
 
 }  // namespace
@@ -344,6 +538,10 @@ std::shared_ptr<Filesystem> posix_filesystem() {
   // down explicitly rather than reached as a global.
   static const std::shared_ptr<Filesystem> fs = std::make_shared<PosixFilesystem>();
   return fs;
+}
+
+std::shared_ptr<Filesystem> detail::posix_filesystem_without_openat2() {
+  return std::make_shared<PosixFilesystem>(false);
 }
 
 std::string join_path(const std::string& a, const std::string& b) {

@@ -416,6 +416,7 @@ class Runtime:
         self._pid = os.getpid()
         self._last = None  # the latest SaveHandle: keeps its tensors alive
         self._lock = threading.Lock()
+        self._calls = set()  # loads still running after an interrupt (_lib.call_interruptibly)
         _runtimes.add(self)
 
     @property
@@ -523,9 +524,58 @@ class Runtime:
             # Stopping the actors now would wait for the stuck save again.
             self._ptr = None
             return
+        if not _lib.join_inflight(self._calls, timeout_s):
+            sys.stderr.write("ferry: a load interrupted earlier is still running after %.0f s at "
+                             "shutdown; the runtime is left running\n" % timeout_s)
+            self._ptr = None
+            return
         # Save handles stay usable: they share the save's state, not the runtime.
         ptr, self._ptr = self._ptr, None
         lib().ferry_runtime_destroy(ptr)
+
+
+# Handles whose snapshot may still read their tensors' memory.
+_snapshotting = weakref.WeakSet()
+_resize_guarded = False
+
+
+def _guard_resizes():
+    """torch's resize_ reallocates a storage in place, freeing the memory a
+    pending snapshot copies from, and does not bump _version: resize_ of a
+    tensor or storage a pending snapshot reads waits for that snapshot to
+    end first. Installed at the first save."""
+    global _resize_guarded
+    if _resize_guarded:
+        return
+    import torch
+
+    storage_of = _pack.storage_fn()
+
+    def guard(cls, name, storage):
+        orig = getattr(cls, name)
+
+        def resize(self, *args, **kwargs):
+            if _snapshotting:
+                _end_snapshots_reading(storage(self))
+            return orig(self, *args, **kwargs)
+
+        resize.__name__, resize.__doc__ = orig.__name__, orig.__doc__
+        setattr(cls, name, resize)
+
+    guard(torch.Tensor, "resize_", storage_of)
+    guard(torch.Tensor, "resize_as_", storage_of)
+    untyped = getattr(torch, "UntypedStorage", None) or torch.storage.UntypedStorage
+    guard(untyped, "resize_", lambda st: st)  # TypedStorage.resize_ resizes through it
+    _resize_guarded = True
+
+
+def _end_snapshots_reading(storage):
+    ptr = storage.data_ptr()
+    if ptr == 0:
+        return
+    for h in list(_snapshotting):
+        if ptr in h._storage_ptrs():
+            h._end_snapshot_quietly()
 
 
 class SaveHandle:
@@ -535,7 +585,8 @@ class SaveHandle:
     wait(): the checkpoint is committed; raises FerryError if it failed.
     The handle holds the tensors, their storages (so t.set_(...) cannot free
     what the snapshot copies) and staged copies until the snapshot is done,
-    even if the caller drops it, since the runtime keeps the latest.
+    even if the caller drops it, since the runtime keeps the latest; and
+    t.resize_(...) (which reallocates in place) waits for the snapshot.
     Waits wake every few milliseconds for signals: Ctrl-C raises
     KeyboardInterrupt at once, and the save goes on."""
 
@@ -547,9 +598,12 @@ class SaveHandle:
         self._entries = entries
         self._tensors = tensors
         self._storages = list(map(_pack.storage_fn(), tensors))
+        self._ptrs = None  # addresses of the storages, found at the first resize_
         self.staged = staged  # keys of non-contiguous tensors copied before the save
         self._lock = threading.Lock()
         self.step = lib().ferry_save_step(ptr)
+        _guard_resizes()
+        _snapshotting.add(self)
 
     def _p(self):
         if self._ptr is None:
@@ -622,7 +676,24 @@ class SaveHandle:
         d["bytes_total"] = lib().ferry_save_bytes_total(self._ptr)
         return d
 
+    def _storage_ptrs(self):
+        with self._lock:
+            if self._ptrs is None:
+                self._ptrs = frozenset(s.data_ptr() for s in self._storages or ())
+            return self._ptrs
+
+    def _end_snapshot_quietly(self):
+        # For resize_: the save's own outcome (a mutation found) is for its waits to report.
+        p = self._ptr
+        if p is not None:
+            try:
+                wait_sliced(lambda ms: lib().ferry_save_wait_snapshot_for(p, ms))
+            except FerryError:
+                pass
+        _snapshotting.discard(self)
+
     def _drop_tensors(self):
+        _snapshotting.discard(self)
         _checks.pop(self._check_id, None)
         with self._lock:
             self._tensors = None
@@ -919,11 +990,11 @@ def _load(rt, state_dict, path, strict, cast, key_map, allow_pickle=False):
 
     entries = _Entries(items)
     stats = _lib.LoadStats()
-    check(
-        lib().ferry_load_with_stats(
-            ptr, entries.array, len(items), man.path.encode("utf-8"), ctypes.byref(stats)
-        )
-    )
+    # Ctrl-C is seen at once; the load goes on, holding its tensors.
+    _lib.call_interruptibly(
+        lib().ferry_load_with_stats,
+        (ptr, entries.array, len(items), man.path.encode("utf-8"), ctypes.byref(stats)),
+        keep=(entries, items, stats, copy_back), inflight=rt._calls)
     with torch.no_grad():
         for dest, buf in copy_back:
             dest.copy_(buf)
@@ -1006,7 +1077,9 @@ def load_state_dict(path, runtime=None, prefix=None, allow_pickle=False):
     keys = [k for k in man.tensors if prefix is None or _under(k, prefix)]
     tensors = {k: torch.empty(man.tensors[k].shape, dtype=man.torch_dtype(k)) for k in keys}
     entries = _Entries([(k, t, None, None) for k, t in tensors.items()])
-    check(lib().ferry_load(ptr, entries.array, len(keys), man.path.encode("utf-8")))
+    _lib.call_interruptibly(lib().ferry_load,
+                            (ptr, entries.array, len(keys), man.path.encode("utf-8")),
+                            keep=(entries, tensors), inflight=rt._calls)
     values = dict(tensors)
     for k, v in man.leaves.items():
         if prefix is None or _under(k, prefix):

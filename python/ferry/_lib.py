@@ -16,7 +16,7 @@ import pathlib
 import threading
 import time
 
-__all__ = ["FerryError", "lib", "check", "library_path", "wait_sliced"]
+__all__ = ["FerryError", "lib", "check", "library_path", "wait_sliced", "call_interruptibly"]
 
 ABI_VERSION = 3
 
@@ -299,6 +299,54 @@ def wait_sliced(timed_wait, timeout_s=None):
         if st != WAIT_TIMED_OUT:
             check(st)
             return True
+
+
+def call_interruptibly(fn, args, keep=(), inflight=None):
+    """Runs fn(*args), one blocking C call that returns a ferry_status (a
+    load, a collective plan), on a thread of its own and waits for it in
+    slices, so that Ctrl-C raises KeyboardInterrupt at once. The call goes
+    on to its end (other ranks still see this one take part); its thread
+    holds `args` and `keep` (the tensors it writes) until then, and is in
+    the set `inflight` meanwhile, which the owner's close() waits for
+    before it frees what the call uses. Raises as check() does."""
+    done = threading.Event()
+    out = []
+
+    def run():
+        try:
+            st = fn(*args)
+            # The message is this thread's own (ferry_last_error).
+            out.append((st, lib().ferry_last_error() if st != 0 else b""))
+        except BaseException as e:  # a bad argument: raised in the caller
+            out.append(e)
+        finally:
+            if inflight is not None:
+                inflight.discard(threading.current_thread())
+            done.set()
+
+    # A daemon: an interrupted call must not hold the interpreter's exit.
+    t = threading.Thread(target=run, name="ferry-call", daemon=True)
+    t.keep = (args, keep)
+    if inflight is not None:
+        inflight.add(t)
+    t.start()
+    while not done.wait(WAIT_SLICE_MS / 1000):
+        pass
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    st, msg = out[0]
+    if st != 0:
+        raise FerryError(msg.decode("utf-8", "replace") or "ferry call failed",
+                         _STATUS_NAMES.get(st, "unknown"))
+
+
+def join_inflight(inflight, timeout_s):
+    """Waits up to timeout_s for the calls in `inflight` to end; False if
+    one is still running then."""
+    deadline = time.monotonic() + timeout_s
+    for t in list(inflight):
+        t.join(max(0.0, deadline - time.monotonic()))
+    return not inflight
 
 
 def check(status):

@@ -341,6 +341,8 @@ class SavePlanner:
                  root=None, step=None, runtime=None, transform_local_plan=None,
                  owner_policy=None):
         global _current
+        self._ptr = None
+        self._calls = set()  # an interrupted create_global_plan still running
         if owner_policy not in _OWNER_POLICIES:
             raise FerryError("SavePlanner owner_policy %r: expected 'balanced', 'lowest_rank' or "
                              "None" % (owner_policy,))
@@ -396,7 +398,9 @@ class SavePlanner:
     def create_global_plan(self):
         """Collective: every rank's SavePlan (index r is rank r's)."""
         h = ctypes.c_void_p()
-        check(_L().ferry_planner_global_plan(self._p(), ctypes.byref(h)))
+        # Ctrl-C is seen at once; the collective call goes on (close() waits for it).
+        _lib.call_interruptibly(_L().ferry_planner_global_plan, (self._p(), ctypes.byref(h)),
+                                keep=(self,), inflight=self._calls)
         self.global_plan = _plans_list(h)
         return self.global_plan
 
@@ -415,6 +419,11 @@ class SavePlanner:
 
     def close(self):
         """Abandons an unfinished checkpoint (on every rank)."""
+        # An interrupted create_global_plan still uses the planner: wait for
+        # it (it ends by plan-timeout), else leave the planner to it.
+        if not _lib.join_inflight(getattr(self, "_calls", ()), 60.0):
+            self._ptr = None
+            return
         ptr, self._ptr = self._ptr, None
         if ptr is not None:
             _L().ferry_planner_destroy(ptr)

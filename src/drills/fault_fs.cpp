@@ -9,6 +9,7 @@
 #include <array>
 #include <atomic>
 #include <condition_variable>
+#include <cstdio>
 #include <mutex>
 #include <thread>
 
@@ -108,7 +109,12 @@ struct FaultFilesystem::Impl {
                const std::string& p2 = std::string(), bool* short_write = nullptr) {
     Decision d = decide(op, p1, p2);
     if (d.delay.count() > 0) std::this_thread::sleep_for(d.delay);
-    if (d.stall) stall();
+    if (d.stall) {
+      // Said at once, so that a driver in another process knows the call is held.
+      std::fprintf(stderr, "ferry: fault injected: %s %s stalled until released\n", label,
+                   shown.c_str());
+      stall();
+    }
     if (!d.fire) return Status::ok_status();
     if (short_write) *short_write = d.short_write;
     return injected_status(d.error, label, shown);

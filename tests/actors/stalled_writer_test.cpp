@@ -5,9 +5,16 @@
 
 #include <catch2/catch.hpp>
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <condition_variable>
+#include <fstream>
+#include <future>
 #include <mutex>
+#include <sstream>
+#include <thread>
 
 #include "drills/fault_fs.hpp"
 #include "ferry/planner.hpp"
@@ -177,4 +184,61 @@ TEST_CASE("a checkpoint_fn that never returns fails barrier() by the write deadl
     gate->released = true;
   }
   gate->cv.notify_all();
+}
+
+TEST_CASE("a commit whose rename never returns does not hold the runtime's destruction",
+          "[actors][faults][stall]") {
+  TempDir dir;
+  auto faults = std::make_shared<ferry::FaultFilesystem>(ferry::posix_filesystem());
+  ferry::FaultRule stall;
+  stall.action = ferry::FaultRule::Action::stall;
+  stall.op = ferry::FaultOp::rename;
+  stall.nth = 1;
+  stall.path_contains = "step-00000001";  // the commit rename, pending -> step
+  faults->add_rule(stall);
+  ferry::RuntimeArgs args;
+  args.set("root", dir.path()).set("pool-bytes", "1MiB").set("chunk-bytes", "64KiB");
+  args.set("commit-timeout", "1s");
+  args.fs = faults;
+  auto created = ferry::Runtime::create(args);
+  REQUIRE(created.ok());
+  std::unique_ptr<ferry::Runtime> rt = std::move(created).value();
+
+  Model m1(1);
+  const ferry::Status st = rt->save_async(m1.sd, 1).wait_committed(std::chrono::seconds(60));
+  INFO(st.to_string());
+  CHECK(st.code() == ferry::StatusCode::outcome_unknown);
+  REQUIRE(faults->stalled_now() == 1);
+
+  // Destroyed on a thread of its own, so that a hang fails this test instead
+  // of holding it; what the runtime abandons it says on stderr.
+  const std::string log = dir.sub("stderr.log");
+  const int saved = ::dup(2);
+  const int to = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  REQUIRE(saved >= 0);
+  REQUIRE(to >= 0);
+  ::dup2(to, 2);
+  ::close(to);
+  auto done = std::make_shared<std::promise<void>>();
+  auto destroyed = done->get_future();
+  const auto t0 = Clock::now();
+  std::thread([rt = std::move(rt), done]() mutable {
+    rt.reset();
+    done->set_value();
+  }).detach();
+  const bool returned = destroyed.wait_for(std::chrono::seconds(static_cast<int>(kBound))) ==
+                        std::future_status::ready;
+  const double took = seconds_since(t0);
+  ::dup2(saved, 2);
+  ::close(saved);
+  std::stringstream said;
+  said << std::ifstream(log).rdbuf();
+  INFO(said.str() << " after " << took << " s");
+  REQUIRE(returned);
+  CHECK(took < kBound);
+  CHECK(said.str().find("rank 0's coordinator (in the commit of step 1 from ") !=
+        std::string::npos);
+  CHECK(said.str().find(".pending-00000001") != std::string::npos);
+  CHECK(faults->stalled_now() == 1);  // destruction did not wait for it
+  faults->release_stalls();
 }

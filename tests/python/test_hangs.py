@@ -1,7 +1,7 @@
 """Waits that must end and inputs that must be refused: a checkpoint_fn
 that never returns fails barrier() by the write deadline and the
-interpreter still exits; Ctrl-C during a wait on a stalled save raises
-KeyboardInterrupt at once; a tensor's storage swapped under a pending save
+interpreter still exits; Ctrl-C during a wait on a stalled save, a load
+or a create_global_plan raises KeyboardInterrupt at once; a tensor's storage swapped under a pending save
 cannot crash it; NUL characters in keys and crafted tree positions are
 refused, naming the key.
 
@@ -108,6 +108,79 @@ class StuckWriters(Base):
         self.assertLess(float(words[1]) - sent, 2.0)
         self.assertIn("KeyboardInterrupt", err)
         self.assertNotEqual(proc.returncode, 0)
+
+
+class InterruptedCalls(Base):
+    """Ctrl-C during a load or a create_global_plan held open by a stalled
+    storage call raises KeyboardInterrupt at once, not when the call ends."""
+
+    def interrupt(self, code, faults):
+        env = dict(os.environ)
+        # The stalled call never returns: exit leaves it behind after 1 s.
+        env.update({"FERRY_FAULTS": faults, "FERRY_EXIT_WAIT_S": "1"})
+        proc = subprocess.Popen([sys.executable, "-c", code, self.root], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env)
+        try:
+            self.assertEqual(proc.stdout.readline().strip(), "CALLING")
+            # Sent once the call is held in storage: a signal before it
+            # would interrupt the Python around the call, not the call.
+            before = []
+            while True:
+                line = proc.stderr.readline()
+                before.append(line)
+                self.assertTrue(line, "".join(before))
+                if "stalled until released" in line:
+                    break
+            sent = time.monotonic()  # CLOCK_MONOTONIC: the child's clock too
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        words = out.split()
+        self.assertEqual(words[:1], ["INTERRUPTED"], out + err)
+        self.assertLess(float(words[1]) - sent, 2.0)
+        self.assertIn("KeyboardInterrupt", err)
+        self.assertNotEqual(proc.returncode, 0)
+        return err
+
+    def test_ctrl_c_interrupts_a_load_on_stalled_reads(self):
+        ferry.save({"w": torch.ones(1 << 20)}, self.root, 1)
+        code = (
+            "import sys, time, torch, ferry\n"
+            "rt = ferry.Runtime({'pool_bytes': '4MiB', 'chunk_bytes': '1MiB'},\n"
+            "                   rank=0, world_size=1)\n"
+            "out = {'w': torch.zeros(1 << 20)}\n"
+            "try:\n"
+            "    print('CALLING', flush=True)\n"
+            "    rt.load(out, sys.argv[1])\n"
+            "    print('RETURNED', flush=True)\n"
+            "except KeyboardInterrupt:\n"
+            "    print('INTERRUPTED %.6f' % time.monotonic(), flush=True)\n"
+            "    raise\n"
+        )
+        err = self.interrupt(code, "stall:read:1:path=.safetensors")
+        # Exit left the load's thread (it still held the tensor) after 1 s.
+        self.assertIn("still running", err)
+
+    def test_ctrl_c_interrupts_create_global_plan(self):
+        # The plan's answer waits for rank 0 to make the pending directory;
+        # exit waits for the save's plan-timeout.
+        code = (
+            "import sys, time, torch, ferry\n"
+            "rt = ferry.Runtime({'pool_bytes': '4MiB', 'chunk_bytes': '1MiB',\n"
+            "                    'plan_timeout': '2s'}, rank=0, world_size=1)\n"
+            "p = ferry.SavePlanner({'w': torch.ones(16)}, root=sys.argv[1], step=1, runtime=rt)\n"
+            "try:\n"
+            "    print('CALLING', flush=True)\n"
+            "    p.create_global_plan()\n"
+            "    print('RETURNED', flush=True)\n"
+            "except KeyboardInterrupt:\n"
+            "    print('INTERRUPTED %.6f' % time.monotonic(), flush=True)\n"
+            "    raise\n"
+        )
+        self.interrupt(code, "stall:mkdir:1:path=.pending-")
 
 
 class PendingSave(Base):

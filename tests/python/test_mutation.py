@@ -2,7 +2,7 @@
 fails the save naming it (torch's version counters, compared when the
 snapshot ends), or with on_mutation="warn" commits with a warning in
 h.warnings(); changes after wait_snapshot, to staged copies or by t.set_()
-are not mutations of what was saved. verify-snapshot (on in debug builds)
+are not mutations of what was saved, and t.resize_() waits for the snapshot. verify-snapshot (on in debug builds)
 catches the same in C++ by checksums, for callers that cannot see versions.
 
 The snapshot is held open without sleeping: a pool of 2 blocks for a 32 MiB
@@ -100,6 +100,31 @@ class Versions(Base):
         self.assertTrue(torch.equal(out["t"], torch.arange(64.0).reshape(8, 8).t()))
         self.assertTrue(torch.equal(out["moved"], torch.ones(BIG)))
         self.assertTrue(torch.equal(out["after"], torch.ones(16)))
+
+    def test_resize_waits_for_the_snapshot(self):
+        # resize_ reallocates in place (freeing what the snapshot copies from)
+        # and torch does not bump _version: it waits for the snapshot instead.
+        for how in ("tensor", "resize_as_", "storage"):
+            with self.subTest(how=how):
+                root = os.path.join(self.root, how)
+                t = torch.ones(BIG)
+                h = self.rt.save_async({"w": t}, root, 1)
+                self.assertFalse(h.snapshot_done())
+                if how == "tensor":
+                    t.resize_(BIG * 4)
+                elif how == "resize_as_":
+                    t.resize_as_(torch.empty(BIG * 4))
+                else:
+                    t.storage().resize_(BIG * 4)
+                self.assertTrue(h.snapshot_done())
+                # Memory freed by the resize would be unmapped or reused by these.
+                junk = [torch.full((1 << 22,), 7.0) for _ in range(8)]
+                h.wait()
+                del junk
+                self.assertEqual(h.warnings(), [])
+                out = {"w": torch.zeros(BIG)}
+                self.rt.load(out, root)
+                self.assertTrue(torch.equal(out["w"], torch.ones(BIG)))
 
     def test_bad_on_mutation(self):
         with self.assertRaises(ferry.FerryError) as cm:

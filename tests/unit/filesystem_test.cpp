@@ -454,6 +454,123 @@ FERRY_FILESYSTEM_CONFORMANCE("wrapped", [] {
 FERRY_FILESYSTEM_CONFORMANCE("fault-injecting",
                              [] { return std::make_shared<FaultFilesystem>(posix_filesystem()); })
 
+// The same suite below a declared root, resolved by openat2 and by the
+// component walk kept for kernels without it.
+#define FERRY_FILESYSTEM_CONFORMANCE_ROOTED(name, make)                    \
+  TEST_CASE(name " filesystem conformance below a root", "[filesystem]") { \
+    TempDir tmp;                                                           \
+    std::shared_ptr<Filesystem> fs = (make)();                             \
+    fs->add_root(tmp.path());                                              \
+    filesystem_conformance(*fs, tmp.path() + "/.");                        \
+  }
+
+FERRY_FILESYSTEM_CONFORMANCE_ROOTED("openat2", [] {
+  return std::shared_ptr<Filesystem>(std::make_shared<PassThroughFilesystem>(posix_filesystem()));
+})
+FERRY_FILESYSTEM_CONFORMANCE_ROOTED("walking", detail::posix_filesystem_without_openat2)
+
+std::vector<std::string> names_in(Filesystem& fs, const std::string& dir) {
+  auto names = fs.list(dir);
+  REQUIRE(names.ok());
+  return *names;
+}
+
+// A directory inside the root swapped for a link to one outside (as a
+// neighbour could between Ferry's check and its open): no operation below
+// the root reaches through it, and each error names the path.
+void no_component_followed(std::shared_ptr<Filesystem> fs) {
+  TempDir tmp;
+  const std::string root = join_path(tmp.path(), "root");
+  const std::string outside = join_path(tmp.path(), "outside");
+  REQUIRE(fs->mkdir(root).ok());
+  REQUIRE(fs->mkdir(outside).ok());
+  {
+    auto f = fs->open(join_path(outside, "secret"), writable());
+    REQUIRE(f.ok());
+    REQUIRE((*f)->pwrite("outside", 7, 0).ok());
+    REQUIRE((*f)->close().ok());
+  }
+  REQUIRE(fs->mkdir(join_path(root, "step-2")).ok());
+  const std::string link = join_path(root, "step-1");
+  REQUIRE(::symlink(outside.c_str(), link.c_str()) == 0);
+  // A link deeper down, below a real directory, is refused as well.
+  REQUIRE(fs->mkdir(join_path(root, "step-2/sub")).ok());
+  const std::string deep = join_path(root, "step-2/sub/inner");
+  REQUIRE(::symlink(outside.c_str(), deep.c_str()) == 0);
+  fs->add_root(root);
+
+  for (const std::string& via : {link, deep, join_path(root, "step-2/../../outside")}) {
+    INFO(via);
+    const std::string secret = join_path(via, "secret");
+    const std::string fresh = join_path(via, "fresh");
+    auto names = [&](const Status& st, const std::string& path) {
+      INFO(st.to_string());
+      CHECK(!st.ok());
+      CHECK(contains(st.message(), path));
+    };
+    names(fs->open(secret, OpenOptions{}).status(), secret);
+    names(fs->open(fresh, writable()).status(), fresh);
+    names(fs->open(secret, writable(false)).status(), secret);
+    names(read_file(*fs, secret).status(), secret);
+    names(fs->stat(secret).status(), secret);
+    names(fs->lstat(secret).status(), secret);
+    names(fs->list(join_path(via, "")).status(), join_path(via, ""));
+    names(fs->mkdir(fresh), fresh);
+    // mkdirs names the first of the path's prefixes it could not make.
+    names(fs->mkdirs(join_path(fresh, "a/b")), root + "/step-");
+    names(fs->unlink(secret), secret);
+    names(fs->rename(join_path(root, "step-2/sub"), fresh), fresh);
+    names(fs->rename(secret, join_path(root, "taken")), secret);
+    names(fs->sync_dir(join_path(via, "")), via);
+    names(fs->lock(join_path(via, ".ferry-lock"), 0).status(), via);
+  }
+  // The link itself, the last component of a path, is refused as before.
+  CHECK(!fs->open(link, OpenOptions{}).ok());
+  CHECK(!fs->list(link).ok());
+  // Nothing outside was written, removed, moved or created.
+  CHECK(names_in(*fs, outside) == std::vector<std::string>{"secret"});
+  auto bytes = read_file(*fs, join_path(outside, "secret"));
+  REQUIRE(bytes.ok());
+  CHECK(*bytes == "outside");
+  CHECK(names_in(*fs, join_path(root, "step-2")) == std::vector<std::string>{"sub"});
+  // Ferry's own entries below the root still work, links themselves included.
+  REQUIRE(fs->mkdirs(join_path(root, "step-2/a/b")).ok());
+  REQUIRE(fs->rename(join_path(root, "step-2/a"), join_path(root, "step-3")).ok());
+  CHECK(fs->stat(join_path(root, "step-3/b"))->is_dir);
+  CHECK(fs->lstat(link)->is_symlink);
+  REQUIRE(fs->unlink(link).ok());
+  REQUIRE(remove_all(*fs, join_path(root, "step-2")).ok());
+  CHECK(names_in(*fs, outside) == std::vector<std::string>{"secret"});
+  CHECK(names_in(*fs, root) == std::vector<std::string>{"step-3"});
+}
+
+TEST_CASE("below a root no component is a followed link (openat2)", "[filesystem][symlink]") {
+  no_component_followed(posix_filesystem());
+}
+
+TEST_CASE("below a root no component is a followed link (component walk)",
+          "[filesystem][symlink]") {
+  no_component_followed(detail::posix_filesystem_without_openat2());
+}
+
+TEST_CASE("a root's own path may go through links", "[filesystem][symlink]") {
+  TempDir tmp;
+  auto fs = detail::posix_filesystem_without_openat2();
+  const std::string real = join_path(tmp.path(), "real");
+  const std::string alias = join_path(tmp.path(), "alias");
+  REQUIRE(fs->mkdir(real).ok());
+  REQUIRE(::symlink(real.c_str(), alias.c_str()) == 0);
+  fs->add_root(alias + "/");
+  REQUIRE(fs->mkdirs(join_path(alias, "step-1")).ok());
+  REQUIRE(write_file_atomic(*fs, join_path(alias, "step-1/MANIFEST"), "m", true).ok());
+  auto back = read_file(*fs, join_path(real, "step-1/MANIFEST"));
+  REQUIRE(back.ok());
+  CHECK(*back == "m");
+  CHECK(names_in(*fs, alias) == std::vector<std::string>{"step-1"});
+  auto lock = fs->lock(join_path(alias, ".ferry-lock"), 0);
+  CHECK(lock.ok());
+}
+
 TEST_CASE("O_DIRECT falls back where the filesystem refuses it", "[filesystem]") {
   // /dev/shm is tmpfs, which refused O_DIRECT (EINVAL) before Linux 6.6;
   // newer kernels accept it, so both outcomes are valid here.

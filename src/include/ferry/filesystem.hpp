@@ -15,7 +15,8 @@ namespace ferry {
 
 // Every open refuses a symbolic link as the last component (O_NOFOLLOW):
 // whatever Ferry reads or writes inside a root or an export directory is
-// its own regular file, never something a link points at outside it.
+// its own regular file, never something a link points at outside it. Below
+// a declared root (Filesystem::add_root) no component is followed at all.
 struct OpenOptions {
   bool write = false;  // read-only otherwise
   bool create = false;
@@ -92,10 +93,24 @@ class FERRY_EXPORT Filesystem {
   // file that is a symbolic link or has other hard links is refused: taking
   // the lock writes into it.
   virtual Result<std::unique_ptr<FileLock>> lock(const std::string& path, int64_t wait_ms) = 0;
+  // Declares `root` a checkpoint root (or an export directory): from then on
+  // every operation on a path strictly inside it resolves that path from a
+  // descriptor of `root`, following no symbolic link in any component and
+  // never leaving it (".."), so a directory swapped for a link after a check
+  // cannot send a read or write outside. `root`'s own path may hold links.
+  // Matching is lexical, on the path as callers spell it; the outermost
+  // declared root containing a path wins. lock() declares its directory.
+  virtual void add_root(const std::string& /*root*/) {}
 };
 
 // The default: POSIX calls, errors via Status::from_errno naming op and path.
 FERRY_EXPORT std::shared_ptr<Filesystem> posix_filesystem();
+
+namespace detail {
+// A POSIX filesystem that resolves paths below a root one component at a
+// time, as where the kernel lacks openat2 (before Linux 5.6): for tests.
+std::shared_ptr<Filesystem> posix_filesystem_without_openat2();
+}  // namespace detail
 
 // Forwards everything to `target`; subclasses override only what they break.
 class FERRY_EXPORT FilesystemWrapper : public Filesystem {
@@ -121,6 +136,7 @@ class FERRY_EXPORT FilesystemWrapper : public Filesystem {
   Result<std::unique_ptr<FileLock>> lock(const std::string& p, int64_t wait_ms) override {
     return target_->lock(p, wait_ms);
   }
+  void add_root(const std::string& root) override { target_->add_root(root); }
 
  protected:
   std::shared_ptr<Filesystem> target_;
