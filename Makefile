@@ -5,10 +5,14 @@ BUILD_TYPE ?= RelWithDebInfo
 CMAKE_FLAGS ?=
 DEMO_ARGS ?=
 
-.PHONY: deps configure build demo test bench crashtest clean
+.PHONY: deps deps-test configure build demo test bench crashtest clean
 
 deps:
 	bash scripts/install-deps.sh
+
+# What only the tests need (the S3 server), on top of the build's packages.
+deps-test:
+	bash scripts/install-deps.sh --tests
 
 configure: deps
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) $(CMAKE_FLAGS)
@@ -21,7 +25,7 @@ demo: configure
 	cmake --build $(BUILD) -j $(JOBS) --target ferry_cli
 	$(BUILD)/ferry demo $(DEMO_ARGS)
 
-test: build
+test: deps-test build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
 
 bench: build

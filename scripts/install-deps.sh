@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs the Debian packages Ferry builds against. Idempotent: does nothing
-# when every package is already present. Needs root (or sudo) when it installs.
+# Installs the Debian packages Ferry builds against; with --tests also what
+# only the test suite runs (the S3 server). Idempotent: does nothing when
+# every package is already present. Needs root (or sudo) when it installs.
 set -euo pipefail
 
 packages=(
@@ -8,8 +9,13 @@ packages=(
   libcaf-dev libucx-dev ucx-utils
   capnproto libcapnp-dev
   catch2 libxxhash-dev libzstd-dev python3 python3-torch
+  libcurl4-openssl-dev libexpat1-dev libssl-dev  # the S3 store (src/s3/)
   iproute2 util-linux  # the many-host tests' emulated hosts (tests/hosts/hosts.sh)
 )
+# A throw-away Ceph cluster with radosgw: the S3 tests' server (tests/s3/).
+if [ "${1:-}" = "--tests" ]; then
+  packages+=(ceph-mon ceph-osd radosgw curl)
+fi
 
 missing=()
 for p in "${packages[@]}"; do

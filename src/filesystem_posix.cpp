@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <mutex>
 #include <thread>
 #include <utility>
@@ -260,6 +261,19 @@ class PosixFilesystem : public Filesystem {
     FERRY_ASSIGN_OR_RETURN(At t, at(to, "rename"));
     return check_errno(::renameat(f.dir, f.name.c_str(), t.dir, t.name.c_str()), "rename",
                        from + " -> " + to);
+  }
+
+  Status rename_noreplace(const std::string& from, const std::string& to) override {
+    int rc = ::renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_NOREPLACE);
+    // Filesystems without the flag (some network ones) still refuse a link
+    // over an existing name.
+    if (rc != 0 && (errno == EINVAL || errno == ENOSYS)) {
+      rc = ::link(from.c_str(), to.c_str());
+      if (rc == 0) (void)::unlink(from.c_str());
+    }
+    if (rc == 0) return Status::ok_status();
+    if (errno == EEXIST) return Status::already_exists(to + " exists");
+    return Status::from_errno(errno, "rename", from + " -> " + to);
   }
 
   Status unlink(const std::string& path) override {

@@ -75,6 +75,9 @@ class FERRY_EXPORT Filesystem {
   virtual Status mkdir(const std::string& path) = 0;   // fails if it exists
   virtual Status mkdirs(const std::string& path) = 0;  // mkdir -p
   virtual Status rename(const std::string& from, const std::string& to) = 0;
+  // A rename that never replaces: already_exists when `to` exists. The
+  // create-once commit of an object store (Store::put_if_absent) rests on it.
+  virtual Status rename_noreplace(const std::string& from, const std::string& to) = 0;
   virtual Status unlink(const std::string& path) = 0;
   virtual Status rmdir(const std::string& path) = 0;
   virtual Status sync_dir(const std::string& path) = 0;  // open O_DIRECTORY + fsync
@@ -124,6 +127,9 @@ class FERRY_EXPORT FilesystemWrapper : public Filesystem {
   Status mkdirs(const std::string& p) override { return target_->mkdirs(p); }
   Status rename(const std::string& f, const std::string& t) override {
     return target_->rename(f, t);
+  }
+  Status rename_noreplace(const std::string& f, const std::string& t) override {
+    return target_->rename_noreplace(f, t);
   }
   Status unlink(const std::string& p) override { return target_->unlink(p); }
   Status rmdir(const std::string& p) override { return target_->rmdir(p); }
