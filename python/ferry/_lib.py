@@ -18,7 +18,7 @@ import time
 
 __all__ = ["FerryError", "lib", "check", "library_path", "wait_sliced"]
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 _STATUS_NAMES = {
     0: "ok",
@@ -201,7 +201,7 @@ def _declare(L):
         "ferry_save_async_sd": (
             st,
             [vp, vp, ctypes.c_uint64, ctypes.c_char_p, ctypes.c_int, kvp, sz,
-             ctypes.POINTER(SaveOptions), ctypes.POINTER(vp)],
+             ctypes.POINTER(SaveOptions), ctypes.POINTER(SaveExtra), ctypes.POINTER(vp)],
         ),
         "ferry_save_wait_snapshot": (st, [vp]),
         "ferry_save_wait": (st, [vp]),
