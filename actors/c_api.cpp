@@ -457,13 +457,13 @@ void ferry_state_dict_release(ferry_state_dict* sd) {
 ferry_status ferry_save_async_sd(ferry_runtime* rt, const ferry_state_dict* sd, uint64_t step,
                                  const char* root, int overwrite, const ferry_kv* metadata,
                                  size_t num_metadata, const ferry_save_options* file_opts,
-                                 ferry_save** out) {
+                                 const ferry_save_extra* extra, ferry_save** out) {
   return guarded([&] {
     if (!out) return null_arg("out");
     *out = nullptr;
     FERRY_CHECK_HANDLE(rt, "runtime");
     FERRY_CHECK_HANDLE(sd, "state dict");
-    return start_save(rt, sd->sd, step, root, overwrite, metadata, num_metadata, file_opts, nullptr,
+    return start_save(rt, sd->sd, step, root, overwrite, metadata, num_metadata, file_opts, extra,
                       out);
   });
 }

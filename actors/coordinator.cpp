@@ -111,6 +111,7 @@ struct coordinator_state {
   std::mt19937_64 nonces{std::random_device{}()};
   std::vector<uint64_t> cached_digests;
   std::shared_ptr<const GlobalPlan> cached_plan;  // shared, not copied, on a cache hit
+  ManifestSkeleton manifest;                      // the last commit's, refilled by the next
   // Loads whose outcome is being gathered, and the last few answered (a
   // report that comes late gets the answer the others got).
   std::map<std::string, LoadOutcomes> load_outcomes;
@@ -388,10 +389,10 @@ void on_all_results(coordinator_ptr self) {
   h.fsynced = st.ctx->opts.fsync;
   h.checksum_block_bytes = st.ctx->opts.checksum_block_bytes;
   h.metadata = c.metadata;
-  auto m = assemble_manifest(h, results);
+  auto m = assemble_manifest_into(st.manifest, h, results);
   if (!m.ok()) return abort_active(self, m.status());
   // Before the commit point: never a committed checkpoint that cannot load.
-  if (Status s = check_manifest_before_commit(*m); !s.ok())
+  if (Status s = check_manifest_before_commit(**m); !s.ok())
     return abort_active(self, s.with_context("rank 0 (commit phase): "));
   CommitOptions co{st.ctx->opts.fsync, c.overwrite, st.ctx->opts.keep_last, c.lease_owner};
   co.renew_lease_ms = lease_ms(st);
@@ -399,7 +400,7 @@ void on_all_results(coordinator_ptr self) {
   Result<CommitOutcome> out = [&] {
     Doing doing(*st.ctx->threads, kCoordinatorThread,
                 "the commit of step " + std::to_string(c.step) + " from " + c.pending_dir);
-    return commit_checkpoint(*st.ctx->fs, c.root, c.pending_dir, std::move(m).value(), co);
+    return commit_checkpoint_in_place(*st.ctx->fs, c.root, c.pending_dir, *m, co);
   }();
   const double commit_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - commit_started).count();

@@ -166,9 +166,11 @@ struct HashDone {
 // planner -> snapshot and serializer: everything about the files of a save.
 struct StreamJob {
   uint64_t save = 0;
-  std::vector<FileLayout> files;
-  std::vector<std::shared_ptr<File>> handles;     // [file]: the serializer's, from `open`
-  std::vector<std::vector<ChunkSource>> sources;  // [file][chunk]
+  // Shared by the planner, the snapshot and the serializer, never copied:
+  // at 100,000 chunks a copy per actor would cost more than the plan.
+  std::shared_ptr<const std::vector<FileLayout>> files;
+  std::vector<std::shared_ptr<File>> handles;  // [file]: the serializer's, from `open`
+  std::shared_ptr<const std::vector<std::vector<ChunkSource>>> sources;  // [file][chunk]
   uint64_t block_bytes = 0;
   uint64_t checksum_block_bytes = 0;         // 0: no checksums
   std::shared_ptr<detail::SaveState> state;  // told when every copy is queued

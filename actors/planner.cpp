@@ -78,9 +78,11 @@ struct Current {
   std::string pending_dir;
   LocalPlan local;
   RankPlan plan;
-  std::vector<FileLayout> layouts;
-  std::vector<std::vector<ChunkSource>> sources;  // [file][chunk], as laid out
-  std::string all_plans;                          // every rank's plans, for a staged save
+  // Shared with the stream job (and, uncompressed, with the layout cache).
+  std::shared_ptr<const std::vector<FileLayout>> layouts =
+      std::make_shared<const std::vector<FileLayout>>();
+  std::shared_ptr<const std::vector<std::vector<ChunkSource>>> sources;  // [file][chunk]
+  std::string all_plans;  // every rank's plans, for a staged save
   std::vector<std::shared_ptr<File>> files;
   std::vector<uint64_t> file_bytes_left;  // data not yet reported written
   size_t files_left = 0;                  // not yet finished (fsynced)
@@ -140,6 +142,39 @@ hasher_actor::behavior_type hasher_fun(hasher_actor::pointer self, ContextPtr ct
   };
 }
 
+// The last uncompressed save's file layouts. A save whose local plan, part
+// of the global plan and file options are the same lays its files out the
+// same way: it reuses them, and only looks up its tensors again.
+struct LayoutCache {
+  bool valid = false;
+  uint64_t local_digest = 0;
+  std::vector<uint32_t> entries;  // [item]: its state dict entry
+  RankPlan plan;
+  DataFileOptions files;
+  std::shared_ptr<const std::vector<FileLayout>> layouts;
+  std::vector<std::vector<std::pair<uint32_t, uint64_t>>> picks;  // [file][chunk]: entry, skip
+};
+
+bool same_rank_plan(const RankPlan& a, const RankPlan& b) {
+  if (a.rank != b.rank || a.files != b.files || a.bytes != b.bytes ||
+      a.replicated != b.replicated || a.chunks.size() != b.chunks.size())
+    return false;
+  for (size_t i = 0; i < a.chunks.size(); ++i) {
+    const ChunkAssignment& x = a.chunks[i];
+    const ChunkAssignment& y = b.chunks[i];
+    if (x.item != y.item || x.whole != y.whole || x.file != y.file || !(x.box == y.box))
+      return false;
+  }
+  return true;
+}
+
+std::vector<uint32_t> item_entries(const LocalPlan& local) {
+  std::vector<uint32_t> out;
+  out.reserve(local.items.size());
+  for (const WriteItem& it : local.items) out.push_back(it.entry);
+  return out;
+}
+
 struct planner_state {
   static inline const char* name = "ferry.planner";
   ContextPtr ctx;
@@ -154,6 +189,7 @@ struct planner_state {
   std::deque<SaveJob> queue;
   uint64_t next_id = 1;
   Current cur;
+  LayoutCache layout_cache;
   hasher_actor hasher;  // spawned at the first save with replicated items
 };
 
@@ -418,8 +454,8 @@ void send_result(planner_ptr self) {
   WriteResult wr;
   wr.rank = st.ctx->rank;
   wr.replica_digests = std::move(cur.digests);
-  for (size_t f = 0; f < cur.layouts.size(); ++f) {
-    const FileLayout& l = cur.layouts[f];
+  for (size_t f = 0; f < cur.layouts->size(); ++f) {
+    const FileLayout& l = (*cur.layouts)[f];
     wr.files.push_back(
         {l.name, l.size, l.header.size(), xxh3_64(l.header.data(), l.header.size())});
     for (size_t c = 0; c < l.chunks.size(); ++c) {
@@ -510,7 +546,7 @@ void finish_file(planner_ptr self, uint32_t f) {
   auto& st = self->state;
   const uint64_t id = st.cur.id;
   const auto& w = st.writers[f % st.writers.size()];
-  self->request(w, caf::infinite, atom::seal_v, st.cur.files[f], st.cur.layouts[f].size)
+  self->request(w, caf::infinite, atom::seal_v, st.cur.files[f], (*st.cur.layouts)[f].size)
       .then(
           [self, id](const Status& s) {
             auto& cur = self->state.cur;
@@ -519,7 +555,7 @@ void finish_file(planner_ptr self, uint32_t f) {
             --cur.files_left;
             maybe_finish(self);
           },
-          [self, id, name = st.cur.layouts[f].name](caf::error& e) {
+          [self, id, name = (*st.cur.layouts)[f].name](caf::error& e) {
             if (live(self->state, id))
               fail(self, Status::internal("closing " + name +
                                           ": the writer: " + self->system().render(e)));
@@ -539,8 +575,8 @@ void start_streaming(planner_ptr self) {
   job.sources = cur.sources;
   job.state = cur.job.state;
   cur.file_bytes_left.clear();
-  for (const auto& l : cur.layouts) cur.file_bytes_left.push_back(l.size);
-  cur.files_left = cur.layouts.size();
+  for (const auto& l : *cur.layouts) cur.file_bytes_left.push_back(l.size);
+  cur.files_left = cur.layouts->size();
   // The serializer must know the job before the first block reaches it; a
   // send enqueues at once, so sending to it first is enough.
   self->send(st.serializer, atom::stream_v, job);
@@ -550,19 +586,24 @@ void start_streaming(planner_ptr self) {
 // The chunks of this rank's files and where each one's bytes come from:
 // the files data_files() gives this rank's plan, the same ones rank 0 put
 // in every rank's SavePlan.
-Status plan_chunks(planner_state& st, FileChunks& out) {
+// `picks`, when given: each chunk's entry and skip, for the layout cache.
+Status plan_chunks(planner_state& st, FileChunks& out,
+                   std::vector<std::vector<std::pair<uint32_t, uint64_t>>>* picks) {
   auto& cur = st.cur;
   const auto& entries = std::as_const(cur.job.sd).entries();
   FERRY_ASSIGN_OR_RETURN(auto files, data_files(cur.local, cur.plan, cur.job.files));
   out = FileChunks{};
+  if (picks) picks->clear();
   for (PlannedFile& f : files) {
     out.names.push_back(std::move(f.name));
     out.refs.emplace_back();
     out.srcs.emplace_back();
+    if (picks) picks->emplace_back();
     for (FileSlice& s : f.slices) {
       const WriteItem& it = cur.local.items[s.item];
       out.refs.back().push_back({it.key, it.dtype, it.global_shape, std::move(s.box), nullptr});
       out.srcs.back().push_back({entries[it.entry].view, s.skip});
+      if (picks) picks->back().emplace_back(it.entry, s.skip);
     }
   }
   return Status();
@@ -571,14 +612,39 @@ Status plan_chunks(planner_state& st, FileChunks& out) {
 // The files' layouts, from their chunks (compressed already where asked).
 Status make_layouts(planner_state& st, FileChunks& chunks) {
   auto& cur = st.cur;
-  cur.layouts.clear();
-  cur.sources.clear();
+  auto layouts = std::make_shared<std::vector<FileLayout>>();
+  auto sources = std::make_shared<std::vector<std::vector<ChunkSource>>>();
   for (size_t f = 0; f < chunks.refs.size(); ++f) {
     FERRY_ASSIGN_OR_RETURN(FileLayout l, layout_file(chunks.names[f], std::move(chunks.refs[f])));
-    cur.layouts.push_back(std::move(l));
-    cur.sources.push_back(std::move(chunks.srcs[f]));
+    layouts->push_back(std::move(l));
+    sources->push_back(std::move(chunks.srcs[f]));
   }
+  cur.layouts = std::move(layouts);
+  cur.sources = std::move(sources);
   return Status();
+}
+
+// The cached layouts, when this save lays its files out as the last one
+// did: its tensors' views are looked up again (their addresses may differ).
+bool reuse_layouts(planner_state& st, uint64_t local_digest) {
+  auto& cur = st.cur;
+  const LayoutCache& c = st.layout_cache;
+  if (!c.valid || c.local_digest != local_digest || c.files != cur.job.files ||
+      !same_rank_plan(c.plan, cur.plan) || c.entries != item_entries(cur.local))
+    return false;
+  const auto& entries = std::as_const(cur.job.sd).entries();
+  auto sources = std::make_shared<std::vector<std::vector<ChunkSource>>>(c.picks.size());
+  for (size_t f = 0; f < c.picks.size(); ++f) {
+    auto& out = (*sources)[f];
+    out.reserve(c.picks[f].size());
+    for (const auto& [entry, skip] : c.picks[f]) {
+      if (entry >= entries.size()) return false;
+      out.push_back({entries[entry].view, skip});
+    }
+  }
+  cur.layouts = c.layouts;
+  cur.sources = std::move(sources);
+  return true;
 }
 
 void start_write(planner_ptr self);
@@ -591,11 +657,11 @@ void start_custom_write(planner_ptr self) {
   auto& cur = st.cur;
   std::vector<CheckpointFnWriter::PlannedFile> planned;
   std::vector<std::string> paths;
-  for (size_t f = 0; f < cur.layouts.size(); ++f) {
+  for (size_t f = 0; f < cur.layouts->size(); ++f) {
     std::vector<PlannedSource> srcs;
-    for (const auto& s : cur.sources[f]) srcs.push_back({s.view, s.offset});
-    planned.push_back({cur.layouts[f], std::move(srcs)});
-    paths.push_back(join_path(cur.pending_dir, cur.layouts[f].name));
+    for (const auto& s : (*cur.sources)[f]) srcs.push_back({s.view, s.offset});
+    planned.push_back({(*cur.layouts)[f], std::move(srcs)});
+    paths.push_back(join_path(cur.pending_dir, (*cur.layouts)[f].name));
   }
   auto storage = std::make_shared<CheckpointFnWriter>(
       st.ctx->fs, cur.job.checkpoint_fn, std::move(planned), st.ctx->device,
@@ -609,13 +675,13 @@ void start_custom_write(planner_ptr self) {
             auto& cur = self->state.cur;
             if (!live(self->state, id)) return;
             if (!r.status.ok()) return fail(self, r.status);
-            cur.layouts = std::move(r.layouts);
+            cur.layouts = std::make_shared<const std::vector<FileLayout>>(std::move(r.layouts));
             cur.sums.sums = std::move(r.sums);
             cur.have_sums = true;
             cur.snapshot_done = true;
             snapshot_landed(self);
             uint64_t total = 0;
-            for (const auto& l : cur.layouts) total += l.size;
+            for (const auto& l : *cur.layouts) total += l.size;
             cur.job.state->bytes_persisted += total;
             cur.job.state->bytes_total = total;
             cur.files_left = 0;
@@ -630,6 +696,7 @@ void start_custom_write(planner_ptr self) {
 }
 
 void on_chunks(planner_ptr self, FileChunks& chunks);
+void laid_out(planner_ptr self);
 
 void on_plan(planner_ptr self, const PlanReply& r) {
   auto& st = self->state;
@@ -645,10 +712,25 @@ void on_plan(planner_ptr self, const PlanReply& r) {
   arm_deadline(self, "write", seconds(st.ctx->opts.write_timeout_s));
   cur.all_plans = r.all_plans;
   if (Status s = start_hashing(self); !s.ok()) return fail(self, s);
-  FileChunks chunks;
-  if (Status s = plan_chunks(st, chunks); !s.ok()) return fail(self, s);
   const int level = cur.job.files.level();
-  if (level == 0) return on_chunks(self, chunks);
+  if (level == 0) {
+    const uint64_t digest = cur.local.digest();
+    if (reuse_layouts(st, digest)) return laid_out(self);
+    LayoutCache& cache = st.layout_cache;
+    cache.valid = false;
+    FileChunks chunks;
+    if (Status s = plan_chunks(st, chunks, &cache.picks); !s.ok()) return fail(self, s);
+    if (Status s = make_layouts(st, chunks); !s.ok()) return fail(self, s);
+    cache.local_digest = digest;
+    cache.entries = item_entries(cur.local);
+    cache.plan = cur.plan;
+    cache.files = cur.job.files;
+    cache.layouts = cur.layouts;
+    cache.valid = true;
+    return laid_out(self);
+  }
+  FileChunks chunks;
+  if (Status s = plan_chunks(st, chunks, nullptr); !s.ok()) return fail(self, s);
   // Compressed on a writer's thread (and its helpers), so this actor stays
   // responsive to aborts and deadlines meanwhile. A failed save's drain
   // queues behind it at that writer, so it ends only once the caller's
@@ -672,16 +754,19 @@ void on_plan(planner_ptr self, const PlanReply& r) {
 // The chunks are final: lay the files out and, unless a staged save waits
 // for its go-ahead, start writing.
 void on_chunks(planner_ptr self, FileChunks& chunks) {
-  auto& st = self->state;
-  auto& cur = st.cur;
-  if (Status s = make_layouts(st, chunks); !s.ok()) return fail(self, s);
+  if (Status s = make_layouts(self->state, chunks); !s.ok()) return fail(self, s);
+  laid_out(self);
+}
+
+void laid_out(planner_ptr self) {
+  auto& cur = self->state.cur;
   uint64_t total = 0;
-  for (const auto& l : cur.layouts) total += l.size;
+  for (const auto& l : *cur.layouts) total += l.size;
   cur.job.state->bytes_total = total;
   cur.job.state->update_metrics([&](SaveMetrics& m) {
     m.plan_ms = cur.job.state->ms_since_start();
     m.bytes = total;
-    m.files = cur.layouts.size();
+    m.files = cur.layouts->size();
   });
   if (cur.job.staged) {
     if (cur.all_plans.empty())
@@ -699,8 +784,8 @@ void on_chunks(planner_ptr self, FileChunks& chunks) {
 void start_write(planner_ptr self) {
   auto& st = self->state;
   auto& cur = st.cur;
-  if (cur.job.checkpoint_fn && !cur.layouts.empty()) return start_custom_write(self);
-  if (cur.layouts.empty()) {
+  if (cur.job.checkpoint_fn && !cur.layouts->empty()) return start_custom_write(self);
+  if (cur.layouts->empty()) {
     cur.snapshot_done = true;
     snapshot_landed(self);
     cur.have_sums = true;
@@ -709,7 +794,7 @@ void start_write(planner_ptr self) {
   }
   cur.phase = Phase::opening;
   OpenFiles files;
-  for (const auto& l : cur.layouts) {
+  for (const auto& l : *cur.layouts) {
     files.paths.push_back(join_path(cur.pending_dir, l.name));
     files.sizes.push_back(l.size);
   }

@@ -59,7 +59,7 @@ struct serializer_state {
 using serializer_ptr = serializer_actor::stateful_pointer<serializer_state>;
 
 void hash_block(serializer_state& st, const BlockMsg& b, const uint8_t* data) {
-  const FileLayout& f = st.job.files[b.file];
+  const FileLayout& f = (*st.job.files)[b.file];
   FileCursor& cur = st.cursors[b.file];
   auto& out = st.sums.sums[b.file];
   const uint64_t cb = st.job.checksum_block_bytes;
@@ -89,7 +89,7 @@ void hash_block(serializer_state& st, const BlockMsg& b, const uint8_t* data) {
 }
 
 uint64_t blocks_of(const serializer_state& st, uint32_t file) {
-  return (st.job.files[file].size + st.job.block_bytes - 1) / st.job.block_bytes;
+  return ((*st.job.files)[file].size + st.job.block_bytes - 1) / st.job.block_bytes;
 }
 
 // Deferred hashing, once the snapshot is over: one block per message, so
@@ -111,7 +111,7 @@ void hash_next(serializer_ptr self) {
       st.next_hash = {st.next_hash.first + 1, 0};
   }
   uint64_t total = 0;
-  for (uint32_t f = 0; f < st.job.files.size(); ++f) total += blocks_of(st, f);
+  for (uint32_t f = 0; f < st.job.files->size(); ++f) total += blocks_of(st, f);
   if (st.blocks_hashed == total) {
     self->send(st.planner, atom::sums_v, st.sums);
     st.active = false;
@@ -165,10 +165,10 @@ serializer_actor::behavior_type serializer_fun(serializer_ptr self, ContextPtr c
         st.active = true;
         st.job = job;
         st.cursors.clear();
-        st.cursors.resize(job.files.size());
+        st.cursors.resize(job.files->size());
         st.sums = ChecksumSet{job.save, {}};
         st.blocks_left = 0;
-        for (const auto& f : job.files) {
+        for (const auto& f : *job.files) {
           st.sums.sums.emplace_back(f.chunks.size());
           st.blocks_left += (f.size + job.block_bytes - 1) / job.block_bytes;
         }

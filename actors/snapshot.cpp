@@ -183,10 +183,10 @@ struct SourceSum {
 // tensors would need a copy of their own to hash).
 std::vector<SourceSum> source_sums(const StreamJob& job) {
   std::vector<SourceSum> out;
-  for (size_t f = 0; f < job.files.size() && f < job.sources.size(); ++f) {
-    const auto& chunks = job.files[f].chunks;
-    for (size_t i = 0; i < chunks.size() && i < job.sources[f].size(); ++i) {
-      const ChunkSource& src = job.sources[f][i];
+  for (size_t f = 0; f < job.files->size() && f < job.sources->size(); ++f) {
+    const auto& chunks = (*job.files)[f].chunks;
+    for (size_t i = 0; i < chunks.size() && i < (*job.sources)[f].size(); ++i) {
+      const ChunkSource& src = (*job.sources)[f][i];
       if (!src.view.device.is_host() || !src.view.data || !src.view.is_contiguous()) continue;
       SourceSum s;
       s.key = chunks[i].chunk.key;
@@ -254,7 +254,7 @@ struct snapshot_state {
   std::vector<std::unique_ptr<CopyLane>> host_lanes;
   size_t next_lane = 0;
 
-  bool all_issued() const { return next_file >= job.files.size(); }
+  bool all_issued() const { return !job.files || next_file >= job.files->size(); }
 };
 
 using snapshot_ptr = snapshot_actor::stateful_pointer<snapshot_state>;
@@ -330,7 +330,7 @@ void flush(snapshot_ptr self) {
 
 void issue_block(snapshot_ptr self) {
   auto& st = self->state;
-  const FileLayout& f = st.job.files[st.next_file];
+  const FileLayout& f = (*st.job.files)[st.next_file];
   auto lease = st.ctx->pool->try_acquire();
   if (!lease) {
     st.waiting_for_block = true;
@@ -354,7 +354,7 @@ void issue_block(snapshot_ptr self) {
     uint64_t src_off, len, dst_off;
   };
   std::vector<Copy> copies;
-  const auto& sources = st.job.sources[st.next_file];
+  const auto& sources = (*st.job.sources)[st.next_file];
   for (size_t i = 0; i < f.chunks.size(); ++i) {
     const auto& c = f.chunks[i];
     const uint64_t lo = std::max(off, c.offset);

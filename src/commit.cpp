@@ -13,9 +13,91 @@ namespace {
 
 // The one place a chunk as a rank reported it (protocol) becomes a chunk of
 // the manifest; `file_base` turns the rank's file index into the manifest's.
+// Assigned field by field, so a kept chunk reuses its vectors' memory.
+void fill_chunk(ManifestChunk& m, const WrittenChunk& c, uint32_t file_base) {
+  m.offsets = c.box.offsets;
+  m.sizes = c.box.sizes;
+  m.file = file_base + c.file;
+  m.byte_offset = c.byte_offset;
+  m.byte_length = c.byte_length;
+  m.entry = c.entry;
+  m.checksums = c.checksums;
+  m.codec = c.codec;
+  m.raw_length = c.raw_length;
+  m.frame_bytes = c.frame_bytes;
+  m.frame_ends = c.frame_ends;
+}
+
 ManifestChunk manifest_chunk(const WrittenChunk& c, uint32_t file_base) {
-  return {c.box.offsets, c.box.sizes, file_base + c.file, c.byte_offset, c.byte_length, c.entry,
-          c.checksums,   c.codec,     c.raw_length,       c.frame_bytes, c.frame_ends};
+  ManifestChunk m;
+  fill_chunk(m, c, file_base);
+  return m;
+}
+
+// Refills the skeleton's manifest from `results`; false (the manifest then
+// half refilled) when their shape is not the one it holds.
+bool refill(ManifestSkeleton& sk, const Manifest& header, const std::vector<WriteResult>& results) {
+  Manifest& m = sk.manifest;
+  if (!sk.valid || !header.files.empty() || !header.tensors.empty() ||
+      header.required_features != m.required_features)
+    return false;
+  size_t files = 0, chunks = 0;
+  for (size_t r = 0; r < results.size(); ++r) {
+    if (results[r].rank != static_cast<int32_t>(r)) return false;
+    files += results[r].files.size();
+    chunks += results[r].chunks.size();
+  }
+  if (files != m.files.size() || chunks != sk.slots.size()) return false;
+  size_t k = 0;
+  uint32_t file_base = 0;
+  for (const WriteResult& wr : results) {
+    for (size_t i = 0; i < wr.files.size(); ++i) {
+      const WrittenFile& f = wr.files[i];
+      ManifestFile& mf = m.files[file_base + i];
+      if (mf.name != f.name || mf.rank != wr.rank) return false;
+      mf.size = f.size;
+      mf.header_bytes = f.header_bytes;
+      mf.header_checksum = f.header_checksum;
+    }
+    for (const WrittenChunk& c : wr.chunks) {
+      const auto [ti, ci] = sk.slots[k++];
+      ManifestTensor& t = m.tensors[ti];
+      ManifestChunk& mc = t.chunks[ci];
+      if (!c.codec.empty() || c.file >= wr.files.size() || mc.file != file_base + c.file ||
+          t.key != c.key || t.dtype != c.dtype || t.global_shape != c.global_shape ||
+          mc.offsets != c.box.offsets || mc.sizes != c.box.sizes || mc.entry != c.entry)
+        return false;
+      fill_chunk(mc, c, file_base);
+    }
+    file_base += static_cast<uint32_t>(wr.files.size());
+  }
+  // The header's fields, whatever they are; the body stays.
+  std::vector<ManifestTensor> tensors = std::move(m.tensors);
+  std::vector<ManifestFile> kept_files = std::move(m.files);
+  m = header;
+  m.tensors = std::move(tensors);
+  m.files = std::move(kept_files);
+  m.created_unix_ms = now_unix_ms();
+  return true;
+}
+
+// Where each reported chunk landed in `m` (as assemble_manifest sorted it).
+bool find_slots(const Manifest& m, const std::vector<WriteResult>& results,
+                std::vector<std::pair<uint32_t, uint32_t>>* slots) {
+  slots->clear();
+  for (const WriteResult& wr : results)
+    for (const WrittenChunk& c : wr.chunks) {
+      if (!c.codec.empty()) return false;
+      const ManifestTensor* t = m.find(c.key);
+      if (!t) return false;
+      auto it = std::lower_bound(
+          t->chunks.begin(), t->chunks.end(), c.box.offsets,
+          [](const ManifestChunk& a, const std::vector<int64_t>& o) { return a.offsets < o; });
+      if (it == t->chunks.end() || it->offsets != c.box.offsets) return false;
+      slots->emplace_back(static_cast<uint32_t>(t - m.tensors.data()),
+                          static_cast<uint32_t>(it - t->chunks.begin()));
+    }
+  return true;
 }
 
 }  // namespace
@@ -62,6 +144,15 @@ Result<Manifest> assemble_manifest(Manifest header, const std::vector<WriteResul
     std::sort(t.chunks.begin(), t.chunks.end(),
               [](const ManifestChunk& a, const ManifestChunk& b) { return a.offsets < b.offsets; });
   return m;
+}
+
+Result<Manifest*> assemble_manifest_into(ManifestSkeleton& skeleton, const Manifest& header,
+                                         const std::vector<WriteResult>& results) {
+  if (refill(skeleton, header, results)) return &skeleton.manifest;
+  skeleton.valid = false;
+  FERRY_ASSIGN_OR_RETURN(skeleton.manifest, assemble_manifest(header, results));
+  skeleton.valid = find_slots(skeleton.manifest, results, &skeleton.slots);
+  return &skeleton.manifest;
 }
 
 namespace {
@@ -195,6 +286,13 @@ Status prepare_pending(Filesystem& fs, const std::string& root, const std::strin
 Result<CommitOutcome> commit_checkpoint(Filesystem& fs, const std::string& root,
                                         const std::string& pending_dir, Manifest manifest,
                                         const CommitOptions& opts) {
+  return commit_checkpoint_in_place(fs, root, pending_dir, &manifest, opts);
+}
+
+Result<CommitOutcome> commit_checkpoint_in_place(Filesystem& fs, const std::string& root,
+                                                 const std::string& pending_dir, Manifest* filled,
+                                                 const CommitOptions& opts) {
+  Manifest& manifest = *filled;
   // Everything up to retention under ROOT's lock: another job committing
   // into this root would otherwise pick the same sequence number, and its
   // retention could remove this commit.
@@ -219,7 +317,14 @@ Result<CommitOutcome> commit_checkpoint(Filesystem& fs, const std::string& root,
     FERRY_RETURN_IF_ERROR(
         write_lease(fs, pending_dir, now_of(opts) + opts.renew_lease_ms, lease.owner));
   }
-  const std::string encoded = encode_manifest(manifest);
+  // Kept between commits: a fresh buffer of megabytes is paged in anew each time.
+  static thread_local std::string encoded;
+  encode_manifest_into(manifest, &encoded);
+  struct Trim {
+    ~Trim() {
+      if (encoded.capacity() > kKeptManifestBufferBytes) std::string().swap(encoded);
+    }
+  } trim;
   // Readers refuse a larger one: committing it would make the step unreadable.
   if (encoded.size() > kMaxManifestBytes)
     return Status::invalid_argument(

@@ -70,6 +70,21 @@ struct WriteResult {
 // REQUIRES: header has no files and no tensors.
 Result<Manifest> assemble_manifest(Manifest header, const std::vector<WriteResult>& results);
 
+// The manifest of the last commit, kept to be refilled in place by the next
+// one of the same shape (same ranks, files, tensors, boxes and entries, no
+// codec): saves that repeat then allocate nothing per chunk here.
+struct ManifestSkeleton {
+  bool valid = false;
+  Manifest manifest;
+  std::vector<std::pair<uint32_t, uint32_t>> slots;  // [chunk, ranks in order]: tensor, chunk
+};
+
+// assemble_manifest(header, results), built in `skeleton` (refilled when the
+// shape is the one it holds, else built afresh and kept). The manifest is
+// the skeleton's, valid until its next use.
+Result<Manifest*> assemble_manifest_into(ManifestSkeleton& skeleton, const Manifest& header,
+                                         const std::vector<WriteResult>& results);
+
 struct CommitOptions {
   bool fsync = true;
   bool overwrite = false;
@@ -127,6 +142,10 @@ struct CommitOutcome {
 Result<CommitOutcome> commit_checkpoint(Filesystem& fs, const std::string& root,
                                         const std::string& pending_dir, Manifest manifest,
                                         const CommitOptions& opts);
+// The same, filling in the caller's manifest (commit_seq, fsynced) in place.
+Result<CommitOutcome> commit_checkpoint_in_place(Filesystem& fs, const std::string& root,
+                                                 const std::string& pending_dir, Manifest* manifest,
+                                                 const CommitOptions& opts);
 
 // Creates ROOT (if needed) and the pending directory with its lease. Fails
 // with already_exists naming the step directory when the step exists and

@@ -152,7 +152,8 @@ bool mul_u64(uint64_t a, uint64_t b, uint64_t* out) {
 // along the dimension with the most distinct offsets keeps this close to
 // n log n for row, column and grid shardings. REQUIRES: every chunk's box is
 // inside the global shape.
-Status check_disjoint(const ManifestTensor& t, const std::string& who) {
+template <class Who>
+Status check_disjoint(const ManifestTensor& t, const Who& who) {
   std::vector<size_t> live;  // chunks with at least one element
   for (size_t i = 0; i < t.chunks.size(); ++i) {
     bool empty = false;
@@ -191,7 +192,7 @@ Status check_disjoint(const ManifestTensor& t, const std::string& who) {
         active.end());
     for (size_t a : active)
       if (overlap(a, i))
-        return Status::corruption(who + ": chunk " + std::to_string(i) + " overlaps chunk " +
+        return Status::corruption(who() + ": chunk " + std::to_string(i) + " overlaps chunk " +
                                   std::to_string(a) + " (offsets " +
                                   shape_to_string(t.chunks[i].offsets) + " and " +
                                   shape_to_string(t.chunks[a].offsets) + ")");
@@ -266,39 +267,50 @@ Status check_semantics(const Manifest& m) {
     size_t tensor, chunk;
   };
   std::vector<Range> ranges;
-  std::unordered_set<std::string> entries;  // file index + '/' + entry
+  // (file, entry name): views into `m`, so no string is built per chunk.
+  struct EntryHash {
+    size_t operator()(const std::pair<uint32_t, std::string_view>& e) const {
+      return std::hash<std::string_view>()(e.second) * 31 + e.first;
+    }
+  };
+  std::unordered_set<std::pair<uint32_t, std::string_view>, EntryHash> entries;
+  size_t chunk_count = 0;
+  for (const auto& t : m.tensors) chunk_count += t.chunks.size();
+  entries.reserve(chunk_count);
+  ranges.reserve(chunk_count);
 
   for (size_t ti = 0; ti < m.tensors.size(); ++ti) {
     const auto& t = m.tensors[ti];
-    const std::string who = "manifest: tensor '" + t.key + "'";
+    // Error texts are built only on failure: this runs over every chunk of every load.
+    auto who = [&t] { return "manifest: tensor '" + t.key + "'"; };
     if (t.key.empty())
       return Status::corruption("manifest: tensor " + std::to_string(ti) + " has an empty key");
     if (ti > 0 && !(m.tensors[ti - 1].key < t.key)) {
-      if (m.tensors[ti - 1].key == t.key) return Status::corruption(who + " is listed twice");
-      return Status::corruption(who + " is out of order (after '" + m.tensors[ti - 1].key +
+      if (m.tensors[ti - 1].key == t.key) return Status::corruption(who() + " is listed twice");
+      return Status::corruption(who() + " is out of order (after '" + m.tensors[ti - 1].key +
                                 "'): tensors must be sorted by key");
     }
     const uint64_t elem = dtype_size(t.dtype);
-    if (elem == 0) return Status::corruption(who + ": unknown dtype");
+    if (elem == 0) return Status::corruption(who() + ": unknown dtype");
     for (int64_t d : t.global_shape)
       if (d < 0)
-        return Status::corruption(who + ": negative dimension in global shape " +
+        return Status::corruption(who() + ": negative dimension in global shape " +
                                   shape_to_string(t.global_shape));
 
     for (size_t ci = 0; ci < t.chunks.size(); ++ci) {
       const auto& c = t.chunks[ci];
-      const std::string cwho = who + " chunk " + std::to_string(ci);
+      auto cwho = [&who, ci] { return who() + " chunk " + std::to_string(ci); };
       const size_t rank = t.global_shape.size();
       if (c.offsets.size() != rank || c.sizes.size() != rank)
-        return Status::corruption(cwho + ": box rank (offsets " + std::to_string(c.offsets.size()) +
-                                  ", sizes " + std::to_string(c.sizes.size()) +
-                                  ") differs from tensor rank " + std::to_string(rank));
+        return Status::corruption(
+            cwho() + ": box rank (offsets " + std::to_string(c.offsets.size()) + ", sizes " +
+            std::to_string(c.sizes.size()) + ") differs from tensor rank " + std::to_string(rank));
       uint64_t numel = 1;
       bool overflow = false;
       for (size_t d = 0; d < rank; ++d) {
         const int64_t o = c.offsets[d], s = c.sizes[d], g = t.global_shape[d];
         if (o < 0 || s < 0 || o > g || s > g - o)
-          return Status::corruption(cwho + ": box offsets " + shape_to_string(c.offsets) +
+          return Status::corruption(cwho() + ": box offsets " + shape_to_string(c.offsets) +
                                     " sizes " + shape_to_string(c.sizes) +
                                     " lies outside global shape " +
                                     shape_to_string(t.global_shape));
@@ -306,32 +318,32 @@ Status check_semantics(const Manifest& m) {
       }
       uint64_t expected = 0;
       if (overflow || !mul_u64(numel, elem, &expected))
-        return Status::corruption(cwho + ": byte size of box " + shape_to_string(c.sizes) +
+        return Status::corruption(cwho() + ": byte size of box " + shape_to_string(c.sizes) +
                                   " overflows");
-      if (!c.codec.empty()) FERRY_RETURN_IF_ERROR(check_frames(m, c, expected, cwho));
+      if (!c.codec.empty()) FERRY_RETURN_IF_ERROR(check_frames(m, c, expected, cwho()));
       if (c.codec.empty() && c.byte_length != expected)
-        return Status::corruption(cwho + ": byte length " + std::to_string(c.byte_length) +
+        return Status::corruption(cwho() + ": byte length " + std::to_string(c.byte_length) +
                                   ", expected " + std::to_string(expected) + " (" +
                                   std::to_string(numel) + " x " + dtype_name(t.dtype) + ")");
       if (c.file >= m.files.size())
-        return Status::corruption(cwho + ": file index " + std::to_string(c.file) +
+        return Status::corruption(cwho() + ": file index " + std::to_string(c.file) +
                                   " out of range (" + std::to_string(m.files.size()) + " files)");
       const auto& f = m.files[c.file];
       if (c.byte_offset > f.size || c.byte_length > f.size - c.byte_offset)
-        return Status::corruption(cwho + ": bytes [" + std::to_string(c.byte_offset) + ", +" +
+        return Status::corruption(cwho() + ": bytes [" + std::to_string(c.byte_offset) + ", +" +
                                   std::to_string(c.byte_length) + ") run past the end of file '" +
                                   f.name + "' (" + std::to_string(f.size) + " bytes)");
       if (!c.checksums.empty()) {
         const uint64_t blocks = c.byte_length / m.checksum_block_bytes +
                                 (c.byte_length % m.checksum_block_bytes != 0 ? 1 : 0);
         if (c.checksums.size() != blocks)
-          return Status::corruption(cwho + ": " + std::to_string(c.checksums.size()) +
+          return Status::corruption(cwho() + ": " + std::to_string(c.checksums.size()) +
                                     " checksums, expected " + std::to_string(blocks) + " for " +
                                     std::to_string(c.byte_length) + " bytes in blocks of " +
                                     std::to_string(m.checksum_block_bytes));
       }
-      if (!entries.insert(std::to_string(c.file) + "/" + c.entry).second)
-        return Status::corruption(cwho + ": entry '" + c.entry + "' appears twice in file '" +
+      if (!entries.emplace(c.file, std::string_view(c.entry)).second)
+        return Status::corruption(cwho() + ": entry '" + c.entry + "' appears twice in file '" +
                                   f.name + "'");
       if (c.byte_length > 0)
         ranges.push_back({c.file, c.byte_offset, c.byte_offset + c.byte_length, ti, ci});
@@ -378,7 +390,18 @@ const std::vector<std::string>& known_manifest_features() {
 }
 
 std::string encode_manifest(const Manifest& m) {
-  capnp::MallocMessageBuilder message;
+  std::string out;
+  encode_manifest_into(m, &out);
+  return out;
+}
+
+namespace {
+
+// Frame and payload into *out_bytes; the builder starts in `first` (zeroed).
+// Returns the payload's size in words; *segments, how many it holds.
+size_t encode_framed(const Manifest& m, kj::ArrayPtr<capnp::word> first, std::string* out_bytes,
+                     size_t* segments) {
+  capnp::MallocMessageBuilder message(first);
   auto root = message.initRoot<proto::Manifest>();
   root.setFormatVersion(m.format_version);
   root.setStep(m.step);
@@ -432,13 +455,14 @@ std::string encode_manifest(const Manifest& m) {
     kv.setValue(text(m.metadata[i].second));
   }
 
-  kj::Array<capnp::word> words = capnp::messageToFlatArray(message);
-  kj::ArrayPtr<const kj::byte> payload = words.asBytes();
+  const size_t payload_size = capnp::computeSerializedSizeInWords(message) * sizeof(capnp::word);
+  *segments = message.getSegmentsForOutput().size();
 
-  std::string out;
+  std::string& out = *out_bytes;
+  out.clear();
   size_t feature_bytes = 0;
   for (const auto& f : m.required_features) feature_bytes += 2 + f.size();
-  out.reserve(sizeof(kMagic) + 8 + feature_bytes + 16 + payload.size());
+  out.reserve(sizeof(kMagic) + 8 + feature_bytes + 16 + payload_size);
   out.append(kMagic, sizeof(kMagic));
   put_u32(out, m.format_version);
   put_u32(out, static_cast<uint32_t>(m.required_features.size()));
@@ -448,10 +472,35 @@ std::string encode_manifest(const Manifest& m) {
     put_u16(out, static_cast<uint16_t>(n));
     out.append(f.data(), n);
   }
-  put_u64(out, payload.size());
-  put_u64(out, xxh3_64(payload.begin(), payload.size()));
-  out.append(reinterpret_cast<const char*>(payload.begin()), payload.size());
-  return out;
+  put_u64(out, payload_size);
+  const size_t at = out.size() + 8;  // after the checksum
+  out.resize(at + payload_size);
+  kj::ArrayOutputStream stream(kj::arrayPtr(reinterpret_cast<kj::byte*>(&out[at]), payload_size));
+  capnp::writeMessage(stream, message);
+  const uint64_t sum = xxh3_64(out.data() + at, payload_size);
+  for (int i = 0; i < 8; ++i) out[at - 8 + i] = static_cast<char>((sum >> (8 * i)) & 0xff);
+  return payload_size / sizeof(capnp::word);
+}
+
+}  // namespace
+
+void encode_manifest_into(const Manifest& m, std::string* out) {
+  // The builder's first segment is kept by the thread, sized to its largest
+  // manifest so far: megabytes of fresh memory are paged in on every commit
+  // otherwise, most of an encode's time.
+  // Always one segment, so the bytes depend on the manifest alone, not on
+  // what the thread encoded before: one that does not fit is encoded again.
+  static thread_local std::vector<capnp::word> segment(1024);
+  for (;;) {
+    std::fill(segment.begin(), segment.end(), capnp::word());  // Cap'n Proto requires it zeroed
+    size_t segments = 0;
+    const size_t words =
+        encode_framed(m, kj::arrayPtr(segment.data(), segment.size()), out, &segments);
+    if (segments == 1) break;
+    segment.resize(words);
+  }
+  if (segment.size() * sizeof(capnp::word) > kKeptManifestBufferBytes)
+    std::vector<capnp::word>(1024).swap(segment);
 }
 
 namespace {
@@ -616,6 +665,10 @@ Result<Manifest> decode_manifest(std::string_view bytes) {
 
   FERRY_RETURN_IF_ERROR(check_semantics(m));
   return m;
+}
+
+Status check_manifest(const Manifest& m) {
+  return check_semantics(m);
 }
 
 }  // namespace ferry

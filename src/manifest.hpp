@@ -80,6 +80,8 @@ const std::vector<std::string>& known_manifest_features();
 // Framed bytes: magic, version, required features, payload length + xxh3,
 // Cap'n Proto payload.
 std::string encode_manifest(const Manifest& m);
+// The same bytes into *out, whose memory is reused.
+void encode_manifest_into(const Manifest& m, std::string* out);
 
 // Checks the frame (magic, version <= ours, known features, length, payload
 // checksum), decodes with traversal/nesting limits sized from the input, and
@@ -87,6 +89,10 @@ std::string encode_manifest(const Manifest& m);
 // files, lengths matching dtype x numel, checksum counts). Every failure is a
 // Status (corruption / unsupported) naming what is wrong; never throws.
 Result<Manifest> decode_manifest(std::string_view bytes);
+
+// decode_manifest's checks of the contents, on a manifest in memory (what
+// rank 0 checks before a commit, without encoding and decoding it).
+Status check_manifest(const Manifest& m);
 
 // What ordering checkpoints needs, for a fraction of decode_manifest's
 // cost: the frame and the payload checksum are checked, and of the payload

@@ -12,7 +12,7 @@ import threading
 import weakref
 from collections import namedtuple
 
-from . import _lib, _pack, _tree
+from . import _lib, _pack, _save_cache, _tree
 from ._lib import FerryError, check, lib, wait_sliced
 
 # ferry_dtype codes (ferry.h) of the torch dtypes safetensors names.
@@ -193,6 +193,7 @@ class _Entries:
         for key, _, _, _ in items:
             if "\0" in key:
                 _no_nul("tensor key", key)
+        self.flags = flags  # per-rank entries: the save cache leaves such trees alone
         self.array, self.keep = _pack.pack_items(items, flags)
 
 
@@ -365,15 +366,19 @@ def _check_on_mutation(what, on_mutation):
                          % (what, on_mutation, ", ".join(repr(x) for x in _ON_MUTATION)))
 
 
-def _version_check(items, staged, on_mutation):
+def _version_check(items, staged, on_mutation, prep=None):
     """(the _VersionCheck of a save's tensors, its id for _SNAPSHOT_CHECK_FN),
-    registered; (None, None) for on_mutation="ignore"."""
+    registered; (None, None) for on_mutation="ignore". With `prep` (a save
+    cache's answer) its columns give the records instead of `items`."""
     if on_mutation == "ignore":
         return None, None
     # Staged tensors are private copies: the caller cannot change them.
     skip = set(staged)
-    chk = _VersionCheck([(k, t, t._version, t.data_ptr())
-                         for k, t, _, _ in items if k not in skip], on_mutation)
+    if prep is not None:
+        records = _save_cache.version_records(prep, skip)
+    else:
+        records = [(k, t, t._version, t.data_ptr()) for k, t, _, _ in items if k not in skip]
+    chk = _VersionCheck(records, on_mutation)
     cid = next(_check_ids)
     _checks[cid] = chk
     return chk, cid
@@ -462,6 +467,8 @@ class Runtime:
         self._last = None  # the latest SaveHandle: keeps its tensors alive
         self._lock = threading.Lock()
         self._calls = set()  # loads still running after an interrupt (_lib.call_interruptibly)
+        self._save_cache = None  # _save_cache.SaveCache, from the first save
+        self._save_lock = threading.Lock()
         _runtimes.add(self)
 
     @property
@@ -482,16 +489,25 @@ class Runtime:
             )
         return self._ptr
 
-    def save_async(self, state_dict, root, step, overwrite=False, metadata=None, options=None,
-                   on_mutation="error", stream=None):
+    def save_async(self, *args, **kwargs):
         """See ferry.save_async."""
+        # Whole: the save cache's C state dict is read by the save it prepared.
+        with self._save_lock:
+            return self._save_async(*args, **kwargs)
+
+    def _save_async(self, state_dict, root, step, overwrite=False, metadata=None, options=None,
+                    on_mutation="error", stream=None):
         ptr = self._alive()
         if options is not None and not isinstance(options, CheckpointOptions):
             raise FerryError("save_async: options must be a ferry.CheckpointOptions, not %s"
                              % type(options).__name__)
         _check_on_mutation("save_async", on_mutation)
         copts = options._c() if options is not None else None
-        items, staged, entries, pairs = _save_entries(state_dict, metadata)
+        if self._save_cache is None:
+            self._save_cache = _save_cache.SaveCache()
+        with _gc_paused():  # as _save_entries: a few objects per tensor
+            prep = self._save_cache.prepare(state_dict, metadata, _save_entries)
+        items, staged, entries, pairs = prep.items, prep.staged, prep.entries, prep.pairs
         kv, kv_keep = _kvs(pairs)
         out = ctypes.c_void_p()
         root_b = os.fspath(root).encode("utf-8") if root else None
@@ -499,28 +515,24 @@ class Runtime:
         if stream is not None:
             extra.stream, extra.stream_device = stream.cuda_stream, stream.device.index or 0
         else:
-            extra.stream, extra.stream_device = _cuda_stream_of(t for _, t, _, _ in items)
-        chk, cid = _version_check(items, staged, on_mutation)
+            extra.stream, extra.stream_device = _cuda_stream_of(prep.tensors)
+        chk, cid = _version_check(items, staged, on_mutation, prep)
         if chk is not None:
             extra.snapshot_check = _SNAPSHOT_CHECK_FN
             extra.snapshot_check_user = cid
         with self._lock:
             try:
-                check(
-                    lib().ferry_save_async_ex(
-                        ptr,
-                        entries.array,
-                        len(items),
-                        int(step),
-                        root_b,
-                        1 if overwrite else 0,
-                        kv,
-                        len(pairs),
+                if prep.sd is not None:  # prepared: only its changed entries were passed
+                    check(lib().ferry_save_async_sd(
+                        ptr, prep.sd, int(step), root_b, 1 if overwrite else 0, kv, len(pairs),
                         ctypes.byref(copts) if copts is not None else None,
-                        ctypes.byref(extra),
-                        ctypes.byref(out),
-                    )
-                )
+                        ctypes.byref(extra), ctypes.byref(out)))
+                else:
+                    check(lib().ferry_save_async_ex(
+                        ptr, entries.array, len(items), int(step), root_b,
+                        1 if overwrite else 0, kv, len(pairs),
+                        ctypes.byref(copts) if copts is not None else None,
+                        ctypes.byref(extra), ctypes.byref(out)))
             except BaseException:
                 _checks.pop(cid, None)
                 raise
@@ -528,7 +540,8 @@ class Runtime:
             # it started this one: its check ran, or never will.
             if self._last is not None:
                 _checks.pop(self._last._check_id, None)
-            h = SaveHandle(out, entries, [t for _, t, _, _ in items], staged)
+            with _gc_paused():  # one storage object per tensor
+                h = SaveHandle(out, entries, prep.tensors, staged)
             h._check, h._check_id = chk, cid
             # The previous tensors may go now.
             self._last = h

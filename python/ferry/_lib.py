@@ -208,7 +208,7 @@ def _declare(L):
         "ferry_save_async_sd": (
             st,
             [vp, vp, ctypes.c_uint64, ctypes.c_char_p, ctypes.c_int, kvp, sz,
-             ctypes.POINTER(SaveOptions), ctypes.POINTER(vp)],
+             ctypes.POINTER(SaveOptions), ctypes.POINTER(SaveExtra), ctypes.POINTER(vp)],
         ),
         "ferry_save_wait_snapshot": (st, [vp]),
         "ferry_save_wait": (st, [vp]),

@@ -14,7 +14,9 @@
 #include <string>
 #include <vector>
 
+#include "ferry/filesystem.hpp"
 #include "ferry/runtime.hpp"
+#include "manifest.hpp"
 #include "runtime_rig.hpp"
 #include "test_util.hpp"
 
@@ -112,4 +114,117 @@ TEST_CASE("100,000 entries cost about 10x 10,000: build, save, load back (issue 
   CHECK(ratio(big.build_s, small.build_s) <= 25);
   // Save and load together: one stall of a shared disk moves either alone.
   CHECK(ratio(big.save_s + big.load_s, small.save_s + small.load_s) <= 25);
+}
+
+namespace {
+
+ferry::Manifest manifest_of(const std::string& ckpt) {
+  auto bytes = ferry::read_file(*ferry::posix_filesystem(), ckpt + "/MANIFEST");
+  REQUIRE(bytes.ok());
+  auto m = ferry::decode_manifest(bytes.value());
+  REQUIRE(m.ok());
+  return std::move(m).value();
+}
+
+// What differs between two saves of the same state by design.
+std::string normalized(ferry::Manifest m) {
+  m.job_id.clear();
+  m.checkpoint_id.clear();
+  m.created_unix_ms = 0;
+  m.commit_seq = 0;
+  return ferry::encode_manifest(m);
+}
+
+std::string save_one(ferry::Runtime& rt, const ferry::StateDict& sd, uint64_t step) {
+  auto h = rt.save_async(sd, step);
+  const ferry::Status st = h.wait_committed();
+  INFO(st.to_string());
+  REQUIRE(st.ok());
+  return h.path();
+}
+
+}  // namespace
+
+// A repeated save reuses the last one's file layouts (planner) and manifest
+// (coordinator), refilling only offsets and checksums: what it commits must
+// be what a save of the same state by a fresh runtime commits, and a state
+// whose shape changed in between is laid out afresh.
+TEST_CASE("a repeated save commits what a cold one does; a changed shape is planned afresh",
+          "[actors][scale]") {
+  TempDir dir;
+  constexpr size_t n = 64;
+  std::vector<float> state(n * kElems);
+  for (size_t i = 0; i < state.size(); ++i) state[i] = static_cast<float>(i);
+  ferry::StateDict sd = make_dict(state, n);
+  std::string repeated;
+  {
+    auto rt = ferry::testing::make_test_runtime(dir.path() + "/warm");
+    save_one(*rt, sd, 1);
+    state[5] = -5.0f;  // new bytes, so new checksums, at the same places
+    repeated = save_one(*rt, sd, 2);
+
+    // Entry 3 grows (same key): its layout, every later offset and its
+    // manifest entry change.
+    std::vector<float> wide(4 * kElems);
+    for (size_t i = 0; i < wide.size(); ++i) wide[i] = 1000.0f + static_cast<float>(i);
+    ferry::StateDict changed;
+    for (size_t i = 0; i < n; ++i) {
+      const std::string key = "layers." + std::to_string(i) + ".expert.w";
+      const ferry::Status st =
+          i == 3 ? changed.add(key, ferry::TensorView{wide.data(), ferry::DType::f32, {4, kElems}})
+                 : changed.add(key, ferry::TensorView{
+                                        state.data() + i * kElems, ferry::DType::f32, {kElems}});
+      REQUIRE(st.ok());
+    }
+    const std::string grown = save_one(*rt, changed, 3);
+    const ferry::Manifest m = manifest_of(grown);
+    const ferry::ManifestTensor* t = m.find("layers.3.expert.w");
+    REQUIRE(t != nullptr);
+    CHECK(t->global_shape == std::vector<int64_t>{4, kElems});
+    std::vector<float> back_wide(wide.size(), 0.0f);
+    std::vector<float> back(state.size(), 0.0f);
+    ferry::StateDict target;
+    for (size_t i = 0; i < n; ++i) {
+      const std::string key = "layers." + std::to_string(i) + ".expert.w";
+      const ferry::Status st =
+          i == 3
+              ? target.add(key, ferry::TensorView{back_wide.data(), ferry::DType::f32, {4, kElems}})
+              : target.add(
+                    key, ferry::TensorView{back.data() + i * kElems, ferry::DType::f32, {kElems}});
+      REQUIRE(st.ok());
+    }
+    const ferry::Status st = rt->load(target, grown);
+    INFO(st.to_string());
+    REQUIRE(st.ok());
+    CHECK(std::memcmp(back_wide.data(), wide.data(), wide.size() * sizeof(float)) == 0);
+    for (size_t i = 0; i < n; ++i) {
+      if (i == 3) continue;
+      INFO("entry " << i);
+      CHECK(std::memcmp(back.data() + i * kElems, state.data() + i * kElems,
+                        kElems * sizeof(float)) == 0);
+    }
+  }
+  auto cold_rt = ferry::testing::make_test_runtime(dir.path() + "/cold");
+  const std::string cold = save_one(*cold_rt, sd, 2);
+  const ferry::Manifest r = manifest_of(repeated), c = manifest_of(cold);
+  CHECK(r.step == c.step);
+  CHECK(r.metadata == c.metadata);
+  REQUIRE(r.files.size() == c.files.size());
+  for (size_t i = 0; i < r.files.size(); ++i) {
+    CHECK(r.files[i].name == c.files[i].name);
+    CHECK(r.files[i].size == c.files[i].size);
+    CHECK(r.files[i].header_checksum == c.files[i].header_checksum);
+  }
+  REQUIRE(r.tensors.size() == c.tensors.size());
+  for (size_t i = 0; i < r.tensors.size(); ++i) {
+    INFO(r.tensors[i].key);
+    CHECK(r.tensors[i].key == c.tensors[i].key);
+    REQUIRE(r.tensors[i].chunks.size() == c.tensors[i].chunks.size());
+    for (size_t j = 0; j < r.tensors[i].chunks.size(); ++j) {
+      CHECK(r.tensors[i].chunks[j].byte_offset == c.tensors[i].chunks[j].byte_offset);
+      CHECK(r.tensors[i].chunks[j].checksums == c.tensors[i].chunks[j].checksums);
+      CHECK(r.tensors[i].chunks[j].entry == c.tensors[i].chunks[j].entry);
+    }
+  }
+  CHECK(normalized(r) == normalized(c));
 }

@@ -336,14 +336,14 @@ int main(void) {
     ferry_state_dict* sd = NULL;
     CHECK_OK(ferry_state_dict_create(ts, 3, &sd));
     CHECK(ferry_state_dict_size(sd) == 3);
-    CHECK_OK(ferry_save_async_sd(rt, sd, 24, root, 0, NULL, 0, NULL, &s));
+    CHECK_OK(ferry_save_async_sd(rt, sd, 24, root, 0, NULL, 0, NULL, NULL, &s));
     CHECK_OK(ferry_save_wait(s));
     ferry_save_release(s);
     int16_t b15[5] = {1, 2, 3, 4, 5};
     ferry_tensor nb = {"b",  b15, FERRY_DTYPE_I16, 1, bshape, NULL, FERRY_DEVICE_HOST, 0,
                        NULL, NULL};
     CHECK_OK(ferry_state_dict_set(sd, 2, &nb));
-    CHECK_OK(ferry_save_async_sd(rt, sd, 25, root, 0, NULL, 0, NULL, &s));
+    CHECK_OK(ferry_save_async_sd(rt, sd, 25, root, 0, NULL, 0, NULL, NULL, &s));
     CHECK_OK(ferry_save_wait(s));
     ferry_save_release(s);
     nb.key = "w";

@@ -127,8 +127,10 @@ struct Rig {
     auto layout = ferry::layout_file("f.safetensors", refs);
     REQUIRE(layout.ok());
     job.save = 7;
-    job.files.push_back(std::move(layout).value());
-    job.sources.push_back(std::move(sources));
+    job.files = std::make_shared<std::vector<ferry::FileLayout>>(
+        std::vector<ferry::FileLayout>{std::move(layout).value()});
+    job.sources = std::make_shared<std::vector<std::vector<ferry::ChunkSource>>>(
+        std::vector<std::vector<ferry::ChunkSource>>{std::move(sources)});
     job.block_bytes = kBlock;
     // No serializer and no planner: what the snapshot sends them is dropped.
     snapshot =

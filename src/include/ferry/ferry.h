@@ -220,11 +220,12 @@ FERRY_API ferry_status ferry_state_dict_set(ferry_state_dict* sd, size_t index,
                                             const ferry_tensor* tensor);
 FERRY_API size_t ferry_state_dict_size(const ferry_state_dict* sd);
 FERRY_API void ferry_state_dict_release(ferry_state_dict* sd);
-/* ferry_save_async_opts of a prepared state dict. */
+/* ferry_save_async_ex of a prepared state dict (`extra` may be NULL). */
 FERRY_API ferry_status ferry_save_async_sd(ferry_runtime* rt, const ferry_state_dict* sd,
                                            uint64_t step, const char* root, int overwrite,
                                            const ferry_kv* metadata, size_t num_metadata,
-                                           const ferry_save_options* opts, ferry_save** out);
+                                           const ferry_save_options* opts,
+                                           const ferry_save_extra* extra, ferry_save** out);
 /* Blocks until every byte is off the caller's tensors (or the save failed). */
 FERRY_API ferry_status ferry_save_wait_snapshot(ferry_save* s);
 /* Stream-ordered: makes the CUDA stream `stream` (a cudaStream_t on device

@@ -1,0 +1,216 @@
+"""A repeated save_async of a state dict of the same shape reuses the last
+save's walk and prepared C state dict (ferry/_save_cache.py), updating only
+what changed: each kind of change between two saves (tensor replaced,
+resized, a new key, a removed key, a plain or typed value changed, an
+optimizer step, bytes changed in place) loads back exactly what each save
+saw; the mutation check and its message still hold on a cached save.
+
+Run by ctest (exit 77 = skipped when torch is not importable)."""
+
+import os
+import shutil
+import tempfile
+import unittest
+
+import _support  # noqa: F401 (exits 77, skipped, without torch)
+import torch  # noqa: E402
+
+import ferry
+
+
+def state(seed, n=6):
+    g = torch.Generator().manual_seed(seed)
+    return {"w%d" % i: torch.randn(4, 3, generator=g) for i in range(n)}
+
+
+def clone(tree):
+    if isinstance(tree, dict):
+        return {k: clone(v) for k, v in tree.items()}
+    if isinstance(tree, torch.Tensor):
+        return tree.clone()
+    return tree
+
+
+def zeros_like(tree):
+    if isinstance(tree, dict):
+        return {k: zeros_like(v) for k, v in tree.items()}
+    if isinstance(tree, torch.Tensor):
+        return torch.zeros_like(tree)
+    return None
+
+
+class Base(unittest.TestCase):
+    def setUp(self):
+        self.root = tempfile.mkdtemp(prefix="ferry_save_cache_")
+        self.rt = ferry.Runtime({"pool_bytes": "8MiB"}, rank=0, world_size=1)
+
+    def tearDown(self):
+        self.rt.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def save(self, tree, step):
+        return self.rt.save_async(tree, self.root, step).wait()
+
+    def assert_loads(self, path, expected):
+        """The checkpoint at `path` holds exactly `expected` (same keys)."""
+        target = zeros_like(expected)
+        self.rt.load(target, path, strict=True)
+        self.assert_same(target, expected)
+
+    def assert_same(self, got, expected, where=""):
+        if isinstance(expected, dict):
+            self.assertEqual(sorted(got), sorted(expected), where)
+            for k in expected:
+                self.assert_same(got[k], expected[k], where + "." + k)
+        elif isinstance(expected, torch.Tensor):
+            self.assertEqual(got.shape, expected.shape, where)
+            self.assertTrue(torch.equal(got, expected), where)
+        else:
+            self.assertEqual(type(got), type(expected), where)
+            self.assertEqual(got, expected, where)
+
+
+class Changes(Base):
+    def two_saves(self, first, second, cached=False):
+        """Saves `first` then `second` (copies taken at save time) and checks
+        each step loads back as it was saved; `cached`: the second save is
+        one the cache answers (only its changed entries replaced)."""
+        a = clone(first)
+        p1 = self.save(first, 1)
+        b = clone(second)
+        hits = self.rt._save_cache.hits
+        p2 = self.save(second, 2)
+        self.assertEqual(self.rt._save_cache.hits, hits + (1 if cached else 0))
+        self.assert_loads(p1, a)
+        self.assert_loads(p2, b)
+
+    def test_unchanged_shape_is_served_from_the_cache(self):
+        sd = state(0)
+        self.save(sd, 1)
+        hits = self.rt._save_cache.hits
+        sd["w2"].add_(1.0)  # the same tensors, new bytes
+        expected = clone(sd)
+        p = self.save(sd, 2)
+        self.assertEqual(self.rt._save_cache.hits, hits + 1)
+        self.assert_loads(p, expected)
+        # A new dict object with the same keys and tensors is the same shape.
+        p = self.save(dict(sd), 3)
+        self.assertEqual(self.rt._save_cache.hits, hits + 2)
+        self.assert_loads(p, expected)
+
+    def test_tensor_replaced(self):
+        sd = state(1)
+        second = dict(sd)
+        second["w3"] = torch.full((4, 3), 7.0)
+        self.two_saves(sd, second, cached=True)
+
+    def test_tensor_resized(self):
+        sd = state(2)
+        second = dict(sd)
+        second["w0"] = torch.arange(20.0).reshape(5, 4)
+        self.two_saves(sd, second, cached=True)
+
+    def test_dtype_changed(self):
+        sd = state(3)
+        second = dict(sd)
+        second["w1"] = sd["w1"].to(torch.float64)
+        self.two_saves(sd, second, cached=True)
+
+    def test_new_key(self):
+        sd = state(4)
+        second = dict(sd)
+        second["extra"] = torch.ones(2)
+        self.two_saves(sd, second)
+
+    def test_removed_key(self):
+        sd = state(5)
+        second = dict(sd)
+        del second["w4"]
+        self.two_saves(sd, second)
+
+    def test_plain_value_changed(self):
+        sd = {"model": state(6), "step": 10, "name": "run"}
+        second = {"model": sd["model"], "step": 11, "name": "run"}
+        self.two_saves(sd, second)
+        # An int that became a float of the same value is a change too.
+        third = {"model": sd["model"], "step": 11.0, "name": "run"}
+        p = self.save(third, 3)
+        self.assert_loads(p, clone(third))
+
+    def test_typed_value_changed(self):
+        sd = {"model": state(7), "betas": (0.9, 0.99)}
+        second = {"model": sd["model"], "betas": (0.8, 0.95)}
+        self.two_saves(sd, second)
+
+    def test_many_tensors_changed(self):
+        sd = state(8, n=12)
+        second = {k: v + 1 for k, v in sd.items()}  # every tensor new
+        self.two_saves(sd, second)
+
+    def test_optimizer_step(self):
+        torch.manual_seed(0)
+        m = torch.nn.Linear(4, 3)
+        opt = torch.optim.Adam(m.parameters(), lr=0.1)
+
+        def step():
+            opt.zero_grad()
+            m(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()
+
+        step()
+        p1 = self.save({"model": m, "optim": opt}, 1)
+        first = {"model": clone(m.state_dict()), "optim": clone(opt.state_dict()["state"])}
+        step()
+        p2 = self.save({"model": m, "optim": opt}, 2)
+        second = {"model": clone(m.state_dict()), "optim": clone(opt.state_dict()["state"])}
+        for path, want in ((p1, first), (p2, second)):
+            m2 = torch.nn.Linear(4, 3)
+            opt2 = torch.optim.Adam(m2.parameters(), lr=0.1)
+            ferry.load({"model": m2, "optim": opt2}, path, runtime=self.rt)
+            self.assert_same(clone(m2.state_dict()), want["model"])
+            got = opt2.state_dict()["state"]
+            self.assertEqual(len(got), len(want["optim"]))
+            for i, s in want["optim"].items():
+                for field, v in s.items():
+                    self.assertTrue(torch.equal(got[i][field], v), "%s.%s" % (i, field))
+
+
+class MutationCheck(unittest.TestCase):
+    """A cached save keeps the snapshot check (ferry_save_async_sd's extra)."""
+
+    def test_change_during_a_cached_snapshot_fails_naming_the_tensor(self):
+        root = tempfile.mkdtemp(prefix="ferry_save_cache_mut_")
+        old = os.environ.get("FERRY_FAULTS")
+        os.environ["FERRY_FAULTS"] = "latency:write:30ms"
+        try:
+            rt = ferry.Runtime({"pool_bytes": "2MiB", "chunk_bytes": "1MiB", "direct_io": False},
+                               rank=0, world_size=1)
+        finally:
+            if old is None:
+                del os.environ["FERRY_FAULTS"]
+            else:
+                os.environ["FERRY_FAULTS"] = old
+        try:
+            big = torch.zeros(8 << 20)
+            small = torch.ones(16)
+            sd = {"big": big, "opt.small": small}
+            rt.save_async(sd, root, 1).wait()
+            hits = rt._save_cache.hits
+            h = rt.save_async(sd, root, 2)
+            self.assertEqual(rt._save_cache.hits, hits + 1)
+            self.assertFalse(h.snapshot_done())
+            small.mul_(2)
+            with self.assertRaises(ferry.FerryError) as cm:
+                h.wait_snapshot()
+            self.assertIn("'opt.small'", str(cm.exception))
+            self.assertNotIn("'big'", str(cm.exception))
+            with self.assertRaises(ferry.FerryError):
+                h.wait()
+            self.assertEqual(ferry.list_steps(root), [1])
+        finally:
+            rt.close()
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
