@@ -571,25 +571,27 @@ namespace {
 // thread keeps (up to kKeptManifestBufferBytes): ordering many checkpoints reads many
 // manifests, and a fresh buffer for each cost more in page faults than
 // everything else.
-std::vector<capnp::word>& payload_scratch() {
-  static thread_local std::vector<capnp::word> scratch;
+// 64-bit words, not capnp::word, which libstdc++ cannot move under clang.
+std::vector<uint64_t>& payload_scratch() {
+  static thread_local std::vector<uint64_t> scratch;
   return scratch;
 }
 
 kj::ArrayPtr<const capnp::word> payload_words(std::string_view payload) {
+  static_assert(sizeof(capnp::word) == sizeof(uint64_t));
   const size_t nwords = payload.size() / sizeof(capnp::word);
   if (reinterpret_cast<uintptr_t>(payload.data()) % alignof(capnp::word) == 0)
     return {reinterpret_cast<const capnp::word*>(payload.data()), nwords};
-  std::vector<capnp::word>& scratch = payload_scratch();
+  std::vector<uint64_t>& scratch = payload_scratch();
   scratch.resize(nwords);
   std::memcpy(scratch.data(), payload.data(), nwords * sizeof(capnp::word));
-  return {scratch.data(), nwords};
+  return {reinterpret_cast<const capnp::word*>(scratch.data()), nwords};
 }
 
 void trim_payload_scratch() {
-  std::vector<capnp::word>& scratch = payload_scratch();
-  if (scratch.capacity() * sizeof(capnp::word) > kKeptManifestBufferBytes)
-    std::vector<capnp::word>().swap(scratch);
+  std::vector<uint64_t>& scratch = payload_scratch();
+  if (scratch.capacity() * sizeof(uint64_t) > kKeptManifestBufferBytes)
+    std::vector<uint64_t>().swap(scratch);
 }
 
 // Checks the frame, the payload's length and checksum, then hands the
