@@ -178,6 +178,21 @@ class Changes(Base):
 class MutationCheck(unittest.TestCase):
     """A cached save keeps the snapshot check (ferry_save_async_sd's extra)."""
 
+    def test_per_rank_entries_stay_per_rank_on_repeated_saves(self):
+        # "rng" is per-rank by name: a new RNG state each save must still be
+        # stored as this rank's own copy, not as a plain (replicated) key.
+        for step in (1, 2, 3):
+            torch.manual_seed(step)
+            sd = {"w": torch.ones(3), "rng": torch.get_rng_state()}
+            expected = sd["rng"].clone()
+            p = self.save(sd, step)
+            keys = set(ferry.read_manifest(p).tensors)
+            self.assertIn("rng@rank0", keys, "step %d" % step)
+            self.assertNotIn("rng", keys, "step %d" % step)
+            target = {"w": torch.zeros(3), "rng": torch.zeros_like(expected)}
+            self.rt.load(target, p, strict=True)
+            self.assertTrue(torch.equal(target["rng"], expected), "step %d" % step)
+
     def test_change_during_a_cached_snapshot_fails_naming_the_tensor(self):
         root = tempfile.mkdtemp(prefix="ferry_save_cache_mut_")
         old = os.environ.get("FERRY_FAULTS")
