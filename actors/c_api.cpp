@@ -824,7 +824,7 @@ ferry::CheckpointFn wrap_checkpoint_fn(ferry_checkpoint_fn fn, void* user) {
     for (const auto& e : planned.entries())
       ts.push_back({e.key.c_str(), e.view.data, static_cast<int32_t>(e.view.dtype),
                     static_cast<int32_t>(e.view.shape.size()), e.view.shape.data(), nullptr,
-                    FERRY_DEVICE_HOST, 0, nullptr, nullptr});
+                    FERRY_DEVICE_HOST, 0, nullptr, nullptr, 0, 0});
     char error[1024] = {0};
     if (fn(user, ts.data(), ts.size(), file.c_str(), error, sizeof(error)) == 0)
       return ferry::Status();

@@ -98,10 +98,10 @@ int main(void) {
   int64_t wshape[2] = {6, 4}, half_shape[2] = {3, 4}, off0[2] = {0, 0};
   int64_t bshape[1] = {5};
   ferry_tensor ts[3] = {
-      {"w", w, FERRY_DTYPE_F32, 2, wshape, NULL, FERRY_DEVICE_HOST, 0, NULL, NULL},
-      {"tail", w + 12, FERRY_DTYPE_F32, 2, half_shape, NULL, FERRY_DEVICE_HOST, 0, half_shape,
-       off0},
-      {"b", b, FERRY_DTYPE_I16, 1, bshape, NULL, FERRY_DEVICE_HOST, 0, NULL, NULL},
+      {"w", w, FERRY_DTYPE_F32, 2, wshape, NULL, FERRY_DEVICE_HOST, 0, NULL, NULL, 0, 0},
+      {"tail", w + 12, FERRY_DTYPE_F32, 2, half_shape, NULL, FERRY_DEVICE_HOST, 0, half_shape, off0,
+       0, 0},
+      {"b", b, FERRY_DTYPE_I16, 1, bshape, NULL, FERRY_DEVICE_HOST, 0, NULL, NULL, 0, 0},
   };
   ferry_kv meta[] = {{"note", "hello from C"}};
   ferry_save* s = NULL;
@@ -124,8 +124,8 @@ int main(void) {
   int16_t b2[5] = {0};
   int64_t shape2[2] = {2, 4}, global3[2] = {6, 4}, off2[2] = {1, 0};
   ferry_tensor ls[2] = {
-      {"w", w2, FERRY_DTYPE_F32, 2, shape2, NULL, FERRY_DEVICE_HOST, 0, global3, off2},
-      {"b", b2, FERRY_DTYPE_I16, 1, bshape, NULL, FERRY_DEVICE_HOST, 0, NULL, NULL},
+      {"w", w2, FERRY_DTYPE_F32, 2, shape2, NULL, FERRY_DEVICE_HOST, 0, global3, off2, 0, 0},
+      {"b", b2, FERRY_DTYPE_I16, 1, bshape, NULL, FERRY_DEVICE_HOST, 0, NULL, NULL, 0, 0},
   };
   CHECK_OK(ferry_load(rt, ls, 2, root));
   CHECK(memcmp(w2, w + 4, sizeof w2) == 0);
@@ -135,8 +135,8 @@ int main(void) {
   int16_t strided[10];
   memset(strided, 0x55, sizeof strided);
   int64_t st1[1] = {2};
-  ferry_tensor sl = {"b",  strided, FERRY_DTYPE_I16, 1, bshape, st1, FERRY_DEVICE_HOST, 0,
-                     NULL, NULL};
+  ferry_tensor sl = {
+      "b", strided, FERRY_DTYPE_I16, 1, bshape, st1, FERRY_DEVICE_HOST, 0, NULL, NULL, 0, 0};
   ferry_load_stats ls_stats;
   memset(&ls_stats, 0xff, sizeof ls_stats);
   CHECK_OK(ferry_load_with_stats(rt, &sl, 1, root, &ls_stats));
@@ -152,17 +152,18 @@ int main(void) {
   /* Errors come back as a status and a message naming the thing. */
   int64_t bad_shape[1] = {5};
   float fbad[5];
-  ferry_tensor wrong = {"b",  fbad, FERRY_DTYPE_F32, 1, bad_shape, NULL, FERRY_DEVICE_HOST, 0,
-                        NULL, NULL};
+  ferry_tensor wrong = {
+      "b", fbad, FERRY_DTYPE_F32, 1, bad_shape, NULL, FERRY_DEVICE_HOST, 0, NULL, NULL, 0, 0};
   ferry_status st = ferry_load(rt, &wrong, 1, root);
   CHECK(st == FERRY_INVALID_ARGUMENT);
   CHECK(strstr(ferry_last_error(), "'b'") != NULL);
-  ferry_tensor missing = {"nope", fbad, FERRY_DTYPE_F32, 1, bad_shape, NULL, FERRY_DEVICE_HOST, 0,
-                          NULL,   NULL};
+  ferry_tensor missing = {
+      "nope", fbad, FERRY_DTYPE_F32, 1, bad_shape, NULL, FERRY_DEVICE_HOST, 0, NULL, NULL, 0, 0};
   st = ferry_load(rt, &missing, 1, root);
   CHECK(st == FERRY_NOT_FOUND);
   CHECK(strstr(ferry_last_error(), "nope") != NULL);
-  ferry_tensor badtype = {"x", fbad, 99, 1, bad_shape, NULL, FERRY_DEVICE_HOST, 0, NULL, NULL};
+  ferry_tensor badtype = {"x", fbad, 99,   1, bad_shape, NULL, FERRY_DEVICE_HOST,
+                          0,   NULL, NULL, 0, 0};
   s = NULL;
   st = ferry_save_async(rt, &badtype, 1, 8, root, 0, NULL, 0, &s);
   CHECK(st == FERRY_INVALID_ARGUMENT && s == NULL);
@@ -271,7 +272,7 @@ int main(void) {
   }
   /* The planner's options: a transform that drops and renames items, the
    * owner policy, and one that fails; an unknown policy is refused. */
-  ferry_planner_options po = {2, drop_tail_fn, NULL};
+  ferry_planner_options po = {2, drop_tail_fn, NULL, NULL, NULL};
   p = NULL;
   CHECK_OK(
       ferry_planner_create_ex(rt, ts, 3, NULL, root, 1, 30, 0, NULL, 0, NULL, &po, NULL, NULL, &p));
@@ -315,8 +316,8 @@ int main(void) {
   snprintf(first_file, sizeof first_file, "%s/step-00000011/cprefix-00000-0001.ferryz", root);
   CHECK(access(first_file, F_OK) == 0); /* 96 bytes of w in files of 40 */
   float w11[24] = {0};
-  ferry_tensor back = {"w",  w11, FERRY_DTYPE_F32, 2, wshape, NULL, FERRY_DEVICE_HOST, 0,
-                       NULL, NULL};
+  ferry_tensor back = {"w", w11, FERRY_DTYPE_F32, 2, wshape, NULL, FERRY_DEVICE_HOST, 0, NULL, NULL,
+                       0,   0};
   char step11[512];
   snprintf(step11, sizeof step11, "%s/step-00000011", root);
   CHECK_OK(ferry_load(rt, &back, 1, step11));
@@ -340,8 +341,8 @@ int main(void) {
     CHECK_OK(ferry_save_wait(s));
     ferry_save_release(s);
     int16_t b15[5] = {1, 2, 3, 4, 5};
-    ferry_tensor nb = {"b",  b15, FERRY_DTYPE_I16, 1, bshape, NULL, FERRY_DEVICE_HOST, 0,
-                       NULL, NULL};
+    ferry_tensor nb = {"b", b15, FERRY_DTYPE_I16, 1, bshape, NULL, FERRY_DEVICE_HOST, 0, NULL, NULL,
+                       0,   0};
     CHECK_OK(ferry_state_dict_set(sd, 2, &nb));
     CHECK_OK(ferry_save_async_sd(rt, sd, 25, root, 0, NULL, 0, NULL, NULL, &s));
     CHECK_OK(ferry_save_wait(s));
@@ -351,8 +352,8 @@ int main(void) {
     CHECK(strstr(ferry_last_error(), "keys cannot change") != NULL);
     ferry_state_dict_release(sd);
     int16_t got[5] = {0};
-    ferry_tensor lb = {"b",  got, FERRY_DTYPE_I16, 1, bshape, NULL, FERRY_DEVICE_HOST, 0,
-                       NULL, NULL};
+    ferry_tensor lb = {"b", got, FERRY_DTYPE_I16, 1, bshape, NULL, FERRY_DEVICE_HOST, 0, NULL, NULL,
+                       0,   0};
     char dir[512];
     snprintf(dir, sizeof dir, "%s/step-00000024", root);
     CHECK_OK(ferry_load(rt, &lb, 1, dir));
