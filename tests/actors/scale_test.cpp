@@ -149,7 +149,7 @@ std::string save_one(ferry::Runtime& rt, const ferry::StateDict& sd, uint64_t st
 // (coordinator), refilling only offsets and checksums: what it commits must
 // be what a save of the same state by a fresh runtime commits, and a state
 // whose shape changed in between is laid out afresh.
-TEST_CASE("a repeated save commits what a cold one does; a changed shape is planned afresh",
+TEST_CASE("a repeated save commits what a cold one does, and a changed shape is planned afresh",
           "[actors][scale]") {
   TempDir dir;
   constexpr size_t n = 64;

@@ -24,7 +24,8 @@ int main(int argc, char** argv) {
   for (int i = 0; i < 256; ++i) w[i] = (float)i * 0.25f;
   memset(out, 0, sizeof(out));
   const int64_t shape[1] = {256};
-  ferry_tensor t = {"w", w, FERRY_DTYPE_F32, 1, shape, NULL, FERRY_DEVICE_HOST, 0, NULL, NULL};
+  ferry_tensor t = {"w", w, FERRY_DTYPE_F32, 1, shape, NULL, FERRY_DEVICE_HOST, 0, NULL, NULL,
+                    0,   0};
   ferry_save* s = NULL;
   st = ferry_save_async(rt, &t, 1, 7, NULL, 0, NULL, 0, &s);
   if (st != FERRY_OK) return failed("save", st);

@@ -1,6 +1,7 @@
 // Includes every public header and nothing else, then saves and loads a small
 // state dict through the public API: proof that the installed headers are
 // self-contained and that Ferry::ferry links and runs on its own.
+#include <ferry/catalog.hpp>
 #include <ferry/device.hpp>
 #include <ferry/export.hpp>
 #include <ferry/export_macro.hpp>
@@ -92,6 +93,15 @@ int main(int argc, char** argv) {
   }
   if (fs->opens == 0 || device->copies_out == 0) {
     std::fprintf(stderr, "the runtime did not go through the user's filesystem and device\n");
+    return 1;
+  }
+  // The public catalog sees what was saved: one committed step of 1,000 floats.
+  auto listed = ferry::Catalog().list(argv[1]);
+  if (!listed.ok() || listed->size() != 1 || listed->front().tensors != 1 ||
+      listed->front().state != ferry::CheckpointState::committed) {
+    std::fprintf(
+        stderr, "catalog: %s\n",
+        listed.ok() ? "not one committed step of one tensor" : listed.status().to_string().c_str());
     return 1;
   }
   auto index = ferry::export_checkpoint(**rt, (*rt)->latest(), std::string(argv[1]) + "/export");

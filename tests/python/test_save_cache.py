@@ -174,10 +174,6 @@ class Changes(Base):
                 for field, v in s.items():
                     self.assertTrue(torch.equal(got[i][field], v), "%s.%s" % (i, field))
 
-
-class MutationCheck(unittest.TestCase):
-    """A cached save keeps the snapshot check (ferry_save_async_sd's extra)."""
-
     def test_per_rank_entries_stay_per_rank_on_repeated_saves(self):
         # "rng" is per-rank by name: a new RNG state each save must still be
         # stored as this rank's own copy, not as a plain (replicated) key.
@@ -192,6 +188,10 @@ class MutationCheck(unittest.TestCase):
             target = {"w": torch.zeros(3), "rng": torch.zeros_like(expected)}
             self.rt.load(target, p, strict=True)
             self.assertTrue(torch.equal(target["rng"], expected), "step %d" % step)
+
+
+class MutationCheck(unittest.TestCase):
+    """A cached save keeps the snapshot check (ferry_save_async_sd's extra)."""
 
     def test_change_during_a_cached_snapshot_fails_naming_the_tensor(self):
         root = tempfile.mkdtemp(prefix="ferry_save_cache_mut_")
