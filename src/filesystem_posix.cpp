@@ -264,12 +264,14 @@ class PosixFilesystem : public Filesystem {
   }
 
   Status rename_noreplace(const std::string& from, const std::string& to) override {
-    int rc = ::renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_NOREPLACE);
+    FERRY_ASSIGN_OR_RETURN(At f, at(from, "rename"));
+    FERRY_ASSIGN_OR_RETURN(At t, at(to, "rename"));
+    int rc = ::renameat2(f.dir, f.name.c_str(), t.dir, t.name.c_str(), RENAME_NOREPLACE);
     // Filesystems without the flag (some network ones) still refuse a link
     // over an existing name.
     if (rc != 0 && (errno == EINVAL || errno == ENOSYS)) {
-      rc = ::link(from.c_str(), to.c_str());
-      if (rc == 0) (void)::unlink(from.c_str());
+      rc = ::linkat(f.dir, f.name.c_str(), t.dir, t.name.c_str(), 0);
+      if (rc == 0) (void)::unlinkat(f.dir, f.name.c_str(), 0);
     }
     if (rc == 0) return Status::ok_status();
     if (errno == EEXIST) return Status::already_exists(to + " exists");

@@ -242,6 +242,8 @@ Result<std::shared_ptr<Store>> directory_store(std::shared_ptr<Filesystem> fs,
   if (dir.empty()) return Status::invalid_argument("directory store: empty path");
   Status s = fs->mkdirs(dir);
   if (!s.ok()) return s;
+  // Nothing below the store's directory is followed if it is a link.
+  fs->add_root(dir);
   return std::shared_ptr<Store>(new DirectoryStore(std::move(fs), dir));
 }
 

@@ -1,6 +1,8 @@
 // One conformance suite for every Store: a directory (POSIX), a directory
 // behind the fault-injecting filesystem, and S3 against the suite's server.
 #include <atomic>
+#include <filesystem>
+#include <fstream>
 #include <thread>
 
 #include "drills/fault_fs.hpp"
@@ -217,4 +219,29 @@ TEMPLATE_TEST_CASE("store: an aborted or incomplete object leaves nothing, and b
     CHECK_FALSE(store->create(bad).ok());
   }
   CHECK(store->list("").value().empty());
+}
+
+TEST_CASE("store: a directory store follows no link planted below its root", "[store]") {
+  testing::TempDir tmp;
+  auto store = directory_store(posix_filesystem(), tmp.sub("root"));
+  REQUIRE_OK(store);
+  std::filesystem::create_directories(tmp.sub("outside"));
+  {
+    std::ofstream secret(tmp.sub("outside/secret"));
+    secret << "not yours";
+  }
+  std::filesystem::create_directory_symlink(tmp.sub("outside"), tmp.sub("root/step-1"));
+  CHECK_FALSE(store.value()->put("step-1/MANIFEST", "x").ok());
+  CHECK_FALSE(store.value()->put_if_absent("step-1/LATEST", "x").ok());
+  CHECK_FALSE(store.value()->create("step-1/data").ok());
+  CHECK_FALSE(store.value()->read_all("step-1/secret", 100).ok());
+  std::string buf(10, '\0');
+  CHECK_FALSE(store.value()->read("step-1/secret", 0, buf.data(), buf.size()).ok());
+  CHECK(store.value()->list("").value().empty());
+  (void)store.value()->remove({"step-1/secret"});
+  // Nothing outside was created, changed or removed.
+  std::vector<std::string> names;
+  for (const auto& e : std::filesystem::directory_iterator(tmp.sub("outside")))
+    names.push_back(e.path().filename().string());
+  CHECK(names == std::vector<std::string>{"secret"});
 }
