@@ -95,7 +95,7 @@ class DirectoryStore : public Store {
   Result<std::unique_ptr<ObjectWriter>> create(const std::string& key) override {
     auto path = path_of(key);
     if (!path.ok()) return path.status();
-    Status s = fs_->mkdirs(parent_path(path.value()));
+    Status s = make_parents(key);
     if (!s.ok()) return s;
     std::string temp = temp_name(path.value());
     OpenOptions o;
@@ -144,7 +144,7 @@ class DirectoryStore : public Store {
   Status put(const std::string& key, const std::string& bytes) override {
     auto path = path_of(key);
     if (!path.ok()) return path.status();
-    Status s = fs_->mkdirs(parent_path(path.value()));
+    Status s = make_parents(key);
     if (!s.ok()) return s;
     return write_file_atomic(*fs_, path.value(), bytes, true);
   }
@@ -152,7 +152,7 @@ class DirectoryStore : public Store {
   Status put_if_absent(const std::string& key, const std::string& bytes) override {
     auto path = path_of(key);
     if (!path.ok()) return path.status();
-    Status s = fs_->mkdirs(parent_path(path.value()));
+    Status s = make_parents(key);
     if (!s.ok()) return s;
     auto temp = write_temp_file(*fs_, path.value(), bytes, true);
     if (!temp.ok()) return temp.status();
@@ -183,6 +183,19 @@ class DirectoryStore : public Store {
     if (key.find(kTempMarker) != std::string::npos)
       return Status::invalid_argument(dir_ + ": key '" + key + "' contains " + kTempMarker);
     return join_path(dir_, key);
+  }
+
+  // Each directory made on the way to a key is synced into its parent, so a
+  // power cut that keeps an object keeps the path to it.
+  Status make_parents(const std::string& key) {
+    for (size_t slash = key.find('/'); slash != std::string::npos;
+         slash = key.find('/', slash + 1)) {
+      std::string d = join_path(dir_, key.substr(0, slash));
+      Status s = fs_->mkdir(d);
+      if (s.ok()) s = fs_->sync_dir(parent_path(d));
+      if (!s.ok() && s.code() != StatusCode::already_exists) return s;
+    }
+    return Status();
   }
 
   // Regular files only: links and anything else are not objects of ours.
@@ -240,8 +253,12 @@ Status check_object_key(const std::string& key) {
 Result<std::shared_ptr<Store>> directory_store(std::shared_ptr<Filesystem> fs,
                                                const std::string& dir) {
   if (dir.empty()) return Status::invalid_argument("directory store: empty path");
-  Status s = fs->mkdirs(dir);
-  if (!s.ok()) return s;
+  if (!fs->stat(dir).ok()) {
+    // Made here: synced into its parent, as the directories below it are.
+    Status s = fs->mkdirs(dir);
+    if (s.ok()) s = fs->sync_dir(parent_path(dir));
+    if (!s.ok()) return s;
+  }
   // Nothing below the store's directory is followed if it is a link.
   fs->add_root(dir);
   return std::shared_ptr<Store>(new DirectoryStore(std::move(fs), dir));

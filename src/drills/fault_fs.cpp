@@ -454,6 +454,18 @@ Status FaultFilesystem::rename(const std::string& from, const std::string& to) {
   return impl_->journal(event);
 }
 
+Status FaultFilesystem::rename_noreplace(const std::string& from, const std::string& to) {
+  const std::string nf = normalize_path(from);
+  const std::string nt = normalize_path(to);
+  FERRY_RETURN_IF_ERROR(impl_->check(FaultOp::rename, "rename", from + " -> " + to, nf, nt));
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  FERRY_RETURN_IF_ERROR(target_->rename_noreplace(from, to));
+  Saved none;  // it replaced nothing
+  std::string event = drills::journal_renamed(nf, nt, none);
+  impl_->model.renamed(nf, nt, none);
+  return impl_->journal(event);
+}
+
 Status FaultFilesystem::unlink(const std::string& path) {
   return impl_->remove(FaultOp::unlink, "unlink", path, &Filesystem::unlink);
 }

@@ -152,6 +152,8 @@ class FaultFilesystem : public FilesystemWrapper {
   Status mkdir(const std::string& path) override;
   Status mkdirs(const std::string& path) override;
   Status rename(const std::string& from, const std::string& to) override;
+  // Faulted as a rename; a power cut before its directory sync undoes it.
+  Status rename_noreplace(const std::string& from, const std::string& to) override;
   Status unlink(const std::string& path) override;
   Status rmdir(const std::string& path) override;
   Status sync_dir(const std::string& path) override;

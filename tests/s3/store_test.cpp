@@ -245,3 +245,27 @@ TEST_CASE("store: a directory store follows no link planted below its root", "[s
     names.push_back(e.path().filename().string());
   CHECK(names == std::vector<std::string>{"secret"});
 }
+
+TEST_CASE("store: a create-once that fails or is cut leaves nothing behind (fault filesystem)",
+          "[store][faults]") {
+  testing::TempDir tmp;
+  auto fs = std::make_shared<FaultFilesystem>(posix_filesystem());
+  auto store = directory_store(fs, tmp.sub("root"));
+  REQUIRE_OK(store);
+  FaultRule r;
+  r.op = FaultOp::rename;
+  r.error = EIO;
+  r.nth = 1;
+  fs->add_rule(r);
+  Status s = store.value()->put_if_absent("step-1/MANIFEST", "m");
+  CHECK(s.code() == StatusCode::io_error);
+  CHECK(s.message().find("step-1/MANIFEST") != std::string::npos);
+  CHECK(store.value()->list("").value().empty());
+  fs->clear_rules();
+  // A create-once whose directory was synced survives a power cut; the
+  // directory store syncs before it returns.
+  REQUIRE_OK(store.value()->put_if_absent("step-1/MANIFEST", "m"));
+  REQUIRE_OK(fs->power_cut());
+  CHECK(store.value()->read_all("step-1/MANIFEST", 10).value() == "m");
+  CHECK(store.value()->put_if_absent("step-1/MANIFEST", "n").code() == StatusCode::already_exists);
+}
