@@ -30,6 +30,40 @@ class Base(unittest.TestCase):
     def tearDown(self):
         shutil.rmtree(self.root, ignore_errors=True)
 
+    def interrupt(self, code, faults, ready="CALLING"):
+        """Runs `code` (which prints `ready`, then blocks in a call held by
+        the stall in `faults`), sends SIGINT once the stall holds it, and
+        checks KeyboardInterrupt came within 2 s. Returns the child's stderr."""
+        env = dict(os.environ)
+        # The stalled call never returns: exit leaves it behind after 1 s.
+        env.update({"FERRY_FAULTS": faults, "FERRY_EXIT_WAIT_S": "1"})
+        proc = subprocess.Popen([sys.executable, "-c", code, self.root], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env)
+        try:
+            self.assertEqual(proc.stdout.readline().strip(), ready)
+            # Sent once the call is held in storage: a signal before it
+            # would interrupt the Python around the call, not the call.
+            before = []
+            while True:
+                line = proc.stderr.readline()
+                before.append(line)
+                self.assertTrue(line, "".join(before))
+                if "stalled until released" in line:
+                    break
+            sent = time.monotonic()  # CLOCK_MONOTONIC: the child's clock too
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        words = out.split()
+        self.assertEqual(words[:1], ["INTERRUPTED"], out + err)
+        self.assertLess(float(words[1]) - sent, 2.0)
+        self.assertIn("KeyboardInterrupt", err)
+        self.assertNotEqual(proc.returncode, 0)
+        return err
+
 
 class StuckWriters(Base):
     def test_stuck_checkpoint_fn_fails_barrier_and_the_interpreter_exits(self):
@@ -89,61 +123,13 @@ class StuckWriters(Base):
             "    print('INTERRUPTED %.6f' % time.monotonic(), flush=True)\n"
             "    raise\n"
         )
-        env = dict(os.environ)
         # The first pwrite of a data file never returns; exit leaves the save after 1 s.
-        env.update({"FERRY_FAULTS": "stall:write:1:path=.safetensors", "FERRY_EXIT_WAIT_S": "1"})
-        proc = subprocess.Popen([sys.executable, "-c", code, self.root], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=env)
-        try:
-            self.assertEqual(proc.stdout.readline().strip(), "WAITING")
-            sent = time.monotonic()  # CLOCK_MONOTONIC: the child's clock too
-            proc.send_signal(signal.SIGINT)
-            out, err = proc.communicate(timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        words = out.split()
-        self.assertEqual(words[:1], ["INTERRUPTED"], out + err)
-        self.assertLess(float(words[1]) - sent, 2.0)
-        self.assertIn("KeyboardInterrupt", err)
-        self.assertNotEqual(proc.returncode, 0)
+        self.interrupt(code, "stall:write:1:path=.safetensors", ready="WAITING")
 
 
 class InterruptedCalls(Base):
     """Ctrl-C during a load or a create_global_plan held open by a stalled
     storage call raises KeyboardInterrupt at once, not when the call ends."""
-
-    def interrupt(self, code, faults):
-        env = dict(os.environ)
-        # The stalled call never returns: exit leaves it behind after 1 s.
-        env.update({"FERRY_FAULTS": faults, "FERRY_EXIT_WAIT_S": "1"})
-        proc = subprocess.Popen([sys.executable, "-c", code, self.root], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=env)
-        try:
-            self.assertEqual(proc.stdout.readline().strip(), "CALLING")
-            # Sent once the call is held in storage: a signal before it
-            # would interrupt the Python around the call, not the call.
-            before = []
-            while True:
-                line = proc.stderr.readline()
-                before.append(line)
-                self.assertTrue(line, "".join(before))
-                if "stalled until released" in line:
-                    break
-            sent = time.monotonic()  # CLOCK_MONOTONIC: the child's clock too
-            proc.send_signal(signal.SIGINT)
-            out, err = proc.communicate(timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        words = out.split()
-        self.assertEqual(words[:1], ["INTERRUPTED"], out + err)
-        self.assertLess(float(words[1]) - sent, 2.0)
-        self.assertIn("KeyboardInterrupt", err)
-        self.assertNotEqual(proc.returncode, 0)
-        return err
 
     def test_ctrl_c_interrupts_a_load_on_stalled_reads(self):
         ferry.save({"w": torch.ones(1 << 20)}, self.root, 1)
