@@ -59,18 +59,23 @@ bool loads_as(ferry::Runtime& rt, const std::string& path, float seed) {
 // and a loaded machine's scheduling come on top. Without the fix: never.
 constexpr double kBound = 15;
 
+// Holds the first call of `op` on a path containing `path` until released.
+ferry::FaultRule stall_first(ferry::FaultOp op, const char* path) {
+  ferry::FaultRule r;
+  r.action = ferry::FaultRule::Action::stall;
+  r.op = op;
+  r.nth = 1;
+  r.path_contains = path;
+  return r;
+}
+
 }  // namespace
 
 TEST_CASE("a pwrite that never returns fails the save by its deadline, and the next save works",
           "[actors][faults][stall]") {
   TempDir dir;
   auto faults = std::make_shared<ferry::FaultFilesystem>(ferry::posix_filesystem());
-  ferry::FaultRule stall;
-  stall.action = ferry::FaultRule::Action::stall;
-  stall.op = ferry::FaultOp::write;
-  stall.nth = 1;
-  stall.path_contains = ".safetensors";
-  faults->add_rule(stall);
+  faults->add_rule(stall_first(ferry::FaultOp::write, ".safetensors"));
   auto rt = runtime(dir.path(), faults);
 
   Model m1(1);
@@ -110,12 +115,7 @@ TEST_CASE("a stall released after its save failed writes nothing and shuts down 
           "[actors][faults][stall]") {
   TempDir dir;
   auto faults = std::make_shared<ferry::FaultFilesystem>(ferry::posix_filesystem());
-  ferry::FaultRule stall;
-  stall.action = ferry::FaultRule::Action::stall;
-  stall.op = ferry::FaultOp::sync;
-  stall.nth = 1;
-  stall.path_contains = ".safetensors";
-  faults->add_rule(stall);
+  faults->add_rule(stall_first(ferry::FaultOp::sync, ".safetensors"));
   auto rt = runtime(dir.path(), faults);
   Model m1(1);
   const ferry::Status st = rt->save_async(m1.sd, 1).wait_committed(std::chrono::seconds(60));
@@ -190,12 +190,8 @@ TEST_CASE("a commit whose rename never returns does not hold the runtime's destr
           "[actors][faults][stall]") {
   TempDir dir;
   auto faults = std::make_shared<ferry::FaultFilesystem>(ferry::posix_filesystem());
-  ferry::FaultRule stall;
-  stall.action = ferry::FaultRule::Action::stall;
-  stall.op = ferry::FaultOp::rename;
-  stall.nth = 1;
-  stall.path_contains = "step-00000001";  // the commit rename, pending -> step
-  faults->add_rule(stall);
+  // The commit rename, pending -> step.
+  faults->add_rule(stall_first(ferry::FaultOp::rename, "step-00000001"));
   ferry::RuntimeArgs args;
   args.set("root", dir.path()).set("pool-bytes", "1MiB").set("chunk-bytes", "64KiB");
   args.set("commit-timeout", "1s");
