@@ -143,7 +143,7 @@ class SaveCache:
         p.ptrs = list(map(_data_ptr(), p.tensors))
         # Per-rank entries (keys like "rng" are per-rank by name) carry flags
         # a replaced entry would lose: such trees take the walk every time.
-        if (plain is None or staged or getattr(entries, "flags", None)
+        if (plain is None or staged or entries.flags
                 or any(it[2] is not None for it in items)):
             self.close()
             return p
