@@ -384,9 +384,12 @@ def _version_check(items, staged, on_mutation, prep=None):
     return chk, cid
 
 
-def _cuda_stream_of(tensors):
+def _cuda_stream_of(tensors, devices=None):
     """(cudaStream_t, device index) of torch's current stream on the device
-    of the first CUDA tensor, or (None, 0) when none is on a GPU."""
+    of the first CUDA tensor, or (None, 0) when none is on a GPU. `devices`:
+    the tensors' device indexes (-1: the CPU) when known."""
+    if devices is not None and max(devices, default=-1) < 0:
+        return None, 0
     for t in tensors:
         if t.is_cuda:
             import torch
@@ -515,7 +518,7 @@ class Runtime:
         if stream is not None:
             extra.stream, extra.stream_device = stream.cuda_stream, stream.device.index or 0
         else:
-            extra.stream, extra.stream_device = _cuda_stream_of(prep.tensors)
+            extra.stream, extra.stream_device = _cuda_stream_of(prep.tensors, prep.devices)
         chk, cid = _version_check(items, staged, on_mutation, prep)
         if chk is not None:
             extra.snapshot_check = _SNAPSHOT_CHECK_FN

@@ -75,10 +75,19 @@ def _shape_of(d, tensors, leaves, tensor_types):
     return tuple(parts)
 
 
-def plain_shape(state_dict):
-    """(shape, tensors, plain values) of a tree of plain containers, or None."""
+def plain_shape(state_dict, last=None):
+    """(shape, tensors, plain values) of a tree of plain containers, or None.
+    `last`: the shape of the previous save; a flat dict of tensors with the
+    same keys (the same str objects, compared by address) skips the key
+    checks."""
     if type(state_dict) not in _DICTS:
         return None
+    if last is not None and type(last) is tuple and last and type(last[0]) is str:
+        keys = tuple(state_dict)
+        if keys == last:
+            vals = list(state_dict.values())
+            if set(map(type, vals)) <= _tensor_type_set():
+                return keys, vals, []
     tensors, leaves = [], []
     try:
         shape = _shape_of(state_dict, tensors, leaves, _tensor_type_set())
@@ -94,7 +103,8 @@ class Prepared:
     `entries`), what keeps its buffers alive, and the tensor version records
     of the mutation check."""
 
-    __slots__ = ("items", "staged", "pairs", "sd", "entries", "keys", "tensors", "ptrs")
+    __slots__ = ("items", "staged", "pairs", "sd", "entries", "keys", "tensors", "ptrs",
+                 "devices")
 
 
 class SaveCache:
@@ -129,7 +139,7 @@ class SaveCache:
     def prepare(self, state_dict, metadata, save_entries):
         """The inputs of a save of `state_dict`; `save_entries` is the full
         walk (_core._save_entries), run when the cache cannot answer."""
-        plain = plain_shape(state_dict)
+        plain = plain_shape(state_dict, self._shape if self._sd is not None else None)
         if plain is not None and self._sd is not None:
             p = self._reuse(plain, metadata)
             if p is not None:
@@ -141,6 +151,7 @@ class SaveCache:
         p.keys = [it[0] for it in items]
         p.tensors = [it[1] for it in items]
         p.ptrs = list(map(_data_ptr(), p.tensors))
+        p.devices = None
         # Per-rank entries (keys like "rng" are per-rank by name) carry flags
         # a replaced entry would lose: such trees take the walk every time.
         if (plain is None or staged or entries.flags
@@ -194,6 +205,7 @@ class SaveCache:
         p.keys = keys
         p.tensors = tensors
         p.ptrs = cols[0]
+        p.devices = cols[3]
         return p
 
     def _row(self, i):

@@ -1,6 +1,7 @@
 """A state dict of 100,000 tensors costs about ten times one of 10,000
 through the Python package (issue 45): the first save_async (walk, entries,
-the prepared C++ state dict), a repeated one (the cache), the save to
+the prepared C++ state dict), a repeated one (the cache, against the
+least per-tensor work at the same size), the save to
 committed and the load back, whose bytes must equal the state's. The bound
 is loose (25x) so a shared, loaded machine does not fail it; a quadratic
 step makes 100x.
@@ -17,9 +18,11 @@ import _support  # noqa: F401 (exits 77, skipped, without torch)
 import torch  # noqa: E402
 
 import ferry
+from ferry import _pack
 
 ELEMS = 16  # floats per tensor: the cost is per tensor, not per byte
 BOUND = 25
+TOUCHES = 12
 
 
 def run(n):
@@ -32,6 +35,25 @@ def run(n):
         return _run(n)
     finally:
         gc.enable()
+
+
+def touch(sd):
+    """The least any save of `sd` does per tensor, best of three: read its
+    address and take a reference to its storage (the handle holds it). At
+    100,000 tensors the objects no longer fit the caches and this alone costs
+    about 25x what it does at 10,000: the repeated save is measured against
+    it, in the same process, not against the smaller state."""
+    storage = _pack.storage_fn()
+    best = None
+    for _ in range(3):
+        t0 = time.thread_time()
+        ts = list(sd.values())
+        ptrs = list(map(torch.Tensor.data_ptr, ts))
+        held = list(map(storage, ts))
+        took = time.thread_time() - t0
+        del ts, ptrs, held
+        best = took if best is None else min(best, took)
+    return best
 
 
 def _run(n):
@@ -48,12 +70,18 @@ def _run(n):
         h = rt.save_async(sd, d, 1)
         t["first_save_async"] = time.thread_time() - t0
         h.wait()
-        flat[0] = -1.0  # the second save has its own bytes
-        t0, c0 = time.perf_counter(), time.thread_time()
-        h = rt.save_async(sd, d, 2)
-        t["save_async"] = time.thread_time() - c0
-        path = h.wait()
-        t["save"] = time.perf_counter() - t0
+        t["touch"] = touch(sd)
+        # Repeated saves, the best of three (a loaded machine only adds).
+        best = None
+        for step in (2, 3, 4):
+            flat[0] = -float(step)  # each save has its own bytes
+            t0, c0 = time.perf_counter(), time.thread_time()
+            h = rt.save_async(sd, d, step)
+            took = time.thread_time() - c0
+            path = h.wait()
+            if best is None or took < best:
+                best, t["save"] = took, time.perf_counter() - t0
+        t["save_async"] = best
         back = torch.zeros_like(flat)
         target = {k: back[i * ELEMS:(i + 1) * ELEMS] for i, k in enumerate(sd)}
         t0 = time.perf_counter()
@@ -73,8 +101,14 @@ class Scale(unittest.TestCase):
         msg = "10,000: %s; 100,000: %s" % (
             {k: round(v, 4) for k, v in small.items()}, {k: round(v, 4) for k, v in big.items()})
         print(msg)
-        for key in ("first_save_async", "save_async"):
-            self.assertLessEqual(big[key] / max(small[key], 1e-4), BOUND, key + ": " + msg)
+        self.assertLessEqual(big["first_save_async"] / max(small["first_save_async"], 1e-4),
+                             BOUND, "first_save_async: " + msg)
+        # A repeated save re-reads each tensor a few times: a small multiple
+        # of touching each once at either size (a quadratic step is 10x more
+        # at 100,000 than at 10,000).
+        for name, t in (("10,000", small), ("100,000", big)):
+            self.assertLessEqual(t["save_async"], TOUCHES * t["touch"] + 1e-3,
+                                 "a repeated save_async of %s tensors: %s" % (name, msg))
         # The repeated save is the cache's (ferry/_save_cache.py): well under
         # the first, which walks the tree and prepares the C state dict.
         self.assertLessEqual(big["save_async"], 0.5 * big["first_save_async"], msg)
