@@ -1375,6 +1375,12 @@ loader_actor::behavior_type loader_fun(loader_ptr self, ContextPtr ctx) {
           total += op.length;
           for (const ShareTo& to : op.share_with) load->receivers.push_back(to.rank);
         }
+        // As a save's (planner.cpp): a sized-by-use pool takes in what this
+        // rank reads, up to its cap.
+        if (Status g = total ? st.ctx->pool->grow(total) : Status(); !g.ok())
+          std::fprintf(stderr, "ferry: rank %d: the staging pool stays at %llu bytes: %s\n",
+                       st.ctx->rank, static_cast<unsigned long long>(st.ctx->pool->bytes()),
+                       g.message().c_str());
         std::sort(load->receivers.begin(), load->receivers.end());
         load->receivers.erase(std::unique(load->receivers.begin(), load->receivers.end()),
                               load->receivers.end());

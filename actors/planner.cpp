@@ -39,6 +39,7 @@
 // once the digests are in, and a failed save's drain waits for the hashing
 // (it reads the caller's tensors).
 
+#include <cstdio>
 #include <deque>
 #include <functional>
 #include <utility>
@@ -575,7 +576,17 @@ void start_streaming(planner_ptr self) {
   job.sources = cur.sources;
   job.state = cur.job.state;
   cur.file_bytes_left.clear();
-  for (const auto& l : *cur.layouts) cur.file_bytes_left.push_back(l.size);
+  uint64_t blocks = 0;
+  for (const auto& l : *cur.layouts) {
+    cur.file_bytes_left.push_back(l.size);
+    blocks += (l.size + job.block_bytes - 1) / job.block_bytes;
+  }
+  // A pool sized by the states it sees (pool-bytes = auto) takes in the whole
+  // state where its cap allows; where pinning more fails the save streams
+  // through the blocks it has.
+  if (Status g = st.ctx->pool->grow(blocks * job.block_bytes); !g.ok())
+    std::fprintf(stderr, "ferry: rank %d: the staging pool stays at %llu bytes: %s\n", st.ctx->rank,
+                 static_cast<unsigned long long>(st.ctx->pool->bytes()), g.message().c_str());
   cur.files_left = cur.layouts->size();
   // The serializer must know the job before the first block reaches it; a
   // send enqueues at once, so sending to it first is enough.

@@ -452,7 +452,10 @@ Result<std::unique_ptr<Runtime>> Runtime::create(RuntimeArgs args) {
   // The CUDA backend when this machine has a GPU (host tensors still take
   // the host path through it), else the host device alone.
   ctx->device = args.device ? args.device : make_default_device(opts);
-  FERRY_ASSIGN_OR_RETURN(auto pool, StagingPool::create(opts.pool_bytes, opts.chunk_bytes));
+  // pool-bytes = auto starts with two blocks (one filling, one writing) and
+  // grows with the states saved and loaded (StagingPool::grow).
+  FERRY_ASSIGN_OR_RETURN(auto pool, StagingPool::create(opts.pool_bytes, opts.chunk_bytes,
+                                                        opts.pool_auto ? 2 * opts.chunk_bytes : 0));
   // Pinned once, so device copies run at full speed and O_DIRECT writes go
   // straight from the same blocks; an error names the size and the opt-out.
   FERRY_RETURN_IF_ERROR(register_pool_for_device(*pool, *ctx->device, opts));

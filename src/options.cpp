@@ -36,6 +36,7 @@ constexpr uint64_t kMaxChunkBytes = kGiB;
 constexpr uint64_t kAutoChunkBytes = 32 * kMiB;
 constexpr uint64_t kMinAutoBlocks = 8;
 constexpr uint64_t kMinAutoChunkBytes = 64 * kKiB;
+constexpr uint64_t kDefaultPoolCap = 1024 * kMiB;  // pool-bytes = auto without a cap
 constexpr uint32_t kMaxThreads = 64;
 
 std::string lower(std::string s) {
@@ -229,15 +230,32 @@ const std::vector<KeySpec>& key_table() {
          o.root = v;
          return true;
        }},
-      {{"pool-bytes", "1GiB", "pinned staging pool per rank; at least chunk-bytes"},
+      {{"pool-bytes", "auto",
+        "pinned staging pool per rank; at least chunk-bytes; or auto[:CAP]: sized from the "
+        "first save's (or load's) state, growing with larger ones up to CAP (default 1GiB)"},
        [](const std::string& v, Options& o, std::string& why) {
+         std::string size = v;
+         const bool is_auto = lower(v.substr(0, 4)) == "auto";
+         if (is_auto) {
+           if (v.size() == 4) {
+             o.pool_bytes = kDefaultPoolCap;
+             o.pool_auto = true;
+             return true;
+           }
+           if (v[4] != ':') {
+             why = "expected a size, auto or auto:CAP";
+             return false;
+           }
+           size = v.substr(5);
+         }
          uint64_t n = 0;
-         if (!parse_size(v, n, why)) return false;
+         if (!parse_size(size, n, why)) return false;
          if (n == 0) {
            why = "must be positive";
            return false;
          }
          o.pool_bytes = n;
+         o.pool_auto = is_auto;
          return true;
        }},
       {{"chunk-bytes", "auto",
@@ -539,7 +557,8 @@ const std::vector<OptionInfo>& option_infos() {
 
 Result<Options> resolve_options(const std::vector<Setting>& settings) {
   Options opts;
-  opts.chunk_bytes = 0;  // auto, unless a setting names a size
+  opts.chunk_bytes = 0;   // auto, unless a setting names a size
+  opts.pool_auto = true;  // likewise
   // Where pool-bytes and chunk-bytes last came from, for the cross-key check.
   std::pair<std::string, std::string> pool_src{find_key("pool-bytes")->info.default_value,
                                                "default"};

@@ -37,7 +37,8 @@ bool populate_pages(void* p, uint64_t n) {
   return true;
 }
 
-Result<std::unique_ptr<StagingPool>> StagingPool::create(uint64_t bytes, uint64_t block_bytes) {
+Result<std::unique_ptr<StagingPool>> StagingPool::create(uint64_t bytes, uint64_t block_bytes,
+                                                         uint64_t initial_bytes) {
   if (block_bytes == 0 || block_bytes % kPageBytes != 0) {
     return Status::invalid_argument("staging pool: block_bytes " + std::to_string(block_bytes) +
                                     " is not a positive multiple of 4096");
@@ -75,12 +76,18 @@ Result<std::unique_ptr<StagingPool>> StagingPool::create(uint64_t bytes, uint64_
   (void)::madvise(p, static_cast<size_t>(total), MADV_HUGEPAGE);
   // Which way blocks fault (see pool.hpp), tried on the first page.
   const bool can_populate = populate_pages(p, kPageBytes);
+  const uint64_t active =
+      initial_bytes == 0
+          ? blocks
+          : std::clamp<uint64_t>((initial_bytes + block_bytes - 1) / block_bytes, 1, blocks);
   // Faulted in the background (see pool.hpp): start returns at once.
   return std::unique_ptr<StagingPool>(new StagingPool(static_cast<uint8_t*>(p), block_bytes,
-                                                      static_cast<uint32_t>(blocks), can_populate));
+                                                      static_cast<uint32_t>(blocks),
+                                                      static_cast<uint32_t>(active), can_populate));
 }
 
-StagingPool::StagingPool(uint8_t* base, uint64_t block_bytes, uint32_t blocks, bool can_populate)
+StagingPool::StagingPool(uint8_t* base, uint64_t block_bytes, uint32_t blocks, uint32_t active,
+                         bool can_populate)
     : base_(base),
       block_bytes_(block_bytes),
       generation_(blocks, 0),
@@ -89,7 +96,8 @@ StagingPool::StagingPool(uint8_t* base, uint64_t block_bytes, uint32_t blocks, b
       populate_(can_populate) {
   free_.reserve(blocks);
   // Pushed in reverse so the first acquisitions hand out low indexes.
-  for (uint32_t i = blocks; i > 0; --i) free_.push_back(i - 1);
+  for (uint32_t i = active; i > 0; --i) free_.push_back(i - 1);
+  active_.store(active, std::memory_order_release);
   prefault_thread_ = std::thread([this] { prefault(); });
   (void)pthread_setname_np(prefault_thread_.native_handle(), "ferry.prefault");
 }
@@ -104,7 +112,7 @@ StagingPool::~StagingPool() {
   // Unpinned before the unmap: the device must not keep a mapping of pages
   // that go back to the kernel.
   for (auto it = pinned_.rbegin(); it != pinned_.rend(); ++it) registrar_.unpin(*it);
-  ::munmap(base_, static_cast<size_t>(bytes()));
+  ::munmap(base_, static_cast<size_t>(block_bytes_ * capacity_blocks()));
 }
 
 void StagingPool::fault_in(uint32_t index) {
@@ -125,9 +133,11 @@ void StagingPool::fault_done(uint32_t index) {
 }
 
 void StagingPool::prefault() {
-  for (uint32_t i = 0; i < blocks(); ++i) {
+  for (uint32_t i = 0; i < capacity_blocks(); ++i) {
     {
       std::unique_lock<std::mutex> lock(mu_);
+      // Blocks past the usable ones wait for a grow(); most pools never do.
+      resume_cv_.wait(lock, [&] { return stop_ || i < blocks(); });
       if (!stop_ && pauses_ > 0) {
         paused_ = true;
         fault_cv_.notify_all();
@@ -227,23 +237,19 @@ Status StagingPool::release(const Lease& l) {
   return Status::ok_status();
 }
 
-Status StagingPool::register_memory(HostRegistrar r) {
-  if (!pinned_.empty())
-    return Status::invalid_argument("staging pool: already registered with " + registrar_.name);
-  if (!r.pin || !r.unpin)
-    return Status::invalid_argument("staging pool: registrar " + r.name + " lacks pin/unpin");
-  const uint64_t total = bytes();
+Status StagingPool::pin_range(const HostRegistrar& r, uint64_t from, uint64_t to,
+                              std::vector<uint8_t*>& pinned) const {
   // A segment boundary on a block boundary keeps every block in one segment.
-  uint64_t seg = r.max_segment_bytes == 0 ? total : r.max_segment_bytes;
+  uint64_t seg = r.max_segment_bytes == 0 ? to - from : r.max_segment_bytes;
   seg = std::max<uint64_t>(block_bytes_, seg / block_bytes_ * block_bytes_);
   std::vector<uint8_t*> done;
-  for (uint64_t off = 0; off < total; off += seg) {
-    const uint64_t n = std::min(seg, total - off);
+  for (uint64_t off = from; off < to; off += seg) {
+    const uint64_t n = std::min(seg, to - off);
     Status st = r.pin(base_ + off, n);
     if (!st.ok()) {
       for (auto it = done.rbegin(); it != done.rend(); ++it) r.unpin(*it);
-      return Status(st.code(), "staging pool of " + std::to_string(total) + " bytes (" +
-                                   std::to_string(blocks()) + " blocks of " +
+      return Status(st.code(), "staging pool of " + std::to_string(to) + " bytes (" +
+                                   std::to_string(to / block_bytes_) + " blocks of " +
                                    std::to_string(block_bytes_) +
                                    ") could not be registered with " + r.name + ": segment at +" +
                                    std::to_string(off) + " of " + std::to_string(n) +
@@ -251,8 +257,46 @@ Status StagingPool::register_memory(HostRegistrar r) {
     }
     done.push_back(base_ + off);
   }
+  pinned.insert(pinned.end(), done.begin(), done.end());
+  return Status::ok_status();
+}
+
+Status StagingPool::register_memory(HostRegistrar r) {
+  std::lock_guard<std::mutex> g(grow_mu_);
+  if (!pinned_.empty())
+    return Status::invalid_argument("staging pool: already registered with " + registrar_.name);
+  if (!r.pin || !r.unpin)
+    return Status::invalid_argument("staging pool: registrar " + r.name + " lacks pin/unpin");
+  std::vector<uint8_t*> done;
+  FERRY_RETURN_IF_ERROR(pin_range(r, 0, bytes(), done));
   registrar_ = std::move(r);
   pinned_ = std::move(done);
+  return Status::ok_status();
+}
+
+Status StagingPool::grow(uint64_t want) {
+  std::lock_guard<std::mutex> g(grow_mu_);
+  const uint64_t target =
+      std::min<uint64_t>((want + block_bytes_ - 1) / block_bytes_, capacity_blocks());
+  const uint32_t from = blocks();
+  if (target <= from) return Status::ok_status();
+  // grow_mu_ keeps pinned_ and registrar_ still; the new blocks are no
+  // one's until they are pushed below.
+  if (!pinned_.empty())
+    FERRY_RETURN_IF_ERROR(
+        pin_range(registrar_, uint64_t{from} * block_bytes_, target * block_bytes_, pinned_));
+  std::function<void()> hook;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // Below the free ones, so blocks already faulted in go out first.
+    free_.insert(free_.begin(), target - from, 0);
+    for (uint32_t i = from; i < target; ++i) free_[target - 1 - i] = i;
+    active_.store(static_cast<uint32_t>(target), std::memory_order_release);
+    if (starved_) hook = hook_;
+    starved_ = false;
+  }
+  resume_cv_.notify_all();
+  if (hook) hook();
   return Status::ok_status();
 }
 

@@ -1,5 +1,8 @@
 // The bounded staging pool: one mmap'd, page-aligned region cut into equal
-// blocks, allocated once and reused by every save. Blocks are handed out as
+// blocks, allocated once and reused by every save. A pool may start with
+// only some of its blocks in use (pool-bytes = auto) and grow up to the
+// whole region: untouched address space costs no memory, so a small job's
+// process stays small. Blocks are handed out as
 // leases (index + generation); releasing bumps the generation, so a stale
 // lease is refused. Thread-safe.
 //
@@ -20,6 +23,7 @@
 // and an acquirer waits for the thread if it is on that very block.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -53,7 +57,10 @@ struct Lease {
 class StagingPool {
  public:
   // block_bytes must be a positive multiple of 4096; bytes >= block_bytes.
-  static Result<std::unique_ptr<StagingPool>> create(uint64_t bytes, uint64_t block_bytes);
+  // `initial_bytes` (0: all of `bytes`) is what is usable, and faulted in,
+  // until grow() adds more; at least one block.
+  static Result<std::unique_ptr<StagingPool>> create(uint64_t bytes, uint64_t block_bytes,
+                                                     uint64_t initial_bytes = 0);
   ~StagingPool();
   StagingPool(const StagingPool&) = delete;
   StagingPool& operator=(const StagingPool&) = delete;
@@ -75,13 +82,19 @@ class StagingPool {
   void set_release_hook(std::function<void()> hook);
 
   uint64_t block_bytes() const { return block_bytes_; }
-  uint32_t blocks() const { return static_cast<uint32_t>(generation_.size()); }
+  // Blocks usable now (grow() adds more, up to capacity_blocks()).
+  uint32_t blocks() const { return active_.load(std::memory_order_acquire); }
+  uint32_t capacity_blocks() const { return static_cast<uint32_t>(generation_.size()); }
+  // Makes at least `bytes` (rounded up to blocks, at most the capacity)
+  // usable; the new blocks are pinned first where the pool is registered.
+  // A failed pin leaves the pool as it was and says why. Never shrinks.
+  Status grow(uint64_t bytes);
   uint32_t free_blocks() const;
   uint64_t bytes() const { return block_bytes_ * blocks(); }
   uint8_t* base() const { return base_; }
   // Blocks faulted in so far (by the background thread or by try_acquire).
   uint32_t faulted_blocks() const;
-  // Blocks until every block is faulted in (benchmarks: warm memory).
+  // Blocks until every usable block is faulted in (benchmarks: warm memory).
   void wait_prefaulted() const;
   // Waits up to `timeout` for the background thread to stand still at a
   // PrefaultPause; false if it did not (no pause held, or nothing left).
@@ -103,8 +116,8 @@ class StagingPool {
     StagingPool* pool_;
   };
 
-  // Pins the whole pool with `r`, in segments of at most r.max_segment_bytes,
-  // so device copies go straight into it (and O_DIRECT writes straight out).
+  // Pins the usable blocks with `r` (grow() pins the ones it adds), in segments of at most
+  // r.max_segment_bytes, so device copies go straight into it (and O_DIRECT writes straight out).
   // Call once, at start, before any block is used. On failure the segments
   // already pinned are unpinned and the error names the pool size. The pool
   // unpins itself when destroyed. REQUIRES: not registered yet.
@@ -113,7 +126,11 @@ class StagingPool {
 
  private:
   enum class Fault : uint8_t { no, running, done };
-  StagingPool(uint8_t* base, uint64_t block_bytes, uint32_t blocks, bool can_populate);
+  StagingPool(uint8_t* base, uint64_t block_bytes, uint32_t blocks, uint32_t active,
+              bool can_populate);
+  // Pins [from, to) in the registrar's segments; unpins its own on failure.
+  Status pin_range(const HostRegistrar& r, uint64_t from, uint64_t to,
+                   std::vector<uint8_t*>& pinned) const;
   void prefault();
   // Faults block `index` in. Without populate_ it writes a byte per page,
   // which only the block's claimer may do, before its use.
@@ -125,6 +142,8 @@ class StagingPool {
   std::vector<uint32_t> generation_;
   std::vector<bool> in_use_;
   std::vector<uint32_t> free_;
+  std::atomic<uint32_t> active_{0};  // usable blocks: [0, active_); written under mu_
+  std::mutex grow_mu_;               // one grow() at a time (pinning runs outside mu_)
   std::function<void()> hook_;
   bool starved_ = false;  // a try_acquire found no block since the last hook call
   HostRegistrar registrar_;
@@ -136,7 +155,7 @@ class StagingPool {
   bool stop_ = false;
   uint32_t pauses_ = 0;                // PrefaultPause objects alive, under mu_
   bool paused_ = false;                // the thread waits on resume_cv_, under mu_
-  std::condition_variable resume_cv_;  // stop_ set or pauses_ back to 0
+  std::condition_variable resume_cv_;  // stop_ set, pauses_ back to 0, or the pool grew
   std::thread prefault_thread_;
 };
 

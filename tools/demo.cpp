@@ -251,6 +251,12 @@ double ms_since(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
 }
 
+// The pool as configured: sized by use up to a cap (auto), or fixed.
+std::string pool_text(const ferry::Options& o) {
+  return o.pool_auto ? "auto, up to " + human_bytes(static_cast<double>(o.pool_bytes))
+                     : human_bytes(static_cast<double>(o.pool_bytes));
+}
+
 std::unique_ptr<Runtime> start_runtime(const DemoFlags& f) {
   RuntimeArgs ra;
   ra.config_file = f.config_file;
@@ -264,7 +270,7 @@ std::unique_ptr<Runtime> start_runtime(const DemoFlags& f) {
   }
   // Start must not grow with the pool: it is faulted in the background.
   std::printf("rank %d: runtime started in %.1f ms (pool %s)\n", (*rt)->rank(), ms_since(t0),
-              human_bytes((*rt)->options().pool_bytes).c_str());
+              pool_text((*rt)->options()).c_str());
   std::fflush(stdout);
   return std::move(rt).value();
 }
@@ -305,7 +311,7 @@ int train(const DemoFlags& f) {
   }
   if (!add_host_pieces(specs, pieces, sd)) return 1;
   std::printf("rank %d/%d: %zu tensors, %s local, pool %s\n", rank, world, specs.size(),
-              human_bytes(local_bytes).c_str(), human_bytes(rt->options().pool_bytes).c_str());
+              human_bytes(local_bytes).c_str(), pool_text(rt->options()).c_str());
   std::fflush(stdout);
 
   SaveHandle inflight;
@@ -420,7 +426,7 @@ int train_cuda(const DemoFlags& f) {
     }
   }
   std::printf("rank %d/%d: %zu tensors on cuda:%d, %s local, pool %s\n", rank, world, specs.size(),
-              dev, human_bytes(local_bytes).c_str(), human_bytes(rt->options().pool_bytes).c_str());
+              dev, human_bytes(local_bytes).c_str(), pool_text(rt->options()).c_str());
   std::fflush(stdout);
 
   SaveHandle inflight;

@@ -298,7 +298,10 @@ TEST_CASE("a retired checkpoint that cannot be deleted is a warning of the next 
   // the directory left behind and the error.
   REQUIRE(h3.warnings().size() == 1);
   CHECK_THAT(h3.warnings()[0], Catch::Contains(dir.path() + "/.trash-"));
-  CHECK_THAT(h3.warnings()[0], Catch::Contains("retired by an earlier commit"));
+  // Step 3's own gc may reach the directory before the deletion queued
+  // after step 2 does: either says it, once.
+  CHECK_THAT(h3.warnings()[0], Catch::Contains("retired by an earlier commit") ||
+                                   Catch::Contains("a leftover in the checkpoint root"));
   CHECK_THAT(h3.warnings()[0], Catch::Contains("Input/output error"));
   CHECK(trash_dirs(dir.path()) == 2);
   // Step 4 reports step 2's, not step 1's again.

@@ -6,7 +6,10 @@ Run by ctest (exit 77 = skipped when torch is not importable)."""
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import textwrap
 import unittest
 
 import _support  # noqa: F401 (exits 77, skipped, without torch)
@@ -91,6 +94,49 @@ class CheckpointOptionsTest(unittest.TestCase):
             ferry.save(sd, self.root, 21, options=ferry.CheckpointOptions(compress="gzip"))
         with self.assertRaisesRegex(ferry.FerryError, "CheckpointOptions"):
             ferry.save(sd, self.root, 22, options={"compress": True})
+
+
+# A fresh process with the default options (no configure()): its resident
+# memory after saving and loading a 9M-parameter model.
+_RSS_SCRIPT = textwrap.dedent("""
+    import sys, torch, ferry
+
+    def rss_mib():
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(9)])
+    sd = model.state_dict()
+    before = rss_mib()
+    rt = ferry.Runtime({}, rank=0, world_size=1)
+    rt.save_async(sd, sys.argv[1], 1).wait()
+    path = rt.save_async(sd, sys.argv[1], 2).wait()
+    back = {k: torch.zeros_like(v) for k, v in sd.items()}
+    rt.load(back, path)
+    assert all(torch.equal(back[k], sd[k]) for k in sd), "loaded bytes differ"
+    print("%.0f %.0f" % (before, rss_mib() - before))
+    rt.close()
+""")
+
+
+class DefaultPool(unittest.TestCase):
+    def test_default_pool_grows_with_the_state_not_to_1gib(self):
+        d = tempfile.mkdtemp(prefix="ferry-rss-")
+        try:
+            env = dict(os.environ)
+            env.pop("FERRY_CONFIG", None)
+            out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, d], env=env, check=True,
+                                 capture_output=True, text=True, timeout=300).stdout.split()
+            before, grew = float(out[-2]), float(out[-1])
+            # 36 MiB loaded into new tensors, two 32 MiB blocks of pool, the
+            # library's threads (about 110 MiB here); a fixed 1 GiB pool's
+            # background faulting had added 150 MiB more by then (and 1 GiB
+            # in the end).
+            self.assertLess(grew, 160, "RSS %.0f MiB grew by %.0f MiB" % (before, grew))
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 if __name__ == "__main__":

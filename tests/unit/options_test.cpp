@@ -118,8 +118,27 @@ TEST_CASE("no settings give the documented defaults", "[options]") {
   REQUIRE(r.ok());
   check_defaults(*r);
   CHECK(r->pool_bytes == (1ull << 30));
+  CHECK(r->pool_auto);
   CHECK(r->chunk_bytes == (32ull << 20));
   CHECK(r->lease_seconds == 30.0);
+}
+
+TEST_CASE("pool-bytes: a size is a fixed pool, auto[:CAP] one sized by use up to CAP",
+          "[options]") {
+  auto fixed = resolve1("pool-bytes", "256MiB");
+  REQUIRE(fixed.ok());
+  CHECK_FALSE(fixed->pool_auto);
+  CHECK(fixed->pool_bytes == 256ull << 20);
+  auto capped = resolve1("pool-bytes", "AUTO:4GiB");
+  REQUIRE(capped.ok());
+  CHECK(capped->pool_auto);
+  CHECK(capped->pool_bytes == 4ull << 30);
+  CHECK(capped->chunk_bytes == 32ull << 20);
+  for (const char* bad : {"auto:", "auto:0", "autox", "auto 1GiB"}) {
+    auto r = resolve1("pool-bytes", bad);
+    REQUIRE_FALSE(r.ok());
+    CHECK(r.status().message().find("ferry.pool-bytes") != std::string::npos);
+  }
 }
 
 TEST_CASE("option_infos lists every key once, and its defaults resolve to Options{}", "[options]") {

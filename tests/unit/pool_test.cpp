@@ -326,5 +326,91 @@ TEST_CASE("pool destroyed while still faulting stops its thread", "[pool]") {
   made->reset();  // joins the background thread mid-way; must not hang or crash
 }
 
+// Pages of [p, p + n) the kernel holds in memory.
+uint64_t resident_pages(uint8_t* p, uint64_t n) {
+  std::vector<unsigned char> v(n / 4096);
+  REQUIRE(::mincore(p, n, v.data()) == 0);
+  return static_cast<uint64_t>(
+      std::count_if(v.begin(), v.end(), [](unsigned char c) { return c & 1; }));
+}
+
+TEST_CASE("pool sized by use: blocks past the usable ones are never handed out nor touched",
+          "[pool]") {
+  constexpr uint64_t kBlock = 1 << 20;
+  auto made = StagingPool::create(64 * kBlock, kBlock, 2 * kBlock);
+  REQUIRE(made.ok());
+  auto& pool = **made;
+  CHECK(pool.blocks() == 2);
+  CHECK(pool.capacity_blocks() == 64);
+  pool.wait_prefaulted();
+  std::set<uint32_t> seen;
+  std::vector<Lease> held;
+  while (auto l = pool.try_acquire()) {
+    held.push_back(*l);
+    seen.insert(l->index);
+  }
+  CHECK(seen == std::set<uint32_t>{0, 1});
+  CHECK(resident_pages(pool.base() + 2 * kBlock, 62 * kBlock) == 0);
+
+  // Growing wakes whoever found the pool empty, and hands out the new blocks.
+  int hooks = 0;
+  pool.set_release_hook([&] { ++hooks; });
+  REQUIRE(pool.grow(5 * kBlock + 1).ok());  // rounded up to 6 blocks
+  CHECK(hooks == 1);
+  CHECK(pool.blocks() == 6);
+  CHECK(pool.bytes() == 6 * kBlock);
+  while (auto l = pool.try_acquire()) {
+    held.push_back(*l);
+    seen.insert(l->index);
+  }
+  CHECK(seen == std::set<uint32_t>{0, 1, 2, 3, 4, 5});
+  pool.wait_prefaulted();
+  CHECK(pool.faulted_blocks() == 6);
+  CHECK(resident_pages(pool.base() + 6 * kBlock, 58 * kBlock) == 0);
+
+  // Never past the capacity, never smaller.
+  REQUIRE(pool.grow(1000 * kBlock).ok());
+  CHECK(pool.blocks() == 64);
+  REQUIRE(pool.grow(kBlock).ok());
+  CHECK(pool.blocks() == 64);
+  for (const Lease& l : held) REQUIRE(pool.release(l).ok());
+  CHECK(pool.free_blocks() == 64);
+}
+
+TEST_CASE("pool sized by use pins the blocks it adds, and a refused pin leaves it as it was",
+          "[pool]") {
+  constexpr uint64_t kBlock = 1 << 20;
+  auto made = StagingPool::create(16 * kBlock, kBlock, 2 * kBlock);
+  REQUIRE(made.ok());
+  auto& pool = **made;
+  std::vector<std::pair<uint8_t*, uint64_t>> pinned;
+  int unpinned = 0;
+  bool refuse = false;
+  HostRegistrar r;
+  r.name = "test";
+  r.max_segment_bytes = 3 * kBlock;
+  r.pin = [&](void* p, uint64_t n) {
+    if (refuse) return Status::io_error("no more pinned memory");
+    pinned.emplace_back(static_cast<uint8_t*>(p), n);
+    return Status::ok_status();
+  };
+  r.unpin = [&](void*) { ++unpinned; };
+  REQUIRE(pool.register_memory(r).ok());
+  REQUIRE(pinned.size() == 1);
+  CHECK(pinned[0] == std::make_pair(pool.base(), 2 * kBlock));
+  REQUIRE(pool.grow(7 * kBlock).ok());  // 5 more blocks in segments of 3
+  REQUIRE(pinned.size() == 3);
+  CHECK(pinned[1] == std::make_pair(pool.base() + 2 * kBlock, 3 * kBlock));
+  CHECK(pinned[2] == std::make_pair(pool.base() + 5 * kBlock, 2 * kBlock));
+  refuse = true;
+  Status st = pool.grow(16 * kBlock);
+  CHECK(st.code() == StatusCode::io_error);
+  CHECK(contains(st.message(), "no more pinned memory"));
+  CHECK(pool.blocks() == 7);
+  CHECK(unpinned == 0);
+  made->reset();
+  CHECK(unpinned == 3);
+}
+
 }  // namespace
 }  // namespace ferry

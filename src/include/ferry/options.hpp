@@ -26,14 +26,15 @@ enum class ReplicaCheck : uint8_t {
 constexpr uint64_t kReplicaCheckFullBytes = 64ull << 20;
 
 struct Options {
-  std::string root;                    // root: checkpoint directory ("" = must be given per call)
-  uint64_t pool_bytes = 1ull << 30;    // pool-bytes: staging pool size
-  uint64_t chunk_bytes = 32ull << 20;  // chunk-bytes: pool block = write size
-  uint32_t writers = 2;                // writers: writer threads per rank
-  uint32_t copy_threads = 2;           // copy-threads: snapshot copies of host tensors
-  bool direct_io = true;               // direct-io: O_DIRECT data writes and load reads
-  bool fsync = true;                   // fsync: data, manifest, directories
-  bool checksum = true;                // checksum: xxh3-64 per checksum block
+  std::string root;                  // root: checkpoint directory ("" = must be given per call)
+  uint64_t pool_bytes = 1ull << 30;  // pool-bytes: staging pool size (auto: its cap)
+  bool pool_auto = false;            // pool-bytes = auto (the parsed default): used as states need
+  uint64_t chunk_bytes = 32ull << 20;          // chunk-bytes: pool block = write size
+  uint32_t writers = 2;                        // writers: writer threads per rank
+  uint32_t copy_threads = 2;                   // copy-threads: snapshot copies of host tensors
+  bool direct_io = true;                       // direct-io: O_DIRECT data writes and load reads
+  bool fsync = true;                           // fsync: data, manifest, directories
+  bool checksum = true;                        // checksum: xxh3-64 per checksum block
   uint64_t checksum_block_bytes = 1ull << 20;  // checksum-block-bytes
   uint32_t keep_last = 0;                      // keep-last: retention, 0 keeps all
   bool fail_fast = false;                      // fail-fast: 2nd save_async fails instead of waiting
