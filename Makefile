@@ -5,7 +5,7 @@ BUILD_TYPE ?= RelWithDebInfo
 CMAKE_FLAGS ?=
 DEMO_ARGS ?=
 
-.PHONY: deps deps-test configure build demo test bench crashtest clean
+.PHONY: deps deps-test configure build demo test bench crashtest wheel clean
 
 deps:
 	bash scripts/install-deps.sh
@@ -27,6 +27,10 @@ demo: configure
 
 test: deps-test build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+
+# The Python wheel (docs/python.md): dist/ferry-<version>-py3-none-<platform>.whl
+wheel: build
+	python3 python/make_wheel.py $(BUILD)/lib/libferry_c.so dist
 
 bench: build
 	$(BUILD)/bench/ferry_bench_save

@@ -34,11 +34,9 @@ def deps(path):
     return found
 
 
-def main():
-    if len(sys.argv) != 3:
-        print(__doc__)
-        return 2
-    lib, out = sys.argv[1], sys.argv[2]
+def bundle(lib, out):
+    """Assembles OUT/ferry from `lib`; returns the names of the libraries
+    copied beside it."""
     here = os.path.dirname(os.path.abspath(__file__))
     pkg = os.path.join(out, "ferry")
     shutil.rmtree(pkg, ignore_errors=True)
@@ -61,7 +59,15 @@ def main():
                 dst = os.path.join(pkg, name)
                 shutil.copy2(real, dst)
                 todo.append(dst)
-    print("bundle in %s: %s" % (pkg, ", ".join(sorted(copied))))
+    return sorted(copied)
+
+
+def main():
+    if len(sys.argv) != 3:
+        print(__doc__)
+        return 2
+    copied = bundle(sys.argv[1], sys.argv[2])
+    print("bundle in %s: %s" % (os.path.join(sys.argv[2], "ferry"), ", ".join(copied)))
     return 0
 
 
