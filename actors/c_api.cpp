@@ -20,6 +20,7 @@
 #include "ferry/filesystem.hpp"
 #include "ferry/planner.hpp"
 #include "ferry/runtime.hpp"
+#include "layout.hpp"
 
 struct ferry_save {
   ferry::SaveHandle h;
@@ -751,20 +752,7 @@ namespace {
 
 // JSON of the plans for the Python side, which has no other way to read them.
 std::string json_str(const std::string& v) {
-  std::string o = "\"";
-  for (unsigned char c : v) {
-    if (c == '"' || c == '\\') {
-      o += '\\';
-      o += static_cast<char>(c);
-    } else if (c < 0x20) {
-      char buf[8];
-      std::snprintf(buf, sizeof(buf), "\\u%04x", c);
-      o += buf;
-    } else {
-      o += static_cast<char>(c);
-    }
-  }
-  return o + "\"";
+  return ferry::json_string(v);
 }
 
 template <class T>

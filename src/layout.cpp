@@ -1,7 +1,5 @@
 // Data file layout (writing a safetensors header) and the reverse (parsing
-// and checking one). The parser reads untrusted bytes: it is a flat,
-// schema-directed recursive descent with no recursion on input structure, so
-// hostile input cannot exhaust the stack, and it bounds-checks every read.
+// and checking one, from untrusted bytes).
 
 #include "layout.hpp"
 
@@ -9,6 +7,12 @@
 #include <cstdio>
 #include <limits>
 #include <unordered_set>
+
+#include <rapidjson/error/en.h>
+#include <rapidjson/memorystream.h>
+#include <rapidjson/reader.h>
+#include <rapidjson/stringbuffer.h>
+#include <rapidjson/writer.h>
 
 #include "codec.hpp"
 
@@ -63,64 +67,13 @@ bool is_valid_utf8(const std::string& s) {
   return true;
 }
 
-void append_utf8(std::string& out, uint32_t cp) {
-  if (cp < 0x80) {
-    out += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    out += static_cast<char>(0xc0 | (cp >> 6));
-    out += static_cast<char>(0x80 | (cp & 0x3f));
-  } else if (cp < 0x10000) {
-    out += static_cast<char>(0xe0 | (cp >> 12));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3f));
-    out += static_cast<char>(0x80 | (cp & 0x3f));
-  } else {
-    out += static_cast<char>(0xf0 | (cp >> 18));
-    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3f));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3f));
-    out += static_cast<char>(0x80 | (cp & 0x3f));
-  }
-}
-
-// Expects valid UTF-8 (checked by the caller): only '"', '\' and control
-// characters need escaping for JSON.
+// The one JSON string writer (headers, the export index, the C ABI's plans).
+// Expects valid UTF-8 (checked by the caller).
 void append_json_string(std::string& out, const std::string& s) {
-  static const char kHex[] = "0123456789abcdef";
-  out += '"';
-  for (char ch : s) {
-    const auto c = static_cast<unsigned char>(ch);
-    switch (c) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      case '\r':
-        out += "\\r";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      case '\b':
-        out += "\\b";
-        break;
-      case '\f':
-        out += "\\f";
-        break;
-      default:
-        if (c < 0x20 || c == 0x7f) {
-          out += "\\u00";
-          out += kHex[c >> 4];
-          out += kHex[c & 0xf];
-        } else {
-          out += ch;
-        }
-    }
-  }
-  out += '"';
+  rapidjson::StringBuffer buf;
+  rapidjson::Writer<rapidjson::StringBuffer> w(buf);
+  w.String(s.data(), static_cast<rapidjson::SizeType>(s.size()));
+  out.append(buf.GetString(), buf.GetSize());
 }
 
 // Checks one chunk and returns its byte size.
@@ -156,270 +109,206 @@ Result<uint64_t> chunk_bytes(const std::string& file, const ChunkRef& c) {
 }
 
 // ---------------------------------------------------------------------------
-// Header parser. Positions in messages are byte offsets in the JSON text.
+// Header parser: RapidJSON's SAX reader, iterative (no recursion on the
+// input's nesting, so hostile input cannot exhaust the stack) and checking
+// UTF-8, drives this visitor, which holds the header to the safetensors
+// schema as the events arrive. Numbers come as their text, so a sign,
+// fraction, exponent or a value past 64 bits is named as such.
 
-class HeaderParser {
+class HeaderVisitor : public rapidjson::BaseReaderHandler<rapidjson::UTF8<>, HeaderVisitor> {
  public:
-  HeaderParser(const char* begin, size_t n) : begin_(begin), p_(begin), end_(begin + n) {}
+  explicit HeaderVisitor(SafetensorsHeader* out) : out_(out) {}
 
-  Status parse(SafetensorsHeader* out) {
-    skip_ws();
-    FERRY_RETURN_IF_ERROR(expect('{'));
-    std::unordered_set<std::string> names;
-    FERRY_RETURN_IF_ERROR(parse_members('}', [&]() -> Status {
-      std::string name;
-      FERRY_RETURN_IF_ERROR(parse_key(&name));
-      if (!names.insert(name).second) return error("duplicate name '" + name + "'");
-      if (name == "__metadata__") return parse_metadata(&out->metadata);
-      SafetensorsEntry e;
-      e.name = std::move(name);
-      FERRY_RETURN_IF_ERROR(parse_entry(&e));
-      out->entries.push_back(std::move(e));
-      return Status();
-    }));
-    skip_ws();
-    if (p_ != end_) return error("unexpected data after the header object");
-    return Status();
+  // Why the visitor stopped the reader ("" when the JSON itself was bad).
+  const std::string& why() const { return why_; }
+
+  bool StartObject() {
+    switch (at_) {
+      case At::start:
+        at_ = At::top;
+        return true;
+      case At::value:
+        if (in_metadata_) {
+          at_ = At::metadata;
+          return true;
+        }
+        at_ = At::entry;
+        return true;
+      default:
+        return unexpected("an object");
+    }
   }
+  bool Key(const char* s, rapidjson::SizeType n, bool) {
+    std::string k(s, n);
+    if (!is_valid_utf8(k)) return fail("invalid UTF-8 in a name");
+    switch (at_) {
+      case At::top:
+        if (!names_.insert(k).second) return fail("duplicate name '" + k + "'");
+        in_metadata_ = k == "__metadata__";
+        if (!in_metadata_) {
+          out_->entries.emplace_back();
+          out_->entries.back().name = std::move(k);
+          seen_ = 0;
+        }
+        at_ = At::value;
+        return true;
+      case At::metadata:
+        if (!meta_keys_.insert(k).second) return fail("duplicate __metadata__ key '" + k + "'");
+        out_->metadata.emplace_back(std::move(k), std::string());
+        at_ = At::metadata_value;
+        return true;
+      case At::entry: {
+        for (field_ = 0; field_ < 3 && k != kFields[field_]; ++field_) {
+        }
+        if (field_ == 3) return fail(entry() + ": unexpected field '" + k + "'");
+        if (seen_ & (1u << field_)) return fail(entry() + ": field '" + k + "' repeated");
+        seen_ |= 1u << field_;
+        at_ = At::field;
+        return true;
+      }
+      default:
+        return unexpected("a name");
+    }
+  }
+  bool String(const char* s, rapidjson::SizeType n, bool) {
+    std::string v(s, n);
+    if (!is_valid_utf8(v)) return fail("invalid UTF-8 in a string");
+    if (at_ == At::metadata_value) {
+      out_->metadata.back().second = std::move(v);
+      at_ = At::metadata;
+      return true;
+    }
+    if (at_ == At::field && field_ == 0) {
+      out_->entries.back().dtype = std::move(v);
+      at_ = At::entry;
+      return true;
+    }
+    return unexpected("a string");
+  }
+  bool StartArray() {
+    if (at_ == At::field && field_ > 0) {
+      at_ = At::numbers;
+      numbers_.clear();
+      return true;
+    }
+    return unexpected("an array");
+  }
+  bool RawNumber(const char* s, rapidjson::SizeType n, bool) {
+    const char* what = field_ == 1 ? "a shape dimension" : "a data offset";
+    if (at_ != At::numbers) return unexpected("a number");
+    if (n > 0 && s[0] == '-') return fail(std::string(what) + " is negative");
+    uint64_t v = 0;
+    for (rapidjson::SizeType i = 0; i < n; ++i) {
+      if (s[i] < '0' || s[i] > '9') return fail(std::string(what) + " is not an integer");
+      const uint64_t d = static_cast<uint64_t>(s[i] - '0');
+      if (v > (std::numeric_limits<uint64_t>::max() - d) / 10)
+        return fail(std::string(what) + " does not fit in 64 bits");
+      v = v * 10 + d;
+    }
+    numbers_.push_back(v);
+    return true;
+  }
+  bool EndArray(rapidjson::SizeType) {
+    if (at_ != At::numbers) return unexpected("the end of an array");
+    SafetensorsEntry& e = out_->entries.back();
+    if (field_ == 1) {
+      e.shape.clear();
+      for (uint64_t d : numbers_) {
+        if (d > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+          return fail(entry() + ": shape dimension " + std::to_string(d) + " is too large");
+        e.shape.push_back(static_cast<int64_t>(d));
+      }
+    } else {
+      if (numbers_.size() != 2)
+        return fail(entry() + ": data_offsets has " + std::to_string(numbers_.size()) +
+                    " values, expected 2");
+      e.begin = numbers_[0];
+      e.end = numbers_[1];
+    }
+    at_ = At::entry;
+    return true;
+  }
+  bool EndObject(rapidjson::SizeType) {
+    switch (at_) {
+      case At::top:
+        at_ = At::done;
+        return true;
+      case At::metadata:
+        at_ = At::top;
+        return true;
+      case At::entry: {
+        for (int f = 0; f < 3; ++f)
+          if (!(seen_ & (1u << f))) return fail(entry() + " has no " + kFields[f]);
+        at_ = At::top;
+        return true;
+      }
+      default:
+        return unexpected("the end of an object");
+    }
+  }
+  // Anything else (null, booleans) is out of the schema; so are numbers,
+  // which arrive as RawNumber.
+  bool Default() { return unexpected("a value of another type"); }
 
  private:
-  Status error(const std::string& what) const {
-    return Status::corruption("safetensors header: byte " + std::to_string(p_ - begin_) + ": " +
+  enum class At { start, top, value, metadata, metadata_value, entry, field, numbers, done };
+  static constexpr const char* kFields[] = {"dtype", "shape", "data_offsets"};
+
+  std::string entry() const { return "entry '" + out_->entries.back().name + "'"; }
+  bool fail(std::string why) {
+    why_ = std::move(why);
+    return false;
+  }
+  // What the schema expected where `found` came.
+  bool unexpected(const char* found) {
+    switch (at_) {
+      case At::value:
+        return fail(in_metadata_ ? std::string("__metadata__ is not an object")
+                                 : entry() + " is not an object");
+      case At::metadata_value:
+        return fail("__metadata__ value of '" + out_->metadata.back().first + "' is not a string");
+      case At::field:
+        return fail(entry() + ": field '" + kFields[field_] + "' holds " + found);
+      case At::numbers:
+        return fail(entry() + ": expected an integer, found " + found);
+      default:
+        return fail(std::string("unexpected ") + found);
+    }
+  }
+
+  SafetensorsHeader* out_;
+  At at_ = At::start;
+  bool in_metadata_ = false;
+  int field_ = 0;      // 0 dtype, 1 shape, 2 data_offsets
+  unsigned seen_ = 0;  // fields of the current entry, a bit each
+  std::vector<uint64_t> numbers_;
+  std::unordered_set<std::string> names_, meta_keys_;
+  std::string why_;
+};
+
+// Parses the JSON text of a header into `out`; a corruption error names
+// the byte it stopped at.
+Status parse_header_json(const char* text, size_t n, SafetensorsHeader* out) {
+  HeaderVisitor v(out);
+  rapidjson::Reader reader;
+  rapidjson::MemoryStream ms(text, n);
+  constexpr unsigned kFlags = rapidjson::kParseIterativeFlag |
+                              rapidjson::kParseValidateEncodingFlag |
+                              rapidjson::kParseNumbersAsStringsFlag;
+  const rapidjson::ParseResult r = reader.Parse<kFlags>(ms, v);
+  if (!r) {
+    std::string what = v.why();
+    if (what.empty() && r.Code() == rapidjson::kParseErrorDocumentRootNotSingular)
+      what = "unexpected data after the header object";
+    else if (what.empty() && r.Offset() < n && static_cast<unsigned char>(text[r.Offset()]) < 0x20)
+      what = "unescaped control character in string";  // RapidJSON calls it a bad escape
+    else if (what.empty())
+      what = rapidjson::GetParseError_En(r.Code());
+    return Status::corruption("safetensors header: byte " + std::to_string(r.Offset()) + ": " +
                               what);
   }
-  bool at_end() const { return p_ >= end_; }
-  bool peek(char c) const { return !at_end() && *p_ == c; }
-  void skip_ws() {
-    while (!at_end() && (*p_ == ' ' || *p_ == '\t' || *p_ == '\n' || *p_ == '\r')) ++p_;
-  }
-  // An object member's name and the colon after it.
-  Status parse_key(std::string* out) {
-    FERRY_RETURN_IF_ERROR(parse_string(out));
-    skip_ws();
-    FERRY_RETURN_IF_ERROR(expect(':'));
-    skip_ws();
-    return Status();
-  }
-
-  // The members of an array or object up to `close`, its opening bracket
-  // already taken: `one` parses each, and commas separate them.
-  template <class One>
-  Status parse_members(char close, One one) {
-    skip_ws();
-    if (peek(close)) {
-      ++p_;
-      return Status();
-    }
-    while (true) {
-      FERRY_RETURN_IF_ERROR(one());
-      skip_ws();
-      if (!peek(',')) return expect(close);
-      ++p_;
-      skip_ws();
-    }
-  }
-
-  Status expect(char c) {
-    if (at_end()) return error(std::string("expected '") + c + "', found the end");
-    if (*p_ != c) return error(std::string("expected '") + c + "', found " + describe(*p_));
-    ++p_;
-    return Status();
-  }
-  static std::string describe(char c) {
-    const auto u = static_cast<unsigned char>(c);
-    if (u >= 0x20 && u < 0x7f) return std::string("'") + c + "'";
-    char buf[8];
-    std::snprintf(buf, sizeof(buf), "0x%02x", u);
-    return buf;
-  }
-
-  Status parse_hex4(uint32_t* out) {
-    if (end_ - p_ < 4) return error("truncated \\u escape");
-    uint32_t v = 0;
-    for (int i = 0; i < 4; ++i, ++p_) {
-      const char c = *p_;
-      v <<= 4;
-      if (c >= '0' && c <= '9')
-        v |= c - '0';
-      else if (c >= 'a' && c <= 'f')
-        v |= c - 'a' + 10;
-      else if (c >= 'A' && c <= 'F')
-        v |= c - 'A' + 10;
-      else
-        return error("bad hex digit in \\u escape");
-    }
-    *out = v;
-    return Status();
-  }
-
-  Status parse_string(std::string* out) {
-    if (!peek('"'))
-      return at_end() ? error("expected a string, found the end")
-                      : error("expected a string, found " + describe(*p_));
-    ++p_;
-    while (true) {
-      if (at_end()) return error("unterminated string");
-      const auto c = static_cast<unsigned char>(*p_);
-      if (c == '"') {
-        ++p_;
-        return Status();
-      }
-      if (c < 0x20) return error("unescaped control character in string");
-      if (c == '\\') {
-        ++p_;
-        if (at_end()) return error("unterminated escape");
-        const char e = *p_++;
-        switch (e) {
-          case '"':
-            *out += '"';
-            break;
-          case '\\':
-            *out += '\\';
-            break;
-          case '/':
-            *out += '/';
-            break;
-          case 'b':
-            *out += '\b';
-            break;
-          case 'f':
-            *out += '\f';
-            break;
-          case 'n':
-            *out += '\n';
-            break;
-          case 'r':
-            *out += '\r';
-            break;
-          case 't':
-            *out += '\t';
-            break;
-          case 'u': {
-            uint32_t cp = 0;
-            FERRY_RETURN_IF_ERROR(parse_hex4(&cp));
-            if (cp >= 0xdc00 && cp <= 0xdfff) return error("lone low surrogate in \\u escape");
-            if (cp >= 0xd800 && cp <= 0xdbff) {
-              if (end_ - p_ < 2 || p_[0] != '\\' || p_[1] != 'u')
-                return error("high surrogate without a low surrogate");
-              p_ += 2;
-              uint32_t lo = 0;
-              FERRY_RETURN_IF_ERROR(parse_hex4(&lo));
-              if (lo < 0xdc00 || lo > 0xdfff)
-                return error("high surrogate without a low surrogate");
-              cp = 0x10000 + ((cp - 0xd800) << 10) + (lo - 0xdc00);
-            }
-            append_utf8(*out, cp);
-            break;
-          }
-          default:
-            --p_;
-            return error("bad escape \\" + describe(e));
-        }
-        continue;
-      }
-      const size_t n = utf8_sequence_length(reinterpret_cast<const unsigned char*>(p_),
-                                            static_cast<size_t>(end_ - p_));
-      if (n == 0) return error("invalid UTF-8 in string");
-      out->append(p_, n);
-      p_ += n;
-    }
-  }
-
-  // Only what the format uses: non-negative integers. A JSON number with a
-  // sign, fraction or exponent is refused with a message saying so.
-  Status parse_uint(const char* what, uint64_t* out) {
-    if (peek('-')) return error(std::string(what) + " is negative");
-    if (at_end() || *p_ < '0' || *p_ > '9') {
-      return at_end() ? error(std::string("expected ") + what + ", found the end")
-                      : error(std::string("expected ") + what + ", found " + describe(*p_));
-    }
-    if (*p_ == '0' && end_ - p_ > 1 && p_[1] >= '0' && p_[1] <= '9')
-      return error(std::string(what) + " has a leading zero");
-    uint64_t v = 0;
-    while (!at_end() && *p_ >= '0' && *p_ <= '9') {
-      const uint64_t d = static_cast<uint64_t>(*p_ - '0');
-      if (v > (std::numeric_limits<uint64_t>::max() - d) / 10)
-        return error(std::string(what) + " does not fit in 64 bits");
-      v = v * 10 + d;
-      ++p_;
-    }
-    if (peek('.') || peek('e') || peek('E')) return error(std::string(what) + " is not an integer");
-    *out = v;
-    return Status();
-  }
-
-  Status parse_uint_array(const char* what, std::vector<uint64_t>* out) {
-    FERRY_RETURN_IF_ERROR(expect('['));
-    return parse_members(']', [&]() -> Status {
-      uint64_t v = 0;
-      FERRY_RETURN_IF_ERROR(parse_uint(what, &v));
-      out->push_back(v);
-      return Status();
-    });
-  }
-
-  Status parse_metadata(std::vector<std::pair<std::string, std::string>>* out) {
-    FERRY_RETURN_IF_ERROR(expect('{'));
-    std::unordered_set<std::string> keys;
-    return parse_members('}', [&]() -> Status {
-      std::string k, v;
-      FERRY_RETURN_IF_ERROR(parse_key(&k));
-      if (!peek('"')) return error("__metadata__ value of '" + k + "' is not a string");
-      FERRY_RETURN_IF_ERROR(parse_string(&v));
-      if (!keys.insert(k).second) return error("duplicate __metadata__ key '" + k + "'");
-      out->emplace_back(std::move(k), std::move(v));
-      return Status();
-    });
-  }
-
-  Status parse_entry(SafetensorsEntry* e) {
-    if (!peek('{')) return error("entry '" + e->name + "' is not an object");
-    ++p_;
-    bool has_dtype = false, has_shape = false, has_offsets = false;
-    FERRY_RETURN_IF_ERROR(parse_members('}', [&]() -> Status {
-      std::string field;
-      FERRY_RETURN_IF_ERROR(parse_key(&field));
-      bool* seen = nullptr;
-      if (field == "dtype") {
-        seen = &has_dtype;
-        FERRY_RETURN_IF_ERROR(parse_string(&e->dtype));
-      } else if (field == "shape") {
-        seen = &has_shape;
-        std::vector<uint64_t> dims;
-        FERRY_RETURN_IF_ERROR(parse_uint_array("a shape dimension", &dims));
-        e->shape.clear();
-        for (uint64_t d : dims) {
-          if (d > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
-            return error("entry '" + e->name + "': shape dimension " + std::to_string(d) +
-                         " is too large");
-          e->shape.push_back(static_cast<int64_t>(d));
-        }
-      } else if (field == "data_offsets") {
-        seen = &has_offsets;
-        std::vector<uint64_t> offs;
-        FERRY_RETURN_IF_ERROR(parse_uint_array("a data offset", &offs));
-        if (offs.size() != 2)
-          return error("entry '" + e->name + "': data_offsets has " + std::to_string(offs.size()) +
-                       " values, expected 2");
-        e->begin = offs[0];
-        e->end = offs[1];
-      } else {
-        return error("entry '" + e->name + "': unexpected field '" + field + "'");
-      }
-      if (*seen) return error("entry '" + e->name + "': field '" + field + "' repeated");
-      *seen = true;
-      return Status();
-    }));
-    if (!has_dtype) return error("entry '" + e->name + "' has no dtype");
-    if (!has_shape) return error("entry '" + e->name + "' has no shape");
-    if (!has_offsets) return error("entry '" + e->name + "' has no data_offsets");
-    return Status();
-  }
-
-  const char* begin_;
-  const char* p_;
-  const char* end_;
-};
+  return Status();
+}
 
 }  // namespace
 
@@ -568,8 +457,7 @@ Result<SafetensorsHeader> parse_safetensors_header(const std::string& prefix, ui
 
   SafetensorsHeader h;
   h.data_start = 8 + n;
-  HeaderParser parser(prefix.data() + 8, n);
-  FERRY_RETURN_IF_ERROR(parser.parse(&h));
+  FERRY_RETURN_IF_ERROR(parse_header_json(prefix.data() + 8, n, &h));
 
   for (const auto& e : h.entries) {
     const std::string who = "safetensors entry '" + e.name + "'";

@@ -56,7 +56,10 @@ TEST_CASE("building a state dict of 100,000 entries is linear in its entries") {
     large = std::min(large, seconds_to_build(1, 100000, data));
   }
   INFO("10 x 10,000 entries: " << ten_small * 1e3 << " ms, 1 x 100,000: " << large * 1e3 << " ms");
-  CHECK(large <= 3 * ten_small);
+  // 1-2x here; a hash table of 100,000 keys outgrows the caches ten of
+  // 10,000 fit in, so the bound leaves room; a walk of the entries is 10x
+  // (and seconds).
+  CHECK(large <= 5 * ten_small);
 }
 
 TEST_CASE("copies of a state dict share entries until one changes, then differ") {
