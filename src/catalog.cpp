@@ -15,6 +15,8 @@
 #include <tuple>
 #include <unordered_map>
 
+#include "object_fs.hpp"
+
 namespace ferry {
 namespace {
 
@@ -281,6 +283,8 @@ Result<std::vector<CheckpointInfo>> list_checkpoints_here(Filesystem& fs, const 
     if (st.ok() && !st->is_dir && !st->is_symlink) continue;  // a stray file with a step-like name
     Status dir = check_step_dir(fs, info.path);
     Result<Manifest> m = dir.ok() ? read_manifest(fs, info.path) : Result<Manifest>(dir);
+    // A step prefix without its MANIFEST is a save in flight or one that failed.
+    if (!m.ok() && m.status().code() == StatusCode::not_found && is_object_root(root)) continue;
     if (m.ok()) {
       info.commit_seq = m->commit_seq;
       info.bytes = m->total_bytes();
@@ -513,6 +517,7 @@ Result<std::vector<std::string>> finish_interrupted_overwrites(Filesystem& fs,
                                                                const std::string& root,
                                                                int64_t lock_wait_ms) {
   std::vector<std::string> restored;
+  if (is_object_root(root)) return restored;  // no overwrite moves a step aside there
   FERRY_ASSIGN_OR_RETURN(std::vector<std::string> aside, restorable_asides(fs, root, nullptr));
   if (aside.empty()) return restored;  // the common case: no lock, nothing written
   // An overwrite in flight holds the lock with its old step aside on purpose:
@@ -527,6 +532,7 @@ Result<std::vector<std::string>> finish_interrupted_overwrites(Filesystem& fs,
 }
 
 Result<bool> overwrite_pending_for(Filesystem& fs, const std::string& root, uint64_t step) {
+  if (is_object_root(root)) return false;
   FERRY_ASSIGN_OR_RETURN(std::vector<std::string> aside, restorable_asides(fs, root, &step));
   return !aside.empty();
 }
@@ -659,7 +665,13 @@ Result<Retired> retire_checkpoints(Filesystem& fs, const std::string& root, uint
     // must not leave a step-* directory whose manifest names missing files.
     // The trash name makes a leftover collectable by collect_garbage.
     std::string trash = join_path(root, trash_dir_name());
-    FERRY_RETURN_IF_ERROR(fs.rename(c.path, trash));
+    if (is_object_root(root)) {
+      // No rename there: without its MANIFEST the step is no checkpoint.
+      FERRY_RETURN_IF_ERROR(fs.unlink(join_path(c.path, kManifestFileName)));
+      trash = c.path;
+    } else {
+      FERRY_RETURN_IF_ERROR(fs.rename(c.path, trash));
+    }
     out.checkpoints.push_back(c.path);
     out.trash.push_back(std::move(trash));
   }
