@@ -296,6 +296,10 @@ class StoreFilesystem : public Filesystem {
     return std::unique_ptr<FileLock>(new NoLock);
   }
 
+  Store& store() { return *store_; }
+  // `path`'s key ("" for the root).
+  Result<std::string> key(const std::string& path) const { return key_of(path); }
+
   void keep_temp(const std::string& path, std::string bytes) {
     std::lock_guard<std::mutex> lock(mu_);
     temps_[path] = std::move(bytes);
@@ -402,6 +406,15 @@ class ObjectRootFilesystem : public FilesystemWrapper {
     if (!is_object_root(root)) target_->add_root(root);
   }
 
+  // The store under an object path, and the path's key in it.
+  Result<std::pair<StoreFilesystem*, std::string>> store_of(const std::string& path) {
+    if (!is_object_root(path)) return Status::invalid_argument(path + " is no object root");
+    FERRY_ASSIGN_OR_RETURN(Filesystem * fs, route(path));
+    auto* sfs = static_cast<StoreFilesystem*>(fs);
+    FERRY_ASSIGN_OR_RETURN(std::string key, sfs->key(path));
+    return std::make_pair(sfs, key);
+  }
+
  private:
   Result<Filesystem*> route(const std::string& path) {
     if (!is_object_root(path)) return target_.get();
@@ -444,6 +457,20 @@ S3StoreOptions s3_store_options(const Options& o) {
   const uint64_t block = std::max<uint64_t>(o.chunk_bytes, 1);
   s.part_bytes = std::max<uint64_t>(block, ((8ull << 20) + block - 1) / block * block);
   return s;
+}
+
+Result<std::vector<PendingUpload>> unfinished_uploads(Filesystem& fs, const std::string& path) {
+  auto* router = dynamic_cast<ObjectRootFilesystem*>(&fs);
+  if (!router || !is_object_root(path)) return std::vector<PendingUpload>{};
+  FERRY_ASSIGN_OR_RETURN(auto at, router->store_of(path));
+  return at.first->store().uploads(at.second.empty() ? "" : at.second + "/");
+}
+
+Status abort_unfinished_upload(Filesystem& fs, const std::string& path, const PendingUpload& u) {
+  auto* router = dynamic_cast<ObjectRootFilesystem*>(&fs);
+  if (!router) return Status::unsupported(path + ": no object store to abort " + u.key + " in");
+  FERRY_ASSIGN_OR_RETURN(auto at, router->store_of(path));
+  return at.first->store().abort_upload(u);
 }
 
 std::shared_ptr<Filesystem> store_filesystem(std::shared_ptr<Store> store) {

@@ -37,6 +37,12 @@ S3StoreOptions s3_store_options(const Options& o);
 // A Filesystem over `store`: paths are store->root() + "/" + key.
 std::shared_ptr<Filesystem> store_filesystem(std::shared_ptr<Store> store);
 
+// The unfinished uploads under `path` (an object root), and aborting one:
+// what gc needs beyond the Filesystem. Empty when `fs` is no object-root
+// filesystem of with_object_roots (a wrapper hides it; a directory has none).
+Result<std::vector<PendingUpload>> unfinished_uploads(Filesystem& fs, const std::string& path);
+Status abort_unfinished_upload(Filesystem& fs, const std::string& path, const PendingUpload& u);
+
 // Paths "s3://bucket/..." go to that bucket's store (made on first use with
 // `s3_options()`), every other path to `base`.
 std::shared_ptr<Filesystem> with_object_roots(std::shared_ptr<Filesystem> base,

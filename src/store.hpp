@@ -20,6 +20,13 @@ struct ObjectEntry {
   uint64_t size = 0;
 };
 
+// An upload begun and neither finished nor aborted (S3's multipart uploads).
+struct PendingUpload {
+  std::string key;
+  std::string id;
+  int64_t started_unix_ms = 0;
+};
+
 // Writes one object from pieces, in any order and from several threads.
 // Nothing is visible under the key before finish; abort leaves nothing.
 class ObjectWriter {
@@ -60,6 +67,15 @@ class Store {
   virtual Status put_if_absent(const std::string& key, const std::string& bytes) = 0;
   // Deletes the objects; an absent key is not an error.
   virtual Status remove(const std::vector<std::string>& keys) = 0;
+  // Uploads under `prefix` that a writer left unfinished (a crash), for gc:
+  // they hold storage but are no object. None where writes leave nothing.
+  virtual Result<std::vector<PendingUpload>> uploads(const std::string& prefix) {
+    (void)prefix;
+    return std::vector<PendingUpload>{};
+  }
+  virtual Status abort_upload(const PendingUpload& u) {
+    return Status::unsupported(root() + ": no upload " + u.key);
+  }
 };
 
 // A key is a relative path of non-empty components: no leading '/', no

@@ -1,7 +1,9 @@
 // s3:// roots end to end against the suite's server: ranks save through the
 // runtime into a bucket prefix and other rank counts load it resharded, the
 // MANIFEST object is the commit point, and the catalog reads the root.
+#include <algorithm>
 #include <cstdlib>
+#include <fstream>
 #include <random>
 
 #include "catalog.hpp"
@@ -200,4 +202,104 @@ TEST_CASE(
   INFO(none.status().to_string());
   CHECK(none.status().message().find("HTTP 404") != std::string::npos);
   CHECK(none.status().message().find(r.bucket + "-none") != std::string::npos);
+}
+
+TEST_CASE(
+    "gc on an s3:// root removes unnamed save prefixes whose lease lapsed and aborts their "
+    "uploads, keeps leased ones, and never touches keys outside the root",
+    "[s3][root][gc]") {
+  FERRY_S3_SERVER(server);
+  S3Root r = make_root(server);
+  std::vector<uint8_t> bytes = pattern(1 << 20, 8);
+  StateDict sd;
+  REQUIRE_OK(sd.add("w", TensorView{bytes.data(), DType::u8, {int64_t(bytes.size())}}));
+  {
+    auto rt = testing::make_test_runtime(r.root, {{{"s3-endpoint", r.endpoint}}});
+    REQUIRE_OK(rt->save_async(sd, 1).wait_committed());
+  }
+  const int64_t now = now_unix_ms();
+  auto d = [] { return s3::Deadline::in(std::chrono::seconds(30)); };
+  auto put = [&](const std::string& key, const std::string& text) {
+    REQUIRE_OK(r.client->put(r.bucket, key, text.data(), text.size(), {}, d()));
+  };
+  const std::string lapsed = std::to_string(now - 1000) + " j/dead/1\n";
+  // A crashed save of step 2: lease lapsed, a data object and an unfinished upload.
+  put("run1/step-00000002/save-dead/LEASE", lapsed);
+  put("run1/step-00000002/save-dead/rank-00000-0000.safetensors", "data");
+  auto dead_upload =
+      r.client->create_multipart(r.bucket, "run1/step-00000002/save-dead/rank-00000-0001", d());
+  REQUIRE_OK(dead_upload);
+  // A leftover beside committed step 1 that its MANIFEST does not name, no lease.
+  put("run1/step-00000001/save-old/rank-00000-0000.safetensors", "old");
+  // A save in flight: leased for an hour, its upload going on.
+  put("run1/step-00000003/save-live/LEASE", std::to_string(now + 3'600'000) + " j/live/1\n");
+  put("run1/step-00000003/save-live/rank-00000-0000.safetensors", "live");
+  REQUIRE_OK(
+      r.client->create_multipart(r.bucket, "run1/step-00000003/save-live/rank-00000-0001", d()));
+  // Another root beside this one ("run10" starts with "run1"): never touched.
+  put("run10/step-00000002/save-dead/LEASE", lapsed);
+  REQUIRE_OK(
+      r.client->create_multipart(r.bucket, "run10/step-00000002/save-dead/rank-00000-0001", d()));
+
+  GcOptions o;
+  o.now_unix_ms = now + 120'000;  // past the uploads' grace
+  auto rep = Catalog(r.fs).gc(r.root, o);
+  REQUIRE_OK(rep);
+  std::sort(rep->removed.begin(), rep->removed.end());
+  CHECK(rep->removed == std::vector<std::string>{r.root + "/step-00000001/save-old",
+                                                 r.root + "/step-00000002/save-dead"});
+  CHECK(rep->kept == std::vector<std::string>{r.root + "/step-00000003/save-live"});
+  REQUIRE(rep->discarded.size() == 1);
+  CHECK(rep->discarded[0].find("step-00000002/save-dead/rank-00000-0001") != std::string::npos);
+  CHECK(rep->failed.empty());
+
+  CHECK(keys_under(r, "run1/step-00000002/").empty());
+  CHECK(keys_under(r, "run1/step-00000001/save-old/").empty());
+  CHECK(keys_under(r, "run1/step-00000003/").size() == 2);
+  CHECK(keys_under(r, "run10/").size() == 1);
+  auto uploads = r.client->list_multipart(r.bucket, "", d());
+  REQUIRE_OK(uploads);
+  std::vector<std::string> left;
+  for (const auto& u : uploads.value()) left.push_back(u.key);
+  std::sort(left.begin(), left.end());
+  CHECK(left == std::vector<std::string>{"run1/step-00000003/save-live/rank-00000-0001",
+                                         "run10/step-00000002/save-dead/rank-00000-0001"});
+  // The committed step is whole: every byte verified.
+  auto v = Catalog(r.fs).verify(r.root);
+  REQUIRE_OK(v);
+}
+
+TEST_CASE("ferry ls, verify and gc on an s3:// root", "[s3][root][cli]") {
+  FERRY_S3_SERVER(server);
+  S3Root r = make_root(server);
+  std::vector<uint8_t> bytes = pattern(1 << 20, 9);
+  StateDict sd;
+  REQUIRE_OK(sd.add("w", TensorView{bytes.data(), DType::u8, {int64_t(bytes.size())}}));
+  {
+    auto rt = testing::make_test_runtime(r.root, {{{"s3-endpoint", r.endpoint}}});
+    REQUIRE_OK(rt->save_async(sd, 4).wait_committed());
+  }
+  testing::TempDir tmp;
+  const std::string ini = tmp.sub("s3.ini");
+  {
+    std::ofstream out(ini);
+    out << "[ferry]\ns3-endpoint = \"" << r.endpoint << "\"\n";
+  }
+  const std::vector<std::string> env = {"FERRY_CONFIG=" + ini};
+  auto ls = testing::run_shell(std::string(FERRY_CLI_PATH) + " ls " + r.root, env);
+  INFO(ls.out);
+  CHECK(ls.code == 0);
+  CHECK(ls.out.find("step-00000004") != std::string::npos);
+  CHECK(ls.out.find("LATEST") != std::string::npos);
+  auto verify = testing::run_shell(std::string(FERRY_CLI_PATH) + " verify " + r.root, env);
+  INFO(verify.out);
+  CHECK(verify.code == 0);
+  CHECK(verify.out.find("OK") != std::string::npos);
+  CHECK(verify.out.find(r.root + "/step-00000004") != std::string::npos);
+  auto gc = testing::run_shell(std::string(FERRY_CLI_PATH) + " gc " + r.root, env);
+  INFO(gc.out);
+  CHECK(gc.code == 0);
+  // No secret in anything the CLI printed.
+  CHECK(ls.out.find(server.config.secret_key) == std::string::npos);
+  CHECK(verify.out.find(server.config.secret_key) == std::string::npos);
 }
