@@ -255,8 +255,7 @@ class StoreFilesystem : public Filesystem {
       if (!name.empty() && (names.empty() || names.back() != name)) names.push_back(name);
     }
     names.erase(std::unique(names.begin(), names.end()), names.end());
-    if (names.empty() && !key.empty()) return Status::not_found(dir + ": no object under it");
-    return names;
+    return names;  // a prefix with nothing under it is an empty one, not a missing one
   }
 
   Result<FileInfo> stat(const std::string& path) override {

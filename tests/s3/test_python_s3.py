@@ -82,6 +82,22 @@ class S3Root(unittest.TestCase):
             ferry.save_async(sd, root, 1).wait()
         self.assertIn("step-00000001", str(e.exception))
 
+    def test_checkpoint_manager_keeps_the_last_two(self):
+        bucket = "ferry-py-mgr-%d" % os.getpid()
+        make_bucket(bucket)
+        root = "s3://%s/run1" % bucket
+        w = torch.zeros(1000)
+        with ferry.CheckpointManager(root, keep_last=2) as mgr:
+            self.assertIsNone(mgr.latest_step())
+            self.assertEqual(mgr.all_steps(), [])
+            for step in range(1, 5):
+                w.fill_(step)
+                self.assertTrue(mgr.save(step, {"w": w}))
+        self.assertEqual(mgr.all_steps(), [3, 4])
+        self.assertEqual(mgr.latest_step(), 4)
+        self.assertTrue(torch.equal(mgr.restore()["w"], torch.full((1000,), 4.0)))
+        self.assertTrue(torch.equal(mgr.restore(step=3)["w"], torch.full((1000,), 3.0)))
+
 
 if __name__ == "__main__":
     try:
