@@ -303,3 +303,37 @@ TEST_CASE("ferry ls, verify and gc on an s3:// root", "[s3][root][cli]") {
   CHECK(ls.out.find(server.config.secret_key) == std::string::npos);
   CHECK(verify.out.find(server.config.secret_key) == std::string::npos);
 }
+
+TEST_CASE("an overwrite on an s3:// root commits beside the old save's objects, then deletes them",
+          "[s3][root]") {
+  FERRY_S3_SERVER(server);
+  S3Root r = make_root(server);
+  std::vector<uint8_t> first = pattern(1 << 20, 10), second = pattern(1 << 20, 11);
+  auto rt = testing::make_test_runtime(r.root, {{{"s3-endpoint", r.endpoint}}});
+  auto save = [&](std::vector<uint8_t>& bytes, bool overwrite) {
+    StateDict sd;
+    REQUIRE_OK(sd.add("w", TensorView{bytes.data(), DType::u8, {int64_t(bytes.size())}}));
+    SaveOptions o;
+    o.overwrite = overwrite;
+    REQUIRE_OK(rt->save_async(sd, 1, o).wait_committed());
+  };
+  save(first, false);
+  auto old = read_manifest(*r.fs, r.root + "/step-00000001");
+  REQUIRE_OK(old);
+  save(second, true);
+  auto now = read_manifest(*r.fs, r.root + "/step-00000001");
+  REQUIRE_OK(now);
+  CHECK(now->commit_seq == old->commit_seq + 1);
+  const std::string old_prefix = old->files[0].name.substr(0, old->files[0].name.find('/'));
+  CHECK(now->files[0].name.rfind(old_prefix, 0) != 0);
+
+  std::vector<uint8_t> back(second.size(), 0);
+  StateDict into;
+  REQUIRE_OK(into.add("w", TensorView{back.data(), DType::u8, {int64_t(back.size())}}));
+  REQUIRE_OK(rt->load(into, r.root));
+  CHECK(back == second);
+  // The old objects go in the background, at the latest when the runtime ends.
+  rt.reset();
+  CHECK(keys_under(r, "run1/step-00000001/" + old_prefix + "/").empty());
+  CHECK_FALSE(keys_under(r, "run1/step-00000001/").empty());
+}
