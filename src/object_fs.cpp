@@ -246,16 +246,8 @@ class StoreFilesystem : public Filesystem {
 
   Result<std::vector<std::string>> list(const std::string& dir) override {
     FERRY_ASSIGN_OR_RETURN(std::string key, key_of(dir));
-    const std::string prefix = key.empty() ? "" : key + "/";
-    FERRY_ASSIGN_OR_RETURN(std::vector<ObjectEntry> all, store_->list(prefix));
-    std::vector<std::string> names;
-    for (const ObjectEntry& e : all) {
-      std::string name = e.key.substr(prefix.size());
-      name = name.substr(0, name.find('/'));
-      if (!name.empty() && (names.empty() || names.back() != name)) names.push_back(name);
-    }
-    names.erase(std::unique(names.begin(), names.end()), names.end());
-    return names;  // a prefix with nothing under it is an empty one, not a missing one
+    // A prefix with nothing under it is an empty one, not a missing one.
+    return store_->children(key.empty() ? "" : key + "/");
   }
 
   Result<FileInfo> stat(const std::string& path) override {
@@ -281,7 +273,7 @@ class StoreFilesystem : public Filesystem {
       return info;
     }
     if (size.status().code() != StatusCode::not_found) return size.status();
-    FERRY_ASSIGN_OR_RETURN(std::vector<ObjectEntry> under, store_->list(key + "/"));
+    FERRY_ASSIGN_OR_RETURN(std::vector<std::string> under, store_->children(key + "/"));
     if (under.empty()) return Status::not_found(path + ": no such object or prefix");
     info.is_dir = true;
     return info;

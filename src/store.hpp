@@ -60,6 +60,20 @@ class Store {
   // Every object whose key starts with `prefix`, sorted by key. Objects
   // being written (not yet finished) are not listed.
   virtual Result<std::vector<ObjectEntry>> list(const std::string& prefix) = 0;
+  // The names one level below `prefix` (which ends in '/' or is empty):
+  // objects and sub-prefixes alike, each once, sorted. What a directory
+  // listing is; S3 answers it without listing everything below.
+  virtual Result<std::vector<std::string>> children(const std::string& prefix) {
+    Result<std::vector<ObjectEntry>> all = list(prefix);
+    if (!all.ok()) return all.status();
+    std::vector<std::string> names;
+    for (const ObjectEntry& e : all.value()) {
+      std::string name = e.key.substr(prefix.size());
+      name = name.substr(0, name.find('/'));
+      if (!name.empty() && (names.empty() || names.back() != name)) names.push_back(name);
+    }
+    return names;
+  }
   // Replaces the object at once: a reader sees the old bytes or the new.
   virtual Status put(const std::string& key, const std::string& bytes) = 0;
   // Creates the object only if the key is free: already_exists otherwise,

@@ -1,5 +1,6 @@
 #include "s3/s3_store.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <ctime>
@@ -184,6 +185,21 @@ class S3Store : public Store {
     std::vector<ObjectEntry> out;
     size_t strip = url_.prefix.empty() ? 0 : url_.prefix.size() + 1;
     for (auto& o : listed.value()) out.push_back({o.key.substr(strip), o.size});
+    return out;
+  }
+
+  Result<std::vector<std::string>> children(const std::string& prefix) override {
+    auto listed = c_->list(url_.bucket, full(prefix), deadline(), "/");
+    if (!listed.ok()) return listed.status();
+    std::vector<std::string> out;
+    const size_t strip = full(prefix).size();
+    for (auto& o : listed.value()) {
+      std::string name = o.key.substr(std::min(strip, o.key.size()));
+      if (!name.empty() && name.back() == '/') name.pop_back();
+      if (!name.empty() && name.find('/') == std::string::npos) out.push_back(std::move(name));
+    }
+    std::sort(out.begin(), out.end());
+    out.erase(std::unique(out.begin(), out.end()), out.end());
     return out;
   }
 
