@@ -341,8 +341,7 @@ void on_all_plans(coordinator_ptr self) {
   if (!gp.ok()) return abort_active(self, gp.status());
   char nonce[17];
   std::snprintf(nonce, sizeof(nonce), "%016llx", static_cast<unsigned long long>(st.nonces()));
-  c.pending_dir =
-      join_path(c.root, pending_dir_name(c.step, st.ctx->job_id, c.id + "-" + std::string(nonce)));
+  c.pending_dir = pending_path(c.root, c.step, st.ctx->job_id, c.id + "-" + std::string(nonce));
   c.lease_owner = st.ctx->job_id + "/" + c.id + "/" + nonce;
   // On failure prepare_pending removes what it created, and only that.
   std::vector<GcReport::Failed> undeleted;

@@ -11,11 +11,13 @@
 #include <atomic>
 #include <map>
 
+#include "actors/runtime_access.hpp"
 #include "catalog.hpp"
 #include "ferry/filesystem.hpp"
 #include "ferry/runtime.hpp"
 #include "layout.hpp"
 #include "manifest.hpp"
+#include "object_fs.hpp"
 #include "verify.hpp"
 
 namespace ferry {
@@ -176,7 +178,11 @@ Result<std::string> export_checkpoint(Runtime& rt, const std::string& checkpoint
                                     std::to_string(rt.world_size()) + " ranks");
   if (o.max_shard_bytes == 0 || o.block_bytes == 0)
     return Status::invalid_argument("export: max_shard_bytes and block_bytes must be positive");
-  auto fs = posix_filesystem();
+  if (is_object_root(out_dir))
+    return Status::unsupported("export writes into a directory, not into " + out_dir);
+  // The checkpoint may be on an object root (s3://), with the runtime's S3 settings.
+  const S3StoreOptions s3 = s3_store_options(detail::RuntimeAccess::context(rt).opts);
+  auto fs = with_object_roots(posix_filesystem(), [s3] { return s3; });
   fs->add_root(checkpoint);
   FERRY_ASSIGN_OR_RETURN(std::string dir, resolve_checkpoint(*fs, checkpoint));
   FERRY_ASSIGN_OR_RETURN(Manifest m, read_manifest(*fs, dir));

@@ -20,6 +20,7 @@
 #include "drills/fault_fs.hpp"
 #include "drills/kill_point.hpp"
 #include "node.hpp"
+#include "object_fs.hpp"
 #include "verify.hpp"
 
 namespace ferry {
@@ -444,7 +445,10 @@ Result<std::unique_ptr<Runtime>> Runtime::create(RuntimeArgs args) {
                       : std::random_device{}() ^ (uint64_t{std::random_device{}()} << 32);
   // FERRY_FAULTS wraps the filesystem in the fault injector (tests, crash
   // drills) without recompiling; unset, this is the plain one.
-  FERRY_ASSIGN_OR_RETURN(ctx->fs, filesystem_from_env(args.fs ? args.fs : posix_filesystem()));
+  // s3:// roots (the configured one or a save's own) go to the S3 store.
+  std::shared_ptr<Filesystem> base = with_object_roots(args.fs ? args.fs : posix_filesystem(),
+                                                       [opts] { return s3_store_options(opts); });
+  FERRY_ASSIGN_OR_RETURN(ctx->fs, filesystem_from_env(std::move(base)));
   // Nothing below a root is reached through a link (Filesystem::add_root).
   if (!opts.root.empty()) ctx->fs->add_root(opts.root);
   // Crash drills (FERRY_KILL_AT) observe this runtime's crash points only.

@@ -15,6 +15,9 @@
 #include <tuple>
 #include <unordered_map>
 
+#include "object_fs.hpp"
+#include "s3/client.hpp"
+
 namespace ferry {
 namespace {
 
@@ -281,6 +284,8 @@ Result<std::vector<CheckpointInfo>> list_checkpoints_here(Filesystem& fs, const 
     if (st.ok() && !st->is_dir && !st->is_symlink) continue;  // a stray file with a step-like name
     Status dir = check_step_dir(fs, info.path);
     Result<Manifest> m = dir.ok() ? read_manifest(fs, info.path) : Result<Manifest>(dir);
+    // A step prefix without its MANIFEST is a save in flight or one that failed.
+    if (!m.ok() && m.status().code() == StatusCode::not_found && is_object_root(root)) continue;
     if (m.ok()) {
       info.commit_seq = m->commit_seq;
       info.bytes = m->total_bytes();
@@ -513,6 +518,7 @@ Result<std::vector<std::string>> finish_interrupted_overwrites(Filesystem& fs,
                                                                const std::string& root,
                                                                int64_t lock_wait_ms) {
   std::vector<std::string> restored;
+  if (is_object_root(root)) return restored;  // no overwrite moves a step aside there
   FERRY_ASSIGN_OR_RETURN(std::vector<std::string> aside, restorable_asides(fs, root, nullptr));
   if (aside.empty()) return restored;  // the common case: no lock, nothing written
   // An overwrite in flight holds the lock with its old step aside on purpose:
@@ -527,12 +533,79 @@ Result<std::vector<std::string>> finish_interrupted_overwrites(Filesystem& fs,
 }
 
 Result<bool> overwrite_pending_for(Filesystem& fs, const std::string& root, uint64_t step) {
+  if (is_object_root(root)) return false;
   FERRY_ASSIGN_OR_RETURN(std::vector<std::string> aside, restorable_asides(fs, root, &step));
   return !aside.empty();
 }
 
+namespace {
+
+// An object root's garbage (no rename there, so no pending, displaced or
+// trash names): under each step prefix, the save prefixes its MANIFEST does
+// not name whose LEASE expired or is missing, and the uploads a crashed
+// writer left unfinished there, once older than the grace. The leases are
+// listed before the MANIFEST is read: a save puts its MANIFEST before it
+// drops its LEASE, so a prefix seen without a lease that no MANIFEST read
+// afterwards names is no save's. Nothing outside the root is looked at.
+Result<GcReport> collect_object_garbage(Filesystem& fs, const std::string& root,
+                                        int64_t now_unix_ms, int64_t grace_ms) {
+  GcReport report;
+  std::vector<std::string> kept_prefixes;  // "step-N/save-..." still leased
+  FERRY_ASSIGN_OR_RETURN(std::vector<std::string> names, fs.list(root));
+  for (const std::string& name : names) {
+    if (!parse_step_dir_name(name, nullptr)) continue;
+    const std::string step_dir = join_path(root, name);
+    Result<std::vector<std::string>> saves = fs.list(step_dir);
+    if (!saves.ok()) continue;                          // gone meanwhile, or not a prefix
+    std::vector<std::pair<std::string, bool>> expired;  // save prefix, lease lapsed or missing
+    for (const std::string& s : *saves) {
+      if (!starts_with(s, "save-")) continue;
+      Result<PendingLease> lease = read_lease(fs, join_path(step_dir, s));
+      expired.emplace_back(s, !lease.ok() || lease->expires_unix_ms < now_unix_ms);
+    }
+    Result<Manifest> m = read_manifest(fs, step_dir);
+    if (!m.ok() && m.status().code() != StatusCode::not_found) continue;  // cannot tell: leave it
+    for (const auto& [s, lapsed] : expired) {
+      const std::string path = join_path(step_dir, s);
+      bool named = false;
+      for (const ManifestFile& f : m.ok() ? m->files : std::vector<ManifestFile>{})
+        named |= f.name.compare(0, s.size() + 1, s + "/") == 0;
+      if (named) continue;
+      if (!lapsed) {
+        report.kept.push_back(path);
+        kept_prefixes.push_back(name + "/" + s + "/");
+        continue;
+      }
+      Status st = remove_all(fs, path);
+      if (st.ok())
+        report.removed.push_back(path);
+      else
+        report.failed.push_back({path, st});
+    }
+  }
+  FERRY_ASSIGN_OR_RETURN(std::vector<PendingUpload> uploads, unfinished_uploads(fs, root));
+  FERRY_ASSIGN_OR_RETURN(s3::Url url, s3::parse_url(root));
+  const std::string base = url.prefix.empty() ? "" : url.prefix + "/";
+  for (const PendingUpload& u : uploads) {
+    const std::string rel = u.key.substr(base.size());  // listed under the root's prefix
+    bool leased = false;
+    for (const std::string& k : kept_prefixes) leased |= rel.compare(0, k.size(), k) == 0;
+    if (leased || u.started_unix_ms >= now_unix_ms - grace_ms) continue;
+    const std::string path = join_path(root, rel) + " (upload " + u.id + ")";
+    Status st = abort_unfinished_upload(fs, root, u);
+    if (st.ok())
+      report.discarded.push_back(path);
+    else
+      report.failed.push_back({path, st});
+  }
+  return report;
+}
+
+}  // namespace
+
 Result<GcReport> collect_garbage(Filesystem& fs, const std::string& root, int64_t now_unix_ms,
                                  int64_t grace_ms, int64_t lock_wait_ms, bool restore_displaced) {
+  if (is_object_root(root)) return collect_object_garbage(fs, root, now_unix_ms, grace_ms);
   GcReport report;
   std::vector<std::string> trash;  // out of sight, to delete once unlocked
   {
@@ -659,7 +732,13 @@ Result<Retired> retire_checkpoints(Filesystem& fs, const std::string& root, uint
     // must not leave a step-* directory whose manifest names missing files.
     // The trash name makes a leftover collectable by collect_garbage.
     std::string trash = join_path(root, trash_dir_name());
-    FERRY_RETURN_IF_ERROR(fs.rename(c.path, trash));
+    if (is_object_root(root)) {
+      // No rename there: without its MANIFEST the step is no checkpoint.
+      FERRY_RETURN_IF_ERROR(fs.unlink(join_path(c.path, kManifestFileName)));
+      trash = c.path;
+    } else {
+      FERRY_RETURN_IF_ERROR(fs.rename(c.path, trash));
+    }
     out.checkpoints.push_back(c.path);
     out.trash.push_back(std::move(trash));
   }

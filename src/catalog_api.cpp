@@ -6,6 +6,7 @@
 #include "catalog.hpp"
 #include "ferry/catalog.hpp"
 #include "manifest.hpp"
+#include "object_fs.hpp"
 #include "verify.hpp"
 
 namespace ferry {
@@ -76,7 +77,20 @@ const char* checkpoint_state_name(CheckpointState s) {
   return "unknown";
 }
 
-Catalog::Catalog() : fs_(posix_filesystem()) {}
+namespace {
+
+// The local filesystem, and s3:// roots with the S3 settings of the config
+// file and FERRY_CONFIG.
+std::shared_ptr<Filesystem> default_filesystem() {
+  return with_object_roots(posix_filesystem(), [] {
+    Result<Options> o = load_options({}, "");
+    return s3_store_options(o.ok() ? *o : Options{});
+  });
+}
+
+}  // namespace
+
+Catalog::Catalog() : fs_(default_filesystem()) {}
 
 Catalog::Catalog(std::shared_ptr<Filesystem> fs) : fs_(fs ? std::move(fs) : posix_filesystem()) {}
 

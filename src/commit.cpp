@@ -6,6 +6,7 @@
 #include "catalog.hpp"
 #include "codec.hpp"
 #include "crash_points.hpp"
+#include "object_fs.hpp"
 
 namespace ferry {
 
@@ -219,11 +220,12 @@ Result<PendingLease> check_lease(Filesystem& fs, const std::string& pending_dir,
 }
 
 // What must hold just before the commit rename: the files the manifest names
-// are all there, whole, and the save still owns its directory.
-Status check_pending(Filesystem& fs, const std::string& pending_dir, const Manifest& m,
-                     const CommitOptions& opts) {
+// (relative to `files_dir`) are all there, whole, and the save still owns
+// its directory.
+Status check_pending(Filesystem& fs, const std::string& files_dir, const std::string& pending_dir,
+                     const Manifest& m, const CommitOptions& opts) {
   for (const ManifestFile& f : m.files) {
-    const std::string path = join_path(pending_dir, f.name);
+    const std::string path = join_path(files_dir, f.name);
     Result<FileInfo> st = fs.lstat(path);
     if (!st.ok())
       return Status::aborted("commit refused: data file " + path + " is missing (" +
@@ -238,7 +240,67 @@ Status check_pending(Filesystem& fs, const std::string& pending_dir, const Manif
   return check_lease(fs, pending_dir, opts).status();
 }
 
+// The commit on an object root, from the checks on: the MANIFEST, created
+// only if absent (replaced with overwrite), is the commit point; LATEST and
+// retention follow as on a directory. An overwritten step's old files (the
+// other saves' prefixes its MANIFEST named) go to the trash.
+Result<CommitOutcome> commit_to_object_root(Filesystem& fs, const std::string& root,
+                                            const std::string& pending_dir,
+                                            const Manifest& manifest, const std::string& encoded,
+                                            const CommitOptions& opts) {
+  const std::string name = step_dir_name(manifest.step);
+  const std::string step_dir = join_path(root, name);
+  FERRY_RETURN_IF_ERROR(check_pending(fs, step_dir, pending_dir, manifest, opts));
+  std::vector<std::string> old_prefixes;
+  if (opts.overwrite) {
+    Result<Manifest> old = read_manifest(fs, step_dir);
+    const std::string ours = pending_dir.substr(pending_dir.find_last_of('/') + 1);
+    for (const ManifestFile& f : old.ok() ? old->files : std::vector<ManifestFile>{}) {
+      const std::string prefix = f.name.substr(0, f.name.find('/'));
+      if (f.name.find('/') != std::string::npos && prefix != ours &&
+          std::find(old_prefixes.begin(), old_prefixes.end(), prefix) == old_prefixes.end())
+        old_prefixes.push_back(prefix);
+    }
+  }
+  const std::string manifest_path = join_path(step_dir, kManifestFileName);
+  FERRY_ASSIGN_OR_RETURN(
+      std::string tmp, write_temp_file_passing(fs, manifest_path, encoded, opts.fsync, "manifest"));
+  Status committed = opts.overwrite ? fs.rename(tmp, manifest_path)
+                                    : fs.rename_noreplace(tmp, manifest_path);  // the commit point
+  if (!committed.ok()) {
+    (void)fs.unlink(tmp);
+    if (committed.code() == StatusCode::already_exists)
+      return Status::already_exists("checkpoint " + step_dir +
+                                    " was committed by another save (its MANIFEST exists)");
+    return committed.with_context("the commit of " + step_dir + ": ");
+  }
+  fs.crash_point("commit.rename");
+  CommitOutcome out{step_dir, manifest.commit_seq, {}, {}, {}, {}};
+  for (const std::string& p : old_prefixes) out.trash.push_back(join_path(step_dir, p));
+  (void)fs.unlink(join_path(pending_dir, kLeaseFileName));
+  Status latest = write_file_atomic_passing(fs, join_path(root, kLatestFileName), name + "\n",
+                                            /*sync=*/false, "latest");
+  if (!latest.ok())
+    out.warnings.push_back(latest.with_context("committed " + step_dir + ", but LATEST: "));
+  Result<Retired> retired = retire_checkpoints(fs, root, opts.keep_last, step_dir);
+  if (retired.ok()) {
+    out.retired = std::move(retired->checkpoints);
+    out.trash.insert(out.trash.end(), retired->trash.begin(), retired->trash.end());
+  } else {
+    out.warnings.push_back(
+        retired.status().with_context("committed " + step_dir + ", but retention: "));
+  }
+  return out;
+}
+
 }  // namespace
+
+std::string pending_path(const std::string& root, uint64_t step, const std::string& job,
+                         const std::string& unique) {
+  if (is_object_root(root))
+    return join_path(join_path(root, step_dir_name(step)), "save-" + job + "-" + unique);
+  return join_path(root, pending_dir_name(step, job, unique));
+}
 
 Status prepare_pending(Filesystem& fs, const std::string& root, const std::string& pending_dir,
                        uint64_t step, bool overwrite, int64_t lease_ms, const std::string& owner,
@@ -255,14 +317,19 @@ Status prepare_pending(Filesystem& fs, const std::string& root, const std::strin
   // aside stays aside: this save's commit puts it back and knows to spare it
   // from its retention. What gc could not delete still takes space: the
   // caller hears of it.
-  Result<GcReport> gc = collect_garbage(fs, root, now_unix_ms(), 60'000, /*lock_wait_ms=*/0,
-                                        /*restore_displaced=*/false);
-  if (gc.ok() && undeleted != nullptr)
-    undeleted->insert(undeleted->end(), gc->failed.begin(), gc->failed.end());
+  const bool object = is_object_root(root);
+  if (!object) {  // an object root's gc is `ferry gc`: listing it costs a request per 1,000 objects
+    Result<GcReport> gc = collect_garbage(fs, root, now_unix_ms(), 60'000, /*lock_wait_ms=*/0,
+                                          /*restore_displaced=*/false);
+    if (gc.ok() && undeleted != nullptr)
+      undeleted->insert(undeleted->end(), gc->failed.begin(), gc->failed.end());
+  }
   const std::string step_dir = join_path(root, step_dir_name(step));
   if (!overwrite) {
     Result<bool> aside = overwrite_pending_for(fs, root, step);
-    if (fs.stat(step_dir).ok() || (aside.ok() && *aside))
+    // On an object root a step prefix is committed only once its MANIFEST is there.
+    if (fs.stat(object ? join_path(step_dir, kManifestFileName) : step_dir).ok() ||
+        (aside.ok() && *aside))
       return Status::already_exists("checkpoint " + step_dir +
                                     " already exists (save with overwrite to replace it)");
   }
@@ -301,7 +368,8 @@ Result<CommitOutcome> commit_checkpoint_in_place(Filesystem& fs, const std::stri
   // place before anything looks at what is committed; this save's retention
   // spares it (the job may not have known of it).
   std::vector<std::string> restored;
-  FERRY_RETURN_IF_ERROR(recover_displaced(fs, root, &restored, nullptr));
+  const bool object = is_object_root(root);
+  if (!object) FERRY_RETURN_IF_ERROR(recover_displaced(fs, root, &restored, nullptr));
 
   // The sequence must exceed every committed one, so "latest" is well defined
   // even when steps go backwards (a job restarted from an older checkpoint).
@@ -317,6 +385,11 @@ Result<CommitOutcome> commit_checkpoint_in_place(Filesystem& fs, const std::stri
     FERRY_RETURN_IF_ERROR(
         write_lease(fs, pending_dir, now_of(opts) + opts.renew_lease_ms, lease.owner));
   }
+  if (object) {
+    // The files stay under the save's own prefix: the manifest names them through it.
+    const std::string save = pending_dir.substr(pending_dir.find_last_of('/') + 1);
+    for (ManifestFile& f : manifest.files) f.name = save + "/" + f.name;
+  }
   // Kept between commits: a fresh buffer of megabytes is paged in anew each time.
   static thread_local std::string encoded;
   encode_manifest_into(manifest, &encoded);
@@ -331,9 +404,10 @@ Result<CommitOutcome> commit_checkpoint_in_place(Filesystem& fs, const std::stri
         "the manifest of " + pending_dir + " would be " + std::to_string(encoded.size()) +
         " bytes, more than the " + std::to_string(kMaxManifestBytes) +
         " a reader accepts (fewer, larger chunks or checksum blocks make it smaller)");
+  if (object) return commit_to_object_root(fs, root, pending_dir, manifest, encoded, opts);
   FERRY_RETURN_IF_ERROR(write_file_atomic_passing(fs, join_path(pending_dir, kManifestFileName),
                                                   encoded, opts.fsync, "manifest"));
-  FERRY_RETURN_IF_ERROR(check_pending(fs, pending_dir, manifest, opts));
+  FERRY_RETURN_IF_ERROR(check_pending(fs, pending_dir, pending_dir, manifest, opts));
 
   const std::string name = step_dir_name(manifest.step);
   const std::string step_dir = join_path(root, name);

@@ -135,7 +135,10 @@ struct CommitOutcome {
 // back), fsyncs ROOT, replaces LATEST, moves the old step to trash, then
 // retires checkpoints past keep_last (never the new one, nor a step put back
 // at its start) to trash: see
-// CommitOutcome::trash. An error (returned) means nothing became
+// CommitOutcome::trash. On an object root the MANIFEST goes straight to
+// ROOT/step-N/MANIFEST, created only if absent (replaced with overwrite),
+// after the files and the lease are checked: that is the commit point, and
+// its file names carry the save's prefix. An error (returned) means nothing became
 // visible and the commit point was not passed; the caller removes the
 // pending directory. After the commit point the result is always ok, with
 // later failures in CommitOutcome::warnings.
@@ -146,6 +149,15 @@ Result<CommitOutcome> commit_checkpoint(Filesystem& fs, const std::string& root,
 Result<CommitOutcome> commit_checkpoint_in_place(Filesystem& fs, const std::string& root,
                                                  const std::string& pending_dir, Manifest* manifest,
                                                  const CommitOptions& opts);
+
+// Where a save writes its data files until the commit: ROOT/.pending-...
+// (renamed to its step directory by the commit), or on an object root
+// (s3://) ROOT/step-N/save-<job>-<unique>, a prefix of the save's own under
+// the step: S3 has no rename, so the files stay where they were written and
+// the MANIFEST names them through that prefix. A racing or overwriting save
+// never writes over another's files.
+std::string pending_path(const std::string& root, uint64_t step, const std::string& job,
+                         const std::string& unique);
 
 // Creates ROOT (if needed) and the pending directory with its lease. Fails
 // with already_exists naming the step directory when the step exists and

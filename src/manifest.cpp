@@ -15,6 +15,7 @@
 #include <cstring>
 #include <exception>
 #include <limits>
+#include <string_view>
 #include <tuple>
 #include <unordered_set>
 
@@ -245,8 +246,16 @@ Status check_semantics(const Manifest& m) {
   for (size_t i = 0; i < m.files.size(); ++i) {
     const auto& f = m.files[i];
     // The name is joined to the checkpoint directory: it must not escape it.
-    if (f.name.empty() || f.name == "." || f.name == ".." ||
-        f.name.find_first_of(std::string("/\0", 2)) != std::string::npos)
+    // A name may have a directory part (an object root's save prefix,
+    // "save-<id>/rank-..."), never an empty, "." or ".." component.
+    bool bad_part = f.name.empty() || f.name.find('\0') != std::string::npos;
+    for (size_t at = 0; !bad_part && at <= f.name.size();) {
+      size_t end = std::min(f.name.find('/', at), f.name.size());
+      const std::string_view part(f.name.data() + at, end - at);
+      bad_part = part.empty() || part == "." || part == "..";
+      at = end + 1;
+    }
+    if (bad_part)
       return Status::corruption("manifest: file " + std::to_string(i) + " has an invalid name '" +
                                 f.name + "'");
     if (!file_names.insert(f.name).second)

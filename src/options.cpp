@@ -472,6 +472,42 @@ const std::vector<KeySpec>& key_table() {
        [](const std::string& v, Options& o, std::string& why) {
          return parse_compress_value(v, o.compress, why);
        }},
+      {{"s3-endpoint", "",
+        "the S3 server of s3:// roots (http://host:port or https://host); empty means AWS "
+        "(https://s3.<region>.amazonaws.com)"},
+       [](const std::string& v, Options& o, std::string& why) {
+         const std::string e = trim(v);
+         if (!e.empty() && e.rfind("http://", 0) != 0 && e.rfind("https://", 0) != 0) {
+           why = "must start with http:// or https://";
+           return false;
+         }
+         o.s3_endpoint = e;
+         return true;
+       }},
+      {{"s3-region", "",
+        "the region s3:// requests are signed for; empty means AWS_REGION, else us-east-1"},
+       [](const std::string& v, Options& o, std::string& why) {
+         const std::string r = trim(v);
+         for (char c : r)
+           if (!std::isalnum(static_cast<unsigned char>(c)) && c != '-') {
+             why = "a region is letters, digits and '-' (e.g. eu-west-1)";
+             return false;
+           }
+         o.s3_region = r;
+         return true;
+       }},
+      {{"s3-addressing", "path",
+        "how s3:// requests name the bucket: path (host/bucket/key) or virtual "
+        "(bucket.host/key)"},
+       [](const std::string& v, Options& o, std::string& why) {
+         const std::string a = lower(trim(v));
+         if (a != "path" && a != "virtual") {
+           why = "must be path or virtual";
+           return false;
+         }
+         o.s3_virtual_addressing = a == "virtual";
+         return true;
+       }},
   };
   return kTable;
 }

@@ -20,6 +20,13 @@ struct ObjectEntry {
   uint64_t size = 0;
 };
 
+// An upload begun and neither finished nor aborted (S3's multipart uploads).
+struct PendingUpload {
+  std::string key;
+  std::string id;
+  int64_t started_unix_ms = 0;
+};
+
 // Writes one object from pieces, in any order and from several threads.
 // Nothing is visible under the key before finish; abort leaves nothing.
 class ObjectWriter {
@@ -53,6 +60,20 @@ class Store {
   // Every object whose key starts with `prefix`, sorted by key. Objects
   // being written (not yet finished) are not listed.
   virtual Result<std::vector<ObjectEntry>> list(const std::string& prefix) = 0;
+  // The names one level below `prefix` (which ends in '/' or is empty):
+  // objects and sub-prefixes alike, each once, sorted. What a directory
+  // listing is; S3 answers it without listing everything below.
+  virtual Result<std::vector<std::string>> children(const std::string& prefix) {
+    Result<std::vector<ObjectEntry>> all = list(prefix);
+    if (!all.ok()) return all.status();
+    std::vector<std::string> names;
+    for (const ObjectEntry& e : all.value()) {
+      std::string name = e.key.substr(prefix.size());
+      name = name.substr(0, name.find('/'));
+      if (!name.empty() && (names.empty() || names.back() != name)) names.push_back(name);
+    }
+    return names;
+  }
   // Replaces the object at once: a reader sees the old bytes or the new.
   virtual Status put(const std::string& key, const std::string& bytes) = 0;
   // Creates the object only if the key is free: already_exists otherwise,
@@ -60,6 +81,15 @@ class Store {
   virtual Status put_if_absent(const std::string& key, const std::string& bytes) = 0;
   // Deletes the objects; an absent key is not an error.
   virtual Status remove(const std::vector<std::string>& keys) = 0;
+  // Uploads under `prefix` that a writer left unfinished (a crash), for gc:
+  // they hold storage but are no object. None where writes leave nothing.
+  virtual Result<std::vector<PendingUpload>> uploads(const std::string& prefix) {
+    (void)prefix;
+    return std::vector<PendingUpload>{};
+  }
+  virtual Status abort_upload(const PendingUpload& u) {
+    return Status::unsupported(root() + ": no upload " + u.key);
+  }
 };
 
 // A key is a relative path of non-empty components: no leading '/', no

@@ -114,11 +114,15 @@ class CheckpointManager:
             self._retain()
             self._join_retention()
 
+    def _have_root(self):
+        # An s3:// prefix has no directory to look for: an empty one lists nothing.
+        return self.root.startswith("s3://") or os.path.isdir(self.root)
+
     def all_steps(self):
-        return sorted(_core.list_steps(self.root)) if os.path.isdir(self.root) else []
+        return sorted(_core.list_steps(self.root)) if self._have_root() else []
 
     def latest_step(self):
-        if not os.path.isdir(self.root):
+        if not self._have_root():
             return None
         path = _core.latest(self.root)
         return None if path is None else _core.read_manifest(path).step
@@ -133,7 +137,7 @@ class CheckpointManager:
         it; without, returns a new state dict."""
         self.wait_until_finished()
         if step is None:
-            if not os.path.isdir(self.root) or _core.latest(self.root) is None:
+            if not self._have_root() or _core.latest(self.root) is None:
                 raise FerryError("no committed checkpoint under %s" % self.root, "not_found")
             path = self.root  # the load resolves the latest, once for every rank
         else:

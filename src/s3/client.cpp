@@ -495,7 +495,7 @@ Result<ObjectInfo> Client::head(const std::string& bucket, const std::string& ke
 }
 
 Result<std::vector<ObjectInfo>> Client::list(const std::string& bucket, const std::string& prefix,
-                                             Deadline d) {
+                                             Deadline d, const std::string& delimiter) {
   std::vector<ObjectInfo> out;
   std::string token;
   for (;;) {
@@ -504,12 +504,14 @@ Result<std::vector<ObjectInfo>> Client::list(const std::string& bucket, const st
     r.method = "GET";
     r.bucket = bucket;
     r.query = (token.empty() ? "" : "continuation-token=" + uri_encode(token, false) + "&") +
+              (delimiter.empty() ? "" : "delimiter=" + uri_encode(delimiter, false) + "&") +
               "list-type=2&prefix=" + uri_encode(prefix, false);
     Status s = perform(r, d);
     if (!s.ok()) return s;
     auto doc = parse_xml(r.response, "ListObjectsV2 of " + r.object());
     if (!doc.ok()) return doc.status();
     for (const auto& c : doc.value().children) {
+      if (c.name == "CommonPrefixes") out.push_back({c.child_text("Prefix"), 0, ""});
       if (c.name != "Contents") continue;
       ObjectInfo info;
       info.key = c.child_text("Key");

@@ -93,8 +93,10 @@ class Client {
                               Deadline d);
   Result<ObjectInfo> head(const std::string& bucket, const std::string& key, Deadline d);
   // Every object under `prefix`, in key order, following continuations.
+  // With a `delimiter`, keys holding it past the prefix come once each as
+  // their common prefix (up to and with the delimiter, size 0).
   Result<std::vector<ObjectInfo>> list(const std::string& bucket, const std::string& prefix,
-                                       Deadline d);
+                                       Deadline d, const std::string& delimiter = "");
   // Deletes the keys (absent ones are not an error), 1,000 per request.
   Status remove(const std::string& bucket, const std::vector<std::string>& keys, Deadline d);
 

@@ -1,11 +1,24 @@
 #include "s3/s3_store.hpp"
 
+#include <algorithm>
 #include <atomic>
+#include <cstdlib>
+#include <ctime>
 #include <map>
 #include <mutex>
 
 namespace ferry {
 namespace {
+
+// "2026-12-06T17:38:23.000Z" -> unix ms; 0 (the oldest) when it does not parse.
+int64_t iso8601_unix_ms(const std::string& t) {
+  std::tm tm{};
+  const char* rest = strptime(t.c_str(), "%Y-%m-%dT%H:%M:%S", &tm);
+  if (!rest) return 0;
+  int64_t ms = static_cast<int64_t>(timegm(&tm)) * 1000;
+  if (*rest == '.') ms += std::strtol(rest + 1, nullptr, 10) % 1000;
+  return ms;
+}
 
 class S3Writer : public ObjectWriter {
  public:
@@ -175,6 +188,21 @@ class S3Store : public Store {
     return out;
   }
 
+  Result<std::vector<std::string>> children(const std::string& prefix) override {
+    auto listed = c_->list(url_.bucket, full(prefix), deadline(), "/");
+    if (!listed.ok()) return listed.status();
+    std::vector<std::string> out;
+    const size_t strip = full(prefix).size();
+    for (auto& o : listed.value()) {
+      std::string name = o.key.substr(std::min(strip, o.key.size()));
+      if (!name.empty() && name.back() == '/') name.pop_back();
+      if (!name.empty() && name.find('/') == std::string::npos) out.push_back(std::move(name));
+    }
+    std::sort(out.begin(), out.end());
+    out.erase(std::unique(out.begin(), out.end()), out.end());
+    return out;
+  }
+
   Status put(const std::string& key, const std::string& bytes) override {
     auto k = key_of(key);
     if (!k.ok()) return k.status();
@@ -197,6 +225,22 @@ class S3Store : public Store {
       full_keys.push_back(k.value());
     }
     return c_->remove(url_.bucket, full_keys, deadline());
+  }
+
+  Result<std::vector<PendingUpload>> uploads(const std::string& prefix) override {
+    auto listed = c_->list_multipart(url_.bucket, full(prefix), deadline());
+    if (!listed.ok()) return listed.status();
+    std::vector<PendingUpload> out;
+    size_t strip = url_.prefix.empty() ? 0 : url_.prefix.size() + 1;
+    for (auto& u : listed.value())
+      out.push_back({u.key.substr(strip), u.upload_id, iso8601_unix_ms(u.initiated)});
+    return out;
+  }
+
+  Status abort_upload(const PendingUpload& u) override {
+    auto k = key_of(u.key);
+    if (!k.ok()) return k.status();
+    return c_->abort_multipart(url_.bucket, k.value(), u.id, deadline());
   }
 
  private:

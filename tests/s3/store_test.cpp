@@ -138,6 +138,14 @@ TEMPLATE_TEST_CASE("store: small objects, listing by prefix, replace, remove", "
   CHECK(under.value()[0].key == "step-1/empty");
   CHECK(under.value()[1].key == "step-1/small");
   CHECK(under.value()[1].size == 5);
+  // One level down: objects and sub-prefixes, each once.
+  auto top = store->children("");
+  REQUIRE_OK(top);
+  CHECK(top.value() == std::vector<std::string>{"LATEST", "step-1", "step-10"});
+  auto in_step = store->children("step-1/");
+  REQUIRE_OK(in_step);
+  CHECK(in_step.value() == std::vector<std::string>{"empty", "small"});
+  CHECK(store->children("step-2/").value().empty());
   // A prefix is a string prefix, not a directory.
   auto steps = store->list("step-1");
   REQUIRE_OK(steps);

@@ -45,6 +45,9 @@ void check_defaults(const Options& o) {
   CHECK(o.compress == d.compress);
   CHECK(o.replica_check == d.replica_check);
   CHECK(o.plan_timeout_s == d.plan_timeout_s);
+  CHECK(o.s3_endpoint == d.s3_endpoint);
+  CHECK(o.s3_region == d.s3_region);
+  CHECK(o.s3_virtual_addressing == d.s3_virtual_addressing);
 }
 
 ferry::Result<Options> resolve1(const std::string& key, const std::string& value) {
@@ -172,7 +175,10 @@ TEST_CASE("option_infos lists every key once, and its defaults resolve to Option
                                              "cuda-register-pool",
                                              "filename-prefix",
                                              "shard-size",
-                                             "compress"};
+                                             "compress",
+                                             "s3-endpoint",
+                                             "s3-region",
+                                             "s3-addressing"};
   std::vector<std::string> keys;
   std::vector<Setting> defaults;
   for (const auto& info : ferry::option_infos()) {
@@ -663,6 +669,7 @@ TEST_CASE("load_options: a named file that is missing is an error", "[options]")
 TEST_CASE("config/ferry.ini documents every key and parses to the defaults", "[options]") {
   const std::string path = source_dir() + "/config/ferry.ini";
   auto s = ferry::read_ini_settings(path);
+  INFO(s.status().to_string());
   REQUIRE(s.ok());
 
   std::set<std::string> seen;
@@ -747,4 +754,21 @@ TEST_CASE("replica-check takes auto, full, sampled or off, and plan-timeout defa
   REQUIRE_FALSE(bad.ok());
   CHECK(contains(bad.status().message(), "replica-check"));
   CHECK(contains(bad.status().message(), "expected auto, full, sampled or off"));
+}
+
+TEST_CASE("the s3 settings parse into their fields, a bad value is named", "[options]") {
+  auto r = ferry::resolve_options({{"s3-endpoint", "http://127.0.0.1:7480", "code"},
+                                   {"s3-region", "eu-west-1", "code"},
+                                   {"s3-addressing", "Virtual", "code"}});
+  REQUIRE(r.ok());
+  CHECK(r->s3_endpoint == "http://127.0.0.1:7480");
+  CHECK(r->s3_region == "eu-west-1");
+  CHECK(r->s3_virtual_addressing);
+  for (auto [key, value] : std::vector<std::pair<std::string, std::string>>{
+           {"s3-endpoint", "127.0.0.1:7480"}, {"s3-region", "eu west"}, {"s3-addressing", "dns"}}) {
+    auto bad = ferry::resolve_options({{key, value, "FERRY_CONFIG=/x.ini:3"}});
+    REQUIRE_FALSE(bad.ok());
+    CHECK(contains(bad.status().message(), key));
+    CHECK(contains(bad.status().message(), value));
+  }
 }

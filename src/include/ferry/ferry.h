@@ -164,7 +164,9 @@ FERRY_API int32_t ferry_runtime_world_size(const ferry_runtime* rt);
  * the configured root) and returns at once with a handle in *out. Metadata
  * is stored in the manifest. An invalid state dict (duplicate key, bad
  * dtype, shard outside its global shape) fails here, with no handle; any
- * later failure is reported by the waits. */
+ * later failure is reported by the waits. Every root or path of this API may
+ * also be an S3 bucket prefix, "s3://bucket/prefix" (setting s3-endpoint,
+ * credentials from AWS_*; docs/format.md section 8). */
 FERRY_API ferry_status ferry_save_async(ferry_runtime* rt, const ferry_tensor* tensors,
                                         size_t num_tensors, uint64_t step, const char* root,
                                         int overwrite, const ferry_kv* metadata,

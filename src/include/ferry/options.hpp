@@ -69,6 +69,11 @@ struct Options {
       "rank";                     // filename-prefix: data files are <prefix>-<rank>-<k>.<ext>
   uint64_t shard_size = 0;        // shard-size: most bytes per data file; 0 = no cap
   std::string compress = "none";  // compress: none, zstd or zstd:<level> (normalized)
+  // s3:// roots (credentials only from AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
+  // AWS_SESSION_TOKEN: never in a file Ferry reads or prints).
+  std::string s3_endpoint;             // s3-endpoint: "" = https://s3.<region>.amazonaws.com
+  std::string s3_region;               // s3-region: "" = AWS_REGION, else us-east-1
+  bool s3_virtual_addressing = false;  // s3-addressing: path (default) or virtual
 };
 
 // Checks a data file name prefix: not empty, only [A-Za-z0-9._-], no "..".
