@@ -59,13 +59,14 @@ struct DemoFlags {
   std::vector<std::string> passthrough;  // --set / --config-file, for the ranks
   std::vector<Setting> settings;
   std::string config_file;
+  std::string trace;  // --trace FILE: the last save's timeline goes there
 };
 
 void demo_usage() {
   std::printf(
       "usage: ferry demo [--ranks N] [--restore-ranks M] [--state-mib N] [--layers N]\n"
       "                  [--steps N] [--every N] [--root DIR] [--set KEY=VALUE]...\n"
-      "                  [--device host|cuda] [--config-file=PATH]\n"
+      "                  [--device host|cuda] [--config-file=PATH] [--trace FILE]\n"
       "  --ranks          training ranks (default 2)\n"
       "  --restore-ranks  ranks that restore the last checkpoint (default ranks + 1)\n"
       "  --state-mib      model state over all ranks, in MiB (default 1024)\n"
@@ -79,7 +80,10 @@ void demo_usage() {
       "                   LOCAL_RANK %% count), updated by a kernel every step and\n"
       "                   snapshotted with a stream-ordered wait; without a GPU it\n"
       "                   says so and exits with 3\n"
-      "  --set            a [ferry] setting for every rank, e.g. --set pool-bytes=512MiB\n");
+      "  --set            a [ferry] setting for every rank, e.g. --set pool-bytes=512MiB\n"
+      "  --trace          write the last checkpoint's timeline (every rank's phases,\n"
+      "                   Chrome trace JSON: open it in Perfetto) to FILE and the\n"
+      "                   restore's to FILE-restore.json; every save's stays in FILE.d/\n");
 }
 
 int parse_flags(const Args& args, DemoFlags* f) {
@@ -133,6 +137,8 @@ int parse_flags(const Args& args, DemoFlags* f) {
       }
       f->settings.push_back({kv.substr(0, eq), kv.substr(eq + 1), "--set"});
       f->passthrough.insert(f->passthrough.end(), {"--set", kv});
+    } else if (a == "--trace" && has_value) {
+      f->trace = args[++i];
     } else if (a.rfind("--config-file=", 0) == 0) {
       f->config_file = a.substr(14);
       f->passthrough.push_back(a);
@@ -550,6 +556,28 @@ std::string quote(const std::string& s) {
   return q + "'";
 }
 
+// The newest timeline in `dir` whose name starts with `prefix` (names sort by
+// step, then by time), copied to `to`; says where it went.
+void keep_timeline(const std::string& dir, const std::string& prefix, const std::string& to) {
+  auto fs = posix_filesystem();
+  auto names = fs->list(dir);
+  std::string last;
+  if (names.ok())
+    for (const auto& n : *names)
+      if (n.rfind(prefix, 0) == 0 && n.size() > 5 && n.compare(n.size() - 5, 5, ".json") == 0 &&
+          n > last)
+        last = n;
+  auto bytes = last.empty()
+                   ? Result<std::string>(Status::not_found("no " + prefix + " timeline in " + dir))
+                   : read_file(*fs, join_path(dir, last));
+  Status s = bytes.ok() ? write_file_atomic(*fs, to, *bytes, false) : bytes.status();
+  if (!s.ok()) {
+    std::printf("ferry demo: no timeline in %s: %s\n", to.c_str(), s.to_string().c_str());
+    return;
+  }
+  std::printf("ferry demo: timeline %s (open it in https://ui.perfetto.dev)\n", to.c_str());
+}
+
 // Marks a root the demo made or adopted, so that a rerun knows the
 // checkpoints in it are the demo's to remove.
 constexpr char kDemoMarker[] = ".ferry-demo";
@@ -612,6 +640,17 @@ int cmd_demo(const Args& args) {
                        " --layers " + std::to_string(f.layers) + " --steps " +
                        std::to_string(f.steps) + " --every " + std::to_string(f.every);
   for (const auto& p : f.passthrough) common += " " + quote(p);
+  // --trace: every save and the restore write their timelines here.
+  const std::string traces = f.trace.empty() ? "" : f.trace + ".d";
+  if (!traces.empty()) {
+    common += " --set " + quote("trace-dir=" + traces);
+    // An earlier demo's timelines would pass for this one's.
+    auto fs = posix_filesystem();
+    if (auto names = fs->list(traces); names.ok())
+      for (const auto& n : *names)
+        if (n.rfind("save-", 0) == 0 || n.rfind("load-", 0) == 0)
+          (void)fs->unlink(join_path(traces, n));
+  }
   std::printf(
       "ferry demo: %s model state over %u ranks (row-, column-sharded and replicated "
       "tensors), %u steps, checkpoint every %u, root %s\n",
@@ -633,6 +672,7 @@ int cmd_demo(const Args& args) {
     std::printf("ferry demo: training FAILED\n");
     return 1;
   }
+  if (!traces.empty()) keep_timeline(traces, "save-", f.trace);
   std::printf("ferry demo: restoring the last checkpoint into %u ranks with another sharding\n",
               f.restore_ranks);
   std::fflush(stdout);
@@ -642,6 +682,11 @@ int cmd_demo(const Args& args) {
   if (std::system(restore_cmd.c_str()) != 0) {
     std::printf("ferry demo: restore FAILED\n");
     return 1;
+  }
+  if (!traces.empty()) {
+    const auto dot = f.trace.rfind('.');
+    const bool ext = dot != std::string::npos && f.trace.find('/', dot) == std::string::npos;
+    keep_timeline(traces, "load-", (ext ? f.trace.substr(0, dot) : f.trace) + "-restore.json");
   }
   std::printf("ferry demo: OK: trained on %u ranks, restored on %u, every byte checked\n", f.ranks,
               f.restore_ranks);

@@ -153,7 +153,8 @@ TEST_CASE("option_infos lists every key once, and its defaults resolve to Option
                                              "cuda-register-pool",
                                              "filename-prefix",
                                              "shard-size",
-                                             "compress"};
+                                             "compress",
+                                             "trace-dir"};
   std::vector<std::string> keys;
   std::vector<Setting> defaults;
   for (const auto& info : ferry::option_infos()) {

@@ -68,6 +68,9 @@ struct Options {
       "rank";                     // filename-prefix: data files are <prefix>-<rank>-<k>.<ext>
   uint64_t shard_size = 0;        // shard-size: most bytes per data file; 0 = no cap
   std::string compress = "none";  // compress: none, zstd or zstd:<level> (normalized)
+  // trace-dir: rank 0 writes each save's and load's timeline (every rank's
+  // phases, Chrome trace event JSON) here; "" = off.
+  std::string trace_dir;
 };
 
 // Checks a data file name prefix: not empty, only [A-Za-z0-9._-], no "..".
