@@ -8,6 +8,7 @@
 #include <string>
 
 #include "multiproc/launch.hpp"
+#include "process.hpp"
 #include "test_util.hpp"
 #include "trace_file.hpp"
 
@@ -15,6 +16,7 @@ using ferry::testing::count;
 using ferry::testing::files_starting;
 using ferry::testing::launch;
 using ferry::testing::read_trace_file;
+using ferry::testing::run_shell;
 using ferry::testing::TempDir;
 using ferry::testing::TracedSpan;
 using ferry::testing::TraceFile;
@@ -118,4 +120,47 @@ TEST_CASE(
   }
   CHECK(sharing >= 1);
   CHECK((t.slowest_rank == 0 || t.slowest_rank == 1));
+}
+
+TEST_CASE(
+    "trace-dir: a rank whose clock is 5000 s ahead (its own time namespace) lands on rank "
+    "0's time axis",
+    "[trace]") {
+  // CLOCK_MONOTONIC differs per time namespace as it does between hosts.
+  const auto probe = run_shell("unshare --time --monotonic 5000 --fork true 2>&1");
+  if (probe.code != 0) {
+    FERRY_SKIP("no time namespace here (unshare --time needs root and Linux 5.6): " << probe.out);
+  }
+  TempDir d;
+  const std::string traces = d.sub("traces");
+  // Rank 1 runs in a time namespace whose monotonic clock is 5000 s ahead.
+  const std::string wrapper =
+      "'if [ \"$RANK\" = 1 ]; then exec unshare --time --monotonic 5000 --fork -- \"$0\" \"$@\"; "
+      "fi; exec \"$0\" \"$@\"'";
+  const auto saved =
+      run_shell(std::string(FERRY_CLI_PATH) + " launch -n 3 -- /bin/sh -c " + wrapper + " " +
+                FERRY_RANK_WORKER_PATH + " --mode save --step 5 --seed 7 --root " + d.sub("root") +
+                " --set trace-dir=" + traces);
+  INFO(saved.out);
+  REQUIRE(saved.code == 0);
+  const auto files = files_starting(traces, "save-00000005-");
+  REQUIRE(files.size() == 1);
+  const TraceFile t = read_trace_file(files[0]);
+  const TracedSpan* commit = t.find(0, "commit");
+  for (int r = 0; r < 3; ++r) {
+    const std::string file = "rank-0000" + std::to_string(r) + "-0000.safetensors";
+    // Every rank asked for its plan before any got its answer, and every
+    // rank's files were durable before rank 0 committed: 5000 s off either
+    // way breaks one of the two.
+    for (int q = 0; q < 3; ++q) {
+      const TracedSpan* asked = t.find(r, "plan");
+      const TracedSpan* answered = t.find(q, "plan");
+      REQUIRE(asked != nullptr);
+      REQUIRE(answered != nullptr);
+      INFO("rank " << r << " planned from " << asked->start_ns << ", rank " << q
+                   << " had its plan at " << answered->end_ns);
+      CHECK(asked->start_ns <= answered->end_ns + asked->clock_error_ns + answered->clock_error_ns);
+    }
+    check_before(t.find(r, "fsync " + file), commit);
+  }
 }
