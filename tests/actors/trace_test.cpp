@@ -46,7 +46,7 @@ TEST_CASE("trace-dir with a control character is refused at start, naming the op
   CHECK(contains(rt.status().message(), "control characters"));
 }
 
-TEST_CASE("a trace-dir that cannot be written warns naming it; the save and load succeed",
+TEST_CASE("a trace-dir that cannot be written warns naming it, and the save and load succeed",
           "[trace]") {
   TempDir d;
   // A regular file where the directory would have to be.
@@ -66,7 +66,8 @@ TEST_CASE("a trace-dir that cannot be written warns naming it; the save and load
   CHECK(m.a[77] == 1.5f);
 }
 
-TEST_CASE("one rank: a save and a load each write a timeline; without trace-dir none", "[trace]") {
+TEST_CASE("one rank: a save and a load each write a timeline, and without trace-dir none do",
+          "[trace]") {
   TempDir d;
   const std::string traces = d.sub("traces");
   {
