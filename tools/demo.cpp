@@ -10,14 +10,17 @@
 // computes what the saved bytes must be for any shard without a reference
 // copy.
 
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <thread>
 
 #include "ferry/catalog.hpp"
@@ -59,7 +62,9 @@ struct DemoFlags {
   std::vector<std::string> passthrough;  // --set / --config-file, for the ranks
   std::vector<Setting> settings;
   std::string config_file;
-  std::string trace;  // --trace FILE: the last save's timeline goes there
+  std::string trace;           // --trace FILE: the last save's timeline goes there
+  uint32_t hosts = 0;          // --hosts N: the ranks spread over N emulated hosts
+  uint32_t restore_hosts = 0;  // 0: hosts + 1
 };
 
 void demo_usage() {
@@ -83,7 +88,12 @@ void demo_usage() {
       "  --set            a [ferry] setting for every rank, e.g. --set pool-bytes=512MiB\n"
       "  --trace          write the last checkpoint's timeline (every rank's phases,\n"
       "                   Chrome trace JSON: open it in Perfetto) to FILE and the\n"
-      "                   restore's to FILE-restore.json; every save's stays in FILE.d/\n");
+      "                   restore's to FILE-restore.json; every save's stays in FILE.d/\n"
+      "  --hosts          spread the ranks over N emulated hosts (root; tests/hosts/hosts.sh),\n"
+      "                   cut the last host's link after the first checkpoint, then\n"
+      "                   restore on --restore-hosts hosts (default N + 1), one rank\n"
+      "                   each unless --restore-ranks says more, and print per host\n"
+      "                   what it read and sent\n");
 }
 
 int parse_flags(const Args& args, DemoFlags* f) {
@@ -137,6 +147,10 @@ int parse_flags(const Args& args, DemoFlags* f) {
       }
       f->settings.push_back({kv.substr(0, eq), kv.substr(eq + 1), "--set"});
       f->passthrough.insert(f->passthrough.end(), {"--set", kv});
+    } else if (a == "--hosts") {
+      if (!number(&f->hosts)) return 2;
+    } else if (a == "--restore-hosts") {
+      if (!number(&f->restore_hosts)) return 2;
     } else if (a == "--trace" && has_value) {
       f->trace = args[++i];
     } else if (a.rfind("--config-file=", 0) == 0) {
@@ -505,7 +519,6 @@ int restore(const DemoFlags& f) {
   auto rt = start_runtime(f);
   if (!rt) return 1;
   const int rank = rt->rank(), world = rt->world_size();
-  const uint32_t step = f.steps / f.every * f.every;  // the last checkpoint
   const auto specs = model(f);
   // A different sharding from training: rows <-> columns, replicated as is.
   std::vector<Piece> pieces;
@@ -518,11 +531,21 @@ int restore(const DemoFlags& f) {
   }
   if (!add_host_pieces(specs, pieces, sd)) return 1;
   const auto t0 = std::chrono::steady_clock::now();
-  const Status st = rt->load(sd, f.root);
+  const Result<LoadReport> report = rt->load_report(sd, f.root);
   const double ms = ms_since(t0);
-  if (!st.ok()) {
-    std::printf("rank %d: restore FAILED: %s\n", rank, st.to_string().c_str());
+  if (!report.ok()) {
+    std::printf("rank %d: restore FAILED: %s\n", rank, report.status().to_string().c_str());
     return 1;
+  }
+  // The last checkpoint, or an earlier one where training stopped early
+  // (--hosts: the partition).
+  const auto step = static_cast<uint32_t>(report->step);
+  if (f.hosts > 0) {
+    const std::string& node = report->node;
+    std::printf("rank %d on host %s: read %s from storage, %s from ranks of its host\n", rank,
+                node.substr(node.find(':') + 1).c_str(),
+                human_bytes(static_cast<double>(report->bytes_read)).c_str(),
+                human_bytes(static_cast<double>(report->bytes_received)).c_str());
   }
   uint64_t bytes = 0, bad = 0;
   std::vector<uint32_t> expect;
@@ -576,6 +599,160 @@ void keep_timeline(const std::string& dir, const std::string& prefix, const std:
     return;
   }
   std::printf("ferry demo: timeline %s (open it in https://ui.perfetto.dev)\n", to.c_str());
+}
+
+// The emulated-hosts tool: where an install puts it beside the binary
+// (<bin>/../share/ferry), else in the source tree it was built from (a build
+// tree).
+std::string hosts_tool() {
+  const std::string exe = self_exe();
+  const std::string dir = exe.substr(0, exe.rfind('/'));
+  for (const std::string& p :
+       {dir + "/../share/ferry/hosts.sh", std::string(FERRY_SOURCE_DIR) + "/tests/hosts/hosts.sh"})
+    if (::access(p.c_str(), X_OK) == 0) return p;
+  return "";
+}
+
+// What `cmd` printed, and its exit code in *rc.
+std::string capture(const std::string& cmd, int* rc) {
+  std::string out;
+  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
+  if (!p) {
+    *rc = -1;
+    return "cannot run " + cmd;
+  }
+  char buf[4096];
+  size_t n = 0;
+  while ((n = std::fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
+  const int status = ::pclose(p);
+  *rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return out;
+}
+
+// "0,1,...,n-1"
+std::string host_list(uint32_t n) {
+  std::string s;
+  for (uint32_t i = 0; i < n; ++i) s += (i ? "," : "") + std::to_string(i);
+  return s;
+}
+
+// Bytes host `i` sent and received on its link so far.
+std::pair<uint64_t, uint64_t> link_bytes(const std::string& tool, const std::string& name,
+                                         uint32_t i) {
+  int rc = 0;
+  const std::string out = capture(quote(tool) + " bytes " + name + " " + std::to_string(i), &rc);
+  auto field = [&](const std::string& f) -> uint64_t {
+    const auto at = out.find(f + "=");
+    return rc == 0 && at != std::string::npos
+               ? std::strtoull(out.c_str() + at + f.size() + 1, nullptr, 10)
+               : 0;
+  };
+  return {field("sent"), field("received")};
+}
+
+// --hosts: training on f.hosts emulated hosts, their last one cut off after
+// the first checkpoint, then the restore on f.restore_hosts others.
+int demo_on_hosts(const DemoFlags& f, const std::string& exe, const std::string& common,
+                  const std::string& train_pool, const std::string& restore_pool) {
+  const std::string tool = hosts_tool();
+  if (tool.empty()) {
+    std::fprintf(
+        stderr,
+        "ferry demo --hosts: no hosts.sh in ../share/ferry beside %s nor in %s/tests/hosts\n",
+        exe.c_str(), FERRY_SOURCE_DIR);
+    return 2;
+  }
+  int rc = 0;
+  const std::string why = capture(quote(tool) + " check", &rc);
+  if (rc != 0) {
+    std::fprintf(stderr, "ferry demo --hosts: cannot make hosts here: %s", why.c_str());
+    return 2;
+  }
+  if (f.ranks % f.hosts != 0 || f.restore_ranks % f.restore_hosts != 0) {
+    std::fprintf(stderr,
+                 "ferry demo --hosts: %u ranks on %u hosts and %u restoring ranks on %u hosts: "
+                 "each must be a multiple of its hosts\n",
+                 f.ranks, f.hosts, f.restore_ranks, f.restore_hosts);
+    return 2;
+  }
+  const std::string name = "demo" + std::to_string(::getpid() % 10000);
+  const uint32_t n = std::max(f.hosts, f.restore_hosts);
+  std::string up = capture(quote(tool) + " up " + name + " " + std::to_string(n) + " --shared " +
+                               quote(f.root) + " --owner " + std::to_string(::getpid()),
+                           &rc);
+  if (rc != 0) {
+    std::fprintf(stderr, "ferry demo --hosts: %s", up.c_str());
+    return 1;
+  }
+  struct Down {
+    std::string cmd;
+    ~Down() { (void)std::system(cmd.c_str()); }
+  } down{quote(tool) + " down " + name + " >/dev/null 2>&1"};
+  const uint32_t cut = f.hosts - 1;
+  std::printf(
+      "ferry demo: %u hosts (%s-0 .. %s-%u), %u ranks each; host %u's link goes down "
+      "once the first checkpoint is committed\n",
+      f.hosts, name.c_str(), name.c_str(), f.hosts - 1, f.ranks / f.hosts, cut);
+  std::fflush(stdout);
+  // The partition, in the middle of training: after the first commit.
+  std::atomic<bool> training{true};
+  std::atomic<bool> partitioned{false};
+  std::thread cutter([&] {
+    char first[32];
+    std::snprintf(first, sizeof(first), "/step-%08u", f.every);
+    auto fs = posix_filesystem();
+    while (training && !fs->stat(f.root + first).ok())
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    if (!training) return;
+    int r = 0;
+    (void)capture(quote(tool) + " link " + name + " " + std::to_string(cut) + " down", &r);
+    partitioned = r == 0;
+    std::printf("ferry demo: step %u committed: host %u's link is DOWN\n", f.every, cut);
+    std::fflush(stdout);
+  });
+  // A short heartbeat timeout: the lost host is noticed in seconds.
+  const std::string train_cmd = quote(tool) + " job " + name + " -n " +
+                                std::to_string(f.ranks / f.hosts) + " --hosts " +
+                                host_list(f.hosts) + " -- " + quote(exe) + " demo --role train" +
+                                common + train_pool + " --set heartbeat-timeout=3s";
+  const int trained = std::system(train_cmd.c_str());
+  training = false;
+  cutter.join();
+  (void)capture(quote(tool) + " link " + name + " " + std::to_string(cut) + " up", &rc);
+  if (partitioned)
+    std::printf("ferry demo: training %s at the partition; host %u's link is up again\n",
+                trained != 0 ? "stopped, as it must," : "finished before it noticed", cut);
+  else if (trained != 0) {
+    std::printf("ferry demo: training FAILED\n");
+    return 1;
+  }
+  const uint32_t per_host = f.restore_ranks / f.restore_hosts;
+  std::printf("ferry demo: restoring the last committed checkpoint on %u hosts, %u rank%s each\n",
+              f.restore_hosts, per_host, per_host == 1 ? "" : "s");
+  std::fflush(stdout);
+  std::vector<std::pair<uint64_t, uint64_t>> before;
+  for (uint32_t i = 0; i < f.restore_hosts; ++i) before.push_back(link_bytes(tool, name, i));
+  const std::string restore_cmd =
+      quote(tool) + " job " + name + " -n " + std::to_string(f.restore_ranks / f.restore_hosts) +
+      " --hosts " + host_list(f.restore_hosts) + " -- " + quote(exe) + " demo --role restore" +
+      common + restore_pool + " --hosts " + std::to_string(f.restore_hosts);
+  const int restored = std::system(restore_cmd.c_str());
+  for (uint32_t i = 0; i < f.restore_hosts; ++i) {
+    const auto after = link_bytes(tool, name, i);
+    std::printf("ferry demo: host %s-%u sent %s and received %s over its link during the restore\n",
+                name.c_str(), i,
+                human_bytes(static_cast<double>(after.first - before[i].first)).c_str(),
+                human_bytes(static_cast<double>(after.second - before[i].second)).c_str());
+  }
+  if (restored != 0) {
+    std::printf("ferry demo: restore FAILED\n");
+    return 1;
+  }
+  std::printf(
+      "ferry demo: OK: trained on %u hosts through a partition, restored on %u, every byte "
+      "checked\n",
+      f.hosts, f.restore_hosts);
+  return 0;
 }
 
 // Marks a root the demo made or adopted, so that a rerun knows the
@@ -633,8 +810,11 @@ int cmd_demo(const Args& args) {
   if (f.role == "restore") return restore(f);
 
   // The driver: train with N ranks, restore with M.
-  if (f.restore_ranks == 0) f.restore_ranks = f.ranks + 1;
+  if (f.hosts > 0 && f.restore_hosts == 0) f.restore_hosts = f.hosts + 1;
+  if (f.restore_ranks == 0) f.restore_ranks = f.hosts > 0 ? f.restore_hosts : f.ranks + 1;
   if (int rc = prepare_demo_root(f.root); rc >= 0) return rc;
+  // Every host sees the same file system, but runs in its own directory.
+  if (f.hosts > 0) f.root = std::filesystem::absolute(f.root).lexically_normal().string();
   const std::string exe = self_exe();
   std::string common = " --root " + quote(f.root) + " --state-mib " + std::to_string(f.state_mib) +
                        " --layers " + std::to_string(f.layers) + " --steps " +
@@ -666,6 +846,7 @@ int cmd_demo(const Args& args) {
   const std::string train_pool =
       pool_set ? "" : " --set pool-bytes=" + std::to_string(share_mib) + "MiB";
   const std::string restore_pool = pool_set ? "" : " --set pool-bytes=64MiB";
+  if (f.hosts > 0) return demo_on_hosts(f, exe, common, train_pool, restore_pool);
   const std::string train_cmd = quote(exe) + " launch -n " + std::to_string(f.ranks) + " -- " +
                                 quote(exe) + " demo --role train" + common + train_pool;
   if (std::system(train_cmd.c_str()) != 0) {

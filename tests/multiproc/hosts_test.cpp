@@ -453,6 +453,36 @@ TEST_CASE("hosts: a host killed during a save, the job restarts on the rest with
   CHECK(ferry::testing::manifest_of(latest_path(d.path())).step == 2);
 }
 
+TEST_CASE("hosts: ferry demo --hosts trains on 2 hosts through a partition and restores on 3",
+          "[hosts][demo]") {
+  FERRY_NEED_HOSTS();
+  TempDir d;
+  const RunResult r =
+      run_shell(std::string(FERRY_CLI_PATH) +
+                    " demo --hosts 2 --ranks 4 --state-mib 16 --layers 2 --root " + d.sub("ck"),
+                {}, 300);
+  INFO(r.out);
+  REQUIRE(r.code == 0);
+  // The partition came after the first checkpoint and stopped the training:
+  // the restore finds step 10, the last committed, and checks every byte.
+  CHECK(count(r.out, "step 10 committed: host 1's link is DOWN") == 1);
+  CHECK(count(r.out, "training stopped, as it must, at the partition") == 1);
+  CHECK(count(r.out, "restored step 10") == 3);
+  CHECK(count(r.out, "every byte matches the saved state") == 3);
+  // Per host: what its rank read (each rank on a host of its own), and what
+  // crossed its link.
+  std::set<std::string> hosts;
+  for (int i = 0; i < 3; ++i) {
+    const auto read = lines_with(r.out, "] rank " + std::to_string(i) + " on host ");
+    REQUIRE(read.size() == 1);
+    const auto at = read[0].find(" on host ") + 9;
+    hosts.insert(read[0].substr(at, read[0].find(':', at) - at));
+  }
+  CHECK(hosts.size() == 3);
+  CHECK(lines_with(r.out, "over its link during the restore").size() == 3);
+  CHECK_THAT(r.out, Catch::Contains("restored on 3, every byte checked"));
+}
+
 TEST_CASE("hosts: each host has its own name, address, processes and node-local directory",
           "[hosts]") {
   FERRY_NEED_HOSTS();
