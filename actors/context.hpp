@@ -3,6 +3,7 @@
 // so it is handed around as shared_ptr<const RankContext>.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <map>
@@ -99,6 +100,13 @@ class Doing {
   std::string name_;
 };
 
+// The timeline's clock (trace-dir): this rank's offset to rank 0's clock and
+// how far it may be off, set once as the rank joins (zeros on rank 0).
+struct TraceClock {
+  std::atomic<int64_t> offset_ns{0};
+  std::atomic<int64_t> error_ns{0};
+};
+
 struct RankContext {
   Options opts;
   int32_t rank = 0;
@@ -116,6 +124,8 @@ struct RankContext {
   std::shared_ptr<ShareWindows> shares = std::make_shared<ShareWindows>();
   std::shared_ptr<Stragglers> stragglers = std::make_shared<Stragglers>();
   std::shared_ptr<ActorThreads> threads = std::make_shared<ActorThreads>();
+  std::shared_ptr<TraceClock> trace_clock = std::make_shared<TraceClock>();
+  std::string host;  // this rank's host name, for the timeline
 };
 
 // The name the coordinator has in ActorThreads.

@@ -74,6 +74,7 @@ struct Checkpoint {
   std::vector<std::optional<WriteResult>> results;
   std::vector<caf::typed_response_promise<CommitMsg>> commit_promises;
   size_t results_in = 0;
+  std::vector<RankTrace> traces;  // trace-dir set: by rank, as their write results brought them
 };
 
 // One collective load's outcomes as the ranks report them, until rank 0
@@ -82,7 +83,8 @@ struct LoadOutcomes {
   std::vector<std::optional<Status>> status;  // by rank
   std::vector<caf::typed_response_promise<LoadOutcomeMsg>> promises;
   size_t in = 0;
-  std::vector<RankNeeds> needs;  // the needs round: what each rank reported it reads
+  std::vector<RankNeeds> needs;   // the needs round: what each rank reported it reads
+  std::vector<RankTrace> traces;  // trace-dir set: the ranks' phases, as their reports brought them
 };
 
 // A collective load as the first rank that asked for it named it.
@@ -370,9 +372,25 @@ void on_all_plans(coordinator_ptr self) {
   self->delayed_send(me(self), std::chrono::milliseconds(lease_ms(st) / 3), atom::lease_v, c.id);
 }
 
+// Writes a save's or load's timeline into trace-dir; what fails is only
+// logged and returned (a warning: the save or load stands).
+Status write_timeline(coordinator_state& st, const TraceHeader& h,
+                      const std::vector<RankTrace>& traces) {
+  std::vector<RankTrace> ranks;
+  for (const RankTrace& t : traces)
+    if (!t.empty()) ranks.push_back(t);
+  if (ranks.empty()) return Status();
+  Doing doing(*st.ctx->threads, kCoordinatorThread, "writing a timeline into trace-dir");
+  Status s = write_trace_file(*st.ctx->fs, st.ctx->opts.trace_dir, trace_file_name(h),
+                              render_chrome_trace(h, ranks));
+  if (!s.ok()) std::fprintf(stderr, "ferry[rank 0]: warning: %s\n", s.to_string().c_str());
+  return s;
+}
+
 void on_all_results(coordinator_ptr self) {
   auto& st = self->state;
   Checkpoint& c = *st.active;
+  const int64_t all_in = trace_now_ns();
   std::vector<WriteResult> results;
   for (auto& r : c.results) results.push_back(std::move(*r));
   // Before the commit point: replicas written once must be one value.
@@ -429,6 +447,12 @@ void on_all_results(coordinator_ptr self) {
       slowest = r.rank;
       slowest_ms = r.ready_ms;
     }
+  if (!st.ctx->opts.trace_dir.empty() && !c.traces.empty() && !c.traces[0].empty()) {
+    // Rank 0's commit: replica digests, the manifest and commit_checkpoint.
+    c.traces[0].spans.push_back({"commit", "commit", all_in, trace_now_ns(), 0, -1});
+    TraceHeader h{"save", c.id, c.step, out->path, "commit"};
+    if (Status s = write_timeline(st, h, c.traces); !s.ok()) warnings.push_back(s.to_string());
+  }
   for (auto& p : c.commit_promises)
     p.deliver(CommitMsg{st.ctx->job_id, c.id, Status(), out->path, out->commit_seq, slowest,
                         slowest_ms, warnings});
@@ -487,6 +511,13 @@ void answer_load(coordinator_ptr self, const std::string& id, const LoadOutcomeM
   if (it == st.load_outcomes.end()) return;
   for (auto& p : it->second.promises)
     if (p.pending()) p.deliver(verdict);
+  if (!st.ctx->opts.trace_dir.empty() && !it->second.traces.empty()) {
+    std::string dir;
+    if (auto l = st.loads.find(id); l != st.loads.end()) dir = l->second.reply.dir;
+    // Load ids start again with every job: the time keeps the files apart.
+    (void)write_timeline(st, {"load", std::to_string(now_unix_ms()) + "-" + id, 0, dir, ""},
+                         it->second.traces);
+  }
   st.load_outcomes.erase(it);
   st.load_verdicts[id] = verdict;
   st.verdict_order.push_back(id);
@@ -536,6 +567,11 @@ caf::result<LoadOutcomeMsg> on_load_outcome(coordinator_ptr self, LoadOutcomeMsg
   for (auto& n : report.needs) {
     n.rank = report.rank;  // a rank speaks for itself only
     lo.needs.push_back(std::move(n));
+  }
+  if (!report.trace.empty()) {
+    lo.traces.resize(world);
+    lo.traces[r] = std::move(report.trace);
+    lo.traces[r].rank = report.rank;
   }
   if (lo.in == world) {
     answer_load(self, id, reported_outcome(st, id, lo));
@@ -672,6 +708,11 @@ coordinator_actor::behavior_type coordinator_fun(coordinator_ptr self, ContextPt
         auto rp = self->make_response_promise<CommitMsg>();
         if (!c.results[r]) ++c.results_in;
         c.results[r] = std::move(req.result);
+        if (!req.trace.empty()) {
+          c.traces.resize(c.results.size());
+          c.traces[r] = std::move(req.trace);
+          c.traces[r].rank = static_cast<int32_t>(r);
+        }
         c.commit_promises[r] = rp;
         if (c.results_in == c.results.size()) on_all_results(self);
         return rp;

@@ -125,8 +125,9 @@ void deliver_failure(const link_state& st, const std::string& id,
   // Our files were durable and rank 0 had everything it needed: it may or
   // may not have reached the commit point. The directory is the truth.
   p.deliver(CommitMsg{st.ctx->job_id, id,
-                      Status::outcome_unknown(why.message() + "; the checkpoint may or may not be "
-                                                              "committed: check the root"),
+                      Status::outcome_unknown("commit phase: " + why.message() +
+                                              "; the checkpoint may or may not be "
+                                              "committed: check the root"),
                       "", 0});
 }
 

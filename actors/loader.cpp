@@ -751,8 +751,13 @@ class RunReader {
       f.buf = f.heap->p;
     }
     File* fp = f.file->file.get();
-    f.got =
-        disk_.submit([fp, buf = f.buf, &run] { return fp->pread(buf, run.length, run.offset); });
+    f.got = disk_.submit([fp, buf = f.buf, &run, clocks = task_.clocks.get()] {
+      if (!clocks) return fp->pread(buf, run.length, run.offset);
+      const int64_t t0 = trace_now_ns();
+      Result<size_t> got = fp->pread(buf, run.length, run.offset);
+      clocks->read.add(t0, trace_now_ns(), got.ok() ? *got : 0);
+      return got;
+    });
     inflight_.push_back(std::move(f));
     return true;
   }
@@ -777,14 +782,18 @@ class RunReader {
         s = truncated(path, op);
         break;
       }
+      const int64_t t0 = task_.clocks ? trace_now_ns() : 0;
       s = op.entry == ReadOp::kForOthers
               ? verify_blocks(ctx_, m, op, path, f.buf + at)
               : verify_and_copy(ctx_, m, op, path, f.buf + at, task_.targets[op.entry], latch,
                                 task_.unverified.get());
+      if (task_.clocks) task_.clocks->verify.add(t0, trace_now_ns(), op.length);
       if (!s.ok()) break;
       // Every block of the op checked out: its bytes may go to other ranks.
       if (!op.share_with.empty() && task_.transport) {
+        const int64_t t1 = task_.clocks ? trace_now_ns() : 0;
         s = send_shared(ctx_, task_, m, op, f.buf + at);
+        if (task_.clocks) task_.clocks->share.add(t1, trace_now_ns(), op.length);
         if (!s.ok()) break;
       }
     }
@@ -826,13 +835,19 @@ class RunReader {
     const ReadOp& op = run.ops.front();
     const Manifest& m = *task_.manifest;
     Status s = read_tail(f, run, p, got);
+    const int64_t t0 = task_.clocks ? trace_now_ns() : 0;
     if (s.ok()) s = verify_blocks(ctx_, m, op, f.path, p);
+    if (task_.clocks) task_.clocks->verify.add(t0, trace_now_ns(), op.length);
     if (!s.ok()) {
       unverified(op);
       return s;
     }
-    if (!op.share_with.empty() && task_.transport)
-      FERRY_RETURN_IF_ERROR(send_shared(ctx_, task_, m, op, p));
+    if (!op.share_with.empty() && task_.transport) {
+      const int64_t t1 = task_.clocks ? trace_now_ns() : 0;
+      Status sent = send_shared(ctx_, task_, m, op, p);
+      if (task_.clocks) task_.clocks->share.add(t1, trace_now_ns(), op.length);
+      FERRY_RETURN_IF_ERROR(sent);
+    }
     drop_cached(f, op.file_offset, op.length);
     return Status();
   }
@@ -1403,6 +1418,7 @@ loader_actor::behavior_type loader_fun(loader_ptr self, ContextPtr ctx) {
           tasks[i].transport = job.transport;
           tasks[i].peer_rings = job.peer_rings;
           tasks[i].unverified = load->unverified;
+          tasks[i].clocks = job.clocks;
           const uint64_t id = st.next_task++;
           st.tasks->emplace(id, ReaderTask{i, load});
           self->request(st.readers[i], caf::infinite, atom::read_v, std::move(tasks[i]))

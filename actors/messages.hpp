@@ -229,6 +229,7 @@ struct LoadJob {
   // receivers offered (share_ring.hpp). Null: frames carry the bytes.
   std::shared_ptr<const ShareRing> ring;
   std::shared_ptr<PeerRings> peer_rings;
+  std::shared_ptr<LoadClocks> clocks;  // trace-dir set: the readers time their work here
 };
 
 // The load id of a BlockShare that says its sender failed (sent by the link
@@ -247,6 +248,7 @@ struct ReadTask {
   std::shared_ptr<PeerRings> peer_rings;
   // The load's tensors that hold bytes which did not pass their checksum.
   std::shared_ptr<UnverifiedTensors> unverified;
+  std::shared_ptr<LoadClocks> clocks;  // trace-dir set: the job's
 };
 
 }  // namespace ferry

@@ -111,6 +111,12 @@ struct Current {
   bool hashed = true;
   bool durable_early = false;
   std::vector<ReplicaDigest> digests;
+  // trace-dir set: this save's phases on this rank's clock (trace_now_ns),
+  // sent to rank 0 with the write result. Untouched when tracing is off.
+  bool tracing = false;
+  int64_t t_start = 0;
+  int64_t t_stream = 0;
+  std::vector<TraceSpan> spans;
 };
 
 using hasher_actor = caf::typed_actor<caf::replies_to<atom::hash, HashJob>::with<HashDone>>;
@@ -390,6 +396,28 @@ void snapshot_landed(planner_ptr self) {
 
 void files_durable(planner_ptr self);
 
+// A phase of this save ended now (trace-dir set).
+void traced(Current& cur, std::string name, std::string track, int64_t start, uint64_t bytes = 0) {
+  if (cur.tracing)
+    cur.spans.push_back({std::move(name), std::move(track), start, trace_now_ns(), bytes, -1});
+}
+
+// The spans on rank 0's clock, for the write result.
+RankTrace rank_trace(const planner_state& st, std::vector<TraceSpan> spans) {
+  RankTrace t;
+  if (spans.empty()) return t;
+  t.rank = st.ctx->rank;
+  t.host = st.ctx->host;
+  const int64_t offset = st.ctx->trace_clock->offset_ns.load();
+  t.clock_error_ns = st.ctx->trace_clock->error_ns.load();
+  for (TraceSpan& s : spans) {
+    s.start_ns += offset;
+    s.end_ns += offset;
+  }
+  t.spans = std::move(spans);
+  return t;
+}
+
 void on_hashed(planner_ptr self, uint64_t id, HashDone& d) {
   auto& cur = self->state.cur;
   if (cur.id != id || !cur.hashing) return;
@@ -493,7 +521,8 @@ void send_result(planner_ptr self) {
   const uint64_t id = cur.id;
   st.ctx->fs->crash_point("writer.report");
   self->request(st.coordinator, caf::infinite, atom::commit_v,
-                CommitRequest{st.ctx->job_id, cur.checkpoint_id, std::move(wr)})
+                CommitRequest{st.ctx->job_id, cur.checkpoint_id, std::move(wr),
+                              rank_trace(st, std::move(cur.spans))})
       .then(
           [self, id, now](const CommitMsg& r) {
             auto& st = self->state;
@@ -547,12 +576,17 @@ void finish_file(planner_ptr self, uint32_t f) {
   auto& st = self->state;
   const uint64_t id = st.cur.id;
   const auto& w = st.writers[f % st.writers.size()];
+  const int64_t sealing = st.cur.tracing ? trace_now_ns() : 0;
   self->request(w, caf::infinite, atom::seal_v, st.cur.files[f], (*st.cur.layouts)[f].size)
       .then(
-          [self, id](const Status& s) {
+          [self, id, f, sealing](const Status& s) {
             auto& cur = self->state.cur;
             if (!live(self->state, id)) return;
             if (!s.ok()) return fail(self, s);
+            if (cur.tracing) {
+              const std::string& name = (*cur.layouts)[f].name;
+              traced(cur, "fsync " + name, name, sealing);
+            }
             --cur.files_left;
             maybe_finish(self);
           },
@@ -575,6 +609,7 @@ void start_streaming(planner_ptr self) {
   job.checksum_block_bytes = st.ctx->opts.checksum ? st.ctx->opts.checksum_block_bytes : 0;
   job.sources = cur.sources;
   job.state = cur.job.state;
+  if (cur.tracing) cur.t_stream = trace_now_ns();
   cur.file_bytes_left.clear();
   uint64_t blocks = 0;
   for (const auto& l : *cur.layouts) {
@@ -717,6 +752,7 @@ void on_plan(planner_ptr self, const PlanReply& r) {
     cur.checkpoint_id.clear();  // the coordinator created nothing
     return fail(self, r.status, false);
   }
+  traced(cur, "plan", "save", cur.t_start);
   cur.plan = r.plan;
   cur.pending_dir = r.pending_dir;
   cur.write_deadline = std::chrono::steady_clock::now() + seconds(st.ctx->opts.write_timeout_s);
@@ -845,6 +881,8 @@ void start_next(planner_ptr self) {
   // Taken even by a save that fails here, so the ranks stay in step; the
   // others hear why at once instead of at plan-timeout.
   cur.checkpoint_id = checkpoint_id(st.ctx->run_salt, cur.id);
+  cur.tracing = !st.ctx->opts.trace_dir.empty();
+  if (cur.tracing) cur.t_start = trace_now_ns();
   auto doom = [&](const Status& s) {
     Status why = s.with_context("rank " + std::to_string(st.ctx->rank) + " (plan phase): ");
     self->send(st.coordinator, atom::abort_ckpt_v, cur.checkpoint_id, why);
@@ -903,6 +941,7 @@ planner_actor::behavior_type planner_fun(planner_ptr self, ContextPtr ctx,
           if (Status c = cur.job.opts.snapshot_check(); !c.ok()) return fail(self, c);
         }
         cur.snapshot_done = true;
+        traced(cur, "snapshot", "snapshot", cur.t_stream, cur.job.state->bytes_total);
         snapshot_landed(self);
       },
       [self](atom::written, uint64_t id, uint32_t f, uint64_t bytes, const Status& s) {
@@ -913,6 +952,10 @@ planner_actor::behavior_type planner_fun(planner_ptr self, ContextPtr ctx,
         cur.job.state->bytes_persisted += bytes;
         cur.file_bytes_left[f] -= bytes;
         if (cur.file_bytes_left[f] == 0) {
+          if (cur.tracing) {
+            const FileLayout& l = (*cur.layouts)[f];
+            traced(cur, "write " + l.name, l.name, cur.t_stream, l.size);
+          }
           finish_file(self, f);
           bool all = true;
           for (uint64_t left : cur.file_bytes_left) all = all && left == 0;
@@ -1009,6 +1052,7 @@ planner_actor::behavior_type planner_fun(planner_ptr self, ContextPtr ctx,
         if (!live(self->state, sums.save)) return;
         cur.sums = std::move(sums);
         cur.have_sums = true;
+        traced(cur, "serialize", "serialize", cur.t_stream);
         maybe_finish(self);
       },
   };

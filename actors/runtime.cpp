@@ -294,7 +294,8 @@ Status start_transport(Runtime::Impl& impl, const std::string& token) {
     std::condition_variable cv;
     Status status;
     bool all_joined = false;
-    Status rank0_lost;  // rank 0 died before it said every rank joined
+    Status rank0_lost;           // rank 0 died before it said every rank joined
+    int64_t rank0_clock_ns = 0;  // from the first ack: the timeline's clock offset
   };
   auto verdict = std::make_shared<Verdict>();
   TransportCallbacks cb;
@@ -324,7 +325,7 @@ Status start_transport(Runtime::Impl& impl, const std::string& token) {
       *reply = encode_message(JoinAckMsg{job, why});
       return why;
     }
-    *reply = encode_message(JoinAckMsg{job, Status()});
+    *reply = encode_message(JoinAckMsg{job, Status(), false, trace_now_ns()});
     return rank;
   };
   link_actor link = impl.link;
@@ -337,6 +338,7 @@ Status start_transport(Runtime::Impl& impl, const std::string& token) {
         const auto& ack = std::get<JoinAckMsg>(*m);
         std::lock_guard<std::mutex> lock(verdict->mu);
         verdict->status = ack.status;
+        if (!ack.all_joined && verdict->rank0_clock_ns == 0) verdict->rank0_clock_ns = ack.clock_ns;
         verdict->all_joined = verdict->all_joined || ack.all_joined;
         verdict->cv.notify_all();
         return;
@@ -385,6 +387,12 @@ Status start_transport(Runtime::Impl& impl, const std::string& token) {
   if (!verdict->all_joined)
     return Status::timeout(me + ": not every rank joined within " +
                            std::to_string(ctx.opts.connect_timeout_s) + " s");
+  if (verdict->rank0_clock_ns != 0) {
+    const auto [sent, replied] = impl.transport->join_round_trip();
+    const ClockOffset c = clock_offset(sent, verdict->rank0_clock_ns, replied);
+    ctx.trace_clock->offset_ns = c.offset_ns;
+    ctx.trace_clock->error_ns = c.error_ns;
+  }
   // Lanes are a shortcut (frames go through rank 0 without them), so one that
   // is late costs a log line, not the start.
   if (Status l = impl.transport->wait_lanes(ctx.opts.connect_timeout_s); !l.ok())
@@ -440,6 +448,7 @@ Result<std::unique_ptr<Runtime>> Runtime::create(RuntimeArgs args) {
   ctx->world_size = args.world_size;
   const std::string token = job_token_from_env();
   ctx->job_id = job_id_from_env(token);
+  ctx->host = host_name();
   ctx->run_salt = args.world_size > 1
                       ? xxh3_64(token.data(), token.size())
                       : std::random_device{}() ^ (uint64_t{std::random_device{}()} << 32);
@@ -721,6 +730,39 @@ Status plan_load(Runtime::Impl& im, StateDict& sd, const LoadReplyMsg& reply,
   return Status();
 }
 
+// trace-dir set: when this rank's load passed its steps (its clock).
+struct LoadTimes {
+  int64_t start = 0;
+  int64_t resolved = 0;  // rank 0 named the checkpoint
+  int64_t planned = 0;   // the load plan, and with other ranks who reads what
+  std::shared_ptr<LoadClocks> clocks = std::make_shared<LoadClocks>();  // the readers'
+};
+
+// This rank's load phases on rank 0's clock.
+RankTrace load_trace(const RankContext& ctx, const LoadTimes& t) {
+  const int64_t now = trace_now_ns();
+  std::vector<TraceSpan> spans = {{"resolve", "load", t.start, t.resolved, 0, -1}};
+  if (t.planned > 0) {
+    spans.push_back({"plan", "load", t.resolved, t.planned, 0, -1});
+    spans.push_back({"read and copy", "load", t.planned, now, 0, -1});
+  }
+  // Their clocks are this rank's too: offset added below with the others'.
+  if (t.clocks->read.used()) spans.push_back(t.clocks->read.span("read", "read", 0));
+  if (t.clocks->verify.used()) spans.push_back(t.clocks->verify.span("verify", "verify", 0));
+  if (t.clocks->share.used()) spans.push_back(t.clocks->share.span("share", "share", 0));
+  RankTrace r;
+  r.rank = ctx.rank;
+  r.host = ctx.host;
+  r.clock_error_ns = ctx.trace_clock->error_ns.load();
+  const int64_t offset = ctx.trace_clock->offset_ns.load();
+  for (TraceSpan& s : spans) {
+    s.start_ns += offset;
+    s.end_ns += offset;
+  }
+  r.spans = std::move(spans);
+  return r;
+}
+
 // Ranks > 1, before the reads: every rank's plan (or its failure) goes to
 // rank 0, and every rank's needs come back, so ranks of one node read the
 // bytes they share once. Every rank takes part, failed or not.
@@ -752,7 +794,7 @@ Result<std::vector<RankNeeds>> exchange_needs(Runtime::Impl& im, caf::scoped_act
 // what, then read, verify and copy into the caller's tensors (and receive
 // what others read for it).
 Status load_local(Runtime::Impl& im, caf::scoped_actor& self, StateDict& sd, const std::string& id,
-                  const LoadReplyMsg& reply, LoadReport* report) {
+                  const LoadReplyMsg& reply, LoadReport* report, LoadTimes* times) {
   std::shared_ptr<const Manifest> manifest;
   std::vector<LoadRequest> requests;
   std::vector<ReadOp> ops;
@@ -784,6 +826,7 @@ Status load_local(Runtime::Impl& im, caf::scoped_actor& self, StateDict& sd, con
     }
     auto needs = exchange_needs(im, self, id + "/needs", planned, std::move(mine));
     if (!needs.ok()) return needs.status();
+    if (times) times->planned = trace_now_ns();
     std::map<int32_t, RingInfo> rings;
     for (const RankNeeds& n : *needs)
       if (o.share_memory && n.rank != im.ctx->rank && n.host == node && n.ring.offered())
@@ -813,6 +856,10 @@ Status load_local(Runtime::Impl& im, caf::scoped_actor& self, StateDict& sd, con
   for (const auto& [from, op] : job.receive)
     report->bytes_received += shared_bytes(op, dtype_size(manifest->tensors[op.tensor].dtype));
   for (const auto& e : sd.entries()) job.targets.push_back(e.view);
+  if (times) {
+    if (times->planned == 0) times->planned = trace_now_ns();
+    job.clocks = times->clocks;
+  }
 
   // No deadline: reads take as long as the checkpoint is large, and the
   // loader answers even when a reader dies (an error comes back at once if
@@ -832,9 +879,10 @@ Status load_local(Runtime::Impl& im, caf::scoped_actor& self, StateDict& sd, con
   return result.with_context(result.ok() ? "" : "load " + reply.dir + ": ");
 }
 
-// Ranks > 1: this rank's outcome goes to rank 0, the load's comes back.
+// Ranks > 1 (and one rank with trace-dir set): this rank's outcome (and its
+// timeline) goes to rank 0, the load's comes back.
 Status collective_outcome(Runtime::Impl& im, caf::scoped_actor& self, const std::string& id,
-                          const Status& mine) {
+                          const Status& mine, RankTrace trace) {
   const Options& o = im.ctx->opts;
   const int32_t rank = im.ctx->rank;
   coordinator_api to = rank0_api(im);
@@ -842,7 +890,7 @@ Status collective_outcome(Runtime::Impl& im, caf::scoped_actor& self, const std:
   // Rank 0 answers within write-timeout of the first report and the link has
   // its own deadline; this one is the last resort against a lost answer.
   self->request(to, millis(o.write_timeout_s + o.heartbeat_timeout_s + 10), atom::outcome_v,
-                LoadOutcomeMsg{im.ctx->job_id, id, rank, mine, -1})
+                LoadOutcomeMsg{im.ctx->job_id, id, rank, mine, -1, {}, std::move(trace)})
       .receive([&](const LoadOutcomeMsg& v) { out = v.status; },
                [&](caf::error& e) {
                  out = from_caf(
@@ -904,16 +952,20 @@ Result<LoadReport> Runtime::load_report(StateDict& sd, const std::string& path) 
   Impl& im = *impl_;
   const std::string id = "load-" + std::to_string(++im.loads);
   im.ctx->fs->add_root(path);
+  std::optional<LoadTimes> times;
+  if (!im.ctx->opts.trace_dir.empty()) times.emplace().start = trace_now_ns();
   caf::scoped_actor self{*im.sys};
   LoadReplyMsg reply = resolve_on_rank0(im, self, id, path);
+  if (times) times->resolved = trace_now_ns();
   LoadReport report;
   if (im.transport) im.transport->take_queued_peak();
   im.ctx->shares->take_relayed();
   im.ctx->shares->take_in_memory();
-  Status s = load_local(im, self, sd, id, reply, &report);
+  Status s = load_local(im, self, sd, id, reply, &report, times ? &*times : nullptr);
   // Every rank reports, failed or not: a rank that skipped the round trip
   // would leave the others waiting for it.
-  if (im.ctx->world_size > 1) s = collective_outcome(im, self, id, s);
+  if (im.ctx->world_size > 1 || times)
+    s = collective_outcome(im, self, id, s, times ? load_trace(*im.ctx, *times) : RankTrace{});
   if (im.transport) report.send_queue_peak = im.transport->take_queued_peak();
   report.share_frames_relayed = im.ctx->shares->take_relayed();
   report.shared_in_memory = im.ctx->shares->take_in_memory();

@@ -281,6 +281,10 @@ class Transport::Impl {
     const uint64_t now = queued_.load();
     return std::max(now, peak_.exchange(now));
   }
+  std::pair<int64_t, int64_t> join_round_trip() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return {hello_sent_ns_, reply_ns_};
+  }
 
  private:
   enum class Phase {
@@ -512,6 +516,10 @@ class Transport::Impl {
   std::mt19937_64 rng_;
   bool stopping_ = false;
   bool connected_once_ = false;
+  // Rank > 0: when the last hello left and when rank 0's reply to it came
+  // (steady clock ns; under mu_), for the timeline's clock offset.
+  int64_t hello_sent_ns_ = 0;
+  int64_t reply_ns_ = 0;
   int attempts_ = 0;
   std::string last_connect_error_;
   Clock::duration retry_delay_ = kFirstRetryDelay;
@@ -1663,6 +1671,8 @@ void Transport::Impl::service_handshake(uint64_t id) {
     if (client) {
       h.stage = Handshake::receiving;
       h.want = kReplyHeaderBytes;
+      std::lock_guard<std::mutex> lock(mu_);
+      hello_sent_ns_ = Clock::now().time_since_epoch() / std::chrono::nanoseconds(1);
     } else {
       // Our half closed, theirs read until they hang up: closing with their
       // bytes unread would reset the connection and could destroy the reply.
@@ -1807,6 +1817,10 @@ void Transport::Impl::on_reply(uint64_t id) {
   }
   close_handshake(id);
   connected_once_ = true;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    reply_ns_ = Clock::now().time_since_epoch() / std::chrono::nanoseconds(1);
+  }
   if (verdict == kVerdictAccepted) {
     const auto now = Clock::now();
     // Rank 0 fails a rank that has not reached it heartbeat_timeout_s after
@@ -2007,6 +2021,9 @@ std::string Transport::lane_info(int32_t rank) {
 }
 Status Transport::send_on_lane_for_test(int32_t to_rank, uint64_t session, std::string frame) {
   return impl_->send_on_lane(to_rank, std::move(frame), session);
+}
+std::pair<int64_t, int64_t> Transport::join_round_trip() {
+  return impl_->join_round_trip();
 }
 uint64_t Transport::take_queued_peak() {
   return impl_->take_queued_peak();

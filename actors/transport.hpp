@@ -65,6 +65,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "ferry/status.hpp"
 
@@ -167,6 +168,11 @@ class Transport {
   // UCX's description of the lane to `rank` (ucp_ep_print_info: the
   // transports its UCX lanes use), taken when it came up; "" while none is up.
   std::string lane_info(int32_t rank);
+
+  // A rank > 0: when its accepted hello was sent and when rank 0's reply
+  // came (steady clock, ns), for a clock offset against rank 0's; zeros
+  // before. Thread-safe.
+  std::pair<int64_t, int64_t> join_round_trip();
 
   // Tests only: sends `frame` on the lane to `to_rank` with `session` in
   // place of the pair's session (the receiver must drop it unread).

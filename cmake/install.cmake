@@ -18,6 +18,8 @@ install(TARGETS ferry ferry_cli EXPORT FerryTargets
 # The C ABI is linked by name (-lferry_c) from C and opened by ctypes: it
 # carries its runtime inside and is not part of the CMake package.
 install(TARGETS ferry_c LIBRARY DESTINATION "${CMAKE_INSTALL_LIBDIR}")
+# `ferry demo --hosts` looks for it at <bin>/../share/ferry/hosts.sh.
+install(PROGRAMS "${PROJECT_SOURCE_DIR}/tests/hosts/hosts.sh" DESTINATION "${CMAKE_INSTALL_DATADIR}/ferry")
 
 set(FERRY_CMAKE_DIR "${CMAKE_INSTALL_LIBDIR}/cmake/Ferry")
 install(EXPORT FerryTargets NAMESPACE Ferry:: DESTINATION "${FERRY_CMAKE_DIR}")

@@ -46,6 +46,9 @@ struct JoinAck {
   jobId @0 :Text;                  # rank 0's job id
   status @1 :Status;               # not ok: the join is refused, with the reason
   allJoined @2 :Bool;              # sent again once every rank joined: the start barrier
+  # Rank 0's steady clock (ns) as it answered the hello: the rank sets its
+  # timeline's clock from it and its own send and receive times.
+  clockNs @3 :Int64;
 }
 
 # Liveness of a rank; hung peers are not caught by the transport alone.
@@ -90,6 +93,7 @@ struct LoadOutcome {
   # what each rank will read: a rank sends its own entry, rank 0 answers with
   # every rank's, and all ranks derive who reads which shared bytes.
   needs @5 :List(RankNeeds);
+  trace @6 :RankTrace;             # from a rank, with trace-dir set: its phases of the load
 }
 
 # The byte ranges of data files one rank's load reads, and its node.
@@ -148,6 +152,23 @@ struct ShareAck {
   to @3 :Int32;                    # the rank that sent them (the BlockShare's `from`)
   bytes @4 :UInt64;                # BlockShare data bytes taken since the previous ack
   status @5 :Status;               # not ok: the receiver takes no more bytes of this load (why)
+}
+
+# One phase of a rank in a save's or load's timeline (trace-dir).
+struct TraceSpan {
+  name @0 :Text;                   # the phase: "plan", "write <file>", "read", ...
+  track @1 :Text;                  # the row of the rank's timeline it belongs in
+  startNs @2 :Int64;               # on rank 0's steady clock
+  endNs @3 :Int64;                 # on rank 0's steady clock, >= startNs
+  bytes @4 :UInt64;                # bytes the phase moved; 0: not counted
+  busyMs @5 :Float64 = -1;         # time spent working inside it (summed over threads); < 0: none
+}
+
+# A rank's timeline of one save or load; no spans when tracing is off.
+struct RankTrace {
+  host @0 :Text;                   # the rank's host name
+  clockErrorNs @1 :Int64;          # how far its clock may be off rank 0's
+  spans @2 :List(TraceSpan);       # its phases
 }
 
 # What one control frame holds: exactly one of these.

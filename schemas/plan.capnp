@@ -133,6 +133,7 @@ struct CommitRequest {
   jobId @0 :Text;                  # the sender's job
   checkpointId @1 :Text;           # the checkpoint written
   result @2 :WriteResult;          # what the rank wrote
+  trace @3 :Control.RankTrace;     # with trace-dir set: the rank's phases of the save
 }
 
 # Rank -> rank 0: which checkpoint to load.

@@ -17,6 +17,7 @@
 
 #include "config_ini.hpp"
 #include "text.hpp"
+#include "trace.hpp"
 
 namespace ferry {
 namespace {
@@ -506,6 +507,19 @@ const std::vector<KeySpec>& key_table() {
            return false;
          }
          o.s3_virtual_addressing = a == "virtual";
+         return true;
+       }},
+      {{"trace-dir", "",
+        "rank 0 writes a timeline of each save and load here (every rank's phases on one clock, "
+        "Chrome trace event JSON that Perfetto opens, the slowest rank named); empty means off. "
+        "A directory it cannot write costs a warning, never the save"},
+       [](const std::string& v, Options& o, std::string& why) {
+         why = trace_dir_problem(v);
+         if (!why.empty()) {
+           why = "expected " + why;
+           return false;
+         }
+         o.trace_dir = v;
          return true;
        }},
   };

@@ -70,6 +70,22 @@ void set_status(proto::Status::Builder b, const Status& s) {
   b.setMessage(text(s.message()));
 }
 
+// Nothing is set for an empty trace (tracing off): the field stays a null pointer.
+void set_trace(proto::RankTrace::Builder b, const RankTrace& t) {
+  b.setHost(text(t.host));
+  b.setClockErrorNs(t.clock_error_ns);
+  auto spans = b.initSpans(static_cast<unsigned>(t.spans.size()));
+  for (unsigned i = 0; i < spans.size(); ++i) {
+    const TraceSpan& sp = t.spans[i];
+    spans[i].setName(text(sp.name));
+    spans[i].setTrack(text(sp.track));
+    spans[i].setStartNs(sp.start_ns);
+    spans[i].setEndNs(sp.end_ns);
+    spans[i].setBytes(sp.bytes);
+    spans[i].setBusyMs(sp.busy_ms);
+  }
+}
+
 void set_box(proto::Box::Builder b, const Box& box) {
   fill(b.initOffsets(static_cast<unsigned>(box.offsets.size())), box.offsets);
   fill(b.initSizes(static_cast<unsigned>(box.sizes.size())), box.sizes);
@@ -170,6 +186,7 @@ struct Encoder {
     b.setJobId(text(m.job_id));
     set_status(b.initStatus(), m.status);
     b.setAllJoined(m.all_joined);
+    b.setClockNs(m.clock_ns);
     return frame(kControlProtocol, mb);
   }
 
@@ -313,6 +330,7 @@ struct Encoder {
       digests[i].setDigest(d.digest);
       digests[i].setSampled(d.sampled);
     }
+    if (!m.trace.empty()) set_trace(b.initTrace(), m.trace);
     return frame(kPlanProtocol, mb);
   }
 
@@ -370,6 +388,7 @@ struct Encoder {
         nb.setRingToken(n.ring.token);
       }
     }
+    if (!m.trace.empty()) set_trace(b.initTrace(), m.trace);
     return frame(kControlProtocol, mb);
   }
 
@@ -470,6 +489,23 @@ Status check_in_shape(const Box& box, const std::vector<int64_t>& shape, DType d
 // `frame` holds the bytes `root` reads, or is null where they are a copy
 // that ends with the decode: a BlockShare's data then views the frame, or
 // is copied out.
+// A rank's timeline as it sent it; spans that end before they start are refused.
+Status read_trace(proto::RankTrace::Reader r, int32_t rank, const std::string& where,
+                  RankTrace* out) {
+  out->rank = rank;
+  out->host = str(r.getHost());
+  out->clock_error_ns = r.getClockErrorNs();
+  for (auto sp : r.getSpans()) {
+    TraceSpan t{str(sp.getName()), str(sp.getTrack()), sp.getStartNs(),
+                sp.getEndNs(),     sp.getBytes(),      sp.getBusyMs()};
+    if (t.end_ns < t.start_ns)
+      return Status::invalid_argument(where + " trace of rank " + std::to_string(rank) +
+                                      ": span '" + t.name + "' ends before it starts");
+    out->spans.push_back(std::move(t));
+  }
+  return Status();
+}
+
 Result<WireMessage> read_control(proto::ControlMessage::Reader root,
                                  const std::shared_ptr<const std::string>& frame) {
   switch (root.which()) {
@@ -493,6 +529,7 @@ Result<WireMessage> read_control(proto::ControlMessage::Reader root,
       m.job_id = str(r.getJobId());
       FERRY_RETURN_IF_ERROR(read_status(r.getStatus(), "JoinAck status", &m.status));
       m.all_joined = r.getAllJoined();
+      m.clock_ns = r.getClockNs();
       return WireMessage(std::move(m));
     }
     case proto::ControlMessage::HEARTBEAT: {
@@ -566,6 +603,8 @@ Result<WireMessage> read_control(proto::ControlMessage::Reader root,
         }
         m.needs.push_back(std::move(rn));
       }
+      if (r.hasTrace())
+        FERRY_RETURN_IF_ERROR(read_trace(r.getTrace(), m.rank, "LoadOutcome", &m.trace));
       return WireMessage(std::move(m));
     }
     case proto::ControlMessage::BLOCK_SHARE: {
@@ -748,6 +787,8 @@ Result<WireMessage> read_commit_request(proto::CommitRequest::Reader r) {
     d.digest = digests[i].getDigest();
     d.sampled = digests[i].getSampled();
   }
+  if (r.hasTrace())
+    FERRY_RETURN_IF_ERROR(read_trace(r.getTrace(), w.rank, "CommitRequest", &m.trace));
   return WireMessage(std::move(m));
 }
 

@@ -18,6 +18,7 @@
 #include "ferry/status.hpp"
 #include "load_plan.hpp"
 #include "plan.hpp"
+#include "trace.hpp"
 
 namespace ferry {
 
@@ -37,6 +38,7 @@ struct JoinAckMsg {
   std::string job_id;
   Status status;            // not ok: refused, with the reason
   bool all_joined = false;  // the second ack: every rank joined, the job may start
+  int64_t clock_ns = 0;     // rank 0's trace clock as it answered the hello
 };
 
 struct HeartbeatMsg {
@@ -99,6 +101,7 @@ struct CommitRequest {
   std::string job_id;
   std::string checkpoint_id;
   WriteResult result;
+  RankTrace trace = {};  // with trace-dir set: the rank's phases (rank from result)
 };
 
 // Load: a rank asks rank 0 which checkpoint to load (path as given by the
@@ -130,6 +133,7 @@ struct LoadOutcomeMsg {
   // Under load id "<load>/needs", before the reads: from a rank its own
   // entry, from rank 0 every rank's.
   std::vector<RankNeeds> needs = {};
+  RankTrace trace = {};  // from a rank, with trace-dir set: its phases of the load
 };
 
 // Bytes that may lie inside a buffer they share with others: a BlockShare's

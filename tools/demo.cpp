@@ -10,14 +10,17 @@
 // computes what the saved bytes must be for any shard without a reference
 // copy.
 
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <thread>
 
 #include "ferry/catalog.hpp"
@@ -59,13 +62,16 @@ struct DemoFlags {
   std::vector<std::string> passthrough;  // --set / --config-file, for the ranks
   std::vector<Setting> settings;
   std::string config_file;
+  std::string trace;           // --trace FILE: the last save's timeline goes there
+  uint32_t hosts = 0;          // --hosts N: the ranks spread over N emulated hosts
+  uint32_t restore_hosts = 0;  // 0: hosts + 1
 };
 
 void demo_usage() {
   std::printf(
       "usage: ferry demo [--ranks N] [--restore-ranks M] [--state-mib N] [--layers N]\n"
       "                  [--steps N] [--every N] [--root DIR] [--set KEY=VALUE]...\n"
-      "                  [--device host|cuda] [--config-file=PATH]\n"
+      "                  [--device host|cuda] [--config-file=PATH] [--trace FILE]\n"
       "  --ranks          training ranks (default 2)\n"
       "  --restore-ranks  ranks that restore the last checkpoint (default ranks + 1)\n"
       "  --state-mib      model state over all ranks, in MiB (default 1024)\n"
@@ -79,7 +85,15 @@ void demo_usage() {
       "                   LOCAL_RANK %% count), updated by a kernel every step and\n"
       "                   snapshotted with a stream-ordered wait; without a GPU it\n"
       "                   says so and exits with 3\n"
-      "  --set            a [ferry] setting for every rank, e.g. --set pool-bytes=512MiB\n");
+      "  --set            a [ferry] setting for every rank, e.g. --set pool-bytes=512MiB\n"
+      "  --trace          write the last checkpoint's timeline (every rank's phases,\n"
+      "                   Chrome trace JSON: open it in Perfetto) to FILE and the\n"
+      "                   restore's to FILE-restore.json; every save's stays in FILE.d/\n"
+      "  --hosts          spread the ranks over N emulated hosts (root; tests/hosts/hosts.sh),\n"
+      "                   cut the last host's link after the first checkpoint, then\n"
+      "                   restore on --restore-hosts hosts (default N + 1), one rank\n"
+      "                   each unless --restore-ranks says more, and print per host\n"
+      "                   what it read and sent\n");
 }
 
 int parse_flags(const Args& args, DemoFlags* f) {
@@ -133,6 +147,12 @@ int parse_flags(const Args& args, DemoFlags* f) {
       }
       f->settings.push_back({kv.substr(0, eq), kv.substr(eq + 1), "--set"});
       f->passthrough.insert(f->passthrough.end(), {"--set", kv});
+    } else if (a == "--hosts") {
+      if (!number(&f->hosts)) return 2;
+    } else if (a == "--restore-hosts") {
+      if (!number(&f->restore_hosts)) return 2;
+    } else if (a == "--trace" && has_value) {
+      f->trace = args[++i];
     } else if (a.rfind("--config-file=", 0) == 0) {
       f->config_file = a.substr(14);
       f->passthrough.push_back(a);
@@ -505,7 +525,6 @@ int restore(const DemoFlags& f) {
   auto rt = start_runtime(f);
   if (!rt) return 1;
   const int rank = rt->rank(), world = rt->world_size();
-  const uint32_t step = f.steps / f.every * f.every;  // the last checkpoint
   const auto specs = model(f);
   // A different sharding from training: rows <-> columns, replicated as is.
   std::vector<Piece> pieces;
@@ -518,11 +537,21 @@ int restore(const DemoFlags& f) {
   }
   if (!add_host_pieces(specs, pieces, sd)) return 1;
   const auto t0 = std::chrono::steady_clock::now();
-  const Status st = rt->load(sd, f.root);
+  const Result<LoadReport> report = rt->load_report(sd, f.root);
   const double ms = ms_since(t0);
-  if (!st.ok()) {
-    std::printf("rank %d: restore FAILED: %s\n", rank, st.to_string().c_str());
+  if (!report.ok()) {
+    std::printf("rank %d: restore FAILED: %s\n", rank, report.status().to_string().c_str());
     return 1;
+  }
+  // The last checkpoint, or an earlier one where training stopped early
+  // (--hosts: the partition).
+  const auto step = static_cast<uint32_t>(report->step);
+  if (f.hosts > 0) {
+    const std::string& node = report->node;
+    std::printf("rank %d on host %s: read %s from storage, %s from ranks of its host\n", rank,
+                node.substr(node.find(':') + 1).c_str(),
+                human_bytes(static_cast<double>(report->bytes_read)).c_str(),
+                human_bytes(static_cast<double>(report->bytes_received)).c_str());
   }
   uint64_t bytes = 0, bad = 0;
   std::vector<uint32_t> expect;
@@ -554,6 +583,182 @@ std::string quote(const std::string& s) {
   std::string q = "'";
   for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
   return q + "'";
+}
+
+// The newest timeline in `dir` whose name starts with `prefix` (names sort by
+// step, then by time), copied to `to`; says where it went.
+void keep_timeline(const std::string& dir, const std::string& prefix, const std::string& to) {
+  auto fs = posix_filesystem();
+  auto names = fs->list(dir);
+  std::string last;
+  if (names.ok())
+    for (const auto& n : *names)
+      if (n.rfind(prefix, 0) == 0 && n.size() > 5 && n.compare(n.size() - 5, 5, ".json") == 0 &&
+          n > last)
+        last = n;
+  auto bytes = last.empty()
+                   ? Result<std::string>(Status::not_found("no " + prefix + " timeline in " + dir))
+                   : read_file(*fs, join_path(dir, last));
+  Status s = bytes.ok() ? write_file_atomic(*fs, to, *bytes, false) : bytes.status();
+  if (!s.ok()) {
+    std::printf("ferry demo: no timeline in %s: %s\n", to.c_str(), s.to_string().c_str());
+    return;
+  }
+  std::printf("ferry demo: timeline %s (open it in https://ui.perfetto.dev)\n", to.c_str());
+}
+
+// The emulated-hosts tool: where an install puts it beside the binary
+// (<bin>/../share/ferry), else in the source tree it was built from (a build
+// tree).
+std::string hosts_tool() {
+  const std::string exe = self_exe();
+  const std::string dir = exe.substr(0, exe.rfind('/'));
+  for (const std::string& p :
+       {dir + "/../share/ferry/hosts.sh", std::string(FERRY_SOURCE_DIR) + "/tests/hosts/hosts.sh"})
+    if (::access(p.c_str(), X_OK) == 0) return p;
+  return "";
+}
+
+// What `cmd` printed, and its exit code in *rc.
+std::string capture(const std::string& cmd, int* rc) {
+  std::string out;
+  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
+  if (!p) {
+    *rc = -1;
+    return "cannot run " + cmd;
+  }
+  char buf[4096];
+  size_t n = 0;
+  while ((n = std::fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
+  const int status = ::pclose(p);
+  *rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return out;
+}
+
+// "0,1,...,n-1"
+std::string host_list(uint32_t n) {
+  std::string s;
+  for (uint32_t i = 0; i < n; ++i) s += (i ? "," : "") + std::to_string(i);
+  return s;
+}
+
+// Bytes host `i` sent and received on its link so far.
+std::pair<uint64_t, uint64_t> link_bytes(const std::string& tool, const std::string& name,
+                                         uint32_t i) {
+  int rc = 0;
+  const std::string out = capture(quote(tool) + " bytes " + name + " " + std::to_string(i), &rc);
+  auto field = [&](const std::string& f) -> uint64_t {
+    const auto at = out.find(f + "=");
+    return rc == 0 && at != std::string::npos
+               ? std::strtoull(out.c_str() + at + f.size() + 1, nullptr, 10)
+               : 0;
+  };
+  return {field("sent"), field("received")};
+}
+
+// --hosts: training on f.hosts emulated hosts, their last one cut off after
+// the first checkpoint, then the restore on f.restore_hosts others.
+int demo_on_hosts(const DemoFlags& f, const std::string& exe, const std::string& common,
+                  const std::string& train_pool, const std::string& restore_pool) {
+  const std::string tool = hosts_tool();
+  if (tool.empty()) {
+    std::fprintf(
+        stderr,
+        "ferry demo --hosts: no hosts.sh in ../share/ferry beside %s nor in %s/tests/hosts\n",
+        exe.c_str(), FERRY_SOURCE_DIR);
+    return 2;
+  }
+  int rc = 0;
+  const std::string why = capture(quote(tool) + " check", &rc);
+  if (rc != 0) {
+    std::fprintf(stderr, "ferry demo --hosts: cannot make hosts here: %s", why.c_str());
+    return 2;
+  }
+  if (f.ranks % f.hosts != 0 || f.restore_ranks % f.restore_hosts != 0) {
+    std::fprintf(stderr,
+                 "ferry demo --hosts: %u ranks on %u hosts and %u restoring ranks on %u hosts: "
+                 "each must be a multiple of its hosts\n",
+                 f.ranks, f.hosts, f.restore_ranks, f.restore_hosts);
+    return 2;
+  }
+  const std::string name = "demo" + std::to_string(::getpid() % 10000);
+  const uint32_t n = std::max(f.hosts, f.restore_hosts);
+  std::string up = capture(quote(tool) + " up " + name + " " + std::to_string(n) + " --shared " +
+                               quote(f.root) + " --owner " + std::to_string(::getpid()),
+                           &rc);
+  if (rc != 0) {
+    std::fprintf(stderr, "ferry demo --hosts: %s", up.c_str());
+    return 1;
+  }
+  struct Down {
+    std::string cmd;
+    ~Down() { (void)std::system(cmd.c_str()); }
+  } down{quote(tool) + " down " + name + " >/dev/null 2>&1"};
+  const uint32_t cut = f.hosts - 1;
+  std::printf(
+      "ferry demo: %u hosts (%s-0 .. %s-%u), %u ranks each; host %u's link goes down "
+      "once the first checkpoint is committed\n",
+      f.hosts, name.c_str(), name.c_str(), f.hosts - 1, f.ranks / f.hosts, cut);
+  std::fflush(stdout);
+  // The partition, in the middle of training: after the first commit.
+  std::atomic<bool> training{true};
+  std::atomic<bool> partitioned{false};
+  std::thread cutter([&] {
+    char first[32];
+    std::snprintf(first, sizeof(first), "/step-%08u", f.every);
+    auto fs = posix_filesystem();
+    while (training && !fs->stat(f.root + first).ok())
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    if (!training) return;
+    int r = 0;
+    (void)capture(quote(tool) + " link " + name + " " + std::to_string(cut) + " down", &r);
+    partitioned = r == 0;
+    std::printf("ferry demo: step %u committed: host %u's link is DOWN\n", f.every, cut);
+    std::fflush(stdout);
+  });
+  // A short heartbeat timeout: the lost host is noticed in seconds.
+  const std::string train_cmd = quote(tool) + " job " + name + " -n " +
+                                std::to_string(f.ranks / f.hosts) + " --hosts " +
+                                host_list(f.hosts) + " -- " + quote(exe) + " demo --role train" +
+                                common + train_pool + " --set heartbeat-timeout=3s";
+  const int trained = std::system(train_cmd.c_str());
+  training = false;
+  cutter.join();
+  (void)capture(quote(tool) + " link " + name + " " + std::to_string(cut) + " up", &rc);
+  if (partitioned)
+    std::printf("ferry demo: training %s at the partition; host %u's link is up again\n",
+                trained != 0 ? "stopped, as it must," : "finished before it noticed", cut);
+  else if (trained != 0) {
+    std::printf("ferry demo: training FAILED\n");
+    return 1;
+  }
+  const uint32_t per_host = f.restore_ranks / f.restore_hosts;
+  std::printf("ferry demo: restoring the last committed checkpoint on %u hosts, %u rank%s each\n",
+              f.restore_hosts, per_host, per_host == 1 ? "" : "s");
+  std::fflush(stdout);
+  std::vector<std::pair<uint64_t, uint64_t>> before;
+  for (uint32_t i = 0; i < f.restore_hosts; ++i) before.push_back(link_bytes(tool, name, i));
+  const std::string restore_cmd =
+      quote(tool) + " job " + name + " -n " + std::to_string(f.restore_ranks / f.restore_hosts) +
+      " --hosts " + host_list(f.restore_hosts) + " -- " + quote(exe) + " demo --role restore" +
+      common + restore_pool + " --hosts " + std::to_string(f.restore_hosts);
+  const int restored = std::system(restore_cmd.c_str());
+  for (uint32_t i = 0; i < f.restore_hosts; ++i) {
+    const auto after = link_bytes(tool, name, i);
+    std::printf("ferry demo: host %s-%u sent %s and received %s over its link during the restore\n",
+                name.c_str(), i,
+                human_bytes(static_cast<double>(after.first - before[i].first)).c_str(),
+                human_bytes(static_cast<double>(after.second - before[i].second)).c_str());
+  }
+  if (restored != 0) {
+    std::printf("ferry demo: restore FAILED\n");
+    return 1;
+  }
+  std::printf(
+      "ferry demo: OK: trained on %u hosts through a partition, restored on %u, every byte "
+      "checked\n",
+      f.hosts, f.restore_hosts);
+  return 0;
 }
 
 // Marks a root the demo made or adopted, so that a rerun knows the
@@ -611,13 +816,27 @@ int cmd_demo(const Args& args) {
   if (f.role == "restore") return restore(f);
 
   // The driver: train with N ranks, restore with M.
-  if (f.restore_ranks == 0) f.restore_ranks = f.ranks + 1;
+  if (f.hosts > 0 && f.restore_hosts == 0) f.restore_hosts = f.hosts + 1;
+  if (f.restore_ranks == 0) f.restore_ranks = f.hosts > 0 ? f.restore_hosts : f.ranks + 1;
   if (int rc = prepare_demo_root(f.root); rc >= 0) return rc;
+  // Every host sees the same file system, but runs in its own directory.
+  if (f.hosts > 0) f.root = std::filesystem::absolute(f.root).lexically_normal().string();
   const std::string exe = self_exe();
   std::string common = " --root " + quote(f.root) + " --state-mib " + std::to_string(f.state_mib) +
                        " --layers " + std::to_string(f.layers) + " --steps " +
                        std::to_string(f.steps) + " --every " + std::to_string(f.every);
   for (const auto& p : f.passthrough) common += " " + quote(p);
+  // --trace: every save and the restore write their timelines here.
+  const std::string traces = f.trace.empty() ? "" : f.trace + ".d";
+  if (!traces.empty()) {
+    common += " --set " + quote("trace-dir=" + traces);
+    // An earlier demo's timelines would pass for this one's.
+    auto fs = posix_filesystem();
+    if (auto names = fs->list(traces); names.ok())
+      for (const auto& n : *names)
+        if (n.rfind("save-", 0) == 0 || n.rfind("load-", 0) == 0)
+          (void)fs->unlink(join_path(traces, n));
+  }
   std::printf(
       "ferry demo: %s model state over %u ranks (row-, column-sharded and replicated "
       "tensors), %u steps, checkpoint every %u, root %s\n",
@@ -633,12 +852,14 @@ int cmd_demo(const Args& args) {
   const std::string train_pool =
       pool_set ? "" : " --set pool-bytes=" + std::to_string(share_mib) + "MiB";
   const std::string restore_pool = pool_set ? "" : " --set pool-bytes=64MiB";
+  if (f.hosts > 0) return demo_on_hosts(f, exe, common, train_pool, restore_pool);
   const std::string train_cmd = quote(exe) + " launch -n " + std::to_string(f.ranks) + " -- " +
                                 quote(exe) + " demo --role train" + common + train_pool;
   if (std::system(train_cmd.c_str()) != 0) {
     std::printf("ferry demo: training FAILED\n");
     return 1;
   }
+  if (!traces.empty()) keep_timeline(traces, "save-", f.trace);
   std::printf("ferry demo: restoring the last checkpoint into %u ranks with another sharding\n",
               f.restore_ranks);
   std::fflush(stdout);
@@ -648,6 +869,11 @@ int cmd_demo(const Args& args) {
   if (std::system(restore_cmd.c_str()) != 0) {
     std::printf("ferry demo: restore FAILED\n");
     return 1;
+  }
+  if (!traces.empty()) {
+    const auto dot = f.trace.rfind('.');
+    const bool ext = dot != std::string::npos && f.trace.find('/', dot) == std::string::npos;
+    keep_timeline(traces, "load-", (ext ? f.trace.substr(0, dot) : f.trace) + "-restore.json");
   }
   std::printf("ferry demo: OK: trained on %u ranks, restored on %u, every byte checked\n", f.ranks,
               f.restore_ranks);

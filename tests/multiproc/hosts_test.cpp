@@ -173,18 +173,20 @@ pid_t parent_of(pid_t pid) {
   return ppid;
 }
 
-// Starts a 2 hosts x 2 ranks job of the worker with `args` in which rank 2
-// stops itself at kill point `point`; its pid once it has stopped (found by
-// `root`, which its command line holds).
+// Starts a 2 hosts x 2 ranks job of the worker with `args` in which rank
+// `rank` stops itself at kill point `point`; its pid once it has stopped
+// (found by `root`, which its command line holds).
 pid_t start_stopped(const Hosts& h, const std::string& root, const std::string& args,
-                    const std::string& point, std::unique_ptr<ferry::testing::Process>* job) {
+                    const std::string& point, std::unique_ptr<ferry::testing::Process>* job,
+                    int rank = 2) {
   ferry::testing::ProcessOptions o;
   o.capture_stdout = true;
   o.merge_stderr = true;
   *job = std::make_unique<ferry::testing::Process>(
-      std::vector<std::string>{"/bin/sh", "-c",
-                               h.job_cmd(2, "0,1", args + " --root " + root + kModel,
-                                         "FERRY_KILL_AT='" + point + "@2!stop'")},
+      std::vector<std::string>{
+          "/bin/sh", "-c",
+          h.job_cmd(2, "0,1", args + " --root " + root + kModel,
+                    "FERRY_KILL_AT='" + point + "@" + std::to_string(rank) + "!stop'")},
       o);
   pid_t pid = 0;
   REQUIRE(ferry::testing::eventually([&] { return (pid = stopped_with(root)) > 0; }));
@@ -343,6 +345,58 @@ TEST_CASE("hosts: a host whose link goes down during a save fails it on every ra
   }
 }
 
+TEST_CASE(
+    "hosts: rank 0 cut off in the commit phase: the others report the outcome unknown, "
+    "the root holds the truth, and the job resumes after a restart",
+    "[hosts][partition]") {
+  FERRY_NEED_HOSTS();
+  TempDir d;
+  Hosts h(2, d.path());
+  save_first(h, d.path());
+  // Rank 0 has every write result and stands inside the commit, before the
+  // commit point; ranks 1-3 wait for its answer. Host 1 (ranks 2, 3) loses
+  // rank 0 before that answer can reach it.
+  std::unique_ptr<ferry::testing::Process> job;
+  const pid_t stopped = start_stopped(h, d.path(), "--mode save --step 2 --seed 8",
+                                      "manifest.write", &job, /*rank=*/0);
+  const auto t0 = ferry::testing::Clock::now();
+  h.tool("link " + h.name() + " 1 down");
+  ::kill(parent_of(stopped), SIGCONT);
+  std::string out;
+  REQUIRE(job->read_all(&out, 90));
+  const double seconds = ferry::testing::seconds_since(t0);
+  INFO(out);
+  CHECK(job->wait_exit(10).value_or(0) != 0);
+  // Rank 0 had what it needed and committed. (Rank 1 hears it over its own
+  // host, unless rank 0 stood still past heartbeat-timeout: then it cannot
+  // know either.)
+  CHECK(count(out, "[rank 0] SAVED") == 1);
+  CHECK(count(out, "[rank 1] SAVED") + count(out, "[rank 1] ERROR save: outcome_unknown") == 1);
+  // Ranks 2 and 3 cannot know: their error names rank 0 and the commit
+  // phase, says the outcome is unknown, and comes within a few heartbeat
+  // timeouts (3 s), far from commit-timeout (60 s) plus the write time left.
+  for (int r : {2, 3}) {
+    INFO("rank " << r);
+    const auto errors = lines_with(out, "[rank " + std::to_string(r) + "] ERROR save:");
+    REQUIRE(errors.size() == 1);
+    CHECK_THAT(errors[0], Catch::Contains("outcome_unknown") && Catch::Contains("commit phase") &&
+                              Catch::Contains("rank 0") && Catch::Contains("check the root"));
+  }
+  CHECK(seconds < 20);
+  // The root says what happened: step 2 is committed whole, nothing pending.
+  h.tool("link " + h.name() + " 1 up");
+  CHECK(ferry::testing::manifest_of(latest_path(d.path())).step == 2);
+  check_nothing_pending(d.path());
+  // The job restarts on both hosts, resumes from step 2 and saves on.
+  check_loaded(h.job(2, "0,1", "--mode load --seed 8 --root " + d.path() + kModel), 4);
+  const RunResult next =
+      h.job(2, "0,1", "--mode save --step 3 --seed 9 --root " + d.path() + kModel);
+  INFO(next.out);
+  CHECK(next.code == 0);
+  CHECK(count(next.out, "SAVED") == 4);
+  CHECK(ferry::testing::manifest_of(latest_path(d.path())).step == 3);
+}
+
 TEST_CASE("hosts: a host whose link goes down during a load fails it on every rank, naming it",
           "[hosts][partition]") {
   FERRY_NEED_HOSTS();
@@ -397,6 +451,36 @@ TEST_CASE("hosts: a host killed during a save, the job restarts on the rest with
   INFO(next.out);
   CHECK(next.code == 0);
   CHECK(ferry::testing::manifest_of(latest_path(d.path())).step == 2);
+}
+
+TEST_CASE("hosts: ferry demo --hosts trains on 2 hosts through a partition and restores on 3",
+          "[hosts][demo]") {
+  FERRY_NEED_HOSTS();
+  TempDir d;
+  const RunResult r =
+      run_shell(std::string(FERRY_CLI_PATH) +
+                    " demo --hosts 2 --ranks 4 --state-mib 16 --layers 2 --root " + d.sub("ck"),
+                {}, 300);
+  INFO(r.out);
+  REQUIRE(r.code == 0);
+  // The partition came after the first checkpoint and stopped the training:
+  // the restore finds step 10, the last committed, and checks every byte.
+  CHECK(count(r.out, "step 10 committed: host 1's link is DOWN") == 1);
+  CHECK(count(r.out, "training stopped, as it must, at the partition") == 1);
+  CHECK(count(r.out, "restored step 10") == 3);
+  CHECK(count(r.out, "every byte matches the saved state") == 3);
+  // Per host: what its rank read (each rank on a host of its own), and what
+  // crossed its link.
+  std::set<std::string> hosts;
+  for (int i = 0; i < 3; ++i) {
+    const auto read = lines_with(r.out, "] rank " + std::to_string(i) + " on host ");
+    REQUIRE(read.size() == 1);
+    const auto at = read[0].find(" on host ") + 9;
+    hosts.insert(read[0].substr(at, read[0].find(':', at) - at));
+  }
+  CHECK(hosts.size() == 3);
+  CHECK(lines_with(r.out, "over its link during the restore").size() == 3);
+  CHECK_THAT(r.out, Catch::Contains("restored on 3, every byte checked"));
 }
 
 TEST_CASE("hosts: each host has its own name, address, processes and node-local directory",

@@ -178,7 +178,8 @@ TEST_CASE("option_infos lists every key once, and its defaults resolve to Option
                                              "compress",
                                              "s3-endpoint",
                                              "s3-region",
-                                             "s3-addressing"};
+                                             "s3-addressing",
+                                             "trace-dir"};
   std::vector<std::string> keys;
   std::vector<Setting> defaults;
   for (const auto& info : ferry::option_infos()) {

@@ -47,7 +47,21 @@ JoinAckMsg sample_join_ack() {
   JoinAckMsg m;
   m.job_id = "job-7f3a";
   m.status = Status::invalid_argument("rank 3: token \"x\" does not match job-7f3a");
+  m.clock_ns = -123456789012345;  // another host's steady clock may be far from ours
   return m;
+}
+
+// A rank's timeline (trace-dir), as a write result or load outcome carries it.
+ferry::RankTrace sample_trace(int32_t rank) {
+  ferry::RankTrace t;
+  t.rank = rank;
+  t.host = "node-017";
+  t.clock_error_ns = 41000;
+  t.spans = {{"plan", "save", 1000, 2000, 0, -1},
+             {"write rank-00002-0000.safetensors", "rank-00002-0000.safetensors", 2500, 9000,
+              33558528, -1},
+             {"read", "read", -50, 70, 4096, 0.25}};
+  return t;
 }
 
 HeartbeatMsg sample_heartbeat() {
@@ -162,6 +176,7 @@ CommitRequest sample_commit_request() {
   r.snapshot_ms = 12.5;
   r.write_ms = 2048.25;
   r.bytes = 33554440;
+  m.trace = sample_trace(2);
   return m;
 }
 
@@ -193,6 +208,7 @@ LoadOutcomeMsg sample_load_outcome() {
   m.status = Status::corruption(
       "rank 1: checksum mismatch in tensor 'layers.0.w' of file rank-00001-0000.safetensors");
   m.failed_rank = 1;
+  m.trace = sample_trace(0);
   return m;
 }
 
@@ -246,6 +262,7 @@ void check_same(const JoinMsg& a, const JoinMsg& b) {
 void check_same(const JoinAckMsg& a, const JoinAckMsg& b) {
   CHECK(a.job_id == b.job_id);
   check_same(a.status, b.status);
+  CHECK(a.clock_ns == b.clock_ns);
 }
 
 void check_same(const HeartbeatMsg& a, const HeartbeatMsg& b) {
@@ -349,6 +366,7 @@ void check_same(const CommitRequest& a, const CommitRequest& b) {
     CHECK(p.frame_bytes == q.frame_bytes);
     CHECK(p.frame_ends == q.frame_ends);
   }
+  CHECK(a.trace == b.trace);
 }
 
 void check_same(const LoadRequestMsg& a, const LoadRequestMsg& b) {
@@ -372,6 +390,7 @@ void check_same(const LoadOutcomeMsg& a, const LoadOutcomeMsg& b) {
   CHECK(a.rank == b.rank);
   check_same(a.status, b.status);
   CHECK(a.failed_rank == b.failed_rank);
+  CHECK(a.trace == b.trace);
   REQUIRE(a.needs.size() == b.needs.size());
   for (size_t i = 0; i < a.needs.size(); ++i) {
     CHECK(a.needs[i].rank == b.needs[i].rank);

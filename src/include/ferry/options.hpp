@@ -74,6 +74,9 @@ struct Options {
   std::string s3_endpoint;             // s3-endpoint: "" = https://s3.<region>.amazonaws.com
   std::string s3_region;               // s3-region: "" = AWS_REGION, else us-east-1
   bool s3_virtual_addressing = false;  // s3-addressing: path (default) or virtual
+  // trace-dir: rank 0 writes each save's and load's timeline (every rank's
+  // phases, Chrome trace event JSON) here; "" = off.
+  std::string trace_dir;
 };
 
 // Checks a data file name prefix: not empty, only [A-Za-z0-9._-], no "..".
