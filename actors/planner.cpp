@@ -193,7 +193,8 @@ struct planner_state {
   Current cur;
   LayoutCache layout_cache;
   uint64_t layouts_made = 0;
-  hasher_actor hasher;  // spawned at the first save with replicated items
+  LocalPlan kept_local;  // the last save's, refilled in place by the next
+  hasher_actor hasher;   // spawned at the first save with replicated items
 };
 
 using planner_ptr = planner_actor::stateful_pointer<planner_state>;
@@ -220,6 +221,7 @@ void end_save(planner_ptr self, const Status& status, const std::string& path,
               std::vector<std::string> warnings = {}) {
   auto& st = self->state;
   st.cur.job.state->finish(status, path, std::move(warnings));
+  st.kept_local = std::move(st.cur.local);
   st.cur = Current{};
   start_next(self);
 }
@@ -873,9 +875,9 @@ void start_next(planner_ptr self) {
   if (cur.job.local) {
     cur.local = std::move(*cur.job.local);
   } else {
-    auto local = make_local_plan(cur.job.sd, st.ctx->rank);
-    if (!local.ok()) return doom(local.status());
-    cur.local = std::move(local).value();
+    cur.local = std::move(st.kept_local);
+    if (Status s = make_local_plan_into(cur.job.sd, st.ctx->rank, &cur.local); !s.ok())
+      return doom(s);
   }
   // With other ranks, rank 0's coordinator ends a plan phase they never
   // join, naming them: this rank's own deadline is the backstop behind it.

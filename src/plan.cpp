@@ -83,16 +83,23 @@ uint64_t LocalPlan::digest() const {
 }
 
 Result<LocalPlan> make_local_plan(const StateDict& sd, int32_t rank) {
+  LocalPlan plan;
+  FERRY_RETURN_IF_ERROR(make_local_plan_into(sd, rank, &plan));
+  return plan;
+}
+
+Status make_local_plan_into(const StateDict& sd, int32_t rank, LocalPlan* out) {
   if (rank < 0) return Status::invalid_argument("rank " + std::to_string(rank) + " is negative");
   if (sd.size() > std::numeric_limits<uint32_t>::max())
     return Status::invalid_argument("state dict has too many entries");
-  LocalPlan plan;
+  LocalPlan& plan = *out;
   plan.rank = rank;
-  plan.items.reserve(sd.size());
+  plan.items.resize(sd.size());
   uint32_t index = 0;
   for (const auto& e : sd.entries()) {
     FERRY_RETURN_IF_ERROR(validate_entry(e));
-    WriteItem it;
+    // Assigned field by field: a kept item reuses its strings' and vectors' memory.
+    WriteItem& it = plan.items[index];
     if (e.per_rank) {
       it.key = per_rank_key(e.key, rank);  // its own key: never a replica of another rank's
     } else if (parse_per_rank_key(e.key)) {
@@ -113,9 +120,8 @@ Result<LocalPlan> make_local_plan(const StateDict& sd, int32_t rank) {
     }
     it.nbytes = e.view.nbytes();
     it.entry = index++;
-    plan.items.push_back(std::move(it));
   }
-  return plan;
+  return Status();
 }
 
 namespace {
