@@ -193,7 +193,7 @@ TEST_CASE("a repeated save's save_async, plan and commit are linear in the entri
            << " ms, plan " << c.plan_ms << " ms, commit " << c.commit_ms << " ms");
     // save_async hands the state dict over (copy on write): no per-entry work.
     CHECK(c.save_async_ms <= 1.0 + 2 * c.touch_ms);
-    CHECK(c.plan_ms <= 5.0 + 60 * c.touch_ms);
+    CHECK(c.plan_ms <= 5.0 + 40 * c.touch_ms);
     CHECK(c.commit_ms <= 5.0 + 40 * c.touch_ms);
   }
 }
