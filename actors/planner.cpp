@@ -521,10 +521,11 @@ void send_result(planner_ptr self) {
       .then(
           [self, id, now, layout](const CommitMsg& r) {
             auto& st = self->state;
-            // Rank 0 holds this layout's report once it committed it (a
-            // late answer too); after a failure the next report is whole.
+            // Rank 0 holds the cached layout's report once it committed it
+            // (a late answer too); after a failure, or a commit of another
+            // layout (compressed, a checkpoint_fn's), the next report is whole.
             LayoutCache& cache = st.layout_cache;
-            if (layout != 0 && cache.layout == layout) cache.reported = r.status.ok();
+            cache.reported = r.status.ok() && layout != 0 && cache.layout == layout;
             if (!live(st, id)) return;
             st.cur.job.state->update_metrics([&](SaveMetrics& m) {
               m.commit_ms = st.cur.job.state->ms_since_start() - now;
