@@ -409,8 +409,12 @@ void on_all_results(coordinator_ptr self) {
   auto m = assemble_manifest_into(st.manifest, h, results);
   if (!m.ok()) return abort_active(self, m.status());
   // Before the commit point: never a committed checkpoint that cannot load.
-  if (Status s = check_manifest_before_commit(**m); !s.ok())
-    return abort_active(self, s.with_context("rank 0 (commit phase): "));
+  // A refill that moved no byte range passes again (ManifestSkeleton::checked).
+  if (!st.manifest.checked) {
+    if (Status s = check_manifest_before_commit(**m); !s.ok())
+      return abort_active(self, s.with_context("rank 0 (commit phase): "));
+    st.manifest.checked = st.manifest.valid;
+  }
   CommitOptions co{st.ctx->opts.fsync, c.overwrite, st.ctx->opts.keep_last, c.lease_owner};
   co.renew_lease_ms = lease_ms(st);
   const auto commit_started = std::chrono::steady_clock::now();

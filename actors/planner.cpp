@@ -160,6 +160,8 @@ struct LayoutCache {
   DataFileOptions files;
   std::shared_ptr<const std::vector<FileLayout>> layouts;
   std::vector<std::vector<std::pair<uint32_t, uint64_t>>> picks;  // [file][chunk]: entry, skip
+  uint64_t layout = 0;    // WriteResult::layout: a new one each time the cache is filled
+  bool reported = false;  // rank 0 committed a save with this layout's whole report
 };
 
 bool same_rank_plan(const RankPlan& a, const RankPlan& b) {
@@ -197,7 +199,9 @@ struct planner_state {
   uint64_t next_id = 1;
   Current cur;
   LayoutCache layout_cache;
-  hasher_actor hasher;  // spawned at the first save with replicated items
+  uint64_t layouts_made = 0;
+  LocalPlan kept_local;  // the last save's, refilled in place by the next
+  hasher_actor hasher;   // spawned at the first save with replicated items
 };
 
 using planner_ptr = planner_actor::stateful_pointer<planner_state>;
@@ -224,6 +228,7 @@ void end_save(planner_ptr self, const Status& status, const std::string& path,
               std::vector<std::string> warnings = {}) {
   auto& st = self->state;
   st.cur.job.state->finish(status, path, std::move(warnings));
+  st.kept_local = std::move(st.cur.local);
   st.cur = Current{};
   start_next(self);
 }
@@ -483,12 +488,31 @@ void send_result(planner_ptr self) {
   WriteResult wr;
   wr.rank = st.ctx->rank;
   wr.replica_digests = std::move(cur.digests);
+  const LayoutCache& cache = st.layout_cache;
+  if (cache.valid && cur.layouts == cache.layouts) wr.layout = cache.layout;
+  // Rank 0's coordinator keeps the last report: a save laid out as the one
+  // it committed sends only sizes and checksums (not over the wire).
+  wr.repeat = wr.layout != 0 && cache.reported && st.ctx->rank == 0;
+  size_t chunk_count = 0;
+  for (const auto& l : *cur.layouts) chunk_count += l.chunks.size();
+  wr.chunks.reserve(chunk_count);
   for (size_t f = 0; f < cur.layouts->size(); ++f) {
     const FileLayout& l = (*cur.layouts)[f];
     wr.files.push_back(
         {l.name, l.size, l.header.size(), xxh3_64(l.header.data(), l.header.size())});
     for (size_t c = 0; c < l.chunks.size(); ++c) {
       const LaidOutChunk& lc = l.chunks[c];
+      std::vector<uint64_t> sums;
+      if (!cur.sums.sums.empty()) sums = std::move(cur.sums.sums[f][c]);
+      if (wr.repeat) {
+        WrittenChunk& wc = wr.chunks.emplace_back();
+        wc.file = static_cast<uint32_t>(f);
+        wc.byte_offset = lc.offset;
+        wc.byte_length = lc.length;
+        wc.checksums = std::move(sums);
+        wr.bytes += lc.length;
+        continue;
+      }
       wr.chunks.push_back({lc.chunk.key,
                            lc.chunk.dtype,
                            lc.chunk.global_shape,
@@ -497,7 +521,7 @@ void send_result(planner_ptr self) {
                            lc.offset,
                            lc.length,
                            lc.entry,
-                           cur.sums.sums.empty() ? std::vector<uint64_t>{} : cur.sums.sums[f][c],
+                           std::move(sums),
                            "",
                            0,
                            0,
@@ -519,13 +543,19 @@ void send_result(planner_ptr self) {
     wr.ready_ms = now;
   });
   const uint64_t id = cur.id;
+  const uint64_t layout = wr.layout;
   st.ctx->fs->crash_point("writer.report");
   self->request(st.coordinator, caf::infinite, atom::commit_v,
                 CommitRequest{st.ctx->job_id, cur.checkpoint_id, std::move(wr),
                               rank_trace(st, std::move(cur.spans))})
       .then(
-          [self, id, now](const CommitMsg& r) {
+          [self, id, now, layout](const CommitMsg& r) {
             auto& st = self->state;
+            // Rank 0 holds the cached layout's report once it committed it
+            // (a late answer too); after a failure, or a commit of another
+            // layout (compressed, a checkpoint_fn's), the next report is whole.
+            LayoutCache& cache = st.layout_cache;
+            cache.reported = r.status.ok() && layout != 0 && cache.layout == layout;
             if (!live(st, id)) return;
             st.cur.job.state->update_metrics([&](SaveMetrics& m) {
               m.commit_ms = st.cur.job.state->ms_since_start() - now;
@@ -540,6 +570,7 @@ void send_result(planner_ptr self) {
             end_save(self, Status(), r.path, r.warnings);
           },
           [self, id](caf::error& e) {
+            self->state.layout_cache.reported = false;
             if (live(self->state, id))
               fail(self, Status::aborted("commit: " + self->system().render(e)));
           });
@@ -744,7 +775,7 @@ void start_custom_write(planner_ptr self) {
 void on_chunks(planner_ptr self, FileChunks& chunks);
 void laid_out(planner_ptr self);
 
-void on_plan(planner_ptr self, const PlanReply& r) {
+void on_plan(planner_ptr self, PlanReply& r) {
   auto& st = self->state;
   auto& cur = st.cur;
   st.ctx->fs->crash_point("plan.received");
@@ -753,11 +784,11 @@ void on_plan(planner_ptr self, const PlanReply& r) {
     return fail(self, r.status, false);
   }
   traced(cur, "plan", "save", cur.t_start);
-  cur.plan = r.plan;
+  cur.plan = std::move(r.plan);  // moved: a copy allocates per box, every save
   cur.pending_dir = r.pending_dir;
   cur.write_deadline = std::chrono::steady_clock::now() + seconds(st.ctx->opts.write_timeout_s);
   arm_deadline(self, "write", seconds(st.ctx->opts.write_timeout_s));
-  cur.all_plans = r.all_plans;
+  cur.all_plans = std::move(r.all_plans);
   if (Status s = start_hashing(self); !s.ok()) return fail(self, s);
   const int level = cur.job.files.level();
   if (level == 0) {
@@ -773,6 +804,8 @@ void on_plan(planner_ptr self, const PlanReply& r) {
     cache.plan = cur.plan;
     cache.files = cur.job.files;
     cache.layouts = cur.layouts;
+    cache.layout = ++st.layouts_made;
+    cache.reported = false;
     cache.valid = true;
     return laid_out(self);
   }
@@ -892,9 +925,9 @@ void start_next(planner_ptr self) {
   if (cur.job.local) {
     cur.local = std::move(*cur.job.local);
   } else {
-    auto local = make_local_plan(cur.job.sd, st.ctx->rank);
-    if (!local.ok()) return doom(local.status());
-    cur.local = std::move(local).value();
+    cur.local = std::move(st.kept_local);
+    if (Status s = make_local_plan_into(cur.job.sd, st.ctx->rank, &cur.local); !s.ok())
+      return doom(s);
   }
   // With other ranks, rank 0's coordinator ends a plan phase they never
   // join, naming them: this rank's own deadline is the backstop behind it.
@@ -907,7 +940,7 @@ void start_next(planner_ptr self) {
   const uint64_t id = cur.id;
   self->request(st.coordinator, caf::infinite, atom::plan_v, std::move(req))
       .then(
-          [self, id](const PlanReply& r) {
+          [self, id](PlanReply& r) {
             if (live(self->state, id)) on_plan(self, r);
           },
           [self, id](caf::error& e) {

@@ -5,7 +5,7 @@
 // thread: a reader of a real state cannot read it all into one small hot
 // buffer, which on a VM the host fills from its cache faster).
 //
-//   ferry_bench_load [--bytes SIZE] [--tensors N] [--reshard [--by-cols]] [--ranks N]
+//   ferry_bench_load [--bytes SIZE] [--tensors N] [--large N] [--reshard [--by-cols]] [--ranks N]
 //                    [--page-aligned] [--pool-mib N] [--rounds N] [--dir DIR]
 //                    [--set K=V]...
 //
@@ -83,6 +83,7 @@ constexpr int64_t kCols = 1024;  // f32 columns: a row is 4 KiB
 struct Flags {
   uint64_t bytes = 2048 * kMiB;
   uint32_t tensors = 120;
+  uint32_t large = 0;  // --large: of the tensors, large ones holding half the state
   bool reshard = false;
   bool by_cols = false;       // --by-cols: --reshard splits columns, not rows
   bool page_aligned = false;  // --page-aligned: load targets on page boundaries
@@ -98,10 +99,13 @@ struct Flags {
 [[noreturn]] void usage(const std::string& why) {
   std::fprintf(stderr,
                "ferry_bench_load: %s\n"
-               "usage: ferry_bench_load [--bytes SIZE] [--tensors N] [--reshard] [--pool-mib N]\n"
+               "usage: ferry_bench_load [--bytes SIZE] [--tensors N] [--large N] [--reshard]\n"
+               "                        [--pool-mib N]\n"
                "                        [--dir DIR] [--set KEY=VALUE]...\n"
                "  --bytes     state size (default 2GiB; suffixes KiB MiB GiB)\n"
                "  --tensors   number of f32 tensors (default 120; try 2000)\n"
+               "  --large N   N of them large, holding half the state; the rest small (as\n"
+               "              a model's: a few matrices, many vectors); one process only\n"
                "  --reshard   load 1 -> 2 ranks: two runtimes each load half the rows;\n"
                "              with --ranks N, N ranks of one job each load 1/N of them\n"
                "  --by-cols   with --reshard: split the columns instead (strided stretches)\n"
@@ -158,6 +162,8 @@ Flags parse(int argc, char** argv) {
       f.bytes = parse_size(v, flag);
     } else if (flag == "--tensors") {
       f.tensors = static_cast<uint32_t>(parse_size(v, flag));
+    } else if (flag == "--large") {
+      f.large = static_cast<uint32_t>(parse_size(v, flag));
     } else if (flag == "--ranks") {
       f.ranks = static_cast<int>(parse_size(v, flag));
     } else if (flag == "--child") {
@@ -846,10 +852,22 @@ int main(int argc, char** argv) {
   if (!f.child_ckpt.empty()) return child_main(f);
   if (f.ranks < 1) usage("--ranks wants 1 or more");
   if (f.by_cols && !f.reshard) usage("--by-cols goes with --reshard");
+  if (f.large >= f.tensors) usage("--large must be fewer than --tensors");
+  if (f.large && f.ranks > 1) usage("--large goes with one process (no --ranks)");
   KernelSampler sampler(f.ranks == 1);  // before the runtimes start their threads
   const int64_t rows =
       std::max<int64_t>(2, static_cast<int64_t>(f.bytes / f.tensors / (kCols * sizeof(float))));
-  const uint64_t state_bytes = static_cast<uint64_t>(rows) * kCols * 4 * f.tensors;
+  // With --large, the first `large` tensors share half the bytes and the
+  // others the rest: a model's few big matrices and its many small vectors.
+  auto rows_of = [&](uint32_t t) {
+    if (!f.large) return rows;
+    const uint64_t half = f.bytes / 2, row = kCols * sizeof(float);
+    const uint64_t n = t < f.large ? f.large : f.tensors - f.large;
+    return std::max<int64_t>(2, static_cast<int64_t>(half / n / row));
+  };
+  uint64_t state_bytes = 0;
+  for (uint32_t t = 0; t < f.tensors; ++t)
+    state_bytes += static_cast<uint64_t>(rows_of(t)) * kCols * sizeof(float);
 
   std::string tmpl = f.dir + "/ferry-bench-load-XXXXXX";
   if (!mkdtemp(tmpl.data())) die("cannot create a directory in " + f.dir);
@@ -867,8 +885,8 @@ int main(int argc, char** argv) {
   std::vector<Tensor> state(f.tensors);
   std::vector<std::unique_ptr<Target>> out;
   for (uint32_t t = 0; t < f.tensors; ++t) {
-    state[t].rows = rows;
-    state[t].data.resize(static_cast<size_t>(rows * kCols));
+    state[t].rows = rows_of(t);
+    state[t].data.resize(static_cast<size_t>(state[t].rows * kCols));
     for (size_t i = 0; i < state[t].data.size(); ++i) state[t].data[i] = expected_value(i, t);
     if (f.ranks > 1) continue;
     out.push_back(std::make_unique<Target>(state[t].data.size(), f.page_aligned));
@@ -891,7 +909,7 @@ int main(int argc, char** argv) {
     ferry::StateDict sd;
     for (uint32_t t = 0; t < f.tensors; ++t)
       if (!sd.add("layer." + std::to_string(t),
-                  {state[t].data.data(), ferry::DType::f32, {rows, kCols}})
+                  {state[t].data.data(), ferry::DType::f32, {state[t].rows, kCols}})
                .ok())
         die("state dict");
     auto h = rt->save_async(sd, 1);
@@ -918,16 +936,18 @@ int main(int argc, char** argv) {
   std::vector<ferry::StateDict> sds(ranks);
   for (int r = 0; r < ranks; ++r) {
     // Stretches of one target each: the columns' are strided views of it.
-    const Stretch s = stretch_of(f, rows, r, ranks);
     for (uint32_t t = 0; t < f.tensors; ++t) {
+      const int64_t rows_t = state[t].rows;
+      const Stretch s = stretch_of(f, rows_t, r, ranks);
       ferry::TensorView v{out[t]->data + s.row0 * kCols + s.col0,
                           ferry::DType::f32,
                           {s.rows, s.cols},
                           ferry::Device::host(),
                           {kCols, 1}};
-      const ferry::Status st = f.reshard ? sds[r].add("layer." + std::to_string(t), v,
-                                                      ferry::Shard{{rows, kCols}, {s.row0, s.col0}})
-                                         : sds[r].add("layer." + std::to_string(t), v);
+      const ferry::Status st = f.reshard
+                                   ? sds[r].add("layer." + std::to_string(t), v,
+                                                ferry::Shard{{rows_t, kCols}, {s.row0, s.col0}})
+                                   : sds[r].add("layer." + std::to_string(t), v);
       if (!st.ok()) die("state dict: " + st.to_string());
     }
   }
@@ -1029,8 +1049,11 @@ int main(int argc, char** argv) {
   const double rss = peak_rss_mib();
 
   std::printf("state: %.1f MiB in %u tensors of [%lld, %lld] f32, %zu data file(s) of %.1f MiB\n",
-              state_bytes / double(kMiB), f.tensors, static_cast<long long>(rows),
+              state_bytes / double(kMiB), f.tensors, static_cast<long long>(rows_of(f.tensors - 1)),
               static_cast<long long>(kCols), files.size(), file_bytes / double(kMiB));
+  if (f.large)
+    std::printf("       of them %u large ones of [%lld, %lld] holding half of it\n", f.large,
+                static_cast<long long>(rows_of(0)), static_cast<long long>(kCols));
   std::printf("cache: evicted with posix_fadvise DONTNEED%s\n",
               dropped ? " and drop_caches" : " (drop_caches not allowed: not root?)");
   const uint32_t dio_mem = direct_memory_align(files.front());
@@ -1090,7 +1113,8 @@ int main(int argc, char** argv) {
       rss, (2 * state_bytes + raw_dst.bytes) / double(kMiB),
       static_cast<unsigned long long>(f.pool_mib), ranks);
   std::printf(
-      "{\"bench\":\"load\",\"state_bytes\":%llu,\"tensors\":%u,\"ranks\":%d,\"reshard\":%s,"
+      "{\"bench\":\"load\",\"state_bytes\":%llu,\"tensors\":%u,\"large\":%u,\"ranks\":%d,"
+      "\"reshard\":%s,"
       "\"split\":\"%s\",\"page_aligned\":%s,\"rounds\":%zu,"
       "\"load_s\":%.4f,\"load_gbps\":%.3f,\"raw_s\":%.4f,\"raw_gbps\":%.3f,\"ratio\":%.3f,"
       "\"verified_s\":%.4f,\"ratio_target\":%.2f,"
@@ -1099,12 +1123,13 @@ int main(int argc, char** argv) {
       "\"load_kernel_sampled_s\":%.4f,\"raw_kernel_sampled_s\":%.4f,\"kernel_ratio_sampled\":%.2f,"
       "\"load_cpu_s\":%.3f,\"raw_busy_one_s\":%.4f,\"raw_busy_all_s\":%.4f,\"cpus\":%u,"
       "\"peak_rss_mib\":%.0f,\"drop_caches\":%s}\n",
-      static_cast<unsigned long long>(state_bytes), f.tensors, ranks, f.reshard ? "true" : "false",
-      f.reshard ? split_name(f) : "none", f.page_aligned ? "true" : "false", rounds.size(), load_s,
-      load_gbps, raw_s, raw_gbps, ratio, mid.verified_s, target,
-      static_cast<unsigned long long>(load_disk), static_cast<unsigned long long>(raw_disk),
-      load_kernel, raw_kernel, kernel_ratio, sampler.ok() ? load_sampled : -1.0,
-      sampler.ok() ? raw_sampled : -1.0, sampler.ok() ? sampled_ratio : -1.0, load_cpu, busy_one_s,
-      busy_all_s, cpus, rss, dropped ? "true" : "false");
+      static_cast<unsigned long long>(state_bytes), f.tensors, f.large, ranks,
+      f.reshard ? "true" : "false", f.reshard ? split_name(f) : "none",
+      f.page_aligned ? "true" : "false", rounds.size(), load_s, load_gbps, raw_s, raw_gbps, ratio,
+      mid.verified_s, target, static_cast<unsigned long long>(load_disk),
+      static_cast<unsigned long long>(raw_disk), load_kernel, raw_kernel, kernel_ratio,
+      sampler.ok() ? load_sampled : -1.0, sampler.ok() ? raw_sampled : -1.0,
+      sampler.ok() ? sampled_ratio : -1.0, load_cpu, busy_one_s, busy_all_s, cpus, rss,
+      dropped ? "true" : "false");
   return 0;
 }

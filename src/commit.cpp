@@ -36,19 +36,22 @@ ManifestChunk manifest_chunk(const WrittenChunk& c, uint32_t file_base) {
 }
 
 // Refills the skeleton's manifest from `results`; false (the manifest then
-// half refilled) when their shape is not the one it holds.
+// half refilled, its keys, boxes and entries intact) when their shape is not
+// the one it holds. A repeat report (checked against the skeleton already)
+// brings only sizes and checksums. Clears sk.checked when what
+// check_manifest_before_commit looks at changed.
 bool refill(ManifestSkeleton& sk, const Manifest& header, const std::vector<WriteResult>& results) {
   Manifest& m = sk.manifest;
   if (!sk.valid || !header.files.empty() || !header.tensors.empty() ||
-      header.required_features != m.required_features)
+      header.required_features != m.required_features || results.size() != sk.parts.size())
     return false;
-  size_t files = 0, chunks = 0;
-  for (size_t r = 0; r < results.size(); ++r) {
-    if (results[r].rank != static_cast<int32_t>(r)) return false;
-    files += results[r].files.size();
-    chunks += results[r].chunks.size();
-  }
-  if (files != m.files.size() || chunks != sk.slots.size()) return false;
+  for (size_t r = 0; r < results.size(); ++r)
+    if (results[r].rank != static_cast<int32_t>(r) ||
+        results[r].files.size() != sk.parts[r].files ||
+        results[r].chunks.size() != sk.parts[r].chunks)
+      return false;
+  bool same =
+      header.checksum_block_bytes == m.checksum_block_bytes && header.world_size == m.world_size;
   size_t k = 0;
   uint32_t file_base = 0;
   for (const WriteResult& wr : results) {
@@ -56,6 +59,7 @@ bool refill(ManifestSkeleton& sk, const Manifest& header, const std::vector<Writ
       const WrittenFile& f = wr.files[i];
       ManifestFile& mf = m.files[file_base + i];
       if (mf.name != f.name || mf.rank != wr.rank) return false;
+      same = same && mf.size == f.size && mf.header_bytes == f.header_bytes;
       mf.size = f.size;
       mf.header_bytes = f.header_bytes;
       mf.header_checksum = f.header_checksum;
@@ -64,14 +68,25 @@ bool refill(ManifestSkeleton& sk, const Manifest& header, const std::vector<Writ
       const auto [ti, ci] = sk.slots[k++];
       ManifestTensor& t = m.tensors[ti];
       ManifestChunk& mc = t.chunks[ci];
-      if (!c.codec.empty() || c.file >= wr.files.size() || mc.file != file_base + c.file ||
-          t.key != c.key || t.dtype != c.dtype || t.global_shape != c.global_shape ||
-          mc.offsets != c.box.offsets || mc.sizes != c.box.sizes || mc.entry != c.entry)
+      if (!c.codec.empty()) return false;
+      same = same && mc.byte_offset == c.byte_offset && mc.byte_length == c.byte_length &&
+             mc.checksums.size() == c.checksums.size();
+      if (wr.repeat) {
+        mc.byte_offset = c.byte_offset;
+        mc.byte_length = c.byte_length;
+        mc.checksums = c.checksums;
+        continue;
+      }
+      if (c.file >= wr.files.size() || mc.file != file_base + c.file || t.key != c.key ||
+          t.dtype != c.dtype || t.global_shape != c.global_shape || mc.offsets != c.box.offsets ||
+          mc.sizes != c.box.sizes || mc.entry != c.entry)
         return false;
       fill_chunk(mc, c, file_base);
     }
     file_base += static_cast<uint32_t>(wr.files.size());
   }
+  if (!same) sk.checked = false;
+  for (size_t r = 0; r < results.size(); ++r) sk.parts[r].layout = results[r].layout;
   // The header's fields, whatever they are; the body stays.
   std::vector<ManifestTensor> tensors = std::move(m.tensors);
   std::vector<ManifestFile> kept_files = std::move(m.files);
@@ -80,6 +95,50 @@ bool refill(ManifestSkeleton& sk, const Manifest& header, const std::vector<Writ
   m.files = std::move(kept_files);
   m.created_unix_ms = now_unix_ms();
   return true;
+}
+
+// A repeat report must be of the layout the skeleton holds for its rank.
+Status check_repeats(const ManifestSkeleton& sk, const std::vector<WriteResult>& results) {
+  for (size_t r = 0; r < results.size(); ++r) {
+    const WriteResult& wr = results[r];
+    if (!wr.repeat) continue;
+    if (!sk.valid || r >= sk.parts.size() || wr.layout == 0 || sk.parts[r].layout != wr.layout ||
+        sk.parts[r].files != wr.files.size() || sk.parts[r].chunks != wr.chunks.size())
+      return Status::internal("rank " + std::to_string(wr.rank) +
+                              " reported its files as laid out in its last save (layout " +
+                              std::to_string(wr.layout) + "), which rank 0 does not hold");
+  }
+  return Status();
+}
+
+// Makes the repeat reports whole again from the skeleton (before it is
+// built afresh for a save whose shape changed on another rank).
+void expand_repeats(const ManifestSkeleton& sk, std::vector<WriteResult>& results) {
+  const Manifest& m = sk.manifest;
+  size_t k = 0;
+  uint32_t file_base = 0;
+  for (size_t r = 0; r < results.size() && r < sk.parts.size(); ++r) {
+    WriteResult& wr = results[r];
+    if (wr.repeat) {
+      for (size_t i = 0; i < wr.files.size(); ++i) wr.files[i].name = m.files[file_base + i].name;
+      for (size_t i = 0; i < wr.chunks.size(); ++i) {
+        const auto [ti, ci] = sk.slots[k + i];
+        const ManifestTensor& t = m.tensors[ti];
+        const ManifestChunk& mc = t.chunks[ci];
+        WrittenChunk& c = wr.chunks[i];
+        c.key = t.key;
+        c.dtype = t.dtype;
+        c.global_shape = t.global_shape;
+        c.box.offsets = mc.offsets;
+        c.box.sizes = mc.sizes;
+        c.file = mc.file - file_base;
+        c.entry = mc.entry;
+      }
+      wr.repeat = false;
+    }
+    k += sk.parts[r].chunks;
+    file_base += static_cast<uint32_t>(sk.parts[r].files);
+  }
 }
 
 // Where each reported chunk landed in `m` (as assemble_manifest sorted it).
@@ -148,11 +207,17 @@ Result<Manifest> assemble_manifest(Manifest header, const std::vector<WriteResul
 }
 
 Result<Manifest*> assemble_manifest_into(ManifestSkeleton& skeleton, const Manifest& header,
-                                         const std::vector<WriteResult>& results) {
+                                         std::vector<WriteResult>& results) {
+  FERRY_RETURN_IF_ERROR(check_repeats(skeleton, results));
   if (refill(skeleton, header, results)) return &skeleton.manifest;
+  expand_repeats(skeleton, results);
   skeleton.valid = false;
+  skeleton.checked = false;
+  skeleton.parts.clear();
   FERRY_ASSIGN_OR_RETURN(skeleton.manifest, assemble_manifest(header, results));
   skeleton.valid = find_slots(skeleton.manifest, results, &skeleton.slots);
+  for (const WriteResult& wr : results)
+    skeleton.parts.push_back({wr.layout, wr.files.size(), wr.chunks.size()});
   return &skeleton.manifest;
 }
 

@@ -60,6 +60,14 @@ struct WriteResult {
   uint64_t bytes = 0;
   double ready_ms = 0;                         // save_async -> files and directory durable
   std::vector<ReplicaDigest> replica_digests;  // its replicated items, unless replica-check = off
+  // Names the rank's files and chunks as laid out (keys, boxes, entries,
+  // file names); 0: unnamed. With `repeat`, the report is the one rank 0
+  // kept for this layout (ManifestSkeleton::parts) with new sizes: its
+  // chunks carry only byte_offset, byte_length and checksums, its files only
+  // their sizes and headers, so a repeated save copies no key or box. Only
+  // sent in process (rank 0's own report): the wire carries whole reports.
+  uint64_t layout = 0;
+  bool repeat = false;
 };
 
 // Merges the ranks' reports (results[r].rank == r) into `header`, a manifest
@@ -77,13 +85,23 @@ struct ManifestSkeleton {
   bool valid = false;
   Manifest manifest;
   std::vector<std::pair<uint32_t, uint32_t>> slots;  // [chunk, ranks in order]: tensor, chunk
+  struct Part {
+    uint64_t layout = 0;  // WriteResult::layout of the rank's report it holds
+    size_t files = 0, chunks = 0;
+  };
+  std::vector<Part> parts;  // [rank]
+  // The manifest passed check_manifest_before_commit and its last refill
+  // changed no byte range, file size or checksum count: the check would pass
+  // again (the caller sets it once checked).
+  bool checked = false;
 };
 
 // assemble_manifest(header, results), built in `skeleton` (refilled when the
 // shape is the one it holds, else built afresh and kept). The manifest is
-// the skeleton's, valid until its next use.
+// the skeleton's, valid until its next use. A `repeat` report is read
+// against the skeleton: an error when it does not hold that rank's layout.
 Result<Manifest*> assemble_manifest_into(ManifestSkeleton& skeleton, const Manifest& header,
-                                         const std::vector<WriteResult>& results);
+                                         std::vector<WriteResult>& results);
 
 struct CommitOptions {
   bool fsync = true;

@@ -20,27 +20,48 @@ int64_t numel_of(const std::vector<int64_t>& sizes) {
 }
 
 // Little-endian byte stream, so a digest means the same thing on every host.
+// Hashed as it goes through a small buffer: the digest of a plan of 100,000
+// items neither grows a buffer of megabytes nor faults one in, every save.
 class Canonical {
  public:
-  void u8(uint8_t v) { buf_.push_back(static_cast<char>(v)); }
+  void u8(uint8_t v) {
+    if (n_ == sizeof(buf_)) flush();
+    buf_[n_++] = static_cast<char>(v);
+  }
   void u32(uint32_t v) {
     for (int i = 0; i < 4; ++i) u8(static_cast<uint8_t>(v >> (8 * i)));
   }
   void u64(uint64_t v) {
-    for (int i = 0; i < 8; ++i) u8(static_cast<uint8_t>(v >> (8 * i)));
+    if (sizeof(buf_) - n_ < 8) flush();
+    for (int i = 0; i < 8; ++i) buf_[n_++] = static_cast<char>(v >> (8 * i));
   }
   void str(const std::string& s) {
     u64(s.size());
-    buf_.append(s);
+    for (size_t at = 0; at < s.size();) {
+      if (n_ == sizeof(buf_)) flush();
+      const size_t take = std::min(s.size() - at, sizeof(buf_) - n_);
+      std::memcpy(buf_ + n_, s.data() + at, take);
+      n_ += take;
+      at += take;
+    }
   }
   void dims(const std::vector<int64_t>& v) {
     u32(static_cast<uint32_t>(v.size()));
     for (int64_t x : v) u64(static_cast<uint64_t>(x));
   }
-  uint64_t digest() const { return xxh3_64(buf_.data(), buf_.size()); }
+  uint64_t digest() {
+    flush();
+    return sum_.digest();
+  }
 
  private:
-  std::string buf_;
+  void flush() {
+    sum_.update(buf_, n_);
+    n_ = 0;
+  }
+  StreamingChecksum sum_;
+  char buf_[16384];
+  size_t n_ = 0;
 };
 
 }  // namespace
@@ -62,16 +83,23 @@ uint64_t LocalPlan::digest() const {
 }
 
 Result<LocalPlan> make_local_plan(const StateDict& sd, int32_t rank) {
+  LocalPlan plan;
+  FERRY_RETURN_IF_ERROR(make_local_plan_into(sd, rank, &plan));
+  return plan;
+}
+
+Status make_local_plan_into(const StateDict& sd, int32_t rank, LocalPlan* out) {
   if (rank < 0) return Status::invalid_argument("rank " + std::to_string(rank) + " is negative");
   if (sd.size() > std::numeric_limits<uint32_t>::max())
     return Status::invalid_argument("state dict has too many entries");
-  LocalPlan plan;
+  LocalPlan& plan = *out;
   plan.rank = rank;
-  plan.items.reserve(sd.size());
+  plan.items.resize(sd.size());
   uint32_t index = 0;
   for (const auto& e : sd.entries()) {
     FERRY_RETURN_IF_ERROR(validate_entry(e));
-    WriteItem it;
+    // Assigned field by field: a kept item reuses its strings' and vectors' memory.
+    WriteItem& it = plan.items[index];
     if (e.per_rank) {
       it.key = per_rank_key(e.key, rank);  // its own key: never a replica of another rank's
     } else if (parse_per_rank_key(e.key)) {
@@ -92,9 +120,8 @@ Result<LocalPlan> make_local_plan(const StateDict& sd, int32_t rank) {
     }
     it.nbytes = e.view.nbytes();
     it.entry = index++;
-    plan.items.push_back(std::move(it));
   }
-  return plan;
+  return Status();
 }
 
 namespace {

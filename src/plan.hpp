@@ -39,6 +39,10 @@ struct LocalPlan {
 
 // Validates every entry (names the key) and builds the rank's plan.
 Result<LocalPlan> make_local_plan(const StateDict& sd, int32_t rank);
+// The same, into `plan`, reusing its items' memory: a plan kept between
+// saves of the same state is refilled without an allocation per item. On
+// an error *plan is left half refilled.
+Status make_local_plan_into(const StateDict& sd, int32_t rank, LocalPlan* plan);
 
 struct GlobalPlanOptions {
   OwnerPolicy policy = OwnerPolicy::balanced;

@@ -1,0 +1,135 @@
+// The coordinator's kept manifest (ManifestSkeleton, issue 45): a repeated
+// save's reports refill it in place, rank 0's own as a "repeat" report that
+// carries only sizes and checksums. Whatever the reports, the manifest is
+// the one assemble_manifest builds from whole reports.
+
+#include <catch2/catch.hpp>
+
+#include <string>
+#include <vector>
+
+#include "commit.hpp"
+#include "manifest.hpp"
+
+namespace {
+
+constexpr uint64_t kBytes = 16;  // per chunk: 4 floats
+
+// Rank `rank`'s whole report of `n` tensors in one file, checksums from `seed`.
+ferry::WriteResult report(int32_t rank, size_t n, uint64_t seed, uint64_t layout) {
+  ferry::WriteResult wr;
+  wr.rank = rank;
+  wr.layout = layout;
+  wr.files.push_back({"rank-" + std::to_string(rank), 64 + n * kBytes, 64, seed});
+  for (size_t i = 0; i < n; ++i) {
+    ferry::WrittenChunk c;
+    c.key = "r" + std::to_string(rank) + ".t" + std::to_string(i);
+    c.dtype = ferry::DType::f32;
+    c.global_shape = {4};
+    c.box.offsets = {0};
+    c.box.sizes = {4};
+    c.byte_offset = 64 + i * kBytes;
+    c.byte_length = kBytes;
+    c.entry = c.key;
+    c.checksums = {seed * 1000 + i};
+    wr.chunks.push_back(c);
+  }
+  return wr;
+}
+
+// The same report as rank 0 sends it when rank 0 holds its layout.
+ferry::WriteResult as_repeat(const ferry::WriteResult& whole) {
+  ferry::WriteResult wr = whole;
+  wr.repeat = true;
+  for (ferry::WrittenChunk& c : wr.chunks) {
+    ferry::WrittenChunk bare;
+    bare.file = c.file;
+    bare.byte_offset = c.byte_offset;
+    bare.byte_length = c.byte_length;
+    bare.checksums = c.checksums;
+    c = bare;
+  }
+  return wr;
+}
+
+ferry::Manifest header() {
+  ferry::Manifest h;
+  h.world_size = 2;
+  h.step = 3;
+  h.checksum_block_bytes = 1 << 20;
+  return h;
+}
+
+// Encoded without the creation time, which differs between two assemblies.
+std::string encoded(ferry::Manifest m) {
+  m.created_unix_ms = 0;
+  return ferry::encode_manifest(m);
+}
+
+std::string expected(const std::vector<ferry::WriteResult>& whole) {
+  auto m = ferry::assemble_manifest(header(), whole);
+  REQUIRE(m.ok());
+  return encoded(*m);
+}
+
+std::string assembled(ferry::ManifestSkeleton& sk, std::vector<ferry::WriteResult> results) {
+  auto m = ferry::assemble_manifest_into(sk, header(), results);
+  INFO(m.status().to_string());
+  REQUIRE(m.ok());
+  return encoded(**m);
+}
+
+}  // namespace
+
+TEST_CASE("a repeat report refills the kept manifest with its new sizes and checksums",
+          "[commit][scale]") {
+  ferry::ManifestSkeleton sk;
+  const std::vector<ferry::WriteResult> first{report(0, 5, 1, 7), report(1, 3, 1, 9)};
+  CHECK(assembled(sk, first) == expected(first));
+  sk.checked = true;  // as the coordinator does once the check passed
+
+  // New checksums at the same places: refilled, and the check still holds.
+  const std::vector<ferry::WriteResult> second{report(0, 5, 2, 7), report(1, 3, 2, 9)};
+  CHECK(assembled(sk, {as_repeat(second[0]), second[1]}) == expected(second));
+  CHECK(sk.checked);
+
+  // A chunk that moved in its file: the check must run again.
+  std::vector<ferry::WriteResult> third{report(0, 5, 3, 7), report(1, 3, 3, 9)};
+  third[0].files[0].size += kBytes;
+  third[0].chunks[4].byte_offset += kBytes;
+  CHECK(assembled(sk, {as_repeat(third[0]), third[1]}) == expected(third));
+  CHECK_FALSE(sk.checked);
+}
+
+TEST_CASE("a repeat report is made whole again when another rank's state changed shape",
+          "[commit][scale]") {
+  ferry::ManifestSkeleton sk;
+  const std::vector<ferry::WriteResult> first{report(0, 5, 1, 7), report(1, 3, 1, 9)};
+  CHECK(assembled(sk, first) == expected(first));
+  // Rank 1 has a tensor more: its layout is new, rank 0's is the kept one.
+  const std::vector<ferry::WriteResult> second{report(0, 5, 2, 7), report(1, 4, 2, 10)};
+  CHECK(assembled(sk, {as_repeat(second[0]), second[1]}) == expected(second));
+  // And the rebuilt skeleton takes rank 0's repeat reports from then on.
+  const std::vector<ferry::WriteResult> third{report(0, 5, 3, 7), report(1, 4, 3, 10)};
+  CHECK(assembled(sk, {as_repeat(third[0]), as_repeat(third[1])}) == expected(third));
+}
+
+TEST_CASE("a repeat report of a layout rank 0 does not hold fails, naming the rank",
+          "[commit][scale]") {
+  ferry::ManifestSkeleton sk;
+  std::vector<ferry::WriteResult> fresh{as_repeat(report(0, 5, 1, 7)), report(1, 3, 1, 9)};
+  auto m = ferry::assemble_manifest_into(sk, header(), fresh);
+  REQUIRE_FALSE(m.ok());
+  CHECK(m.status().message().find("rank 0 reported its files as laid out in its last save") !=
+        std::string::npos);
+
+  const std::vector<ferry::WriteResult> first{report(0, 5, 1, 7), report(1, 3, 1, 9)};
+  CHECK(assembled(sk, first) == expected(first));
+  std::vector<ferry::WriteResult> other{as_repeat(report(0, 5, 2, 8)), report(1, 3, 2, 9)};
+  m = ferry::assemble_manifest_into(sk, header(), other);
+  REQUIRE_FALSE(m.ok());
+  CHECK(m.status().message().find("layout 8") != std::string::npos);
+  // A failed repeat leaves the kept manifest as it was.
+  const std::vector<ferry::WriteResult> second{report(0, 5, 2, 7), report(1, 3, 2, 9)};
+  CHECK(assembled(sk, {as_repeat(second[0]), second[1]}) == expected(second));
+}
