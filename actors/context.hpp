@@ -15,6 +15,8 @@
 #include "ferry/device.hpp"
 #include "ferry/filesystem.hpp"
 #include "ferry/options.hpp"
+#include "frame_buffers.hpp"
+#include "manifest_cache.hpp"
 #include "pool.hpp"
 
 namespace ferry {
@@ -116,6 +118,10 @@ struct RankContext {
   std::shared_ptr<ShareWindows> shares = std::make_shared<ShareWindows>();
   std::shared_ptr<Stragglers> stragglers = std::make_shared<Stragglers>();
   std::shared_ptr<ActorThreads> threads = std::make_shared<ActorThreads>();
+  // This runtime's own, never another's in the same process: what it knows
+  // of manifests, and the buffers its large frames reuse.
+  std::shared_ptr<ManifestCache> manifests = std::make_shared<ManifestCache>();
+  std::shared_ptr<FrameBuffers> frames = std::make_shared<FrameBuffers>();
 };
 
 // The name the coordinator has in ActorThreads.

@@ -396,6 +396,7 @@ void on_all_results(coordinator_ptr self) {
     return abort_active(self, s.with_context("rank 0 (commit phase): "));
   CommitOptions co{st.ctx->opts.fsync, c.overwrite, st.ctx->opts.keep_last, c.lease_owner};
   co.renew_lease_ms = lease_ms(st);
+  co.manifests = st.ctx->manifests.get();
   const auto commit_started = std::chrono::steady_clock::now();
   Result<CommitOutcome> out = [&] {
     Doing doing(*st.ctx->threads, kCoordinatorThread,
@@ -444,7 +445,7 @@ void on_all_results(coordinator_ptr self) {
 LoadReplyMsg same_load(const coordinator_state& st, const ResolvedLoad& first,
                        const LoadRequestMsg& req) {
   if (req.path == first.path) return first.reply;
-  auto dir = resolve_checkpoint(*st.ctx->fs, req.path);
+  auto dir = resolve_checkpoint(*st.ctx->fs, req.path, st.ctx->manifests.get());
   if (dir.ok() && first.reply.status.ok() && *dir == first.reply.dir) return first.reply;
   LoadReplyMsg r{st.ctx->job_id, req.load_id, Status(), "", ""};
   r.status =
@@ -728,7 +729,7 @@ coordinator_actor::behavior_type coordinator_fun(coordinator_ptr self, ContextPt
         auto it = st.loads.find(req.load_id);
         if (it != st.loads.end()) return same_load(st, it->second, req);
         LoadReplyMsg r{st.ctx->job_id, req.load_id, Status(), "", ""};
-        auto dir = resolve_checkpoint(*st.ctx->fs, req.path);
+        auto dir = resolve_checkpoint(*st.ctx->fs, req.path, st.ctx->manifests.get());
         if (!dir.ok()) {
           r.status = dir.status();
         } else {

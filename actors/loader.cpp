@@ -300,12 +300,12 @@ Status send_shared(const RankContext& ctx, const ReadTask& task, const Manifest&
         else
           copy_parts(frame, parts);
         msg.checksum = sum;
-        s = t.send(t.next_hop(to), encode_message(msg));
+        s = t.send(t.next_hop(to), encode_message(msg, ctx.frames.get()));
         if (s.ok()) ctx.shares->count_in_memory(n);
       } else {
         if (!summed) sum = sum_parts(parts, n, hash);
         msg.checksum = sum;
-        s = t.send(t.next_hop(to), encode_gathered(msg, parts));
+        s = t.send(t.next_hop(to), encode_gathered(msg, parts, ctx.frames.get()));
       }
       if (!s.ok()) return s.with_context(context());
     }

@@ -282,6 +282,7 @@ Status start_transport(Runtime::Impl& impl, const std::string& token) {
   to.connect_timeout_s = ctx.opts.connect_timeout_s;
   to.heartbeat_interval_s = ctx.opts.heartbeat_interval_s;
   to.heartbeat_timeout_s = ctx.opts.heartbeat_timeout_s;
+  to.frame_buffers = ctx.frames;
 
   const std::string hello =
       encode_message(JoinMsg{ctx.job_id, token, ctx.rank, ctx.world_size, host_name(), getpid()});
@@ -923,7 +924,8 @@ Status Runtime::load(StateDict& sd, const std::string& path) {
 
 std::string Runtime::latest(const std::string& root) const {
   if (!root.empty()) impl_->ctx->fs->add_root(root);
-  auto r = find_latest(*impl_->ctx->fs, root.empty() ? impl_->ctx->opts.root : root);
+  auto r = find_latest(*impl_->ctx->fs, root.empty() ? impl_->ctx->opts.root : root,
+                       impl_->ctx->manifests.get());
   return r.ok() ? r->path : "";
 }
 

@@ -248,6 +248,7 @@ class Transport::Impl {
  public:
   Impl(TransportOptions o, std::string hello, std::string heartbeat, TransportCallbacks cb)
       : opts_(std::move(o)),
+        buffers_(opts_.frame_buffers ? opts_.frame_buffers : std::make_shared<FrameBuffers>()),
         hello_(std::move(hello)),
         heartbeat_(std::move(heartbeat)),
         cb_(std::move(cb)),
@@ -445,6 +446,7 @@ class Transport::Impl {
   std::string missing_peers_locked() const;
 
   const TransportOptions opts_;
+  const std::shared_ptr<FrameBuffers> buffers_;
   const std::string hello_;
   const std::string heartbeat_;
   const TransportCallbacks cb_;
@@ -952,7 +954,7 @@ ucs_status_t Transport::Impl::receive(Conn* conn, Event::Kind kind, void* data, 
   // A large frame: only its announcement is here; fetch the bytes into the
   // string that will be delivered, so they are copied once (a buffer an
   // earlier frame used: FrameBuffers).
-  auto* op = new RecvOp{this, conn->id, FrameBuffers::instance().take(length), kind};
+  auto* op = new RecvOp{this, conn->id, buffers_->take(length), kind};
   recvs_.insert(op);
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
@@ -981,7 +983,7 @@ void Transport::Impl::on_send_done(void* request, ucs_status_t, void* user_data)
 void Transport::Impl::end_send(SendOp* op) {
   sends_.erase(op);
   uncount_queued(op->queued);
-  FrameBuffers::instance().give(std::move(op->bytes));  // encoded in one (protocol.cpp)
+  buffers_->give(std::move(op->bytes));  // encoded in one (protocol.cpp)
   delete op;
 }
 

@@ -70,6 +70,8 @@
 
 namespace ferry {
 
+class FrameBuffers;
+
 struct TransportOptions {
   int32_t rank = 0;
   int32_t world_size = 1;
@@ -93,6 +95,9 @@ struct TransportOptions {
   std::string lanes;
   // This rank's node; empty: the kernel's boot id and the host name.
   std::string node;
+  // Where large received frames take their memory and sent ones return it
+  // (the runtime's, shared with its encoders); null: the transport's own.
+  std::shared_ptr<FrameBuffers> frame_buffers;
 };
 
 struct TransportCallbacks {
