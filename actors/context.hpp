@@ -16,6 +16,7 @@
 #include "ferry/filesystem.hpp"
 #include "ferry/options.hpp"
 #include "frame_buffers.hpp"
+#include "log.hpp"
 #include "manifest_cache.hpp"
 #include "pool.hpp"
 
@@ -122,6 +123,7 @@ struct RankContext {
   // of manifests, and the buffers its large frames reuse.
   std::shared_ptr<ManifestCache> manifests = std::make_shared<ManifestCache>();
   std::shared_ptr<FrameBuffers> frames = std::make_shared<FrameBuffers>();
+  Logger log = log_to_stderr;  // RuntimeArgs::logger, never empty
 };
 
 // The name the coordinator has in ActorThreads.

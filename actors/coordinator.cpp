@@ -219,7 +219,7 @@ Status plan_timed_out(const Checkpoint& c, double limit_s) {
 
 void report_undeleted(coordinator_state& st, const std::string& dir, const Status& why) {
   if (!st.undeleted_reported.insert(dir).second) return;
-  std::fprintf(stderr, "ferry[rank 0]: warning: %s\n", why.to_string().c_str());
+  log_printf(st.ctx->log, LogLevel::warning, "ferry[rank 0]: warning: %s", why.to_string().c_str());
   st.undeleted.push_back(why);
 }
 
@@ -410,18 +410,19 @@ void on_all_results(coordinator_ptr self) {
   // The ranks stopped waiting at commit-timeout and reported the outcome as
   // unknown; the log says what it was.
   if (commit_s > st.ctx->opts.commit_timeout_s)
-    std::fprintf(stderr,
-                 "ferry[rank 0]: checkpoint %s committed after %.1f s, past commit-timeout "
-                 "(%.1f s): the ranks may have reported its outcome as unknown\n",
-                 out->path.c_str(), commit_s, st.ctx->opts.commit_timeout_s);
+    log_printf(st.ctx->log, LogLevel::warning,
+               "ferry[rank 0]: checkpoint %s committed after %.1f s, past commit-timeout "
+               "(%.1f s): the ranks may have reported its outcome as unknown",
+               out->path.c_str(), commit_s, st.ctx->opts.commit_timeout_s);
   // Committed: what failed after the commit point does not undo that.
   std::vector<std::string> warnings;
   out->warnings.insert(out->warnings.begin(), st.undeleted.begin(), st.undeleted.end());
   st.undeleted.clear();
   for (const Status& w : out->warnings) {
     warnings.push_back(w.to_string());
-    std::fprintf(stderr, "ferry[rank 0]: warning: checkpoint %s is committed, but: %s\n",
-                 out->path.c_str(), warnings.back().c_str());
+    log_printf(st.ctx->log, LogLevel::warning,
+               "ferry[rank 0]: warning: checkpoint %s is committed, but: %s", out->path.c_str(),
+               warnings.back().c_str());
   }
   // The straggler, from what every rank reported with its write result.
   int32_t slowest = -1;

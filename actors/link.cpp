@@ -59,7 +59,7 @@ struct link_state {
 using link_ptr = link_actor::stateful_pointer<link_state>;
 
 void log(const link_state& st, const std::string& what) {
-  std::fprintf(stderr, "ferry[rank %d]: %s\n", st.ctx->rank, what.c_str());
+  log_printf(st.ctx->log, LogLevel::warning, "ferry[rank %d]: %s", st.ctx->rank, what.c_str());
 }
 
 // The name a request has in logs and errors.

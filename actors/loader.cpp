@@ -1011,8 +1011,8 @@ void send_ack(const RankContext& ctx, Transport& t, const std::string& load_id, 
              encode_message(ShareAckMsg{ctx.job_id, load_id, ctx.rank, sender, bytes, status}));
   // A sender that is gone needs no ack; its failure reaches the load anyway.
   if (!s.ok())
-    std::fprintf(stderr, "ferry[rank %d]: no ShareAck to rank %d: %s\n", ctx.rank, sender,
-                 s.to_string().c_str());
+    log_printf(ctx.log, LogLevel::warning, "ferry[rank %d]: no ShareAck to rank %d: %s", ctx.rank,
+               sender, s.to_string().c_str());
 }
 
 // Every load is answered exactly once, whatever dies: a reader's reply, its

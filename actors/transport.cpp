@@ -20,6 +20,7 @@
 #include "actors/transport.hpp"
 
 #include "frame_buffers.hpp"
+#include "log.hpp"
 #include "node.hpp"
 
 #include <arpa/inet.h>
@@ -1906,7 +1907,7 @@ Transport::Impl::Conn* Transport::Impl::find_conn(uint64_t id) {
 void Transport::Impl::vlog(const char* fmt, va_list args) {
   char buf[512];
   std::vsnprintf(buf, sizeof(buf), fmt, args);
-  std::fprintf(stderr, "ferry transport (rank %d): %s\n", opts_.rank, buf);
+  log_printf(opts_.logger, LogLevel::warning, "ferry transport (rank %d): %s", opts_.rank, buf);
 }
 
 void Transport::Impl::log(const char* fmt, ...) {

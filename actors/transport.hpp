@@ -66,6 +66,7 @@
 #include <memory>
 #include <string>
 
+#include "ferry/logger.hpp"
 #include "ferry/status.hpp"
 
 namespace ferry {
@@ -98,6 +99,7 @@ struct TransportOptions {
   // Where large received frames take their memory and sent ones return it
   // (the runtime's, shared with its encoders); null: the transport's own.
   std::shared_ptr<FrameBuffers> frame_buffers;
+  Logger logger;  // where its log lines go; unset: stderr
 };
 
 struct TransportCallbacks {

@@ -7,6 +7,7 @@
 #include <ferry/export_macro.hpp>
 #include <ferry/filesystem.hpp>
 #include <ferry/load_report.hpp>
+#include <ferry/logger.hpp>
 #include <ferry/options.hpp>
 #include <ferry/planner.hpp>
 #include <ferry/runtime.hpp>

@@ -14,6 +14,7 @@
 
 #include "ferry/export_macro.hpp"
 #include "ferry/load_report.hpp"
+#include "ferry/logger.hpp"
 #include "ferry/options.hpp"
 #include "ferry/save_options.hpp"
 #include "ferry/status.hpp"
@@ -75,7 +76,7 @@ class FERRY_EXPORT SaveHandle {
   std::string path() const;  // the committed directory (once done)
   // Failures after the commit point (ROOT fsync, LATEST, retention), once
   // done: the save is committed all the same (wait_committed is ok). Also
-  // logged once to stderr by rank 0.
+  // logged once by rank 0 (RuntimeArgs::logger; stderr by default).
   std::vector<std::string> warnings() const;
   SaveMetrics metrics() const;
   uint64_t bytes_persisted() const;  // written so far (for progress lines)
@@ -94,6 +95,9 @@ struct RuntimeArgs {
   int32_t world_size = 1;
   std::shared_ptr<Filesystem> fs;         // default: POSIX
   std::shared_ptr<DeviceBackend> device;  // default: host (+ CUDA when available)
+  // Where this runtime's messages go (ferry/logger.hpp); unset: stderr, one
+  // line each (log_to_stderr).
+  Logger logger;
 
   RuntimeArgs& set(const std::string& key, const std::string& value) {
     settings.push_back({key, value, "code"});
@@ -128,7 +132,7 @@ class FERRY_EXPORT Runtime {
   // Fills `sd`'s tensors from the checkpoint at `path` (a step directory, or
   // a root: then its latest). Shards may differ from the saved ones. A key
   // the checkpoint lacks is an error naming it; a checkpoint tensor the state
-  // dict does not ask for is left out (one line on stderr lists them;
+  // dict does not ask for is left out (one warning to the logger lists them;
   // load_report() returns the list instead). With several ranks every rank calls load with the
   // same path (ranks naming different checkpoints fail at once, naming
   // them) and every rank ends with the same outcome: the first error,
