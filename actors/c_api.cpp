@@ -5,6 +5,7 @@
 #include "ferry/ferry.h"
 
 #include <chrono>
+#include <cstring>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -286,6 +287,41 @@ ferry_status ferry_runtime_from_env(const ferry_kv* settings, size_t num_setting
     ferry::RuntimeArgs args;
     args.settings = to_settings(settings, num_settings);
     auto r = ferry::Runtime::from_env(std::move(args));
+    if (!r.ok()) return to_c(r.status());
+    *out = handles<ferry_runtime>().add(
+        std::unique_ptr<ferry_runtime>(new ferry_runtime{std::move(r).value()}));
+    return to_c(ferry::Status());
+  });
+}
+
+ferry_status ferry_runtime_open(const ferry_runtime_options* options, ferry_runtime** out) {
+  return guarded([&] {
+    if (!out) return null_arg("out");
+    *out = nullptr;
+    if (!options) return null_arg("options");
+    // Only the first version exists so far: its size is the least and the most.
+    if (options->size != sizeof(ferry_runtime_options))
+      return to_c(ferry::Status::invalid_argument(
+          "ferry_runtime_options.size = " + std::to_string(options->size) +
+          ": this library reads " + std::to_string(sizeof(ferry_runtime_options)) +
+          " (sizeof(ferry_runtime_options))"));
+    ferry_runtime_options o{};
+    std::memcpy(&o, options, options->size);
+    if (o.num_settings > 0 && !o.settings) return null_arg("options.settings");
+    ferry::RuntimeArgs args;
+    args.settings = to_settings(o.settings, o.num_settings);
+    if (o.log) {
+      args.logger = [fn = o.log, user = o.log_user](ferry::LogLevel level,
+                                                    const std::string& message) {
+        fn(user, static_cast<int32_t>(level), message.c_str());
+      };
+    }
+    auto r = [&] {
+      if (o.from_env) return ferry::Runtime::from_env(std::move(args));
+      args.rank = o.rank;
+      args.world_size = o.world_size > 0 ? o.world_size : 1;
+      return ferry::Runtime::create(std::move(args));
+    }();
     if (!r.ok()) return to_c(r.status());
     *out = handles<ferry_runtime>().add(
         std::unique_ptr<ferry_runtime>(new ferry_runtime{std::move(r).value()}));

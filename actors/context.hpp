@@ -16,6 +16,9 @@
 #include "ferry/device.hpp"
 #include "ferry/filesystem.hpp"
 #include "ferry/options.hpp"
+#include "frame_buffers.hpp"
+#include "log.hpp"
+#include "manifest_cache.hpp"
 #include "pool.hpp"
 
 namespace ferry {
@@ -126,6 +129,11 @@ struct RankContext {
   std::shared_ptr<ActorThreads> threads = std::make_shared<ActorThreads>();
   std::shared_ptr<TraceClock> trace_clock = std::make_shared<TraceClock>();
   std::string host;  // this rank's host name, for the timeline
+  // This runtime's own, never another's in the same process: what it knows
+  // of manifests, and the buffers its large frames reuse.
+  std::shared_ptr<ManifestCache> manifests = std::make_shared<ManifestCache>();
+  std::shared_ptr<FrameBuffers> frames = std::make_shared<FrameBuffers>();
+  Logger log = log_to_stderr;  // RuntimeArgs::logger, never empty
 };
 
 // The name the coordinator has in ActorThreads.

@@ -221,7 +221,7 @@ Status plan_timed_out(const Checkpoint& c, double limit_s) {
 
 void report_undeleted(coordinator_state& st, const std::string& dir, const Status& why) {
   if (!st.undeleted_reported.insert(dir).second) return;
-  std::fprintf(stderr, "ferry[rank 0]: warning: %s\n", why.to_string().c_str());
+  log_printf(st.ctx->log, LogLevel::warning, "ferry[rank 0]: warning: %s", why.to_string().c_str());
   st.undeleted.push_back(why);
 }
 
@@ -417,6 +417,7 @@ void on_all_results(coordinator_ptr self) {
   }
   CommitOptions co{st.ctx->opts.fsync, c.overwrite, st.ctx->opts.keep_last, c.lease_owner};
   co.renew_lease_ms = lease_ms(st);
+  co.manifests = st.ctx->manifests.get();
   const auto commit_started = std::chrono::steady_clock::now();
   Result<CommitOutcome> out = [&] {
     Doing doing(*st.ctx->threads, kCoordinatorThread,
@@ -430,18 +431,19 @@ void on_all_results(coordinator_ptr self) {
   // The ranks stopped waiting at commit-timeout and reported the outcome as
   // unknown; the log says what it was.
   if (commit_s > st.ctx->opts.commit_timeout_s)
-    std::fprintf(stderr,
-                 "ferry[rank 0]: checkpoint %s committed after %.1f s, past commit-timeout "
-                 "(%.1f s): the ranks may have reported its outcome as unknown\n",
-                 out->path.c_str(), commit_s, st.ctx->opts.commit_timeout_s);
+    log_printf(st.ctx->log, LogLevel::warning,
+               "ferry[rank 0]: checkpoint %s committed after %.1f s, past commit-timeout "
+               "(%.1f s): the ranks may have reported its outcome as unknown",
+               out->path.c_str(), commit_s, st.ctx->opts.commit_timeout_s);
   // Committed: what failed after the commit point does not undo that.
   std::vector<std::string> warnings;
   out->warnings.insert(out->warnings.begin(), st.undeleted.begin(), st.undeleted.end());
   st.undeleted.clear();
   for (const Status& w : out->warnings) {
     warnings.push_back(w.to_string());
-    std::fprintf(stderr, "ferry[rank 0]: warning: checkpoint %s is committed, but: %s\n",
-                 out->path.c_str(), warnings.back().c_str());
+    log_printf(st.ctx->log, LogLevel::warning,
+               "ferry[rank 0]: warning: checkpoint %s is committed, but: %s", out->path.c_str(),
+               warnings.back().c_str());
   }
   // The straggler, from what every rank reported with its write result.
   int32_t slowest = -1;
@@ -471,7 +473,7 @@ void on_all_results(coordinator_ptr self) {
 LoadReplyMsg same_load(const coordinator_state& st, const ResolvedLoad& first,
                        const LoadRequestMsg& req) {
   if (req.path == first.path) return first.reply;
-  auto dir = resolve_checkpoint(*st.ctx->fs, req.path);
+  auto dir = resolve_checkpoint(*st.ctx->fs, req.path, st.ctx->manifests.get());
   if (dir.ok() && first.reply.status.ok() && *dir == first.reply.dir) return first.reply;
   LoadReplyMsg r{st.ctx->job_id, req.load_id, Status(), "", ""};
   r.status =
@@ -772,7 +774,7 @@ coordinator_actor::behavior_type coordinator_fun(coordinator_ptr self, ContextPt
         auto it = st.loads.find(req.load_id);
         if (it != st.loads.end()) return same_load(st, it->second, req);
         LoadReplyMsg r{st.ctx->job_id, req.load_id, Status(), "", ""};
-        auto dir = resolve_checkpoint(*st.ctx->fs, req.path);
+        auto dir = resolve_checkpoint(*st.ctx->fs, req.path, st.ctx->manifests.get());
         if (!dir.ok()) {
           r.status = dir.status();
         } else {

@@ -59,7 +59,7 @@ struct link_state {
 using link_ptr = link_actor::stateful_pointer<link_state>;
 
 void log(const link_state& st, const std::string& what) {
-  std::fprintf(stderr, "ferry[rank %d]: %s\n", st.ctx->rank, what.c_str());
+  log_printf(st.ctx->log, LogLevel::warning, "ferry[rank %d]: %s", st.ctx->rank, what.c_str());
 }
 
 // The name a request has in logs and errors.
@@ -80,7 +80,7 @@ const char* request_name(RemoteRequest r) {
 void send_frame(link_ptr self, int32_t to, const WireMessage& m) {
   auto& st = self->state;
   if (!st.transport) return log(st, std::string("no transport to send ") + message_name(m));
-  Status s = st.transport->send(to, encode_message(m));
+  Status s = st.transport->send(to, encode_message(m, st.ctx->frames.get()));
   if (!s.ok())
     log(st, std::string("sending ") + message_name(m) + " to rank " + std::to_string(to) +
                 " failed: " + s.to_string());
@@ -400,7 +400,7 @@ link_actor::behavior_type link_fun(link_ptr self, ContextPtr ctx, coordinator_ac
       [self](atom::frame, int32_t from, std::string& bytes) {
         // Shared: a BlockShare's data stays in the frame it came in, and the
         // frame's buffer serves a later one once the loader is done with it.
-        auto frame = frame_owner(std::move(bytes));
+        auto frame = frame_owner(std::move(bytes), self->state.ctx->frames);
         auto m = decode_message(std::shared_ptr<const std::string>(frame));
         if (!m.ok()) {
           auto& st = self->state;

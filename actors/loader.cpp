@@ -300,12 +300,12 @@ Status send_shared(const RankContext& ctx, const ReadTask& task, const Manifest&
         else
           copy_parts(frame, parts);
         msg.checksum = sum;
-        s = t.send(t.next_hop(to), encode_message(msg));
+        s = t.send(t.next_hop(to), encode_message(msg, ctx.frames.get()));
         if (s.ok()) ctx.shares->count_in_memory(n);
       } else {
         if (!summed) sum = sum_parts(parts, n, hash);
         msg.checksum = sum;
-        s = t.send(t.next_hop(to), encode_gathered(msg, parts));
+        s = t.send(t.next_hop(to), encode_gathered(msg, parts, ctx.frames.get()));
       }
       if (!s.ok()) return s.with_context(context());
     }
@@ -1026,8 +1026,8 @@ void send_ack(const RankContext& ctx, Transport& t, const std::string& load_id, 
              encode_message(ShareAckMsg{ctx.job_id, load_id, ctx.rank, sender, bytes, status}));
   // A sender that is gone needs no ack; its failure reaches the load anyway.
   if (!s.ok())
-    std::fprintf(stderr, "ferry[rank %d]: no ShareAck to rank %d: %s\n", ctx.rank, sender,
-                 s.to_string().c_str());
+    log_printf(ctx.log, LogLevel::warning, "ferry[rank %d]: no ShareAck to rank %d: %s", ctx.rank,
+               sender, s.to_string().c_str());
 }
 
 // Every load is answered exactly once, whatever dies: a reader's reply, its

@@ -283,6 +283,8 @@ Status start_transport(Runtime::Impl& impl, const std::string& token) {
   to.connect_timeout_s = ctx.opts.connect_timeout_s;
   to.heartbeat_interval_s = ctx.opts.heartbeat_interval_s;
   to.heartbeat_timeout_s = ctx.opts.heartbeat_timeout_s;
+  to.frame_buffers = ctx.frames;
+  to.logger = ctx.log;
 
   const std::string hello =
       encode_message(JoinMsg{ctx.job_id, token, ctx.rank, ctx.world_size, host_name(), getpid()});
@@ -301,7 +303,8 @@ Status start_transport(Runtime::Impl& impl, const std::string& token) {
   TransportCallbacks cb;
   const std::string job = ctx.job_id;
   const int32_t world = ctx.world_size;
-  cb.accept = [token, job, world](const std::string& bytes, std::string* reply) -> Result<int32_t> {
+  cb.accept = [token, job, world, log = ctx.log](const std::string& bytes,
+                                                 std::string* reply) -> Result<int32_t> {
     auto m = decode_message(bytes);
     Status why;
     int32_t rank = -1;
@@ -321,7 +324,8 @@ Status start_transport(Runtime::Impl& impl, const std::string& token) {
       rank = j->rank;
     }
     if (!why.ok()) {
-      std::fprintf(stderr, "ferry[rank 0]: refused a process: %s\n", why.to_string().c_str());
+      log_printf(log, LogLevel::warning, "ferry[rank 0]: refused a process: %s",
+                 why.to_string().c_str());
       *reply = encode_message(JoinAckMsg{job, why});
       return why;
     }
@@ -396,7 +400,7 @@ Status start_transport(Runtime::Impl& impl, const std::string& token) {
   // Lanes are a shortcut (frames go through rank 0 without them), so one that
   // is late costs a log line, not the start.
   if (Status l = impl.transport->wait_lanes(ctx.opts.connect_timeout_s); !l.ok())
-    std::fprintf(stderr, "ferry[rank %d]: %s\n", ctx.rank, l.message().c_str());
+    log_printf(ctx.log, LogLevel::warning, "ferry[rank %d]: %s", ctx.rank, l.message().c_str());
   return Status();
 }
 
@@ -446,6 +450,7 @@ Result<std::unique_ptr<Runtime>> Runtime::create(RuntimeArgs args) {
   ctx->opts = opts;
   ctx->rank = args.rank;
   ctx->world_size = args.world_size;
+  if (args.logger) ctx->log = args.logger;
   const std::string token = job_token_from_env();
   ctx->job_id = job_id_from_env(token);
   ctx->host = host_name();
@@ -587,8 +592,9 @@ Runtime::~Runtime() {
     if (stragglers->count() > 0)
       what += (what.empty() ? "" : ", ") + std::to_string(stragglers->count()) +
               " writer thread(s) still stuck in storage or a checkpoint_fn";
-    std::fprintf(stderr, "ferry[rank %d]: at shutdown: %s: its threads are left running\n",
-                 impl_->ctx->rank, what.c_str());
+    log_printf(impl_->ctx->log, LogLevel::warning,
+               "ferry[rank %d]: at shutdown: %s: its threads are left running", impl_->ctx->rank,
+               what.c_str());
     leave_behind(std::move(impl_));
     return;
   }
@@ -833,7 +839,7 @@ Status load_local(Runtime::Impl& im, caf::scoped_actor& self, StateDict& sd, con
         rings[n.rank] = n.ring;
     for (const auto& [peer, info] : rings) report->share_ring_peers.push_back(peer);
     if (!rings.empty())
-      job.peer_rings = std::make_shared<PeerRings>(im.ctx->rank, im.ctx->world_size,
+      job.peer_rings = std::make_shared<PeerRings>(im.ctx->log, im.ctx->rank, im.ctx->world_size,
                                                    o.share_window_bytes, std::move(rings));
     RankShare part =
         split_for_rank(ops, assign_shared_reads(std::move(needs).value()), im.ctx->rank, *manifest);
@@ -908,12 +914,12 @@ void log_not_restored(const Runtime::Impl& im, const LoadReport& r) {
     keys += (i ? ", " : "") + r.not_restored[i];
   if (r.not_restored.size() > kShown)
     keys += " and " + std::to_string(r.not_restored.size() - kShown) + " more";
-  std::fprintf(stderr,
-               "ferry[rank %d]: loaded %llu tensors of step %llu from %s; %zu checkpoint "
-               "tensors not restored: %s\n",
-               im.ctx->rank, static_cast<unsigned long long>(r.tensors_restored),
-               static_cast<unsigned long long>(r.step), r.path.c_str(), r.not_restored.size(),
-               keys.c_str());
+  log_printf(im.ctx->log, LogLevel::warning,
+             "ferry[rank %d]: loaded %llu tensors of step %llu from %s; %zu checkpoint "
+             "tensors not restored: %s",
+             im.ctx->rank, static_cast<unsigned long long>(r.tensors_restored),
+             static_cast<unsigned long long>(r.step), r.path.c_str(), r.not_restored.size(),
+             keys.c_str());
 }
 
 // Rank 0 decides which checkpoint `path` names and reads its manifest once
@@ -982,7 +988,8 @@ Status Runtime::load(StateDict& sd, const std::string& path) {
 
 std::string Runtime::latest(const std::string& root) const {
   if (!root.empty()) impl_->ctx->fs->add_root(root);
-  auto r = find_latest(*impl_->ctx->fs, root.empty() ? impl_->ctx->opts.root : root);
+  auto r = find_latest(*impl_->ctx->fs, root.empty() ? impl_->ctx->opts.root : root,
+                       impl_->ctx->manifests.get());
   return r.ok() ? r->path : "";
 }
 

@@ -151,7 +151,8 @@ SavePlanner::SavePlanner(Runtime& rt, const StateDict& sd, std::string filename_
     // One more than the latest committed step; every rank reads the same
     // root, and a rank that saw another commit than the others is refused
     // at plan time (the ranks disagree on the step).
-    auto latest = find_latest(*RuntimeAccess::context(rt).fs, im.root);
+    const RankContext& ctx = RuntimeAccess::context(rt);
+    auto latest = find_latest(*ctx.fs, im.root, ctx.manifests.get());
     if (latest.ok()) {
       im.step = latest->step + 1;
     } else if (latest.status().code() != StatusCode::not_found) {

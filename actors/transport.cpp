@@ -20,6 +20,7 @@
 #include "actors/transport.hpp"
 
 #include "frame_buffers.hpp"
+#include "log.hpp"
 #include "node.hpp"
 
 #include <arpa/inet.h>
@@ -248,6 +249,7 @@ class Transport::Impl {
  public:
   Impl(TransportOptions o, std::string hello, std::string heartbeat, TransportCallbacks cb)
       : opts_(std::move(o)),
+        buffers_(opts_.frame_buffers ? opts_.frame_buffers : std::make_shared<FrameBuffers>()),
         hello_(std::move(hello)),
         heartbeat_(std::move(heartbeat)),
         cb_(std::move(cb)),
@@ -449,6 +451,7 @@ class Transport::Impl {
   std::string missing_peers_locked() const;
 
   const TransportOptions opts_;
+  const std::shared_ptr<FrameBuffers> buffers_;
   const std::string hello_;
   const std::string heartbeat_;
   const TransportCallbacks cb_;
@@ -960,7 +963,7 @@ ucs_status_t Transport::Impl::receive(Conn* conn, Event::Kind kind, void* data, 
   // A large frame: only its announcement is here; fetch the bytes into the
   // string that will be delivered, so they are copied once (a buffer an
   // earlier frame used: FrameBuffers).
-  auto* op = new RecvOp{this, conn->id, FrameBuffers::instance().take(length), kind};
+  auto* op = new RecvOp{this, conn->id, buffers_->take(length), kind};
   recvs_.insert(op);
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
@@ -989,7 +992,7 @@ void Transport::Impl::on_send_done(void* request, ucs_status_t, void* user_data)
 void Transport::Impl::end_send(SendOp* op) {
   sends_.erase(op);
   uncount_queued(op->queued);
-  FrameBuffers::instance().give(std::move(op->bytes));  // encoded in one (protocol.cpp)
+  buffers_->give(std::move(op->bytes));  // encoded in one (protocol.cpp)
   delete op;
 }
 
@@ -1918,7 +1921,7 @@ Transport::Impl::Conn* Transport::Impl::find_conn(uint64_t id) {
 void Transport::Impl::vlog(const char* fmt, va_list args) {
   char buf[512];
   std::vsnprintf(buf, sizeof(buf), fmt, args);
-  std::fprintf(stderr, "ferry transport (rank %d): %s\n", opts_.rank, buf);
+  log_printf(opts_.logger, LogLevel::warning, "ferry transport (rank %d): %s", opts_.rank, buf);
 }
 
 void Transport::Impl::log(const char* fmt, ...) {

@@ -67,9 +67,12 @@
 #include <string>
 #include <utility>
 
+#include "ferry/logger.hpp"
 #include "ferry/status.hpp"
 
 namespace ferry {
+
+class FrameBuffers;
 
 struct TransportOptions {
   int32_t rank = 0;
@@ -94,6 +97,10 @@ struct TransportOptions {
   std::string lanes;
   // This rank's node; empty: the kernel's boot id and the host name.
   std::string node;
+  // Where large received frames take their memory and sent ones return it
+  // (the runtime's, shared with its encoders); null: the transport's own.
+  std::shared_ptr<FrameBuffers> frame_buffers;
+  Logger logger;  // where its log lines go; unset: stderr
 };
 
 struct TransportCallbacks {

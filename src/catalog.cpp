@@ -159,44 +159,18 @@ bool parse_step_dir_name(const std::string& name, uint64_t* step) {
 
 namespace {
 
-// What this process knows of manifests it read: summaries by payload
-// checksum (a manifest is never rewritten in place, so that names its
-// content; one corrupted in place since keeps its old summary here, so a
-// commit at most picks a larger number than needed, and find_latest still
-// decodes its choice whole), and the manifests that failed, by path, size,
-// inode and mtime, so that a bad one costs one read per process rather than
-// one per save or `ls`. Never destroyed: a thread may still read a catalog
-// while the process exits.
-struct ManifestMemory {
-  std::mutex mu;
-  std::unordered_map<uint64_t, ManifestSummary> by_sum;
-  struct Failure {
-    Status status;
-    bool frame = false;  // the frame or payload checksum failed: no summary either
-  };
-  std::map<std::tuple<std::string, uint64_t, uint64_t, int64_t>, Failure> failed;
-};
-constexpr size_t kMaxRemembered = 1 << 16;
 constexpr uint64_t kFrameHeadBytes = 4096;
 
-ManifestMemory& memory() {
-  static ManifestMemory* const m = new ManifestMemory;
-  return *m;
-}
-
-using FailureKey = std::tuple<std::string, uint64_t, uint64_t, int64_t>;
+using FailureKey = ManifestCache::FailureKey;
 
 FailureKey failure_key(const std::string& path, const FileInfo& info) {
   return {path, info.size, info.inode, info.mtime_unix_ms};
 }
 
 // Only what the bytes say is remembered: an I/O error may pass.
-void remember_failure(const FailureKey& key, const Status& st, bool frame) {
+void remember_failure(ManifestCache* cache, const FailureKey& key, const Status& st, bool frame) {
   if (st.code() != StatusCode::corruption && st.code() != StatusCode::unsupported) return;
-  ManifestMemory& mem = memory();
-  std::lock_guard<std::mutex> lock(mem.mu);
-  if (mem.failed.size() >= kMaxRemembered) mem.failed.clear();
-  mem.failed[key] = {st, frame};
+  if (cache != nullptr) cache->remember_failure(key, st, frame);
 }
 
 // The MANIFEST at `path` as far as its first 4 KiB tell: a regular file
@@ -204,18 +178,15 @@ void remember_failure(const FailureKey& key, const Status& st, bool frame) {
 // frame), whose frame's length is the file's and at most kMaxManifestBytes.
 // Nothing beyond the head (*head) is read here, so a sparse or hostile file
 // costs 4 KiB. Sets *info for the caller's own remember_failure.
-Status check_manifest_file(Filesystem& fs, const std::string& path, bool frame_only, FileInfo* info,
-                           std::string* head) {
+Status check_manifest_file(Filesystem& fs, ManifestCache* cache, const std::string& path,
+                           bool frame_only, FileInfo* info, std::string* head) {
   FERRY_ASSIGN_OR_RETURN(*info, fs.lstat(path));
   if (info->is_symlink)
     return Status::invalid_argument(path + ": is a symbolic link, which Ferry never follows there");
   if (!info->is_regular) return Status::invalid_argument(path + ": not a regular file");
   const FailureKey key = failure_key(path, *info);
-  {
-    ManifestMemory& mem = memory();
-    std::lock_guard<std::mutex> lock(mem.mu);
-    auto it = mem.failed.find(key);
-    if (it != mem.failed.end() && (it->second.frame || !frame_only)) return it->second.status;
+  if (cache != nullptr) {
+    if (std::optional<Status> failed = cache->failure(key, frame_only)) return *failed;
   }
   FERRY_ASSIGN_OR_RETURN(*head, read_file_head(fs, path, kFrameHeadBytes));
   Result<uint64_t> total = manifest_file_bytes(*head);
@@ -230,17 +201,18 @@ Status check_manifest_file(Filesystem& fs, const std::string& path, bool frame_o
     bad = Status::corruption(path + ": MANIFEST frame says " + std::to_string(*total) +
                              " bytes, the file holds " + std::to_string(info->size));
   }
-  if (!bad.ok()) remember_failure(key, bad, /*frame=*/true);
+  if (!bad.ok()) remember_failure(cache, key, bad, /*frame=*/true);
   return bad;
 }
 
 }  // namespace
 
-Result<Manifest> read_manifest(Filesystem& fs, const std::string& checkpoint_dir) {
+Result<Manifest> read_manifest(Filesystem& fs, const std::string& checkpoint_dir,
+                               ManifestCache* cache) {
   std::string path = join_path(checkpoint_dir, kManifestFileName);
   FileInfo info;
   std::string head;
-  FERRY_RETURN_IF_ERROR(check_manifest_file(fs, path, /*frame_only=*/false, &info, &head));
+  FERRY_RETURN_IF_ERROR(check_manifest_file(fs, cache, path, /*frame_only=*/false, &info, &head));
   // A small manifest is all in its head already.
   std::string bytes;
   if (head.size() == info.size)
@@ -251,7 +223,7 @@ Result<Manifest> read_manifest(Filesystem& fs, const std::string& checkpoint_dir
   if (!m.ok()) {
     Status st = m.status().with_context(path + ": ");
     // Whether the commit numbering may still use it (only its tensors failed).
-    remember_failure(failure_key(path, info), st, !summarize_manifest(bytes).ok());
+    remember_failure(cache, failure_key(path, info), st, !summarize_manifest(bytes).ok());
     return st;
   }
   return m;
@@ -269,7 +241,8 @@ Status check_step_dir(Filesystem& fs, const std::string& path) {
   return Status();
 }
 
-Result<std::vector<CheckpointInfo>> list_checkpoints_here(Filesystem& fs, const std::string& root) {
+Result<std::vector<CheckpointInfo>> list_checkpoints_here(Filesystem& fs, const std::string& root,
+                                                          ManifestCache* cache) {
   FERRY_ASSIGN_OR_RETURN(std::vector<std::string> names, fs.list(root));
   std::string hint = read_latest_hint(fs, root);
   std::vector<CheckpointInfo> out;
@@ -283,7 +256,7 @@ Result<std::vector<CheckpointInfo>> list_checkpoints_here(Filesystem& fs, const 
     Result<FileInfo> st = fs.lstat(info.path);
     if (st.ok() && !st->is_dir && !st->is_symlink) continue;  // a stray file with a step-like name
     Status dir = check_step_dir(fs, info.path);
-    Result<Manifest> m = dir.ok() ? read_manifest(fs, info.path) : Result<Manifest>(dir);
+    Result<Manifest> m = dir.ok() ? read_manifest(fs, info.path, cache) : Result<Manifest>(dir);
     // A step prefix without its MANIFEST is a save in flight or one that failed.
     if (!m.ok() && m.status().code() == StatusCode::not_found && is_object_root(root)) continue;
     if (m.ok()) {
@@ -304,20 +277,18 @@ Result<std::vector<CheckpointInfo>> list_checkpoints_here(Filesystem& fs, const 
 }
 
 // A committed checkpoint's summary, from its manifest's 4 KiB frame once the
-// manifest was read whole in this process (see ManifestMemory): decoding
-// every kept manifest on every commit and load grows with the tensors.
-Result<ManifestSummary> read_summary(Filesystem& fs, const std::string& dir) {
-  ManifestMemory& mem = memory();
+// manifest was read whole by `cache`'s owner (none: read whole each time):
+// decoding every kept manifest on every commit and load grows with the tensors.
+Result<ManifestSummary> read_summary(Filesystem& fs, const std::string& dir,
+                                     ManifestCache* cache = nullptr) {
   const std::string path = join_path(dir, kManifestFileName);
   // Fails for a stray file with a step-like name: it has no MANIFEST.
   FileInfo info;
   std::string head;
-  FERRY_RETURN_IF_ERROR(check_manifest_file(fs, path, /*frame_only=*/true, &info, &head));
+  FERRY_RETURN_IF_ERROR(check_manifest_file(fs, cache, path, /*frame_only=*/true, &info, &head));
   Result<uint64_t> sum = manifest_payload_sum(head);
-  if (sum.ok()) {
-    std::lock_guard<std::mutex> lock(mem.mu);
-    auto it = mem.by_sum.find(*sum);
-    if (it != mem.by_sum.end()) return it->second;
+  if (sum.ok() && cache != nullptr) {
+    if (std::optional<ManifestSummary> known = cache->summary(*sum)) return *known;
   }
   // One buffer for every manifest this thread reads (see read_file_into).
   static thread_local std::string bytes;
@@ -326,12 +297,10 @@ Result<ManifestSummary> read_summary(Filesystem& fs, const std::string& dir) {
   if (bytes.capacity() > kKeptManifestBufferBytes) std::string().swap(bytes);
   if (!s.ok()) {
     Status st = s.status().with_context(path + ": ");
-    remember_failure(failure_key(path, info), st, /*frame=*/true);
+    remember_failure(cache, failure_key(path, info), st, /*frame=*/true);
     return st;
   }
-  std::lock_guard<std::mutex> lock(mem.mu);
-  if (mem.by_sum.size() >= kMaxRemembered) mem.by_sum.clear();
-  mem.by_sum.emplace(s->payload_sum, *s);
+  if (cache != nullptr) cache->remember_summary(*s);
   return s;
 }
 
@@ -341,13 +310,14 @@ struct Candidate {
 };
 
 // Step directories whose manifests summarize, highest (commit_seq, step) first.
-Result<std::vector<Candidate>> committed_by_seq(Filesystem& fs, const std::string& root) {
+Result<std::vector<Candidate>> committed_by_seq(Filesystem& fs, const std::string& root,
+                                                ManifestCache* cache) {
   FERRY_ASSIGN_OR_RETURN(std::vector<std::string> names, fs.list(root));
   std::vector<Candidate> out;
   for (const std::string& name : names) {
     if (!parse_step_dir_name(name, nullptr)) continue;
     if (!check_step_dir(fs, join_path(root, name)).ok()) continue;
-    Result<ManifestSummary> s = read_summary(fs, join_path(root, name));
+    Result<ManifestSummary> s = read_summary(fs, join_path(root, name), cache);
     if (s.ok()) out.push_back({name, *s});
   }
   std::sort(out.begin(), out.end(), [](const Candidate& a, const Candidate& b) {
@@ -360,25 +330,26 @@ Result<std::vector<Candidate>> committed_by_seq(Filesystem& fs, const std::strin
 
 }  // namespace
 
-Result<uint64_t> highest_commit_seq(Filesystem& fs, const std::string& root) {
-  FERRY_ASSIGN_OR_RETURN(std::vector<Candidate> all, committed_by_seq(fs, root));
+Result<uint64_t> highest_commit_seq(Filesystem& fs, const std::string& root, ManifestCache* cache) {
+  FERRY_ASSIGN_OR_RETURN(std::vector<Candidate> all, committed_by_seq(fs, root, cache));
   return all.empty() ? 0 : all.front().summary.commit_seq;
 }
 
-Result<std::vector<CheckpointInfo>> list_checkpoints(Filesystem& fs, const std::string& root) {
+Result<std::vector<CheckpointInfo>> list_checkpoints(Filesystem& fs, const std::string& root,
+                                                     ManifestCache* cache) {
   FERRY_RETURN_IF_ERROR(finish_interrupted_overwrites(fs, root).status());
-  return list_checkpoints_here(fs, root);
+  return list_checkpoints_here(fs, root, cache);
 }
 
-Result<CheckpointInfo> find_latest(Filesystem& fs, const std::string& root) {
+Result<CheckpointInfo> find_latest(Filesystem& fs, const std::string& root, ManifestCache* cache) {
   FERRY_RETURN_IF_ERROR(finish_interrupted_overwrites(fs, root).status());
-  FERRY_ASSIGN_OR_RETURN(std::vector<Candidate> all, committed_by_seq(fs, root));
+  FERRY_ASSIGN_OR_RETURN(std::vector<Candidate> all, committed_by_seq(fs, root, cache));
   const std::string hint = read_latest_hint(fs, root);
   // Only the choice is decoded whole; one that fails gives way to the next.
   for (const Candidate& c : all) {
     CheckpointInfo info;
     info.path = join_path(root, c.name);
-    Result<Manifest> m = read_manifest(fs, info.path);
+    Result<Manifest> m = read_manifest(fs, info.path, cache);
     if (!m.ok()) continue;
     parse_step_dir_name(c.name, &info.step);
     info.commit_seq = m->commit_seq;
@@ -715,7 +686,7 @@ Result<Retired> retire_checkpoints(Filesystem& fs, const std::string& root, uint
   if (keep_last == 0) return out;
   // Under the lock: a displaced step is either the caller's to put back
   // (spare) or already back.
-  FERRY_ASSIGN_OR_RETURN(std::vector<CheckpointInfo> all, list_checkpoints_here(fs, root));
+  FERRY_ASSIGN_OR_RETURN(std::vector<CheckpointInfo> all, list_checkpoints_here(fs, root, nullptr));
   // Only loadable checkpoints count toward keep_last: one whose files are
   // gone must not push out the last one that can still be loaded.
   std::vector<CheckpointInfo> committed;
@@ -767,7 +738,8 @@ int64_t now_unix_ms() {
       .count();
 }
 
-Result<std::string> resolve_checkpoint(Filesystem& fs, const std::string& path) {
+Result<std::string> resolve_checkpoint(Filesystem& fs, const std::string& path,
+                                       ManifestCache* cache) {
   if (path.empty()) return Status::not_found("no checkpoint to load (empty path)");
   std::string base = path;
   while (base.size() > 1 && base.back() == '/') base.pop_back();
@@ -788,7 +760,7 @@ Result<std::string> resolve_checkpoint(Filesystem& fs, const std::string& path) 
       return Status::invalid_argument(path + " is a symbolic link, which Ferry never follows");
   }
   if (fs.stat(join_path(path, kManifestFileName)).ok()) return path;
-  auto latest = find_latest(fs, path);
+  auto latest = find_latest(fs, path, cache);
   if (!latest.ok()) return Status::not_found("no committed checkpoint at " + path);
   return latest->path;
 }

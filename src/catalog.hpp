@@ -11,6 +11,7 @@
 #include "ferry/filesystem.hpp"
 #include "ferry/status.hpp"
 #include "manifest.hpp"
+#include "manifest_cache.hpp"
 
 namespace ferry {
 
@@ -46,7 +47,9 @@ Result<std::unique_ptr<FileLock>> lock_root(Filesystem& fs, const std::string& r
                                             int64_t wait_ms = kDefaultLockWaitMs);
 
 // CheckpointInfo, PendingLease and GcReport are the public catalog's
-// (ferry/catalog.hpp); these functions fill them.
+// (ferry/catalog.hpp); these functions fill them. Those that take a
+// ManifestCache remember in it what they learned of manifests (a runtime
+// passes its own); without one they read every manifest they need.
 
 // Committed checkpoints (step-* directories), sorted by commit sequence.
 // Pending directories are never listed. Unreadable manifests (and step
@@ -54,27 +57,32 @@ Result<std::unique_ptr<FileLock>> lock_root(Filesystem& fs, const std::string& r
 // their status set and state corrupt (so `ferry ls` can show them) and never chosen as latest.
 // Like find_latest and resolve_checkpoint, it first finishes what an
 // interrupted overwrite left (finish_interrupted_overwrites).
-Result<std::vector<CheckpointInfo>> list_checkpoints(Filesystem& fs, const std::string& root);
+Result<std::vector<CheckpointInfo>> list_checkpoints(Filesystem& fs, const std::string& root,
+                                                     ManifestCache* cache = nullptr);
 
 // The highest commit sequence of the committed checkpoints in `root` (0 if
 // none), for the next commit to exceed. Unreadable manifests count for
-// nothing, as in list_checkpoints. Neither this nor find_latest decodes every
-// manifest: each is summarized (ManifestSummary) once per process, and after
-// that known by the first 4 KiB of its file, so commits and loads do not slow
-// down as checkpoints accumulate.
-Result<uint64_t> highest_commit_seq(Filesystem& fs, const std::string& root);
+// nothing, as in list_checkpoints. With a cache, neither this nor find_latest
+// decodes every manifest: each is summarized (ManifestSummary) once per cache,
+// and after that known by the first 4 KiB of its file, so commits and loads
+// do not slow down as checkpoints accumulate.
+Result<uint64_t> highest_commit_seq(Filesystem& fs, const std::string& root,
+                                    ManifestCache* cache = nullptr);
 
 // The committed checkpoint with the highest commit sequence whose manifest
 // decodes, or not_found.
-Result<CheckpointInfo> find_latest(Filesystem& fs, const std::string& root);
+Result<CheckpointInfo> find_latest(Filesystem& fs, const std::string& root,
+                                   ManifestCache* cache = nullptr);
 
 // What a caller means by `path`: a checkpoint directory (it holds a
 // MANIFEST), or a root (then its latest checkpoint). A pending directory is
 // refused even when it holds a manifest: it was never committed.
-Result<std::string> resolve_checkpoint(Filesystem& fs, const std::string& path);
+Result<std::string> resolve_checkpoint(Filesystem& fs, const std::string& path,
+                                       ManifestCache* cache = nullptr);
 
 // Reads and decodes ROOT/.../MANIFEST (corruption names the path).
-Result<Manifest> read_manifest(Filesystem& fs, const std::string& checkpoint_dir);
+Result<Manifest> read_manifest(Filesystem& fs, const std::string& checkpoint_dir,
+                               ManifestCache* cache = nullptr);
 
 // Lease: a text file holding the expiry time (unix ms) and the owner.
 Status write_lease(Filesystem& fs, const std::string& pending_dir, int64_t expires_unix_ms,

@@ -10,7 +10,7 @@
 
 #include "ferry/device.hpp"
 #include "ferry/filesystem.hpp"
-#include "ferry/planner.hpp"
+#include "ferry/save_plan.hpp"
 #include "layout.hpp"
 
 namespace ferry {

@@ -438,7 +438,7 @@ Result<CommitOutcome> commit_checkpoint_in_place(Filesystem& fs, const std::stri
 
   // The sequence must exceed every committed one, so "latest" is well defined
   // even when steps go backwards (a job restarted from an older checkpoint).
-  FERRY_ASSIGN_OR_RETURN(const uint64_t seq, highest_commit_seq(fs, root));
+  FERRY_ASSIGN_OR_RETURN(const uint64_t seq, highest_commit_seq(fs, root, opts.manifests));
   manifest.commit_seq = seq + 1;
   manifest.fsynced = opts.fsync;
 

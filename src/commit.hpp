@@ -122,6 +122,9 @@ struct CommitOptions {
   // How long to wait for another job's commit in the same root (ROOT's
   // lock) before failing with busy.
   int64_t lock_wait_ms = 30'000;
+  // What the committer knows of the root's manifests (its runtime's); null:
+  // each commit reads every committed manifest to number itself.
+  ManifestCache* manifests = nullptr;
 };
 
 struct CommitOutcome {

@@ -11,7 +11,7 @@
 
 #include "box.hpp"
 #include "ferry/options.hpp"
-#include "ferry/runtime.hpp"
+#include "ferry/save_options.hpp"
 #include "ferry/status.hpp"
 #include "plan.hpp"
 

@@ -7,7 +7,9 @@
 // 2-rank replicated load of 2,000 tensors take 2.6-3.5 s; with the buffers
 // kept it takes 2.1-2.3 s. Whoever drops a frame last returns its buffer:
 // the transport once UCX has sent it, and frame_owner's holder once the
-// loader has copied the bytes out.
+// loader has copied the bytes out. Each runtime owns one (RankContext::frames,
+// shared with its transport): never process-global, so two runtimes in one
+// process never take each other's buffers. Thread-safe.
 #pragma once
 
 #include <cstdint>
@@ -22,14 +24,8 @@ class FrameBuffers {
  public:
   // Smaller buffers are cheap to allocate: they are not kept.
   static constexpr uint64_t kMinBytes = 256ull << 10;
-  // The most this process keeps, whatever the frames: a few windows' worth.
+  // The most one owner keeps, whatever the frames: a few windows' worth.
   static constexpr uint64_t kMaxKeptBytes = 32ull << 20;
-
-  // One per process, never destroyed: threads may return buffers at exit.
-  static FrameBuffers& instance() {
-    static FrameBuffers* buffers = new FrameBuffers;
-    return *buffers;
-  }
 
   // An empty string with room for `n` bytes, a kept one where one is large
   // enough.
@@ -86,14 +82,17 @@ class FrameBuffers {
   uint64_t kept_bytes_ = 0;
 };
 
-// Shared ownership of a received frame whose buffer goes back to
-// FrameBuffers when the last holder lets go (one whose bytes were moved on,
-// as rank 0 relays them, leaves nothing worth keeping).
-inline std::shared_ptr<std::string> frame_owner(std::string&& bytes) {
-  return std::shared_ptr<std::string>(new std::string(std::move(bytes)), [](std::string* s) {
-    FrameBuffers::instance().give(std::move(*s));
-    delete s;
-  });
+// Shared ownership of a received frame whose buffer goes back to `buffers`
+// (kept alive by the frame: a holder may outlive the runtime) when the last
+// holder lets go (one whose bytes were moved on, as rank 0 relays them,
+// leaves nothing worth keeping). Null `buffers`: the buffer is freed.
+inline std::shared_ptr<std::string> frame_owner(std::string&& bytes,
+                                                std::shared_ptr<FrameBuffers> buffers) {
+  return std::shared_ptr<std::string>(new std::string(std::move(bytes)),
+                                      [buffers = std::move(buffers)](std::string* s) {
+                                        if (buffers) buffers->give(std::move(*s));
+                                        delete s;
+                                      });
 }
 
 }  // namespace ferry

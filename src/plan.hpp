@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "box.hpp"
-#include "ferry/planner.hpp"  // OwnerPolicy
+#include "ferry/save_plan.hpp"  // OwnerPolicy
 #include "ferry/status.hpp"
 #include "ferry/tensor.hpp"
 

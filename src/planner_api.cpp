@@ -1,4 +1,4 @@
-// The public planner types (ferry/planner.hpp): conversions from the internal
+// The public planner types (ferry/save_plan.hpp): conversions from the internal
 // planner, printing, and the byte forms (Cap'n Proto, schemas/plan.capnp).
 // Planning itself stays in plan.cpp.
 

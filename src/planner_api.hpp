@@ -1,5 +1,5 @@
 // Between the planner's internal types (plan.hpp) and the public ones
-// (ferry/planner.hpp), and the byte form in which rank 0 sends every rank's
+// (ferry/save_plan.hpp), and the byte form in which rank 0 sends every rank's
 // plan to every rank of a save driven in steps.
 #pragma once
 
@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "data_files.hpp"
-#include "ferry/planner.hpp"
+#include "ferry/save_plan.hpp"
 #include "plan.hpp"
 
 namespace ferry {

@@ -113,9 +113,13 @@ class AppendTo final : public kj::OutputStream {
 };
 
 std::string frame(uint8_t protocol, capnp::MessageBuilder& builder,
-                  const std::vector<std::string_view>* parts = nullptr) {
+                  const std::vector<std::string_view>* parts, FrameBuffers* buffers) {
   const size_t bytes = capnp::computeSerializedSizeInWords(builder) * sizeof(capnp::word);
-  std::string out = FrameBuffers::instance().take_empty(kHeaderBytes + bytes);
+  std::string out;
+  if (buffers != nullptr)
+    out = buffers->take_empty(kHeaderBytes + bytes);
+  else
+    out.reserve(kHeaderBytes + bytes);
   out.append(kMagic, sizeof(kMagic));
   out.push_back(static_cast<char>(protocol));
   out.append(3, '\0');
@@ -135,7 +139,8 @@ bool whole_words(const char* p, size_t n) {
 // straight into the frame (from the parts, which lie in order in one buffer,
 // so the first and the bytes after it are a readable stand-in); other data
 // (an odd tail) is copied into the message first.
-std::string block_share_frame(const BlockShareMsg& m, const std::vector<std::string_view>& parts) {
+std::string block_share_frame(const BlockShareMsg& m, const std::vector<std::string_view>& parts,
+                              FrameBuffers* buffers) {
   capnp::MallocMessageBuilder mb;
   auto b = mb.initRoot<proto::ControlMessage>().initBlockShare();
   b.setJobId(text(m.job_id));
@@ -155,7 +160,7 @@ std::string block_share_frame(const BlockShareMsg& m, const std::vector<std::str
   if (whole_words(first, n)) {
     const auto stand_in = kj::arrayPtr(reinterpret_cast<const kj::byte*>(first), n);
     b.adoptData(mb.getOrphanage().referenceExternalData(capnp::Data::Reader(stand_in)));
-    return frame(kControlProtocol, mb, &parts);
+    return frame(kControlProtocol, mb, &parts, buffers);
   }
   auto data = b.initData(static_cast<unsigned>(n));
   size_t at = 0;
@@ -164,10 +169,19 @@ std::string block_share_frame(const BlockShareMsg& m, const std::vector<std::str
     copy_bytes(data.begin() + at, p.data(), p.size());
     at += p.size();
   }
-  return frame(kControlProtocol, mb);
+  return frame(kControlProtocol, mb, nullptr, buffers);
 }
 
 struct Encoder {
+  FrameBuffers* buffers;  // where frames take their memory (null: fresh)
+  // The overloads below call these, which frame into `buffers`.
+  std::string frame(uint8_t protocol, capnp::MessageBuilder& mb) const {
+    return ferry::frame(protocol, mb, nullptr, buffers);
+  }
+  std::string block_share_frame(const BlockShareMsg& m,
+                                const std::vector<std::string_view>& parts) const {
+    return ferry::block_share_frame(m, parts, buffers);
+  }
   std::string operator()(const JoinMsg& m) const {
     capnp::MallocMessageBuilder mb;
     auto b = mb.initRoot<proto::ControlMessage>().initJoin();
@@ -949,12 +963,13 @@ const char* message_name(const WireMessage& m) {
   return kNames[m.index()];
 }
 
-std::string encode_message(const WireMessage& m) {
-  return std::visit(Encoder{}, m);
+std::string encode_message(const WireMessage& m, FrameBuffers* buffers) {
+  return std::visit(Encoder{buffers}, m);
 }
 
-std::string encode_gathered(const BlockShareMsg& m, const std::vector<std::string_view>& parts) {
-  return block_share_frame(m, parts);
+std::string encode_gathered(const BlockShareMsg& m, const std::vector<std::string_view>& parts,
+                            FrameBuffers* buffers) {
+  return block_share_frame(m, parts, buffers);
 }
 
 Result<WireMessage> decode_message(std::string_view bytes) {

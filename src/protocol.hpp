@@ -22,6 +22,8 @@
 
 namespace ferry {
 
+class FrameBuffers;
+
 // control.capnp --------------------------------------------------------------------
 
 // First message of a non-zero rank on its connection to rank 0.
@@ -201,11 +203,14 @@ const char* message_name(const WireMessage& m);  // "Join", "PlanRequest", ...
 
 // Frame: magic "FRY1" (4 bytes), u8 protocol (0 control, 1 plan), 3 bytes
 // reserved (0), u64 LE payload length, then the Cap'n Proto flat array.
-std::string encode_message(const WireMessage& m);
+// A large frame takes its memory from `buffers` when given (see
+// frame_buffers.hpp).
+std::string encode_message(const WireMessage& m, FrameBuffers* buffers = nullptr);
 // A BlockShare whose data (m.data is ignored) is `parts`, in order, lying in
 // increasing order in one buffer: copied into the frame once, as a sender
 // gathering a stretch of columns would otherwise copy it twice.
-std::string encode_gathered(const BlockShareMsg& m, const std::vector<std::string_view>& parts);
+std::string encode_gathered(const BlockShareMsg& m, const std::vector<std::string_view>& parts,
+                            FrameBuffers* buffers = nullptr);
 
 // Never throws: bad magic, length, alignment-agnostic (copies into aligned
 // words), traversal/nesting limits sized from the input, unknown union

@@ -164,9 +164,9 @@ uint64_t PeerRing::place(uint64_t n) {
   return at;
 }
 
-PeerRings::PeerRings(int32_t me, int32_t world, uint64_t window,
+PeerRings::PeerRings(Logger logger, int32_t me, int32_t world, uint64_t window,
                      std::map<int32_t, RingInfo> offered)
-    : me_(me), world_(world), window_(window) {
+    : logger_(std::move(logger)), me_(me), world_(world), window_(window) {
   for (const auto& [rank, info] : offered) peers_[rank].info = info;
 }
 
@@ -182,9 +182,9 @@ PeerRings::Lease PeerRings::get(int32_t to) {
     if (r.ok())
       p.ring = std::move(r).value();
     else
-      std::fprintf(stderr,
-                   "ferry[rank %d]: sending rank %d its shared bytes over the network: %s\n", me_,
-                   to, r.status().message().c_str());
+      log_printf(logger_, LogLevel::warning,
+                 "ferry[rank %d]: sending rank %d its shared bytes over the network: %s", me_, to,
+                 r.status().message().c_str());
   }
   lease.ring = p.ring.get();
   if (lease.ring == nullptr) lease.lock.unlock();

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "ferry/status.hpp"
+#include "log.hpp"
 
 namespace ferry {
 
@@ -106,11 +107,13 @@ class PeerRing {
 // each opened the first time it sends to that receiver. Thread-safe.
 class PeerRings {
  public:
-  PeerRings(int32_t me, int32_t world, uint64_t window, std::map<int32_t, RingInfo> offered);
+  // `logger`: where a ring that does not open is said (once).
+  PeerRings(Logger logger, int32_t me, int32_t world, uint64_t window,
+            std::map<int32_t, RingInfo> offered);
 
   // The ring of `to`, with its lock held until the frame placed in it went
   // (so frames go in the order they were placed), or no ring: `to` offered
-  // none, or it did not open (said once on stderr) and frames go instead.
+  // none, or it did not open (said once to the logger) and frames go instead.
   struct Lease {
     std::unique_lock<std::mutex> lock;
     PeerRing* ring = nullptr;
@@ -124,6 +127,7 @@ class PeerRings {
     std::unique_ptr<PeerRing> ring;
     std::mutex mu;
   };
+  Logger logger_;
   int32_t me_;
   int32_t world_;
   uint64_t window_;

@@ -14,7 +14,7 @@
 #include "checkpoint_fn.hpp"
 #include "ferry/device.hpp"
 #include "ferry/filesystem.hpp"
-#include "ferry/planner.hpp"
+#include "ferry/save_plan.hpp"
 #include "layout.hpp"
 
 namespace ferry {

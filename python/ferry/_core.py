@@ -6,6 +6,7 @@ import ctypes
 import gc
 import itertools
 import json
+import logging
 import os
 import sys
 import threading
@@ -441,6 +442,20 @@ class CheckpointOptions:
             self.compress, self.shard_size, self.filename_prefix)
 
 
+_LOG_LEVELS = (logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR)
+
+
+def _log(user, level, message):
+    logging.getLogger("ferry").log(
+        _LOG_LEVELS[level] if 0 <= level < len(_LOG_LEVELS) else logging.ERROR,
+        "%s", message.decode("utf-8", "replace"))
+
+
+# One for the process, never freed: a thread a runtime left running at
+# shutdown may still log.
+_LOG_FN = _lib.LogFn(_log)
+
+
 class Runtime:
     """One Ferry runtime (its actors, its staging pool) in this process.
 
@@ -449,21 +464,22 @@ class Runtime:
     FERRY_CONFIG and the config file. rank / world_size default to the
     torchrun environment (RANK, WORLD_SIZE), else 0 of 1. Several ranks
     connect to each other when the runtime starts (MASTER_ADDR,
-    MASTER_PORT, FERRY_JOB_TOKEN)."""
+    MASTER_PORT, FERRY_JOB_TOKEN). Its messages (warnings) go to the
+    logging module's "ferry" logger."""
 
     def __init__(self, options=None, rank=None, world_size=None):
         L = lib()
         arr, keep = _kvs(_settings(options))
-        n = len(options or {})
+        o = _lib.RuntimeOptions()
+        o.size = ctypes.sizeof(_lib.RuntimeOptions)
+        o.settings = ctypes.cast(arr, ctypes.POINTER(_lib.KV))
+        o.num_settings = len(options or {})
+        o.from_env = 1 if rank is None and world_size is None else 0
+        o.rank = int(rank or 0)
+        o.world_size = int(world_size or 1)
+        o.log = _LOG_FN
         out = ctypes.c_void_p()
-        if rank is None and world_size is None:
-            check(L.ferry_runtime_from_env(arr, n, ctypes.byref(out)))
-        else:
-            check(
-                L.ferry_runtime_create(
-                    arr, n, int(rank or 0), int(world_size or 1), ctypes.byref(out)
-                )
-            )
+        check(L.ferry_runtime_open(ctypes.byref(o), ctypes.byref(out)))
         del keep
         self._ptr = out
         self._pid = os.getpid()

@@ -81,6 +81,23 @@ class KV(ctypes.Structure):
     _fields_ = [("key", ctypes.c_char_p), ("value", ctypes.c_char_p)]
 
 
+# void (*)(void* user, int32_t level, const char* message): ferry_log_fn
+LogFn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32, ctypes.c_char_p)
+
+
+class RuntimeOptions(ctypes.Structure):
+    _fields_ = [
+        ("size", ctypes.c_size_t),
+        ("settings", ctypes.POINTER(KV)),
+        ("num_settings", ctypes.c_size_t),
+        ("rank", ctypes.c_int32),
+        ("world_size", ctypes.c_int32),
+        ("from_env", ctypes.c_int32),
+        ("log", LogFn),
+        ("log_user", ctypes.c_void_p),
+    ]
+
+
 class SaveOptions(ctypes.Structure):
     _fields_ = [
         ("filename_prefix", ctypes.c_char_p),
@@ -183,6 +200,7 @@ def _declare(L):
         "ferry_dtype_size": (sz, [ctypes.c_int32]),
         "ferry_runtime_create": (st, [kvp, sz, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(vp)]),
         "ferry_runtime_from_env": (st, [kvp, sz, ctypes.POINTER(vp)]),
+        "ferry_runtime_open": (st, [ctypes.POINTER(RuntimeOptions), ctypes.POINTER(vp)]),
         "ferry_runtime_destroy": (None, [vp]),
         "ferry_runtime_rank": (ctypes.c_int32, [vp]),
         "ferry_runtime_world_size": (ctypes.c_int32, [vp]),

@@ -6,9 +6,13 @@
 #include <ferry/export.hpp>
 #include <ferry/export_macro.hpp>
 #include <ferry/filesystem.hpp>
+#include <ferry/load_report.hpp>
+#include <ferry/logger.hpp>
 #include <ferry/options.hpp>
 #include <ferry/planner.hpp>
 #include <ferry/runtime.hpp>
+#include <ferry/save_options.hpp>
+#include <ferry/save_plan.hpp>
 #include <ferry/status.hpp>
 #include <ferry/tensor.hpp>
 

@@ -5,6 +5,7 @@ shards (row, column, flat), CheckpointManager, and fork safety.
 
 Run by ctest (exit 77 = skipped when torch is not importable)."""
 
+import logging
 import os
 import shutil
 import sys
@@ -627,6 +628,24 @@ class Fork(Base):
         out = {"w": torch.zeros(2)}
         ferry.load(out, self.root)
         self.assertEqual(out["w"].tolist(), [2.0, 2.0])
+
+
+class Logging(Base):
+    def test_warnings_reach_the_ferry_logger(self):
+        # A load that leaves checkpoint tensors out says so, through logging.
+        rt = ferry.Runtime({"pool_bytes": "8MiB", "chunk_bytes": "1MiB"}, rank=0, world_size=1)
+        try:
+            sd = {"model": {"w": torch.ones(4)}, "optim": {"m": torch.full((3,), 2.0)}}
+            ferry.save(sd, self.root, 1, runtime=rt)
+            with self.assertLogs("ferry", level="WARNING") as logs:
+                fresh = ferry.load_state_dict(self.root, runtime=rt, prefix="optim")
+            self.assertEqual(fresh["m"].tolist(), [2.0, 2.0, 2.0])
+            self.assertEqual(len(logs.records), 1)
+            self.assertEqual(logs.records[0].levelno, logging.WARNING)
+            self.assertIn("1 checkpoint tensors not restored: model.w",
+                          logs.records[0].getMessage())
+        finally:
+            rt.close()
 
 
 if __name__ == "__main__":

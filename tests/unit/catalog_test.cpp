@@ -328,8 +328,9 @@ struct CountingFilesystem : FilesystemWrapper {
 TEST_CASE("commit sequences: each manifest is read whole once, then only its frame", "[catalog]") {
   TempDir tmp;
   CountingFilesystem fs(posix_filesystem());
+  ManifestCache cache;  // what one runtime knows of the root
   const std::string& root = tmp.path();
-  CHECK(*highest_commit_seq(fs, root) == 0);
+  CHECK(*highest_commit_seq(fs, root, &cache) == 0);
   // Manifests of 64 KiB (metadata makes them big), the highest not the last
   // step; a stray file with a step-like name is no checkpoint.
   const int n = 6;
@@ -346,13 +347,18 @@ TEST_CASE("commit sequences: each manifest is read whole once, then only its fra
   REQUIRE(write_file_atomic(fs, join_path(root, step_dir_name(999)), "not a dir", false).ok());
 
   fs.manifest_bytes = 0;
-  CHECK(*highest_commit_seq(fs, root) == 40);
+  CHECK(*highest_commit_seq(fs, root, &cache) == 40);
   CHECK(fs.manifest_bytes > n * 64 * 1024);  // the first time: whole
   for (int again = 0; again < 2; ++again) {
     fs.manifest_bytes = 0;
-    CHECK(*highest_commit_seq(fs, root) == 40);
+    CHECK(*highest_commit_seq(fs, root, &cache) == 40);
     CHECK(fs.manifest_bytes <= n * 4096);  // then: each frame only
   }
+  // Another owner (another runtime in this process) learned nothing of them.
+  ManifestCache other;
+  fs.manifest_bytes = 0;
+  CHECK(*highest_commit_seq(fs, root, &other) == 40);
+  CHECK(fs.manifest_bytes > n * 64 * 1024);
 
   // A checkpoint replaced by one with a higher number (a new manifest, so a
   // new payload checksum) is read again; a manifest corrupt before it was
@@ -371,8 +377,8 @@ TEST_CASE("commit sequences: each manifest is read whole once, then only its fra
   REQUIRE(write_file_atomic(fs, join_path(root, join_path(step_dir_name(700), kManifestFileName)),
                             bad, false)
               .ok());
-  CHECK(*highest_commit_seq(fs, root) == 41);
-  CHECK(find_latest(fs, root)->step == 300);
+  CHECK(*highest_commit_seq(fs, root, &cache) == 41);
+  CHECK(find_latest(fs, root, &cache)->step == 300);
 
   // Intact frame and checksum, contents that fail decode_manifest's checks:
   // its number counts for the next commit, but find_latest decodes its
@@ -384,8 +390,8 @@ TEST_CASE("commit sequences: each manifest is read whole once, then only its fra
   REQUIRE(write_file_atomic(fs, join_path(root, join_path(step_dir_name(800), kManifestFileName)),
                             encode_manifest(m), false)
               .ok());
-  CHECK(*highest_commit_seq(fs, root) == 50);
-  auto latest = find_latest(fs, root);
+  CHECK(*highest_commit_seq(fs, root, &cache) == 50);
+  auto latest = find_latest(fs, root, &cache);
   REQUIRE(latest.ok());
   CHECK(latest->step == 300);
   CHECK(latest->commit_seq == 41);
@@ -413,6 +419,7 @@ TEST_CASE("a huge sparse MANIFEST costs its first 4 KiB, a failed one is not rea
           "[catalog][bounded]") {
   TempDir tmp;
   CountingFilesystem fs(posix_filesystem());
+  ManifestCache cache;  // what one runtime knows of the root
   const std::string& root = tmp.path();
   make_checkpoint(fs, root, 1, 1);
   // 1 GiB, sparse, whose frame agrees with its size: only the frame's
@@ -431,7 +438,7 @@ TEST_CASE("a huge sparse MANIFEST costs its first 4 KiB, a failed one is not rea
   write_frame_only(join_path(shorter, kManifestFileName), 1 << 20, 0, 4096);
 
   fs.manifest_bytes = 0;
-  auto list = list_checkpoints(fs, root);
+  auto list = list_checkpoints(fs, root, &cache);
   REQUIRE(list.ok());
   REQUIRE(list->size() == 4);
   std::map<uint64_t, Status> status;
@@ -450,14 +457,14 @@ TEST_CASE("a huge sparse MANIFEST costs its first 4 KiB, a failed one is not rea
   for (int again = 0; again < 3; ++again) {
     fs.manifest_bytes = 0;
     fs.manifest_opens.clear();
-    CHECK(*highest_commit_seq(fs, root) == 1);
-    auto latest = find_latest(fs, root);
+    CHECK(*highest_commit_seq(fs, root, &cache) == 1);
+    auto latest = find_latest(fs, root, &cache);
     REQUIRE(latest.ok());
     CHECK(latest->step == 1);
-    auto again_list = list_checkpoints(fs, root);
+    auto again_list = list_checkpoints(fs, root, &cache);
     REQUIRE(again_list.ok());
     CHECK(again_list->size() == 4);
-    CHECK(read_manifest(fs, bad).status().message() == status[3].message());
+    CHECK(read_manifest(fs, bad, &cache).status().message() == status[3].message());
     CHECK(fs.manifest_bytes <= 8 * 4096);  // step 1's frame, and its decode by find_latest/ls
     for (const std::string& dir : {huge, bad, shorter})
       CHECK(fs.manifest_opens.count(join_path(dir, kManifestFileName)) == 0);
@@ -468,7 +475,7 @@ TEST_CASE("a huge sparse MANIFEST costs its first 4 KiB, a failed one is not rea
   m.step = 3;
   m.commit_seq = 7;
   REQUIRE(write_file_atomic(fs, join_path(bad, kManifestFileName), encode_manifest(m), false).ok());
-  CHECK(*highest_commit_seq(fs, root) == 7);
+  CHECK(*highest_commit_seq(fs, root, &cache) == 7);
 }
 
 TEST_CASE("a symbolic link in a root is never followed as a step or a MANIFEST", "[catalog]") {

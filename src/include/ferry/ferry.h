@@ -158,6 +158,42 @@ FERRY_API void ferry_runtime_destroy(ferry_runtime* rt);
 FERRY_API int32_t ferry_runtime_rank(const ferry_runtime* rt);
 FERRY_API int32_t ferry_runtime_world_size(const ferry_runtime* rt);
 
+/* Where a runtime's messages go (a checkpoint committed with warnings,
+ * tensors a load left out, threads left running at shutdown): `level` is a
+ * ferry_log_level, `message` one line without its newline, valid during the
+ * call. Called from any of Ferry's threads, several at once: it must be
+ * thread-safe and quick, and must not call into the runtime. It may be
+ * called as long as the process lives (a thread a runtime left running at
+ * shutdown may still log): keep it and `log_user` valid until then. */
+typedef enum ferry_log_level {
+  FERRY_LOG_DEBUG = 0,
+  FERRY_LOG_INFO = 1,
+  FERRY_LOG_WARNING = 2,
+  FERRY_LOG_ERROR = 3
+} ferry_log_level;
+typedef void (*ferry_log_fn)(void* user, int32_t level, const char* message);
+
+/* What ferry_runtime_open starts. `size` is sizeof(ferry_runtime_options) as
+ * the caller was compiled: a later ferry.h may append fields, which a
+ * smaller size leaves at their zero defaults; a size larger than this
+ * library knows, or smaller than the first version's, is invalid. Zero
+ * fields mean the defaults. */
+typedef struct ferry_runtime_options {
+  size_t size;
+  const ferry_kv* settings; /* highest precedence, as ferry_runtime_create's */
+  size_t num_settings;
+  int32_t rank;       /* with world_size; ignored with from_env */
+  int32_t world_size; /* 0: 1 */
+  int32_t from_env;   /* non-zero: rank and world size from RANK / WORLD_SIZE (torchrun) */
+  ferry_log_fn log;   /* NULL: each message and a newline on stderr */
+  void* log_user;     /* passed to log */
+} ferry_runtime_options;
+
+/* Starts a runtime, as ferry_runtime_create / ferry_runtime_from_env (which
+ * stay, as the forms without options; new fields come here only). */
+FERRY_API ferry_status ferry_runtime_open(const ferry_runtime_options* options,
+                                          ferry_runtime** out);
+
 /* --- save ---------------------------------------------------------------- */
 
 /* Starts a checkpoint of the tensors at `step` under `root` (NULL or "" =

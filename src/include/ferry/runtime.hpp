@@ -13,7 +13,10 @@
 #include <vector>
 
 #include "ferry/export_macro.hpp"
+#include "ferry/load_report.hpp"
+#include "ferry/logger.hpp"
 #include "ferry/options.hpp"
+#include "ferry/save_options.hpp"
 #include "ferry/status.hpp"
 #include "ferry/tensor.hpp"
 
@@ -21,44 +24,6 @@ namespace ferry {
 
 class Filesystem;
 class DeviceBackend;
-
-struct SaveOptions {
-  bool overwrite = false;  // replace an existing step instead of failing
-  std::vector<std::pair<std::string, std::string>> metadata;  // stored in the manifest
-  std::string root;  // overrides Options::root for this save
-  // The caller's CUDA stream (a cudaStream_t) and the device it belongs to:
-  // device copies are ordered after the work queued on it before
-  // save_async. nullptr: the legacy default stream.
-  void* stream = nullptr;
-  Device stream_device = Device::cuda(0);
-  // Unset: the configured ferry.filename-prefix / shard-size / compress.
-  // Bad values fail the save with an error naming the field.
-  std::optional<std::string> filename_prefix;  // data files <prefix>-<rank>-<k>.<ext>
-  std::optional<int64_t> shard_size;           // most data bytes per file; must be > 0
-  std::optional<std::string> compress;         // none, true, zstd, zstd:<level>
-  // Called once when this rank's snapshot has ended (every byte is off the
-  // tensors), on one of Ferry's threads, before wait_snapshot() returns; an
-  // error fails the save with its message. Lets a caller that can see
-  // mutations (the Python package compares torch's tensor versions) refuse
-  // a torn snapshot. It must not wait for this save.
-  std::function<Status()> snapshot_check;
-};
-
-// Figures of one save, filled in as it goes.
-struct SaveMetrics {
-  double save_async_ms = 0;  // time inside save_async
-  double plan_ms = 0;        // local + global plan and layout
-  double snapshot_ms = 0;    // save_async -> last byte off the tensors
-  double write_ms = 0;       // first block written -> all files fsynced
-  double commit_ms = 0;      // manifest + renames + LATEST
-  double total_ms = 0;       // save_async -> committed
-  uint64_t bytes = 0;        // data bytes this rank wrote
-  uint64_t files = 0;
-  int32_t slowest_rank = -1;    // the rank whose files were durable last
-  double slowest_rank_ms = 0;   // its save_async -> durable time
-  double replica_check_ms = 0;  // hashing this rank's replicated tensors (replica-check)
-  double persist_gbps() const { return total_ms > 0 ? bytes / (total_ms * 1e6) : 0; }
-};
 
 namespace detail {
 struct SaveState;
@@ -111,7 +76,7 @@ class FERRY_EXPORT SaveHandle {
   std::string path() const;  // the committed directory (once done)
   // Failures after the commit point (ROOT fsync, LATEST, retention), once
   // done: the save is committed all the same (wait_committed is ok). Also
-  // logged once to stderr by rank 0.
+  // logged once by rank 0 (RuntimeArgs::logger; stderr by default).
   std::vector<std::string> warnings() const;
   SaveMetrics metrics() const;
   uint64_t bytes_persisted() const;  // written so far (for progress lines)
@@ -122,33 +87,6 @@ class FERRY_EXPORT SaveHandle {
   std::shared_ptr<detail::SaveState> s_;
 };
 
-// What one load restored on this rank (Runtime::load_report).
-struct LoadReport {
-  std::string path;                       // the checkpoint directory loaded (ROOT/step-...)
-  uint64_t step = 0;                      // its step
-  uint64_t tensors_restored = 0;          // the state dict's entries: every one was filled
-  std::vector<std::string> not_restored;  // checkpoint tensors the state dict did not ask for
-  uint64_t bytes_read = 0;                // bytes this rank read from the data files
-  uint64_t bytes_received = 0;  // bytes another rank of its node read for it (replicated ones)
-  // The most bytes this rank had queued to send to other ranks at once during
-  // the load (replicated bytes it read, and on rank 0 those it passes on
-  // between other ranks); share-window bounds it, whatever the state's size.
-  uint64_t send_queue_peak = 0;
-  // Rank 0: frames of shared bytes (and their acks) it passed on between two
-  // other ranks during the load; 0 when the ranks of a node reach each other
-  // over direct lanes. 0 on other ranks.
-  uint64_t share_frames_relayed = 0;
-  // Bytes this rank read for others of its node and put in their share rings
-  // (share-memory), not in frames over the network.
-  uint64_t shared_in_memory = 0;
-  // The node this rank's load counted itself on (boot id and host name): ranks of
-  // one node read replicated bytes once between them. Empty in a 1-rank job.
-  std::string node;
-  // The ranks of its node whose share rings it may put those bytes in
-  // (ascending); a rank of another node here would be a bug.
-  std::vector<int32_t> share_ring_peers;
-};
-
 struct RuntimeArgs {
   std::vector<Setting> settings;  // code options: highest precedence
   std::string config_file;        // explicit actor config file, "" = caf-application.ini if present
@@ -157,6 +95,9 @@ struct RuntimeArgs {
   int32_t world_size = 1;
   std::shared_ptr<Filesystem> fs;         // default: POSIX
   std::shared_ptr<DeviceBackend> device;  // default: host (+ CUDA when available)
+  // Where this runtime's messages go (ferry/logger.hpp); unset: stderr, one
+  // line each (log_to_stderr).
+  Logger logger;
 
   RuntimeArgs& set(const std::string& key, const std::string& value) {
     settings.push_back({key, value, "code"});
@@ -191,7 +132,7 @@ class FERRY_EXPORT Runtime {
   // Fills `sd`'s tensors from the checkpoint at `path` (a step directory, or
   // a root: then its latest). Shards may differ from the saved ones. A key
   // the checkpoint lacks is an error naming it; a checkpoint tensor the state
-  // dict does not ask for is left out (one line on stderr lists them;
+  // dict does not ask for is left out (one warning to the logger lists them;
   // load_report() returns the list instead). With several ranks every rank calls load with the
   // same path (ranks naming different checkpoints fail at once, naming
   // them) and every rank ends with the same outcome: the first error,
