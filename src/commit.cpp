@@ -453,7 +453,10 @@ Result<CommitOutcome> commit_checkpoint_in_place(Filesystem& fs, const std::stri
   if (object) {
     // The files stay under the save's own prefix: the manifest names them through it.
     const std::string save = pending_dir.substr(pending_dir.find_last_of('/') + 1);
-    for (ManifestFile& f : manifest.files) f.name = save + "/" + f.name;
+    // A manifest kept from the last commit (ManifestSkeleton) holds that
+    // save's prefix: only the file's own name is the rank's.
+    for (ManifestFile& f : manifest.files)
+      f.name = save + "/" + f.name.substr(f.name.find_last_of('/') + 1);
   }
   // Kept between commits: a fresh buffer of megabytes is paged in anew each time.
   static thread_local std::string encoded;
