@@ -305,6 +305,21 @@ Status check_pending(Filesystem& fs, const std::string& files_dir, const std::st
   return check_lease(fs, pending_dir, opts).status();
 }
 
+// Retention once `step_dir` is committed: what it retires goes into `out`;
+// its failure is a warning of the commit, never its error.
+void retire_after(Filesystem& fs, const std::string& root, const std::string& step_dir,
+                  const CommitOptions& opts, const std::vector<std::string>& spared,
+                  CommitOutcome& out) {
+  Result<Retired> retired = retire_checkpoints(fs, root, opts.keep_last, step_dir, spared);
+  if (retired.ok()) {
+    out.retired = std::move(retired->checkpoints);
+    out.trash.insert(out.trash.end(), retired->trash.begin(), retired->trash.end());
+  } else {
+    out.warnings.push_back(
+        retired.status().with_context("committed " + step_dir + ", but retention: "));
+  }
+}
+
 // The commit on an object root, from the checks on: the MANIFEST, created
 // only if absent (replaced with overwrite), is the commit point; LATEST and
 // retention follow as on a directory. An overwritten step's old files (the
@@ -347,14 +362,7 @@ Result<CommitOutcome> commit_to_object_root(Filesystem& fs, const std::string& r
                                             /*sync=*/false, "latest");
   if (!latest.ok())
     out.warnings.push_back(latest.with_context("committed " + step_dir + ", but LATEST: "));
-  Result<Retired> retired = retire_checkpoints(fs, root, opts.keep_last, step_dir);
-  if (retired.ok()) {
-    out.retired = std::move(retired->checkpoints);
-    out.trash.insert(out.trash.end(), retired->trash.begin(), retired->trash.end());
-  } else {
-    out.warnings.push_back(
-        retired.status().with_context("committed " + step_dir + ", but retention: "));
-  }
+  retire_after(fs, root, step_dir, opts, {}, out);
   return out;
 }
 
@@ -554,14 +562,7 @@ Result<CommitOutcome> commit_checkpoint_in_place(Filesystem& fs, const std::stri
           st.with_context("committed " + step_dir + ", but removing the old one: "));
   }
   if (durable) {
-    Result<Retired> retired = retire_checkpoints(fs, root, opts.keep_last, step_dir, restored);
-    if (retired.ok()) {
-      out.retired = std::move(retired->checkpoints);
-      out.trash.insert(out.trash.end(), retired->trash.begin(), retired->trash.end());
-    } else {
-      out.warnings.push_back(
-          retired.status().with_context("committed " + step_dir + ", but retention: "));
-    }
+    retire_after(fs, root, step_dir, opts, restored, out);
   }
   return out;
 }

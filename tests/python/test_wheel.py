@@ -1,7 +1,7 @@
 """python/make_wheel.py: the wheel carries this platform's tag and a stripped
 library, its RECORD matches its files, and the package unpacked from it
 saves and loads on its own (FERRY_LIB unset), mapping its libraries from
-where the wheel put them."""
+where the wheel put them (test_bundle's check)."""
 
 import base64
 import hashlib
@@ -14,20 +14,9 @@ import tempfile
 import zipfile
 
 from _support import SRC  # noqa: E402 (exits 77, skipped, without torch)
+# What a bundle's process checks holds for the unpacked wheel, which is one.
+from test_bundle import CHILD  # noqa: E402
 
-CHILD = r"""
-import sys, torch, ferry
-ferry.configure(pool_bytes="8MiB")
-root = sys.argv[1]
-ferry.save({"w": torch.arange(6.0)}, root, 1)
-out = {"w": torch.zeros(6)}
-ferry.load(out, root)
-assert torch.equal(out["w"], torch.arange(6.0))
-maps = open("/proc/self/maps").read()
-paths = {l.split()[-1] for l in maps.splitlines() if "libferry_c.so" in l}
-assert paths and all(p.startswith(sys.argv[2]) for p in paths), paths
-print("wheel ok")
-"""
 
 
 def has_debug_info(path):
@@ -77,7 +66,7 @@ def main():
                            env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            text=True, timeout=120)
         print(p.stdout)
-        assert p.returncode == 0 and "wheel ok" in p.stdout, "the unpacked wheel failed"
+        assert p.returncode == 0 and "bundle ok: " + site in p.stdout, "the unpacked wheel failed"
         print("wheel:", os.path.basename(got), os.path.getsize(got), "bytes")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
