@@ -492,8 +492,8 @@ int main(void) {
     CHECK_OK(ferry_save_async(lrt, ts, 3, 20, root, 0, NULL, 0, &s));
     CHECK_OK(ferry_save_wait(s));
     int16_t only_b[5] = {0};
-    ferry_tensor lb = {"b", only_b, FERRY_DTYPE_I16, 1, bshape, NULL, FERRY_DEVICE_HOST, 0,
-                       NULL, NULL, 0, 0};
+    ferry_tensor lb = {
+        "b", only_b, FERRY_DTYPE_I16, 1, bshape, NULL, FERRY_DEVICE_HOST, 0, NULL, NULL, 0, 0};
     CHECK_OK(ferry_load(lrt, &lb, 1, ferry_save_path(s)));
     CHECK(memcmp(only_b, b, sizeof only_b) == 0);
     CHECK(lines.count == 1 && lines.level == FERRY_LOG_WARNING);

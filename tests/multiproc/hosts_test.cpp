@@ -199,6 +199,29 @@ pid_t start_stopped_save(const Hosts& h, const std::string& root, const std::str
   return start_stopped(h, root, "--mode save --step 2 --seed 8", point, job);
 }
 
+// What a job printed once host 1's link was cut while its rank stood
+// stopped at a kill point, and the seconds from the cut to the job's end.
+struct CutRun {
+  std::string out;
+  double seconds = 0;
+};
+
+// Cuts host 1's link, lets the stopped rank go on and reads the job to its
+// end, which must be a failure.
+CutRun cut_host1_and_continue(const Hosts& h, ferry::testing::Process& job, pid_t stopped) {
+  const auto t0 = ferry::testing::Clock::now();
+  h.tool("link " + h.name() + " 1 down");
+  // Its parent (nsenter, which stopped itself when its child stopped)
+  // goes on and continues it.
+  ::kill(parent_of(stopped), SIGCONT);
+  CutRun r;
+  REQUIRE(job.read_all(&r.out, 90));
+  INFO(r.out);
+  CHECK(job.wait_exit(10).value_or(0) != 0);
+  r.seconds = ferry::testing::seconds_since(t0);
+  return r;
+}
+
 // Host 0's ranks (0, 1) each report one `op` ("save", "load") error naming
 // one of host 1's ranks; their lines, for what a case checks further.
 std::vector<std::string> host0_errors_name_host1(const std::string& out, const std::string& op) {
@@ -319,16 +342,8 @@ TEST_CASE("hosts: a host whose link goes down during a save fails it on every ra
     INFO("link cut while rank 2 stands at " << point);
     std::unique_ptr<ferry::testing::Process> job;
     const pid_t stopped = start_stopped_save(h, d.path(), point, &job);
-    const auto t0 = ferry::testing::Clock::now();
-    h.tool("link " + h.name() + " 1 down");
-    // Its parent (nsenter, which stopped itself when its child stopped)
-    // goes on and continues it.
-    ::kill(parent_of(stopped), SIGCONT);
-    std::string out;
-    REQUIRE(job->read_all(&out, 90));
-    const double seconds = ferry::testing::seconds_since(t0);
+    const auto [out, seconds] = cut_host1_and_continue(h, *job, stopped);
     INFO(out);
-    CHECK(job->wait_exit(10).value_or(0) != 0);
     CHECK(count(out, "SAVED") == 0);
     // Host 0's ranks name the lost host's ranks and the phase, within a
     // few heartbeat timeouts (3 s), far from plan-timeout and write-timeout.
@@ -359,14 +374,8 @@ TEST_CASE(
   std::unique_ptr<ferry::testing::Process> job;
   const pid_t stopped = start_stopped(h, d.path(), "--mode save --step 2 --seed 8",
                                       "manifest.write", &job, /*rank=*/0);
-  const auto t0 = ferry::testing::Clock::now();
-  h.tool("link " + h.name() + " 1 down");
-  ::kill(parent_of(stopped), SIGCONT);
-  std::string out;
-  REQUIRE(job->read_all(&out, 90));
-  const double seconds = ferry::testing::seconds_since(t0);
+  const auto [out, seconds] = cut_host1_and_continue(h, *job, stopped);
   INFO(out);
-  CHECK(job->wait_exit(10).value_or(0) != 0);
   // Rank 0 had what it needed and committed. (Rank 1 hears it over its own
   // host, unless rank 0 stood still past heartbeat-timeout: then it cannot
   // know either.)
@@ -407,14 +416,9 @@ TEST_CASE("hosts: a host whose link goes down during a load fails it on every ra
   std::unique_ptr<ferry::testing::Process> job;
   const pid_t stopped =
       start_stopped(h, d.path(), "--mode load --layout full --seed 7", "load.read", &job);
-  const auto t0 = ferry::testing::Clock::now();
-  h.tool("link " + h.name() + " 1 down");
-  ::kill(parent_of(stopped), SIGCONT);
-  std::string out;
-  REQUIRE(job->read_all(&out, 90));
+  const auto [out, seconds] = cut_host1_and_continue(h, *job, stopped);
   INFO(out);
-  CHECK(job->wait_exit(10).value_or(0) != 0);
-  CHECK(ferry::testing::seconds_since(t0) < 20);
+  CHECK(seconds < 20);
   CHECK(count(out, "every byte equal") == 0);
   host0_errors_name_host1(out, "load");
   for (int r : {2, 3}) CHECK(count(out, "[rank " + std::to_string(r) + "] ERROR load:") == 1);
