@@ -16,22 +16,18 @@ from ._core import (
     Manifest,
     Runtime,
     SaveHandle,
-    Shard,
     apply_retention,
-    col_shard,
     configure,
     default_runtime,
-    flat_shard,
     latest,
     list_steps,
     load,
     load_state_dict,
     read_manifest,
-    row_shard,
     save,
     save_async,
-    split_range,
 )
+from ._shards import Shard, col_shard, flat_shard, row_shard, split_range
 from ._tree import per_rank
 from .manager import CheckpointManager
 from .planner import SavePlanner, barrier, plan, rank, save_on_this_process

@@ -1,5 +1,7 @@
 """Runtime, save_async, load and the manifest reader over the C ABI."""
 
+from __future__ import annotations
+
 import atexit
 import contextlib
 import ctypes
@@ -12,178 +14,14 @@ import sys
 import threading
 import weakref
 from collections import namedtuple
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Union
 
 from . import _lib, _pack, _save_cache, _tree
 from ._lib import FerryError, check, lib, wait_sliced
+from ._shards import PathLike, StateDict, _as_shard, torch_dtype
 
-# ferry_dtype codes (ferry.h) of the torch dtypes safetensors names.
-_DTYPE_CODES = None
-_CODE_DTYPES = None
-
-
-def _dtype_tables():
-    global _DTYPE_CODES, _CODE_DTYPES
-    if _DTYPE_CODES is None:
-        import torch
-
-        codes = {
-            torch.bool: 0,
-            torch.uint8: 1,
-            torch.int8: 2,
-            torch.int16: 3,
-            torch.int32: 5,
-            torch.int64: 7,
-            torch.float16: 9,
-            torch.bfloat16: 10,
-            torch.float32: 11,
-            torch.float64: 12,
-        }
-        # Newer torch has more of what safetensors names.
-        for name, code in (
-            ("uint16", 4),
-            ("uint32", 6),
-            ("uint64", 8),
-            ("float8_e4m3fn", 13),
-            ("float8_e5m2", 14),
-        ):
-            dt = getattr(torch, name, None)
-            if dt is not None:
-                codes[dt] = code
-        _DTYPE_CODES = codes
-        _CODE_DTYPES = {c: d for d, c in codes.items()}
-    return _DTYPE_CODES, _CODE_DTYPES
-
-
-def _dtype_code(key, dtype):
-    codes, _ = _dtype_tables()
-    if dtype not in codes:
-        raise FerryError("tensor '%s': dtype %s has no Ferry equivalent" % (key, dtype))
-    return codes[dtype]
-
-
-def torch_dtype(code):
-    _, back = _dtype_tables()
-    if code not in back:
-        raise FerryError("dtype %s is not available in this torch" % lib().ferry_dtype_name(code))
-    return back[code]
-
-
-class Shard:
-    """A tensor that is one box of a larger global tensor: `tensor` holds the
-    elements [offsets[d], offsets[d] + tensor.shape[d]) of every dimension d
-    of a tensor of `global_shape`. Saved shards of one key from all ranks
-    form the global tensor; a load fills any box from whatever was saved."""
-
-    __slots__ = ("tensor", "global_shape", "offsets")
-
-    def __init__(self, tensor, global_shape, offsets):
-        self.tensor = tensor
-        self.global_shape = tuple(int(x) for x in global_shape)
-        self.offsets = tuple(int(x) for x in offsets)
-        if len(self.global_shape) != tensor.dim() or len(self.offsets) != tensor.dim():
-            raise ValueError(
-                "ferry.Shard: tensor has %d dims, global_shape %s and offsets %s"
-                % (tensor.dim(), self.global_shape, self.offsets)
-            )
-
-    def __repr__(self):
-        return "Shard(%s %s of %s at %s)" % (
-            self.tensor.dtype,
-            tuple(self.tensor.shape),
-            self.global_shape,
-            self.offsets,
-        )
-
-
-def split_range(n, rank, world):
-    """[start, stop) of `rank`'s part when n items are split over `world`
-    ranks as evenly as possible (the first n % world ranks get one more)."""
-    if world < 1 or not 0 <= rank < world:
-        raise ValueError("rank %d outside world size %d" % (rank, world))
-    base, extra = divmod(int(n), world)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (1 if rank < extra else 0)
-
-
-def _dim_shard(full, rank, world, dim, dtype, device):
+if TYPE_CHECKING:
     import torch
-
-    if isinstance(full, torch.Tensor):
-        shape = tuple(full.shape)
-    else:
-        shape = tuple(int(x) for x in full)
-    if not shape:
-        raise ValueError("cannot split a scalar")
-    start, stop = split_range(shape[dim], rank, world)
-    offsets = [0] * len(shape)
-    offsets[dim] = start
-    if isinstance(full, torch.Tensor):
-        local = full.narrow(dim, start, stop - start)
-    else:
-        local_shape = list(shape)
-        local_shape[dim] = stop - start
-        local = torch.empty(local_shape, dtype=dtype or torch.float32, device=device)
-    return Shard(local, shape, offsets)
-
-
-def row_shard(full, rank, world, dtype=None, device="cpu"):
-    """`rank`'s rows of a tensor split along dim 0 over `world` ranks.
-    `full` is the whole tensor (the shard is a view of it) or its shape (the
-    shard is allocated with `dtype`, to be filled by a load)."""
-    return _dim_shard(full, rank, world, 0, dtype, device)
-
-
-def col_shard(full, rank, world, dtype=None, device="cpu"):
-    """Like row_shard, split along the last dim (a column block of a matrix)."""
-    import torch
-
-    ndim = full.dim() if isinstance(full, torch.Tensor) else len(tuple(full))
-    return _dim_shard(full, rank, world, ndim - 1, dtype, device)
-
-
-def flat_shard(tensor, numel, offset):
-    """A 1-D slice [offset, offset + tensor.numel()) of a flattened tensor of
-    `numel` elements (ZeRO / FSDP flat parameters)."""
-    return Shard(tensor.view(-1), (int(numel),), (int(offset),))
-
-
-def _sharded_tensor_shard(key, v):
-    """torch 1.13 ShardedTensor -> Shard: this rank's one local shard."""
-    shards = v.local_shards()
-    if len(shards) != 1:
-        raise FerryError(
-            "tensor '%s': ShardedTensor with %d local shards on this rank; Ferry takes one per key"
-            % (key, len(shards))
-        )
-    s = shards[0]
-    return Shard(s.tensor, tuple(v.size()), tuple(s.metadata.shard_offsets))
-
-
-def _dtensor_shard(key, v):
-    """torch 2.x DTensor -> Shard, from its mesh and placements."""
-    # A Partial placement holds addends of the value, not a piece of it.
-    partial = [p for p in v.placements if type(p).__name__.endswith("Partial")]
-    if partial:
-        raise FerryError("tensor '%s': DTensor with a Partial placement (%s); redistribute it to "
-                         "Shard or Replicate before saving" % (key, partial[0]))
-    local = v.to_local()
-    try:
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    except ImportError:  # older 2.x
-        from torch.distributed._tensor._utils import compute_local_shape_and_global_offset
-    _, offsets = compute_local_shape_and_global_offset(v.shape, v.device_mesh, v.placements)
-    return Shard(local, tuple(v.shape), tuple(offsets))
-
-
-def _as_shard(key, v):
-    if isinstance(v, Shard):
-        return v
-    name = type(v).__name__
-    if name == "ShardedTensor":
-        return _sharded_tensor_shard(key, v)
-    if name == "DTensor":
-        return _dtensor_shard(key, v)
-    return None
 
 
 class _Entries:
@@ -411,7 +249,8 @@ class CheckpointOptions:
     <prefix>-<rank>-<k>.<ext>; only A-Z a-z 0-9 . _ - and no "..".
     Bad values raise FerryError naming the option."""
 
-    def __init__(self, compress=None, shard_size=None, filename_prefix=None):
+    def __init__(self, compress: Union[bool, str, None] = None, shard_size: Optional[int] = None,
+                 filename_prefix: Optional[str] = None) -> None:
         if shard_size is not None:
             if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size <= 0:
                 raise FerryError("CheckpointOptions: shard_size = %r: must be a positive number "
@@ -467,7 +306,8 @@ class Runtime:
     MASTER_PORT, FERRY_JOB_TOKEN). Its messages (warnings) go to the
     logging module's "ferry" logger."""
 
-    def __init__(self, options=None, rank=None, world_size=None):
+    def __init__(self, options: Optional[Mapping[str, Any]] = None, rank: Optional[int] = None,
+                 world_size: Optional[int] = None) -> None:
         L = lib()
         arr, keep = _kvs(_settings(options))
         o = _lib.RuntimeOptions()
@@ -491,11 +331,11 @@ class Runtime:
         _runtimes.add(self)
 
     @property
-    def rank(self):
+    def rank(self) -> int:
         return lib().ferry_runtime_rank(self._ptr)
 
     @property
-    def world_size(self):
+    def world_size(self) -> int:
         return lib().ferry_runtime_world_size(self._ptr)
 
     def _alive(self):
@@ -508,7 +348,7 @@ class Runtime:
             )
         return self._ptr
 
-    def save_async(self, *args, **kwargs):
+    def save_async(self, *args: Any, **kwargs: Any) -> SaveHandle:
         """See ferry.save_async."""
         # Whole: the save cache's C state dict is read by the save it prepared.
         with self._save_lock:
@@ -567,19 +407,21 @@ class Runtime:
         del kv_keep
         return h
 
-    def load(self, state_dict, path, strict=None, cast=False, key_map=None, allow_pickle=False):
+    def load(self, state_dict: StateDict, path: PathLike, strict: Optional[bool] = None,
+             cast: bool = False, key_map: Optional[Mapping[str, str]] = None,
+             allow_pickle: bool = False) -> LoadResult:
         """See ferry.load."""
         with _gc_paused():
             return _load(self, state_dict, path, strict, cast, key_map, allow_pickle)
 
-    def wait_for_inflight(self, timeout_s=None):
+    def wait_for_inflight(self, timeout_s: Optional[float] = None) -> bool:
         """Waits for the latest save to end; False if still running after timeout_s."""
         h = self._last
         if h is None:
             return True
         return h._wait_over(timeout_s)
 
-    def close(self, timeout_s=60.0):
+    def close(self, timeout_s: float = 60.0) -> None:
         """Waits (bounded) for an in-flight save, then stops the runtime."""
         if self._ptr is None or os.getpid() != self._pid:
             return
@@ -662,7 +504,7 @@ class SaveHandle:
     _check = None  # the _VersionCheck of its tensors (on_mutation)
     _check_id = None
 
-    def __init__(self, ptr, entries, tensors, staged):
+    def __init__(self, ptr: ctypes.c_void_p, entries: Any, tensors: Any, staged: Any) -> None:
         self._ptr = ptr
         self._entries = entries
         self._tensors = tensors
@@ -681,7 +523,7 @@ class SaveHandle:
 
     # Waits run in short slices (ferry._lib.wait_sliced), so Ctrl-C raises
     # KeyboardInterrupt at once; the save goes on, and may be waited on again.
-    def wait_snapshot(self, stream=None):
+    def wait_snapshot(self, stream: Any = None) -> None:
         """stream: a torch.cuda.Stream that is made to wait, on the GPU, for
         the copies off the CUDA tensors (kernels queued on it afterwards may
         change them); the host waits only until every copy is queued. Host
@@ -699,12 +541,12 @@ class SaveHandle:
                 raise FerryError(msg, "aborted")
         self._drop_tensors()
 
-    def warnings(self):
+    def warnings(self) -> List[str]:
         """What the save committed despite: tensors changed during the
         snapshot under on_mutation="warn"."""
         return list(self._check.warnings) if self._check is not None else []
 
-    def wait(self):
+    def wait(self) -> str:
         """Blocks until committed; returns the checkpoint's path."""
         p = self._p()
         wait_sliced(lambda ms: lib().ferry_save_wait_for(p, ms))
@@ -722,22 +564,22 @@ class SaveHandle:
         except FerryError:
             return True
 
-    def snapshot_done(self):
+    def snapshot_done(self) -> bool:
         done = bool(lib().ferry_save_snapshot_done(self._p()))
         if done:
             self._drop_tensors()
         return done
 
-    def done(self):
+    def done(self) -> bool:
         if self._ptr is None:
             return True
         return bool(lib().ferry_save_done(self._ptr))
 
     @property
-    def path(self):
+    def path(self) -> str:
         return lib().ferry_save_path(self._p()).decode("utf-8")
 
-    def metrics(self):
+    def metrics(self) -> Dict[str, Any]:
         m = _lib.SaveMetrics()
         lib().ferry_save_metrics_get(self._p(), ctypes.byref(m))
         d = {name: getattr(m, name) for name, _ in _lib.SaveMetrics._fields_}
@@ -794,7 +636,7 @@ class Manifest:
     (key -> TensorInfo with the torch dtype and global shape), metadata (the
     user's key/values, and the package's own)."""
 
-    def __init__(self, path):
+    def __init__(self, path: PathLike) -> None:
         L = lib()
         m = ctypes.c_void_p()
         check(L.ferry_manifest_open(os.fspath(path).encode("utf-8"), ctypes.byref(m)))
@@ -826,19 +668,19 @@ class Manifest:
         values, self.pickled = _tree.decode_values(self.metadata)
         self.leaves.update(values)
 
-    def torch_dtype(self, key):
+    def torch_dtype(self, key: str) -> torch.dtype:
         return torch_dtype(self.tensors[key].dtype)
 
     @property
-    def user_metadata(self):
+    def user_metadata(self) -> Dict[str, str]:
         return {k: v for k, v in self.metadata.items() if not k.startswith("ferry.python.")}
 
 
-def read_manifest(path):
+def read_manifest(path: PathLike) -> Manifest:
     return Manifest(path)
 
 
-def latest(root):
+def latest(root: PathLike) -> Optional[str]:
     """Path of the latest committed checkpoint under root, or None."""
     out = ctypes.c_char_p()
     st = lib().ferry_latest(os.fspath(root).encode("utf-8"), ctypes.byref(out))
@@ -848,7 +690,7 @@ def latest(root):
     return out.value.decode("utf-8")
 
 
-def list_steps(root):
+def list_steps(root: PathLike) -> List[Dict[str, Any]]:
     """Steps of the committed checkpoints under root, in commit order."""
     L = lib()
     n = ctypes.c_size_t()
@@ -865,7 +707,7 @@ def list_steps(root):
             return [int(arr[i]) for i in range(n.value)]
 
 
-def apply_retention(root, keep_last):
+def apply_retention(root: PathLike, keep_last: int) -> None:
     check(lib().ferry_apply_retention(os.fspath(root).encode("utf-8"), int(keep_last)))
 
 
@@ -1244,7 +1086,8 @@ def _describe(v):
     return type(v).__name__
 
 
-def load_state_dict(path, runtime=None, prefix=None, allow_pickle=False):
+def load_state_dict(path: PathLike, runtime: Optional[Runtime] = None, prefix: Optional[str] = None,
+                    allow_pickle: bool = False) -> Dict[str, Any]:
     """A new state dict with everything in the checkpoint (tensors allocated
     on the CPU with their saved dtypes and global shapes, leaves restored),
     nested as it was saved. `prefix` selects one subtree ("optim").
@@ -1299,7 +1142,7 @@ _default_options = {}
 _EXIT_WAIT_S = float(os.environ.get("FERRY_EXIT_WAIT_S", "60"))
 
 
-def configure(**options):
+def configure(**options: Any) -> None:
     """Options for the default runtime (before its first use): the keys of
     the [ferry] config section, e.g. configure(pool_bytes="256MiB")."""
     global _default_options
@@ -1308,7 +1151,7 @@ def configure(**options):
     _default_options = dict(options)
 
 
-def default_runtime():
+def default_runtime() -> Runtime:
     global _default
     if _default is None or _default._pid != os.getpid():
         with _default_lock:
@@ -1334,8 +1177,10 @@ if hasattr(os, "register_at_fork"):
 atexit.register(_at_exit)
 
 
-def save_async(state_dict, root, step, overwrite=False, metadata=None, runtime=None,
-               options=None, on_mutation="error", stream=None):
+def save_async(state_dict: StateDict, root: PathLike, step: int, overwrite: bool = False,
+               metadata: Optional[Mapping[str, str]] = None, runtime: Optional[Runtime] = None,
+               options: Optional[CheckpointOptions] = None, on_mutation: str = "error",
+               stream: Any = None) -> SaveHandle:
     """Starts a checkpoint of `state_dict` at `step` under `root` and returns
     a SaveHandle at once. Tensors must not change until
     handle.wait_snapshot(); non-contiguous ones are copied first.
@@ -1365,15 +1210,17 @@ def _runtime_for_save(step):
         ) from None
 
 
-def save(state_dict, root, step, overwrite=False, metadata=None, runtime=None, options=None,
-         on_mutation="error"):
+def save(state_dict: StateDict, root: PathLike, step: int, overwrite: bool = False,
+         metadata: Optional[Mapping[str, str]] = None, runtime: Optional[Runtime] = None,
+         options: Optional[CheckpointOptions] = None, on_mutation: str = "error") -> str:
     """save_async + wait: returns the committed checkpoint's path."""
     return save_async(state_dict, root, step, overwrite, metadata, runtime, options,
                       on_mutation).wait()
 
 
-def load(state_dict, path, strict=None, cast=False, key_map=None, runtime=None,
-         allow_pickle=False):
+def load(state_dict: StateDict, path: PathLike, strict: Optional[bool] = None, cast: bool = False,
+         key_map: Optional[Mapping[str, str]] = None, runtime: Optional[Runtime] = None,
+         allow_pickle: bool = False) -> LoadResult:
     """Fills `state_dict` in place from the checkpoint at `path` (a step
     directory, or a root: its latest, as rank 0 picks it for every rank).
 

@@ -169,7 +169,7 @@ def _candidates():
     yield here.parent.parent / "lib" / "libferry_c.so"
 
 
-def library_path():
+def library_path() -> str:
     """The path of the libferry_c.so this package uses (or would use)."""
     tried = []
     for p in _candidates():

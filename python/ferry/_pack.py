@@ -14,6 +14,7 @@ from operator import attrgetter, itemgetter
 
 from . import _lib
 from ._lib import FerryError
+from ._shards import _dtype_code, _dtype_tables
 
 # ferry_tensor: key, data, dtype, ndim, shape, strides, device_type,
 # device_index, global_shape, offsets, flags, reserved (native layout).
@@ -59,8 +60,6 @@ def pack_items(items, flags=None):
     or None) items, and what must stay alive while C reads it. flags: {item
     index: ferry_tensor.flags} for the few items that have any."""
     import torch
-
-    from ._core import _dtype_code, _dtype_tables
 
     n = len(items)
     if n == 0:

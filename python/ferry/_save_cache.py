@@ -21,7 +21,7 @@ import ctypes
 from collections import OrderedDict
 from operator import attrgetter
 
-from . import _lib, _pack
+from . import _pack
 from ._lib import check, lib
 
 _SCALARS = frozenset((type(None), bool, int, float, str))

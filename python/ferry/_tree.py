@@ -29,11 +29,17 @@ The path itself is kept too (a list per key, ints as ints, list positions as
 [i]) so a state dict can be rebuilt with its original key types.
 """
 
+from __future__ import annotations
+
 import base64
 import io
 import json
 import pickle
 import re
+from typing import Any, Callable, Union
+
+from ._lib import FerryError
+from ._shards import Shard
 
 TREE_META_KEY = "ferry.python.tree"
 LEAVES_META_KEY = "ferry.python.leaves"  # flat key -> JSON value (values JSON holds as they are)
@@ -68,7 +74,7 @@ class PerRank:
         return "ferry.per_rank(%r, on_resize=%r)" % (self.value, self.on_resize)
 
 
-def per_rank(value, on_resize="error"):
+def per_rank(value: Any, on_resize: Union[str, Callable[..., Any]] = "error") -> PerRank:
     """Marks `value` (a tensor, a torch.Generator, any value a state dict may
     hold, or a subtree of them) as one value per rank: every rank stores its
     own, and a load into the same world size gives each rank its own back
@@ -145,8 +151,6 @@ def is_tensor_like(v):
     known = _tensor_like_types.get(tp)
     if known is not None:
         return known
-    from ._core import Shard
-
     r = isinstance(v, Shard) or _is_tensor(v) or tp.__name__ in ("ShardedTensor", "DTensor")
     _tensor_like_types[tp] = r
     return r
@@ -470,8 +474,6 @@ class _OwnerUnpickler(pickle.Unpickler):
     def persistent_load(self, pid):
         if pid == "owner" and self._owner is not None:
             return self._owner
-        from ._lib import FerryError
-
         raise FerryError("the value at %r refers to the object whose state dict held it (%r); "
                          "load it into that object (ferry.load with the object in the state "
                          "dict)" % (self._key, pid), "invalid_argument")
@@ -557,8 +559,6 @@ def _decode(key, e):
 
 
 def _bad_value(key, e):
-    from ._lib import FerryError
-
     text = json.dumps(e)
     return FerryError("checkpoint value metadata (%s) of key %r: %s is not a value encoding"
                       % (VALUES_META_KEY, key, text[:200]), "corruption")
@@ -619,9 +619,7 @@ def decode_per_rank(key, kind, t):
         try:
             e = json.loads(t.numpy().tobytes().decode("utf-8"))
         except ValueError:
-            from ._lib import FerryError
-
-            raise FerryError("checkpoint per-rank value of key %r is not a value encoding"
+                raise FerryError("checkpoint per-rank value of key %r is not a value encoding"
                              % key, "corruption") from None
         return _decode(key, e)
     return t
@@ -647,8 +645,6 @@ def decode_meta(metadata):
 
 
 def _bad_path(key, path, why):
-    from ._lib import FerryError
-
     return FerryError("checkpoint tree metadata (%s) of key %r: path %r %s"
                       % (TREE_META_KEY, key, path, why), "corruption")
 

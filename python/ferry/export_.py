@@ -3,13 +3,18 @@ with its full global shape, as safetensors files and a Hugging Face style
 model.safetensors.index.json. The work is the library's: `ferry export` on
 the command line is the same code and writes the same files."""
 
+from __future__ import annotations
+
 import ctypes
 import os
+from typing import Optional
 
 from . import _core
+from ._shards import PathLike
 
 
-def export(checkpoint, out_dir, max_shard_bytes=5 << 30, block_bytes=256 << 20, runtime=None):
+def export(checkpoint: PathLike, out_dir: PathLike, max_shard_bytes: int = 5 << 30,
+           block_bytes: int = 256 << 20, runtime: Optional[_core.Runtime] = None) -> str:
     """Writes `checkpoint` (a step directory, or a root: its latest) into
     out_dir as model-0000i-of-0000N.safetensors files of at most
     max_shard_bytes each (a larger tensor gets a file of its own) and

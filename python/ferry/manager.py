@@ -1,11 +1,15 @@
 """CheckpointManager: periodic asynchronous checkpoints with retention, in
 the manner of Orbax's CheckpointManager."""
 
+from __future__ import annotations
+
 import os
 import threading
+from typing import Any, List, Mapping, Optional
 
 from . import _core
 from ._lib import FerryError
+from ._shards import PathLike, StateDict
 
 
 class CheckpointManager:
@@ -28,7 +32,8 @@ class CheckpointManager:
     entries and objects with state_dict() / load_state_dict() (modules,
     optimizers)."""
 
-    def __init__(self, root, save_interval_steps=1, keep_last=None, runtime=None):
+    def __init__(self, root: PathLike, save_interval_steps: int = 1, keep_last: Optional[int] = None,
+                 runtime: Optional[_core.Runtime] = None) -> None:
         if save_interval_steps < 1:
             raise ValueError("save_interval_steps must be >= 1")
         if keep_last is not None and keep_last < 1:
@@ -43,15 +48,16 @@ class CheckpointManager:
         self._retain_due = False  # a commit came while it ran
 
     @property
-    def runtime(self):
+    def runtime(self) -> _core.Runtime:
         return self._rt or _core.default_runtime()
 
-    def should_save(self, step):
+    def should_save(self, step: int) -> bool:
         if step == self._last_saved:
             return False
         return step % self.save_interval_steps == 0
 
-    def save(self, step, state, force=False, metadata=None):
+    def save(self, step: int, state: StateDict, force: bool = False,
+             metadata: Optional[Mapping[str, str]] = None) -> bool:
         """Starts a checkpoint of `state` at `step` when should_save(step) (or
         force). Returns whether a save was started. A failure of the previous
         save is raised here."""
@@ -105,7 +111,7 @@ class CheckpointManager:
         if errors:
             raise errors[0]
 
-    def wait_until_finished(self):
+    def wait_until_finished(self) -> None:
         """Blocks until the save in flight is committed and old checkpoints
         are deleted (raises the error of either)."""
         self._finish_previous(block=True)
@@ -118,20 +124,21 @@ class CheckpointManager:
         # An s3:// prefix has no directory to look for: an empty one lists nothing.
         return self.root.startswith("s3://") or os.path.isdir(self.root)
 
-    def all_steps(self):
+    def all_steps(self) -> List[int]:
         return sorted(_core.list_steps(self.root)) if self._have_root() else []
 
-    def latest_step(self):
+    def latest_step(self) -> Optional[int]:
         if not self._have_root():
             return None
         path = _core.latest(self.root)
         return None if path is None else _core.read_manifest(path).step
 
-    def step_path(self, step):
+    def step_path(self, step: int) -> str:
         return os.path.join(self.root, "step-%08d" % int(step))
 
-    def restore(self, step=None, state=None, strict=None, cast=False, key_map=None,
-                allow_pickle=False):
+    def restore(self, step: Optional[int] = None, state: Optional[StateDict] = None,
+                strict: Optional[bool] = None, cast: bool = False,
+                key_map: Optional[Mapping[str, str]] = None, allow_pickle: bool = False) -> Any:
         """Loads step (default: the latest, as rank 0 picks it for every
         rank). With `state`, fills it in place (see ferry.load) and returns
         it; without, returns a new state dict."""
@@ -148,7 +155,7 @@ class CheckpointManager:
                    allow_pickle=allow_pickle)
         return state
 
-    def close(self):
+    def close(self) -> None:
         self.wait_until_finished()
 
     def __enter__(self):

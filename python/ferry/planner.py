@@ -43,10 +43,13 @@ rank holding it, as DCP does); None: the configured owner-policy. Every rank
 must pass the same.
 """
 
+from __future__ import annotations
+
 import copy
 import ctypes
 import json
 import threading
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from . import _core, _lib
 from ._lib import FerryError, check, lib, wait_sliced
@@ -162,15 +165,15 @@ class _Plan:
     def from_bytes(cls, data):
         return cls(data)
 
-    def to_bytes(self):
+    def to_bytes(self) -> bytes:
         return self._bytes
 
     @property
-    def rank(self):
+    def rank(self) -> int:
         return self._json["rank"]
 
     @property
-    def items(self):
+    def items(self) -> List[Dict[str, Any]]:
         """[{key, dtype, global_shape, offsets, sizes, nbytes, entry[, owners]}]
         (a copy: changing it leaves the plan as it is)"""
         return copy.deepcopy(self._json["items"])
@@ -190,7 +193,7 @@ class _Plan:
 class LocalPlan(_Plan):
     """What one rank holds, before the ranks agree who writes what."""
 
-    def with_items(self, items):
+    def with_items(self, items: Sequence[Any]) -> LocalPlan:
         """A local plan of some of this plan's items, in the order given, each
         an item of self.items whose "key" may differ (the item is found by
         its "entry": the index of its tensor in the state dict)."""
@@ -226,15 +229,15 @@ class SavePlan(_Plan):
     ranks that write them), its writes, files and bytes."""
 
     @property
-    def writes(self):
+    def writes(self) -> List[Dict[str, Any]]:
         return self._json["writes"]
 
     @property
-    def files(self):
+    def files(self) -> List[str]:
         return self._json["files"]
 
     @property
-    def bytes(self):
+    def bytes(self) -> int:
         return self._json["bytes"]
 
 
@@ -343,9 +346,12 @@ class SavePlanner:
     _check = None
     _check_id = None
 
-    def __init__(self, state_dict, filename_prefix=None, options=None, checkpoint_fn=None,
-                 root=None, step=None, runtime=None, transform_local_plan=None,
-                 owner_policy=None, on_mutation="error"):
+    def __init__(self, state_dict: Mapping[str, Any], filename_prefix: Optional[str] = None,
+                 options: Optional[_core.CheckpointOptions] = None,
+                 checkpoint_fn: Optional[Callable[..., Any]] = None, root: Optional[str] = None,
+                 step: Optional[int] = None, runtime: Optional[_core.Runtime] = None,
+                 transform_local_plan: Optional[Callable[[LocalPlan], LocalPlan]] = None,
+                 owner_policy: Optional[str] = None, on_mutation: str = "error") -> None:
         global _current
         self._ptr = None
         self._calls = set()  # an interrupted create_global_plan still running
@@ -405,12 +411,12 @@ class SavePlanner:
             raise FerryError("this SavePlanner is closed")
         return self._ptr
 
-    def create_local_plan(self):
+    def create_local_plan(self) -> LocalPlan:
         b, n = ctypes.c_void_p(), ctypes.c_size_t()
         check(_L().ferry_planner_local_plan(self._p(), ctypes.byref(b), ctypes.byref(n)))
         return LocalPlan(ctypes.string_at(b, n.value))
 
-    def create_global_plan(self):
+    def create_global_plan(self) -> List[SavePlan]:
         """Collective: every rank's SavePlan (index r is rank r's)."""
         h = ctypes.c_void_p()
         # Ctrl-C is seen at once; the collective call goes on (close() waits for it).
@@ -419,25 +425,25 @@ class SavePlanner:
         self.global_plan = _plans_list(h)
         return self.global_plan
 
-    def save_on_this_process(self, plan):
+    def save_on_this_process(self, plan: SavePlan) -> WriteHandle:
         """Starts writing this rank's files; another rank's plan is refused."""
         b = plan.to_bytes()
         check(_L().ferry_planner_save(self._p(), b, len(b)))
         return WriteHandle(self)
 
-    def barrier(self):
+    def barrier(self) -> str:
         """Collective: rank 0 commits; returns the checkpoint's path."""
         out = ctypes.c_char_p()
         p = self._p()
         wait_sliced(lambda ms: _L().ferry_planner_barrier_for(p, ms, ctypes.byref(out)))
         return out.value.decode("utf-8")
 
-    def warnings(self):
+    def warnings(self) -> List[str]:
         """Tensors changed during the snapshot that on_mutation="warn" let
         the checkpoint commit despite."""
         return list(self._check.warnings) if self._check is not None else []
 
-    def close(self):
+    def close(self) -> None:
         """Abandons an unfinished checkpoint (on every rank)."""
         # An interrupted create_global_plan still uses the planner: wait for
         # it (it ends by plan-timeout), else leave the planner to it.
@@ -462,22 +468,23 @@ def _planner():
     return _current
 
 
-def save_on_this_process(plan):
+def save_on_this_process(plan: SavePlan) -> WriteHandle:
     """The latest SavePlanner's save_on_this_process."""
     return _planner().save_on_this_process(plan)
 
 
-def barrier():
+def barrier() -> str:
     """The latest SavePlanner's barrier: returns the committed path."""
     return _planner().barrier()
 
 
-def rank():
+def rank() -> int:
     """This process's rank (of the default runtime)."""
     return _core.default_runtime().rank
 
 
-def global_plan(local_plans, owner_policy="balanced", options=None):
+def global_plan(local_plans: Sequence[LocalPlan], owner_policy: str = "balanced",
+                options: Optional[_core.CheckpointOptions] = None) -> List[SavePlan]:
     """The global plan of local plans gathered by any means, with no job:
     every rank's SavePlan. owner_policy: "balanced" or "lowest_rank";
     options: a ferry.CheckpointOptions whose filename_prefix, shard_size and
