@@ -53,7 +53,7 @@ def main():
                 want = "sha256=" + base64.urlsafe_b64encode(
                     hashlib.sha256(data).digest()).rstrip(b"=").decode()
                 assert h == want and int(size) == len(data), arc
-            assert "ferry/libferry_c.so" in names and "ferry/__init__.py" in names, names
+            assert {"ferry/libferry_c.so", "ferry/__init__.py", "ferry/py.typed"} <= set(names), names
             site = os.path.join(tmp, "site")
             z.extractall(site)
         lib = os.path.join(site, "ferry", "libferry_c.so")
