@@ -156,6 +156,40 @@ ferry_status null_arg(const char* what) {
   return fail(FERRY_INVALID_ARGUMENT, std::string(what) + " is NULL");
 }
 
+// Sized structs (ferry.h): `first` is the size of the struct's first
+// version; appending a field keeps it and raises sizeof(T).
+template <class T, size_t first = sizeof(T)>
+ferry_status size_error(size_t size, const char* name) {
+  if (size >= first && size <= sizeof(T)) return FERRY_OK;
+  return fail(
+      FERRY_INVALID_ARGUMENT,
+      std::string(name) + ".size = " + std::to_string(size) + ": this library reads " +
+          (first == sizeof(T) ? std::to_string(first)
+                              : std::to_string(first) + " to " + std::to_string(sizeof(T))) +
+          " (sizeof(" + name + "))");
+}
+
+// A request as the caller filled it: its `size` bytes over zeroed fields.
+template <class T>
+ferry_status read_request(const T* in, const char* name, T* out) {
+  if (!in) return null_arg(name);
+  if (ferry_status e = size_error<T>(in->size, name); e != FERRY_OK) return e;
+  *out = T{};
+  std::memcpy(static_cast<void*>(out), in, in->size);
+  return FERRY_OK;
+}
+
+// A result into the caller's struct: as much as its `size` holds.
+template <class T>
+ferry_status write_result(const T& full, const char* name, T* out) {
+  if (!out) return null_arg(name);
+  const size_t n = out->size;
+  if (ferry_status e = size_error<T>(n, name); e != FERRY_OK) return e;
+  std::memcpy(static_cast<void*>(out), &full, n);
+  out->size = n;
+  return FERRY_OK;
+}
+
 // The handles of one kind given out and not yet released. An entry point
 // refuses a pointer that is not among them (released already, or never
 // made here) instead of following it; a release of such a pointer does
@@ -298,15 +332,9 @@ ferry_status ferry_runtime_open(const ferry_runtime_options* options, ferry_runt
   return guarded([&] {
     if (!out) return null_arg("out");
     *out = nullptr;
-    if (!options) return null_arg("options");
-    // Only the first version exists so far: its size is the least and the most.
-    if (options->size != sizeof(ferry_runtime_options))
-      return to_c(ferry::Status::invalid_argument(
-          "ferry_runtime_options.size = " + std::to_string(options->size) +
-          ": this library reads " + std::to_string(sizeof(ferry_runtime_options)) +
-          " (sizeof(ferry_runtime_options))"));
-    ferry_runtime_options o{};
-    std::memcpy(&o, options, options->size);
+    ferry_runtime_options o;
+    if (ferry_status e = read_request(options, "ferry_runtime_options", &o); e != FERRY_OK)
+      return e;
     if (o.num_settings > 0 && !o.settings) return null_arg("options.settings");
     ferry::RuntimeArgs args;
     args.settings = to_settings(o.settings, o.num_settings);
@@ -349,8 +377,16 @@ int32_t ferry_runtime_world_size(const ferry_runtime* rt) {
 ferry_status ferry_save_async(ferry_runtime* rt, const ferry_tensor* tensors, size_t num_tensors,
                               uint64_t step, const char* root, int overwrite,
                               const ferry_kv* metadata, size_t num_metadata, ferry_save** out) {
-  return ferry_save_async_opts(rt, tensors, num_tensors, step, root, overwrite, metadata,
-                               num_metadata, nullptr, out);
+  ferry_save_request r{};
+  r.size = sizeof r;
+  r.tensors = tensors;
+  r.num_tensors = num_tensors;
+  r.step = step;
+  r.root = root;
+  r.overwrite = overwrite;
+  r.metadata = metadata;
+  r.num_metadata = num_metadata;
+  return ferry_save_start(rt, &r, out);
 }
 
 namespace {
@@ -382,66 +418,53 @@ std::optional<ferry::SaveOptions> save_options(int overwrite, const ferry_kv* me
   return opts;
 }
 
-}  // namespace
-
-ferry_status ferry_save_async_opts(ferry_runtime* rt, const ferry_tensor* tensors,
-                                   size_t num_tensors, uint64_t step, const char* root,
-                                   int overwrite, const ferry_kv* metadata, size_t num_metadata,
-                                   const ferry_save_options* file_opts, ferry_save** out) {
-  return ferry_save_async_ex(rt, tensors, num_tensors, step, root, overwrite, metadata,
-                             num_metadata, file_opts, nullptr, out);
-}
-
-namespace {
-
-// One save of a prepared or a fresh state dict: the options from the C
-// arguments, then the save started and its handle made.
-ferry_status start_save(ferry_runtime* rt, const ferry::StateDict& sd, uint64_t step,
-                        const char* root, int overwrite, const ferry_kv* metadata,
-                        size_t num_metadata, const ferry_save_options* file_opts,
-                        const ferry_save_extra* extra, ferry_save** out) {
-  ferry_status error = FERRY_OK;
-  auto opts = save_options(overwrite, metadata, num_metadata, file_opts, &error);
-  if (!opts) return error;
-  opts->root = root ? root : "";
-  if (extra) {
-    if (extra->stream_device < 0)
-      return fail(FERRY_INVALID_ARGUMENT,
-                  "stream_device = " + std::to_string(extra->stream_device) + ": must be >= 0");
-    opts->stream = extra->stream;
-    opts->stream_device = ferry::Device::cuda(extra->stream_device);
-    if (extra->snapshot_check)
-      opts->snapshot_check = snapshot_check(extra->snapshot_check, extra->snapshot_check_user);
-  }
-  auto s = std::make_unique<ferry_save>();
-  s->h = rt->rt->save_async(sd, step, *opts);
-  *out = handles<ferry_save>().add(std::move(s));
-  return to_c(ferry::Status());
+ferry_status stream_device_error(int32_t device) {
+  if (device >= 0) return FERRY_OK;
+  return fail(FERRY_INVALID_ARGUMENT,
+              "stream_device = " + std::to_string(device) + ": must be >= 0");
 }
 
 }  // namespace
 
-ferry_status ferry_save_async_ex(ferry_runtime* rt, const ferry_tensor* tensors, size_t num_tensors,
-                                 uint64_t step, const char* root, int overwrite,
-                                 const ferry_kv* metadata, size_t num_metadata,
-                                 const ferry_save_options* file_opts, const ferry_save_extra* extra,
-                                 ferry_save** out) {
+ferry_status ferry_save_start(ferry_runtime* rt, const ferry_save_request* request,
+                              ferry_save** out) {
   return guarded([&] {
     if (!out) return null_arg("out");
     *out = nullptr;
     FERRY_CHECK_HANDLE(rt, "runtime");
-    ferry::StateDict sd;
-    if (auto st = to_state_dict(tensors, num_tensors, &sd); !st.ok()) return to_c(st);
-    return start_save(rt, sd, step, root, overwrite, metadata, num_metadata, file_opts, extra, out);
+    ferry_save_request r;
+    if (ferry_status e = read_request(request, "ferry_save_request", &r); e != FERRY_OK) return e;
+    ferry::StateDict fresh;
+    const ferry::StateDict* sd = &fresh;
+    if (r.state_dict) {
+      if (r.num_tensors)
+        return fail(FERRY_INVALID_ARGUMENT,
+                    "ferry_save_request: tensors and state_dict given; a save takes one of them");
+      FERRY_CHECK_HANDLE(r.state_dict, "state dict");
+      sd = &r.state_dict->sd;
+    } else if (auto st = to_state_dict(r.tensors, r.num_tensors, &fresh); !st.ok()) {
+      return to_c(st);
+    }
+    ferry_status error = FERRY_OK;
+    auto opts = save_options(r.overwrite, r.metadata, r.num_metadata, &r.files, &error);
+    if (!opts) return error;
+    opts->root = r.root ? r.root : "";
+    if (ferry_status e = stream_device_error(r.stream_device); e != FERRY_OK) return e;
+    opts->stream = r.stream;
+    opts->stream_device = ferry::Device::cuda(r.stream_device);
+    if (r.snapshot_check)
+      opts->snapshot_check = snapshot_check(r.snapshot_check, r.snapshot_check_user);
+    auto s = std::make_unique<ferry_save>();
+    s->h = rt->rt->save_async(*sd, r.step, *opts);
+    *out = handles<ferry_save>().add(std::move(s));
+    return to_c(ferry::Status());
   });
 }
 
 ferry_status ferry_save_wait_snapshot_stream(ferry_save* s, void* stream, int32_t stream_device) {
   return guarded([&] {
     FERRY_CHECK_HANDLE(s, "save");
-    if (stream_device < 0)
-      return fail(FERRY_INVALID_ARGUMENT,
-                  "stream_device = " + std::to_string(stream_device) + ": must be >= 0");
+    if (ferry_status e = stream_device_error(stream_device); e != FERRY_OK) return e;
     return to_c(s->h.wait_snapshot(stream, ferry::Device::cuda(stream_device)));
   });
 }
@@ -489,20 +512,6 @@ size_t ferry_state_dict_size(const ferry_state_dict* sd) {
 
 void ferry_state_dict_release(ferry_state_dict* sd) {
   handles<ferry_state_dict>().take(sd).reset();
-}
-
-ferry_status ferry_save_async_sd(ferry_runtime* rt, const ferry_state_dict* sd, uint64_t step,
-                                 const char* root, int overwrite, const ferry_kv* metadata,
-                                 size_t num_metadata, const ferry_save_options* file_opts,
-                                 const ferry_save_extra* extra, ferry_save** out) {
-  return guarded([&] {
-    if (!out) return null_arg("out");
-    *out = nullptr;
-    FERRY_CHECK_HANDLE(rt, "runtime");
-    FERRY_CHECK_HANDLE(sd, "state dict");
-    return start_save(rt, sd->sd, step, root, overwrite, metadata, num_metadata, file_opts, extra,
-                      out);
-  });
 }
 
 ferry_status ferry_save_wait_snapshot(ferry_save* s) {
@@ -569,21 +578,15 @@ uint64_t ferry_save_bytes_total(const ferry_save* s) {
   return live(s) ? s->h.bytes_total() : 0;
 }
 
-void ferry_save_metrics_get(const ferry_save* s, ferry_save_metrics* out) {
-  if (!out) return;
-  *out = ferry_save_metrics{};
-  if (!live(s)) return;
-  const ferry::SaveMetrics m = s->h.metrics();
-  out->save_async_ms = m.save_async_ms;
-  out->plan_ms = m.plan_ms;
-  out->snapshot_ms = m.snapshot_ms;
-  out->write_ms = m.write_ms;
-  out->commit_ms = m.commit_ms;
-  out->total_ms = m.total_ms;
-  out->bytes = m.bytes;
-  out->files = m.files;
-  out->slowest_rank = m.slowest_rank;
-  out->slowest_rank_ms = m.slowest_rank_ms;
+ferry_status ferry_save_metrics_get(const ferry_save* s, ferry_save_metrics* out) {
+  return guarded([&] {
+    FERRY_CHECK_HANDLE(s, "save");
+    const ferry::SaveMetrics m = s->h.metrics();
+    ferry_save_metrics full{sizeof full, m.save_async_ms, m.plan_ms,        m.snapshot_ms,
+                            m.write_ms,  m.commit_ms,     m.total_ms,       m.bytes,
+                            m.files,     m.slowest_rank,  m.slowest_rank_ms};
+    return write_result(full, "ferry_save_metrics", out);
+  });
 }
 
 void ferry_save_release(ferry_save* s) {
@@ -594,30 +597,41 @@ void ferry_save_release(ferry_save* s) {
 
 ferry_status ferry_load(ferry_runtime* rt, const ferry_tensor* tensors, size_t num_tensors,
                         const char* path) {
-  return ferry_load_with_stats(rt, tensors, num_tensors, path, nullptr);
-}
-
-ferry_status ferry_load_with_stats(ferry_runtime* rt, const ferry_tensor* tensors,
-                                   size_t num_tensors, const char* path, ferry_load_stats* stats) {
   return guarded([&] {
     FERRY_CHECK_HANDLE(rt, "runtime");
     if (!path) return null_arg("path");
     ferry::StateDict sd;
     if (auto st = to_state_dict(tensors, num_tensors, &sd); !st.ok()) return to_c(st);
-    // Without stats, as Runtime::load: checkpoint tensors left out are
-    // logged. A caller that asks for the figures has its own account.
-    if (!stats) return to_c(rt->rt->load(sd, path));
-    ferry::Result<ferry::LoadReport> r = rt->rt->load_report(sd, path);
-    if (r.ok()) {
-      *stats = ferry_load_stats{r->step,
-                                r->tensors_restored,
-                                r->bytes_read,
-                                r->bytes_received,
-                                r->send_queue_peak,
-                                r->share_frames_relayed,
-                                r->shared_in_memory};
-    }
-    return to_c(r.status());
+    // As Runtime::load: checkpoint tensors left out are logged.
+    return to_c(rt->rt->load(sd, path));
+  });
+}
+
+ferry_status ferry_load_run(ferry_runtime* rt, const ferry_load_request* request,
+                            ferry_load_stats* stats) {
+  return guarded([&] {
+    FERRY_CHECK_HANDLE(rt, "runtime");
+    ferry_load_request q;
+    if (ferry_status e = read_request(request, "ferry_load_request", &q); e != FERRY_OK) return e;
+    if (!q.path) return null_arg("ferry_load_request.path");
+    // Checked before the load: a collective call must not fail on one rank afterwards.
+    if (!stats) return null_arg("stats");
+    if (ferry_status e = size_error<ferry_load_stats>(stats->size, "ferry_load_stats");
+        e != FERRY_OK)
+      return e;
+    ferry::StateDict sd;
+    if (auto st = to_state_dict(q.tensors, q.num_tensors, &sd); !st.ok()) return to_c(st);
+    ferry::Result<ferry::LoadReport> r = rt->rt->load_report(sd, q.path);
+    if (!r.ok()) return to_c(r.status());
+    ferry_load_stats full{sizeof full,
+                          r->step,
+                          r->tensors_restored,
+                          r->bytes_read,
+                          r->bytes_received,
+                          r->send_queue_peak,
+                          r->share_frames_relayed,
+                          r->shared_in_memory};
+    return write_result(full, "ferry_load_stats", stats);
   });
 }
 
@@ -888,65 +902,61 @@ ferry_status ferry_planner_create(ferry_runtime* rt, const ferry_tensor* tensors
                                   int has_step, uint64_t step, int overwrite,
                                   const ferry_kv* metadata, size_t num_metadata,
                                   ferry_checkpoint_fn fn, void* fn_user, ferry_planner** out) {
-  return ferry_planner_create_opts(rt, tensors, num_tensors, filename_prefix, root, has_step, step,
-                                   overwrite, metadata, num_metadata, nullptr, fn, fn_user, out);
+  ferry_planner_request r{};
+  r.size = sizeof r;
+  r.tensors = tensors;
+  r.num_tensors = num_tensors;
+  r.filename_prefix = filename_prefix;
+  r.root = root;
+  r.has_step = has_step;
+  r.step = step;
+  r.overwrite = overwrite;
+  r.metadata = metadata;
+  r.num_metadata = num_metadata;
+  r.checkpoint_fn = fn;
+  r.checkpoint_user = fn_user;
+  return ferry_planner_open(rt, &r, out);
 }
 
-ferry_status ferry_planner_create_opts(ferry_runtime* rt, const ferry_tensor* tensors,
-                                       size_t num_tensors, const char* filename_prefix,
-                                       const char* root, int has_step, uint64_t step, int overwrite,
-                                       const ferry_kv* metadata, size_t num_metadata,
-                                       const ferry_save_options* file_opts, ferry_checkpoint_fn fn,
-                                       void* fn_user, ferry_planner** out) {
-  return ferry_planner_create_ex(rt, tensors, num_tensors, filename_prefix, root, has_step, step,
-                                 overwrite, metadata, num_metadata, file_opts, nullptr, fn, fn_user,
-                                 out);
-}
-
-ferry_status ferry_planner_create_ex(ferry_runtime* rt, const ferry_tensor* tensors,
-                                     size_t num_tensors, const char* filename_prefix,
-                                     const char* root, int has_step, uint64_t step, int overwrite,
-                                     const ferry_kv* metadata, size_t num_metadata,
-                                     const ferry_save_options* file_opts,
-                                     const ferry_planner_options* popts, ferry_checkpoint_fn fn,
-                                     void* fn_user, ferry_planner** out) {
+ferry_status ferry_planner_open(ferry_runtime* rt, const ferry_planner_request* request,
+                                ferry_planner** out) {
   return guarded([&] {
     if (!out) return null_arg("out");
     *out = nullptr;
     FERRY_CHECK_HANDLE(rt, "runtime");
+    ferry_planner_request r;
+    if (ferry_status e = read_request(request, "ferry_planner_request", &r); e != FERRY_OK)
+      return e;
     ferry::StateDict sd;
-    if (auto st = to_state_dict(tensors, num_tensors, &sd); !st.ok()) return to_c(st);
+    if (auto st = to_state_dict(r.tensors, r.num_tensors, &sd); !st.ok()) return to_c(st);
     ferry::SavePlannerOptions o;
     ferry_status error = FERRY_OK;
-    auto opts = save_options(overwrite, metadata, num_metadata, file_opts, &error);
+    auto opts = save_options(r.overwrite, r.metadata, r.num_metadata, &r.files, &error);
     if (!opts) return error;
     o.save = std::move(*opts);
-    if (fn) o.checkpoint_fn = wrap_checkpoint_fn(fn, fn_user);
-    if (popts) {
-      switch (popts->owner_policy) {
-        case 0:
-          break;
-        case 1:
-          o.owner_policy = ferry::OwnerPolicy::balanced;
-          break;
-        case 2:
-          o.owner_policy = ferry::OwnerPolicy::lowest_rank;
-          break;
-        default:
-          return fail(
-              FERRY_INVALID_ARGUMENT,
-              "ferry_planner_options.owner_policy = " + std::to_string(popts->owner_policy) +
-                  ": expected 0 (configured), 1 (balanced) or 2 (lowest rank)");
-      }
-      if (popts->transform_local_plan)
-        o.transform_local_plan = wrap_transform(popts->transform_local_plan, popts->transform_user);
-      if (popts->snapshot_check)
-        o.save.snapshot_check = snapshot_check(popts->snapshot_check, popts->snapshot_check_user);
+    if (r.checkpoint_fn) o.checkpoint_fn = wrap_checkpoint_fn(r.checkpoint_fn, r.checkpoint_user);
+    switch (r.owner_policy) {
+      case 0:
+        break;
+      case 1:
+        o.owner_policy = ferry::OwnerPolicy::balanced;
+        break;
+      case 2:
+        o.owner_policy = ferry::OwnerPolicy::lowest_rank;
+        break;
+      default:
+        return fail(FERRY_INVALID_ARGUMENT,
+                    "ferry_planner_request.owner_policy = " + std::to_string(r.owner_policy) +
+                        ": expected 0 (configured), 1 (balanced) or 2 (lowest rank)");
     }
+    if (r.transform_local_plan)
+      o.transform_local_plan = wrap_transform(r.transform_local_plan, r.transform_user);
+    if (r.snapshot_check)
+      o.save.snapshot_check = snapshot_check(r.snapshot_check, r.snapshot_check_user);
     auto p = std::make_unique<ferry_planner>();
     p->p = std::make_unique<ferry::SavePlanner>(
-        *rt->rt, sd, filename_prefix ? filename_prefix : "", std::move(o), root ? root : "",
-        has_step ? std::optional<uint64_t>(step) : std::nullopt);
+        *rt->rt, sd, r.filename_prefix ? r.filename_prefix : "", std::move(o), r.root ? r.root : "",
+        r.has_step ? std::optional<uint64_t>(r.step) : std::nullopt);
     *out = handles<ferry_planner>().add(std::move(p));
     return to_c(ferry::Status());
   });

@@ -370,28 +370,26 @@ class Runtime:
         kv, kv_keep = _kvs(pairs)
         out = ctypes.c_void_p()
         root_b = os.fspath(root).encode("utf-8") if root else None
-        extra = _lib.SaveExtra()
-        if stream is not None:
-            extra.stream, extra.stream_device = stream.cuda_stream, stream.device.index or 0
+        req = _lib.sized(_lib.SaveRequest)
+        if prep.sd is not None:  # prepared: only its changed entries were passed
+            req.state_dict = prep.sd
         else:
-            extra.stream, extra.stream_device = _cuda_stream_of(prep.tensors, prep.devices)
+            req.tensors, req.num_tensors = entries.array, len(items)
+        req.step, req.root, req.overwrite = int(step), root_b, 1 if overwrite else 0
+        req.metadata, req.num_metadata = kv, len(pairs)
+        if copts is not None:
+            req.files = copts
+        if stream is not None:
+            req.stream, req.stream_device = stream.cuda_stream, stream.device.index or 0
+        else:
+            req.stream, req.stream_device = _cuda_stream_of(prep.tensors, prep.devices)
         chk, cid = _version_check(items, staged, on_mutation, prep)
         if chk is not None:
-            extra.snapshot_check = _SNAPSHOT_CHECK_FN
-            extra.snapshot_check_user = cid
+            req.snapshot_check = _SNAPSHOT_CHECK_FN
+            req.snapshot_check_user = cid
         with self._lock:
             try:
-                if prep.sd is not None:  # prepared: only its changed entries were passed
-                    check(lib().ferry_save_async_sd(
-                        ptr, prep.sd, int(step), root_b, 1 if overwrite else 0, kv, len(pairs),
-                        ctypes.byref(copts) if copts is not None else None,
-                        ctypes.byref(extra), ctypes.byref(out)))
-                else:
-                    check(lib().ferry_save_async_ex(
-                        ptr, entries.array, len(items), int(step), root_b,
-                        1 if overwrite else 0, kv, len(pairs),
-                        ctypes.byref(copts) if copts is not None else None,
-                        ctypes.byref(extra), ctypes.byref(out)))
+                check(lib().ferry_save_start(ptr, ctypes.byref(req), ctypes.byref(out)))
             except BaseException:
                 _checks.pop(cid, None)
                 raise
@@ -580,9 +578,9 @@ class SaveHandle:
         return lib().ferry_save_path(self._p()).decode("utf-8")
 
     def metrics(self) -> Dict[str, Any]:
-        m = _lib.SaveMetrics()
-        lib().ferry_save_metrics_get(self._p(), ctypes.byref(m))
-        d = {name: getattr(m, name) for name, _ in _lib.SaveMetrics._fields_}
+        m = _lib.sized(_lib.SaveMetrics)
+        check(lib().ferry_save_metrics_get(self._p(), ctypes.byref(m)))
+        d = {name: getattr(m, name) for name, _ in _lib.SaveMetrics._fields_[1:]}
         d["bytes_persisted"] = lib().ferry_save_bytes_persisted(self._ptr)
         d["bytes_total"] = lib().ferry_save_bytes_total(self._ptr)
         return d
@@ -729,7 +727,7 @@ class LoadResult(namedtuple("LoadResult", "missing_keys unexpected_keys")):
 
 
 def _load_stats(st):
-    return {name: getattr(st, name) for name, _ in _lib.LoadStats._fields_}
+    return {name: getattr(st, name) for name, _ in _lib.LoadStats._fields_[1:]}
 
 
 def _map_key(key_map, key):
@@ -906,12 +904,11 @@ def _load(rt, state_dict, path, strict, cast, key_map, allow_pickle=False):
     per_rank_bufs = _per_rank_reads(man, copies, wanted, flat, rt, items)
 
     entries = _Entries(items)
-    stats = _lib.LoadStats()
+    stats = _lib.sized(_lib.LoadStats)
+    req = _lib.sized(_lib.LoadRequest, entries.array, len(items), man.path.encode("utf-8"))
     # Ctrl-C is seen at once; the load goes on, holding its tensors.
-    _lib.call_interruptibly(
-        lib().ferry_load_with_stats,
-        (ptr, entries.array, len(items), man.path.encode("utf-8"), ctypes.byref(stats)),
-        keep=(entries, items, stats, copy_back), inflight=rt._calls)
+    _lib.call_interruptibly(lib().ferry_load_run, (ptr, ctypes.byref(req), ctypes.byref(stats)),
+                            keep=(entries, items, req, stats, copy_back), inflight=rt._calls)
     with torch.no_grad():
         for dest, buf in copy_back:
             dest.copy_(buf)

@@ -18,7 +18,7 @@ import time
 
 __all__ = ["FerryError", "lib", "check", "library_path", "wait_sliced", "call_interruptibly"]
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 _STATUS_NAMES = {
     0: "ok",
@@ -110,8 +110,24 @@ class SaveOptions(ctypes.Structure):
 SnapshotCheckFn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
 
 
-class SaveExtra(ctypes.Structure):
+def sized(struct_type, *args, **fields):
+    """A sized struct of ferry.h (its first field `size`) as this package
+    was written against."""
+    return struct_type(ctypes.sizeof(struct_type), *args, **fields)
+
+
+class SaveRequest(ctypes.Structure):
     _fields_ = [
+        ("size", ctypes.c_size_t),
+        ("tensors", ctypes.POINTER(Tensor)),
+        ("num_tensors", ctypes.c_size_t),
+        ("state_dict", ctypes.c_void_p),
+        ("step", ctypes.c_uint64),
+        ("root", ctypes.c_char_p),
+        ("overwrite", ctypes.c_int32),
+        ("metadata", ctypes.POINTER(KV)),
+        ("num_metadata", ctypes.c_size_t),
+        ("files", SaveOptions),
         ("stream", ctypes.c_void_p),
         ("stream_device", ctypes.c_int32),
         ("snapshot_check", SnapshotCheckFn),
@@ -119,8 +135,18 @@ class SaveExtra(ctypes.Structure):
     ]
 
 
+class LoadRequest(ctypes.Structure):
+    _fields_ = [
+        ("size", ctypes.c_size_t),
+        ("tensors", ctypes.POINTER(Tensor)),
+        ("num_tensors", ctypes.c_size_t),
+        ("path", ctypes.c_char_p),
+    ]
+
+
 class SaveMetrics(ctypes.Structure):
     _fields_ = [
+        ("size", ctypes.c_size_t),
         ("save_async_ms", ctypes.c_double),
         ("plan_ms", ctypes.c_double),
         ("snapshot_ms", ctypes.c_double),
@@ -136,6 +162,7 @@ class SaveMetrics(ctypes.Structure):
 
 class LoadStats(ctypes.Structure):
     _fields_ = [
+        ("size", ctypes.c_size_t),
         ("step", ctypes.c_uint64),
         ("tensors_restored", ctypes.c_uint64),
         ("bytes_read", ctypes.c_uint64),
@@ -208,26 +235,12 @@ def _declare(L):
             st,
             [vp, tp, sz, ctypes.c_uint64, ctypes.c_char_p, ctypes.c_int, kvp, sz, ctypes.POINTER(vp)],
         ),
-        "ferry_save_async_opts": (
-            st,
-            [vp, tp, sz, ctypes.c_uint64, ctypes.c_char_p, ctypes.c_int, kvp, sz,
-             ctypes.POINTER(SaveOptions), ctypes.POINTER(vp)],
-        ),
-        "ferry_save_async_ex": (
-            st,
-            [vp, tp, sz, ctypes.c_uint64, ctypes.c_char_p, ctypes.c_int, kvp, sz,
-             ctypes.POINTER(SaveOptions), ctypes.POINTER(SaveExtra), ctypes.POINTER(vp)],
-        ),
+        "ferry_save_start": (st, [vp, ctypes.POINTER(SaveRequest), ctypes.POINTER(vp)]),
         "ferry_save_wait_snapshot_stream": (st, [vp, vp, ctypes.c_int32]),
         "ferry_state_dict_create": (st, [tp, sz, ctypes.POINTER(vp)]),
         "ferry_state_dict_set": (st, [vp, sz, tp]),
         "ferry_state_dict_size": (sz, [vp]),
         "ferry_state_dict_release": (None, [vp]),
-        "ferry_save_async_sd": (
-            st,
-            [vp, vp, ctypes.c_uint64, ctypes.c_char_p, ctypes.c_int, kvp, sz,
-             ctypes.POINTER(SaveOptions), ctypes.POINTER(SaveExtra), ctypes.POINTER(vp)],
-        ),
         "ferry_save_wait_snapshot": (st, [vp]),
         "ferry_save_wait": (st, [vp]),
         "ferry_save_wait_snapshot_for": (st, [vp, ctypes.c_int64]),
@@ -238,10 +251,10 @@ def _declare(L):
         "ferry_save_path": (ctypes.c_char_p, [vp]),
         "ferry_save_bytes_persisted": (ctypes.c_uint64, [vp]),
         "ferry_save_bytes_total": (ctypes.c_uint64, [vp]),
-        "ferry_save_metrics_get": (None, [vp, ctypes.POINTER(SaveMetrics)]),
+        "ferry_save_metrics_get": (st, [vp, ctypes.POINTER(SaveMetrics)]),
         "ferry_save_release": (None, [vp]),
         "ferry_load": (st, [vp, tp, sz, ctypes.c_char_p]),
-        "ferry_load_with_stats": (st, [vp, tp, sz, ctypes.c_char_p, ctypes.POINTER(LoadStats)]),
+        "ferry_load_run": (st, [vp, ctypes.POINTER(LoadRequest), ctypes.POINTER(LoadStats)]),
         "ferry_resolve": (
             st, [vp, ctypes.c_char_p, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_uint64)]
         ),

@@ -82,10 +82,27 @@ _TRANSFORM_FN = ctypes.CFUNCTYPE(
 )
 
 
-class _PlannerOptions(ctypes.Structure):
-    _fields_ = [("owner_policy", ctypes.c_int), ("transform_local_plan", _TRANSFORM_FN),
-                ("transform_user", ctypes.c_void_p),
-                ("snapshot_check", _lib.SnapshotCheckFn), ("snapshot_check_user", ctypes.c_void_p)]
+class _PlannerRequest(ctypes.Structure):
+    _fields_ = [
+        ("size", ctypes.c_size_t),
+        ("tensors", ctypes.POINTER(_lib.Tensor)),
+        ("num_tensors", ctypes.c_size_t),
+        ("filename_prefix", ctypes.c_char_p),
+        ("root", ctypes.c_char_p),
+        ("has_step", ctypes.c_int32),
+        ("step", ctypes.c_uint64),
+        ("overwrite", ctypes.c_int32),
+        ("metadata", ctypes.POINTER(_lib.KV)),
+        ("num_metadata", ctypes.c_size_t),
+        ("files", _lib.SaveOptions),
+        ("owner_policy", ctypes.c_int32),
+        ("transform_local_plan", _TRANSFORM_FN),
+        ("transform_user", ctypes.c_void_p),
+        ("snapshot_check", _lib.SnapshotCheckFn),
+        ("snapshot_check_user", ctypes.c_void_p),
+        ("checkpoint_fn", _CHECKPOINT_FN),
+        ("checkpoint_user", ctypes.c_void_p),
+    ]
 
 
 _OWNER_POLICIES = {None: 0, "balanced": 1, "lowest_rank": 2}
@@ -99,13 +116,7 @@ def _L():
             vp, sz, st = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
             cpp, szp = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)
             sig = {
-                "ferry_planner_create_ex": (
-                    st,
-                    [vp, ctypes.POINTER(_lib.Tensor), sz, ctypes.c_char_p, ctypes.c_char_p, st,
-                     ctypes.c_uint64, st, ctypes.POINTER(_lib.KV), sz,
-                     ctypes.POINTER(_lib.SaveOptions), ctypes.POINTER(_PlannerOptions),
-                     _CHECKPOINT_FN, vp, ctypes.POINTER(vp)],
-                ),
+                "ferry_planner_open": (st, [vp, ctypes.POINTER(_PlannerRequest), ctypes.POINTER(vp)]),
                 "ferry_local_plan_edit": (
                     st, [ctypes.c_char_p, sz, ctypes.POINTER(ctypes.c_uint32),
                          ctypes.POINTER(ctypes.c_char_p), sz, cpp, szp]
@@ -383,20 +394,25 @@ class SavePlanner:
         self._transform_out = [None]
         self._transform = (_wrap_transform(transform_local_plan, self._transform_out)
                            if transform_local_plan else _TRANSFORM_FN())
-        popts = _PlannerOptions(_OWNER_POLICIES[owner_policy], self._transform, None)
+        req = _lib.sized(_PlannerRequest)
+        req.tensors, req.num_tensors = self._entries.array, len(items)
+        req.filename_prefix = (filename_prefix or "").encode("utf-8")
+        req.root = str(root).encode("utf-8") if root else None
+        req.has_step, req.step = 0 if step is None else 1, int(step or 0)
+        req.overwrite = 1 if opts.get("overwrite") else 0
+        req.metadata, req.num_metadata = kv, len(pairs)
+        if copts is not None:
+            req.files = copts
+        req.owner_policy = _OWNER_POLICIES[owner_policy]
+        req.transform_local_plan = self._transform
+        req.checkpoint_fn = self._fn
         self._check, self._check_id = _core._version_check(items, self.staged, on_mutation)
         if self._check is not None:
-            popts.snapshot_check = _core._SNAPSHOT_CHECK_FN
-            popts.snapshot_check_user = self._check_id
+            req.snapshot_check = _core._SNAPSHOT_CHECK_FN
+            req.snapshot_check_user = self._check_id
         out = ctypes.c_void_p()
         try:
-            check(_L().ferry_planner_create_ex(
-                self._rt._alive(), self._entries.array, len(items),
-                (filename_prefix or "").encode("utf-8"),
-                str(root).encode("utf-8") if root else None,
-                0 if step is None else 1, int(step or 0), 1 if opts.get("overwrite") else 0,
-                kv, len(pairs), ctypes.byref(copts) if copts is not None else None,
-                ctypes.byref(popts), self._fn, None, ctypes.byref(out)))
+            check(_L().ferry_planner_open(self._rt._alive(), ctypes.byref(req), ctypes.byref(out)))
         except BaseException:
             _core._checks.pop(self._check_id, None)
             raise

@@ -450,13 +450,16 @@ ferry_save* c_save(ferry_runtime* rt, void* data, int64_t n, uint64_t step, void
   t.shape = &n;
   t.device_type = FERRY_DEVICE_CUDA;
   t.device_index = 0;
-  ferry_save_extra extra{};
-  extra.stream = stream;
-  extra.stream_device = 0;
+  ferry_save_request req{};
+  req.size = sizeof req;
+  req.tensors = &t;
+  req.num_tensors = 1;
+  req.step = step;
+  req.stream = stream;
+  req.stream_device = 0;
   ferry_save* s = nullptr;
   INFO(ferry_last_error());
-  REQUIRE(ferry_save_async_ex(rt, &t, 1, step, nullptr, 0, nullptr, 0, nullptr, &extra, &s) ==
-          FERRY_OK);
+  REQUIRE(ferry_save_start(rt, &req, &s) == FERRY_OK);
   return s;
 }
 

@@ -127,7 +127,8 @@ int main(void) {
   CHECK(ferry_save_step(s) == 7);
   CHECK(strstr(ferry_save_path(s), "step-00000007") != NULL);
   ferry_save_metrics m;
-  ferry_save_metrics_get(s, &m);
+  m.size = sizeof m;
+  CHECK_OK(ferry_save_metrics_get(s, &m));
   /* Bytes written count the file, safetensors header included. */
   CHECK(m.files == 1 && m.bytes >= 24 * 4 + 12 * 4 + 5 * 2);
   CHECK(m.total_ms > 0);
@@ -153,7 +154,19 @@ int main(void) {
       "b", strided, FERRY_DTYPE_I16, 1, bshape, st1, FERRY_DEVICE_HOST, 0, NULL, NULL, 0, 0};
   ferry_load_stats ls_stats;
   memset(&ls_stats, 0xff, sizeof ls_stats);
-  CHECK_OK(ferry_load_with_stats(rt, &sl, 1, root, &ls_stats));
+  ferry_load_request lq = {sizeof lq, &sl, 1, root};
+  /* Sized structs: a size this library does not know is refused naming the
+   * struct, before anything is read (the other ranks are not left waiting). */
+  ls_stats.size = sizeof ls_stats + 8;
+  CHECK(ferry_load_run(rt, &lq, &ls_stats) == FERRY_INVALID_ARGUMENT);
+  CHECK(strstr(ferry_last_error(), "ferry_load_stats.size") != NULL);
+  lq.size = 8;
+  ls_stats.size = sizeof ls_stats;
+  CHECK(ferry_load_run(rt, &lq, &ls_stats) == FERRY_INVALID_ARGUMENT);
+  CHECK(strstr(ferry_last_error(), "ferry_load_request.size = 8") != NULL);
+  lq.size = sizeof lq;
+  CHECK_OK(ferry_load_run(rt, &lq, &ls_stats));
+  CHECK(ls_stats.size == sizeof ls_stats);
   for (int i = 0; i < 5; ++i) CHECK(strided[2 * i] == b[i]);
   CHECK(strided[1] == (int16_t)0x5555);
   CHECK(ls_stats.step == 7);
@@ -286,10 +299,18 @@ int main(void) {
   }
   /* The planner's options: a transform that drops and renames items, the
    * owner policy, and one that fails; an unknown policy is refused. */
-  ferry_planner_options po = {2, drop_tail_fn, NULL, NULL, NULL};
+  ferry_planner_request po;
+  memset(&po, 0, sizeof po);
+  po.size = sizeof po;
+  po.tensors = ts;
+  po.num_tensors = 3;
+  po.root = root;
+  po.has_step = 1;
+  po.step = 30;
+  po.owner_policy = 2;
+  po.transform_local_plan = drop_tail_fn;
   p = NULL;
-  CHECK_OK(
-      ferry_planner_create_ex(rt, ts, 3, NULL, root, 1, 30, 0, NULL, 0, NULL, &po, NULL, NULL, &p));
+  CHECK_OK(ferry_planner_open(rt, &po, &p));
   if (p) {
     ferry_plans* global = NULL;
     CHECK_OK(ferry_planner_global_plan(p, &global));
@@ -305,8 +326,7 @@ int main(void) {
   }
   po.transform_local_plan = raising_transform;
   p = NULL;
-  CHECK_OK(
-      ferry_planner_create_ex(rt, ts, 3, NULL, root, 1, 30, 0, NULL, 0, NULL, &po, NULL, NULL, &p));
+  CHECK_OK(ferry_planner_open(rt, &po, &p));
   if (p) {
     ferry_plans* global = NULL;
     CHECK(ferry_planner_global_plan(p, &global) != FERRY_OK && global == NULL);
@@ -315,15 +335,22 @@ int main(void) {
   }
   po.owner_policy = 7;
   p = NULL;
-  CHECK(ferry_planner_create_ex(rt, ts, 3, NULL, root, 1, 30, 0, NULL, 0, NULL, &po, NULL, NULL,
-                                &p) == FERRY_INVALID_ARGUMENT &&
-        p == NULL);
+  CHECK(ferry_planner_open(rt, &po, &p) == FERRY_INVALID_ARGUMENT && p == NULL);
   CHECK(strstr(ferry_last_error(), "owner_policy = 7") != NULL);
 
   /* File options: prefix, a cap that splits w over files, zstd; then a bad
    * prefix fails naming the field. */
-  ferry_save_options fo = {"cprefix", 40, "zstd:1"};
-  CHECK_OK(ferry_save_async_opts(rt, ts, 1, 11, root, 0, NULL, 0, &fo, &s));
+  ferry_save_request fo;
+  memset(&fo, 0, sizeof fo);
+  fo.size = sizeof fo;
+  fo.tensors = ts;
+  fo.num_tensors = 1;
+  fo.step = 11;
+  fo.root = root;
+  fo.files.filename_prefix = "cprefix";
+  fo.files.shard_size = 40;
+  fo.files.compress = "zstd:1";
+  CHECK_OK(ferry_save_start(rt, &fo, &s));
   CHECK_OK(ferry_save_wait(s));
   ferry_save_release(s);
   char first_file[600];
@@ -336,9 +363,13 @@ int main(void) {
   snprintf(step11, sizeof step11, "%s/step-00000011", root);
   CHECK_OK(ferry_load(rt, &back, 1, step11));
   CHECK(memcmp(w, w11, sizeof w) == 0);
-  ferry_save_options bad_fo = {"../up", 0, NULL};
+  ferry_save_request bad_fo = fo;
+  bad_fo.step = 12;
+  bad_fo.files.filename_prefix = "../up";
+  bad_fo.files.shard_size = 0;
+  bad_fo.files.compress = NULL;
   s = NULL;
-  CHECK_OK(ferry_save_async_opts(rt, ts, 1, 12, root, 0, NULL, 0, &bad_fo, &s));
+  CHECK_OK(ferry_save_start(rt, &bad_fo, &s));
   st = ferry_save_wait(s);
   CHECK(st == FERRY_INVALID_ARGUMENT);
   CHECK(strstr(ferry_last_error(), "filename_prefix") != NULL);
@@ -351,14 +382,33 @@ int main(void) {
     ferry_state_dict* sd = NULL;
     CHECK_OK(ferry_state_dict_create(ts, 3, &sd));
     CHECK(ferry_state_dict_size(sd) == 3);
-    CHECK_OK(ferry_save_async_sd(rt, sd, 24, root, 0, NULL, 0, NULL, NULL, &s));
+    ferry_save_request sq;
+    memset(&sq, 0, sizeof sq);
+    sq.size = sizeof sq;
+    sq.state_dict = sd;
+    sq.step = 24;
+    sq.root = root;
+    CHECK_OK(ferry_save_start(rt, &sq, &s));
     CHECK_OK(ferry_save_wait(s));
     ferry_save_release(s);
     int16_t b15[5] = {1, 2, 3, 4, 5};
     ferry_tensor nb = {"b", b15, FERRY_DTYPE_I16, 1, bshape, NULL, FERRY_DEVICE_HOST, 0, NULL, NULL,
                        0,   0};
     CHECK_OK(ferry_state_dict_set(sd, 2, &nb));
-    CHECK_OK(ferry_save_async_sd(rt, sd, 25, root, 0, NULL, 0, NULL, NULL, &s));
+    sq.step = 25;
+    CHECK_OK(ferry_save_start(rt, &sq, &s));
+    CHECK_OK(ferry_save_wait(s));
+    ferry_save_release(s);
+    /* A request with both a state dict and tensors is refused. */
+    sq.tensors = ts;
+    sq.num_tensors = 1;
+    s = NULL;
+    CHECK(ferry_save_start(rt, &sq, &s) == FERRY_INVALID_ARGUMENT && s == NULL);
+    CHECK(strstr(ferry_last_error(), "tensors and state_dict") != NULL);
+    sq.step = 26;
+    sq.tensors = NULL;
+    sq.num_tensors = 0;
+    CHECK_OK(ferry_save_start(rt, &sq, &s));
     CHECK_OK(ferry_save_wait(s));
     ferry_save_release(s);
     nb.key = "w";
@@ -381,19 +431,25 @@ int main(void) {
    * done; a failing one fails the save with its message and commits nothing. */
   {
     int refuse = 0;
-    ferry_save_extra ex;
+    ferry_save_request ex;
     memset(&ex, 0, sizeof ex);
+    ex.size = sizeof ex;
+    ex.tensors = ts;
+    ex.num_tensors = 1;
+    ex.step = 61;
+    ex.root = root;
     ex.snapshot_check = snapshot_check;
     ex.snapshot_check_user = &refuse;
     s = NULL;
-    CHECK_OK(ferry_save_async_ex(rt, ts, 1, 61, root, 0, NULL, 0, NULL, &ex, &s));
+    CHECK_OK(ferry_save_start(rt, &ex, &s));
     CHECK_OK(ferry_save_wait_snapshot(s));
     CHECK(check_calls == 1);
     CHECK_OK(ferry_save_wait(s));
     ferry_save_release(s);
     refuse = 1;
     s = NULL;
-    CHECK_OK(ferry_save_async_ex(rt, ts, 1, 62, root, 0, NULL, 0, NULL, &ex, &s));
+    ex.step = 62;
+    CHECK_OK(ferry_save_start(rt, &ex, &s));
     st = ferry_save_wait(s);
     CHECK(st == FERRY_ABORTED);
     CHECK(strstr(ferry_last_error(), "tensor 'w' changed during the snapshot") != NULL);
@@ -403,10 +459,14 @@ int main(void) {
     snprintf(step62, sizeof step62, "%s/step-00000062", root);
     CHECK(access(step62, F_OK) != 0);
     ex.stream_device = -1;
+    ex.step = 63;
     s = NULL;
-    CHECK(ferry_save_async_ex(rt, ts, 1, 63, root, 0, NULL, 0, NULL, &ex, &s) ==
-          FERRY_INVALID_ARGUMENT);
+    CHECK(ferry_save_start(rt, &ex, &s) == FERRY_INVALID_ARGUMENT);
     CHECK(s == NULL && strstr(ferry_last_error(), "stream_device") != NULL);
+    ex.stream_device = 0;
+    ex.size = sizeof ex - 1;
+    CHECK(ferry_save_start(rt, &ex, &s) == FERRY_INVALID_ARGUMENT && s == NULL);
+    CHECK(strstr(ferry_last_error(), "ferry_save_request.size") != NULL);
   }
 
   /* Handles: a NULL array with a count is refused; a released handle is

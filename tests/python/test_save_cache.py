@@ -191,7 +191,7 @@ class Changes(Base):
 
 
 class MutationCheck(unittest.TestCase):
-    """A cached save keeps the snapshot check (ferry_save_async_sd's extra)."""
+    """A cached save keeps the snapshot check (ferry_save_request.snapshot_check of a prepared state dict)."""
 
     def test_change_during_a_cached_snapshot_fails_naming_the_tensor(self):
         root = tempfile.mkdtemp(prefix="ferry_save_cache_mut_")

@@ -46,7 +46,7 @@ extern "C" {
 #endif
 
 /* Bumped when a struct layout or a function signature changes. */
-#define FERRY_C_ABI_VERSION 4
+#define FERRY_C_ABI_VERSION 5
 
 /* Mirrors ferry::StatusCode. */
 typedef enum ferry_status {
@@ -173,11 +173,15 @@ typedef enum ferry_log_level {
 } ferry_log_level;
 typedef void (*ferry_log_fn)(void* user, int32_t level, const char* message);
 
-/* What ferry_runtime_open starts. `size` is sizeof(ferry_runtime_options) as
- * the caller was compiled: a later ferry.h may append fields, which a
- * smaller size leaves at their zero defaults; a size larger than this
- * library knows, or smaller than the first version's, is invalid. Zero
- * fields mean the defaults. */
+/* Sized structs. Every operation with options has one entry point taking a
+ * request struct whose first field, `size`, is sizeof(the struct) as the
+ * caller was compiled: a later ferry.h appends fields, which a smaller size
+ * leaves at their zero defaults; a size larger than this library knows, or
+ * smaller than the first version's, is invalid. Results structs (stats,
+ * metrics) work the same way: the caller sets `size`, the library fills
+ * that much. Zero fields mean the defaults. */
+
+/* What ferry_runtime_open starts. */
 typedef struct ferry_runtime_options {
   size_t size;
   const ferry_kv* settings; /* highest precedence, as ferry_runtime_create's */
@@ -207,22 +211,15 @@ FERRY_API ferry_status ferry_save_async(ferry_runtime* rt, const ferry_tensor* t
                                         size_t num_tensors, uint64_t step, const char* root,
                                         int overwrite, const ferry_kv* metadata,
                                         size_t num_metadata, ferry_save** out);
-/* How one save lays out its data files. Zero-initialize, then set what
- * differs: NULL strings and shard_size 0 keep the configured
- * ferry.filename-prefix, ferry.shard-size and ferry.compress. A bad value
- * (a prefix with a path separator or "..", a negative shard_size, an unknown
- * codec) fails ferry_save_async_opts naming the field. */
+/* How a save lays out its data files: NULL strings and shard_size 0 keep
+ * the configured ferry.filename-prefix, ferry.shard-size and ferry.compress.
+ * A bad value (a prefix with a path separator or "..", a negative
+ * shard_size, an unknown codec) fails the save's start naming the field. */
 typedef struct ferry_save_options {
   const char* filename_prefix; /* data files <prefix>-<rank>-<k>.<ext> */
   int64_t shard_size;          /* most data bytes per file */
   const char* compress;        /* "none", "true", "zstd", "zstd:<level>" */
 } ferry_save_options;
-/* ferry_save_async with file options (`opts` may be NULL). */
-FERRY_API ferry_status ferry_save_async_opts(ferry_runtime* rt, const ferry_tensor* tensors,
-                                             size_t num_tensors, uint64_t step, const char* root,
-                                             int overwrite, const ferry_kv* metadata,
-                                             size_t num_metadata, const ferry_save_options* opts,
-                                             ferry_save** out);
 /* Called once when this rank's snapshot of a save has ended (every byte is
  * off the tensors), on one of Ferry's threads, before the snapshot waits
  * return. Returns 0 to go on; otherwise it may put a message in error
@@ -230,22 +227,6 @@ FERRY_API ferry_status ferry_save_async_opts(ferry_runtime* rt, const ferry_tens
  * rank. It must not wait for that save. (The Python package compares
  * torch's tensor versions here: a tensor changed during the snapshot.) */
 typedef int (*ferry_snapshot_check_fn)(void* user, char* error, size_t error_len);
-/* What else a save may carry. Zero-initialize, then set what differs. */
-typedef struct ferry_save_extra {
-  /* The caller's CUDA stream (a cudaStream_t) on CUDA device stream_device:
-   * copies off CUDA tensors are ordered after the work queued on it before
-   * the save. NULL: the legacy default stream. */
-  void* stream;
-  int32_t stream_device;
-  ferry_snapshot_check_fn snapshot_check; /* NULL: none */
-  void* snapshot_check_user;              /* its first argument */
-} ferry_save_extra;
-/* ferry_save_async_opts with more (`extra` may be NULL). */
-FERRY_API ferry_status ferry_save_async_ex(ferry_runtime* rt, const ferry_tensor* tensors,
-                                           size_t num_tensors, uint64_t step, const char* root,
-                                           int overwrite, const ferry_kv* metadata,
-                                           size_t num_metadata, const ferry_save_options* opts,
-                                           const ferry_save_extra* extra, ferry_save** out);
 /* A prepared state dict: the tensors validated and copied (keys, shapes,
  * pointers; not their bytes) once, for saves that repeat with the same
  * tensors, so a save of n tensors costs O(1) here instead of O(n). The
@@ -258,12 +239,30 @@ FERRY_API ferry_status ferry_state_dict_set(ferry_state_dict* sd, size_t index,
                                             const ferry_tensor* tensor);
 FERRY_API size_t ferry_state_dict_size(const ferry_state_dict* sd);
 FERRY_API void ferry_state_dict_release(ferry_state_dict* sd);
-/* ferry_save_async_ex of a prepared state dict (`extra` may be NULL). */
-FERRY_API ferry_status ferry_save_async_sd(ferry_runtime* rt, const ferry_state_dict* sd,
-                                           uint64_t step, const char* root, int overwrite,
-                                           const ferry_kv* metadata, size_t num_metadata,
-                                           const ferry_save_options* opts,
-                                           const ferry_save_extra* extra, ferry_save** out);
+/* Everything a save may carry (sized: see above). */
+typedef struct ferry_save_request {
+  size_t size;
+  /* The state: tensors (num_tensors of them), or a prepared state dict. */
+  const ferry_tensor* tensors;
+  size_t num_tensors;
+  const ferry_state_dict* state_dict;
+  uint64_t step;
+  const char* root; /* NULL or "": the configured root */
+  int32_t overwrite;
+  const ferry_kv* metadata; /* stored in the manifest */
+  size_t num_metadata;
+  ferry_save_options files;
+  /* The caller's CUDA stream (a cudaStream_t) on CUDA device stream_device:
+   * copies off CUDA tensors are ordered after the work queued on it before
+   * the save. NULL: the legacy default stream. */
+  void* stream;
+  int32_t stream_device;
+  ferry_snapshot_check_fn snapshot_check; /* NULL: none */
+  void* snapshot_check_user;              /* its first argument */
+} ferry_save_request;
+/* ferry_save_async with everything a request carries. */
+FERRY_API ferry_status ferry_save_start(ferry_runtime* rt, const ferry_save_request* request,
+                                        ferry_save** out);
 /* Blocks until every byte is off the caller's tensors (or the save failed). */
 FERRY_API ferry_status ferry_save_wait_snapshot(ferry_save* s);
 /* Stream-ordered: makes the CUDA stream `stream` (a cudaStream_t on device
@@ -293,6 +292,7 @@ FERRY_API uint64_t ferry_save_bytes_persisted(const ferry_save* s);
 FERRY_API uint64_t ferry_save_bytes_total(const ferry_save* s);
 
 typedef struct ferry_save_metrics {
+  size_t size; /* set by the caller (sized: see above) */
   double save_async_ms;
   double plan_ms;
   double snapshot_ms;
@@ -304,7 +304,7 @@ typedef struct ferry_save_metrics {
   int32_t slowest_rank;
   double slowest_rank_ms;
 } ferry_save_metrics;
-FERRY_API void ferry_save_metrics_get(const ferry_save* s, ferry_save_metrics* out);
+FERRY_API ferry_status ferry_save_metrics_get(const ferry_save* s, ferry_save_metrics* out);
 /* Drops the handle; the save itself goes on (the runtime keeps it). */
 FERRY_API void ferry_save_release(ferry_save* s);
 
@@ -323,6 +323,7 @@ FERRY_API ferry_status ferry_load(ferry_runtime* rt, const ferry_tensor* tensors
 
 /* What one load did on this rank. */
 typedef struct ferry_load_stats {
+  size_t size;               /* set by the caller (sized: see above) */
   uint64_t step;             /* of the checkpoint loaded */
   uint64_t tensors_restored; /* the tensors given, every one filled */
   uint64_t bytes_read;       /* from the data files, by this rank */
@@ -334,15 +335,21 @@ typedef struct ferry_load_stats {
    * when the ranks of a node reach each other over direct lanes). */
   uint64_t share_frames_relayed;
   /* Bytes this rank read for other ranks of its node and put straight in
-   * their share rings (share-memory), not in frames (ABI version 2). */
+   * their share rings (share-memory), not in frames. */
   uint64_t shared_in_memory;
 } ferry_load_stats;
-/* ferry_load, which also fills *stats when the load succeeds. Unlike
- * ferry_load it does not log the checkpoint tensors left out (the caller
- * chose them). With stats NULL it is ferry_load. */
-FERRY_API ferry_status ferry_load_with_stats(ferry_runtime* rt, const ferry_tensor* tensors,
-                                             size_t num_tensors, const char* path,
-                                             ferry_load_stats* stats);
+/* What a load reads into (sized: see above). */
+typedef struct ferry_load_request {
+  size_t size;
+  const ferry_tensor* tensors;
+  size_t num_tensors;
+  const char* path; /* a step directory, or a root: its latest */
+} ferry_load_request;
+/* ferry_load of a request, which also fills *stats (its size set by the
+ * caller) when the load succeeds. Unlike ferry_load it does not log the
+ * checkpoint tensors left out (the caller chose them). */
+FERRY_API ferry_status ferry_load_run(ferry_runtime* rt, const ferry_load_request* request,
+                                      ferry_load_stats* stats);
 
 /* The checkpoint a load of `path` reads now (a root: its latest), as rank 0
  * resolves it for every rank: its directory in *dir_out (owned by this
@@ -441,14 +448,6 @@ FERRY_API ferry_status ferry_planner_create(ferry_runtime* rt, const ferry_tenso
                                             int overwrite, const ferry_kv* metadata,
                                             size_t num_metadata, ferry_checkpoint_fn fn,
                                             void* fn_user, ferry_planner** out);
-/* ferry_planner_create with file options (`opts` may be NULL; its
- * filename_prefix applies when the filename_prefix argument is NULL or ""). */
-FERRY_API ferry_status ferry_planner_create_opts(
-    ferry_runtime* rt, const ferry_tensor* tensors, size_t num_tensors, const char* filename_prefix,
-    const char* root, int has_step, uint64_t step, int overwrite, const ferry_kv* metadata,
-    size_t num_metadata, const ferry_save_options* opts, ferry_checkpoint_fn fn, void* fn_user,
-    ferry_planner** out);
-
 /* Changes this rank's local plan before it is sent to rank 0
  * (SavePlannerOptions::transform_local_plan): `plan` holds the local plan's
  * bytes; the function points *out / *out_len at the bytes of the plan to
@@ -460,23 +459,32 @@ FERRY_API ferry_status ferry_planner_create_opts(
 typedef int (*ferry_plan_transform_fn)(void* user, const char* plan, size_t len, const char** out,
                                        size_t* out_len, char* error, size_t error_len);
 
-/* The planner's own options (SavePlannerOptions). Zeroed: none. */
-typedef struct ferry_planner_options {
-  int owner_policy;                             /* who writes replicated tensors: 0 the configured
-                                                   owner-policy, 1 balanced, 2 lowest rank; every rank
-                                                   must pass the same */
+/* Everything a planner may carry (sized: see above; SavePlannerOptions). */
+typedef struct ferry_planner_request {
+  size_t size;
+  const ferry_tensor* tensors; /* must stay valid until the planner is destroyed */
+  size_t num_tensors;
+  const char* filename_prefix; /* as ferry_planner_create's; else files.filename_prefix */
+  const char* root;            /* as ferry_planner_create's */
+  int32_t has_step;
+  uint64_t step;
+  int32_t overwrite;
+  const ferry_kv* metadata;
+  size_t num_metadata;
+  ferry_save_options files;
+  /* Who writes replicated tensors: 0 the configured owner-policy, 1
+   * balanced, 2 lowest rank; every rank must pass the same. */
+  int32_t owner_policy;
   ferry_plan_transform_fn transform_local_plan; /* NULL: the plan as made */
   void* transform_user;                         /* its first argument */
-  ferry_snapshot_check_fn snapshot_check;       /* as ferry_save_extra's; NULL: none */
+  ferry_snapshot_check_fn snapshot_check;       /* as ferry_save_request's; NULL: none */
   void* snapshot_check_user;                    /* its first argument */
-} ferry_planner_options;
-
-/* ferry_planner_create_opts with the planner's options (`popts` may be NULL). */
-FERRY_API ferry_status ferry_planner_create_ex(
-    ferry_runtime* rt, const ferry_tensor* tensors, size_t num_tensors, const char* filename_prefix,
-    const char* root, int has_step, uint64_t step, int overwrite, const ferry_kv* metadata,
-    size_t num_metadata, const ferry_save_options* opts, const ferry_planner_options* popts,
-    ferry_checkpoint_fn fn, void* fn_user, ferry_planner** out);
+  ferry_checkpoint_fn checkpoint_fn;            /* NULL: Ferry writes the files */
+  void* checkpoint_user;                        /* its first argument */
+} ferry_planner_request;
+/* ferry_planner_create with everything a request carries. */
+FERRY_API ferry_status ferry_planner_open(ferry_runtime* rt, const ferry_planner_request* request,
+                                          ferry_planner** out);
 /* Abandons an unfinished checkpoint (on every rank), then frees. */
 FERRY_API void ferry_planner_destroy(ferry_planner* p);
 FERRY_API uint64_t ferry_planner_step(const ferry_planner* p);
