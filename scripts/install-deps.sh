@@ -10,7 +10,7 @@ packages=(
   capnproto libcapnp-dev
   catch2 libxxhash-dev libzstd-dev rapidjson-dev python3 python3-torch
   libcurl4-openssl-dev libexpat1-dev libssl-dev  # the S3 store (src/s3/)
-  iproute2 util-linux  # the many-host tests' emulated hosts (tests/hosts/hosts.sh)
+  iproute2 util-linux nftables  # the many-host tests' emulated hosts (tests/hosts/hosts.sh)
 )
 # A throw-away Ceph cluster with radosgw: the S3 tests' server (tests/s3/).
 if [ "${1:-}" = "--tests" ]; then

@@ -8,7 +8,8 @@
 # node-local directory at $FERRY_NODE_DIR (one path, different contents per
 # host) and the set's shared directory at $FERRY_SHARED_DIR.
 #
-#   hosts.sh check                       exit 0 if hosts can be made here, else 77 and why
+#   hosts.sh check [--shape]             exit 0 if hosts can be made here (--shape: and their
+#                                        links shaped), else 77 and why
 #   hosts.sh up NAME N [--shared DIR] [--owner PID]
 #                                        N hosts; an earlier set NAME and the leftovers of
 #                                        sets whose owner (default: the caller) is gone are
@@ -21,6 +22,11 @@
 #                                        MASTER_PORT, and one FERRY_JOB_TOKEN); lines
 #                                        prefixed "[rank R] "; exit 0 iff every rank did
 #   hosts.sh link NAME I up|down         host I's cable
+#   hosts.sh shape NAME I rate R         caps host I's link at R (tc units: 1gbit) each way (tbf)
+#   hosts.sh shape NAME I loss P%        drops P% of the packets each way on host I's link
+#                                        (nftables, on arrival at either end of its veth)
+#   hosts.sh shape NAME I clear          removes both
+#   hosts.sh shape NAME I show           "dropped=N": the packets the loss dropped so far
 #   hosts.sh kill NAME I                 SIGKILL every process of host I (the host is gone)
 #   hosts.sh addr NAME I                 host I's address
 #   hosts.sh bytes NAME I                bytes host I sent and received on its link
@@ -48,6 +54,10 @@ have_tools() {
 
 check() {
   have_tools || return 77
+  if [ "${1:-}" = "--shape" ]; then
+    command -v tc >/dev/null 2>&1 || { echo "hosts: 'tc' not found (apt-get install iproute2)"; return 77; }
+    command -v nft >/dev/null 2>&1 || { echo "hosts: 'nft' not found (apt-get install nftables)"; return 77; }
+  fi
   local ns="fhcheck$$"
   if ! out=$(ip netns add "$ns" 2>&1); then
     echo "hosts: cannot create a network namespace: $out"
@@ -80,6 +90,12 @@ owner_alive() {
   [ "$(proc_id "${want%% *}" 2>/dev/null)" = "$want" ]
 }
 
+# The names of the root namespace's netdev tables (shape's loss), if nft is here.
+loss_tables() {
+  command -v nft >/dev/null 2>&1 && nft list tables netdev 2>/dev/null | awk '{print $3}'
+  return 0
+}
+
 down() {
   local name=$1 dir="$STATE_BASE/$1" p="fh$1"
   if [ -d "$dir" ]; then
@@ -92,6 +108,9 @@ down() {
   done
   for l in $(ip -o link show 2>/dev/null | awk -F': ' '{print $2}' | cut -d@ -f1 | grep "^${p}[bv][0-9]*$"); do
     ip link del "$l" 2>/dev/null
+  done
+  for t in $(loss_tables | grep "^${p}l[0-9]*$"); do
+    nft delete table netdev "$t" 2>/dev/null
   done
   if [ -d "$dir" ]; then
     umount -l "$dir/nodemnt" 2>/dev/null
@@ -107,8 +126,8 @@ clean() {
     owner_alive "$d" || down "$(basename "$d")"
   done
   # Namespaces and links of a set whose state directory is gone.
-  for p in $( (ip netns list 2>/dev/null | awk '{print $1}'; ip -o link show 2>/dev/null | awk -F': ' '{print $2}' | cut -d@ -f1) |
-    sed -n 's/^fh\([a-z0-9]\{1,8\}\)[bhv][0-9]*$/\1/p' | sort -u); do
+  for p in $( (ip netns list 2>/dev/null | awk '{print $1}'; ip -o link show 2>/dev/null | awk -F': ' '{print $2}' | cut -d@ -f1; loss_tables) |
+    sed -n 's/^fh\([a-z0-9]\{1,8\}\)[bhlv][0-9]*$/\1/p' | sort -u); do
     [ -d "$STATE_BASE/$p" ] || down "$p"
   done
 }
@@ -252,6 +271,58 @@ job() {
   return "$rc"
 }
 
+# Shapes host I's link each way: traffic to the host leaves the root side of
+# its veth (fh<NAME>v<I>), traffic from it leaves eth0 inside its namespace.
+# Loss drops packets as they arrive at either end (netdev ingress), so the
+# sending stack sees a packet lost on the wire, not a local error.
+shape() {
+  local name=$1 i=$2 what=$3 value=${4:-}
+  local ns="fh${name}h$i" veth="fh${name}v$i" table="fh${name}l$i"
+  [ -f "$STATE_BASE/$name/h$i/pid" ] || die "no host $i in set $name"
+  case $what in
+    rate)
+      [[ "$value" =~ ^[0-9]+(\.[0-9]+)?[kmg]?(bit|bps)$ ]] || die "shape: bad rate '$value' (e.g. 1gbit, 500mbit)"
+      # burst: more than a timer tick's worth at 1gbit; latency bounds the queue.
+      tc qdisc replace dev "$veth" root tbf rate "$value" burst 256kb latency 50ms ||
+        die "shape: tc on $veth failed"
+      ip netns exec "$ns" tc qdisc replace dev eth0 root tbf rate "$value" burst 256kb latency 50ms ||
+        die "shape: tc on host $i's eth0 failed"
+      ;;
+    loss)
+      [[ "$value" =~ ^([0-9]{1,2})%$ ]] || die "shape: bad loss '$value' (0%..99%)"
+      local pct=${BASH_REMATCH[1]}
+      command -v nft >/dev/null 2>&1 || die "shape: 'nft' not found (apt-get install nftables)"
+      nft delete table netdev "$table" 2>/dev/null
+      ip netns exec "$ns" nft delete table netdev ferryloss 2>/dev/null
+      [ "$pct" -eq 0 ] && return 0
+      echo "table netdev $table { chain in { type filter hook ingress device \"$veth\" priority 0;" \
+        "numgen random mod 100 < $pct counter drop; }; }" | nft -f - || die "shape: nft on $veth failed"
+      echo "table netdev ferryloss { chain in { type filter hook ingress device \"eth0\" priority 0;" \
+        "numgen random mod 100 < $pct counter drop; }; }" | ip netns exec "$ns" nft -f - ||
+        die "shape: nft on host $i's eth0 failed"
+      ;;
+    clear)
+      tc qdisc del dev "$veth" root 2>/dev/null
+      ip netns exec "$ns" tc qdisc del dev eth0 root 2>/dev/null
+      if command -v nft >/dev/null 2>&1; then
+        nft delete table netdev "$table" 2>/dev/null
+        ip netns exec "$ns" nft delete table netdev ferryloss 2>/dev/null
+      fi
+      ;;
+    show)
+      local n=0 c
+      for c in $( (nft list table netdev "$table" 2>/dev/null
+        ip netns exec "$ns" nft list table netdev ferryloss 2>/dev/null) |
+        sed -n 's/.*counter packets \([0-9]*\).*/\1/p'); do
+        n=$((n + c))
+      done
+      echo "dropped=$n"
+      ;;
+    *) die "usage: shape NAME I rate R | loss P% | clear | show" ;;
+  esac
+  return 0
+}
+
 # up, down and clean one at a time: a clean must not take a set that
 # another up is still making for an abandoned one.
 lock() {
@@ -266,13 +337,18 @@ case $cmd in
   up | down | clean) lock ;;
 esac
 case $cmd in
-  check) check ;;
+  check) check "$@" ;;
   up) [ $# -ge 2 ] || die "usage: up NAME N [--shared DIR] [--owner PID]"; up "$@" ;;
   run) [ $# -ge 3 ] || die "usage: run NAME I [--] CMD..."; run "$@" ;;
   job) [ $# -ge 2 ] || die "usage: job NAME -n K [--hosts I,J] [--port P] [--] CMD..."; job "$@" ;;
   link)
     [ $# -eq 3 ] && [[ "$3" =~ ^(up|down)$ ]] || die "usage: link NAME I up|down"
     ip link set "fh$1v$2" "$3"
+    ;;
+  shape)
+    [ $# -ge 3 ] || die "usage: shape NAME I rate R | loss P% | clear | show"
+    valid_name "$1"
+    shape "$@"
     ;;
   kill)
     [ $# -eq 2 ] || die "usage: kill NAME I"

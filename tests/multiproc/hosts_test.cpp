@@ -13,6 +13,9 @@
 
 #include <algorithm>
 #include <memory>
+#include <optional>
+#include <utility>
+#include <vector>
 
 #include <cstdlib>
 #include <filesystem>
@@ -24,6 +27,7 @@
 
 #include "catalog.hpp"
 #include "manifest.hpp"
+#include "multiproc/hostile.hpp"
 #include "multiproc/launch.hpp"
 #include "multiproc/load_stats.hpp"
 #include "test_util.hpp"
@@ -142,22 +146,30 @@ std::map<int, std::pair<std::string, std::set<int>>> ring_peers(const std::strin
   return peers;
 }
 
-// The pid (in this namespace) of a stopped rank worker whose command line
-// holds `needle`, or 0.
-pid_t stopped_with(const std::string& needle) {
+// The pids (in this namespace) of the rank workers whose command line holds `needle`.
+std::vector<pid_t> workers_with(const std::string& needle) {
+  std::vector<pid_t> pids;
   for (const auto& e : fs::directory_iterator("/proc")) {
     const std::string pid = e.path().filename().string();
     if (pid.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::ifstream stat(e.path() / "stat");
-    std::string line;
-    std::getline(stat, line);
-    const auto close = line.rfind(')');
-    if (close == std::string::npos || line.size() < close + 3 || line[close + 2] != 'T') continue;
     std::ifstream cmd(e.path() / "cmdline");
     std::string args(std::istreambuf_iterator<char>(cmd), {});
     std::replace(args.begin(), args.end(), '\0', ' ');
     if (args.rfind(FERRY_RANK_WORKER_PATH, 0) == 0 && args.find(needle) != std::string::npos)
-      return std::stoi(pid);
+      pids.push_back(std::stoi(pid));
+  }
+  return pids;
+}
+
+// The pid of a stopped rank worker whose command line holds `needle`, or 0.
+pid_t stopped_with(const std::string& needle) {
+  for (pid_t pid : workers_with(needle)) {
+    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+    std::string line;
+    std::getline(stat, line);
+    const auto close = line.rfind(')');
+    if (close != std::string::npos && line.size() >= close + 3 && line[close + 2] == 'T')
+      return pid;
   }
   return 0;
 }
@@ -530,4 +542,185 @@ TEST_CASE("hosts: hosts left behind by a dead owner are removed by the next star
   INFO(after.out);
   CHECK_THAT(after.out, !Catch::Contains(left));
   CHECK_FALSE(fs::exists("/run/ferry-hosts/" + name));
+}
+
+namespace {
+
+// Where link shaping (tc, nft) cannot run: the reason, as for the hosts.
+std::string shaping_unavailable() {
+  const RunResult r = run_shell(kTool + " check --shape");
+  if (r.code == 0) return "";
+  return r.out.empty() ? "hosts.sh check --shape exited " + std::to_string(r.code) : r.out;
+}
+
+// The largest `field=` value (ms) over the SAVED lines of `out`, and how many there were.
+std::pair<double, size_t> slowest(const std::string& out, const std::string& field) {
+  double most = 0;
+  const auto saved = lines_with(out, "] SAVED ");
+  for (const std::string& l : saved) {
+    const auto at = l.find(" " + field + "=");
+    if (at != std::string::npos) most = std::max(most, std::stod(l.substr(at + field.size() + 2)));
+  }
+  return {most, saved.size()};
+}
+
+// A variable of `pid`'s environment ("" if unset).
+std::string env_of(pid_t pid, const std::string& name) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/environ");
+  std::string entry;
+  while (std::getline(in, entry, '\0'))
+    if (entry.rfind(name + "=", 0) == 0) return entry.substr(name.size() + 1);
+  return "";
+}
+
+}  // namespace
+
+TEST_CASE(
+    "hosts: 2 hosts x 2 ranks save and load resharded through a 1 Gbit/s link losing 2% each "
+    "way; plan and commit timed",
+    "[hosts][shape]") {
+  FERRY_NEED_HOSTS();
+  if (const std::string why = shaping_unavailable(); !why.empty()) {
+    if (hosts_required()) FAIL("FERRY_REQUIRE_HOSTS=1 but " << why);
+    FERRY_SKIP(why << " (FERRY_REQUIRE_HOSTS=1 makes this a failure)");
+  }
+  TempDir d;
+  Hosts h(2, d.path());
+  // A model with 1000 small entries as well: a plan of some size crosses the link.
+  const std::string model = kModel + " --many 1000 --root " + d.path();
+  const RunResult plain = h.job(2, "0,1", "--mode save --step 1 --seed 7" + model);
+  INFO(plain.out);
+  REQUIRE(plain.code == 0);
+  // Every byte between the hosts crosses host 1's link: shaped, both ways.
+  h.tool("shape " + h.name() + " 1 rate 1gbit");
+  h.tool("shape " + h.name() + " 1 loss 2%");
+  const uint64_t link0 = h.link_bytes(1);
+  const RunResult shaped = h.job(2, "0,1", "--mode save --step 2 --seed 8" + model);
+  INFO(shaped.out);
+  REQUIRE(shaped.code == 0);
+  CHECK(ferry::testing::manifest_of(latest_path(d.path())).step == 2);
+  // Loaded resharded (rows become columns) on 2 x 2, and on 2 x 1.
+  check_loaded(h.job(2, "0,1", "--mode load --seed 8" + model), 4);
+  check_loaded(h.job(1, "0,1", "--mode load --seed 8" + model), 2);
+  const uint64_t carried = h.link_bytes(1) - link0;
+  const RunResult dropped = run_shell(kTool + " shape " + h.name() + " 1 show");
+  INFO(dropped.out);
+  REQUIRE(dropped.code == 0);
+  // The loss was there: packets of this job were dropped on the way.
+  CHECK(std::stoull(dropped.out.substr(dropped.out.find("dropped=") + 8)) > 0);
+  // The same save again on the plain link, with a checkpoint before it as
+  // the shaped one had.
+  h.tool("shape " + h.name() + " 1 clear");
+  const RunResult again = h.job(2, "0,1", "--mode save --step 3 --seed 9" + model);
+  INFO(again.out);
+  REQUIRE(again.code == 0);
+  // Plan and commit of the slowest rank in each save.
+  std::ostringstream times;
+  for (const auto& [what, run] :
+       {std::pair<const char*, const RunResult*>{"plain link, step 1", &plain},
+        {"1 Gbit/s + 2% loss each way, step 2", &shaped},
+        {"plain link, step 3", &again}}) {
+    const auto [plan, saved] = slowest(run->out, "plan_ms");
+    const auto [commit, saved_too] = slowest(run->out, "commit_ms");
+    CHECK(saved == 4);
+    times << "; " << what << ": plan " << plan << " ms, commit " << commit << " ms";
+  }
+  WARN("save on 2 hosts x 2 ranks, slowest rank"
+       << times.str() << "; shaped, host 1's link carried " << carried << " bytes, "
+       << dropped.out);
+}
+
+TEST_CASE(
+    "hosts: foreign bytes from another host at every port a rank listens on: ignored, logged, "
+    "and the save commits and loads",
+    "[hosts][hostile]") {
+  FERRY_NEED_HOSTS();
+  TempDir d;
+  Hosts h(3, d.path());
+  // The job on hosts 0 and 1 stands joined, every rank listening, until `go`.
+  const std::string go = d.sub("go");
+  ferry::testing::ProcessOptions o;
+  o.capture_stdout = true;
+  o.merge_stderr = true;
+  ferry::testing::Process job({"/bin/sh", "-c",
+                               h.job_cmd(2, "0,1",
+                                         "--mode save --step 1 --seed 7 --root " + d.path() +
+                                             kModel + " --wait-for " + go)},
+                              o);
+  std::string out;
+  for (int ready = 0; ready < 4;) {
+    const auto line = job.read_line(60);
+    REQUIRE(line);
+    out += *line + "\n";
+    if (line->find("] READY") != std::string::npos) ++ready;
+  }
+  // Every TCP port of every rank that another host can reach, found from
+  // the ranks themselves (their sockets in their hosts' namespaces).
+  const std::vector<pid_t> ranks = workers_with(d.path());
+  REQUIRE(ranks.size() == 4);
+  std::vector<std::string> targets;
+  bool handshake_port = false;
+  for (pid_t pid : ranks) {
+    const std::string addr = env_of(pid, "FERRY_HOST_ADDR");
+    REQUIRE(!addr.empty());
+    size_t reachable = 0;
+    for (const auto& a : ferry::testing::listening_sockets(pid, addr)) {
+      if (a.ss_family != AF_INET) continue;
+      char text[INET_ADDRSTRLEN] = {0};
+      inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in&>(a).sin_addr, text, sizeof(text));
+      if (std::string(text) != addr) continue;  // loopback only: no other host reaches it
+      const uint16_t port = ferry::testing::port_of(a);
+      targets.push_back(addr + ":" + std::to_string(port));
+      handshake_port = handshake_port || (addr == "10.77.0.1" && port == 29501);
+      ++reachable;
+    }
+    INFO("rank worker pid " << pid << " on " << addr);
+    CHECK(reachable > 0);
+  }
+  CHECK(handshake_port);  // rank 0's join port (MASTER_PORT + 1) among them
+
+  // From host 2, which runs no rank of the job.
+  std::vector<std::string> argv = {kTool, "run", h.name(), "2", "--", FERRY_FOREIGN_SENDER_PATH};
+  argv.insert(argv.end(), targets.begin(), targets.end());
+  ferry::testing::ProcessOptions so;
+  so.capture_stdout = true;
+  so.merge_stderr = true;
+  so.pipe_stdin = true;
+  ferry::testing::Process sender(argv, so);
+  std::string joins;
+  for (size_t i = 0; i < targets.size(); ++i) {
+    const auto line = sender.read_line(120);
+    REQUIRE(line);
+    joins += *line + "\n";
+  }
+  INFO(joins);
+  // Rank 0's join port refused the wrong token, naming it; no other port took it.
+  CHECK(count(joins, "JOIN REFUSED by 10.77.0.1:29501 ") == 1);
+  CHECK(count(joins, "JOIN REFUSED") == 1);
+  const auto sent = sender.read_line(120);
+  REQUIRE(sent);
+  INFO(*sent);
+  CHECK(sent->rfind("SENT ", 0) == 0);
+  const auto held = sender.read_line(60);
+  REQUIRE(held);
+  CHECK(held->rfind("HELD ", 0) == 0);
+  for (pid_t pid : ranks) CHECK(::kill(pid, 0) == 0);  // every rank lived through it
+
+  // The save goes on while the foreign connections stay open.
+  std::ofstream(go) << "go\n";
+  std::string rest;
+  REQUIRE(job.read_all(&rest, 120));
+  out += rest;
+  INFO(out);
+  CHECK(job.wait_exit(10) == std::optional<int>(0));
+  CHECK(count(out, "SAVED") == 4);
+  sender.say("done");
+  CHECK(sender.wait_exit(30) == std::optional<int>(0));
+  // Rank 0 logged the foreign connections, naming where they came from,
+  // and the Join with the wrong token as such.
+  CHECK(count(out, "[rank 0] ") > 0);
+  CHECK_THAT(out, Catch::Contains("closed a connection from 10.77.0.3"));
+  CHECK_THAT(out, Catch::Contains("presented a different job token"));
+  check_nothing_pending(d.path());
+  check_loaded(h.job(1, "0,1", "--mode load --seed 7 --root " + d.path() + kModel), 2);
 }

@@ -14,6 +14,8 @@
 //               save again, which must fail at once naming it)
 //               [--big-mib N]  (one more replicated f32 tensor, "rep_huge", of N MiB)
 //               [--overwrite 1]  (save: replace the step if it is committed)
+//               [--wait-for FILE]  (save: once joined, print READY and wait until
+//               FILE exists before the save; a test acts on the running job first)
 //   rank_worker --mode replica-differ --root DIR [--differ-rank R] [--differ-key K]
 //               (rank R changes one byte of replicated tensor K, default
 //               layers.0.bias: the save must fail naming K)
@@ -703,6 +705,12 @@ int main(int argc, char** argv) {
          st.message().find("rank " + std::to_string(bad_rank)) == std::string::npos))
       return 1;
   }
+  if (const std::string go = arg(argc, argv, "--wait-for", ""); !go.empty()) {
+    std::printf("READY\n");
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+    while (!std::filesystem::exists(go) && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
   const auto t0 = std::chrono::steady_clock::now();
   auto h = rt.save_async(sd, my_step, so);
   // --kill-after none: FERRY_KILL_AT does it, at a step inside the save.
@@ -719,8 +727,9 @@ int main(int argc, char** argv) {
       return 1;
     }
     const auto m = h.metrics();
-    std::printf("SAVED %s bytes=%llu total_ms=%.1f\n", h.path().c_str(),
-                static_cast<unsigned long long>(m.bytes), m.total_ms);
+    std::printf("SAVED %s bytes=%llu total_ms=%.1f plan_ms=%.1f write_ms=%.1f commit_ms=%.1f\n",
+                h.path().c_str(), static_cast<unsigned long long>(m.bytes), m.total_ms, m.plan_ms,
+                m.write_ms, m.commit_ms);
     const std::string leave = arg(argc, argv, "--leave-rank", "");
     if (leave.empty()) return 0;
     if (rank == std::stoi(leave)) {
