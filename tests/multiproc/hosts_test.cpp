@@ -577,7 +577,7 @@ std::string env_of(pid_t pid, const std::string& name) {
 
 TEST_CASE(
     "hosts: 2 hosts x 2 ranks save and load resharded through a 1 Gbit/s link losing 2% each "
-    "way; plan and commit timed",
+    "way, plan and commit timed",
     "[hosts][shape]") {
   FERRY_NEED_HOSTS();
   if (const std::string why = shaping_unavailable(); !why.empty()) {
