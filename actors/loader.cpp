@@ -41,6 +41,7 @@
 #include "copy_bytes.hpp"
 #include "cpus.hpp"
 #include "populate.hpp"
+#include "work_queue.hpp"
 
 namespace ferry {
 
@@ -486,73 +487,6 @@ struct OpenFile {
   }
 };
 
-// The threads that issue one reader's preads: started once per read task,
-// not once per read, since a thread start (clone, a stack mapping, its page
-// faults, its unmapping) costs kernel time that adds up over many runs. Up
-// to `n`, each started when a job finds every started thread busy: a task
-// with one file and no compressed chunk starts one.
-class PreadThreads {
- public:
-  explicit PreadThreads(size_t n) : max_(n) {}
-  ~PreadThreads() {
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    for (auto& t : threads_) t.join();
-  }
-  PreadThreads(const PreadThreads&) = delete;
-  PreadThreads& operator=(const PreadThreads&) = delete;
-
-  std::future<Result<size_t>> submit(std::function<Result<size_t>()> fn) {
-    auto task = std::make_shared<std::packaged_task<Result<size_t>()>>(std::move(fn));
-    auto got = task->get_future();
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      queue_.push_back([task] { (*task)(); });
-      if (queue_.size() > idle_ && threads_.size() < max_) {
-        try {
-          threads_.emplace_back([this] { loop(); });
-        } catch (const std::system_error&) {
-          // No thread to spare: the started ones take the job in turn. With
-          // none, nobody would, and the caller hears why.
-          if (threads_.empty()) {
-            queue_.pop_back();
-            throw;
-          }
-        }
-      }
-    }
-    cv_.notify_one();
-    return got;
-  }
-
- private:
-  void loop() {
-    std::unique_lock<std::mutex> l(mu_);
-    for (;;) {
-      ++idle_;
-      cv_.wait(l, [this] { return stop_ || !queue_.empty(); });
-      --idle_;
-      if (queue_.empty()) return;  // stopping, and nothing left to run
-      std::function<void()> job = std::move(queue_.front());
-      queue_.pop_front();
-      l.unlock();
-      job();
-      l.lock();
-    }
-  }
-
-  const size_t max_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> queue_;
-  size_t idle_ = 0;  // started threads waiting for a job
-  bool stop_ = false;
-  std::vector<std::thread> threads_;
-};
-
 // A read of the reader's list: a run into a staging block, or one op read
 // straight into its tensor at `direct` (the run then holds that op alone and
 // its length is what one aligned pread takes of it; the rest, less than an
@@ -580,7 +514,10 @@ struct InFlight {
 class RunReader {
  public:
   RunReader(const RankContext& ctx, ReadTask& task)
-      : ctx_(ctx), task_(task), pause_(ctx.pool.get()), io_(kPreadThreads) {}
+      : ctx_(ctx),
+        task_(task),
+        pause_(ctx.pool.get()),
+        io_("ferry.pread", kPreadThreads, WorkQueue::AtStop::run_queued) {}
   // Every read started is waited for and every block released, whatever failed.
   ~RunReader() {
     while (!inflight_.empty()) {
@@ -953,8 +890,8 @@ class RunReader {
   // when an exception unwinds the reader uses its file.
   std::map<uint32_t, std::unique_ptr<OpenFile>> files_;
   // Both outlive no read: the destructor waits for every one first.
-  PreadThreads disk_{1};  // the runs' reads, in order
-  PreadThreads io_;
+  WorkQueue disk_{"ferry.disk", 1, WorkQueue::AtStop::run_queued};  // the runs' reads, in order
+  WorkQueue io_;
   std::deque<InFlight> inflight_;
   std::optional<std::chrono::steady_clock::time_point> waiting_since_;
 };

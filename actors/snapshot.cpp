@@ -52,62 +52,11 @@
 #include "actors/messages.hpp"
 #include "actors/snapshot_actor.hpp"
 #include "checksum.hpp"
+#include "work_queue.hpp"
 
 namespace ferry {
 
 namespace {
-
-// A thread with a FIFO queue of tasks. The destructor lets the running task
-// finish, drops the queued ones and joins.
-class CopyLane {
- public:
-  explicit CopyLane(std::string name)
-      : thread_([this, name = std::move(name)] {
-          // Visible in top/gdb, and how the tests tell the copies' thread apart.
-          pthread_setname_np(pthread_self(), name.substr(0, 15).c_str());
-          run();
-        }) {}
-  ~CopyLane() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-      tasks_.clear();
-    }
-    cv_.notify_one();
-    thread_.join();
-  }
-  CopyLane(const CopyLane&) = delete;
-  CopyLane& operator=(const CopyLane&) = delete;
-
-  void post(std::function<void()> task) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      tasks_.push_back(std::move(task));
-    }
-    cv_.notify_one();
-  }
-
- private:
-  void run() {
-    std::unique_lock<std::mutex> lock(mu_);
-    while (true) {
-      cv_.wait(lock, [this] { return stop_ || !tasks_.empty(); });
-      if (stop_) return;
-      std::function<void()> task = std::move(tasks_.front());
-      tasks_.pop_front();
-      lock.unlock();
-      task();
-      task = nullptr;  // its captures go before the lock is taken again
-      lock.lock();
-    }
-  }
-
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> tasks_;
-  bool stop_ = false;
-  std::thread thread_;  // last: started once the members above exist
-};
 
 Status abandoned() {
   return Status::aborted("the save was abandoned before this copy started");
@@ -251,7 +200,7 @@ struct snapshot_state {
   std::map<int, gpu_snapshot_actor> gpus;  // by CUDA device index
   // Last: destroyed (joined) first, while the pool the copies write to and
   // the device they use are still held above. Blocks go to them in turn.
-  std::vector<std::unique_ptr<CopyLane>> host_lanes;
+  std::vector<std::unique_ptr<WorkQueue>> host_lanes;
   size_t next_lane = 0;
 
   bool all_issued() const { return !job.files || next_file >= job.files->size(); }
@@ -396,7 +345,8 @@ void issue_block(snapshot_ptr self) {
     }
     if (st.host_lanes.empty())
       for (uint32_t i = 0; i < st.ctx->opts.copy_threads; ++i)
-        st.host_lanes.push_back(std::make_unique<CopyLane>("ferry.copy"));
+        st.host_lanes.push_back(
+            std::make_unique<WorkQueue>("ferry.copy", 1, WorkQueue::AtStop::drop_queued));
     std::vector<std::vector<BlockCopy>> runs;
     if (first_block && st.host_lanes.size() > 1)
       runs = split_copies(std::move(block_copies), dst, len, st.host_lanes.size());
@@ -406,7 +356,7 @@ void issue_block(snapshot_ptr self) {
     for (const auto& run : runs) pieces += run.size();
     auto done = std::make_shared<BlockCopies>(self, save, seq, pieces);
     for (auto& run : runs) {
-      CopyLane& lane = *st.host_lanes[st.next_lane++ % st.host_lanes.size()];
+      WorkQueue& lane = *st.host_lanes[st.next_lane++ % st.host_lanes.size()];
       lane.post([device = st.ctx->device, cancelled = st.cancelled, done, run = std::move(run),
                  me = caf::actor_cast<caf::actor>(self)] {
         if (cancelled->load()) {

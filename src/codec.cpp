@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "checksum.hpp"
+#include "work_queue.hpp"
 
 namespace ferry {
 namespace {
@@ -86,10 +87,11 @@ Result<std::vector<Compressed>> compress_spans(const std::vector<RawSpan>& spans
     }
   };
   const size_t nthreads = std::max<size_t>(1, std::min<size_t>(threads, jobs.size()));
-  std::vector<std::thread> pool;
-  for (size_t t = 1; t < nthreads; ++t) pool.emplace_back(work);
-  work();
-  for (auto& t : pool) t.join();
+  {
+    WorkQueue helpers("ferry.zstd", nthreads - 1, WorkQueue::AtStop::run_queued);
+    for (size_t t = 1; t < nthreads; ++t) helpers.post(work);
+    work();
+  }  // every helper's work done
   for (size_t s = 0; s < spans.size(); ++s) {
     uint64_t total = 0;
     const size_t end = s + 1 < spans.size() ? first_job[s + 1] : jobs.size();
