@@ -8,7 +8,7 @@ packages=(
   build-essential cmake pkg-config ccache clang-format
   libcaf-dev libucx-dev ucx-utils
   capnproto libcapnp-dev
-  catch2 libxxhash-dev libzstd-dev rapidjson-dev python3 python3-torch
+  catch2 libcli11-dev libxxhash-dev libzstd-dev rapidjson-dev python3 python3-torch
   libcurl4-openssl-dev libexpat1-dev libssl-dev  # the S3 store (src/s3/)
   iproute2 util-linux nftables  # the many-host tests' emulated hosts (tests/hosts/hosts.sh)
 )

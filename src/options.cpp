@@ -16,6 +16,7 @@
 #include <sstream>
 
 #include "config_ini.hpp"
+#include "ferry/size.hpp"
 #include "text.hpp"
 #include "trace.hpp"
 
@@ -51,17 +52,9 @@ bool all_digits(const std::string& s) {
          std::all_of(s.begin(), s.end(), [](unsigned char c) { return std::isdigit(c); });
 }
 
-// ---- value parsers: each returns false and leaves `why` set on bad input ----
-
-bool parse_uint(const std::string& text, uint64_t max, uint64_t& out) {
-  const std::string t = trim(text);
-  if (!all_digits(t)) return false;
-  auto [p, ec] = std::from_chars(t.data(), t.data() + t.size(), out);
-  return ec == std::errc() && p == t.data() + t.size() && out <= max;
-}
-
-bool parse_size(const std::string& text, uint64_t& out, std::string& why) {
-  why =
+// The size syntax itself; the message says why the text is not a size.
+Result<uint64_t> size_from_text(const std::string& text) {
+  std::string why =
       "expected a size like 512MiB (a whole number of bytes, optionally with a suffix "
       "B, KB/MB/GB/TB, KiB/MiB/GiB/TiB or K/M/G/T)";
   const std::string t = trim(text);
@@ -69,13 +62,12 @@ bool parse_size(const std::string& text, uint64_t& out, std::string& why) {
   while (n < t.size() && std::isdigit(static_cast<unsigned char>(t[n]))) ++n;
   if (n == 0) {
     if (!t.empty() && t[0] == '-') why = "a size cannot be negative";
-    return false;
+    return Status::invalid_argument(why);
   }
   uint64_t number = 0;
   auto [p, ec] = std::from_chars(t.data(), t.data() + n, number);
   if (ec != std::errc() || p != t.data() + n) {
-    why = "too large for a 64-bit byte count";
-    return false;
+    return Status::invalid_argument("too large for a 64-bit byte count");
   }
   const std::string suffix = lower(trim(t.substr(n)));
   static const std::pair<const char*, uint64_t> kSuffixes[] = {
@@ -96,14 +88,30 @@ bool parse_size(const std::string& text, uint64_t& out, std::string& why) {
   };
   for (const auto& [name, mult] : kSuffixes) {
     if (suffix != name) continue;
-    if (number > std::numeric_limits<uint64_t>::max() / mult) {
-      why = "too large for a 64-bit byte count";
-      return false;
-    }
-    out = number * mult;
-    return true;
+    if (number > std::numeric_limits<uint64_t>::max() / mult)
+      return Status::invalid_argument("too large for a 64-bit byte count");
+    return number * mult;
   }
-  return false;
+  return Status::invalid_argument(why);
+}
+
+// ---- value parsers: each returns false and leaves `why` set on bad input ----
+
+bool parse_uint(const std::string& text, uint64_t max, uint64_t& out) {
+  const std::string t = trim(text);
+  if (!all_digits(t)) return false;
+  auto [p, ec] = std::from_chars(t.data(), t.data() + t.size(), out);
+  return ec == std::errc() && p == t.data() + t.size() && out <= max;
+}
+
+bool parse_size(const std::string& text, uint64_t& out, std::string& why) {
+  auto size = size_from_text(text);
+  if (!size.ok()) {
+    why = size.status().message();
+    return false;
+  }
+  out = *size;
+  return true;
 }
 
 bool parse_bool(const std::string& text, bool& out, std::string& why) {
@@ -680,6 +688,13 @@ Result<Options> load_options(const std::vector<Setting>& code, const std::string
 
   all.insert(all.end(), code.begin(), code.end());
   return resolve_options(all);
+}
+
+Result<uint64_t> parse_size(const std::string& text) {
+  auto size = size_from_text(text);
+  if (!size.ok())
+    return Status::invalid_argument("'" + text + "' is not a size: " + size.status().message());
+  return size;
 }
 
 }  // namespace ferry

@@ -1,9 +1,12 @@
 // ls, inspect, verify, gc, config: read-only views of a root (gc aside).
 
+#include <CLI/CLI.hpp>
+
 #include <algorithm>
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
+#include <memory>
 
 #include "ferry/catalog.hpp"
 #include "ferry/options.hpp"
@@ -74,27 +77,14 @@ std::string printable(const std::string& s) {
   return out;
 }
 
-int need_one(const Args& args, const char* what) {
-  if (args.size() == 1) return 0;
-  std::fprintf(stderr, "expected exactly one argument: %s\n", what);
-  return 2;
-}
+namespace {
 
-int cmd_ls(const Args& all_args) {
-  // --verify re-reads every checkpoint and marks the newest one that verifies.
-  Args args;
-  bool verify = false;
-  for (const auto& a : all_args) {
-    if (a == "--verify")
-      verify = true;
-    else
-      args.push_back(a);
-  }
-  if (int rc = need_one(args, "ROOT [--verify]")) return rc;
+// --verify re-reads every checkpoint and marks the newest one that verifies.
+int run_ls(const std::string& root, bool verify) {
   const Catalog catalog;
-  auto all = catalog.list(args[0]);
+  auto all = catalog.list(root);
   if (!all.ok()) return failed("ls", all.status());
-  auto latest = catalog.latest(args[0]);
+  auto latest = catalog.latest(root);
   std::printf("%-16s %12s %10s %12s %8s  %s\n", "CHECKPOINT", "STEP", "SEQ", "SIZE", "TENSORS", "");
   bool valid_marked = false;
   bool latest_corrupt = false;
@@ -136,7 +126,7 @@ int cmd_ls(const Args& all_args) {
     std::printf("%-16s %12" PRIu64 " %10" PRIu64 " %12s %8" PRIu64 "  %s\n", name.c_str(), c.step,
                 c.commit_seq, human_bytes(c.bytes).c_str(), c.tensors, mark.c_str());
   }
-  if (newest_first.empty()) std::printf("(no committed checkpoints in %s)\n", args[0].c_str());
+  if (newest_first.empty()) std::printf("(no committed checkpoints in %s)\n", root.c_str());
   // Pending saves, so that a crashed one is visible before gc takes it.
   const int64_t now = std::chrono::duration_cast<std::chrono::milliseconds>(
                           std::chrono::system_clock::now().time_since_epoch())
@@ -164,9 +154,8 @@ int cmd_ls(const Args& all_args) {
   return 0;
 }
 
-int cmd_inspect(const Args& args) {
-  if (int rc = need_one(args, "CKPT|ROOT (a step directory, or a root: its latest)")) return rc;
-  auto m = Catalog().manifest(args[0], ManifestOptions{/*check_headers=*/true});
+int run_inspect(const std::string& path) {
+  auto m = Catalog().manifest(path, ManifestOptions{/*check_headers=*/true});
   if (!m.ok()) return failed("inspect", m.status());
   std::printf("checkpoint %s\n  step %" PRIu64 ", commit seq %" PRIu64
               ", world size %d, job %s, id %s\n  fsynced %s, checksum block %s, %zu files, %s\n",
@@ -228,10 +217,9 @@ int cmd_inspect(const Args& args) {
   return rc;
 }
 
-int cmd_verify(const Args& args) {
-  if (int rc = need_one(args, "CKPT|ROOT (a step directory, or a root: its latest)")) return rc;
+int run_verify(const std::string& path) {
   const Catalog catalog;
-  auto dir = catalog.resolve(args[0]);
+  auto dir = catalog.resolve(path);
   if (!dir.ok()) return failed("verify", dir.status());
   auto rep = catalog.verify(*dir);
   if (!rep.ok()) return failed("verify", rep.status());
@@ -248,9 +236,8 @@ int cmd_verify(const Args& args) {
   return rep->unchecked_chunks > 0 ? 3 : 0;
 }
 
-int cmd_gc(const Args& args) {
-  if (int rc = need_one(args, "ROOT")) return rc;
-  auto rep = Catalog().gc(args[0]);
+int run_gc(const std::string& root) {
+  auto rep = Catalog().gc(root);
   if (!rep.ok()) return failed("gc", rep.status());
   // Names in a root are anyone's bytes: printed escaped.
   for (const auto& p : rep->restored)
@@ -267,11 +254,66 @@ int cmd_gc(const Args& args) {
   return rep->failed.empty() ? 0 : 1;
 }
 
-int cmd_config(const Args&) {
+int run_config() {
   std::printf("[ferry]\n");
   for (const auto& o : option_infos())
     std::printf("; %s\n%s = %s\n", o.help, o.key, o.default_value);
   return 0;
+}
+
+}  // namespace
+
+void add_catalog_commands(CLI::App& app, int* rc) {
+  struct Values {
+    std::string ls, inspect, verify, gc;
+    bool verify_all = false;
+  };
+  // The callbacks hold the values, and the app holds the callbacks.
+  auto v = std::make_shared<Values>();
+
+  CLI::App* ls =
+      app.add_subcommand("ls", "committed checkpoints (step, seq, size, LATEST) and pending saves");
+  ls->add_option("ROOT", v->ls, "the checkpoint root")->required()->type_name("");
+  ls->add_flag("--verify", v->verify_all,
+               "re-read every checkpoint, mark the newest that verifies, and exit 1 when the "
+               "latest one is corrupt");
+  ls->footer(
+      "Lists the committed checkpoints of ROOT, newest first, with step, commit sequence,\n"
+      "size and tensors, marks the latest, and lists pending saves with their lease (live\n"
+      "or expired, owner).");
+  ls->callback([rc, v] { *rc = run_ls(v->ls, v->verify_all); });
+
+  CLI::App* inspect =
+      app.add_subcommand("inspect", "every tensor: dtype, shape, chunks, files, checksums");
+  inspect->add_option("CKPT", v->inspect, "a step directory, or a root: its latest checkpoint")
+      ->required()
+      ->type_name("");
+  inspect->footer(
+      "Shows a checkpoint's manifest: tensors, chunks, files and checksums, and checks each\n"
+      "data file's header.");
+  inspect->callback([rc, v] { *rc = run_inspect(v->inspect); });
+
+  CLI::App* verify =
+      app.add_subcommand("verify", "re-read every byte and check it against the manifest");
+  verify->add_option("CKPT", v->verify, "a step directory, or a root: its latest checkpoint")
+      ->required()
+      ->type_name("");
+  verify->footer(
+      "Exits 1 on any problem (CORRUPT: damaged or malformed; UNREADABLE: only I/O errors\n"
+      "such as permissions), 3 when it found none but chunks saved without checksums\n"
+      "could not be checked (UNCHECKED).");
+  verify->callback([rc, v] { *rc = run_verify(v->verify); });
+
+  CLI::App* gc = app.add_subcommand("gc", "remove pending directories whose lease expired");
+  gc->add_option("ROOT", v->gc, "the checkpoint root")->required()->type_name("");
+  gc->footer(
+      "Removes pending directories whose lease expired and leftovers of crashed saves, and\n"
+      "puts back a step that a crashed overwrite left aside.");
+  gc->callback([rc, v] { *rc = run_gc(v->gc); });
+
+  CLI::App* config = app.add_subcommand("config", "every [ferry] setting with its default");
+  config->footer("Prints every [ferry] setting with its default and help.");
+  config->callback([rc] { *rc = run_config(); });
 }
 
 }  // namespace ferry::cli

@@ -1,27 +1,25 @@
-// The `ferry` CLI's subcommands. Each takes the arguments after its name and
-// returns the process exit code.
+// The `ferry` CLI's subcommands. Each file adds its commands, with their
+// flags, to the CLI11 app; a command's callback runs it and leaves the
+// process exit code in *rc.
 #pragma once
 
 #include <string>
-#include <vector>
 
 #include "ferry/status.hpp"
 
+namespace CLI {
+class App;
+}
+
 namespace ferry::cli {
 
-using Args = std::vector<std::string>;
-
-int cmd_ls(const Args& args);
-int cmd_inspect(const Args& args);
-int cmd_verify(const Args& args);
-int cmd_gc(const Args& args);
-int cmd_config(const Args& args);
-// The drill commands live beside the drills (src/drills/cli/).
-int cmd_kill_points(const Args& args);
-int cmd_power_cut(const Args& args);
-int cmd_demo(const Args& args);
-int cmd_launch(const Args& args);
-int cmd_export(const Args& args);
+// ls, inspect, verify, gc, config
+void add_catalog_commands(CLI::App& app, int* rc);
+// kill-points, power-cut: they live beside the drills (src/drills/cli/).
+void add_drill_commands(CLI::App& app, int* rc);
+void add_export_command(CLI::App& app, int* rc);
+void add_demo_command(CLI::App& app, int* rc);
+void add_launch_command(CLI::App& app, int* rc);
 
 // "1.50 GiB"
 std::string human_bytes(double bytes);
@@ -29,9 +27,6 @@ std::string human_bytes(double bytes);
 // `s` safe to print to a terminal: control characters (C0, DEL, C1), bytes
 // that are not well-formed UTF-8 and backslashes become "\xNN" / "\\".
 std::string printable(const std::string& s);
-
-// 0 when `args` is one argument; else prints the usage `what` and returns 2.
-int need_one(const Args& args, const char* what);
 
 // Prints "ferry CMD: <why>" to stderr; 1, the exit code of a command that
 // failed.

@@ -12,6 +12,7 @@
 
 #include <sys/wait.h>
 #include <unistd.h>
+#include <CLI/CLI.hpp>
 
 #include <algorithm>
 #include <atomic>
@@ -21,12 +22,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <thread>
 
 #include "ferry/catalog.hpp"
 #include "ferry/filesystem.hpp"
 #include "ferry/runtime.hpp"
 #include "tools/commands.hpp"
+#include "tools/flags.hpp"
 
 #ifdef FERRY_DEMO_HAVE_CUDA
 // bench/gpu_kernels.cu: the CUDA runtime calls and kernels of --device cuda
@@ -66,104 +69,6 @@ struct DemoFlags {
   uint32_t hosts = 0;          // --hosts N: the ranks spread over N emulated hosts
   uint32_t restore_hosts = 0;  // 0: hosts + 1
 };
-
-void demo_usage() {
-  std::printf(
-      "usage: ferry demo [--ranks N] [--restore-ranks M] [--state-mib N] [--layers N]\n"
-      "                  [--steps N] [--every N] [--root DIR] [--set KEY=VALUE]...\n"
-      "                  [--device host|cuda] [--config-file=PATH] [--trace FILE]\n"
-      "  --ranks          training ranks (default 2)\n"
-      "  --restore-ranks  ranks that restore the last checkpoint (default ranks + 1)\n"
-      "  --state-mib      model state over all ranks, in MiB (default 1024)\n"
-      "  --layers         layers; each has a row-sharded, a column-sharded and a\n"
-      "                   replicated tensor (default 8)\n"
-      "  --steps          training steps (default 30)\n"
-      "  --every          checkpoint every N steps (default 10)\n"
-      "  --root           checkpoint root (default ./ferry-demo-checkpoints); a rerun\n"
-      "                   removes the checkpoints an earlier demo left there, nothing else\n"
-      "  --device         host (default) or cuda: train on GPU tensors (rank r on GPU\n"
-      "                   LOCAL_RANK %% count), updated by a kernel every step and\n"
-      "                   snapshotted with a stream-ordered wait; without a GPU it\n"
-      "                   says so and exits with 3\n"
-      "  --set            a [ferry] setting for every rank, e.g. --set pool-bytes=512MiB\n"
-      "  --trace          write the last checkpoint's timeline (every rank's phases,\n"
-      "                   Chrome trace JSON: open it in Perfetto) to FILE and the\n"
-      "                   restore's to FILE-restore.json; every save's stays in FILE.d/\n"
-      "  --hosts          spread the ranks over N emulated hosts (root; tests/hosts/hosts.sh),\n"
-      "                   cut the last host's link after the first checkpoint, then\n"
-      "                   restore on --restore-hosts hosts (default N + 1), one rank\n"
-      "                   each unless --restore-ranks says more, and print per host\n"
-      "                   what it read and sent\n");
-}
-
-int parse_flags(const Args& args, DemoFlags* f) {
-  for (size_t i = 0; i < args.size(); ++i) {
-    const std::string& a = args[i];
-    const bool has_value = i + 1 < args.size();
-    auto number = [&](auto* out) {
-      char* end = nullptr;
-      const unsigned long long v = has_value ? std::strtoull(args[i + 1].c_str(), &end, 10) : 0;
-      if (!has_value || *end != '\0' || v == 0) {
-        std::fprintf(stderr, "ferry demo: %s needs a positive number\n", a.c_str());
-        return false;
-      }
-      *out = static_cast<std::remove_pointer_t<decltype(out)>>(v);
-      ++i;
-      return true;
-    };
-    if (a == "--help" || a == "-h") {
-      demo_usage();
-      return 0;
-    } else if (a == "--ranks") {
-      if (!number(&f->ranks)) return 2;
-    } else if (a == "--restore-ranks") {
-      if (!number(&f->restore_ranks)) return 2;
-    } else if (a == "--state-mib") {
-      if (!number(&f->state_mib)) return 2;
-    } else if (a == "--layers") {
-      if (!number(&f->layers)) return 2;
-    } else if (a == "--steps") {
-      if (!number(&f->steps)) return 2;
-    } else if (a == "--every") {
-      if (!number(&f->every)) return 2;
-    } else if (a == "--root" && has_value) {
-      f->root = args[++i];
-    } else if (a == "--device" && has_value) {
-      f->device = args[++i];
-      if (f->device != "host" && f->device != "cuda") {
-        std::fprintf(stderr, "ferry demo: --device must be host or cuda, got '%s'\n",
-                     f->device.c_str());
-        return 2;
-      }
-      f->passthrough.insert(f->passthrough.end(), {"--device", f->device});
-    } else if (a == "--role" && has_value) {
-      f->role = args[++i];
-    } else if (a == "--set" && has_value) {
-      const std::string kv = args[++i];
-      const auto eq = kv.find('=');
-      if (eq == std::string::npos) {
-        std::fprintf(stderr, "ferry demo: --set needs KEY=VALUE, got '%s'\n", kv.c_str());
-        return 2;
-      }
-      f->settings.push_back({kv.substr(0, eq), kv.substr(eq + 1), "--set"});
-      f->passthrough.insert(f->passthrough.end(), {"--set", kv});
-    } else if (a == "--hosts") {
-      if (!number(&f->hosts)) return 2;
-    } else if (a == "--restore-hosts") {
-      if (!number(&f->restore_hosts)) return 2;
-    } else if (a == "--trace" && has_value) {
-      f->trace = args[++i];
-    } else if (a.rfind("--config-file=", 0) == 0) {
-      f->config_file = a.substr(14);
-      f->passthrough.push_back(a);
-    } else {
-      std::fprintf(stderr, "ferry demo: unknown flag '%s'\n", a.c_str());
-      demo_usage();
-      return 2;
-    }
-  }
-  return -1;
-}
 
 // --- the synthetic model ------------------------------------------------------------
 
@@ -803,11 +708,7 @@ int prepare_demo_root(const std::string& root) {
   return -1;
 }
 
-}  // namespace
-
-int cmd_demo(const Args& args) {
-  DemoFlags f;
-  if (int rc = parse_flags(args, &f); rc >= 0) return rc;
+int run_demo(DemoFlags f) {
   if (int rc = check_device(f); rc >= 0) return rc;
 #ifdef FERRY_DEMO_HAVE_CUDA
   if (f.role == "train" && f.device == "cuda") return train_cuda(f);
@@ -878,6 +779,76 @@ int cmd_demo(const Args& args) {
   std::printf("ferry demo: OK: trained on %u ranks, restored on %u, every byte checked\n", f.ranks,
               f.restore_ranks);
   return 0;
+}
+
+}  // namespace
+
+void add_demo_command(CLI::App& app, int* rc) {
+  auto f = std::make_shared<DemoFlags>();
+  auto sets = std::make_shared<std::vector<std::string>>();
+  CLI::App* cmd = app.add_subcommand(
+      "demo", "a training job that checkpoints in the background, and its restore");
+  auto count = [cmd](const char* name, auto* out, const char* help) {
+    cmd->add_option(name, *out, help)->check(positive_count())->type_name("N");
+  };
+  count("--ranks", &f->ranks, "training ranks (default 2)");
+  count("--restore-ranks", &f->restore_ranks,
+        "ranks that restore the last checkpoint (default ranks + 1)");
+  count("--state-mib", &f->state_mib, "model state over all ranks, in MiB (default 1024)");
+  count("--layers", &f->layers,
+        "layers; each has a row-sharded, a column-sharded and a replicated tensor (default 8)");
+  count("--steps", &f->steps, "training steps (default 30)");
+  count("--every", &f->every, "checkpoint every N steps (default 10)");
+  cmd->add_option("--root", f->root,
+                  "checkpoint root (default ./ferry-demo-checkpoints); a rerun removes the "
+                  "checkpoints an earlier demo left there, nothing else")
+      ->type_name("DIR");
+  CLI::Option* device =
+      cmd->add_option("--device", f->device,
+                      "host (default) or cuda: train on GPU tensors (rank r on GPU LOCAL_RANK % "
+                      "count), updated by a kernel every step and snapshotted with a "
+                      "stream-ordered wait; without a GPU it says so and exits with 3")
+          ->check(CLI::IsMember({"host", "cuda"}).description(""))
+          ->type_name("host|cuda");
+  // Every --set is kept, in order: they go to every rank as given.
+  cmd->add_option("--set", *sets, "a [ferry] setting for every rank, e.g. --set pool-bytes=512MiB")
+      ->allow_extra_args(false)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll)
+      ->check(CLI::Validator(
+          [](std::string& kv) -> std::string {
+            return kv.find('=') == std::string::npos ? "needs KEY=VALUE, got '" + kv + "'" : "";
+          },
+          ""))
+      ->type_name("KEY=VALUE");
+  CLI::Option* config_file =
+      cmd->add_option("--config-file", f->config_file, "an INI file of [ferry] settings")
+          ->type_name("PATH");
+  cmd->add_option("--trace", f->trace,
+                  "write the last checkpoint's timeline (every rank's phases, Chrome trace JSON: "
+                  "open it in Perfetto) to FILE and the restore's to FILE-restore.json; every "
+                  "save's stays in FILE.d/")
+      ->type_name("FILE");
+  count("--hosts", &f->hosts,
+        "spread the ranks over N emulated hosts (root; tests/hosts/hosts.sh), cut the last "
+        "host's link after the first checkpoint, then restore on --restore-hosts hosts, one "
+        "rank each unless --restore-ranks says more, and print per host what it read and sent");
+  count("--restore-hosts", &f->restore_hosts, "hosts of the restore with --hosts (default N + 1)");
+  cmd->footer(
+      "Starts --ranks ranks with ferry launch to train and checkpoint, then --restore-ranks\n"
+      "ranks that restore the last checkpoint with another sharding and check every byte.");
+  // The driver starts its ranks with --role train|restore.
+  cmd->add_option("--role", f->role)->check(CLI::IsMember({"train", "restore"}))->group("");
+  cmd->callback([rc, f, sets, device, config_file] {
+    // What the ranks are started with: the same device, settings and file.
+    if (device->count() > 0) f->passthrough.insert(f->passthrough.end(), {"--device", f->device});
+    for (const std::string& kv : *sets) {
+      const auto eq = kv.find('=');
+      f->settings.push_back({kv.substr(0, eq), kv.substr(eq + 1), "--set"});
+      f->passthrough.insert(f->passthrough.end(), {"--set", kv});
+    }
+    if (config_file->count() > 0) f->passthrough.push_back("--config-file=" + f->config_file);
+    *rc = run_demo(*f);
+  });
 }
 
 }  // namespace ferry::cli

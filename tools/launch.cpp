@@ -23,6 +23,7 @@
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <CLI/CLI.hpp>
 
 #include <cerrno>
 #include <chrono>
@@ -30,6 +31,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -50,17 +52,6 @@ constexpr size_t kMaxLine = 64 * 1024;
 // After the last rank exits, output still in flight (or held by a leftover
 // grandchild that keeps the pipe open) is read for at most this long.
 constexpr auto kDrainAfterExit = std::chrono::seconds(2);
-
-void launch_usage(FILE* out) {
-  std::fprintf(out,
-               "usage: ferry launch -n N [--port P] [--grace S] [--] CMD [ARGS...]\n"
-               "  -n, --nproc N  ranks to start on this machine\n"
-               "  --port P       MASTER_PORT (default: $MASTER_PORT, else a free port)\n"
-               "  --grace S      seconds the other ranks get after one fails, before SIGTERM,\n"
-               "                 and again before SIGKILL (default 10)\n"
-               "Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR\n"
-               "(127.0.0.1 unless set), MASTER_PORT and FERRY_JOB_TOKEN (random unless set).\n");
-}
 
 // --- signals: a self-pipe, so poll() wakes for them ---------------------------
 
@@ -168,16 +159,6 @@ std::optional<std::string> random_token() {
 const char* env_or_null(const char* name) {
   const char* v = std::getenv(name);
   return v && *v ? v : nullptr;
-}
-
-bool parse_int(const std::string& s, long lo, long hi, long* out) {
-  if (s.empty()) return false;
-  char* end = nullptr;
-  errno = 0;
-  const long v = std::strtol(s.c_str(), &end, 10);
-  if (*end != '\0' || errno != 0 || v < lo || v > hi) return false;
-  *out = v;
-  return true;
 }
 
 // --- ranks -------------------------------------------------------------------
@@ -354,72 +335,6 @@ struct Flags {
   std::vector<std::string> cmd;
 };
 
-// Returns an exit code on a usage error or --help, nullopt to go on.
-std::optional<int> parse_launch_flags(const Args& args, Flags* f) {
-  size_t i = 0;
-  auto need_value = [&](const std::string& flag) -> const std::string* {
-    if (i + 1 >= args.size()) {
-      std::fprintf(stderr, "ferry launch: %s needs a value\n", flag.c_str());
-      return nullptr;
-    }
-    return &args[++i];
-  };
-  for (; i < args.size(); ++i) {
-    const std::string& a = args[i];
-    if (a == "--") {
-      ++i;
-      break;
-    }
-    if (a == "-h" || a == "--help") {
-      launch_usage(stdout);
-      return 0;
-    }
-    if (a == "-n" || a == "--nproc") {
-      const std::string* v = need_value(a);
-      if (!v) return 2;
-      if (!parse_int(*v, 1, 4096, &f->nproc)) {
-        std::fprintf(stderr, "ferry launch: %s: '%s' is not a rank count in 1..4096\n", a.c_str(),
-                     v->c_str());
-        return 2;
-      }
-    } else if (a == "--port") {
-      const std::string* v = need_value(a);
-      if (!v) return 2;
-      long p = 0;
-      if (!parse_int(*v, 1, 65535, &p)) {
-        std::fprintf(stderr, "ferry launch: --port: '%s' is not a port in 1..65535\n", v->c_str());
-        return 2;
-      }
-      f->port = p;
-    } else if (a == "--grace") {
-      const std::string* v = need_value(a);
-      if (!v) return 2;
-      char* end = nullptr;
-      f->grace_s = std::strtod(v->c_str(), &end);
-      if (v->empty() || *end != '\0' || !std::isfinite(f->grace_s) || f->grace_s < 0 ||
-          f->grace_s > 86400) {
-        std::fprintf(stderr, "ferry launch: --grace: '%s' is not a number of seconds\n",
-                     v->c_str());
-        return 2;
-      }
-    } else if (!a.empty() && a[0] == '-') {
-      std::fprintf(stderr, "ferry launch: unknown flag '%s' (put the command after --)\n",
-                   a.c_str());
-      return 2;
-    } else {
-      break;  // the command starts here
-    }
-  }
-  f->cmd.assign(args.begin() + static_cast<std::ptrdiff_t>(i), args.end());
-  if (f->nproc == 0 || f->cmd.empty()) {
-    std::fprintf(stderr, "ferry launch: %s\n",
-                 f->nproc == 0 ? "-n N is required" : "no command to run");
-    launch_usage(stderr);
-    return 2;
-  }
-  return std::nullopt;
-}
-
 bool is_overridden(const std::string& entry, const std::vector<std::string>& names) {
   for (const auto& n : names)
     if (entry.size() > n.size() && entry.compare(0, n.size(), n) == 0 && entry[n.size()] == '=')
@@ -427,11 +342,7 @@ bool is_overridden(const std::string& entry, const std::vector<std::string>& nam
   return false;
 }
 
-}  // namespace
-
-int cmd_launch(const Args& args) {
-  Flags flags;
-  if (auto rc = parse_launch_flags(args, &flags)) return *rc;
+int run_launch(const Flags& flags) {
   const int n = static_cast<int>(flags.nproc);
 
   // --- the environment every rank shares -------------------------------------
@@ -618,6 +529,54 @@ int cmd_launch(const Args& args) {
   // A forwarded signal after which every rank exited 0 is still a success:
   // the ranks decided how to end.
   return exit_code;
+}
+
+}  // namespace
+
+void add_launch_command(CLI::App& app, int* rc) {
+  struct Values {
+    Flags flags;
+    long port = 0;
+  };
+  auto v = std::make_shared<Values>();
+  CLI::App* cmd =
+      app.add_subcommand("launch", "start N ranks of CMD here with the torchrun environment");
+  cmd->add_option("-n,--nproc", v->flags.nproc, "ranks to start on this machine")
+      ->required()
+      ->check(CLI::Range(1L, 4096L).description(""))
+      ->type_name("N");
+  CLI::Option* port =
+      cmd->add_option("--port", v->port, "MASTER_PORT (default: $MASTER_PORT, else a free port)")
+          ->check(CLI::Range(1L, 65535L).description(""))
+          ->type_name("P");
+  cmd->add_option("--grace", v->flags.grace_s,
+                  "seconds the other ranks get after one fails, before SIGTERM, and again "
+                  "before SIGKILL (default 10)")
+      ->check(CLI::Validator(
+          [](std::string& text) -> std::string {
+            char* end = nullptr;
+            const double s = std::strtod(text.c_str(), &end);
+            if (text.empty() || *end != '\0' || !std::isfinite(s) || s < 0 || s > 86400)
+              return "'" + text + "' is not a number of seconds in 0..86400";
+            return {};
+          },
+          ""))
+      ->type_name("S");
+  // Everything from the first argument that is no flag of ours (or after
+  // --) is the command, its own flags included.
+  cmd->add_option("CMD", v->flags.cmd, "the command each rank runs, and its arguments")
+      ->required()
+      ->type_name("");
+  cmd->positionals_at_end();
+  cmd->footer(
+      "Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR\n"
+      "(127.0.0.1 unless set), MASTER_PORT and FERRY_JOB_TOKEN (random unless set).\n"
+      "A command that starts with - goes after --. The exit code is 0 only if every rank\n"
+      "exited 0.");
+  cmd->callback([rc, v, port] {
+    if (port->count() > 0) v->flags.port = v->port;
+    *rc = run_launch(v->flags);
+  });
 }
 
 }  // namespace ferry::cli

@@ -241,6 +241,73 @@ TEST_CASE("unknown commands and missing arguments are usage errors", "[cli]") {
   CHECK_THAT(r.out, Catch::Contains("/nonexistent/ferry/root"));
 }
 
+TEST_CASE("every command's help lists its flags; the top help lists the commands", "[cli]") {
+  auto top = run_shell(kCli + " --help");
+  REQUIRE(top.code == 0);
+  CHECK_THAT(top.out, Catch::Contains("usage: ferry"));
+  // No arguments: the same list, on stderr, as a usage error.
+  auto none = run_shell(kCli + " 2>&1 >/dev/null");
+  CHECK(none.code == 2);
+  for (const char* cmd : {"ls", "inspect", "export", "demo", "launch"}) {
+    CHECK_THAT(top.out, Catch::Contains(std::string("\n  ") + cmd + " "));
+    CHECK_THAT(none.out, Catch::Contains(std::string("\n  ") + cmd + " "));
+  }
+  const std::map<std::string, std::vector<std::string>> flags = {
+      {"ls", {"ROOT", "--verify"}},
+      {"inspect", {"CKPT"}},
+      {"export", {"CKPT", "OUT", "--max-shard-bytes SIZE", "--block-bytes SIZE"}},
+      {"launch", {"-n,--nproc N", "--port P", "--grace S", "CMD"}},
+      {"demo",
+       {"--ranks N", "--restore-ranks N", "--state-mib N", "--layers N", "--steps N",
+        "--every N", "--root DIR", "--device", "--set KEY=VALUE", "--config-file PATH",
+        "--trace FILE", "--hosts N", "--restore-hosts N"}},
+  };
+  for (const auto& [cmd, names] : flags) {
+    auto h = run_shell(kCli + " " + cmd + " --help");
+    INFO(h.out);
+    CHECK(h.code == 0);
+    for (const auto& name : names) CHECK_THAT(h.out, Catch::Contains(name));
+  }
+  // The ranks' own flag is the driver's business.
+  CHECK_THAT(run_shell(kCli + " demo --help").out, !Catch::Contains("--role"));
+}
+
+TEST_CASE("an unknown flag or a bad value is a usage error that names it", "[cli]") {
+  struct Case {
+    std::string args;
+    std::vector<std::string> says;
+  };
+  const Case cases[] = {
+      {"ls --frob /tmp", {"ferry ls", "--frob"}},
+      {"verify /a /b", {"ferry verify", "/b"}},
+      {"config extra", {"ferry config", "extra"}},
+      {"export /a /b --block-bytes 12parsecs",
+       {"ferry export", "--block-bytes", "'12parsecs' is not a size", "expected a size like"}},
+      {"export /a /b --max-shard-bytes 1.5GiB", {"--max-shard-bytes", "'1.5GiB' is not a size"}},
+      {"export /a /b --max-shard-bytes 0", {"--max-shard-bytes", "must be positive"}},
+      {"export /a /b --block-bytes", {"--block-bytes"}},
+      {"export /a", {"ferry export", "OUT"}},
+      {"launch -n 0 -- true", {"ferry launch", "--nproc"}},
+      {"launch -n 2", {"ferry launch", "CMD"}},
+      {"launch -- true", {"ferry launch", "--nproc"}},
+      {"launch -n 1 --port 70000 -- true", {"--port"}},
+      {"launch -n 1 --grace nan -- true", {"--grace", "'nan'"}},
+      {"launch -n 1 --frob -- true", {"ferry launch", "--frob"}},
+      {"demo --ranks 0", {"ferry demo", "--ranks"}},
+      {"demo --steps many", {"ferry demo", "--steps", "many"}},
+      {"demo --device tpu", {"ferry demo", "--device", "tpu"}},
+      {"demo --set pool-bytes", {"ferry demo", "--set", "KEY=VALUE"}},
+      {"demo --frob", {"ferry demo", "--frob"}},
+      {"frobnicate", {"unknown command 'frobnicate'"}},
+  };
+  for (const auto& c : cases) {
+    auto r = run_shell(kCli + " " + c.args);
+    INFO(c.args << "\n" << r.out);
+    CHECK(r.code == 2);
+    for (const auto& s : c.says) CHECK_THAT(r.out, Catch::Contains(s));
+  }
+}
+
 TEST_CASE("ls --verify and latest_valid walk back past a corrupt checkpoint", "[cli][verify]") {
   TempDir dir;
   std::vector<float> a;
@@ -295,7 +362,7 @@ TEST_CASE("ferry export writes whole tensors as plain safetensors with an index"
   // emb (75 KiB) is over both caps: a file of its own, read in row blocks.
   const std::string out = dir.sub("hf");
   auto r = run_shell(kCli + " export " + root + " " + out +
-                     " --max-shard-bytes 40000 --block-bytes 10000");
+                     " --max-shard-bytes 40000 --block-bytes 10KB");
   INFO(r.out);
   REQUIRE(r.code == 0);
   CHECK_THAT(r.out, Catch::Contains(out + "/model.safetensors.index.json"));

@@ -65,6 +65,7 @@
 #include "ferry/runtime.hpp"
 #include "protocol.hpp"
 #include "tests/safetensors_writer.hpp"
+#include "tools/flags.hpp"
 
 namespace {
 
@@ -380,11 +381,12 @@ int planner_steps(ferry::Runtime& rt, const ferry::StateDict& sd,
       std::printf("CHECKPOINT_FN got %zu tensors\n", planned.size());
       return ferry::testing::write_safetensors(planned, file);
     };
-  // --compress C, --shard-size N, --prefix P: the file options.
+  // --compress C, --shard-size SIZE, --prefix P: the file options.
   const std::string compress = arg(argc, argv, "--compress", "");
   const std::string shard = arg(argc, argv, "--shard-size", "");
   if (!compress.empty()) o.save.compress = compress;
-  if (!shard.empty()) o.save.shard_size = std::stoll(shard);
+  if (!shard.empty())
+    o.save.shard_size = ferry::cli::size_flag_or_exit("rank_worker", "--shard-size", shard);
   ferry::SavePlanner planner(rt, sd, arg(argc, argv, "--prefix", "rank"), o);
   auto global = planner.create_global_plan();
   if (!global.ok() && !owner_for.empty()) {

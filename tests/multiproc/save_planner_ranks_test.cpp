@@ -72,7 +72,7 @@ TEST_CASE(
     "writes the files the plans name, and they load resharded",
     "[ranks][planner_api][checkpoint_fn][plan_files]") {
   for (const char* compress : {"none", "zstd"})
-    for (const char* shard : {"", "65536"})
+    for (const char* shard : {"", "64KiB"})
       for (const char* prefix : {"rank", "model_v3"})
         for (bool fn : {false, true}) {
           TempDir d;

@@ -4,7 +4,7 @@
 //   ferry_transport_peer --rank R --world W --port P [--host H]
 //                        [--mode echo|kill-self|stop-self|bad-hello|serve|lane]
 //                        [--connect-timeout S] [--hb-interval S] [--hb-timeout S]
-//                        [--handshake-timeout S] [--max-frame BYTES]
+//                        [--handshake-timeout S] [--max-frame SIZE]
 //                        [--lanes shm|tcp|off] [--node NAME]
 //
 // Ranks > 0: every mode joins with the hello "hello R" (bad-hello: a hello
@@ -49,6 +49,7 @@
 #include <string>
 
 #include "actors/transport.hpp"
+#include "tools/flags.hpp"
 
 namespace {
 
@@ -80,7 +81,7 @@ bool parse(int argc, char** argv, Args* a) {
     } else if (key == "--handshake-timeout") {
       a->opts.handshake_timeout_s = std::atof(v);
     } else if (key == "--max-frame") {
-      a->opts.max_frame_bytes = std::strtoull(v, nullptr, 10);
+      a->opts.max_frame_bytes = ferry::cli::size_flag_or_exit("transport_peer", key, v);
     } else if (key == "--lanes") {
       a->opts.lanes = v;
     } else if (key == "--node") {

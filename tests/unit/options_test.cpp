@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "ferry/size.hpp"
 #include "test_util.hpp"
 
 namespace {
@@ -318,6 +319,43 @@ TEST_CASE("sizes accept decimal and binary suffixes in any case", "[options]") {
     REQUIRE_FALSE(r.ok());
     CHECK(contains(r.status().message(), "too large"));
   }
+}
+
+TEST_CASE("parse_size (the CLI's and test workers' size flags) reads what the settings read",
+          "[options][size]") {
+  // Accepted and refused alike by both: the flags cannot drift from the settings.
+  const char* const texts[] = {
+      // accepted
+      "4096", "4096B", "8k", "8KiB", "8kib", "3M", "3MiB", "2G", "2gib", "1TiB", "1t", "5KB", "5mb",
+      "5GB", "2TB", " 16 MiB ", "18446744073709551615", "1", "64MiB", "1GiB",
+      // refused
+      "abc", "-1", "1.5GiB", "12 parsecs", "", "1x", "0x10", "1e3", "8 K iB", "MiB",
+      "18446744073709551616", "16777216TiB", "18446744073709552KB"};
+  const size_t accepted = 20;  // the first ones
+  for (size_t i = 0; i < std::size(texts); ++i) {
+    const char* text = texts[i];
+    INFO("'" << text << "'");
+    auto size = ferry::parse_size(text);
+    CHECK(size.ok() == (i < accepted));
+    // shard-size takes any positive size.
+    auto setting = resolve1("shard-size", text);
+    REQUIRE(size.ok() == setting.ok());
+    if (size.ok()) {
+      CHECK(*size == setting->shard_size);
+      continue;
+    }
+    CHECK(size.status().code() == StatusCode::invalid_argument);
+    // The text, and the setting's own explanation of what is wrong with it.
+    CHECK(contains(size.status().message(), std::string("'") + text + "' is not a size"));
+    const std::string why = setting.status().message();
+    const std::string own = size.status().message();
+    CHECK(contains(why, own.substr(own.find("is not a size: ") + 15)));
+  }
+  // Zero is a size; the setting alone requires a positive one.
+  auto zero = ferry::parse_size("0");
+  REQUIRE(zero.ok());
+  CHECK(*zero == 0);
+  CHECK_FALSE(resolve1("shard-size", "0").ok());
 }
 
 TEST_CASE("chunk-bytes auto sizes the block to the pool, and a set size is kept", "[options]") {
