@@ -243,6 +243,7 @@ bool retryable_curl(CURLcode c) {
     case CURLE_SEND_ERROR:
     case CURLE_RECV_ERROR:
     case CURLE_GOT_NOTHING:
+    case CURLE_WEIRD_SERVER_REPLY:  // an answer torn inside its headers
     case CURLE_PARTIAL_FILE:
     case CURLE_OPERATION_TIMEDOUT:
     case CURLE_COULDNT_RESOLVE_HOST:
@@ -315,9 +316,15 @@ Status Client::perform(Request& r, Deadline d) {
     }
     r.reset_attempt();
     r.attempts = attempt;
+    std::string target;
+    if (config_.hook) {
+      target =
+          config_.hook->before({r.op, r.key, attempt, std::min(left, config_.attempt_timeout_ms)});
+      left = std::max<int64_t>(1, d.left_ms());
+    }
     CURL* h = pool_->acquire();
     curl_easy_reset(h);
-    curl_easy_setopt(h, CURLOPT_URL, url.c_str());
+    curl_easy_setopt(h, CURLOPT_URL, target.empty() ? url.c_str() : target.c_str());
     curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
     curl_easy_setopt(h, CURLOPT_TIMEOUT_MS,
                      static_cast<long>(std::min(left, config_.attempt_timeout_ms)));
