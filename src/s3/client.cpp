@@ -134,6 +134,7 @@ struct Client::Request {
   std::string etag;
   std::string content_length;
   long http = 0;
+  bool head_complete = false;  // the blank line after the headers came
   int attempts = 0;
 
   std::string object() const { return "s3://" + bucket + (key.empty() ? "" : "/" + key); }
@@ -145,6 +146,7 @@ struct Client::Request {
     etag.clear();
     content_length.clear();
     http = 0;
+    head_complete = false;
   }
 };
 
@@ -224,6 +226,11 @@ size_t on_header(char* buf, size_t size, size_t n, void* data) {
   if (line.rfind("HTTP/", 0) == 0) {
     auto sp = line.find(' ');
     r->http = sp == std::string::npos ? 0 : std::atol(line.c_str() + sp + 1);
+    r->head_complete = false;
+    return len;
+  }
+  if (line.empty()) {
+    r->head_complete = r->http != 0;
     return len;
   }
   auto colon = line.find(':');
@@ -385,6 +392,12 @@ Status Client::perform(Request& r, Deadline d) {
       last = Status::io_error(r.op + " " + r.object() + ": " +
                               (curl_error[0] ? curl_error : curl_easy_strerror(rc)));
       retry = retryable_curl(rc);
+    } else if (!r.head_complete) {
+      // curl takes a connection closed inside the headers (no body to
+      // expect, as for HEAD) for an answer: it is a torn one.
+      last = Status::io_error(r.op + " " + r.object() + ": the answer (HTTP " +
+                              std::to_string(r.http) + ") ended inside its headers");
+      retry = true;
     } else if (r.http >= 200 && r.http < 300) {
       return Status();
     } else {

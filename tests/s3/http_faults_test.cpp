@@ -181,6 +181,7 @@ TEST_CASE(
       {"http:reset:put:1:key=LATEST", "put", 1},  // the hint after it
       {"http:503:list:1-2", "list", 2},           // the catalog's listing
       {"http:stall:head:1", "head", 1},           // a HEAD that never answers
+      {"http:truncate:head:1", "head", 1},        // a HEAD torn inside its headers
   };
   uint64_t step = 1;
   for (const Case& c : cases) {
