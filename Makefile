@@ -38,11 +38,13 @@ bench: build
 	$(BUILD)/bench/ferry_bench_plan
 
 # Kills every role of every kill point RUNS times, each run in the scenario
-# that reaches the point (tests/multiproc/kill_points_test.cpp). ctest runs
-# each once.
+# that reaches the point (tests/multiproc/kill_points_test.cpp), on a
+# directory and on an s3:// root (tests/s3/kill_points_s3_test.cpp, with the
+# suite's S3 server). ctest runs each once.
 RUNS ?= 100
 crashtest: build
 	FERRY_CRASH_RUNS=$(RUNS) $(BUILD)/tests/multiproc/ferry_multiproc_tests "[killpoints]"
+	cd $(BUILD) && FERRY_CRASH_RUNS=$(RUNS) ctest -R 's3: on an s3:// root, a crash' --output-on-failure
 
 clean:
 	rm -rf $(BUILD)

@@ -460,8 +460,14 @@ Result<std::unique_ptr<Runtime>> Runtime::create(RuntimeArgs args) {
   // FERRY_FAULTS wraps the filesystem in the fault injector (tests, crash
   // drills) without recompiling; unset, this is the plain one.
   // s3:// roots (the configured one or a save's own) go to the S3 store.
-  std::shared_ptr<Filesystem> base = with_object_roots(args.fs ? args.fs : posix_filesystem(),
-                                                       [opts] { return s3_store_options(opts); });
+  // FERRY_FAULTS' http: rules go under their S3 client (the drills' fault peer).
+  FERRY_ASSIGN_OR_RETURN(std::shared_ptr<HttpFaults> http, http_faults_from_env());
+  std::shared_ptr<Filesystem> base =
+      with_object_roots(args.fs ? args.fs : posix_filesystem(), [opts, http] {
+        S3StoreOptions o = s3_store_options(opts);
+        o.client.hook = http;
+        return o;
+      });
   FERRY_ASSIGN_OR_RETURN(ctx->fs, filesystem_from_env(std::move(base)));
   // Nothing below a root is reached through a link (Filesystem::add_root).
   if (!opts.root.empty()) ctx->fs->add_root(opts.root);

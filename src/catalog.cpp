@@ -527,21 +527,37 @@ Result<GcReport> collect_object_garbage(Filesystem& fs, const std::string& root,
     if (!parse_step_dir_name(name, nullptr)) continue;
     const std::string step_dir = join_path(root, name);
     Result<std::vector<std::string>> saves = fs.list(step_dir);
-    if (!saves.ok()) continue;                          // gone meanwhile, or not a prefix
-    std::vector<std::pair<std::string, bool>> expired;  // save prefix, lease lapsed or missing
+    if (!saves.ok()) continue;  // gone meanwhile, or not a prefix
+    struct Save {
+      std::string prefix;
+      bool lapsed;  // its lease lapsed, or it has none
+      bool leased;  // a LEASE object is there
+    };
+    std::vector<Save> expired;
     for (const std::string& s : *saves) {
       if (!starts_with(s, "save-")) continue;
       Result<PendingLease> lease = read_lease(fs, join_path(step_dir, s));
-      expired.emplace_back(s, !lease.ok() || lease->expires_unix_ms < now_unix_ms);
+      expired.push_back({s, !lease.ok() || lease->expires_unix_ms < now_unix_ms,
+                         lease.status().code() != StatusCode::not_found});
     }
     Result<Manifest> m = read_manifest(fs, step_dir);
     if (!m.ok() && m.status().code() != StatusCode::not_found) continue;  // cannot tell: leave it
-    for (const auto& [s, lapsed] : expired) {
+    for (const auto& [s, lapsed, leased] : expired) {
       const std::string path = join_path(step_dir, s);
       bool named = false;
       for (const ManifestFile& f : m.ok() ? m->files : std::vector<ManifestFile>{})
         named |= f.name.compare(0, s.size() + 1, s + "/") == 0;
-      if (named) continue;
+      if (named) {
+        // A save that died between its commit and dropping its lease left it.
+        if (lapsed && leased) {
+          Status st = fs.unlink(join_path(path, kLeaseFileName));
+          if (st.ok())
+            report.discarded.push_back(join_path(path, kLeaseFileName));
+          else
+            report.failed.push_back({path, st});
+        }
+        continue;
+      }
       if (!lapsed) {
         report.kept.push_back(path);
         kept_prefixes.push_back(name + "/" + s + "/");

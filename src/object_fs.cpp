@@ -447,6 +447,17 @@ S3StoreOptions s3_store_options(const Options& o) {
   if (!o.s3_region.empty()) s.client.region = o.s3_region;  // the setting beats AWS_REGION
   const uint64_t block = std::max<uint64_t>(o.chunk_bytes, 1);
   s.part_bytes = std::max<uint64_t>(block, ((8ull << 20) + block - 1) / block * block);
+  // No request outlasts the phase it serves (a stalled response included):
+  // data by write-timeout, the rest by commit-timeout; an attempt gets a
+  // quarter of the write phase, so a stalled one is retried within it.
+  const int64_t write_ms = static_cast<int64_t>(o.write_timeout_s * 1000);
+  const int64_t commit_ms = static_cast<int64_t>(o.commit_timeout_s * 1000);
+  if (write_ms > 0) {
+    s.data_timeout_ms = std::min(s.data_timeout_ms, write_ms);
+    s.client.attempt_timeout_ms =
+        std::min(s.client.attempt_timeout_ms, std::max<int64_t>(1000, write_ms / 4));
+  }
+  if (commit_ms > 0) s.op_timeout_ms = std::min(s.op_timeout_ms, commit_ms);
   return s;
 }
 

@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "drills/http_faults.hpp"
 #include "ferry/filesystem.hpp"
 #include "ferry/status.hpp"
 
@@ -82,6 +83,9 @@ struct FaultOptions {
   // this process). An existing journal is read back and continued, so a
   // restarted process knows what its predecessor left undurable.
   std::string journal_path;
+  // `http:` items: faults under the S3 store (http_faults.hpp), which the
+  // runtime installs in its S3 client; filesystem_from_spec ignores them.
+  std::vector<HttpFaultRule> http_rules;
 };
 
 // Parses a spec (see filesystem_from_spec). invalid_argument names the part
@@ -183,6 +187,7 @@ class FaultFilesystem : public FilesystemWrapper {
 //   item   := 'journal=' PATH      journal of power-cut events
 //           | 'path=' SUBSTR       default path filter of every fault
 //           | 'seed=' N            default seed of every rate fault
+//           | 'http:' ...          an S3 request fault (http_faults.hpp)
 //           | fault
 //   fault  := action ':' op [':' trigger] (':' option)*
 //   action := enospc | eio | short | latency | stall
@@ -193,7 +198,8 @@ class FaultFilesystem : public FilesystemWrapper {
 // Examples: "enospc:write:3", "eio:sync:1", "enospc:write:rate=1/128:seed=7",
 // "short:write:2", "latency:write:5ms", "enospc:write:1+:path=step-,journal=/j",
 // "stall:write:1" (the first pwrite never returns in a process that cannot
-// call release_stalls()).
+// call release_stalls()), "http:503:part:1-2" (the first two attempts of
+// multipart parts answer 503 SlowDown), "http:500:put:1+:key=MANIFEST".
 // Values cannot contain ',' (nor ':' inside a fault).
 Result<std::shared_ptr<Filesystem>> filesystem_from_spec(std::shared_ptr<Filesystem> base,
                                                          const std::string& spec);

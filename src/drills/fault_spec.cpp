@@ -12,6 +12,7 @@
 
 namespace ferry {
 
+using drills::parse_duration;
 using drills::parse_u64;
 using drills::split;
 
@@ -69,26 +70,6 @@ bool parse_rate(const std::string& v, uint64_t* num, uint64_t* den) {
          *num <= *den;
 }
 
-bool parse_duration(const std::string& v, std::chrono::microseconds* out) {
-  size_t digits = 0;
-  while (digits < v.size() && v[digits] >= '0' && v[digits] <= '9') ++digits;
-  uint64_t n = 0;
-  if (digits == 0 || !parse_u64(v.substr(0, digits), &n)) return false;
-  const std::string unit = v.substr(digits);
-  uint64_t scale;
-  if (unit == "us")
-    scale = 1;
-  else if (unit == "ms")
-    scale = 1000;
-  else if (unit == "s")
-    scale = 1000 * 1000;
-  else
-    return false;
-  if (n > UINT64_MAX / scale / 2) return false;
-  *out = std::chrono::microseconds(static_cast<int64_t>(n * scale));
-  return true;
-}
-
 // A rule as written, and which defaults it leaves to the spec's global
 // path= and seed= items.
 struct ParsedFault {
@@ -118,8 +99,8 @@ Result<ParsedFault> parse_fault(const std::string& item) {
   } else {
     return bad_spec(item,
                     "unknown fault '" + action +
-                        "' (expected enospc, eio, short, latency or stall, or journal=, path=, "
-                        "seed=)");
+                        "' (expected enospc, eio, short, latency or stall, http:..., or journal=, "
+                        "path=, seed=)");
   }
   if (parts.size() < 2 || parts[1].empty())
     return bad_spec(item, "missing the operation after '" + action + ":'");
@@ -201,6 +182,9 @@ Result<FaultOptions> parse_fault_spec(const std::string& spec) {
     } else if (item.compare(0, 5, "path=") == 0) {
       if (item.size() == 5) return bad_spec(item, "empty path filter");
       default_path = item.substr(5);
+    } else if (item.compare(0, 5, "http:") == 0) {
+      FERRY_ASSIGN_OR_RETURN(HttpFaultRule h, parse_http_fault(item));
+      out.http_rules.push_back(std::move(h));
     } else if (item.compare(0, 5, "seed=") == 0) {
       if (!parse_u64(item.substr(5), &default_seed))
         return bad_spec(item, "bad seed '" + item.substr(5) + "'");

@@ -3,6 +3,7 @@
 // else rather than guess. Internal to the drills library.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -35,6 +36,27 @@ inline std::vector<std::string> split(const std::string& s, char sep) {
     i = j + 1;
   }
   return out;
+}
+
+// "250us", "5ms", "1s": digits and a unit, without overflow.
+inline bool parse_duration(const std::string& v, std::chrono::microseconds* out) {
+  size_t digits = 0;
+  while (digits < v.size() && v[digits] >= '0' && v[digits] <= '9') ++digits;
+  uint64_t n = 0;
+  if (digits == 0 || !parse_u64(v.substr(0, digits), &n)) return false;
+  const std::string unit = v.substr(digits);
+  uint64_t scale;
+  if (unit == "us")
+    scale = 1;
+  else if (unit == "ms")
+    scale = 1000;
+  else if (unit == "s")
+    scale = 1000 * 1000;
+  else
+    return false;
+  if (n > UINT64_MAX / scale / 2) return false;
+  *out = std::chrono::microseconds(static_cast<int64_t>(n * scale));
+  return true;
 }
 
 }  // namespace ferry::drills

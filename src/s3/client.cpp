@@ -134,6 +134,7 @@ struct Client::Request {
   std::string etag;
   std::string content_length;
   long http = 0;
+  bool head_complete = false;  // the blank line after the headers came
   int attempts = 0;
 
   std::string object() const { return "s3://" + bucket + (key.empty() ? "" : "/" + key); }
@@ -145,6 +146,7 @@ struct Client::Request {
     etag.clear();
     content_length.clear();
     http = 0;
+    head_complete = false;
   }
 };
 
@@ -224,6 +226,11 @@ size_t on_header(char* buf, size_t size, size_t n, void* data) {
   if (line.rfind("HTTP/", 0) == 0) {
     auto sp = line.find(' ');
     r->http = sp == std::string::npos ? 0 : std::atol(line.c_str() + sp + 1);
+    r->head_complete = false;
+    return len;
+  }
+  if (line.empty()) {
+    r->head_complete = r->http != 0;
     return len;
   }
   auto colon = line.find(':');
@@ -243,6 +250,7 @@ bool retryable_curl(CURLcode c) {
     case CURLE_SEND_ERROR:
     case CURLE_RECV_ERROR:
     case CURLE_GOT_NOTHING:
+    case CURLE_WEIRD_SERVER_REPLY:  // an answer torn inside its headers
     case CURLE_PARTIAL_FILE:
     case CURLE_OPERATION_TIMEDOUT:
     case CURLE_COULDNT_RESOLVE_HOST:
@@ -315,9 +323,15 @@ Status Client::perform(Request& r, Deadline d) {
     }
     r.reset_attempt();
     r.attempts = attempt;
+    std::string target;
+    if (config_.hook) {
+      target =
+          config_.hook->before({r.op, r.key, attempt, std::min(left, config_.attempt_timeout_ms)});
+      left = std::max<int64_t>(1, d.left_ms());
+    }
     CURL* h = pool_->acquire();
     curl_easy_reset(h);
-    curl_easy_setopt(h, CURLOPT_URL, url.c_str());
+    curl_easy_setopt(h, CURLOPT_URL, target.empty() ? url.c_str() : target.c_str());
     curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
     curl_easy_setopt(h, CURLOPT_TIMEOUT_MS,
                      static_cast<long>(std::min(left, config_.attempt_timeout_ms)));
@@ -378,6 +392,12 @@ Status Client::perform(Request& r, Deadline d) {
       last = Status::io_error(r.op + " " + r.object() + ": " +
                               (curl_error[0] ? curl_error : curl_easy_strerror(rc)));
       retry = retryable_curl(rc);
+    } else if (!r.head_complete) {
+      // curl takes a connection closed inside the headers (no body to
+      // expect, as for HEAD) for an answer: it is a torn one.
+      last = Status::io_error(r.op + " " + r.object() + ": the answer (HTTP " +
+                              std::to_string(r.http) + ") ended inside its headers");
+      retry = true;
     } else if (r.http >= 200 && r.http < 300) {
       return Status();
     } else {

@@ -16,6 +16,25 @@
 
 namespace ferry::s3 {
 
+// One attempt of a request, as a fault injector sees it.
+struct AttemptInfo {
+  const std::string& op;   // S3's name for the request: "UploadPart"
+  const std::string& key;  // the object's key in the bucket, "" for bucket-wide requests
+  int attempt;             // 1 for the first try
+  int64_t bound_ms;        // the attempt's own time bound
+};
+
+// Sees each attempt before it is sent and may send it elsewhere: the drills'
+// fault peer, which answers as a failing server would (FERRY_FAULTS http:
+// rules, src/drills/http_faults.hpp). Production requests have none.
+class AttemptHook {
+ public:
+  virtual ~AttemptHook() = default;
+  // The URL to send this attempt to instead, or "" for the server. May
+  // sleep (injected latency) within `bound_ms`.
+  virtual std::string before(const AttemptInfo& a) = 0;
+};
+
 // Where and as whom to talk. Credentials are never part of an error text.
 struct Config {
   std::string endpoint;  // "http://127.0.0.1:7480"; empty: https://s3.REGION.amazonaws.com
@@ -30,6 +49,7 @@ struct Config {
   // Connections kept alive for reuse; more callers than this wait for one.
   int connections = 8;
   int max_attempts = 6;
+  std::shared_ptr<AttemptHook> hook;  // none outside fault drills
 };
 
 // Fills credentials and region from AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,

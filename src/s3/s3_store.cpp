@@ -156,13 +156,14 @@ class S3Store : public Store {
     auto k = key_of(key);
     if (!k.ok()) return k.status();
     return std::unique_ptr<ObjectWriter>(
-        new S3Writer(*c_, url_.bucket, k.value(), o_.part_bytes, o_.op_timeout_ms));
+        new S3Writer(*c_, url_.bucket, k.value(), o_.part_bytes, o_.data_timeout_ms));
   }
 
   Result<size_t> read(const std::string& key, uint64_t offset, void* out, size_t len) override {
     auto k = key_of(key);
     if (!k.ok()) return k.status();
-    return c_->get(url_.bucket, k.value(), offset, out, len, deadline());
+    return c_->get(url_.bucket, k.value(), offset, out, len,
+                   s3::Deadline::in(std::chrono::milliseconds(o_.data_timeout_ms)));
   }
 
   Result<std::string> read_all(const std::string& key, uint64_t max_bytes) override {

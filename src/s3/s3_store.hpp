@@ -15,8 +15,10 @@ namespace ferry {
 
 struct S3StoreOptions {
   s3::Config client;
-  // Each store operation, retries included, ends by this bound.
+  // Each store operation, retries included, ends by this bound; data object
+  // writes (parts, complete) and ranged reads by `data_timeout_ms`.
   int64_t op_timeout_ms = 120'000;
+  int64_t data_timeout_ms = 120'000;
   // A multiple of the staging pool's block; S3 wants >= 5 MiB but the last.
   uint64_t part_bytes = 8ull << 20;
 };
