@@ -66,7 +66,10 @@ struct Checkpoint {
   bool want_all = false;     // a rank drives the save in steps and shows every rank's plan
   uint8_t owner_policy = 0;  // as PlanRequest: 0 is the configured one
   std::vector<std::pair<std::string, std::string>> metadata;
-  std::vector<std::optional<LocalPlan>> plans;
+  // Dropped once the global plan is made: an in-process planner refills
+  // its plan in place only when no one else holds it.
+  std::vector<std::shared_ptr<const LocalPlan>> plans;
+  std::vector<bool> planned;           // by rank: its plan came
   std::vector<DataFileOptions> files;  // by rank: how each names and fills its data files
   std::vector<caf::typed_response_promise<PlanReply>> plan_promises;
   size_t plans_in = 0;
@@ -153,18 +156,21 @@ int64_t lease_ms(const coordinator_state& st) {
   return static_cast<int64_t>(st.ctx->opts.lease_seconds * 1000);
 }
 
-Result<std::shared_ptr<const GlobalPlan>> global_plan(coordinator_state& st,
-                                                      const std::vector<LocalPlan>& plans,
-                                                      uint8_t owner_policy) {
+Result<std::shared_ptr<const GlobalPlan>> global_plan(
+    coordinator_state& st, const std::vector<std::shared_ptr<const LocalPlan>>& plans,
+    uint8_t owner_policy) {
   GlobalPlanOptions o;
   if (owner_policy == 2 || (owner_policy == 0 && st.ctx->opts.owner_lowest_rank))
     o.policy = OwnerPolicy::lowest_rank;
   std::vector<uint64_t> digests;
   digests.reserve(plans.size() + 1);
-  for (const auto& p : plans) digests.push_back(p.digest());
+  for (const auto& p : plans) digests.push_back(p->digest());
   digests.push_back(static_cast<uint64_t>(o.policy));  // the cache holds one policy's plan
   if (st.cached_plan && digests == st.cached_digests) return st.cached_plan;
-  auto gp = make_global_plan(plans, o);
+  std::vector<LocalPlan> copies;  // only when the plans changed
+  copies.reserve(plans.size());
+  for (const auto& p : plans) copies.push_back(*p);
+  auto gp = make_global_plan(copies, o);
   if (!gp.ok()) return gp.status();
   st.cached_plan = std::make_shared<const GlobalPlan>(std::move(gp).value());
   st.cached_digests = std::move(digests);
@@ -205,7 +211,7 @@ std::string rank_runs(const std::vector<bool>& have, bool want, size_t* n) {
 // save (a save under `if rank == 0`, say), which no wait can mend.
 Status plan_timed_out(const Checkpoint& c, double limit_s) {
   std::vector<bool> have;
-  for (const auto& p : c.plans) have.push_back(p.has_value());
+  for (bool p : c.planned) have.push_back(p);
   size_t saving = 0, missing = 0;
   const std::string in = rank_runs(have, true, &saving);
   const std::string out = rank_runs(have, false, &missing);
@@ -336,10 +342,7 @@ Status disagreement(const Checkpoint& c, const PlanRequest& req) {
 void on_all_plans(coordinator_ptr self) {
   auto& st = self->state;
   Checkpoint& c = *st.active;
-  std::vector<LocalPlan> plans;
-  plans.reserve(c.plans.size());
-  for (auto& p : c.plans) plans.push_back(std::move(*p));
-  auto gp = global_plan(st, plans, c.owner_policy);
+  auto gp = global_plan(st, c.plans, c.owner_policy);
   if (!gp.ok()) return abort_active(self, gp.status());
   char nonce[17];
   std::snprintf(nonce, sizeof(nonce), "%016llx", static_cast<unsigned long long>(st.nonces()));
@@ -359,6 +362,8 @@ void on_all_plans(coordinator_ptr self) {
   // Only when asked: every rank's plan on every rank grows with world size squared.
   std::string all;
   if (c.want_all) {
+    std::vector<LocalPlan> plans;
+    for (const auto& p : c.plans) plans.push_back(*p);
     auto sp = save_plans(plans, **gp, c.files);
     if (!sp.ok()) return abort_active(self, sp.status());
     all = encode_save_plans(*sp);
@@ -366,6 +371,7 @@ void on_all_plans(coordinator_ptr self) {
   for (size_t r = 0; r < c.plan_promises.size(); ++r)
     c.plan_promises[r].deliver(
         PlanReply{st.ctx->job_id, c.id, Status(), c.pending_dir, (*gp)->ranks[r], all});
+  for (auto& p : c.plans) p.reset();
   self->delayed_send(me(self), seconds(st.ctx->opts.write_timeout_s), atom::ckpt_due_v, c.id,
                      std::string("write"));
   // Refresh the lease a few times per period so gc never takes a live save.
@@ -660,6 +666,7 @@ coordinator_actor::behavior_type coordinator_fun(coordinator_ptr self, ContextPt
           c.overwrite = req.overwrite;
           c.owner_policy = req.owner_policy;
           c.plans.resize(world);
+          c.planned.resize(world);
           c.files.resize(world);
           c.plan_promises.resize(world);
           c.results.resize(world);
@@ -690,8 +697,10 @@ coordinator_actor::behavior_type coordinator_fun(coordinator_ptr self, ContextPt
           return rp;
         }
         auto rp = self->make_response_promise<PlanReply>();
-        if (!c.plans[req.rank]) ++c.plans_in;
-        c.plans[req.rank] = std::move(req.plan);
+        if (!c.planned[req.rank]) ++c.plans_in;
+        c.planned[req.rank] = true;
+        c.plans[req.rank] = req.shared ? std::move(req.shared)
+                                       : std::make_shared<const LocalPlan>(std::move(req.plan));
         c.files[req.rank] = std::move(req.files);
         c.plan_promises[req.rank] = rp;
         if (c.plans_in == world) on_all_plans(self);
@@ -762,7 +771,7 @@ coordinator_actor::behavior_type coordinator_fun(coordinator_ptr self, ContextPt
         if (c.phase == Phase::writing)
           for (const auto& r : c.results) have.push_back(r.has_value());
         else
-          for (const auto& p : c.plans) have.push_back(p.has_value());
+          for (bool p : c.planned) have.push_back(p);
         const double limit =
             c.phase == Phase::writing ? st.ctx->opts.write_timeout_s : st.ctx->opts.plan_timeout_s;
         abort_active(self, Status::timeout("the " + phase + " phase timed out after " +

@@ -77,7 +77,8 @@ struct Current {
   Phase phase = Phase::idle;
   std::string checkpoint_id;
   std::string pending_dir;
-  LocalPlan local;
+  // Shared with rank 0's coordinator in process, which drops it once planned.
+  std::shared_ptr<LocalPlan> local = std::make_shared<LocalPlan>();
   RankPlan plan;
   // Shared with the stream job (and, uncompressed, with the layout cache).
   std::shared_ptr<const std::vector<FileLayout>> layouts =
@@ -200,8 +201,8 @@ struct planner_state {
   Current cur;
   LayoutCache layout_cache;
   uint64_t layouts_made = 0;
-  LocalPlan kept_local;  // the last save's, refilled in place by the next
-  hasher_actor hasher;   // spawned at the first save with replicated items
+  std::shared_ptr<LocalPlan> kept_local;  // the last save's, refilled in place by the next
+  hasher_actor hasher;                    // spawned at the first save with replicated items
 };
 
 using planner_ptr = planner_actor::stateful_pointer<planner_state>;
@@ -451,10 +452,10 @@ Status start_hashing(planner_ptr self) {
   job.mode = st.ctx->opts.replica_check;
   const auto& entries = cur.job.sd.entries();
   for (uint32_t i : cur.plan.replicated) {
-    if (i >= cur.local.items.size() || cur.local.items[i].entry >= entries.size())
+    if (i >= cur.local->items.size() || cur.local->items[i].entry >= entries.size())
       return Status::invalid_argument("rank 0's plan names replicated item " + std::to_string(i) +
-                                      " of " + std::to_string(cur.local.items.size()));
-    const WriteItem& it = cur.local.items[i];
+                                      " of " + std::to_string(cur.local->items.size()));
+    const WriteItem& it = cur.local->items[i];
     job.items.push_back({it.key, it.box.offsets, 0, false});
     job.views.push_back(entries[it.entry].view);
   }
@@ -668,7 +669,7 @@ Status plan_chunks(planner_state& st, FileChunks& out,
                    std::vector<std::vector<std::pair<uint32_t, uint64_t>>>* picks) {
   auto& cur = st.cur;
   const auto& entries = std::as_const(cur.job.sd).entries();
-  FERRY_ASSIGN_OR_RETURN(auto files, data_files(cur.local, cur.plan, cur.job.files));
+  FERRY_ASSIGN_OR_RETURN(auto files, data_files(*cur.local, cur.plan, cur.job.files));
   out = FileChunks{};
   if (picks) picks->clear();
   for (PlannedFile& f : files) {
@@ -677,7 +678,7 @@ Status plan_chunks(planner_state& st, FileChunks& out,
     out.srcs.emplace_back();
     if (picks) picks->emplace_back();
     for (FileSlice& s : f.slices) {
-      const WriteItem& it = cur.local.items[s.item];
+      const WriteItem& it = cur.local->items[s.item];
       out.refs.back().push_back({it.key, it.dtype, it.global_shape, std::move(s.box), nullptr});
       out.srcs.back().push_back({entries[it.entry].view, s.skip});
       if (picks) picks->back().emplace_back(it.entry, s.skip);
@@ -707,7 +708,7 @@ bool reuse_layouts(planner_state& st, uint64_t local_digest) {
   auto& cur = st.cur;
   const LayoutCache& c = st.layout_cache;
   if (!c.valid || c.local_digest != local_digest || c.files != cur.job.files ||
-      !same_rank_plan(c.plan, cur.plan) || c.entries != item_entries(cur.local))
+      !same_rank_plan(c.plan, cur.plan) || c.entries != item_entries(*cur.local))
     return false;
   const auto& entries = std::as_const(cur.job.sd).entries();
   auto sources = std::make_shared<std::vector<std::vector<ChunkSource>>>(c.picks.size());
@@ -792,7 +793,7 @@ void on_plan(planner_ptr self, PlanReply& r) {
   if (Status s = start_hashing(self); !s.ok()) return fail(self, s);
   const int level = cur.job.files.level();
   if (level == 0) {
-    const uint64_t digest = cur.local.digest();
+    const uint64_t digest = cur.local->digest();
     if (reuse_layouts(st, digest)) return laid_out(self);
     LayoutCache& cache = st.layout_cache;
     cache.valid = false;
@@ -800,7 +801,7 @@ void on_plan(planner_ptr self, PlanReply& r) {
     if (Status s = plan_chunks(st, chunks, &cache.picks); !s.ok()) return fail(self, s);
     if (Status s = make_layouts(st, chunks); !s.ok()) return fail(self, s);
     cache.local_digest = digest;
-    cache.entries = item_entries(cur.local);
+    cache.entries = item_entries(*cur.local);
     cache.plan = cur.plan;
     cache.files = cur.job.files;
     cache.layouts = cur.layouts;
@@ -923,10 +924,11 @@ void start_next(planner_ptr self) {
   };
   if (!cur.job.doomed.ok()) return doom(cur.job.doomed);
   if (cur.job.local) {
-    cur.local = std::move(*cur.job.local);
+    cur.local = std::make_shared<LocalPlan>(std::move(*cur.job.local));
   } else {
-    cur.local = std::move(st.kept_local);
-    if (Status s = make_local_plan_into(cur.job.sd, st.ctx->rank, &cur.local); !s.ok())
+    // In place unless the coordinator still holds the last one.
+    if (st.kept_local && st.kept_local.use_count() == 1) cur.local = std::move(st.kept_local);
+    if (Status s = make_local_plan_into(cur.job.sd, st.ctx->rank, cur.local.get()); !s.ok())
       return doom(s);
   }
   // With other ranks, rank 0's coordinator ends a plan phase they never
@@ -935,8 +937,8 @@ void start_next(planner_ptr self) {
   if (st.ctx->world_size > 1) plan_wait_s += st.ctx->opts.heartbeat_timeout_s;
   arm_deadline(self, "plan", seconds(plan_wait_s));
   PlanRequest req{st.ctx->job_id, cur.checkpoint_id,      st.ctx->rank,          cur.job.step,
-                  cur.job.root,   cur.job.opts.overwrite, cur.job.opts.metadata, cur.local,
-                  cur.job.staged, cur.job.owner_policy,   cur.job.files};
+                  cur.job.root,   cur.job.opts.overwrite, cur.job.opts.metadata, {},
+                  cur.local,      cur.job.staged,         cur.job.owner_policy,  cur.job.files};
   const uint64_t id = cur.id;
   self->request(st.coordinator, caf::infinite, atom::plan_v, std::move(req))
       .then(

@@ -207,12 +207,12 @@ Status check_manifest_file(Filesystem& fs, ManifestCache* cache, const std::stri
 
 }  // namespace
 
-Result<Manifest> read_manifest(Filesystem& fs, const std::string& checkpoint_dir,
-                               ManifestCache* cache) {
-  std::string path = join_path(checkpoint_dir, kManifestFileName);
-  FileInfo info;
-  std::string head;
-  FERRY_RETURN_IF_ERROR(check_manifest_file(fs, cache, path, /*frame_only=*/false, &info, &head));
+namespace {
+
+// The manifest at `path` whose file check_manifest_file passed (`info`,
+// `head`), read and decoded whole.
+Result<Manifest> decode_checked(Filesystem& fs, ManifestCache* cache, const std::string& path,
+                                const FileInfo& info, std::string& head) {
   // A small manifest is all in its head already.
   std::string bytes;
   if (head.size() == info.size)
@@ -227,6 +227,34 @@ Result<Manifest> read_manifest(Filesystem& fs, const std::string& checkpoint_dir
     return st;
   }
   return m;
+}
+
+}  // namespace
+
+Result<Manifest> read_manifest(Filesystem& fs, const std::string& checkpoint_dir,
+                               ManifestCache* cache) {
+  std::string path = join_path(checkpoint_dir, kManifestFileName);
+  FileInfo info;
+  std::string head;
+  FERRY_RETURN_IF_ERROR(check_manifest_file(fs, cache, path, /*frame_only=*/false, &info, &head));
+  return decode_checked(fs, cache, path, info, head);
+}
+
+void remember_committed(Filesystem& fs, const std::string& checkpoint_dir, const Manifest& m,
+                        std::string_view encoded, ManifestCache* cache) {
+  if (cache == nullptr) return;
+  Result<uint64_t> sum = manifest_payload_sum(encoded);
+  Result<FileInfo> info = fs.lstat(join_path(checkpoint_dir, kManifestFileName));
+  if (!sum.ok() || !info.ok() || !info->is_regular || info->size != encoded.size()) return;
+  auto d = std::make_shared<ManifestCache::Decoded>();
+  d->step = m.step;
+  d->commit_seq = m.commit_seq;
+  d->total_bytes = m.total_bytes();
+  d->tensors = m.tensors.size();
+  d->files = m.files;
+  cache->remember_decoded(failure_key(join_path(checkpoint_dir, kManifestFileName), *info), *sum,
+                          std::move(d));
+  cache->remember_summary({m.step, m.commit_seq, *sum});
 }
 
 namespace {
@@ -328,6 +356,30 @@ Result<std::vector<Candidate>> committed_by_seq(Filesystem& fs, const std::strin
   return out;
 }
 
+// What retention and find_latest need of the manifest in `dir`: decoded whole once per
+// `cache` owner (none: each time), then known from its 4 KiB head.
+Result<std::shared_ptr<const ManifestCache::Decoded>> decoded_manifest(Filesystem& fs,
+                                                                       const std::string& dir,
+                                                                       ManifestCache* cache) {
+  const std::string path = join_path(dir, kManifestFileName);
+  FileInfo info;
+  std::string head;
+  FERRY_RETURN_IF_ERROR(check_manifest_file(fs, cache, path, /*frame_only=*/false, &info, &head));
+  Result<uint64_t> sum = manifest_payload_sum(head);
+  if (cache != nullptr && sum.ok()) {
+    if (auto known = cache->decoded(failure_key(path, info), *sum)) return known;
+  }
+  FERRY_ASSIGN_OR_RETURN(Manifest m, decode_checked(fs, cache, path, info, head));
+  auto d = std::make_shared<ManifestCache::Decoded>();
+  d->step = m.step;
+  d->commit_seq = m.commit_seq;
+  d->total_bytes = m.total_bytes();
+  d->tensors = m.tensors.size();
+  d->files = std::move(m.files);
+  if (cache != nullptr && sum.ok()) cache->remember_decoded(failure_key(path, info), *sum, d);
+  return std::shared_ptr<const ManifestCache::Decoded>(std::move(d));
+}
+
 }  // namespace
 
 Result<uint64_t> highest_commit_seq(Filesystem& fs, const std::string& root, ManifestCache* cache) {
@@ -349,12 +401,13 @@ Result<CheckpointInfo> find_latest(Filesystem& fs, const std::string& root, Mani
   for (const Candidate& c : all) {
     CheckpointInfo info;
     info.path = join_path(root, c.name);
-    Result<Manifest> m = read_manifest(fs, info.path, cache);
+    Result<std::shared_ptr<const ManifestCache::Decoded>> m =
+        decoded_manifest(fs, info.path, cache);
     if (!m.ok()) continue;
     parse_step_dir_name(c.name, &info.step);
-    info.commit_seq = m->commit_seq;
-    info.bytes = m->total_bytes();
-    info.tensors = m->tensors.size();
+    info.commit_seq = (*m)->commit_seq;
+    info.bytes = (*m)->total_bytes;
+    info.tensors = (*m)->tensors;
     info.latest_hint = (c.name == hint);
     return info;
   }
@@ -681,38 +734,59 @@ Result<GcReport> collect_garbage(Filesystem& fs, const std::string& root, int64_
 
 namespace {
 
-// The manifest reads and every file it names is a regular file of its size.
-bool loadable(Filesystem& fs, const CheckpointInfo& c) {
-  if (!c.status.ok()) return false;
-  Result<Manifest> m = read_manifest(fs, c.path);
-  if (!m.ok()) return false;
-  for (const ManifestFile& f : m->files) {
-    Result<FileInfo> st = fs.lstat(join_path(c.path, f.name));
-    if (!st.ok() || !st->is_regular || st->size != f.size) return false;
+struct Loadable {
+  std::string path;
+  uint64_t step = 0;
+  uint64_t commit_seq = 0;
+};
+
+// The committed checkpoints of ROOT that can be loaded (the manifest reads
+// and every file it names is a regular file of its size), oldest (by
+// commit_seq, then step) first.
+Result<std::vector<Loadable>> loadable_checkpoints(Filesystem& fs, const std::string& root,
+                                                   ManifestCache* cache) {
+  FERRY_ASSIGN_OR_RETURN(std::vector<std::string> names, fs.list(root));
+  std::vector<Loadable> out;
+  for (const std::string& name : names) {
+    uint64_t step = 0;
+    if (!parse_step_dir_name(name, &step)) continue;
+    const std::string path = join_path(root, name);
+    if (!check_step_dir(fs, path).ok()) continue;
+    Result<std::shared_ptr<const ManifestCache::Decoded>> m = decoded_manifest(fs, path, cache);
+    if (!m.ok()) continue;
+    bool whole = true;
+    for (const ManifestFile& f : (*m)->files) {
+      Result<FileInfo> st = fs.lstat(join_path(path, f.name));
+      if (!st.ok() || !st->is_regular || st->size != f.size) {
+        whole = false;
+        break;
+      }
+    }
+    if (whole) out.push_back({path, step, (*m)->commit_seq});
   }
-  return true;
+  std::stable_sort(out.begin(), out.end(), [](const Loadable& a, const Loadable& b) {
+    if (a.commit_seq != b.commit_seq) return a.commit_seq < b.commit_seq;
+    return a.step < b.step;
+  });
+  return out;
 }
 
 }  // namespace
 
 Result<Retired> retire_checkpoints(Filesystem& fs, const std::string& root, uint32_t keep_last,
                                    const std::string& keep_path,
-                                   const std::vector<std::string>& spare) {
+                                   const std::vector<std::string>& spare, ManifestCache* cache) {
   Retired out;
   if (keep_last == 0) return out;
   // Under the lock: a displaced step is either the caller's to put back
-  // (spare) or already back.
-  FERRY_ASSIGN_OR_RETURN(std::vector<CheckpointInfo> all, list_checkpoints_here(fs, root, nullptr));
-  // Only loadable checkpoints count toward keep_last: one whose files are
-  // gone must not push out the last one that can still be loaded.
-  std::vector<CheckpointInfo> committed;
-  for (CheckpointInfo& c : all) {
-    if (loadable(fs, c)) committed.push_back(std::move(c));
-  }
+  // (spare) or already back. Only loadable checkpoints count toward
+  // keep_last: one whose files are gone must not push out the last one that
+  // can still be loaded.
+  FERRY_ASSIGN_OR_RETURN(std::vector<Loadable> committed, loadable_checkpoints(fs, root, cache));
   if (committed.size() <= keep_last) return out;
   const size_t drop = committed.size() - keep_last;
   for (size_t i = 0; i < drop; ++i) {
-    const CheckpointInfo& c = committed[i];
+    const Loadable& c = committed[i];
     if (!keep_path.empty() && c.path == keep_path) continue;
     if (std::find(spare.begin(), spare.end(), c.path) != spare.end()) continue;
     // Out of sight before any byte goes: a crash halfway through deleting

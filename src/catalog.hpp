@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "ferry/catalog.hpp"
@@ -84,6 +85,12 @@ Result<std::string> resolve_checkpoint(Filesystem& fs, const std::string& path,
 Result<Manifest> read_manifest(Filesystem& fs, const std::string& checkpoint_dir,
                                ManifestCache* cache = nullptr);
 
+// Tells `cache` (null: nothing) of the manifest a commit just wrote to
+// CHECKPOINT_DIR as `encoded`: the next commits number themselves and retire
+// checkpoints without decoding it.
+void remember_committed(Filesystem& fs, const std::string& checkpoint_dir, const Manifest& m,
+                        std::string_view encoded, ManifestCache* cache);
+
 // Lease: a text file holding the expiry time (unix ms) and the owner.
 Status write_lease(Filesystem& fs, const std::string& pending_dir, int64_t expires_unix_ms,
                    const std::string& owner);
@@ -156,9 +163,11 @@ struct Retired {
 // back: a job that did not know of them must not lose them to its own
 // save). Checkpoints that are not loadable are left for the user to see.
 // REQUIRES: ROOT's lock is held when other jobs may commit into ROOT.
+// `cache` (its owner's): each manifest is decoded once, then known by its head.
 Result<Retired> retire_checkpoints(Filesystem& fs, const std::string& root, uint32_t keep_last,
                                    const std::string& keep_path = "",
-                                   const std::vector<std::string>& spare = {});
+                                   const std::vector<std::string>& spare = {},
+                                   ManifestCache* cache = nullptr);
 
 // retire_checkpoints under ROOT's lock (waiting up to lock_wait_ms, as a
 // commit does: a commit running meanwhile must not see checkpoints vanish

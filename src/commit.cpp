@@ -310,7 +310,8 @@ Status check_pending(Filesystem& fs, const std::string& files_dir, const std::st
 void retire_after(Filesystem& fs, const std::string& root, const std::string& step_dir,
                   const CommitOptions& opts, const std::vector<std::string>& spared,
                   CommitOutcome& out) {
-  Result<Retired> retired = retire_checkpoints(fs, root, opts.keep_last, step_dir, spared);
+  Result<Retired> retired =
+      retire_checkpoints(fs, root, opts.keep_last, step_dir, spared, opts.manifests);
   if (retired.ok()) {
     out.retired = std::move(retired->checkpoints);
     out.trash.insert(out.trash.end(), retired->trash.begin(), retired->trash.end());
@@ -356,6 +357,7 @@ Result<CommitOutcome> commit_to_object_root(Filesystem& fs, const std::string& r
   }
   fs.crash_point("commit.rename");
   CommitOutcome out{step_dir, manifest.commit_seq, {}, {}, {}, {}};
+  remember_committed(fs, step_dir, manifest, encoded, opts.manifests);
   for (const std::string& p : old_prefixes) out.trash.push_back(join_path(step_dir, p));
   (void)fs.unlink(join_path(pending_dir, kLeaseFileName));
   Status latest = write_file_atomic_passing(fs, join_path(root, kLatestFileName), name + "\n",
@@ -529,6 +531,7 @@ Result<CommitOutcome> commit_checkpoint_in_place(Filesystem& fs, const std::stri
   // fails now is a warning, never a failed save (a retry would only meet
   // already_exists).
   CommitOutcome out{step_dir, manifest.commit_seq, {}, {}, {}, restored};
+  remember_committed(fs, step_dir, manifest, encoded, opts.manifests);
   // The lease protected the save while it was pending (a crash before the
   // rename leaves a directory gc may take once it expires); a committed
   // directory needs none. Not in the manifest, so a leftover is harmless.

@@ -1,8 +1,10 @@
 // What one owner (a Runtime) knows of the manifests it read: summaries by
 // payload checksum (a manifest is never rewritten in place, so that names
 // its content; one corrupted in place since keeps its old summary here, so a
-// commit at most picks a larger number than needed, and find_latest still
-// decodes its choice whole), and the manifests that failed, by path, size,
+// commit at most picks a larger number than needed), what retention and
+// find_latest need of those that decoded whole, by file and payload
+// checksum (a file rewritten has another inode or mtime and is decoded
+// again; load decodes what it reads), and the manifests that failed, by path, size,
 // inode and mtime, so that a bad one costs one read per owner rather than
 // one per save or `ls`. Owned, never process-global: two runtimes in one
 // process (other roots, other filesystems) never see each other's entries.
@@ -11,11 +13,14 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
 #include <unordered_map>
+#include <utility>
+#include <vector>
 
 #include "ferry/status.hpp"
 #include "manifest.hpp"
@@ -56,6 +61,30 @@ class ManifestCache {
     failed_[key] = {st, frame};
   }
 
+  // What retention and find_latest need of a manifest that decoded whole
+  // (decode_manifest and its checks passed): its numbers and files. Keyed by the file as it
+  // was (path, size, inode, mtime) and its payload checksum, so a manifest
+  // rewritten or moved is decoded again.
+  struct Decoded {
+    uint64_t step = 0;
+    uint64_t commit_seq = 0;
+    uint64_t total_bytes = 0;
+    uint64_t tensors = 0;
+    std::vector<ManifestFile> files;
+  };
+  std::shared_ptr<const Decoded> decoded(const FailureKey& key, uint64_t payload_sum) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = decoded_.find(key);
+    if (it == decoded_.end() || it->second.first != payload_sum) return nullptr;
+    return it->second.second;
+  }
+  void remember_decoded(const FailureKey& key, uint64_t payload_sum,
+                        std::shared_ptr<const Decoded> d) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (decoded_.size() >= kMaxRemembered) decoded_.clear();
+    decoded_[key] = {payload_sum, std::move(d)};
+  }
+
   size_t summaries() {
     std::lock_guard<std::mutex> lock(mu_);
     return by_sum_.size();
@@ -69,6 +98,7 @@ class ManifestCache {
   std::mutex mu_;
   std::unordered_map<uint64_t, ManifestSummary> by_sum_;
   std::map<FailureKey, Failure> failed_;
+  std::map<FailureKey, std::pair<uint64_t, std::shared_ptr<const Decoded>>> decoded_;
 };
 
 }  // namespace ferry

@@ -255,10 +255,10 @@ struct Encoder {
       meta[i].setValue(text(m.metadata[i].second));
     }
     auto plan = b.initPlan();
-    plan.setRank(m.plan.rank);
-    auto items = plan.initItems(static_cast<unsigned>(m.plan.items.size()));
+    plan.setRank(plan_of(m).rank);
+    auto items = plan.initItems(static_cast<unsigned>(plan_of(m).items.size()));
     for (unsigned i = 0; i < items.size(); ++i) {
-      const WriteItem& w = m.plan.items[i];
+      const WriteItem& w = plan_of(m).items[i];
       auto it = items[i];
       it.setKey(text(w.key));
       it.setDtype(dtype_name(w.dtype));

@@ -83,10 +83,17 @@ struct PlanRequest {
   bool overwrite = false;
   std::vector<std::pair<std::string, std::string>> metadata;  // rank 0's is kept
   LocalPlan plan;
+  // In process (rank 0's own planner): its plan, shared rather than copied
+  // (`plan` then empty); plan_of() reads whichever is set.
+  std::shared_ptr<const LocalPlan> shared = nullptr;
   bool want_all = false;     // the reply should carry every rank's plan (SavePlanner)
   uint8_t owner_policy = 0;  // 0: rank 0's configured one, 1: balanced, 2: lowest rank
   DataFileOptions files;     // how the rank names and fills its data files (data_files())
 };
+
+inline const LocalPlan& plan_of(const PlanRequest& r) {
+  return r.shared ? *r.shared : r.plan;
+}
 
 // Rank 0 -> a rank: its part of the global plan, or why there is none.
 struct PlanReply {

@@ -643,13 +643,17 @@ class Manifest:
             self.step = L.ferry_manifest_step(m)
             self.commit_seq = L.ferry_manifest_commit_seq(m)
             self.world_size = L.ferry_manifest_world_size(m)
-            self.tensors = {}
+            self.tensors = tensors = {}
             info = _lib.TensorInfo()
+            ref = ctypes.byref(info)
+            get = L.ferry_manifest_tensor
             for i in range(L.ferry_manifest_num_tensors(m)):
-                check(L.ferry_manifest_tensor(m, i, ctypes.byref(info)))
+                st = get(m, i, ref)
+                if st:
+                    check(st)
                 key = info.key.decode("utf-8")
-                shape = tuple(info.global_shape[d] for d in range(info.ndim))
-                self.tensors[key] = TensorInfo(key, info.dtype, shape, info.bytes)
+                tensors[key] = TensorInfo(key, info.dtype, tuple(info.global_shape[:info.ndim]),
+                                          info.bytes)
             self.metadata = {}
             k = ctypes.c_char_p()
             v = ctypes.c_void_p()
@@ -660,11 +664,20 @@ class Manifest:
                 self.metadata[k.value.decode("utf-8")] = raw.decode("utf-8", "replace")
         finally:
             L.ferry_manifest_close(m)
-        self.paths, self.leaves = _tree.decode_meta(self.metadata)
+        # The paths (one per entry) only when a load rebuilds a subtree.
+        self._paths = None
+        self.leaves = _tree.decode_leaves(self.metadata)
         # Typed leaves (tuples, pickled objects: those as ferry.Pickled until
         # a load allows them); `pickled` names the keys that hold pickle.
         values, self.pickled = _tree.decode_values(self.metadata)
         self.leaves.update(values)
+
+    @property
+    def paths(self) -> Dict[str, List[Any]]:
+        """Flat key -> the path in the saved tree (list of components)."""
+        if self._paths is None:
+            self._paths = _tree.decode_paths(self.metadata)
+        return self._paths
 
     def torch_dtype(self, key: str) -> torch.dtype:
         return torch_dtype(self.tensors[key].dtype)
@@ -845,14 +858,18 @@ def _load(rt, state_dict, path, strict, cast, key_map, allow_pickle=False):
     copy_back = []  # (destination tensor, loaded buffer)
     adopted = {}  # ckpt key -> tensor allocated for a stateful object's state dict
     mismatched = []
+    _, code_dtypes = _dtype_tables()
+    man_tensors = man.tensors
     for key, v in flat.tensors.items():
-        ck = _map_key(key_map, key)
-        if ck not in man.tensors:
+        ck = key if key_map is None else _map_key(key_map, key)
+        info = man_tensors.get(ck)
+        if info is None:
             continue
-        shard = _as_shard(key, v)
+        shard = None if type(v) is torch.Tensor else _as_shard(key, v)
         dest = shard.tensor if shard is not None else v
-        info = man.tensors[ck]
-        saved = torch_dtype(info.dtype)
+        saved = code_dtypes.get(info.dtype)
+        if saved is None:
+            saved = torch_dtype(info.dtype)  # raises, naming the dtype
         buf = dest
         if dest.dtype != saved:
             if not cast:
@@ -863,10 +880,12 @@ def _load(rt, state_dict, path, strict, cast, key_map, allow_pickle=False):
             buf = torch.empty(dest.shape, dtype=saved, device=dest.device)
         if buf is not dest:
             copy_back.append((dest, buf))
+        if buf.requires_grad:  # detach() costs a new tensor object; only when needed
+            buf = buf.detach()
         if shard is None:
-            items.append((ck, buf.detach(), None, None))
+            items.append((ck, buf, None, None))
         else:
-            items.append((ck, buf.detach(), shard.global_shape, shard.offsets))
+            items.append((ck, buf, shard.global_shape, shard.offsets))
     if mismatched:
         raise FerryError(
             "load %s: dtype mismatch (pass cast=True to convert): %s"

@@ -127,6 +127,8 @@ def per_rank_copies(keys):
     """entry key -> {saved rank: checkpoint key} of the per-rank copies among keys."""
     out = {}
     for k in keys:
+        if "@rank" not in k:  # the regex only for the few that may match
+            continue
         pr = parse_per_rank_key(k)
         if pr is not None:
             out.setdefault(pr[0], {})[pr[1]] = k
@@ -144,6 +146,16 @@ def _is_tensor(v):
 
 
 _tensor_like_types = {}  # type -> is_tensor_like: it depends on the type alone
+_PLAIN = []
+
+
+def _plain_tensor_type():
+    """torch.Tensor itself (not a subclass: a Parameter, a DTensor)."""
+    if not _PLAIN:
+        import torch
+
+        _PLAIN.append(torch.Tensor)
+    return _PLAIN[0]
 
 
 def is_tensor_like(v):
@@ -389,14 +401,19 @@ def _walk(v, path, flat, slot, owner, pr=None):
         _walk(sd, path, flat, None, v, pr)
         return
     if isinstance(v, dict) and (v or not path):
+        plain = _plain_tensor_type()
         for k, x in v.items():
-            if not isinstance(k, (str, int)) or isinstance(k, bool):
+            if type(k) is str:
+                # A plain tensor under a name that is no RNG's: what the
+                # call below would do, without the call (tens of thousands).
+                if type(x) is plain and pr is None and not _rng_name(k):
+                    flat._add(path + [k], "tensor", x, (v, k))
+                    continue
+            elif not isinstance(k, (str, int)) or isinstance(k, bool):
                 raise TypeError(
                     "ferry: key %r under %r is a %s; keys must be str or int"
                     % (k, join(path), type(k).__name__)
                 )
-            if isinstance(k, str) and "." in k and not path:
-                pass  # "layer.weight" style keys of module state dicts are fine
             _walk(x, path + [k], flat, (v, k), owner, pr)
         return
     if isinstance(v, (list, tuple)) and (_has_tensor(v) or _has_generator(v)):
@@ -638,10 +655,12 @@ def decode_values(metadata):
     return values, pickled
 
 
-def decode_meta(metadata):
-    paths = json.loads(metadata[TREE_META_KEY]) if TREE_META_KEY in metadata else {}
-    leaves = json.loads(metadata[LEAVES_META_KEY]) if LEAVES_META_KEY in metadata else {}
-    return paths, leaves
+def decode_paths(metadata):
+    return json.loads(metadata[TREE_META_KEY]) if TREE_META_KEY in metadata else {}
+
+
+def decode_leaves(metadata):
+    return json.loads(metadata[LEAVES_META_KEY]) if LEAVES_META_KEY in metadata else {}
 
 
 def _bad_path(key, path, why):

@@ -397,6 +397,88 @@ TEST_CASE("commit sequences: each manifest is read whole once, then only its fra
   CHECK(latest->commit_seq == 41);
 }
 
+// Retention at every commit (keep-last) decoded each kept manifest twice
+// (once to list, once to check its files): with an owner's cache each is
+// read whole once, then known from its head; its files are still checked.
+TEST_CASE("retention reads each kept manifest whole once, then only its frame", "[catalog]") {
+  TempDir tmp;
+  CountingFilesystem fs(posix_filesystem());
+  ManifestCache cache;
+  const std::string& root = tmp.path();
+  constexpr uint64_t kBlob = 64 * 1024;
+  auto add = [&](uint64_t step) {
+    Manifest m;
+    m.step = step;
+    m.commit_seq = step;
+    m.metadata.push_back({"blob", std::string(kBlob, static_cast<char>('a' + step))});
+    m.files.push_back({"data.safetensors", 5, 0, 0, 0});
+    const std::string dir = join_path(root, step_dir_name(step));
+    REQUIRE(fs.mkdirs(dir).ok());
+    REQUIRE(write_file_atomic(fs, join_path(dir, "data.safetensors"), "12345", false).ok());
+    REQUIRE(
+        write_file_atomic(fs, join_path(dir, kManifestFileName), encode_manifest(m), false).ok());
+    return dir;
+  };
+  for (uint64_t step = 1; step <= 3; ++step) add(step);
+  fs.manifest_bytes = 0;
+  auto r = retire_checkpoints(fs, root, 3, "", {}, &cache);
+  REQUIRE(r.ok());
+  CHECK(r->checkpoints.empty());
+  CHECK(fs.manifest_bytes > 3 * kBlob);  // each whole, once
+  CHECK(fs.manifest_bytes < 2 * 3 * kBlob);
+
+  // The next commits: only the new manifest is read whole.
+  for (uint64_t step = 4; step <= 5; ++step) {
+    const std::string dir = add(step);
+    fs.manifest_bytes = 0;
+    r = retire_checkpoints(fs, root, 3, dir, {}, &cache);
+    REQUIRE(r.ok());
+    REQUIRE(r->checkpoints.size() == 1);
+    CHECK(r->checkpoints[0] == join_path(root, step_dir_name(step - 3)));
+    CHECK(fs.manifest_bytes > kBlob);
+    CHECK(fs.manifest_bytes < 2 * kBlob);
+  }
+  // A known manifest whose data file lost bytes is not loadable: it does not
+  // count toward keep_last, so the oldest loadable one stays.
+  REQUIRE(write_file_atomic(fs, join_path(join_path(root, step_dir_name(5)), "data.safetensors"),
+                            "123", false)
+              .ok());
+  const std::string six = add(6);
+  fs.manifest_bytes = 0;
+  r = retire_checkpoints(fs, root, 3, six, {}, &cache);
+  REQUIRE(r.ok());
+  CHECK(r->checkpoints.empty());
+  CHECK(fs.manifest_bytes < 2 * kBlob);
+
+  // A manifest rewritten in place (another inode) is decoded again.
+  Manifest m;
+  m.step = 6;
+  m.commit_seq = 1;  // now the oldest
+  m.files.push_back({"data.safetensors", 5, 0, 0, 0});
+  REQUIRE(write_file_atomic(fs, join_path(six, kManifestFileName), encode_manifest(m), false).ok());
+  r = retire_checkpoints(fs, root, 2, "", {}, &cache);
+  REQUIRE(r.ok());
+  REQUIRE(r->checkpoints.size() == 1);
+  CHECK(r->checkpoints[0] == six);
+
+  // A commit that tells the cache of its manifest costs the next retention no decode.
+  ManifestCache told;
+  TempDir other;
+  Manifest c;
+  c.step = 9;
+  c.commit_seq = 9;
+  c.metadata.push_back({"blob", std::string(kBlob, 'z')});
+  const std::string dir = join_path(other.path(), step_dir_name(9));
+  REQUIRE(fs.mkdirs(dir).ok());
+  const std::string bytes = encode_manifest(c);
+  REQUIRE(write_file_atomic(fs, join_path(dir, kManifestFileName), bytes, false).ok());
+  remember_committed(fs, dir, c, bytes, &told);
+  fs.manifest_bytes = 0;
+  r = retire_checkpoints(fs, other.path(), 1, dir, {}, &told);
+  REQUIRE(r.ok());
+  CHECK(fs.manifest_bytes <= 4096);
+}
+
 // A MANIFEST whose frame (no features) says `payload_len` bytes follow,
 // with `payload_sum`, as the file's first bytes; the file is then cut (or
 // extended, sparse) to `file_bytes`.
