@@ -1005,9 +1005,18 @@ int run_object_root(const Flags& flags) {
   const uint64_t baseline_rss = current_rss_bytes();
   ferry::RuntimeArgs args;
   args.set("root", flags.root);
-  if (flags.chunk_mib) args.set("chunk-bytes", std::to_string(flags.chunk_mib * kMiB));
+  const uint64_t chunk_bytes =
+      flags.chunk_mib ? flags.chunk_mib * kMiB : ferry::Options{}.chunk_bytes;
+  if (flags.chunk_mib) args.set("chunk-bytes", std::to_string(chunk_bytes));
   if (flags.writers) args.set("writers", std::to_string(flags.writers));
-  if (flags.pool_mib) args.set("pool-bytes", std::to_string(flags.pool_mib * kMiB));
+  // As run(): the state, its header and a partial last block, unless --pool-mib.
+  const uint64_t header_allowance = 64 * 1024 + 256ull * flags.tensors;
+  args.set(
+      "pool-bytes",
+      std::to_string(flags.pool_mib
+                         ? flags.pool_mib * kMiB
+                         : ((state_bytes + header_allowance + chunk_bytes - 1) / chunk_bytes + 1) *
+                               chunk_bytes));
   for (const auto& [k, v] : flags.settings) args.set(k, v);
   auto created = ferry::Runtime::create(args);
   if (!created.ok()) {
