@@ -196,7 +196,7 @@ struct Rig {
 
 }  // namespace
 
-TEST_CASE("one writer keeps several parts in flight; each write ends when its part is stored",
+TEST_CASE("one writer keeps several parts in flight, each write ending when its part is stored",
           "[s3][parts]") {
   PartsPeer peer(/*want=*/4, /*fail_part=*/0, /*slow_part=*/3);
   Rig rig(peer, 4);
