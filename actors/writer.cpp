@@ -208,6 +208,7 @@ writer_actor::behavior_type writer_fun(writer_actor::stateful_pointer<writer_sta
       // A barrier: answered after every block queued here before it is
       // stored (or failed), parts in flight included.
       [self](atom::drain) {
+        Doing doing(*self->state.watch, "waiting for its object-store parts in flight");
         self->state.in_flight->wait();
         return true;
       },
