@@ -1,6 +1,7 @@
 // Writer: blocking file I/O on its own thread (a detached actor), so the
 // scheduler's threads never wait on the disk. It returns each block's lease
-// as soon as its pwrite is done and fsyncs once per file, at the end. The
+// as soon as its pwrite is done (an object store's part: once stored, several
+// parts in flight) and fsyncs once per file, at the end. The
 // I/O itself is a StorageWriter's (src/storage_writer.hpp): Ferry's own
 // files (PosixStorageWriter), or the caller's checkpoint_fn.
 //
@@ -26,6 +27,7 @@
 //               retire: the end (after a retirement)
 
 #include <algorithm>
+#include <condition_variable>
 #include <cstdio>
 #include <deque>
 #include <future>
@@ -79,12 +81,35 @@ Status compress_chunks(const RankContext& ctx, int level, FileChunks& chunks) {
   return Status();
 }
 
+// The writes handed off by a writer and not yet stored.
+class WritesInFlight {
+ public:
+  void add() {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++n_;
+  }
+  void end() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (--n_ == 0) none_.notify_all();
+  }
+  void wait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    none_.wait(lock, [&] { return n_ == 0; });
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable none_;
+  int n_ = 0;
+};
+
 struct writer_state {
   static inline const char* name = "ferry.writer";
   ContextPtr ctx;
   planner_actor planner;
   std::shared_ptr<WriterWatch> watch;
   std::unique_ptr<PosixStorageWriter> storage;
+  std::shared_ptr<WritesInFlight> in_flight = std::make_shared<WritesInFlight>();
 };
 
 // Marks a blocking call for the planner's timeout messages while it runs.
@@ -116,26 +141,34 @@ writer_actor::behavior_type writer_fun(writer_actor::stateful_pointer<writer_sta
   return {
       [self](atom::write, const WriteBlock& w) {
         auto& st = self->state;
-        Status status;
+        // The block goes back, and the planner hears of it, once its bytes
+        // are stored: at once, or on a sender thread where the file keeps
+        // parts in flight (an object store's). Returning the block first
+        // lets the snapshot refill it while the planner handles the report
+        // (or the serializer release it once hashed, when it deferred
+        // hashing to keep the snapshot's core free).
+        auto report = [pool = st.ctx->pool, planner = st.planner, block = w.block,
+                       to = w.return_to](Status status) {
+          if (to)
+            caf::anon_send(to, atom::back_v, block);
+          else
+            (void)pool->release(block.lease);
+          caf::anon_send(planner, atom::written_v, block.save, block.file, block.len, status);
+        };
         auto data = st.ctx->pool->data(w.block.lease);
-        if (!data.ok()) {
-          status = data.status();
-        } else if (st.watch->retired || w.block.save == st.watch->dropped_save->load()) {
+        if (!data.ok()) return report(data.status());
+        if (st.watch->retired || w.block.save == st.watch->dropped_save->load()) {
           // A failed save's blocks queued here: its drain need not wait for them.
-          status = Status::aborted("not written: the save failed");
-        } else {
-          Doing doing(*st.watch,
-                      "pwrite of " + w.file->path() + " at byte " + std::to_string(w.block.offset));
-          status = st.storage->write(*w.file, *data, w.write_len, w.block.offset);
+          return report(Status::aborted("not written: the save failed"));
         }
-        // Returning the block first lets the snapshot refill it while the
-        // planner handles the report (or the serializer release it once
-        // hashed, when it deferred hashing to keep the snapshot's core free).
-        if (w.return_to)
-          self->send(w.return_to, atom::back_v, w.block);
-        else
-          (void)st.ctx->pool->release(w.block.lease);
-        self->send(st.planner, atom::written_v, w.block.save, w.block.file, w.block.len, status);
+        Doing doing(*st.watch,
+                    "pwrite of " + w.file->path() + " at byte " + std::to_string(w.block.offset));
+        st.in_flight->add();
+        st.storage->write_async(*w.file, *data, w.write_len, w.block.offset,
+                                [report, in_flight = st.in_flight](Status status) {
+                                  report(std::move(status));
+                                  in_flight->end();
+                                });
       },
       [self](atom::open, const OpenFiles& req) -> FileSet {
         FileSet out;
@@ -172,8 +205,13 @@ writer_actor::behavior_type writer_fun(writer_actor::stateful_pointer<writer_sta
         Doing doing(*self->state.watch, "truncate, fsync and close of " + f->path());
         return self->state.storage->finish_file(0, f.get(), size);
       },
-      // A barrier: answered after every block queued here before it.
-      [](atom::drain) { return true; },
+      // A barrier: answered after every block queued here before it is
+      // stored (or failed), parts in flight included.
+      [self](atom::drain) {
+        Doing doing(*self->state.watch, "waiting for its object-store parts in flight");
+        self->state.in_flight->wait();
+        return true;
+      },
       // The end of a failed save (after every writer drained): its errors
       // are moot, the save already has one.
       [self](atom::close, const std::vector<std::shared_ptr<File>>& files) {

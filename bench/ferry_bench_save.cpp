@@ -11,7 +11,12 @@
 //
 //   ferry_bench_save [--state-mib N] [--tensors N] [--large N] [--pool-mib N]
 //                    [--chunk-mib N] [--writers N] [--reps N] [--dir DIR] [--rss-run]
-//                    [--compress] [--set K=V]...
+//                    [--compress] [--set K=V]... [--root s3://BUCKET/PREFIX]
+//
+// --root s3://... saves to an object store instead (with --set s3-endpoint=):
+// warm-up, --reps timed saves, then the last one loaded back, timed and
+// compared byte for byte; no local limits (bench/s3_compare.sh sets these
+// figures beside aws s3 cp and the server's own limit).
 //
 // --large N makes the state look like a model's: N large tensors hold half
 // the bytes and the other tensors (many, small) the other half. The per-save
@@ -92,6 +97,7 @@ struct Flags {
   bool compress = false;
   int compress_level = 3;
   std::vector<std::pair<std::string, std::string>> settings;  // --set KEY=VALUE
+  std::string root;                                           // --root s3://...
 };
 
 [[noreturn]] void usage(const std::string& why) {
@@ -114,7 +120,8 @@ struct Flags {
                "  --compress   realistic values; zstd codec figures; saves plain and compressed\n"
                "  --compress-level N  zstd level for --compress (default 3)\n"
                "  --set K=V    any other [ferry] setting, e.g. --set checksum=false;\n"
-               "               --set keep-last=N times saves that retire old checkpoints\n",
+               "               --set keep-last=N times saves that retire old checkpoints\n"
+               "  --root s3://B/P  save to (and load from) an object store, timed alone\n",
                why.c_str());
   std::exit(2);
 }
@@ -165,6 +172,8 @@ Flags parse(int argc, char** argv) {
       if (f.compress_level > 22) usage("--compress-level must be 1 to 22");
     } else if (flag == "--dir") {
       f.dir = v;
+    } else if (flag == "--root") {
+      f.root = v;
     } else if (flag == "--set") {
       const size_t eq = v.find('=');
       if (eq == std::string::npos || eq == 0) usage("--set needs KEY=VALUE, got '" + v + "'");
@@ -974,9 +983,83 @@ double replica_check_ms(const ferry::StateDict& sd, ferry::ReplicaCheck mode) {
 
 }  // namespace
 
+// --root s3://...: saves and one load through the object store, timed; the
+// peak RSS growth is set against pool + 64 MiB (the S3 target).
+int run_object_root(const Flags& flags) {
+  const uint64_t state_bytes = flags.state_mib * kMiB;
+  Region state(state_bytes, false);
+  Region back(state_bytes, false);
+  std::memset(back.data(), 0xA5, back.size());
+  const std::vector<Tensor> tensors = make_tensors(state_bytes, flags.tensors, flags.large);
+  fill_pattern(state.data(), state_bytes);
+  ferry::StateDict sd, into;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const Tensor& t = tensors[i];
+    auto a = sd.add(tensor_key(i), view_of(t, state.data() + t.offset));
+    auto b = into.add(tensor_key(i), view_of(t, back.data() + t.offset));
+    if (!a.ok() || !b.ok()) {
+      std::fprintf(stderr, "state dict: %s\n", (a.ok() ? b : a).to_string().c_str());
+      return 1;
+    }
+  }
+  const uint64_t baseline_rss = current_rss_bytes();
+  ferry::RuntimeArgs args;
+  args.set("root", flags.root);
+  const uint64_t chunk_bytes =
+      flags.chunk_mib ? flags.chunk_mib * kMiB : ferry::Options{}.chunk_bytes;
+  if (flags.chunk_mib) args.set("chunk-bytes", std::to_string(chunk_bytes));
+  if (flags.writers) args.set("writers", std::to_string(flags.writers));
+  // As run(): the state, its header and a partial last block, unless --pool-mib.
+  const uint64_t header_allowance = 64 * 1024 + 256ull * flags.tensors;
+  args.set(
+      "pool-bytes",
+      std::to_string(flags.pool_mib
+                         ? flags.pool_mib * kMiB
+                         : ((state_bytes + header_allowance + chunk_bytes - 1) / chunk_bytes + 1) *
+                               chunk_bytes));
+  for (const auto& [k, v] : flags.settings) args.set(k, v);
+  auto created = ferry::Runtime::create(args);
+  if (!created.ok()) {
+    std::fprintf(stderr, "Runtime::create: %s\n", created.status().to_string().c_str());
+    return 1;
+  }
+  std::unique_ptr<ferry::Runtime> rt = std::move(created).value();
+  uint64_t step = 1;
+  (void)timed_save(*rt, sd, step++, {}, true);  // warm-up: connections, pool
+  std::vector<double> mib_s;
+  std::string last;
+  for (uint32_t r = 0; r < flags.reps; ++r) {
+    const SaveSample s = timed_save(*rt, sd, step++, {}, true);
+    mib_s.push_back(static_cast<double>(state_bytes) / kMiB / (s.total_ms / 1e3));
+    last = s.path;
+    std::printf("save %u: %.1f ms = %.1f MiB/s\n", r + 1, s.total_ms, mib_s.back());
+  }
+  const auto t0 = Clock::now();
+  const ferry::Status loaded = rt->load(into, last);
+  const double load_ms = ms_since(t0);
+  if (!loaded.ok() || std::memcmp(state.data(), back.data(), state_bytes) != 0) {
+    std::fprintf(stderr, "load of %s: %s\n", last.c_str(),
+                 loaded.ok() ? "the bytes differ from the state" : loaded.to_string().c_str());
+    return 1;
+  }
+  const double load_mib_s = static_cast<double>(state_bytes) / kMiB / (load_ms / 1e3);
+  const double pool_mib = static_cast<double>(rt->options().pool_bytes) / kMiB;
+  const double growth = static_cast<double>(peak_rss_bytes() - baseline_rss) / kMiB;
+  std::printf("load: %.1f ms = %.1f MiB/s, verified\n", load_ms, load_mib_s);
+  std::printf("rss growth %.0f MiB <= pool %.0f + 64 MiB: %s\n", growth, pool_mib,
+              growth <= pool_mib + 64 ? "PASS" : "MISS");
+  std::printf(
+      "{\"root\":\"%s\",\"bytes\":%llu,\"reps\":%u,\"save_mib_s\":%.1f,\"save_best_mib_s\":%.1f,"
+      "\"load_mib_s\":%.1f,\"pool_mib\":%.0f,\"rss_growth_mib\":%.0f}\n",
+      flags.root.c_str(), static_cast<unsigned long long>(state_bytes), flags.reps, median(mib_s),
+      *std::max_element(mib_s.begin(), mib_s.end()), load_mib_s, pool_mib, growth);
+  return 0;
+}
+
 int main(int argc, char** argv) {
   const Flags flags = parse(argc, argv);
   try {
+    if (flags.root.rfind("s3://", 0) == 0) return run_object_root(flags);
     return run(flags);
   } catch (const Fatal&) {
     return 1;

@@ -12,9 +12,10 @@ packages=(
   libcurl4-openssl-dev libexpat1-dev libssl-dev  # the S3 store (src/s3/)
   iproute2 util-linux nftables  # the many-host tests' emulated hosts (tests/hosts/hosts.sh)
 )
-# A throw-away Ceph cluster with radosgw: the S3 tests' server (tests/s3/).
+# A throw-away Ceph cluster with radosgw: the S3 tests' server (tests/s3/);
+# awscli for the S3 bench's reference figures (bench/s3_compare.sh).
 if [ "${1:-}" = "--tests" ]; then
-  packages+=(ceph-mon ceph-osd radosgw curl)
+  packages+=(ceph-mon ceph-osd radosgw curl awscli)
 fi
 
 missing=()

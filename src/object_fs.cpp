@@ -2,10 +2,12 @@
 
 #include <algorithm>
 #include <cstring>
+#include <future>
 #include <map>
 #include <mutex>
 #include <set>
 
+#include "async_file.hpp"
 #include "s3/client.hpp"
 
 namespace ferry {
@@ -22,9 +24,10 @@ Status unsupported(const std::string& what, const std::string& path) {
 }
 
 // A data object: pieces gather into parts (a piece that is a whole part at a
-// part boundary goes out as it is, without a copy); truncate(size) sends the
-// rest and finishes the object, close() without it aborts the upload.
-class ObjectFile : public File {
+// part boundary goes out as it is, without a copy, and its write ends when
+// the part is stored); truncate(size) sends the rest and finishes the
+// object, close() without it aborts the upload.
+class ObjectFile : public File, public AsyncWriteFile {
  public:
   ObjectFile(std::string path, std::unique_ptr<ObjectWriter> w, uint64_t part)
       : path_(std::move(path)), w_(std::move(w)), part_(part) {}
@@ -34,19 +37,32 @@ class ObjectFile : public File {
   bool direct() const override { return false; }
 
   Status pwrite(const void* data, size_t len, uint64_t offset) override {
+    std::promise<Status> written;
+    pwrite_async(data, len, offset, [&written](Status s) { written.set_value(std::move(s)); });
+    return written.get_future().get();
+  }
+
+  void pwrite_async(const void* data, size_t len, uint64_t offset,
+                    std::function<void(Status)> done) override {
+    auto joined = std::make_shared<JoinedDone>(std::move(done));
     const char* p = static_cast<const char*>(data);
     while (len > 0) {
       const uint64_t index = offset / part_;
       const uint64_t at = offset - index * part_;
       const size_t n = static_cast<size_t>(std::min<uint64_t>(len, part_ - at));
-      std::string full;
+      std::shared_ptr<std::string> full;
       const char* send = nullptr;
       {
         std::lock_guard<std::mutex> lock(mu_);
-        if (done_) return Status::invalid_argument(path_ + ": written after it was finished");
+        Status refused;
+        if (done_) refused = Status::invalid_argument(path_ + ": written after it was finished");
         if (sent_.count(index))
-          return Status::invalid_argument(path_ + ": bytes at " + std::to_string(offset) +
-                                          " rewrite a part already sent");
+          refused = Status::invalid_argument(path_ + ": bytes at " + std::to_string(offset) +
+                                             " rewrite a part already sent");
+        if (!refused.ok()) {
+          joined->end(std::move(refused));
+          return;
+        }
         auto it = parts_.find(index);
         if (at == 0 && n == part_ && it == parts_.end()) {
           sent_.insert(index);
@@ -58,21 +74,25 @@ class ObjectFile : public File {
           std::memcpy(&part.bytes[at], p, n);
           part.filled += n;
           if (part.filled >= part_) {
-            full = std::move(part.bytes);
+            full = std::make_shared<std::string>(std::move(part.bytes));
             parts_.erase(index);
             sent_.insert(index);
-            send = full.data();
+            send = full->data();
           }
         }
       }
-      // Sent outside the lock: other writers' parts go side by side.
-      Status s = send ? w_->write(index * part_, send, part_) : Status();
-      if (!s.ok()) return s;
+      // Sent outside the lock: other writers' parts go side by side. A
+      // gathered part lives until it is stored.
+      if (send) {
+        joined->add();
+        w_->write_async(index * part_, send, part_,
+                        [joined, full](Status s) { joined->end(std::move(s)); });
+      }
       offset += n;
       p += n;
       len -= n;
     }
-    return Status();
+    joined->end(Status());
   }
 
   Result<size_t> pread(void*, size_t, uint64_t) override {
@@ -458,6 +478,9 @@ S3StoreOptions s3_store_options(const Options& o) {
         std::min(s.client.attempt_timeout_ms, std::max<int64_t>(1000, write_ms / 4));
   }
   if (commit_ms > 0) s.op_timeout_ms = std::min(s.op_timeout_ms, commit_ms);
+  s.parts_in_flight = static_cast<int>(std::max<uint32_t>(1, o.s3_parts_in_flight));
+  // Room for every part in flight and for the reads and small requests beside them.
+  s.client.connections = std::max(s.client.connections, s.parts_in_flight + 4);
   return s;
 }
 

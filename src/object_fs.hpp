@@ -8,7 +8,8 @@
 // What the mapping gives the rest of Ferry: a "directory" is a key prefix
 // (it exists while an object lies under it; mkdir, rmdir and sync_dir do
 // nothing); a file opened for writing is an ObjectWriter (multipart, its
-// parts sent as they fill, nothing visible before truncate() gives its size);
+// parts sent as they fill, several at once through AsyncWriteFile, nothing
+// visible before truncate() gives its size);
 // a temporary file (write_temp_file's ".tmp-" names) stays in memory until
 // it is renamed, which puts it as one object (rename_noreplace: only if
 // absent); reads are ranged GETs. Renaming anything else, and locks across
@@ -30,8 +31,8 @@ namespace ferry {
 bool is_object_root(const std::string& path);
 
 // The S3 store's settings from Ferry's options (s3-endpoint, s3-region,
-// s3-addressing) and the AWS_* credential variables; parts are a multiple
-// of the pool's block (chunk-bytes) of at least 8 MiB.
+// s3-addressing, s3-parts-in-flight) and the AWS_* credential variables;
+// parts are a multiple of the pool's block (chunk-bytes) of at least 8 MiB.
 S3StoreOptions s3_store_options(const Options& o);
 
 // A Filesystem over `store`: paths are store->root() + "/" + key.

@@ -517,6 +517,12 @@ const std::vector<KeySpec>& key_table() {
          o.s3_virtual_addressing = a == "virtual";
          return true;
        }},
+      {{"s3-parts-in-flight", "8",
+        "parts of s3:// data objects a rank sends at once (and connections it keeps for "
+        "them), 1 to 64"},
+       [](const std::string& v, Options& o, std::string& why) {
+         return parse_threads(v, o.s3_parts_in_flight, why);
+       }},
       {{"trace-dir", "",
         "rank 0 writes a timeline of each save and load here (every rank's phases on one clock, "
         "Chrome trace event JSON that Perfetto opens, the slowest rank named); empty means off. "

@@ -1,5 +1,6 @@
 #include "storage_writer.hpp"
 
+#include "async_file.hpp"
 #include "checkpoint_fn.hpp"
 
 namespace ferry {
@@ -22,6 +23,16 @@ Status PosixStorageWriter::write(File& f, const void* data, uint64_t len, uint64
   FERRY_RETURN_IF_ERROR(f.pwrite(data, len, offset));
   fs_->crash_point("writer.write");
   return Status();
+}
+
+void PosixStorageWriter::write_async(File& f, const void* data, uint64_t len, uint64_t offset,
+                                     std::function<void(Status)> done) {
+  auto* async = dynamic_cast<AsyncWriteFile*>(&f);
+  if (!async) return done(write(f, data, len, offset));
+  async->pwrite_async(data, len, offset, [fs = fs_, done = std::move(done)](Status s) {
+    if (s.ok()) fs->crash_point("writer.write");
+    done(std::move(s));
+  });
 }
 
 // Cuts the O_DIRECT padding, makes the file durable and closes it.

@@ -7,6 +7,7 @@
 // caller's checkpoint_fn, which writes a rank's file by itself.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -42,6 +43,12 @@ class PosixStorageWriter : public StorageWriter {
   Result<std::vector<std::shared_ptr<File>>> open_checkpoint(
       const std::vector<std::string>& paths) override;
   Status write(File& f, const void* data, uint64_t len, uint64_t offset) override;
+  // write(), handed off where the file takes it (an object store's data
+  // file keeps several parts in flight): `done` runs once the bytes are
+  // stored or failed, maybe on another thread, maybe before this returns;
+  // `data` must stay valid until then.
+  void write_async(File& f, const void* data, uint64_t len, uint64_t offset,
+                   std::function<void(Status)> done);
   Status finish_file(size_t index, File* f, uint64_t size) override;
   void abort(const std::vector<std::shared_ptr<File>>& files) override;
 

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -35,6 +36,14 @@ class ObjectWriter {
   // Writes [offset, offset + len). `offset` is a multiple of the store's
   // part_bytes(), and so is `len` unless the piece ends the object.
   virtual Status write(uint64_t offset, const void* data, size_t len) = 0;
+  // write() that may end after it returns: `done` runs once the bytes are
+  // stored or failed (maybe on another thread, maybe before this returns),
+  // and `data` must stay valid until then. finish() and abort() wait for
+  // every write in flight.
+  virtual void write_async(uint64_t offset, const void* data, size_t len,
+                           std::function<void(Status)> done) {
+    done(write(offset, data, len));
+  }
   // Every byte of [0, size) was written: the object is durable and visible
   // when this returns.
   virtual Status finish(uint64_t size) = 0;

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Union
 
 from . import _lib, _pack, _save_cache, _tree
 from ._lib import FerryError, check, lib, wait_sliced
-from ._shards import PathLike, StateDict, _as_shard, torch_dtype
+from ._shards import PathLike, StateDict, _as_shard, _dtype_tables, torch_dtype
 
 if TYPE_CHECKING:
     import torch

@@ -1,6 +1,6 @@
 // The S3 store: objects under a bucket prefix. Data objects are multipart
 // uploads whose parts are the writer's pieces (part_bytes() each, sent as
-// they come, several in flight); small ones are single PUTs. Create-once is
+// they come, parts_in_flight of them at once); small ones are single PUTs. Create-once is
 // a conditional PUT (If-None-Match: *), which is why the commit point of a
 // checkpoint on S3 is a single-PUT object.
 #pragma once
@@ -21,6 +21,9 @@ struct S3StoreOptions {
   int64_t data_timeout_ms = 120'000;
   // A multiple of the staging pool's block; S3 wants >= 5 MiB but the last.
   uint64_t part_bytes = 8ull << 20;
+  // Parts sent at once, by all of the store's writers together; a writer
+  // beyond that waits for one to land.
+  int parts_in_flight = 8;
 };
 
 // `url` is "s3://bucket/prefix"; the bucket must exist.

@@ -49,6 +49,7 @@ void check_defaults(const Options& o) {
   CHECK(o.s3_endpoint == d.s3_endpoint);
   CHECK(o.s3_region == d.s3_region);
   CHECK(o.s3_virtual_addressing == d.s3_virtual_addressing);
+  CHECK(o.s3_parts_in_flight == d.s3_parts_in_flight);
 }
 
 ferry::Result<Options> resolve1(const std::string& key, const std::string& value) {
@@ -180,6 +181,7 @@ TEST_CASE("option_infos lists every key once, and its defaults resolve to Option
                                              "s3-endpoint",
                                              "s3-region",
                                              "s3-addressing",
+                                             "s3-parts-in-flight",
                                              "trace-dir"};
   std::vector<std::string> keys;
   std::vector<Setting> defaults;
@@ -798,13 +800,19 @@ TEST_CASE("replica-check takes auto, full, sampled or off, and plan-timeout defa
 TEST_CASE("the s3 settings parse into their fields, a bad value is named", "[options]") {
   auto r = ferry::resolve_options({{"s3-endpoint", "http://127.0.0.1:7480", "code"},
                                    {"s3-region", "eu-west-1", "code"},
-                                   {"s3-addressing", "Virtual", "code"}});
+                                   {"s3-addressing", "Virtual", "code"},
+                                   {"s3-parts-in-flight", "3", "code"}});
   REQUIRE(r.ok());
+  CHECK(r->s3_parts_in_flight == 3);
   CHECK(r->s3_endpoint == "http://127.0.0.1:7480");
   CHECK(r->s3_region == "eu-west-1");
   CHECK(r->s3_virtual_addressing);
-  for (auto [key, value] : std::vector<std::pair<std::string, std::string>>{
-           {"s3-endpoint", "127.0.0.1:7480"}, {"s3-region", "eu west"}, {"s3-addressing", "dns"}}) {
+  for (auto [key, value] :
+       std::vector<std::pair<std::string, std::string>>{{"s3-endpoint", "127.0.0.1:7480"},
+                                                        {"s3-region", "eu west"},
+                                                        {"s3-addressing", "dns"},
+                                                        {"s3-parts-in-flight", "0"},
+                                                        {"s3-parts-in-flight", "65"}}) {
     auto bad = ferry::resolve_options({{key, value, "FERRY_CONFIG=/x.ini:3"}});
     REQUIRE_FALSE(bad.ok());
     CHECK(contains(bad.status().message(), key));

@@ -74,6 +74,7 @@ struct Options {
   std::string s3_endpoint;             // s3-endpoint: "" = https://s3.<region>.amazonaws.com
   std::string s3_region;               // s3-region: "" = AWS_REGION, else us-east-1
   bool s3_virtual_addressing = false;  // s3-addressing: path (default) or virtual
+  uint32_t s3_parts_in_flight = 8;     // s3-parts-in-flight: 1 to 64 per rank
   // trace-dir: rank 0 writes each save's and load's timeline (every rank's
   // phases, Chrome trace event JSON) here; "" = off.
   std::string trace_dir;
