@@ -21,6 +21,8 @@
 #                                        MASTER_PORT, and one FERRY_JOB_TOKEN); lines
 #                                        prefixed "[rank R] "; exit 0 iff every rank did
 #   hosts.sh link NAME I up|down         host I's cable
+#   hosts.sh rate NAME I RATE|off        caps host I's link each way (tc tbf, RATE as tc
+#                                        takes it: 1gbit, 200mbit)
 #   hosts.sh kill NAME I                 SIGKILL every process of host I (the host is gone)
 #   hosts.sh addr NAME I                 host I's address
 #   hosts.sh bytes NAME I                bytes host I sent and received on its link
@@ -273,6 +275,21 @@ case $cmd in
   link)
     [ $# -eq 3 ] && [[ "$3" =~ ^(up|down)$ ]] || die "usage: link NAME I up|down"
     ip link set "fh$1v$2" "$3"
+    ;;
+  rate)
+    [ $# -eq 3 ] || die "usage: rate NAME I RATE|off"
+    [ -f "$STATE_BASE/$1/h$2/pid" ] || die "no host $2 in set $1"
+    # Into the host on the bridge's side of the veth, out of it on eth0.
+    for side in "" "-n fh$1h$2"; do
+      dev="fh$1v$2"
+      [ -z "$side" ] || dev=eth0
+      if [ "$3" = off ]; then
+        tc $side qdisc del dev "$dev" root 2>/dev/null
+      else
+        tc $side qdisc replace dev "$dev" root tbf rate "$3" burst 256kb latency 50ms ||
+          die "rate: tc cannot cap $dev at '$3'"
+      fi
+    done
     ;;
   kill)
     [ $# -eq 2 ] || die "usage: kill NAME I"
