@@ -76,6 +76,149 @@ class UnverifiedTensors {
   std::set<std::string> keys_;
 };
 
+// The pieces of one load that a reader of another node reads from storage
+// and sends whole to this rank (load-sharing = job). The loader lands their
+// frames as they come, so a sender's window never waits on this rank's
+// readers (which may wait on that sender in turn); the fetching reader waits
+// for each piece whole, then checks its blocks against the manifest as if
+// it had read them. A piece's memory is taken at its first frame and given
+// back once its reader is done with it.
+class Fetches {
+ public:
+  Fetches(int32_t me, std::shared_ptr<Transport> transport)
+      : me_(me), transport_(std::move(transport)) {}
+
+  void add(const ReadOp& op) {
+    std::lock_guard<std::mutex> l(mu_);
+    Piece& p = pieces_[{op.file, op.file_offset}];
+    p.from = op.fetch_from;
+    p.length = op.length;
+    senders_.insert(op.fetch_from);
+    last_ = Clock::now();
+  }
+  bool sends(int32_t rank) const {
+    std::lock_guard<std::mutex> l(mu_);
+    return senders_.count(rank) > 0;
+  }
+  Transport* transport() const { return transport_.get(); }
+
+  // A frame from `msg.from`: copied into its piece once its sum checked out.
+  Status land(const BlockShareMsg& msg) {
+    const uint64_t len = msg.length();
+    const std::string what = "bytes " + std::to_string(msg.offset) + "+" + std::to_string(len) +
+                             " of file #" + std::to_string(msg.file) + " from rank " +
+                             std::to_string(msg.from) + " (another host)";
+    std::lock_guard<std::mutex> l(mu_);
+    if (!ended_.ok()) return ended_;
+    auto it = pieces_.upper_bound({msg.file, msg.offset});
+    if (it == pieces_.begin())
+      return Status::corruption("rank " + std::to_string(me_) + ": unexpected " + what);
+    --it;
+    Piece& p = it->second;
+    const uint64_t at = msg.offset - it->first.second;
+    if (it->first.first != msg.file || p.from != msg.from || msg.ring_length != 0 || len == 0 ||
+        at > p.length || len > p.length - at || p.got + len > p.length)
+      return Status::corruption("rank " + std::to_string(me_) + ": unexpected " + what);
+    if (!p.failed.ok()) return p.failed;
+    if (!p.buf) {
+      p.buf.reset(new (std::nothrow) uint8_t[p.length]);
+      if (!p.buf)
+        return Status::internal("rank " + std::to_string(me_) + ": no memory for " +
+                                std::to_string(p.length) + " bytes fetched from rank " +
+                                std::to_string(p.from));
+    }
+    if (xxh3_64_copy(p.buf.get() + at, msg.data.data(), len) != msg.checksum)
+      return Status::corruption("rank " + std::to_string(me_) + ": " + what +
+                                " do not match their checksum");
+    p.got += len;
+    last_ = Clock::now();
+    if (p.got == p.length) cv_.notify_all();
+    return Status();
+  }
+
+  // Waits until `op`'s piece landed whole: its bytes, valid until release().
+  // Fails when its sender failed, or no bytes landed for `idle_s` (a sender
+  // reads what it sends from storage first: idle is measured over them all).
+  Result<const uint8_t*> wait(const ReadOp& op, double idle_s) {
+    std::unique_lock<std::mutex> l(mu_);
+    auto it = pieces_.find({op.file, op.file_offset});
+    if (it == pieces_.end())
+      return Status::internal("rank " + std::to_string(me_) + ": no fetched piece at " +
+                              std::to_string(op.file_offset) + " of file #" +
+                              std::to_string(op.file));
+    Piece& p = it->second;
+    const auto limit =
+        std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(idle_s));
+    for (;;) {
+      if (!ended_.ok()) return ended_;
+      if (!p.failed.ok()) return p.failed;
+      if (p.got == p.length) return static_cast<const uint8_t*>(p.buf.get());
+      if (Clock::now() - last_ >= limit)
+        return Status::timeout("rank " + std::to_string(me_) + ": no bytes from rank " +
+                               std::to_string(p.from) +
+                               " (another host), which reads shared bytes for this host, "
+                               "within write-timeout (" +
+                               std::to_string(idle_s) + " s)");
+      cv_.wait_until(l, last_ + limit);
+    }
+  }
+  void release(const ReadOp& op) {
+    std::lock_guard<std::mutex> l(mu_);
+    if (auto it = pieces_.find({op.file, op.file_offset}); it != pieces_.end())
+      it->second.buf.reset();
+  }
+
+  // `rank` failed (`why` names it): the pieces it owes fail.
+  void fail(int32_t rank, const Status& why) {
+    std::lock_guard<std::mutex> l(mu_);
+    for (auto& [at, p] : pieces_)
+      if (p.from == rank && p.got < p.length && p.failed.ok()) p.failed = why;
+    cv_.notify_all();
+  }
+  // The load ended here (`why`, or ok when it succeeded): waits end, memory
+  // goes, and (on a failure) every sender that still owes bytes is told to
+  // stop; later frames are refused.
+  void end(const RankContext& ctx, const std::string& load_id, const Status& why) {
+    std::map<int32_t, bool> owing;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (!ended_.ok()) return;
+      ended_ = why.ok() ? Status::aborted("rank " + std::to_string(me_) + ": the load ended") : why;
+      for (auto& [at, p] : pieces_) {
+        if (p.got < p.length) owing[p.from] = true;
+        p.buf.reset();
+      }
+      cv_.notify_all();
+    }
+    if (!transport_) return;
+    for (const auto& [from, yes] : owing)
+      (void)transport_->send(
+          transport_->next_hop(from),
+          encode_message(ShareAckMsg{ctx.job_id, load_id, me_, from, 0, ended_}));
+  }
+  bool ended() const {
+    std::lock_guard<std::mutex> l(mu_);
+    return !ended_.ok();
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  struct Piece {
+    int32_t from = -1;
+    uint64_t length = 0, got = 0;
+    std::unique_ptr<uint8_t[]> buf;
+    Status failed;
+  };
+  const int32_t me_;
+  std::shared_ptr<Transport> transport_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<std::pair<uint32_t, uint64_t>, Piece> pieces_;  // by (file, offset)
+  std::set<int32_t> senders_;
+  Clock::time_point last_;  // when bytes last landed (or the load began)
+  Status ended_;
+};
+
 namespace {
 
 std::atomic<const std::function<void()>*> g_share_checked{nullptr};
@@ -235,12 +378,15 @@ Status send_shared(const RankContext& ctx, const ReadTask& task, const Manifest&
   for (const ShareTo& to : op.share_with) {
     OutStream o;
     o.to = &to;
-    for_each_shared_run(op, to.box, es, [&o](uint64_t src, uint64_t, uint64_t n) {
-      if (!o.runs.empty() && o.runs.back().first + o.runs.back().second == src)
-        o.runs.back().second += n;
-      else
-        o.runs.emplace_back(src, n);
-    });
+    // Another host's reader takes the read whole and checks its blocks.
+    if (to.raw) o.runs.emplace_back(0, op.length);
+    if (!to.raw)
+      for_each_shared_run(op, to.box, es, [&o](uint64_t src, uint64_t, uint64_t n) {
+        if (!o.runs.empty() && o.runs.back().first + o.runs.back().second == src)
+          o.runs.back().second += n;
+        else
+          o.runs.emplace_back(src, n);
+      });
     if (!o.runs.empty()) streams.push_back(std::move(o));
   }
   std::vector<std::string_view> parts;  // one frame's bytes in the buffer, in stream order
@@ -270,9 +416,9 @@ Status send_shared(const RankContext& ctx, const ReadTask& task, const Manifest&
           o.into = 0;
         }
       }
-      const bool summed =
-          summed_box && *summed_box == o.to->box && summed_run == run && summed_into == into;
-      summed_box = &o.to->box;
+      const bool summed = summed_box && *summed_box == o.to->box && !o.to->raw &&
+                          summed_run == run && summed_into == into;
+      summed_box = o.to->raw ? nullptr : &o.to->box;
       summed_run = run;
       summed_into = into;
       const int32_t to = o.to->rank;
@@ -896,10 +1042,34 @@ class RunReader {
   std::optional<std::chrono::steady_clock::time_point> waiting_since_;
 };
 
+// The pieces another host's reader sends this rank whole (load-sharing =
+// job), in order: each waited for, its blocks checked against the manifest
+// and copied as if read here, then shared with this node's ranks.
+Status run_fetched(const RankContext& ctx, ReadTask& task) {
+  const Manifest& m = *task.manifest;
+  for (const ReadOp& op : task.ops) {
+    FERRY_ASSIGN_OR_RETURN(const uint8_t* buf, task.fetches->wait(op, ctx.opts.write_timeout_s));
+    const std::string path = join_path(task.dir, m.files[op.file].name) + " (sent by rank " +
+                             std::to_string(op.fetch_from) + ")";
+    CopyLatch latch;
+    Status s = op.entry == ReadOp::kForOthers
+                   ? verify_blocks(ctx, m, op, path, buf)
+                   : verify_and_copy(ctx, m, op, path, buf, task.targets[op.entry], latch,
+                                     task.unverified.get());
+    if (s.ok() && !op.share_with.empty() && task.transport) s = send_shared(ctx, task, m, op, buf);
+    Status copied = latch.wait();
+    task.fetches->release(op);
+    FERRY_RETURN_IF_ERROR(s);
+    FERRY_RETURN_IF_ERROR(copied);
+  }
+  return Status();
+}
+
 Status run_reads(reader_state& st, ReadTask& task) {
   // Sizes come from the manifest, capped by what the files hold; memory
   // that still runs out fails the load with a message, not the reader.
   try {
+    if (task.fetches) return run_fetched(*st.ctx, task);
     RunReader reader(*st.ctx, task);
     return reader.run();
   } catch (const std::bad_alloc&) {
@@ -927,6 +1097,7 @@ struct LoadInFlight {
   std::string load_id;
   std::shared_ptr<Transport> transport;
   std::shared_ptr<UnverifiedTensors> unverified = std::make_shared<UnverifiedTensors>();
+  std::shared_ptr<Fetches> fetches;  // load-sharing = job: what other hosts send
 };
 
 // A read task handed to a reader (or the share wait of a load) not yet answered.
@@ -985,6 +1156,10 @@ struct loader_state {
   std::map<std::string, ShareWait> shares;                  // by load id
   std::map<std::string, std::vector<BlockShareMsg>> early;  // by load id
   std::deque<std::string> ended;  // the last few share waits that ended: late bytes are dropped
+  // load-sharing = job: by load id, what other hosts send this rank whole,
+  // and the reader that waits for it (after the storage readers in `readers`).
+  std::map<std::string, std::shared_ptr<Fetches>> fetches;
+  size_t storage_readers = 0;
 };
 
 using loader_ptr = loader_actor::stateful_pointer<loader_state>;
@@ -1011,8 +1186,11 @@ void finish_task(const RankContext& ctx, ReaderTasks& tasks, uint64_t id, Status
     // The load failed here: its other readers stop sending at once.
     if (!load->load_id.empty()) ctx.shares->close(load->load_id, s);
   }
+  // A failed load waits for nothing more from other hosts.
+  if (!s.ok() && load->fetches) load->fetches->end(ctx, load->load_id, s);
   if (!s.ok() && load->first_error.ok()) load->first_error = std::move(s);
   if (--load->left == 0) {
+    if (load->fetches) load->fetches->end(ctx, load->load_id, load->first_error);
     if (!load->load_id.empty()) ctx.shares->close(load->load_id, load->first_error);
     load->rp.deliver(load->unverified->name_in(load->first_error));
   }
@@ -1172,8 +1350,29 @@ Status waiting_for(const RankContext& ctx, int32_t from, const Status& why) {
                           std::to_string(from) + " reads for it: ");
 }
 
+// A frame (or a failure) from a reader of another host that sends this rank
+// a piece whole: landed, and acknowledged as a node's shared bytes are.
+void on_fetched(const RankContext& ctx, Fetches& f, const std::string& load_id,
+                const BlockShareMsg& msg) {
+  if (!msg.status.ok())
+    return f.fail(msg.from, msg.status.with_context("rank " + std::to_string(msg.from) +
+                                                    " (another host) failed to read bytes rank " +
+                                                    std::to_string(ctx.rank) + " needs from it: "));
+  Status s = f.land(msg);
+  if (f.transport()) send_ack(ctx, *f.transport(), load_id, msg.from, s.ok() ? msg.length() : 0, s);
+  if (!s.ok()) f.fail(msg.from, s);
+}
+
 void on_share(loader_ptr self, const BlockShareMsg& msg) {
   auto& st = self->state;
+  if (msg.load_id == kAnyLoad)
+    for (auto& [id, f] : st.fetches)
+      f->fail(msg.from,
+              msg.status.with_context("rank " + std::to_string(st.ctx->rank) +
+                                      " was waiting for bytes rank " + std::to_string(msg.from) +
+                                      " (another host) reads for its node: "));
+  if (auto f = st.fetches.find(msg.load_id); f != st.fetches.end() && f->second->sends(msg.from))
+    return on_fetched(*st.ctx, *f->second, msg.load_id, msg);
   if (msg.load_id == kAnyLoad) {
     // A rank failed: every load still owed bytes by it fails, naming it.
     std::vector<std::string> owing;
@@ -1269,6 +1468,60 @@ void expect_shares(loader_ptr self, LoadJob& job, const std::shared_ptr<LoadInFl
   }
 }
 
+reader_actor spawn_reader(loader_ptr self);
+
+// Starts waiting for the pieces readers of other hosts send this rank whole
+// (load-sharing = job), on a reader of their own.
+void fetch(loader_ptr self, const LoadJob& job, const std::shared_ptr<LoadInFlight>& load,
+           std::vector<ReadOp> ops) {
+  auto& st = self->state;
+  for (auto it = st.fetches.begin(); it != st.fetches.end();)
+    it = it->second->ended() ? st.fetches.erase(it) : std::next(it);
+  auto f = std::make_shared<Fetches>(st.ctx->rank, job.transport);
+  std::sort(ops.begin(), ops.end(), [](const ReadOp& a, const ReadOp& b) {
+    return std::tie(a.file, a.file_offset) < std::tie(b.file, b.file_offset);
+  });
+  for (const ReadOp& op : ops) {
+    f->add(op);
+    // A sender that failed before this load began sends nothing (see expect_shares).
+    if (auto why = st.ctx->shares->failure(op.fetch_from))
+      f->fail(op.fetch_from, waiting_for(*st.ctx, op.fetch_from, *why));
+  }
+  load->fetches = f;
+  st.fetches[job.load_id] = f;
+  if (st.readers.size() == st.storage_readers) st.readers.push_back(spawn_reader(self));
+  const size_t i = st.storage_readers;
+  ReadTask task;
+  task.dir = job.dir;
+  task.manifest = job.manifest;
+  task.targets = job.targets;
+  task.load_id = job.load_id;
+  task.transport = job.transport;
+  task.peer_rings = job.peer_rings;
+  task.unverified = load->unverified;
+  task.clocks = job.clocks;
+  task.fetches = f;
+  task.ops = std::move(ops);
+  const uint64_t id = st.next_task++;
+  st.tasks->emplace(id, ReaderTask{i, load});
+  ++load->left;
+  self->request(st.readers[i], caf::infinite, atom::read_v, std::move(task))
+      .then(
+          [self, id](const Status& s) { finish_task(*self->state.ctx, *self->state.tasks, id, s); },
+          [self, id, i](caf::error& e) {
+            finish_task(
+                *self->state.ctx, *self->state.tasks, id,
+                Status::internal("reader " + std::to_string(i) + ": " + self->system().render(e)));
+          });
+  // Frames that came before this load began here (not for a node's share
+  // wait, which takes its own in expect_shares).
+  if (job.receive.empty()) {
+    auto early = std::move(st.early[job.load_id]);
+    st.early.clear();
+    for (const auto& msg : early) on_share(self, msg);
+  }
+}
+
 reader_actor spawn_reader(loader_ptr self) {
   // Linked: readers end with the loader. Detached: preads block.
   return self->spawn<caf::detached + caf::linked>(reader_fun, self->state.ctx);
@@ -1296,6 +1549,7 @@ loader_actor::behavior_type loader_fun(loader_ptr self, ContextPtr ctx) {
   self->state.ctx = ctx;
   const uint32_t readers = load_readers(ctx->opts.readers);
   for (uint32_t i = 0; i < readers; ++i) self->state.readers.push_back(spawn_reader(self));
+  self->state.storage_readers = readers;
   self->set_exit_handler([self](caf::exit_msg& msg) {
     if (!on_reader_exit(self, msg)) self->quit(msg.reason);  // the runtime shuts down
   });
@@ -1312,9 +1566,13 @@ loader_actor::behavior_type loader_fun(loader_ptr self, ContextPtr ctx) {
         forget_populated();
         // Each reader takes a contiguous stretch of the files, equal in bytes:
         // a few long sequential streams, and runs coalesce inside each.
-        std::vector<ReadTask> tasks(std::min<size_t>(st.readers.size(), job.ops.size()));
-        if (tasks.empty() && job.receive.empty()) return Status();
-        std::vector<ReadOp> ops = std::move(job.ops);
+        // Pieces another host sends whole go to a reader of their own, which
+        // waits for them while the others read from storage.
+        std::vector<ReadOp> fetched;
+        std::vector<ReadOp> ops;
+        for (ReadOp& op : job.ops) (op.fetch_from >= 0 ? fetched : ops).push_back(std::move(op));
+        std::vector<ReadTask> tasks(std::min<size_t>(st.storage_readers, ops.size()));
+        if (tasks.empty() && fetched.empty() && job.receive.empty()) return Status();
         std::sort(ops.begin(), ops.end(), [](const ReadOp& a, const ReadOp& b) {
           return std::tie(a.file, a.file_offset) < std::tie(b.file, b.file_offset);
         });
@@ -1327,6 +1585,8 @@ loader_actor::behavior_type loader_fun(loader_ptr self, ContextPtr ctx) {
           total += op.length;
           for (const ShareTo& to : op.share_with) load->receivers.push_back(to.rank);
         }
+        for (const auto& op : fetched)
+          for (const ShareTo& to : op.share_with) load->receivers.push_back(to.rank);
         // As a save's (planner.cpp): a sized-by-use pool takes in what this
         // rank reads, up to its cap.
         if (Status g = total ? st.ctx->pool->grow(total) : Status(); !g.ok())
@@ -1369,6 +1629,7 @@ loader_actor::behavior_type loader_fun(loader_ptr self, ContextPtr ctx) {
                                                  self->system().render(e)));
                   });
         }
+        if (!fetched.empty()) fetch(self, job, load, std::move(fetched));
         if (!job.receive.empty()) expect_shares(self, job, load);
         return load->rp;
       },

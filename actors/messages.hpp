@@ -237,6 +237,7 @@ struct LoadJob {
 inline const std::string kAnyLoad = "*";
 
 class UnverifiedTensors;  // loader.cpp
+class Fetches;            // loader.cpp
 
 struct ReadTask {
   std::string dir;
@@ -249,6 +250,8 @@ struct ReadTask {
   // The load's tensors that hold bytes which did not pass their checksum.
   std::shared_ptr<UnverifiedTensors> unverified;
   std::shared_ptr<LoadClocks> clocks;  // trace-dir set: the job's
+  // Where the bytes of ops with fetch_from land (load-sharing = job).
+  std::shared_ptr<Fetches> fetches;
 };
 
 }  // namespace ferry

@@ -848,7 +848,8 @@ Status load_local(Runtime::Impl& im, caf::scoped_actor& self, StateDict& sd, con
       job.peer_rings = std::make_shared<PeerRings>(im.ctx->log, im.ctx->rank, im.ctx->world_size,
                                                    o.share_window_bytes, std::move(rings));
     RankShare part =
-        split_for_rank(ops, assign_shared_reads(std::move(needs).value()), im.ctx->rank, *manifest);
+        split_for_rank(ops, assign_shared_reads(std::move(needs).value(), o.load_sharing_job),
+                       im.ctx->rank, *manifest);
     // Freed now: what the load allocates next reuses this memory rather than
     // fresh pages, whose first touch cost 5-20 us each on the test VM.
     std::vector<ReadOp>().swap(ops);
@@ -864,7 +865,11 @@ Status load_local(Runtime::Impl& im, caf::scoped_actor& self, StateDict& sd, con
   report->step = manifest->step;
   report->tensors_restored = requests.size();
   report->not_restored = tensors_not_requested(*manifest, requests);
-  for (const auto& op : job.ops) report->bytes_read += op.length;
+  for (const auto& op : job.ops) {
+    (op.fetch_from < 0 ? report->bytes_read : report->bytes_fetched) += op.length;
+    for (const ShareTo& to : op.share_with)
+      if (to.raw) report->bytes_sent_to_hosts += op.length;
+  }
   for (const auto& [from, op] : job.receive)
     report->bytes_received += shared_bytes(op, dtype_size(manifest->tensors[op.tensor].dtype));
   for (const auto& e : sd.entries()) job.targets.push_back(e.view);

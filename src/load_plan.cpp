@@ -1,6 +1,7 @@
 #include "load_plan.hpp"
 
 #include <algorithm>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <tuple>
@@ -409,25 +410,119 @@ void give_small_reads_to_neighbours(std::vector<SharedRead>::iterator reads,
   }
 }
 
+// Splits a set's bytes into one contiguous stretch per member, equal in
+// bytes: the member that takes the next `length` bytes when `at` bytes of
+// the set's `total` went before (and counts them).
+size_t take_turn(uint64_t& at, uint64_t total, size_t members, uint64_t length) {
+  const size_t pick = static_cast<size_t>(std::min<uint64_t>(members - 1, at * members / total));
+  at += length;
+  return pick;
+}
+
+// Across hosts: the job's cuts of each file (sorted) and, per segment
+// between two of them, the node that reads it from storage (an index into
+// the nodes in host order; SIZE_MAX where no node needs it). Per set of
+// nodes needing segments, their bytes split into one stretch per node.
+struct JobCuts {
+  std::map<uint32_t, std::vector<uint64_t>> cuts;
+  std::map<uint32_t, std::vector<size_t>> source;
+};
+
+template <typename AddCuts>
+JobCuts cut_job(const std::vector<RankNeeds>& needs, AddCuts add_cuts) {
+  JobCuts j;
+  for (const RankNeeds& n : needs) add_cuts(n, j.cuts);
+  std::map<uint32_t, std::vector<std::vector<size_t>>> nodes;  // [file][segment]
+  for (auto& [file, c] : j.cuts) {
+    std::sort(c.begin(), c.end());
+    c.erase(std::unique(c.begin(), c.end()), c.end());
+    nodes[file].resize(c.size() - 1);
+  }
+  size_t node = 0;
+  for (size_t first = 0; first < needs.size(); ++node) {
+    size_t last = first;
+    while (last < needs.size() && needs[last].host == needs[first].host) ++last;
+    for (size_t r = first; r < last; ++r)
+      for (const auto& [fr, region] : needs[r].ranges) {
+        if (fr.length == 0) continue;
+        const auto& c = j.cuts[fr.file];
+        auto& w = nodes[fr.file];
+        const size_t a = std::lower_bound(c.begin(), c.end(), fr.offset) - c.begin();
+        const size_t b = std::lower_bound(c.begin(), c.end(), fr.offset + fr.length) - c.begin();
+        for (size_t k = a; k < b; ++k)
+          if (w[k].empty() || w[k].back() != node) w[k].push_back(node);
+      }
+    first = last;
+  }
+  std::map<std::vector<size_t>, uint64_t> total, seen;
+  for (const auto& [file, w] : nodes)
+    for (size_t k = 0; k < w.size(); ++k)
+      if (!w[k].empty()) total[w[k]] += j.cuts[file][k + 1] - j.cuts[file][k];
+  for (const auto& [file, w] : nodes) {
+    auto& src = j.source[file];
+    src.assign(w.size(), SIZE_MAX);
+    for (size_t k = 0; k < w.size(); ++k)
+      if (!w[k].empty())
+        src[k] = w[k][take_turn(seen[w[k]], total[w[k]], w[k].size(),
+                                j.cuts[file][k + 1] - j.cuts[file][k])];
+  }
+  return j;
+}
+
+// Each range that several nodes read (the same range on each: the cuts are
+// the job's) is read from storage by the node `job` picked, whose reader
+// sends it whole to the reader of every other such node.
+void share_across_nodes(std::vector<SharedRead>& out, const std::vector<size_t>& node_of,
+                        const JobCuts& job) {
+  std::map<std::tuple<uint32_t, uint64_t, uint64_t>, std::vector<size_t>> by_range;
+  for (size_t i = 0; i < out.size(); ++i)
+    by_range[{out[i].range.file, out[i].range.offset, out[i].range.length}].push_back(i);
+  for (const auto& [range, reads] : by_range) {
+    if (reads.size() < 2) continue;
+    const auto& c = job.cuts.at(std::get<0>(range));
+    const size_t k = std::lower_bound(c.begin(), c.end(), std::get<1>(range)) - c.begin();
+    const size_t from = job.source.at(std::get<0>(range))[k];
+    const auto src =
+        std::find_if(reads.begin(), reads.end(), [&](size_t i) { return node_of[i] == from; });
+    if (src == reads.end()) continue;  // not reached: the source node needs it
+    for (size_t i : reads) {
+      if (i == *src) continue;
+      out[i].fetch_from = out[*src].reader;
+      out[*src].receivers.push_back(ShareTo{out[i].reader, Box{}, true});
+    }
+  }
+}
+
 }  // namespace
 
-std::vector<SharedRead> assign_shared_reads(std::vector<RankNeeds> needs) {
+std::vector<SharedRead> assign_shared_reads(std::vector<RankNeeds> needs, bool across_hosts) {
   std::sort(needs.begin(), needs.end(), [](const RankNeeds& a, const RankNeeds& b) {
     return std::tie(a.host, a.rank) < std::tie(b.host, b.rank);
   });
+  auto add_cuts = [](const RankNeeds& n, std::map<uint32_t, std::vector<uint64_t>>& cuts) {
+    for (const auto& [fr, region] : n.ranges) {
+      if (fr.length == 0) continue;
+      cuts[fr.file].push_back(fr.offset);
+      cuts[fr.file].push_back(fr.offset + fr.length);
+    }
+  };
+  // Across hosts every node cuts where any rank does: a range several nodes
+  // need is then the same range on each.
+  JobCuts job;
+  if (across_hosts) job = cut_job(needs, add_cuts);
   std::vector<SharedRead> out;
+  std::vector<size_t> node_of;  // per read in `out`: its node's index
+  size_t node = 0;
   for (size_t first = 0; first < needs.size();) {
     size_t last = first;
     while (last < needs.size() && needs[last].host == needs[first].host) ++last;
     // Every start and end of a range of this node cuts the file: between two
     // neighbouring cuts the set of ranks needing the bytes is constant.
     std::map<uint32_t, std::vector<uint64_t>> cuts;
-    for (size_t r = first; r < last; ++r)
-      for (const auto& [fr, region] : needs[r].ranges) {
-        if (fr.length == 0) continue;
-        cuts[fr.file].push_back(fr.offset);
-        cuts[fr.file].push_back(fr.offset + fr.length);
-      }
+    if (across_hosts)
+      cuts = job.cuts;
+    else
+      for (size_t r = first; r < last; ++r) add_cuts(needs[r], cuts);
     // [file][segment]: the ranks needing it, ascending, and the box of what
     // each copies out of it (the bounding box, should two of its ranges hold
     // the segment).
@@ -452,16 +547,19 @@ std::vector<SharedRead> assign_shared_reads(std::vector<RankNeeds> needs) {
         }
       }
     // Bytes each set of ranks shares, so each set's bytes split into equal
-    // contiguous stretches, one per rank of the set.
-    auto ranks_of = [](const std::vector<ShareTo>& w) {
+    // contiguous stretches, one per rank of the set. Across hosts, the bytes
+    // the node reads from storage and those it fetches split apart: each
+    // rank then reads its share of both.
+    auto ranks_of = [&](const std::vector<ShareTo>& w, uint32_t file, size_t k) {
       std::vector<int32_t> ranks;
       for (const ShareTo& t : w) ranks.push_back(t.rank);
+      if (across_hosts) ranks.push_back(job.source.at(file)[k] == node ? -1 : -2);
       return ranks;
     };
     std::map<std::vector<int32_t>, uint64_t> total, seen;
     for (const auto& [file, w] : who)
       for (size_t k = 0; k < w.size(); ++k)
-        if (w[k].size() > 1) total[ranks_of(w[k])] += cuts[file][k + 1] - cuts[file][k];
+        if (w[k].size() > 1) total[ranks_of(w[k], file, k)] += cuts[file][k + 1] - cuts[file][k];
     const size_t node_first = out.size();
     std::vector<const ShareTo*> alone;  // per read of this node: its only needer, if one
     for (const auto& [file, w] : who) {
@@ -474,12 +572,8 @@ std::vector<SharedRead> assign_shared_reads(std::vector<RankNeeds> needs) {
         if (w[k].size() == 1) {
           sr.reader = w[k][0].rank;
         } else {
-          const std::vector<int32_t> ranks = ranks_of(w[k]);
-          const uint64_t n = ranks.size();
-          uint64_t& at = seen[ranks];
-          const size_t pick = static_cast<size_t>(std::min<uint64_t>(n - 1, at * n / total[ranks]));
-          at += sr.range.length;
-          sr.reader = ranks[pick];
+          const std::vector<int32_t> ranks = ranks_of(w[k], file, k);
+          sr.reader = ranks[take_turn(seen[ranks], total[ranks], w[k].size(), sr.range.length)];
           for (const ShareTo& t : w[k])
             if (t.rank != sr.reader) sr.receivers.push_back(t);
         }
@@ -487,8 +581,10 @@ std::vector<SharedRead> assign_shared_reads(std::vector<RankNeeds> needs) {
       }
     }
     give_small_reads_to_neighbours(out.begin() + node_first, out.end(), alone);
+    node_of.resize(out.size(), node++);
     first = last;
   }
+  if (across_hosts) share_across_nodes(out, node_of, job);
   return out;
 }
 
@@ -628,6 +724,7 @@ void add_reads_for_others(const std::vector<const SharedRead*>& reads, const Man
     whole.region = Box{c.offsets, std::vector<int64_t>(c.sizes.size(), 0)};
     whole.target_box = whole.region;
     whole.share_with = r->receivers;
+    whole.fetch_from = r->fetch_from;
     if (auto piece = slice_op(whole, r->range.offset, r->range.length, m))
       out->push_back(std::move(*piece));
   }
@@ -640,7 +737,7 @@ RankShare split_for_rank(const std::vector<ReadOp>& ops, const std::vector<Share
   auto elem_size = [&m](const ReadOp& op) { return dtype_size(m.tensors[op.tensor].dtype); };
   auto receiving = [rank](const SharedRead& s) -> const ShareTo* {
     for (const ShareTo& t : s.receivers)
-      if (t.rank == rank) return &t;
+      if (t.rank == rank && !t.raw) return &t;
     return nullptr;
   };
   std::vector<const SharedRead*> mine;
@@ -684,7 +781,11 @@ RankShare split_for_rank(const std::vector<ReadOp>& ops, const std::vector<Share
           out.receive.emplace_back(s.reader, std::move(piece));
         continue;
       }
-      if (!sent[k]) piece.share_with = s.receivers;
+      // A second entry reading the same bytes reads them from storage.
+      if (!sent[k]) {
+        piece.share_with = s.receivers;
+        piece.fetch_from = s.fetch_from;
+      }
       sent[k] = true;
       out.read.push_back(std::move(piece));
     }

@@ -35,11 +35,14 @@ Result<std::vector<LoadRequest>> make_load_requests(const StateDict& sd);
 // row-major order (its shared stream, for_each_shared_run). Only those
 // travel: a rank loading a stretch of columns gets its columns of a block,
 // not the block. An empty box: it copies nothing there.
+// raw: a rank of another node (load-sharing = job) that takes the read
+// whole, as stored, and checks its checksum blocks as if it had read them.
 struct ShareTo {
   int32_t rank = 0;
   Box box;
+  bool raw = false;
   friend bool operator==(const ShareTo& a, const ShareTo& b) {
-    return a.rank == b.rank && a.box == b.box;
+    return a.rank == b.rank && a.box == b.box && a.raw == b.raw;
   }
 };
 
@@ -61,11 +64,15 @@ struct ReadOp {
   Box chunk_box;   // the saved chunk's box
   Box target_box;  // the caller's box
   // Ranks of this node that receive bytes of this read from this rank once
-  // it has verified them (assign_shared_reads); empty for most reads.
+  // it has verified them (assign_shared_reads), and with load-sharing = job
+  // the readers of other nodes (raw); empty for most reads.
   std::vector<ShareTo> share_with;
   // A piece another rank reads for this one: the box whose elements in it
   // travel (this rank's ShareTo, inside chunk_box).
   Box shared_box;
+  // load-sharing = job: the rank of another node that reads these bytes
+  // from storage and sends them whole (a raw ShareTo); -1: read them here.
+  int32_t fetch_from = -1;
 };
 
 struct LoadPlanOptions {
@@ -173,6 +180,9 @@ struct SharedRead {
   FileRange range;
   int32_t reader = 0;
   std::vector<ShareTo> receivers;  // empty: only the reader needs it
+  // Across hosts: the reader of another node that reads the range from
+  // storage and sends it whole to this one's reader; -1: read from storage.
+  int32_t fetch_from = -1;
 };
 
 // Deterministic in its input (order of `needs` aside): per node and per set
@@ -180,7 +190,14 @@ struct SharedRead {
 // contiguous stretch per rank, equal in bytes, so each reads its share in
 // long sequential runs. Small ranges one rank needs alone go to the rank
 // reading next to them (SharedRead). Sorted by node, file and offset.
-std::vector<SharedRead> assign_shared_reads(std::vector<RankNeeds> needs);
+// across_hosts (load-sharing = job): every node cuts the files where any
+// rank's range starts or ends, so each range several nodes need is one
+// range on each; one node's reader (nodes take turns, equal in bytes per
+// set of nodes) reads it from storage and sends it whole (a raw receiver)
+// to the reader of each other node, which fetches it (fetch_from) and
+// shares it inside its node as if it had read it.
+std::vector<SharedRead> assign_shared_reads(std::vector<RankNeeds> needs,
+                                            bool across_hosts = false);
 
 // One rank's part of an assignment.
 struct RankShare {

@@ -372,6 +372,20 @@ const std::vector<KeySpec>& key_table() {
        [](const std::string& v, Options& o, std::string& why) {
          return parse_bool(v, o.share_memory, why);
        }},
+      {{"load-sharing", "node",
+        "who reads replicated load data once: node (each node reads it, its ranks share it) or "
+        "job (one host reads each range from storage and sends it to the other hosts over the "
+        "network, under share-window; for storage slower than the network); the same on every "
+        "rank"},
+       [](const std::string& v, Options& o, std::string& why) {
+         const std::string l = lower(v);
+         if (l != "node" && l != "job") {
+           why = "expected node or job";
+           return false;
+         }
+         o.load_sharing_job = l == "job";
+         return true;
+       }},
       {{"coordinator-address", "", "address of rank 0; empty means MASTER_ADDR, else 127.0.0.1"},
        [](const std::string& v, Options& o, std::string&) {
          o.coordinator_address = v;

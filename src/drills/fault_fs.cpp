@@ -68,7 +68,7 @@ struct FaultFilesystem::Impl {
 
   // Counts the call against every rule that matches it; the first rule that
   // fires decides the error. Latency rules add up.
-  Decision decide(FaultOp op, const std::string& p1, const std::string& p2) {
+  Decision decide(FaultOp op, const std::string& p1, const std::string& p2, uint64_t bytes) {
     std::lock_guard<std::mutex> lock(rules_mu);
     ++calls[static_cast<size_t>(op)];
     Decision d;
@@ -78,7 +78,11 @@ struct FaultFilesystem::Impl {
       if (!path_matches(r.path_contains, p1) && (p2.empty() || !path_matches(r.path_contains, p2)))
         continue;
       if (r.action == FaultRule::Action::latency) {
-        d.delay += r.latency;
+        // per_bytes: in proportion to the bytes moved (a rate, whatever the call's size).
+        d.delay += r.per_bytes == 0
+                       ? r.latency
+                       : std::chrono::microseconds(static_cast<int64_t>(
+                             static_cast<double>(r.latency.count()) * bytes / r.per_bytes));
         continue;
       }
       ++rs.seen;
@@ -106,8 +110,9 @@ struct FaultFilesystem::Impl {
   // `label` and `shown` are what the POSIX filesystem would name in its
   // message; the paths are the normalised ones filters match.
   Status check(FaultOp op, const char* label, const std::string& shown, const std::string& p1,
-               const std::string& p2 = std::string(), bool* short_write = nullptr) {
-    Decision d = decide(op, p1, p2);
+               const std::string& p2 = std::string(), bool* short_write = nullptr,
+               uint64_t bytes = 0) {
+    Decision d = decide(op, p1, p2, bytes);
     if (d.delay.count() > 0) std::this_thread::sleep_for(d.delay);
     if (d.stall) {
       // Said at once, so that a driver in another process knows the call is held.
@@ -208,8 +213,8 @@ class FaultFile : public File {
 
   Status pwrite(const void* data, size_t len, uint64_t offset) override {
     bool short_write = false;
-    Status injected =
-        impl_->check(FaultOp::write, "pwrite", path(), norm_path_, std::string(), &short_write);
+    Status injected = impl_->check(FaultOp::write, "pwrite", path(), norm_path_, std::string(),
+                                   &short_write, len);
     if (!injected.ok() && !short_write) return injected;
     size_t n = len;
     if (short_write) {
@@ -224,7 +229,8 @@ class FaultFile : public File {
   }
 
   Result<size_t> pread(void* data, size_t len, uint64_t offset) override {
-    FERRY_RETURN_IF_ERROR(impl_->check(FaultOp::read, "pread", path(), norm_path_));
+    FERRY_RETURN_IF_ERROR(
+        impl_->check(FaultOp::read, "pread", path(), norm_path_, std::string(), nullptr, len));
     return base_->pread(data, len, offset);
   }
 

@@ -49,7 +49,7 @@ struct FaultRule {
   enum class Action : uint8_t {
     error,        // fail the call with `error`, doing nothing
     short_write,  // (write only) write a prefix of the buffer, then fail with `error`
-    latency,      // sleep `latency` before every matching call
+    latency,      // sleep `latency` before every matching call (per `per_bytes` of it)
     // block the triggered call until release_stalls() (a hung NFS mount, a
     // disk that stopped answering); then the call goes on as if unfaulted
     stall,
@@ -73,6 +73,10 @@ struct FaultRule {
   // a rename matches on either side.
   std::string path_contains;
   std::chrono::microseconds latency{0};
+  // latency only: > 0 sleeps `latency` per this many bytes a read or write
+  // moves, in proportion (a storage rate: latency:read:10ms:per=1048576 is
+  // 100 MiB/s whatever the size of each read).
+  uint64_t per_bytes = 0;
 
   std::string to_string() const;  // the spec form, e.g. "enospc:write:3:path=step-"
 };
@@ -195,6 +199,7 @@ class FaultFilesystem : public FilesystemWrapper {
 //   trigger:= N | N+ | rate=A/B    for enospc, eio, short, stall (short: write only)
 //           | DURATION             for latency: 250us, 5ms, 1s
 //   option := rate=A/B | seed=N | path=SUBSTR
+//           | per=BYTES            latency per BYTES a read or write moves
 // Examples: "enospc:write:3", "eio:sync:1", "enospc:write:rate=1/128:seed=7",
 // "short:write:2", "latency:write:5ms", "enospc:write:1+:path=step-,journal=/j",
 // "stall:write:1" (the first pwrite never returns in a process that cannot

@@ -47,6 +47,7 @@ std::string FaultRule::to_string() const {
   s += any_op ? "any" : fault_op_name(op);
   if (action == Action::latency) {
     s += ":" + std::to_string(latency.count()) + "us";
+    if (per_bytes > 0) s += ":per=" + std::to_string(per_bytes);
   } else if (nth > 0) {
     s += ":" + std::to_string(nth) + (sticky ? "+" : "");
   } else {
@@ -131,6 +132,9 @@ Result<ParsedFault> parse_fault(const std::string& item) {
       } else if (key == "seed" && r.action != FaultRule::Action::latency) {
         if (!parse_u64(value, &r.seed)) return bad_spec(item, "bad seed '" + value + "'");
         parsed.own_seed = true;
+      } else if (key == "per" && r.action == FaultRule::Action::latency) {
+        if (!parse_u64(value, &r.per_bytes) || r.per_bytes == 0)
+          return bad_spec(item, "bad per '" + value + "' (expected bytes > 0)");
       } else if (key == "path") {
         if (value.empty()) return bad_spec(item, "empty path filter");
         r.path_contains = value;

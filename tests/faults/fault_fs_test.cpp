@@ -322,6 +322,29 @@ TEST_CASE("fault fs: latency is added to matching calls only", "[faults]") {
   CHECK(fs.calls(FaultOp::sync) == 3);
 }
 
+TEST_CASE("fault fs: latency per=BYTES scales with the bytes a read moves (a storage rate)",
+          "[faults]") {
+  TempDir tmp;
+  { std::ofstream(tmp.sub("data"), std::ios::binary) << std::string(64 << 10, 'x'); }
+  auto parsed = parse_fault_spec("latency:read:10ms:per=16384");
+  REQUIRE(parsed.ok());
+  REQUIRE(parsed->rules.size() == 1);
+  CHECK(parsed->rules[0].per_bytes == 16384);
+  CHECK(parsed->rules[0].to_string() == "latency:read:10000us:per=16384");
+  FaultFilesystem fs(posix_filesystem());
+  fs.add_rule(parsed->rules[0]);
+  auto f = fs.open(tmp.sub("data"), OpenOptions{});
+  REQUIRE(f.ok());
+  std::string buf(64 << 10, '\0');
+  using clock = std::chrono::steady_clock;
+  const auto t0 = clock::now();
+  REQUIRE((*f)->pread(buf.data(), buf.size(), 0).ok());  // 4 x 16 KiB: 40 ms
+  CHECK(clock::now() - t0 >= std::chrono::milliseconds(40));
+  CHECK(fs.delayed() == 1);
+  CHECK_FALSE(parse_fault_spec("latency:read:1ms:per=0").ok());
+  CHECK_FALSE(parse_fault_spec("eio:read:1:per=4096").ok());
+}
+
 TEST_CASE("fault fs: a stall holds the triggered call until released", "[faults]") {
   TempDir tmp;
   FaultFilesystem fs(posix_filesystem());

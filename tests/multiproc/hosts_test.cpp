@@ -573,6 +573,24 @@ std::string env_of(pid_t pid, const std::string& name) {
   return "";
 }
 
+// Per host: bytes its ranks read from storage, took whole from another host,
+// and sent whole to other hosts (LOADSTATS), `per_host` ranks on each.
+struct HostLoad {
+  uint64_t read = 0, fetched = 0, sent = 0;
+};
+
+std::vector<HostLoad> host_loads(const std::map<int, LoadStats>& stats, int per_host) {
+  std::vector<HostLoad> hosts;
+  for (const auto& [rank, s] : stats) {
+    hosts.resize(std::max<size_t>(hosts.size(), rank / per_host + 1));
+    HostLoad& h = hosts[rank / per_host];
+    h.read += s.read;
+    h.fetched += s.fetched;
+    h.sent += s.hosts_sent;
+  }
+  return hosts;
+}
+
 }  // namespace
 
 TEST_CASE(
@@ -723,4 +741,88 @@ TEST_CASE(
   CHECK_THAT(out, Catch::Contains("presented a different job token"));
   check_nothing_pending(d.path());
   check_loaded(h.job(1, "0,1", "--mode load --seed 7 --root " + d.path() + kModel), 2);
+}
+
+TEST_CASE(
+    "hosts: with load-sharing = job the job reads each byte from storage once and hosts send "
+    "each other the rest",
+    "[hosts][load]") {
+  FERRY_NEED_HOSTS();
+  TempDir d;
+  Hosts h(3, d.path());
+  save_first(h, d.path());
+  const uint64_t one_copy = data_bytes(ferry::testing::manifest_of(latest_path(d.path())));
+  const std::string job = " --set load-sharing=job --root " + d.path() + kModel;
+
+  SECTION("2 hosts x 2 ranks, every rank loads every tensor whole") {
+    const uint64_t link0 = h.link_bytes(1);
+    const RunResult l = h.job(2, "0,1", "--mode load --layout full --seed 7" + job);
+    const uint64_t link_during = h.link_bytes(1) - link0;
+    check_loaded(l, 4);
+    const auto hosts = host_loads(ferry::testing::load_stats(l.out, 4), 2);
+    REQUIRE(hosts.size() == 2);
+    for (int i = 0; i < 2; ++i) {
+      const HostLoad& me = hosts[i];
+      const HostLoad& other = hosts[1 - i];
+      INFO("host " << i << ": read " << me.read << ", fetched " << me.fetched << ", sent "
+                   << me.sent << "; one copy " << one_copy);
+      // Each host reads its part from storage and takes the rest from the other.
+      CHECK(me.read > 0);
+      CHECK(me.read + me.fetched == one_copy);
+      CHECK(me.sent == other.fetched);
+    }
+    CHECK(hosts[0].read + hosts[1].read == one_copy);  // once per job, not once per host
+    // Those bytes crossed host 1's link, once each way.
+    INFO("host 1's link carried " << link_during << " bytes during the load");
+    CHECK(link_during >= hosts[1].fetched + hosts[1].sent);
+    CHECK(link_during < 2 * one_copy);
+  }
+  SECTION("3 hosts x 1 rank, resharded (rows saved load as columns)") {
+    const RunResult l = h.job(1, "", "--mode load --seed 7" + job);
+    check_loaded(l, 3);
+    const auto stats = ferry::testing::load_stats(l.out, 3);
+    const auto hosts = host_loads(stats, 1);
+    REQUIRE(hosts.size() == 3);
+    uint64_t read = 0, fetched = 0, sent = 0;
+    for (int i = 0; i < 3; ++i) {
+      INFO("host " << i << ": read " << hosts[i].read << ", fetched " << hosts[i].fetched);
+      CHECK(hosts[i].read > 0);  // the replicated bytes spread over the hosts
+      CHECK(hosts[i].fetched > 0);
+      read += hosts[i].read;
+      fetched += hosts[i].fetched;
+      sent += hosts[i].sent;
+    }
+    // The shards together and the replicated tensors once: one copy.
+    CHECK(read == one_copy);
+    CHECK(sent == fetched);
+  }
+}
+
+TEST_CASE(
+    "hosts: with load-sharing = job a host cut off while it reads for the others fails the "
+    "load on every rank, naming it",
+    "[hosts][load][partition]") {
+  FERRY_NEED_HOSTS();
+  TempDir d;
+  Hosts h(2, d.path());
+  save_first(h, d.path());
+  // Every rank loads the whole state; rank 2 (host 1) stands after its first
+  // read, with bytes host 0 waits for still unsent.
+  std::unique_ptr<ferry::testing::Process> job;
+  const pid_t stopped = start_stopped(
+      h, d.path(), "--mode load --layout full --seed 7 --set load-sharing=job", "load.read", &job);
+  const auto [out, seconds] = cut_host1_and_continue(h, *job, stopped);
+  INFO(out);
+  CHECK(seconds < 20);
+  CHECK(count(out, "every byte equal") == 0);
+  // Host 0 was waiting for bytes host 1 reads for it, and says so.
+  for (const std::string& e : host0_errors_name_host1(out, "load"))
+    CHECK_THAT(e, Catch::Contains("another host"));
+  for (int r : {2, 3}) CHECK(count(out, "[rank " + std::to_string(r) + "] ERROR load:") == 1);
+  // With the link back, the same load works.
+  h.tool("link " + h.name() + " 1 up");
+  check_loaded(h.job(2, "0,1",
+                     "--mode load --layout full --seed 7 --set load-sharing=job --root " +
+                         d.path() + kModel),
+               4);
 }

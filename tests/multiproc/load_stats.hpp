@@ -17,6 +17,8 @@ namespace ferry::testing {
 struct LoadStats {
   uint64_t read = 0, received = 0, disk = 0, queued = 0, hwm_growth = 0, relayed = 0;
   uint64_t in_memory = 0;  // bytes it put in its receivers' share rings
+  // load-sharing = job: bytes another host read for it, bytes it sent to other hosts
+  uint64_t fetched = 0, hosts_sent = 0;
 };
 
 // The LOADSTATS line of each of ranks 0..ranks-1 that printed exactly one.
@@ -38,6 +40,8 @@ inline std::map<int, LoadStats> load_stats(const std::string& out, int ranks) {
     s.hwm_growth = field("hwm_growth");
     s.relayed = field("relayed");
     s.in_memory = field("in_memory");
+    s.fetched = field("fetched");
+    s.hosts_sent = field("hosts_sent");
     stats[r] = s;
   }
   return stats;

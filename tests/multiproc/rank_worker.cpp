@@ -574,7 +574,10 @@ int main(int argc, char** argv) {
       if (arg(argc, argv, "--evict", "0") == std::string("1")) evict(path);
       const uint64_t disk0 = disk_read_bytes();
       const uint64_t hwm0 = peak_rss_bytes();
+      const auto load0 = std::chrono::steady_clock::now();
       auto report = rt.load_report(sd, path);
+      const double load_s =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - load0).count();
       if (!report.ok() && with_per_rank && saved_world != world && !resize_first) {
         std::printf("REFUSED as expected: %s\n", report.status().to_string().c_str());
         return report.status().message().find("tensor 'rng' is per-rank: saved by " +
@@ -601,14 +604,16 @@ int main(int argc, char** argv) {
       }
       std::printf(
           "LOADSTATS read=%llu received=%llu disk=%llu queued=%llu hwm_growth=%llu relayed=%llu "
-          "in_memory=%llu\n",
+          "in_memory=%llu fetched=%llu hosts_sent=%llu load_s=%.3f\n",
           static_cast<unsigned long long>(report->bytes_read),
           static_cast<unsigned long long>(report->bytes_received),
           static_cast<unsigned long long>(disk_read_bytes() - disk0),
           static_cast<unsigned long long>(report->send_queue_peak),
           static_cast<unsigned long long>(peak_rss_bytes() - hwm0),
           static_cast<unsigned long long>(report->share_frames_relayed),
-          static_cast<unsigned long long>(report->shared_in_memory));
+          static_cast<unsigned long long>(report->shared_in_memory),
+          static_cast<unsigned long long>(report->bytes_fetched),
+          static_cast<unsigned long long>(report->bytes_sent_to_hosts), load_s);
       std::string peers;
       for (int32_t p : report->share_ring_peers)
         peers += (peers.empty() ? "" : ",") + std::to_string(p);

@@ -41,6 +41,7 @@ void check_defaults(const Options& o) {
   CHECK(o.readers == d.readers);
   CHECK(o.share_window_bytes == d.share_window_bytes);
   CHECK(o.share_memory == d.share_memory);
+  CHECK(o.load_sharing_job == d.load_sharing_job);
   CHECK(o.filename_prefix == d.filename_prefix);
   CHECK(o.shard_size == d.shard_size);
   CHECK(o.compress == d.compress);
@@ -164,6 +165,7 @@ TEST_CASE("option_infos lists every key once, and its defaults resolve to Option
                                              "read-into-tensors",
                                              "share-window",
                                              "share-memory",
+                                             "load-sharing",
                                              "coordinator-address",
                                              "port",
                                              "connect-timeout",
@@ -795,6 +797,20 @@ TEST_CASE("replica-check takes auto, full, sampled or off, and plan-timeout defa
   REQUIRE_FALSE(bad.ok());
   CHECK(contains(bad.status().message(), "replica-check"));
   CHECK(contains(bad.status().message(), "expected auto, full, sampled or off"));
+}
+
+TEST_CASE("load-sharing takes node (the default) or job, another value is named", "[options]") {
+  CHECK_FALSE(Options{}.load_sharing_job);
+  auto job = resolve1("load-sharing", "Job");
+  REQUIRE(job.ok());
+  CHECK(job->load_sharing_job);
+  auto node = resolve1("load-sharing", "node");
+  REQUIRE(node.ok());
+  CHECK_FALSE(node->load_sharing_job);
+  auto bad = resolve1("load-sharing", "host");
+  REQUIRE_FALSE(bad.ok());
+  CHECK(contains(bad.status().message(), "load-sharing"));
+  CHECK(contains(bad.status().message(), "expected node or job"));
 }
 
 TEST_CASE("the s3 settings parse into their fields, a bad value is named", "[options]") {

@@ -685,3 +685,132 @@ TEST_CASE("slice_op takes pieces on the checksum-block grid only", "[load_plan]"
   CHECK_FALSE(ferry::slice_op(op, op.file_offset, kBlock + 4096, m));       // ends off it
   CHECK_FALSE(ferry::slice_op(op, op.file_offset, op.length + kBlock, m));  // past the op
 }
+
+TEST_CASE("shared reads across hosts: every byte is read from storage once per job",
+          "[load_plan]") {
+  const bool checksums = GENERATE(true, false);
+  INFO("checksums " << checksums);
+  const ferry::Manifest m = make_manifest(
+      {{"a", {300, 257}}, {"b", {1000, 33}}, {"c", {7}}, {"d", {513, 129}}}, checksums);
+  std::vector<uint8_t> file(m.files[0].size + 8192);
+  for (size_t i = 0; i < file.size(); ++i) file[i] = static_cast<uint8_t>(i * 2654435761u >> 13);
+  // Ranks 0-3 on node "n0", 4-5 on "n1", 6 on "n2".
+  constexpr int kRanks = 7;
+  auto node = [](int r) { return r < 4 ? 0 : r < 6 ? 1 : 2; };
+  std::vector<std::vector<ferry::ReadOp>> plans;
+  std::vector<ferry::RankNeeds> needs;
+  for (int r = 0; r < kRanks; ++r) {
+    auto ops = ferry::make_load_plan(m, rank_requests(r));
+    REQUIRE(ops.ok());
+    plans.push_back(ops.value());
+    needs.push_back({r, "n" + std::to_string(node(r)), ferry::needed_ranges(ops.value(), m), {}});
+  }
+  const auto shared = ferry::assign_shared_reads(needs, /*across_hosts=*/true);
+  std::vector<ferry::RankShare> parts;
+  for (int r = 0; r < kRanks; ++r) parts.push_back(ferry::split_for_rank(plans[r], shared, r, m));
+
+  // The bytes any rank of the job needs, once.
+  std::vector<std::pair<uint64_t, uint64_t>> spans;
+  for (const auto& plan : plans)
+    for (const auto& op : plan) spans.emplace_back(op.file_offset, op.file_offset + op.length);
+  std::sort(spans.begin(), spans.end());
+  uint64_t job_bytes = 0, end = 0;
+  for (const auto& [a, b] : spans) {
+    if (b > std::max(a, end)) job_bytes += b - std::max(a, end);
+    end = std::max(end, b);
+  }
+  uint64_t from_storage = 0;
+  std::vector<uint64_t> node_read(3, 0), node_fetched(3, 0);
+  for (int r = 0; r < kRanks; ++r) {
+    INFO("rank " << r);
+    for (const auto& p : parts[r].read) {
+      check_piece(m, p, checksums);
+      for (const ferry::ShareTo& to : p.share_with)
+        CHECK((node(to.rank) == node(r)) == !to.raw);  // raw: whole, to another node only
+      if (p.fetch_from < 0) {
+        from_storage += p.length;
+        node_read[node(r)] += p.length;
+        continue;
+      }
+      // Fetched: its sender, on another node, reads the same bytes and sends them whole here.
+      node_fetched[node(r)] += p.length;
+      CHECK(node(p.fetch_from) != node(r));
+      int senders = 0;
+      for (const auto& q : parts[p.fetch_from].read)
+        if (q.file_offset == p.file_offset && q.length == p.length && q.fetch_from < 0)
+          for (const ferry::ShareTo& to : q.share_with) senders += to.raw && to.rank == r;
+      CHECK(senders == 1);
+    }
+    for (const auto& [from, p] : parts[r].receive) CHECK(node(from) == node(r));
+    // What it ends up with is what its plan reads (fetched bytes are the file's bytes).
+    CHECK(load_rank(m, parts, r, file, kRankTargetBytes, checksums).bytes ==
+          apply_ops(plans[r], file, kRankTargetBytes));
+  }
+  CHECK(from_storage == job_bytes);
+  // Each node reads part of what it needs and fetches the rest, once.
+  int reading = 0;
+  for (int n = 0; n < 3; ++n) {
+    std::vector<std::pair<uint64_t, uint64_t>> mine;
+    for (int r = 0; r < kRanks; ++r)
+      if (node(r) == n)
+        for (const auto& op : plans[r])
+          mine.emplace_back(op.file_offset, op.file_offset + op.length);
+    std::sort(mine.begin(), mine.end());
+    uint64_t need = 0, upto = 0;
+    for (const auto& [a, b] : mine) {
+      if (b > std::max(a, upto)) need += b - std::max(a, upto);
+      upto = std::max(upto, b);
+    }
+    INFO("node " << n << " read " << node_read[n] << ", fetched " << node_fetched[n]);
+    CHECK(node_read[n] + node_fetched[n] == need);
+    CHECK(node_fetched[n] > 0);
+    reading += node_read[n] > 0;
+  }
+  CHECK(reading >= 2);
+
+  // Per node (the default), each node reads what it needs itself.
+  uint64_t per_node = 0;
+  for (int r = 0; r < kRanks; ++r)
+    for (const auto& p :
+         ferry::split_for_rank(plans[r], ferry::assign_shared_reads(needs), r, m).read) {
+      CHECK(p.fetch_from == -1);
+      per_node += p.length;
+    }
+  CHECK(per_node > from_storage);
+}
+
+TEST_CASE("shared reads across hosts: a replicated state splits evenly across the nodes",
+          "[load_plan]") {
+  std::vector<std::pair<std::string, std::vector<int64_t>>> ts;
+  for (int i = 0; i < 60; ++i) ts.push_back({"t" + std::to_string(100 + i), {64, 256}});
+  const ferry::Manifest m = make_manifest(ts, true);
+  std::vector<ferry::LoadRequest> reqs;
+  for (uint32_t i = 0; i < ts.size(); ++i)
+    reqs.push_back(request(ts[i].first, ts[i].second, ferry::Box::whole(ts[i].second), i));
+  auto ops = ferry::make_load_plan(m, reqs);
+  REQUIRE(ops.ok());
+  // 3 nodes x 2 ranks, every rank loads everything.
+  std::vector<ferry::RankNeeds> needs;
+  for (int r = 0; r < 6; ++r)
+    needs.push_back({r, "n" + std::to_string(r / 2), ferry::needed_ranges(ops.value(), m), {}});
+  const auto shared = ferry::assign_shared_reads(needs, true);
+  std::vector<uint64_t> read(6, 0);
+  for (const auto& s : shared) {
+    if (s.fetch_from >= 0) {
+      CHECK(s.fetch_from / 2 != s.reader / 2);
+      continue;
+    }
+    // Read from storage: its node-mate takes its stream, the two other nodes' readers the bytes.
+    int raw = 0, mates = 0;
+    for (const auto& t : s.receivers) (t.raw ? raw : mates) += 1;
+    CHECK(raw == 2);
+    CHECK(mates == 1);
+    read[s.reader] += s.range.length;
+  }
+  const uint64_t one = 64 * 256 * 4;
+  for (int r = 0; r < 6; ++r) {
+    INFO("rank " << r);
+    CHECK(read[r] >= 9 * one);  // 60 tensors over 6 ranks of 3 nodes
+    CHECK(read[r] <= 11 * one);
+  }
+}

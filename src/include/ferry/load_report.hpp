@@ -15,6 +15,11 @@ struct LoadReport {
   std::vector<std::string> not_restored;  // checkpoint tensors the state dict did not ask for
   uint64_t bytes_read = 0;                // bytes this rank read from the data files
   uint64_t bytes_received = 0;  // bytes another rank of its node read for it (replicated ones)
+  // load-sharing = job: bytes this rank took whole from a rank of another
+  // host instead of reading them from storage (not in bytes_read), and the
+  // bytes it read and sent whole to ranks of other hosts (once per host).
+  uint64_t bytes_fetched = 0;
+  uint64_t bytes_sent_to_hosts = 0;
   // The most bytes this rank had queued to send to other ranks at once during
   // the load (replicated bytes it read, and on rank 0 those it passes on
   // between other ranks); share-window bounds it, whatever the state's size.

@@ -51,6 +51,10 @@ struct Options {
   // share-memory: ranks of one node pass those bytes through shared memory
   // (a ring each receiver offers), not over the network.
   bool share_memory = true;
+  // load-sharing: who reads replicated load data once: each node (false,
+  // "node") or the whole job (true, "job": one host reads each range from
+  // storage and sends it to the others over the network).
+  bool load_sharing_job = false;
   // Many ranks (torchrun-style environment fills what is left unset).
   std::string coordinator_address;  // coordinator-address: "" = MASTER_ADDR, else 127.0.0.1
   uint32_t port = 0;                // port: rank 0 listens here; 0 = MASTER_PORT + 1
