@@ -153,7 +153,12 @@ std::vector<pid_t> workers_with(const std::string& needle) {
     const std::string pid = e.path().filename().string();
     if (pid.find_first_not_of("0123456789") != std::string::npos) continue;
     std::ifstream cmd(e.path() / "cmdline");
-    std::string args(std::istreambuf_iterator<char>(cmd), {});
+    std::string args;
+    try {
+      args.assign(std::istreambuf_iterator<char>(cmd), {});
+    } catch (const std::ios_base::failure&) {
+      continue;  // it exited while we read (ESRCH): any process on the machine may
+    }
     std::replace(args.begin(), args.end(), '\0', ' ');
     if (args.rfind(FERRY_RANK_WORKER_PATH, 0) == 0 && args.find(needle) != std::string::npos)
       pids.push_back(std::stoi(pid));
