@@ -761,6 +761,20 @@ coordinator_actor::behavior_type coordinator_fun(coordinator_ptr self, ContextPt
                                      phase_of(*st.active) + " phase: " + why.message()),
                      rank);
       },
+      [self](atom::rank_rejoined, int32_t rank) {
+        auto& st = self->state;
+        // The checkpoint it failed was aborted at rank_failed and stays so;
+        // one started since failed at its first plan, so none is active.
+        if (st.active) {
+          log_printf(st.ctx->log, LogLevel::warning,
+                     "ferry[rank 0]: rank %d rejoined during checkpoint %s; it stays failed", rank,
+                     st.active->id.c_str());
+          return;
+        }
+        if (st.failed.erase(rank) > 0)
+          log_printf(st.ctx->log, LogLevel::warning,
+                     "ferry[rank 0]: rank %d rejoined; the next checkpoint includes it", rank);
+      },
       [self](atom::ckpt_due, const std::string& id, const std::string& phase) {
         auto& st = self->state;
         if (!st.active || st.active->id != id || phase != phase_of(*st.active)) return;

@@ -36,6 +36,8 @@ using coordinator_actor = coordinator_api::extend<
     caf::reacts_to<atom::attach_link, abort_broadcast_actor>,
     // link -> coordinator: this rank failed, for this reason.
     caf::reacts_to<atom::rank_failed, int32_t, Status>,
+    // link -> coordinator: this failed rank rejoined; later checkpoints need it again.
+    caf::reacts_to<atom::rank_rejoined, int32_t>,
     // coordinator -> itself: the deadline of (checkpoint, phase name) passed.
     caf::reacts_to<atom::ckpt_due, std::string, std::string>,
     // coordinator -> itself: the outcome wait of this load id ended.

@@ -15,6 +15,7 @@
 // closes its lane to it.
 //
 //   rank > 0: up --peer_failed(0)--> rank 0 failed (requests fail at once, naming rank 0)
+//              <--peer_rejoined(0)--+ (the transport asks rank 0 again until it is back)
 //              +---leave---> leaving (a failure of rank 0 is expected now, not reported)
 //   rank 0:   serving --leave--> waiting until every other rank left or failed --> done
 //
@@ -52,6 +53,7 @@ struct link_state {
   // Shutdown. Rank 0 serves the others' collective requests (a load, a
   // commit outcome), so it stays until every other rank left or failed.
   std::vector<bool> gone;  // rank 0: by rank
+  std::vector<bool> left;  // rank 0: said goodbye (gone for good; never rejoins)
   std::vector<caf::typed_response_promise<bool>> leave_waiters;
   bool leaving = false;  // rank > 0: we said goodbye
 };
@@ -301,6 +303,7 @@ void on_remote(link_ptr self, int32_t from, WireMessage m, std::string& raw) {
           Status::aborted("rank " + std::to_string(from) + " left the job (its runtime shut down)");
       self->send(st.coordinator, atom::rank_failed_v, from, why);
       shared_reader_failed(self, from, why);
+      st.left[from] = true;
       mark_gone(self, from);
     }
     return;
@@ -374,6 +377,7 @@ link_actor::behavior_type link_fun(link_ptr self, ContextPtr ctx, coordinator_ac
   self->state.ctx = std::move(ctx);
   self->state.coordinator = std::move(coordinator);
   self->state.gone.assign(static_cast<size_t>(self->state.ctx->world_size), false);
+  self->state.left.assign(static_cast<size_t>(self->state.ctx->world_size), false);
   return {
       // Shutdown. Rank 0 answers once every other rank has left (or failed);
       // other ranks say goodbye first. Either way the answer comes after every
@@ -432,6 +436,23 @@ link_actor::behavior_type link_fun(link_ptr self, ContextPtr ctx, coordinator_ac
         fail_pending(self, st.rank0_failed);
         shared_reader_failed(self, 0, why);
         self->send(st.planner, atom::aborted_v, std::string("*"), st.rank0_failed);
+      },
+      // A failed rank is back with a new session (after a partition): what
+      // it failed stays failed; later requests and checkpoints include it.
+      [self](atom::peer_rejoined, int32_t rank) {
+        auto& st = self->state;
+        if (st.ctx->rank == 0) {
+          if (rank <= 0 || static_cast<size_t>(rank) >= st.gone.size() || st.left[rank]) return;
+          log(st, "rank " + std::to_string(rank) + " rejoined");
+          st.gone[rank] = false;
+          st.ctx->shares->rejoined(rank);
+          self->send(st.coordinator, atom::rank_rejoined_v, rank);
+          return;
+        }
+        if (st.leaving || rank != 0) return;
+        log(st, "rank 0 is back: requests go to it again");
+        st.rank0_failed = Status();
+        st.ctx->shares->rejoined(0);
       },
       // rank 0: the coordinator abandons a checkpoint; every rank hears it.
       [self](atom::broadcast, const AbortMsg& a) {

@@ -30,6 +30,8 @@ using link_actor = coordinator_api::extend<
     caf::reacts_to<atom::frame, int32_t, std::string>,
     // transport -> link: a rank failed or went silent.
     caf::reacts_to<atom::peer_failed, int32_t, Status>,
+    // transport -> link: a failed rank is back (rank 0 on ranks > 0).
+    caf::reacts_to<atom::peer_rejoined, int32_t>,
     // link -> itself (rank > 0): the last-resort deadline of a forwarded request.
     caf::reacts_to<atom::reply_due, RemoteRequest, std::string>,
     // runtime -> link at shutdown: answered once it may stop the transport.

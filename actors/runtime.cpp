@@ -360,6 +360,7 @@ Status start_transport(Runtime::Impl& impl, const std::string& token) {
     }
     caf::anon_send(link, atom::peer_failed_v, rank, std::move(why));
   };
+  cb.on_peer_rejoined = [link](int32_t rank) { caf::anon_send(link, atom::peer_rejoined_v, rank); };
   FERRY_ASSIGN_OR_RETURN(auto t, Transport::start(to, hello, heartbeat, std::move(cb)));
   impl.transport = std::move(t);
   caf::anon_send(impl.link, atom::attach_net_v, impl.transport, impl.planner);

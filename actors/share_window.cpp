@@ -125,6 +125,12 @@ void ShareWindows::fail_rank(int32_t rank, const Status& why, bool every) {
   cv_.notify_all();
 }
 
+void ShareWindows::rejoined(int32_t rank) {
+  std::lock_guard<std::mutex> l(mu_);
+  failed_.erase(rank);
+  if (rank == 0) every_failed_ = Status();
+}
+
 // `load` by value: close_all passes the key of the entry this erases.
 void ShareWindows::end_locked(std::string load, const Status& why) {
   if (loads_.erase(load) == 0) return;

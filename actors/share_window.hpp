@@ -62,6 +62,10 @@ class ShareWindows {
   // since every ack comes through rank 0).
   void fail_rank(int32_t rank, const Status& why, bool every = false);
 
+  // Rank `rank` rejoined the job (after a partition): windows of later loads
+  // toward it open again; rank 0's return undoes fail_rank's `every` too.
+  void rejoined(int32_t rank);
+
   // The load ended on this rank: its windows go, and a sender still waiting
   // fails with `why` (or, when ok, with "the load ended").
   void close(const std::string& load, const Status& why);

@@ -519,6 +519,9 @@ class Transport::Impl {
   std::mt19937_64 rng_;
   bool stopping_ = false;
   bool connected_once_ = false;
+  // rank > 0: rank 0 failed after we joined; we present our hello again
+  // (retrying with backoff until stop()) and rejoin with a fresh session.
+  bool rejoining_ = false;
   // Rank > 0: when the last hello left and when rank 0's reply to it came
   // (steady clock ns; under mu_), for the timeline's clock offset.
   int64_t hello_sent_ns_ = 0;
@@ -1338,7 +1341,15 @@ void Transport::Impl::on_tick(Clock::time_point now) {
       connect_attempt(now);
     }
   }
-  if (pending_join_ && !reported_[0] && now >= next_attempt_) connect_rank0(now);
+  if (rejoining_ && reported_[0]) {
+    auto h = client_handshake_ != 0 ? handshakes_.find(client_handshake_) : handshakes_.end();
+    if (h != handshakes_.end() && now >= h->second.deadline) {
+      retry_connect("no reply from rank 0 within " + format_seconds(opts_.handshake_timeout_s));
+    } else if (client_handshake_ == 0 && !pending_join_ && now >= next_attempt_) {
+      connect_attempt(now);
+    }
+  }
+  if (pending_join_ && (!reported_[0] || rejoining_) && now >= next_attempt_) connect_rank0(now);
 
   // Rank 0's deadline per connection; a rank's attempt is bounded by its
   // connect deadline above.
@@ -1414,6 +1425,19 @@ void Transport::Impl::fail_peer(int32_t rank, Status why) {
     cv_.notify_all();
   }
   if (!stopping_ && cb_.on_peer_failed) cb_.on_peer_failed(rank, std::move(why));
+  if (opts_.rank != 0 && rank == 0 && connected_once_ && !stopping_) {
+    // The job may outlive a partition: ask rank 0 again until stop().
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (refused_) return;
+      ack_delivered_ = false;
+    }
+    rejoining_ = true;
+    pending_join_.reset();
+    if (client_handshake_ != 0) close_handshake(client_handshake_);
+    retry_delay_ = kFirstRetryDelay;
+    next_attempt_ = Clock::now() + retry_delay_;
+  }
 }
 
 Result<Transport::Impl::Conn*> Transport::Impl::connect_to(int32_t rank, const std::string& address,
@@ -1758,9 +1782,13 @@ void Transport::Impl::on_hello(uint64_t id) {
   } else {
     int32_t rank = *verdict;
     bool valid = rank >= 1 && rank < opts_.world_size;
+    // A rank we failed (a partition, say) may come back with the job's
+    // token: it gets a fresh session, so late messages of its old one stay dropped.
+    bool rejoin = false;
     if (valid) {
       std::lock_guard<std::mutex> lock(mu_);
-      valid = peers_[rank].state == PeerInfo::absent;
+      rejoin = peers_[rank].state == PeerInfo::failed;
+      valid = peers_[rank].state == PeerInfo::absent || rejoin;
     }
     if (!valid) {
       log_foreign(
@@ -1790,12 +1818,19 @@ void Transport::Impl::on_hello(uint64_t id) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       peers_[rank].state = PeerInfo::up;
+      peers_[rank].why = Status();
       all = all_peers_up_locked();
       cv_.notify_all();
     }
-    // Before wait_peers() can return here: the lanes reach every rank ahead
-    // of any frame the layer above sends it once all joined.
-    if (all) distribute_lanes();
+    if (rejoin) {
+      reported_[rank] = false;
+      log("rank %d rejoined from %s with a new session", rank, h.from.c_str());
+      if (!stopping_ && cb_.on_peer_rejoined) cb_.on_peer_rejoined(rank);
+    } else if (all) {
+      // Before wait_peers() can return here: the lanes reach every rank
+      // ahead of any frame the layer above sends it once all joined.
+      distribute_lanes();
+    }
   }
   h.in.clear();
   h.in.shrink_to_fit();
@@ -1819,6 +1854,12 @@ void Transport::Impl::on_reply(uint64_t id) {
     return retry_connect("rank 0's reply: unknown verdict " + std::to_string(verdict));
   }
   close_handshake(id);
+  if (rejoining_ && verdict != kVerdictAccepted) {
+    // The reply is a JoinAck with rank 0's reason; the job goes on without it.
+    log("rank 0 refused this rank's rejoin; rank 0 stays failed");
+    rejoining_ = false;
+    return;
+  }
   connected_once_ = true;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -1844,6 +1885,13 @@ void Transport::Impl::connect_rank0(Clock::time_point now) {
   ++p.attempts;
   Result<Conn*> conn = connect_to(0, p.address, p.session);
   if (!conn.ok()) {
+    if (now >= p.deadline && rejoining_) {
+      log("rejoining rank 0: %s (%d attempts); asking again", conn.status().message().c_str(),
+          p.attempts);
+      pending_join_.reset();
+      next_attempt_ = now + retry_delay_;
+      return;
+    }
     if (now >= p.deadline) {
       Status why = Status::io_error(conn.status().message() + " (" + std::to_string(p.attempts) +
                                     " attempts)");
@@ -1871,9 +1919,17 @@ void Transport::Impl::finish_join(bool refused, std::string reply) {
     refused_ = refused;
   }
   if (!stopping_ && cb_.on_frame && !reply.empty()) cb_.on_frame(0, std::move(reply));
-  std::lock_guard<std::mutex> lock(mu_);
-  ack_delivered_ = true;
-  cv_.notify_all();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ack_delivered_ = true;
+    cv_.notify_all();
+  }
+  if (rejoining_ && !refused) {
+    rejoining_ = false;
+    reported_[0] = false;
+    log("rejoined rank 0 with a new session");
+    if (!stopping_ && cb_.on_peer_rejoined) cb_.on_peer_rejoined(0);
+  }
 }
 
 void Transport::Impl::connect_attempt(Clock::time_point now) {
@@ -1889,7 +1945,8 @@ void Transport::Impl::connect_attempt(Clock::time_point now) {
   Handshake& h = handshakes_[id];
   h.fd = fd;
   h.from = describe(address_.storage);
-  h.deadline = connect_deadline_;
+  // A rejoin has no overall deadline: each attempt has its own.
+  h.deadline = rejoining_ ? now + from_seconds(opts_.handshake_timeout_s) : connect_deadline_;
   h.out.assign(kHelloMagic, 4);
   h.out.push_back(static_cast<char>(kHandshakeVersion));
   h.out.push_back(static_cast<char>(node_.size()));

@@ -36,8 +36,10 @@
 //
 // and from a rank R > 0:
 //
-//   tcp connecting --hello sent, reply--> up --error/silence--> failed
-//     |   ^             |  (the reply is the first frame;      (on_peer_failed(0) once)
+//   tcp connecting --hello sent, reply--> up --error/silence--> failed --hello again--> up
+//     |   ^             |  (the reply is the first frame;      (on_peer_failed(0) once;
+//     |   |             |                                       rank 0 takes a failed rank
+//     |   |             |                                       back: on_peer_rejoined)
 //     |   |             |   a refused UCX connect to rank 0 is retried
 //     |   |             |   until 0.8 heartbeat_timeout_s, then failed)
 //     |   |             +--refused: the reply is the first frame; sends fail.
@@ -118,6 +120,12 @@ struct TransportCallbacks {
   // heartbeat_timeout_s. A peer that closes its end gracefully is reported
   // too: the layer above knows whether that was expected.
   std::function<void(int32_t rank, Status why)> on_peer_failed;
+  // A failed peer is back (after a partition, say): on rank 0 a failed rank
+  // whose hello accept() let in again; on a rank > 0, rank 0 once it took
+  // our hello again (a rank > 0 keeps asking, with backoff, after rank 0
+  // failed). It has a new session; on_peer_failed may report it again.
+  // Lanes that close_lane() closed stay so (sends on them fail).
+  std::function<void(int32_t rank)> on_peer_rejoined;
 };
 
 class Transport {

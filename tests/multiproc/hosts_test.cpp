@@ -153,7 +153,12 @@ std::vector<pid_t> workers_with(const std::string& needle) {
     const std::string pid = e.path().filename().string();
     if (pid.find_first_not_of("0123456789") != std::string::npos) continue;
     std::ifstream cmd(e.path() / "cmdline");
-    std::string args(std::istreambuf_iterator<char>(cmd), {});
+    std::string args;
+    try {
+      args.assign(std::istreambuf_iterator<char>(cmd), {});
+    } catch (const std::ios_base::failure&) {
+      continue;  // it exited while we read (ESRCH): any process on the machine may
+    }
     std::replace(args.begin(), args.end(), '\0', ' ');
     if (args.rfind(FERRY_RANK_WORKER_PATH, 0) == 0 && args.find(needle) != std::string::npos)
       pids.push_back(std::stoi(pid));
@@ -218,14 +223,19 @@ struct CutRun {
   double seconds = 0;
 };
 
-// Cuts host 1's link, lets the stopped rank go on and reads the job to its
-// end, which must be a failure.
-CutRun cut_host1_and_continue(const Hosts& h, ferry::testing::Process& job, pid_t stopped) {
-  const auto t0 = ferry::testing::Clock::now();
+// Cuts host 1's link and lets the stopped rank go on.
+void cut_host1(const Hosts& h, pid_t stopped) {
   h.tool("link " + h.name() + " 1 down");
   // Its parent (nsenter, which stopped itself when its child stopped)
   // goes on and continues it.
   ::kill(parent_of(stopped), SIGCONT);
+}
+
+// Cuts host 1's link, lets the stopped rank go on and reads the job to its
+// end, which must be a failure.
+CutRun cut_host1_and_continue(const Hosts& h, ferry::testing::Process& job, pid_t stopped) {
+  const auto t0 = ferry::testing::Clock::now();
+  cut_host1(h, stopped);
   CutRun r;
   REQUIRE(job.read_all(&r.out, 90));
   INFO(r.out);
@@ -825,4 +835,68 @@ TEST_CASE(
                      "--mode load --layout full --seed 7 --set load-sharing=job --root " +
                          d.path() + kModel),
                4);
+}
+
+namespace {
+
+// Reads the job's lines into *out until `done` holds for them, or its end
+// or timeout_s.
+bool read_until(ferry::testing::Process& job, std::string* out, double timeout_s,
+                const std::function<bool(const std::string&)>& done) {
+  const auto t0 = ferry::testing::Clock::now();
+  while (!done(*out)) {
+    const auto line = job.read_line(timeout_s - ferry::testing::seconds_since(t0));
+    if (!line) return false;
+    *out += *line + "\n";
+  }
+  return true;
+}
+
+}  // namespace
+
+TEST_CASE("hosts: after a partition fails a save, the link comes back and the same job saves on",
+          "[hosts][partition]") {
+  FERRY_NEED_HOSTS();
+  TempDir d;
+  Hosts h(2, d.path());
+  save_first(h, d.path());
+  // Step 2 fails: host 1 (ranks 2, 3) is cut off in the plan phase. Every
+  // rank reports it and waits for the go file, in the same processes.
+  const std::string go = d.path() + "/go";
+  std::unique_ptr<ferry::testing::Process> job;
+  const pid_t stopped = start_stopped(
+      h, d.path(), "--mode save --step 2 --seed 8 --then-wait-for " + go, "plan.sent", &job);
+  cut_host1(h, stopped);
+  std::string out;
+  const auto failed_on_all = [](const std::string& o) { return count(o, "] ERROR save:") == 4; };
+  CHECK(read_until(*job, &out, 60, failed_on_all));
+  INFO(out);
+  REQUIRE(failed_on_all(out));
+  host0_errors_name_host1(out, "save");
+  // The link comes back: host 1's ranks join rank 0 again by themselves.
+  h.tool("link " + h.name() + " 1 up");
+  const auto rejoined = [](const std::string& o) {
+    for (int r : {2, 3}) {
+      bool seen = false;
+      for (const auto& l : lines_with(o, "[rank 0] "))
+        seen = seen || l.find("rank " + std::to_string(r) + " rejoined") != std::string::npos;
+      if (!seen) return false;
+    }
+    return true;
+  };
+  CHECK(read_until(*job, &out, 60, rejoined));
+  REQUIRE(rejoined(out));
+  { std::ofstream(go).put('\n'); }
+  // Step 3 commits on every rank; the failed step 2 never did.
+  std::string rest;
+  REQUIRE(job->read_all(&rest, 90));
+  out += rest;
+  CHECK(job->wait_exit(10).value_or(1) == 0);
+  CHECK(count(out, "ERROR next save") == 0);
+  CHECK(count(out, "SAVED") == 4);
+  CHECK(ferry::testing::manifest_of(latest_path(d.path())).step == 3);
+  CHECK_FALSE(fs::exists(fs::path(d.path()) / ferry::step_dir_name(2)));
+  CHECK(fs::exists(fs::path(d.path()) / ferry::step_dir_name(3)));
+  check_nothing_pending(d.path());
+  check_loaded(h.job(2, "0,1", "--mode load --seed 8 --root " + d.path() + kModel), 4);
 }

@@ -16,6 +16,8 @@
 //               [--overwrite 1]  (save: replace the step if it is committed)
 //               [--wait-for FILE]  (save: once joined, print READY and wait until
 //               FILE exists before the save; a test acts on the running job first)
+//               [--then-wait-for FILE]  (save: a save that fails is reported, and
+//               once FILE exists the same job saves step S+1: the job survives it)
 //   rank_worker --mode replica-differ --root DIR [--differ-rank R] [--differ-key K]
 //               (rank R changes one byte of replicated tensor K, default
 //               layers.0.bias: the save must fail naming K)
@@ -712,11 +714,14 @@ int main(int argc, char** argv) {
          st.message().find("rank " + std::to_string(bad_rank)) == std::string::npos))
       return 1;
   }
-  if (const std::string go = arg(argc, argv, "--wait-for", ""); !go.empty()) {
-    std::printf("READY\n");
+  const auto wait_for_file = [](const std::string& go) {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
     while (!std::filesystem::exists(go) && std::chrono::steady_clock::now() < deadline)
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  };
+  if (const std::string go = arg(argc, argv, "--wait-for", ""); !go.empty()) {
+    std::printf("READY\n");
+    wait_for_file(go);
   }
   const auto t0 = std::chrono::steady_clock::now();
   auto h = rt.save_async(sd, my_step, so);
@@ -731,7 +736,15 @@ int main(int argc, char** argv) {
   if (mode == "save") {
     if (!st.ok()) {
       std::printf("ERROR save: %s\n", st.to_string().c_str());
-      return 1;
+      const std::string go = arg(argc, argv, "--then-wait-for", "");
+      if (go.empty()) return 1;
+      wait_for_file(go);
+      h = rt.save_async(sd, my_step + 1, so);
+      st = h.wait_committed();
+      if (!st.ok()) {
+        std::printf("ERROR next save: %s\n", st.to_string().c_str());
+        return 1;
+      }
     }
     const auto m = h.metrics();
     std::printf("SAVED %s bytes=%llu total_ms=%.1f plan_ms=%.1f write_ms=%.1f commit_ms=%.1f\n",
