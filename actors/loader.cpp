@@ -1522,6 +1522,25 @@ void fetch(loader_ptr self, const LoadJob& job, const std::shared_ptr<LoadInFlig
   }
 }
 
+// The host tensors this load fills that were just allocated fault in huge
+// pages (advise_huge_pages), before any read or copy touches them. At most
+// kAdvisedTargets a load: each flagged range inside a larger mapping (a
+// heap) may split it, and the process's count of mappings is bounded.
+void advise_fresh_targets(const LoadJob& job) {
+  constexpr size_t kAdvisedTargets = 4096;
+  std::vector<bool> filled(job.targets.size());
+  for (const ReadOp& op : job.ops)
+    if (op.entry != ReadOp::kForOthers && op.entry < filled.size()) filled[op.entry] = true;
+  for (const auto& [from, op] : job.receive)
+    if (op.entry != ReadOp::kForOthers && op.entry < filled.size()) filled[op.entry] = true;
+  size_t advised = 0;
+  for (size_t i = 0; i < filled.size() && advised < kAdvisedTargets; ++i) {
+    const TensorView& t = job.targets[i];
+    if (filled[i] && t.device.is_host() && t.is_contiguous() && t.data)
+      advised += advise_huge_pages(t.data, t.nbytes()) ? 1 : 0;
+  }
+}
+
 reader_actor spawn_reader(loader_ptr self) {
   // Linked: readers end with the loader. Detached: preads block.
   return self->spawn<caf::detached + caf::linked>(reader_fun, self->state.ctx);
@@ -1564,6 +1583,7 @@ loader_actor::behavior_type loader_fun(loader_ptr self, ContextPtr ctx) {
         auto& st = self->state;
         // The targets may be memory freed and mapped again since a last load.
         forget_populated();
+        advise_fresh_targets(job);
         // Each reader takes a contiguous stretch of the files, equal in bytes:
         // a few long sequential streams, and runs coalesce inside each.
         // Pieces another host sends whole go to a reader of their own, which

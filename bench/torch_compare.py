@@ -19,6 +19,15 @@ object with every figure and the ratios.
     ... --tensors 50000 --large 40   # a model's shape: 40 large tensors hold
                                      # half the bytes, 49,960 small ones the rest
 
+Loads are timed `--load-runs` times (default 3) and reported as the median:
+into fresh tensors (load_s: torch.load's own, DCP's and Ferry's into
+torch.empty_like tensors whose pages were never touched, as at a job's
+first load; fresh_targets says which share of them was) and into tensors
+already touched (load_touched_s: the usual resume, the model initialised
+first; torch.load then copy_ into them). The children run with glibc's
+mmap threshold fixed, so tensors freed by one run come back fresh in the
+next instead of as heap memory already faulted in.
+
 Beside the throughput, Ferry's per-save fixed costs (they grow with the
 tensor count, not the bytes) are printed: save_async's return on the first
 save, the second and the steady state, and the C++ plan and commit phases.
@@ -103,6 +112,66 @@ def evict(path):
             os.close(fd)
 
 
+def touched_like(sd):
+    """Tensors of sd's shapes whose pages are all there (a model initialised
+    before its checkpoint is loaded)."""
+    import torch
+
+    return {k: torch.empty_like(v).fill_(0.5) for k, v in sd.items()}
+
+
+_libc = None
+
+
+def fresh_share(target):
+    """Of the tensors of 2 MiB or more in `target`, the share of bytes in
+    those whose last whole page is not there yet (mincore): 1.0 when every
+    large target is fresh memory, the case load_s claims to time."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    page = os.sysconf("SC_PAGE_SIZE")
+    fresh = total = 0
+    vec = ctypes.create_string_buffer(1)
+    for t in target.values():
+        n = t.numel() * t.element_size()
+        if n < (2 << 20):
+            continue
+        last = (t.data_ptr() + n) // page * page - page
+        total += n
+        if _libc.mincore(last, page, vec) == 0 and not (vec.raw[0] & 1):
+            fresh += n
+    return round(fresh / total, 3) if total else None
+
+
+def median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
+
+def timed_loads(args, path, sd, fresh, touched):
+    """Runs `fresh()` and `touched()` (each returns the loaded state dict
+    and its seconds) args.load_runs times, alternating, the files evicted
+    before each; the medians and every run's time."""
+    out = {"load_runs_s": [], "load_touched_runs_s": []}
+    for _ in range(args.load_runs):
+        for key, fn in (("load_runs_s", fresh), ("load_touched_runs_s", touched)):
+            if fn is None:
+                continue
+            evict(path)
+            loaded, secs = fn()
+            assert_same(loaded, sd)
+            del loaded
+            out[key].append(secs)
+    out["load_s"] = median(out["load_runs_s"])
+    if out["load_touched_runs_s"]:
+        out["load_touched_s"] = median(out["load_touched_runs_s"])
+    else:
+        del out["load_touched_runs_s"]
+    return out
+
+
 def fsync_path(path):
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -131,11 +200,24 @@ def run_torch(sd, d, args):
     fsync_path(d)
     t1 = time.perf_counter()
     out = {"blocked_s": t1 - t0, "durable_s": t1 - t0, "peak_rss_after_save": peak_rss_bytes()}
-    evict(path)
-    t0 = time.perf_counter()
-    loaded = torch.load(path, map_location="cpu")
-    out["load_s"] = time.perf_counter() - t0
-    assert_same(loaded, sd)
+
+    def fresh():
+        t0 = time.perf_counter()
+        loaded = torch.load(path, map_location="cpu")
+        return loaded, time.perf_counter() - t0
+
+    def touched():
+        target = touched_like(sd)
+        t0 = time.perf_counter()
+        loaded = torch.load(path, map_location="cpu")
+        with torch.no_grad():
+            for k, v in target.items():
+                v.copy_(loaded[k])
+        secs = time.perf_counter() - t0
+        del loaded
+        return target, secs
+
+    out.update(timed_loads(args, path, sd, fresh, touched))
     return out
 
 
@@ -164,16 +246,24 @@ def run_dcp(sd, d, args):
     fsync_path(path)
     t1 = time.perf_counter()
     out = {"blocked_s": t1 - t0, "durable_s": t1 - t0, "peak_rss_after_save": peak_rss_bytes()}
-    target = {k: torch.empty_like(v) for k, v in sd.items()}
-    evict(path)
-    t0 = time.perf_counter()
-    reader = dcp.FileSystemReader(path)
-    if hasattr(dcp, "load"):
-        dcp.load(target, storage_reader=reader)
-    else:
-        dcp.load_state_dict(target, reader, no_dist=True)
-    out["load_s"] = time.perf_counter() - t0
-    assert_same(target, sd)
+    shares = []
+
+    def load_into(target):
+        t0 = time.perf_counter()
+        reader = dcp.FileSystemReader(path)
+        if hasattr(dcp, "load"):
+            dcp.load(target, storage_reader=reader)
+        else:
+            dcp.load_state_dict(target, reader, no_dist=True)
+        return target, time.perf_counter() - t0
+
+    def fresh():
+        target = {k: torch.empty_like(v) for k, v in sd.items()}
+        shares.append(fresh_share(target))
+        return load_into(target)
+
+    out.update(timed_loads(args, path, sd, fresh, lambda: load_into(touched_like(sd))))
+    out["fresh_targets"] = min((x for x in shares if x is not None), default=None)
     return out
 
 
@@ -256,12 +346,20 @@ def run_ferry(sd, d, args):
             "plan_steady": round(min(s[2]["plan_ms"] for s in steady), 3),
             "commit_steady": round(min(s[2]["commit_ms"] for s in steady), 3),
         }
-        target = {k: torch.empty_like(v) for k, v in sd.items()}
-        evict(path)
-        t0 = time.perf_counter()
-        rt.load(target, path)
-        out["load_s"] = time.perf_counter() - t0
-        assert_same(target, sd)
+        shares = []
+
+        def load_into(target):
+            t0 = time.perf_counter()
+            rt.load(target, path)
+            return target, time.perf_counter() - t0
+
+        def fresh():
+            target = {k: torch.empty_like(v) for k, v in sd.items()}
+            shares.append(fresh_share(target))
+            return load_into(target)
+
+        out.update(timed_loads(args, path, sd, fresh, lambda: load_into(touched_like(sd))))
+        out["fresh_targets"] = min((x for x in shares if x is not None), default=None)
     finally:
         rt.close()
     return out
@@ -305,19 +403,25 @@ def run_raw(sd, d, args):
     fsync_path(d)
     t1 = time.perf_counter()
     out = {"durable_s": t1 - t0, "blocked_s": t1 - t0, "peak_rss_after_save": peak_rss_bytes()}
-    evict(path)
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    dst = mmap.mmap(-1, _round_up(total, ALIGN))
-    dview = memoryview(dst)
-    t0 = time.perf_counter()
-    off = 0
-    while off < total:
-        n = os.readv(fd, [dview[off:off + RAW_BLOCK]])
-        if n <= 0:
-            break
-        off += n
-    out["load_s"] = time.perf_counter() - t0
-    os.close(fd)
+    runs = []
+    for _ in range(args.load_runs):
+        evict(path)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        dst = mmap.mmap(-1, _round_up(total, ALIGN))  # fresh pages, each run
+        dview = memoryview(dst)
+        t0 = time.perf_counter()
+        off = 0
+        while off < total:
+            n = os.readv(fd, [dview[off:off + RAW_BLOCK]])
+            if n <= 0:
+                break
+            off += n
+        runs.append(time.perf_counter() - t0)
+        os.close(fd)
+        dview.release()
+        dst.close()
+    out["load_runs_s"] = runs
+    out["load_s"] = median(runs)
     return out
 
 
@@ -361,6 +465,8 @@ def main():
                     "state (the rest small)")
     ap.add_argument("--tools", default=",".join(TOOLS))
     ap.add_argument("--pool-bytes", default=None, help="Ferry's pool (default: the state's size)")
+    ap.add_argument("--load-runs", type=int, default=3, help="loads timed per tool and target "
+                    "kind (fresh, touched); the median is reported")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.large and args.large >= tensor_count(args):
@@ -378,10 +484,14 @@ def main():
     for tool in args.tools.split(","):
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", tool, "--dir", args.dir,
                "--gib", str(args.gib), "--tensors", str(tensor_count(args)),
-               "--large", str(args.large)]
+               "--large", str(args.large), "--load-runs", str(args.load_runs)]
         if args.pool_bytes:
             cmd += ["--pool-bytes", args.pool_bytes]
-        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        # A fixed threshold: glibc otherwise raises it when a large tensor is
+        # freed, and the next run's tensors come from heap pages in use.
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env=env)
         line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
         if p.returncode != 0 or line is None:
             results[tool] = {"error": p.stdout.strip().splitlines()[-1] if p.stdout.strip() else
@@ -391,7 +501,8 @@ def main():
         r = results[tool]
         print("%-12s %s" % (tool, "  ".join(
             "%s=%s" % (k, ("%.3f" % v) if isinstance(v, float) else v)
-            for k, v in r.items() if k not in ("metrics",))), flush=True)
+            for k, v in r.items() if k not in ("metrics",) and not k.endswith("runs_s"))),
+            flush=True)
 
     def get(tool, key):
         return results.get(tool, {}).get(key)
@@ -402,6 +513,8 @@ def main():
         "state_gb": round(gb, 3),
         "tensors": tensor_count(args),
         "large": args.large,
+        "load_runs": args.load_runs,
+        "load_avg_1m": round(os.getloadavg()[0], 2),
         "ferry_fixed_ms": get("ferry", "fixed_ms"),
         "results": results,
         "ratios": {
@@ -411,6 +524,10 @@ def main():
             "blocked_torch_save_over_ferry_snapshot": ratio(get("torch_save", "blocked_s"), get("ferry", "blocked_snapshot_s")),
             "load_torch_over_ferry": ratio(get("torch_save", "load_s"), get("ferry", "load_s")),
             "load_dcp_over_ferry": ratio(get("dcp", "load_s"), get("ferry", "load_s")),
+            "load_touched_torch_copy_over_ferry": ratio(get("torch_save", "load_touched_s"),
+                                                        get("ferry", "load_touched_s")),
+            "load_touched_dcp_over_ferry": ratio(get("dcp", "load_touched_s"),
+                                                 get("ferry", "load_touched_s")),
             "ferry_durable_over_raw_odirect": ratio(get("ferry", "durable_s"), get("raw_odirect", "durable_s")),
             "ferry_load_over_raw_odirect": ratio(get("ferry", "load_s"), get("raw_odirect", "load_s")),
         },
@@ -420,6 +537,7 @@ def main():
             "blocked_torch_save_over_ferry_snapshot": ">= 8",
             "load_torch_over_ferry": ">= 1.5",
             "load_dcp_over_ferry": ">= 1.5",
+            "load_touched_torch_copy_over_ferry": ">= 2",
         },
     }
     print(json.dumps(summary), flush=True)

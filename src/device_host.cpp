@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cassert>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -256,6 +257,47 @@ void populate_for_write(const void* tensor, uint8_t* p, uint64_t len) {
 
 void forget_populated() {
   g_populated_generation.fetch_add(1, std::memory_order_relaxed);
+}
+
+namespace {
+
+// Whether the kernel gives anonymous memory huge pages only where asked
+// (transparent_hugepage/enabled = madvise): with `always` it does so
+// already, with `never` or no such file not at all.
+bool huge_pages_on_request() {
+  static const bool yes = [] {
+    char buf[128] = {};
+    FILE* f = std::fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r");
+    if (!f) return false;
+    const size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+    std::fclose(f);
+    return std::strstr(std::string(buf, n).c_str(), "[madvise]") != nullptr;
+  }();
+  return yes;
+}
+
+}  // namespace
+
+bool advise_huge_pages(void* p, uint64_t n) {
+  constexpr uint64_t kHuge = 2 << 20;
+  static const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  const auto at = reinterpret_cast<uint64_t>(p);
+  // Without one whole huge page inside the range, none of it could get one.
+  if (n < kHuge || (at + kHuge - 1) / kHuge * kHuge + kHuge > at + n || !huge_pages_on_request())
+    return false;
+  // The range's last whole page tells fresh memory from memory in use, as
+  // for populate_for_write (a partial one may hold the heap's header of the
+  // next allocation); a model's initialised parameters keep their pages.
+  unsigned char in = 0;
+  const uint64_t last = (at + n) / page * page - page;
+  if (::mincore(reinterpret_cast<void*>(last), page, &in) != 0 || (in & 1) != 0) return false;
+  // Rounded out to whole pages, not in to huge ones: a tensor that has a
+  // mapping of its own (a large malloc) then flags the mapping whole, and
+  // neighbours in one heap flag adjacent ranges that merge, so no mapping
+  // splits in two or three (the process's mapping count is bounded).
+  const uint64_t begin = at / page * page;
+  const uint64_t end = (at + n + page - 1) / page * page;
+  return ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE) == 0;
 }
 
 namespace {

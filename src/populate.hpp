@@ -20,4 +20,13 @@ bool populate_pages(void* p, uint64_t n);
 // Each load calls it before its first copy.
 void forget_populated();
 
+// Asks for transparent huge pages over memory a load is about to fill whole:
+// [p, p + n) when none of its pages are there yet (a tensor just allocated),
+// and the kernel gives huge pages only on request (enabled = madvise). One
+// fault then zeroes 2 MiB instead of 512 faults of 4 KiB, which is most of
+// a first load's time into fresh tensors, and costs no memory: every byte
+// is written. With defrag = madvise that fault may compact memory first.
+// False where it did not ask (too small, in use, the mode, the kernel).
+bool advise_huge_pages(void* p, uint64_t n);
+
 }  // namespace ferry

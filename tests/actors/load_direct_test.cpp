@@ -17,6 +17,8 @@
 #include <fstream>
 #include <mutex>
 #include <random>
+#include <sstream>
+#include <string>
 
 #include "ferry/filesystem.hpp"
 #include "ferry/runtime.hpp"
@@ -540,4 +542,97 @@ TEST_CASE("a load from disk leaves the checkpoint out of the page cache", "[acto
   // A buffered whole-file read would leave every page; allow the header and
   // stragglers of readahead.
   CHECK(after.first <= after.second / 20 + 16);
+}
+
+namespace {
+
+// What /proc/self/smaps says of the mappings that overlap [p, p + n): the
+// bytes in anonymous huge pages, and whether any is flagged for them (hg).
+struct HugeState {
+  uint64_t huge_bytes = 0;
+  bool flagged = false;
+};
+
+HugeState huge_state(const void* p, size_t n) {
+  const auto lo = reinterpret_cast<uintptr_t>(p);
+  const auto hi = lo + n;
+  std::ifstream smaps("/proc/self/smaps");
+  REQUIRE(smaps);
+  HugeState s;
+  bool in = false;
+  std::string line;
+  while (std::getline(smaps, line)) {
+    unsigned long a = 0, b = 0;
+    char dash = 0;
+    std::istringstream head(line);
+    if (head >> std::hex >> a >> dash >> b && dash == '-' && line.find(':') > line.find(' ')) {
+      in = a < hi && lo < b;
+    } else if (in && line.rfind("AnonHugePages:", 0) == 0) {
+      s.huge_bytes += std::stoull(line.substr(14)) * 1024;
+    } else if (in && line.rfind("VmFlags:", 0) == 0) {
+      s.flagged = s.flagged || line.find(" hg") != std::string::npos;
+    }
+  }
+  return s;
+}
+
+std::string thp_mode() {
+  std::ifstream f("/sys/kernel/mm/transparent_hugepage/enabled");
+  std::string s;
+  std::getline(f, s);
+  return s;
+}
+
+}  // namespace
+
+// A first load fills tensors just allocated; faulting them in 4 KiB pages
+// took most of its time. Where the kernel gives huge pages on request, the
+// load asks for them, whether it reads straight into the tensor (offset 0,
+// page-aligned) or copies out of a staging block (offset 64, as torch's
+// allocator leaves it), and leaves memory already in use as it was.
+TEST_CASE("a load into memory just allocated faults it in huge pages where given on request",
+          "[actors][load][huge]") {
+  if (thp_mode().find("[madvise]") == std::string::npos)
+    FERRY_SKIP("transparent huge pages are not in madvise mode: " << thp_mode());
+  ScratchDir dir(disk_base());
+  REQUIRE(!dir.path().empty());
+  const size_t offset = GENERATE(size_t{0}, size_t{64});
+  INFO("tensor at offset " << offset << " of its mapping");
+  auto rt = make_runtime(dir.path(), nullptr, {{"pool-bytes", "8MiB"}});
+  Buf a({3 << 10, 1 << 10}, 7);  // 12 MiB
+  ferry::StateDict sd;
+  REQUIRE(sd.add("a", a.view()).ok());
+  auto h = rt->save_async(sd, 1);
+  REQUIRE(h.wait_committed().ok());
+  evict(data_file(h.path()));
+
+  const size_t n = a.bytes.size();
+  const size_t mapped = n + offset + 4096;
+  auto map = [&] {
+    void* m = ::mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    REQUIRE(m != MAP_FAILED);
+    return static_cast<uint8_t*>(m);
+  };
+  SECTION("fresh memory") {
+    uint8_t* m = map();
+    ferry::StateDict out;
+    REQUIRE(out.add("a", {m + offset, ferry::DType::f32, a.shape}).ok());
+    REQUIRE(rt->load(out, h.path()).ok());
+    CHECK(std::memcmp(m + offset, a.bytes.data(), n) == 0);
+    const HugeState s = huge_state(m, mapped);
+    // 12 MiB hold at least five whole huge pages wherever the mapping starts.
+    CHECK(s.huge_bytes >= (5u << 21));
+    CHECK(s.flagged);
+    ::munmap(m, mapped);
+  }
+  SECTION("memory in use") {
+    uint8_t* m = map();
+    std::memset(m, 1, mapped);
+    ferry::StateDict out;
+    REQUIRE(out.add("a", {m + offset, ferry::DType::f32, a.shape}).ok());
+    REQUIRE(rt->load(out, h.path()).ok());
+    CHECK(std::memcmp(m + offset, a.bytes.data(), n) == 0);
+    CHECK(!huge_state(m, mapped).flagged);
+    ::munmap(m, mapped);
+  }
 }
