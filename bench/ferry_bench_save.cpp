@@ -622,6 +622,33 @@ const char* verdict(bool applies, bool pass) {
   return !applies ? "n/a " : pass ? "PASS" : "MISS";
 }
 
+// The benched runtime at `root`: --chunk-mib, --writers, --set, and a pool
+// with room for the state, its safetensors header (about 100 bytes a
+// tensor, 4 KiB aligned) and the partial last block, unless --pool-mib.
+// Null (the reason printed) if it cannot start.
+std::unique_ptr<ferry::Runtime> bench_runtime(const Flags& flags, const std::string& root,
+                                              uint64_t state_bytes) {
+  ferry::RuntimeArgs args;
+  args.set("root", root);
+  const uint64_t chunk_bytes =
+      flags.chunk_mib ? flags.chunk_mib * kMiB : ferry::Options{}.chunk_bytes;
+  if (flags.chunk_mib) args.set("chunk-bytes", std::to_string(chunk_bytes));
+  if (flags.writers) args.set("writers", std::to_string(flags.writers));
+  const uint64_t header_allowance = 64 * 1024 + 256ull * flags.tensors;
+  const uint64_t pool_bytes =
+      flags.pool_mib
+          ? flags.pool_mib * kMiB
+          : ((state_bytes + header_allowance + chunk_bytes - 1) / chunk_bytes + 1) * chunk_bytes;
+  args.set("pool-bytes", std::to_string(pool_bytes));
+  for (const auto& [k, v] : flags.settings) args.set(k, v);
+  auto created = ferry::Runtime::create(args);
+  if (!created.ok()) {
+    std::fprintf(stderr, "Runtime::create: %s\n", created.status().to_string().c_str());
+    return nullptr;
+  }
+  return std::move(created).value();
+}
+
 int run(const Flags& flags) {
   const uint64_t state_bytes = flags.state_mib * kMiB;
 
@@ -675,27 +702,8 @@ int run(const Flags& flags) {
   const uint64_t baseline_rss = current_rss_bytes();
 
   // --- Ferry ---------------------------------------------------------------
-  ferry::RuntimeArgs args;
-  args.set("root", root);
-  const uint64_t chunk_bytes =
-      flags.chunk_mib ? flags.chunk_mib * kMiB : ferry::Options{}.chunk_bytes;
-  if (flags.chunk_mib) args.set("chunk-bytes", std::to_string(chunk_bytes));
-  if (flags.writers) args.set("writers", std::to_string(flags.writers));
-  // Room for the state, its safetensors header (about 100 bytes a tensor,
-  // 4 KiB aligned) and the partial last block.
-  const uint64_t header_allowance = 64 * 1024 + 256ull * flags.tensors;
-  const uint64_t pool_bytes =
-      flags.pool_mib
-          ? flags.pool_mib * kMiB
-          : ((state_bytes + header_allowance + chunk_bytes - 1) / chunk_bytes + 1) * chunk_bytes;
-  args.set("pool-bytes", std::to_string(pool_bytes));
-  for (const auto& [k, v] : flags.settings) args.set(k, v);
-  auto created = ferry::Runtime::create(args);
-  if (!created.ok()) {
-    std::fprintf(stderr, "Runtime::create: %s\n", created.status().to_string().c_str());
-    return 1;
-  }
-  std::unique_ptr<ferry::Runtime> rt = std::move(created).value();
+  std::unique_ptr<ferry::Runtime> rt = bench_runtime(flags, root, state_bytes);
+  if (!rt) return 1;
   const ferry::Options opts = rt->options();  // a copy: rt is gone before the report
   std::printf("pool %.0f MiB, chunk %.0f MiB, writers %u, direct-io %s, checksum %s, dir %s\n",
               static_cast<double>(opts.pool_bytes) / kMiB,
@@ -1003,27 +1011,8 @@ int run_object_root(const Flags& flags) {
     }
   }
   const uint64_t baseline_rss = current_rss_bytes();
-  ferry::RuntimeArgs args;
-  args.set("root", flags.root);
-  const uint64_t chunk_bytes =
-      flags.chunk_mib ? flags.chunk_mib * kMiB : ferry::Options{}.chunk_bytes;
-  if (flags.chunk_mib) args.set("chunk-bytes", std::to_string(chunk_bytes));
-  if (flags.writers) args.set("writers", std::to_string(flags.writers));
-  // As run(): the state, its header and a partial last block, unless --pool-mib.
-  const uint64_t header_allowance = 64 * 1024 + 256ull * flags.tensors;
-  args.set(
-      "pool-bytes",
-      std::to_string(flags.pool_mib
-                         ? flags.pool_mib * kMiB
-                         : ((state_bytes + header_allowance + chunk_bytes - 1) / chunk_bytes + 1) *
-                               chunk_bytes));
-  for (const auto& [k, v] : flags.settings) args.set(k, v);
-  auto created = ferry::Runtime::create(args);
-  if (!created.ok()) {
-    std::fprintf(stderr, "Runtime::create: %s\n", created.status().to_string().c_str());
-    return 1;
-  }
-  std::unique_ptr<ferry::Runtime> rt = std::move(created).value();
+  std::unique_ptr<ferry::Runtime> rt = bench_runtime(flags, flags.root, state_bytes);
+  if (!rt) return 1;
   uint64_t step = 1;
   (void)timed_save(*rt, sd, step++, {}, true);  // warm-up: connections, pool
   std::vector<double> mib_s;

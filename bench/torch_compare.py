@@ -172,6 +172,24 @@ def timed_loads(args, path, sd, fresh, touched):
     return out
 
 
+def timed_loads_into(args, path, sd, load_into):
+    """timed_loads of `load_into(target)`, which fills a given state dict:
+    into fresh torch.empty_like tensors and into touched ones. fresh_targets:
+    the least share of the fresh targets' pages not yet in memory."""
+    import torch
+
+    shares = []
+
+    def fresh():
+        target = {k: torch.empty_like(v) for k, v in sd.items()}
+        shares.append(fresh_share(target))
+        return load_into(target)
+
+    out = timed_loads(args, path, sd, fresh, lambda: load_into(touched_like(sd)))
+    out["fresh_targets"] = min((x for x in shares if x is not None), default=None)
+    return out
+
+
 def fsync_path(path):
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -233,8 +251,6 @@ def _dcp():
 
 
 def run_dcp(sd, d, args):
-    import torch
-
     dcp = _dcp()
     path = os.path.join(d, "dcp")
     t0 = time.perf_counter()
@@ -246,7 +262,6 @@ def run_dcp(sd, d, args):
     fsync_path(path)
     t1 = time.perf_counter()
     out = {"blocked_s": t1 - t0, "durable_s": t1 - t0, "peak_rss_after_save": peak_rss_bytes()}
-    shares = []
 
     def load_into(target):
         t0 = time.perf_counter()
@@ -257,13 +272,7 @@ def run_dcp(sd, d, args):
             dcp.load_state_dict(target, reader, no_dist=True)
         return target, time.perf_counter() - t0
 
-    def fresh():
-        target = {k: torch.empty_like(v) for k, v in sd.items()}
-        shares.append(fresh_share(target))
-        return load_into(target)
-
-    out.update(timed_loads(args, path, sd, fresh, lambda: load_into(touched_like(sd))))
-    out["fresh_targets"] = min((x for x in shares if x is not None), default=None)
+    out.update(timed_loads_into(args, path, sd, load_into))
     return out
 
 
@@ -287,8 +296,6 @@ def run_dcp_async(sd, d, args):
 
 
 def run_ferry(sd, d, args):
-    import torch
-
     import ferry
 
     opts = {"pool_bytes": str(args.pool_bytes or _round_up(state_bytes(sd), 8 << 20))}
@@ -346,20 +353,13 @@ def run_ferry(sd, d, args):
             "plan_steady": round(min(s[2]["plan_ms"] for s in steady), 3),
             "commit_steady": round(min(s[2]["commit_ms"] for s in steady), 3),
         }
-        shares = []
 
         def load_into(target):
             t0 = time.perf_counter()
             rt.load(target, path)
             return target, time.perf_counter() - t0
 
-        def fresh():
-            target = {k: torch.empty_like(v) for k, v in sd.items()}
-            shares.append(fresh_share(target))
-            return load_into(target)
-
-        out.update(timed_loads(args, path, sd, fresh, lambda: load_into(touched_like(sd))))
-        out["fresh_targets"] = min((x for x in shares if x is not None), default=None)
+        out.update(timed_loads_into(args, path, sd, load_into))
     finally:
         rt.close()
     return out

@@ -241,7 +241,7 @@ TEST_CASE("unknown commands and missing arguments are usage errors", "[cli]") {
   CHECK_THAT(r.out, Catch::Contains("/nonexistent/ferry/root"));
 }
 
-TEST_CASE("every command's help lists its flags; the top help lists the commands", "[cli]") {
+TEST_CASE("every command's help lists its flags, and the top help lists the commands", "[cli]") {
   auto top = run_shell(kCli + " --help");
   REQUIRE(top.code == 0);
   CHECK_THAT(top.out, Catch::Contains("usage: ferry"));
@@ -258,9 +258,9 @@ TEST_CASE("every command's help lists its flags; the top help lists the commands
       {"export", {"CKPT", "OUT", "--max-shard-bytes SIZE", "--block-bytes SIZE"}},
       {"launch", {"-n,--nproc N", "--port P", "--grace S", "CMD"}},
       {"demo",
-       {"--ranks N", "--restore-ranks N", "--state-mib N", "--layers N", "--steps N",
-        "--every N", "--root DIR", "--device", "--set KEY=VALUE", "--config-file PATH",
-        "--trace FILE", "--hosts N", "--restore-hosts N"}},
+       {"--ranks N", "--restore-ranks N", "--state-mib N", "--layers N", "--steps N", "--every N",
+        "--root DIR", "--device", "--set KEY=VALUE", "--config-file PATH", "--trace FILE",
+        "--hosts N", "--restore-hosts N"}},
   };
   for (const auto& [cmd, names] : flags) {
     auto h = run_shell(kCli + " " + cmd + " --help");

@@ -13,6 +13,7 @@
 #include <ferry/runtime.hpp>
 #include <ferry/save_options.hpp>
 #include <ferry/save_plan.hpp>
+#include <ferry/size.hpp>
 #include <ferry/status.hpp>
 #include <ferry/tensor.hpp>
 
@@ -64,8 +65,14 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: consumer ROOT\n");
     return 2;
   }
+  // The size syntax the settings read, from the installed library.
+  auto pool = ferry::parse_size("8MiB");
+  if (!pool.ok() || *pool != (8u << 20) || ferry::parse_size("8 parsecs").ok()) {
+    std::fprintf(stderr, "parse_size disagrees with the settings\n");
+    return 1;
+  }
   ferry::RuntimeArgs args;
-  args.set("root", argv[1]).set("pool-bytes", "8MiB").set("chunk-bytes", "1MiB");
+  args.set("root", argv[1]).set("pool-bytes", std::to_string(*pool)).set("chunk-bytes", "1MiB");
   auto fs = std::make_shared<CountingFs>();
   auto device = std::make_shared<CountingDevice>();
   args.fs = fs;

@@ -219,7 +219,7 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "persistent S3 faults fail the save naming the object, the operation and the HTTP status; "
+    "persistent S3 faults fail the save naming the object, the operation and the HTTP status: "
     "nothing is committed, no upload is left open, the previous checkpoint stays the latest",
     "[s3][faults]") {
   FERRY_S3_SERVER(server);
@@ -256,7 +256,7 @@ TEST_CASE(
 
 TEST_CASE(
     "a stalled S3 response is cut within the write phase: once, the part is retried and the "
-    "save succeeds; always, the save fails within the phase and step 1 stays the latest",
+    "save succeeds, and always, the save fails within the phase and step 1 stays the latest",
     "[s3][faults]") {
   FERRY_S3_SERVER(server);
   Root r(server);

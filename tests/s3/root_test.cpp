@@ -3,7 +3,9 @@
 // MANIFEST object is the commit point, and the catalog reads the root.
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
+#include <iterator>
 #include <random>
 
 #include "catalog.hpp"
@@ -269,7 +271,7 @@ TEST_CASE(
   REQUIRE_OK(v);
 }
 
-TEST_CASE("ferry ls, verify and gc on an s3:// root", "[s3][root][cli]") {
+TEST_CASE("ferry ls, verify, gc and export on an s3:// root", "[s3][root][cli]") {
   FERRY_S3_SERVER(server);
   S3Root r = make_root(server);
   std::vector<uint8_t> bytes = pattern(1 << 20, 9);
@@ -299,9 +301,25 @@ TEST_CASE("ferry ls, verify and gc on an s3:// root", "[s3][root][cli]") {
   auto gc = testing::run_shell(std::string(FERRY_CLI_PATH) + " gc " + r.root, env);
   INFO(gc.out);
   CHECK(gc.code == 0);
+  // export reads the object root's latest into one safetensors file: after
+  // its 8-byte header length and header, the tensor's bytes as saved.
+  const std::string out_dir = tmp.sub("export");
+  auto exported =
+      testing::run_shell(std::string(FERRY_CLI_PATH) + " export " + r.root + " " + out_dir, env);
+  INFO(exported.out);
+  CHECK(exported.code == 0);
+  std::ifstream st(out_dir + "/model-00001-of-00001.safetensors", std::ios::binary);
+  REQUIRE(st);
+  std::vector<char> file((std::istreambuf_iterator<char>(st)), std::istreambuf_iterator<char>());
+  REQUIRE(file.size() >= 8);
+  uint64_t header = 0;
+  std::memcpy(&header, file.data(), 8);
+  REQUIRE(file.size() == 8 + header + bytes.size());
+  CHECK(std::memcmp(file.data() + 8 + header, bytes.data(), bytes.size()) == 0);
+  CHECK(std::ifstream(out_dir + "/model.safetensors.index.json").good());
   // No secret in anything the CLI printed.
-  CHECK(ls.out.find(server.config.secret_key) == std::string::npos);
-  CHECK(verify.out.find(server.config.secret_key) == std::string::npos);
+  for (const auto* o : {&ls.out, &verify.out, &gc.out, &exported.out})
+    CHECK(o->find(server.config.secret_key) == std::string::npos);
 }
 
 TEST_CASE("an overwrite on an s3:// root commits beside the old save's objects, then deletes them",
