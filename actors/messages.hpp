@@ -238,8 +238,8 @@ struct LoadJob {
 // that saw it fail, not by the sender): every load it owes bytes fails.
 inline const std::string kAnyLoad = "*";
 
-class UnverifiedTensors;  // loader.cpp
-class Fetches;            // loader.cpp
+class UnverifiedTensors;  // load_verify.hpp
+class Fetches;            // load_fetches.hpp
 
 struct ReadTask {
   std::string dir;
