@@ -126,6 +126,9 @@ def parse_per_rank_key(key):
 def per_rank_copies(keys):
     """entry key -> {saved rank: checkpoint key} of the per-rank copies among keys."""
     out = {}
+    keys = list(keys)
+    if "@rank" not in "\0".join(keys):  # one C-speed scan for the usual checkpoint
+        return out
     for k in keys:
         if "@rank" not in k:  # the regex only for the few that may match
             continue
