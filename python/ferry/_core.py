@@ -5,8 +5,8 @@ from __future__ import annotations
 import array
 import atexit
 import contextlib
-import functools
 import ctypes
+import functools
 import gc
 import itertools
 import json
@@ -667,8 +667,8 @@ def _tensor_infos(L, m):
     dims = _column(tab.dims, "q", sum(ndims))
     ends = list(itertools.accumulate(ndims))
     shapes = map(tuple, map(dims.__getitem__, map(slice, [0] + ends[:-1], ends)))
-    infos = map(functools.partial(tuple.__new__, TensorInfo), zip(keys, _column(tab.dtypes, "i", n), shapes,
-                                      _column(tab.bytes, "Q", n)))
+    infos = map(functools.partial(tuple.__new__, TensorInfo),
+                zip(keys, _column(tab.dtypes, "i", n), shapes, _column(tab.bytes, "Q", n)))
     return dict(zip(keys, infos))
 
 

@@ -133,6 +133,15 @@ def _flat_keys(shape, path, tkeys, lkeys, paths):
             _flat_keys(sub, p, tkeys, lkeys, paths)
 
 
+def _any_rng_name(paths):
+    """Whether a path component is an RNG state's name (flatten makes such
+    entries per-rank: the walk decides); every such name holds "rng", so
+    one C-speed scan clears the usual tree."""
+    if "rng" not in "\0".join(paths).lower():
+        return False
+    return any(_tree.rng_name(c) for p in paths.values() for c in p)
+
+
 def _plain_entries(plain, metadata):
     """(tensor keys, metadata pairs) of a plain tree as flatten and
     encode_meta give them, or None when the walk must decide (a key an RNG
@@ -145,8 +154,7 @@ def _plain_entries(plain, metadata):
     _flat_keys(shape, [], tkeys, lkeys, paths)
     if len(paths) != len(tkeys) + len(lkeys):
         return None
-    # Every RNG-state name holds "rng": the few trees that do take the walk.
-    if "rng" in "\0".join(paths).lower():
+    if _any_rng_name(paths):
         return None
     limit = _tree.MAX_LEAF_JSON_BYTES
     for v in leaves:  # only a long str or a huge int can pass the limit
@@ -169,7 +177,7 @@ def plain_flat(state_dict):
         return None
     tkeys, lkeys, paths = [], [], {}
     _flat_keys(plain[0], [], tkeys, lkeys, paths)
-    if len(paths) != len(tkeys) or "rng" in "\0".join(paths).lower():
+    if len(paths) != len(tkeys) or _any_rng_name(paths):
         return None
     flat = _tree.Flat()
     flat.root = state_dict
