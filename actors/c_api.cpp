@@ -13,6 +13,7 @@
 #include <optional>
 #include <string>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "actors/c_api_internal.hpp"
@@ -33,7 +34,14 @@ struct ferry_state_dict {
 };
 
 struct ferry_manifest {
+  explicit ferry_manifest(ferry::CheckpointManifest mm) : m(std::move(mm)) {}
   ferry::CheckpointManifest m;
+  // ferry_manifest_tensor_table's columns, built once at its first call.
+  mutable std::once_flag table_once;
+  mutable std::string keys;
+  mutable std::vector<int32_t> dtypes, ndims;
+  mutable std::vector<int64_t> dims;
+  mutable std::vector<uint64_t> bytes;
 };
 
 namespace {
@@ -765,6 +773,39 @@ ferry_status ferry_manifest_tensor(const ferry_manifest* m, size_t i, ferry_tens
   out->bytes = t.bytes;
   out->num_chunks = t.chunks.size();
   return FERRY_OK;
+}
+
+ferry_status ferry_manifest_tensor_table(const ferry_manifest* m, ferry_manifest_table* out) {
+  return guarded([&] {
+    FERRY_CHECK_HANDLE(m, "manifest");
+    if (!out) return null_arg("out");
+    if (ferry_status e = size_error<ferry_manifest_table>(out->size, "ferry_manifest_table");
+        e != FERRY_OK)
+      return e;
+    const auto& ts = m->m.tensors;
+    std::call_once(m->table_once, [&] {
+      size_t key_bytes = 0, ndims = 0;
+      for (const ferry::ManifestTensorInfo& t : ts) {
+        key_bytes += t.key.size() + 1;
+        ndims += t.global_shape.size();
+      }
+      m->keys.reserve(key_bytes);
+      m->dtypes.reserve(ts.size());
+      m->ndims.reserve(ts.size());
+      m->bytes.reserve(ts.size());
+      m->dims.reserve(ndims);
+      for (const ferry::ManifestTensorInfo& t : ts) {
+        m->keys.append(t.key).push_back('\0');
+        m->dtypes.push_back(static_cast<int32_t>(t.dtype));
+        m->ndims.push_back(static_cast<int32_t>(t.global_shape.size()));
+        m->dims.insert(m->dims.end(), t.global_shape.begin(), t.global_shape.end());
+        m->bytes.push_back(t.bytes);
+      }
+    });
+    ferry_manifest_table full{sizeof full,      ts.size(),       m->keys.data(), m->keys.size(),
+                              m->dtypes.data(), m->ndims.data(), m->dims.data(), m->bytes.data()};
+    return write_result(full, "ferry_manifest_table", out);
+  });
 }
 
 size_t ferry_manifest_num_metadata(const ferry_manifest* m) {

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import array
 import atexit
 import contextlib
 import ctypes
+import functools
 import gc
 import itertools
 import json
 import logging
+import operator
 import os
 import sys
 import threading
@@ -140,6 +143,10 @@ def _setting_value(v):
 _ON_MUTATION = ("error", "warn", "ignore")
 
 
+_version_of = operator.attrgetter("_version")
+_is_cuda = operator.attrgetter("is_cuda")
+
+
 class _VersionCheck:
     """torch's version counters of a save's tensors at save_async, compared
     once, when the snapshot ends (Ferry's thread calls it just before the
@@ -147,7 +154,9 @@ class _VersionCheck:
     tensors back to a stream. Keeps the tensors alive until then."""
 
     def __init__(self, recs, on_mutation):
-        self.recs = recs  # [(key, tensor, version and data_ptr at save_async)]
+        # (keys, tensors, versions and data_ptrs at save_async): columns,
+        # zipped only when compared, on Ferry's thread.
+        self.recs = recs
         self.on_mutation = on_mutation
         self.warnings = []
         self._lock = threading.Lock()
@@ -161,7 +170,7 @@ class _VersionCheck:
             # A tensor moved to other memory (t.set_) left the saved bytes,
             # which the handle keeps alive, as they were.
             changed = ["'%s' (version %d -> %d)" % (k, v, t._version)
-                       for k, t, v, ptr in recs if t._version != v and t.data_ptr() == ptr]
+                       for k, t, v, ptr in zip(*recs) if t._version != v and t.data_ptr() == ptr]
             if not changed:
                 return None
             shown = ", ".join(changed[:8]) + (
@@ -211,23 +220,28 @@ def _version_check(items, staged, on_mutation, prep=None):
     cache's answer) its columns give the records instead of `items`."""
     if on_mutation == "ignore":
         return None, None
-    # Staged tensors are private copies: the caller cannot change them.
-    skip = set(staged)
-    if prep is not None:
-        records = _save_cache.version_records(prep, skip)
+    if prep is not None and prep.items is None:  # prepared: nothing staged
+        records = (prep.keys, prep.tensors, list(map(_version_of, prep.tensors)), prep.ptrs)
     else:
-        records = [(k, t, t._version, t.data_ptr()) for k, t, _, _ in items if k not in skip]
+        # Staged tensors are private copies: the caller cannot change them.
+        skip = set(staged)
+        kept = [it for it in items if it[0] not in skip] if skip else items
+        tensors = [it[1] for it in kept]
+        records = ([it[0] for it in kept], tensors, list(map(_version_of, tensors)),
+                   list(map(_pack.data_ptr_fn(), tensors)))
     chk = _VersionCheck(records, on_mutation)
     cid = next(_check_ids)
     _checks[cid] = chk
     return chk, cid
 
 
-def _cuda_stream_of(tensors, devices=None):
+def _cuda_stream_of(tensors, any_cuda=None):
     """(cudaStream_t, device index) of torch's current stream on the device
-    of the first CUDA tensor, or (None, 0) when none is on a GPU. `devices`:
-    the tensors' device indexes (-1: the CPU) when known."""
-    if devices is not None and max(devices, default=-1) < 0:
+    of the first CUDA tensor, or (None, 0) when none is on a GPU. `any_cuda`:
+    whether one is, when known."""
+    if any_cuda is None:
+        any_cuda = any(map(_is_cuda, tensors))
+    if not any_cuda:
         return None, 0
     for t in tensors:
         if t.is_cuda:
@@ -382,7 +396,7 @@ class Runtime:
         if stream is not None:
             req.stream, req.stream_device = stream.cuda_stream, stream.device.index or 0
         else:
-            req.stream, req.stream_device = _cuda_stream_of(prep.tensors, prep.devices)
+            req.stream, req.stream_device = _cuda_stream_of(prep.tensors, prep.any_cuda)
         chk, cid = _version_check(items, staged, on_mutation, prep)
         if chk is not None:
             req.snapshot_check = _SNAPSHOT_CHECK_FN
@@ -629,6 +643,35 @@ class SaveHandle:
 TensorInfo = namedtuple("TensorInfo", "key dtype shape nbytes")
 
 
+def _column(addr, typecode, n):
+    a = array.array(typecode)
+    if n:
+        a.frombytes(ctypes.string_at(addr, n * a.itemsize))
+    return a
+
+
+def _tensor_infos(L, m):
+    """key -> TensorInfo of every tensor of manifest `m`, from one
+    ferry_manifest_tensor_table call read column by column."""
+    tab = _lib.sized(_lib.ManifestTable)
+    check(L.ferry_manifest_tensor_table(m, ctypes.byref(tab)))
+    n = tab.num_tensors
+    if n == 0:
+        return {}
+    keys = ctypes.string_at(tab.keys, tab.keys_len).decode("utf-8").split("\0")
+    if len(keys) != n + 1:
+        raise FerryError("manifest %s: a tensor key holds a NUL character"
+                         % L.ferry_manifest_path(m).decode("utf-8", "replace"), "corruption")
+    del keys[n]
+    ndims = _column(tab.ndims, "i", n)
+    dims = _column(tab.dims, "q", sum(ndims))
+    ends = list(itertools.accumulate(ndims))
+    shapes = map(tuple, map(dims.__getitem__, map(slice, [0] + ends[:-1], ends)))
+    infos = map(functools.partial(tuple.__new__, TensorInfo),
+                zip(keys, _column(tab.dtypes, "i", n), shapes, _column(tab.bytes, "Q", n)))
+    return dict(zip(keys, infos))
+
+
 class Manifest:
     """What a committed checkpoint holds: path, step, world_size, tensors
     (key -> TensorInfo with the torch dtype and global shape), metadata (the
@@ -643,17 +686,7 @@ class Manifest:
             self.step = L.ferry_manifest_step(m)
             self.commit_seq = L.ferry_manifest_commit_seq(m)
             self.world_size = L.ferry_manifest_world_size(m)
-            self.tensors = tensors = {}
-            info = _lib.TensorInfo()
-            ref = ctypes.byref(info)
-            get = L.ferry_manifest_tensor
-            for i in range(L.ferry_manifest_num_tensors(m)):
-                st = get(m, i, ref)
-                if st:
-                    check(st)
-                key = info.key.decode("utf-8")
-                tensors[key] = TensorInfo(key, info.dtype, tuple(info.global_shape[:info.ndim]),
-                                          info.bytes)
+            self.tensors = _tensor_infos(L, m)
             self.metadata = {}
             k = ctypes.c_char_p()
             v = ctypes.c_void_p()
@@ -789,7 +822,7 @@ def _load(rt, state_dict, path, strict, cast, key_map, allow_pickle=False):
     if strict not in (None, True, False):
         raise TypeError("ferry.load: strict must be None, True or False, got %r" % (strict,))
     ptr = rt._alive()
-    flat = _tree.flatten(state_dict)
+    flat = _save_cache.plain_flat(state_dict) or _tree.flatten(state_dict)
     resolved, step = _resolve(ptr, path)
     man = Manifest(resolved)
     # Per-rank entries stand in the checks below as one key each; which
@@ -797,9 +830,13 @@ def _load(rt, state_dict, path, strict, cast, key_map, allow_pickle=False):
     copies = _hide_per_rank_copies(man)
 
     # Checkpoint key -> target key for everything the target names.
-    claims = {}
-    for key in list(flat.tensors) + list(flat.leaves):
-        claims.setdefault(_map_key(key_map, key), key)
+    if key_map is None:  # tensor and leaf keys never meet: each names itself
+        claims = dict(zip(flat.tensors, flat.tensors))
+        claims.update(zip(flat.leaves, flat.leaves))
+    else:
+        claims = {}
+        for key in list(flat.tensors) + list(flat.leaves):
+            claims.setdefault(_map_key(key_map, key), key)
     ckpt_keys = set(man.tensors) | set(man.leaves)
     # Objects whose state the checkpoint decides (an optimizer: a fresh one
     # has no state yet, and its load_state_dict judges). A module's keys are
@@ -823,14 +860,13 @@ def _load(rt, state_dict, path, strict, cast, key_map, allow_pickle=False):
         return any(_under(ck, p) for p in open_prefixes)
 
     missing = []
-    for ck, key in claims.items():
-        if ck in ckpt_keys:
-            continue
+    for ck in claims.keys() - ckpt_keys:
+        key = claims[ck]
         owner = next((p for p in open_prefixes if _under(ck, p)), None)
         if owner is not None and any(_under(k, owner) for k in ckpt_keys):
             continue
         missing.append(key)
-    unexpected = sorted(k for k in ckpt_keys if k not in claims and not in_open(k))
+    unexpected = sorted(k for k in ckpt_keys - claims.keys() if not in_open(k))
     missing.sort()
     # Default: what the state dict asks for must be there; what the
     # checkpoint has besides is reported. strict=True: the exact match.
@@ -860,7 +896,10 @@ def _load(rt, state_dict, path, strict, cast, key_map, allow_pickle=False):
     mismatched = []
     _, code_dtypes = _dtype_tables()
     man_tensors = man.tensors
-    for key, v in flat.tensors.items():
+    pending = flat.tensors
+    if key_map is None:
+        items, pending = _plain_load_items(flat.tensors, man_tensors, code_dtypes)
+    for key, v in pending.items():
         ck = key if key_map is None else _map_key(key_map, key)
         info = man_tensors.get(ck)
         if info is None:
@@ -894,7 +933,7 @@ def _load(rt, state_dict, path, strict, cast, key_map, allow_pickle=False):
         )
     # Tensors of an object's state dict that the target does not hold yet.
     claimed = {it[0] for it in items}
-    for ck, info in man.tensors.items():
+    for ck, info in (man.tensors.items() if open_prefixes else ()):
         if ck in claimed or ck in claims or not in_open(ck):
             continue
         t = torch.empty(info.shape, dtype=torch_dtype(info.dtype))
@@ -967,7 +1006,7 @@ def _load(rt, state_dict, path, strict, cast, key_map, allow_pickle=False):
 
     # Objects get their state dict back through their own load_state_dict.
     inv = {}
-    for key in flat.tensors:
+    for key in (flat.tensors if flat.stateful else ()):
         inv[_map_key(key_map, key)] = flat.tensors[key]
     for prefix, (obj, sd, opath) in flat.stateful.items():
         cp = _map_key(key_map, prefix) if prefix else prefix
@@ -999,6 +1038,29 @@ def _load(rt, state_dict, path, strict, cast, key_map, allow_pickle=False):
     result.path = man.path
     result.step = step
     return result
+
+
+def _plain_load_items(tensors, man_tensors, code_dtypes):
+    """(items, the tensors left for the full loop) of a load without a
+    key_map: the plain tensors (no shards) in the checkpoint with its dtype,
+    contiguous, read column by column; all of them are left when any is not."""
+    import torch
+
+    keys = list(tensors)
+    vals = list(tensors.values())
+    infos = list(map(man_tensors.get, keys))
+    if None in infos or not set(map(type, vals)) <= {torch.Tensor, torch.nn.Parameter}:
+        return [], tensors
+    saved = list(map(code_dtypes.get, map(_info_dtype, infos)))
+    if saved != list(map(_pack.dtype_of, vals)) or not all(map(torch.Tensor.is_contiguous, vals)):
+        return [], tensors
+    if any(map(_requires_grad, vals)):  # detach() costs a new tensor object; only when needed
+        vals = [t.detach() if t.requires_grad else t for t in vals]
+    return list(zip(keys, vals, itertools.repeat(None), itertools.repeat(None))), {}
+
+
+_info_dtype = operator.attrgetter("dtype")
+_requires_grad = operator.attrgetter("requires_grad")
 
 
 def _hide_per_rank_copies(man):

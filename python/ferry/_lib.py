@@ -184,6 +184,19 @@ class TensorInfo(ctypes.Structure):
     ]
 
 
+class ManifestTable(ctypes.Structure):
+    _fields_ = [
+        ("size", ctypes.c_size_t),
+        ("num_tensors", ctypes.c_size_t),
+        ("keys", ctypes.c_void_p),
+        ("keys_len", ctypes.c_size_t),
+        ("dtypes", ctypes.c_void_p),
+        ("ndims", ctypes.c_void_p),
+        ("dims", ctypes.c_void_p),
+        ("bytes", ctypes.c_void_p),
+    ]
+
+
 def _candidates():
     env = os.environ.get("FERRY_LIB")
     if env:
@@ -278,6 +291,7 @@ def _declare(L):
         "ferry_manifest_world_size": (ctypes.c_int32, [vp]),
         "ferry_manifest_num_tensors": (sz, [vp]),
         "ferry_manifest_tensor": (st, [vp, sz, ctypes.POINTER(TensorInfo)]),
+        "ferry_manifest_tensor_table": (st, [vp, ctypes.POINTER(ManifestTable)]),
         "ferry_manifest_num_metadata": (sz, [vp]),
         "ferry_manifest_metadata": (
             st,

@@ -2,31 +2,47 @@
 
 One ctypes assignment per field per tensor costs microseconds each: at tens
 of thousands of tensors that was most of a save's Python time. Here the
-fields are gathered column by column with map() and packed by one
-struct.pack into a buffer the ctypes array is laid over.
+fields are gathered column by column with map() and each column is copied
+into its place in every record of one buffer by a strided memoryview
+assignment; the ctypes array is laid over that buffer.
 """
 
 import ctypes
-import struct
 from array import array
-from itertools import accumulate, chain
-from operator import attrgetter, itemgetter
+from itertools import accumulate, chain, compress, repeat
+from operator import add, attrgetter, itemgetter, not_
 
 from . import _lib
 from ._lib import FerryError
 from ._shards import _dtype_code, _dtype_tables
 
-# ferry_tensor: key, data, dtype, ndim, shape, strides, device_type,
-# device_index, global_shape, offsets, flags, reserved (native layout).
-_RECORD = struct.Struct("@PPiiPPiiPPII")
-assert _RECORD.size == ctypes.sizeof(_lib.Tensor), "ferry_tensor's layout changed: update _RECORD"
-
 _shape = attrgetter("shape")
 _dtype = attrgetter("dtype")
+dtype_of = _dtype
 _device = attrgetter("device")
-_first = itemgetter(0)
-_second = itemgetter(1)
+_third = itemgetter(2)
+_fourth = itemgetter(3)
 _device_codes = {}
+
+
+def _layout():
+    """(record size, {field: index}) of ferry_tensor in 8-byte words for
+    pointers and 4-byte words for the int32 fields (native layout)."""
+    T = _lib.Tensor
+    size = ctypes.sizeof(T)
+    assert size % 8 == 0, "ferry_tensor's size is not a multiple of 8: update _pack"
+    at = {}
+    for name, ctype in T._fields_:
+        off = getattr(T, name).offset
+        width = ctypes.sizeof(ctype)
+        assert off % width == 0, "ferry_tensor.%s is not aligned: update _pack" % name
+        at[name] = off // width
+    return size, at
+
+
+_SIZE, _AT = _layout()
+_Q = _SIZE // 8  # 8-byte words per record
+_I = _SIZE // 4  # 4-byte words per record
 
 
 def storage_fn():
@@ -42,6 +58,12 @@ def storage_fn():
     return torch.Tensor.storage
 
 
+def data_ptr_fn():
+    import torch
+
+    return torch.Tensor.data_ptr
+
+
 def _device_code(key, dev):
     c = _device_codes.get(dev)
     if c is None:
@@ -55,65 +77,113 @@ def _device_code(key, dev):
     return c
 
 
+def _key_blob(keys):
+    """(the keys as one NUL-terminated UTF-8 buffer each, each key's byte
+    offset in it); a key holding a NUL is refused, named."""
+    joined = "\0".join(keys)
+    if joined.count("\0") != len(keys) - 1:
+        bad = next(k for k in keys if "\0" in k)
+        raise FerryError("tensor key %r contains a NUL character, which Ferry cannot store"
+                         % (bad,), "invalid_argument")
+    blob = joined.encode("utf-8") + b"\0"
+    head = keys[:-1]
+    if len(blob) == len(joined) + 1:  # ASCII: bytes are characters
+        lens = map(len, head)
+    else:
+        lens = map(len, [k.encode("utf-8") for k in head])
+    return blob, accumulate(chain((0,), map(add, lens, repeat(1))))
+
+
 def pack_items(items, flags=None):
     """The ferry_tensor array of (key, tensor, global shape or None, offsets
     or None) items, and what must stay alive while C reads it. flags: {item
     index: ferry_tensor.flags} for the few items that have any."""
-    import torch
-
-    n = len(items)
-    if n == 0:
+    if not items:
         return (_lib.Tensor * 1)(), None
     keys = [it[0] for it in items]
     tensors = [it[1] for it in items]
-    keys_b = [k.encode("utf-8") for k in keys]
-    blob = b"\0".join(keys_b) + b"\0"
-    base = ctypes.cast(ctypes.c_char_p(blob), ctypes.c_void_p).value
-    kptrs = [base]
-    kptrs += [base + at for at in accumulate(len(k) + 1 for k in keys_b[:-1])]
-    shapes = list(map(_shape, tensors))
-    nds = list(map(len, shapes))
+    gshapes = list(map(_third, items))
+    shards = None
+    if gshapes.count(None) != len(gshapes):
+        shards = [(i, g, o) for i, (g, o) in enumerate(zip(gshapes, map(_fourth, items)))
+                  if g is not None]
+    return pack(keys, tensors, shards=shards, flags=flags)
+
+
+def pack(keys, tensors, shapes=None, dtypes=None, ptrs=None, devices=None, shards=None,
+         flags=None):
+    """pack_items of columns: keys, tensors, their shapes, dtypes, data_ptrs
+    and devices when known, the shards as (index, global shape, offsets),
+    flags as pack_items'."""
+    import torch
+
+    n = len(keys)
+    if n == 0:
+        return (_lib.Tensor * 1)(), None
+    blob, koffs = _key_blob(keys)
+    if shapes is None:
+        shapes = list(map(_shape, tensors))
+    nds = array("q", map(len, shapes))
     # Every shape, then each shard's global shape and offsets, then each
     # strided tensor's strides, in one int64 buffer.
     dims = array("q", chain.from_iterable(shapes))
-    gptrs = [0] * n
-    optrs = [0] * n
-    shard_at = {}
-    for i, it in enumerate(items):
-        if it[2] is not None:
-            shard_at[i] = len(dims)
-            dims.extend(int(x) for x in it[2])
-            dims.extend(int(x) for x in it[3])
-    strides_at = {}
-    for i, t in enumerate(tensors):
-        if not t.is_contiguous():
-            strides_at[i] = len(dims)
-            dims.extend(t.stride())
+    has_empty = 0 in dims
+    shard_at = []
+    for i, g, o in shards or ():
+        shard_at.append((i, len(dims)))
+        dims.extend(int(x) for x in g)
+        dims.extend(int(x) for x in o)
+    contig = list(map(torch.Tensor.is_contiguous, tensors))
+    strides_at = []
+    if not all(contig):
+        for i in compress(range(n), map(not_, contig)):
+            strides_at.append((i, len(dims)))
+            dims.extend(tensors[i].stride())
     dims.append(0)  # never empty: its address is every scalar's shape
     dbase = dims.buffer_info()[0]
-    sptrs = [dbase]
-    sptrs += [dbase + 8 * at for at in accumulate(nds[:-1])]
-    for i, at in shard_at.items():
-        gptrs[i] = dbase + 8 * at
-        optrs[i] = dbase + 8 * (at + nds[i])
-    stptrs = [0] * n
-    for i, at in strides_at.items():
-        stptrs[i] = dbase + 8 * at
     codes, _ = _dtype_tables()
-    dtypes = list(map(_dtype, tensors))
-    dcodes = [codes.get(d, -1) for d in dtypes]
+    if dtypes is None:
+        dtypes = list(map(_dtype, tensors))
+    dcodes = array("i", map(codes.get, dtypes, repeat(-1)))
     if -1 in dcodes:
         i = dcodes.index(-1)
         _dtype_code(keys[i], dtypes[i])  # raises, naming the key
-    devs = [_device_code(k, d) for k, d in zip(keys, map(_device, tensors))]
-    data = [p if m else 0 for p, m in zip(map(torch.Tensor.data_ptr, tensors),
-                                           map(torch.Tensor.numel, tensors))]
-    fl = [0] * n
+    devs = devices if devices is not None else list(map(_device, tensors))
+    dev_codes = {d: _device_code(keys[devs.index(d)], d) for d in set(devs)}
+    data = array("Q", ptrs if ptrs is not None else map(torch.Tensor.data_ptr, tensors))
+    if has_empty:  # an empty tensor's address is no memory: C reads NULL
+        for i, s in enumerate(shapes):
+            if 0 in s:
+                data[i] = 0
+
+    buf = bytearray(_SIZE * n)
+    q = memoryview(buf).cast("Q")
+    w = memoryview(buf).cast("i")
+    kbase = ctypes.cast(ctypes.c_char_p(blob), ctypes.c_void_p).value
+    q[_AT["key"]::_Q] = array("Q", map(add, koffs, repeat(kbase)))
+    q[_AT["data"]::_Q] = data
+    w[_AT["dtype"]::_I] = dcodes
+    w[_AT["ndim"]::_I] = array("i", nds)
+    # Each shape's address: dbase + 8 * (the dims before it).
+    q[_AT["shape"]::_Q] = array("Q", map(add, map((8).__mul__, accumulate(chain((0,), nds[:-1]))),
+                                         repeat(dbase)))
+    if len(dev_codes) == 1:
+        (dt, di), = dev_codes.values()
+        if dt or di:
+            w[_AT["device_type"]::_I] = array("i", repeat(dt, n))
+            w[_AT["device_index"]::_I] = array("i", repeat(di, n))
+    else:
+        dc = list(map(dev_codes.__getitem__, devs))
+        w[_AT["device_type"]::_I] = array("i", map(itemgetter(0), dc))
+        w[_AT["device_index"]::_I] = array("i", map(itemgetter(1), dc))
+    for i, at in strides_at:
+        q[i * _Q + _AT["strides"]] = dbase + 8 * at
+    for i, at in shard_at:
+        q[i * _Q + _AT["global_shape"]] = dbase + 8 * at
+        q[i * _Q + _AT["offsets"]] = dbase + 8 * (at + nds[i])
     for i, f in (flags or {}).items():
-        fl[i] = f
-    flat = list(chain.from_iterable(zip(kptrs, data, dcodes, nds, sptrs, stptrs,
-                                        map(_first, devs), map(_second, devs), gptrs, optrs,
-                                        fl, [0] * n)))
-    buf = bytearray(struct.pack("@" + _RECORD.format[1:] * n, *flat))
+        w[i * _I + _AT["flags"]] = f
+    q.release()
+    w.release()
     arr = (_lib.Tensor * n).from_buffer(buf)
     return arr, (blob, dims, buf)

@@ -2,11 +2,12 @@
 same shape.
 
 A training loop saves the same state again and again: the same keys, the
-same tensors (changed in place), the same plain values. The first save walks
-the tree (_core._save_entries: ferry._tree.flatten, typed values, shards) and
+same tensors (changed in place), the same plain values. The first save of a
+plain tree (below) takes its flat keys from its shape, without the walk
+(_core._save_entries: ferry._tree.flatten, typed values, shards), and
 prepares a C state dict (ferry_state_dict_create). A later save of a tree of
 the same shape reuses both: it re-reads, column by column at C speed, only
-what can change between saves (each tensor's address, shape, dtype, device,
+what can change between saves (each tensor's address, shape, dtype,
 contiguity; the plain values; the metadata) and replaces in the C state dict
 only the entries whose tensor changed.
 
@@ -18,17 +19,19 @@ before: its output may depend on more than the shape, so it is never reused.
 """
 
 import ctypes
+import json
 from collections import OrderedDict
-from operator import attrgetter
+from itertools import repeat
+from operator import add, attrgetter
 
-from . import _pack
+from . import _pack, _tree
 from ._lib import check, lib
 
 _SCALARS = frozenset((type(None), bool, int, float, str))
 _DICTS = frozenset((dict, OrderedDict))
 _shape = attrgetter("shape")
 _dtype = attrgetter("dtype")
-_version = attrgetter("_version")
+_device = attrgetter("device")
 _tensor_types = None
 
 
@@ -98,13 +101,89 @@ def plain_shape(state_dict, last=None):
 
 class Prepared:
     """One save's inputs: items (key, tensor, global shape, offsets; None
-    when `sd` is prepared and the cache answered), staged
-    keys, metadata pairs, the C state dict (or None: the caller packs
-    `entries`), what keeps its buffers alive, and the tensor version records
-    of the mutation check."""
+    when `sd` is prepared), staged keys, metadata pairs, the C state dict
+    (or None: the caller packs `entries`), and the columns of the mutation
+    check and the stream: keys, tensors, their addresses (None: read from
+    `items`), whether any tensor is on a GPU (None: unknown)."""
 
     __slots__ = ("items", "staged", "pairs", "sd", "entries", "keys", "tensors", "ptrs",
-                 "devices")
+                 "any_cuda")
+
+
+def _flat_keys(shape, path, tkeys, lkeys, paths):
+    """The flat keys of the tensors (tkeys) and plain values (lkeys) of a
+    shape, and each one's path, in flatten's order; a dict of tensors alone
+    (the usual module state dict) at C speed."""
+    if type(shape[0]) is str:
+        if path:
+            ks = list(map(add, repeat(".".join(path) + "."), shape))
+            paths.update(zip(ks, [path + [k] for k in shape]))
+        else:
+            ks = list(shape)
+            paths.update(zip(ks, zip(ks)))  # 1-tuples: JSON writes them as the paths' lists
+        tkeys.extend(ks)
+        return
+    for k, sub in shape:
+        p = path + [k]
+        if type(sub) is int:
+            key = ".".join(p)
+            paths[key] = p
+            (lkeys if sub == 1 else tkeys).append(key)
+        else:
+            _flat_keys(sub, p, tkeys, lkeys, paths)
+
+
+def _any_rng_name(paths):
+    """Whether a path component is an RNG state's name (flatten makes such
+    entries per-rank: the walk decides); every such name holds "rng", so
+    one C-speed scan clears the usual tree."""
+    if "rng" not in "\0".join(paths).lower():
+        return False
+    return any(_tree.rng_name(c) for p in paths.values() for c in p)
+
+
+def _plain_entries(plain, metadata):
+    """(tensor keys, metadata pairs) of a plain tree as flatten and
+    encode_meta give them, or None when the walk must decide (a key an RNG
+    state's name makes per-rank, keys flattening to the same key, a value
+    over the JSON limit, a non-contiguous tensor)."""
+    shape, tensors, leaves = plain
+    if not shape or not all(map(_is_contiguous(), tensors)):
+        return None
+    tkeys, lkeys, paths = [], [], {}
+    _flat_keys(shape, [], tkeys, lkeys, paths)
+    if len(paths) != len(tkeys) + len(lkeys):
+        return None
+    if _any_rng_name(paths):
+        return None
+    limit = _tree.MAX_LEAF_JSON_BYTES
+    for v in leaves:  # only a long str or a huge int can pass the limit
+        if ((type(v) is str and len(v) * 6 + 2 > limit)
+                or (type(v) is int and v.bit_length() > 64)) and len(
+                    json.dumps(v, allow_nan=True)) > limit:
+            return None
+    pairs = [(k, v) for k, v in (metadata or {}).items()]
+    pairs.append((_tree.TREE_META_KEY, json.dumps(paths, allow_nan=True)))
+    pairs.append((_tree.LEAVES_META_KEY, json.dumps(dict(zip(lkeys, leaves)), allow_nan=True)))
+    return tkeys, pairs
+
+
+def plain_flat(state_dict):
+    """flatten's answer for a plain tree of tensors alone (no plain values:
+    a load puts those back through the walk's slots), from its shape; None
+    for any other tree."""
+    plain = plain_shape(state_dict)
+    if plain is None or plain[2] or not plain[0]:
+        return None
+    tkeys, lkeys, paths = [], [], {}
+    _flat_keys(plain[0], [], tkeys, lkeys, paths)
+    if len(paths) != len(tkeys) or _any_rng_name(paths):
+        return None
+    flat = _tree.Flat()
+    flat.root = state_dict
+    flat.tensors = dict(zip(tkeys, plain[1]))
+    flat.paths = dict(zip(paths, map(list, paths.values())))
+    return flat
 
 
 class SaveCache:
@@ -121,12 +200,14 @@ class SaveCache:
         self._metadata = None
         self._pairs = None
         self._keys = None
-        self._columns = None  # (ptrs, shapes, dtypes, devices) of the cached tensors
+        self._columns = None  # (ptrs, shapes, dtypes) of the cached tensors
+        self._any_cuda = False
         self.hits = 0  # saves served from the cache (tests read it)
 
     def close(self):
         sd, self._sd = self._sd, None
         self._shape = None
+        self._columns = None
         if sd is not None:
             lib().ferry_state_dict_release(sd)
 
@@ -140,41 +221,62 @@ class SaveCache:
         """The inputs of a save of `state_dict`; `save_entries` is the full
         walk (_core._save_entries), run when the cache cannot answer."""
         plain = plain_shape(state_dict, self._shape if self._sd is not None else None)
-        if plain is not None and self._sd is not None:
-            p = self._reuse(plain, metadata)
+        if plain is not None:
+            if self._sd is not None:
+                p = self._reuse(plain, metadata)
+                if p is not None:
+                    self.hits += 1
+                    return p
+            p = self._first(plain, metadata)
             if p is not None:
-                self.hits += 1
                 return p
+        self.close()
         items, staged, entries, pairs = save_entries(state_dict, metadata)
         p = Prepared()
         p.items, p.staged, p.pairs, p.sd, p.entries = items, staged, pairs, None, entries
         p.keys = [it[0] for it in items]
         p.tensors = [it[1] for it in items]
-        p.ptrs = list(map(_data_ptr(), p.tensors))
-        p.devices = None
-        # Per-rank entries (keys like "rng" are per-rank by name) carry flags
-        # a replaced entry would lose: such trees take the walk every time.
-        if (plain is None or staged or entries.flags
-                or any(it[2] is not None for it in items)):
-            self.close()
-            return p
-        shape, tensors, leaves = plain
+        p.ptrs = p.any_cuda = None
+        return p
+
+    def _first(self, plain, metadata):
+        """A plain tree's save without the walk: its entries from the shape,
+        packed once into the C state dict the next saves reuse."""
+        got = _plain_entries(plain, metadata)
+        if got is None:
+            return None
+        keys, pairs = got
+        tensors = plain[1]
         cols = _columns(tensors)
-        self.close()
-        # The walk met the tensors in flatten's order (it keeps its own).
-        if len(tensors) != len(items) or cols != _columns(p.tensors):
-            return p
+        devices = list(map(_device, tensors))
+        arr, keep = _pack.pack(keys, tensors, shapes=cols[1], dtypes=cols[2], ptrs=cols[0],
+                               devices=devices)
         sd = ctypes.c_void_p()
-        check(lib().ferry_state_dict_create(entries.array, len(items), ctypes.byref(sd)))
+        self.close()
+        check(lib().ferry_state_dict_create(arr, len(keys), ctypes.byref(sd)))
+        del arr, keep
         self._sd = sd
-        self._shape = shape
-        self._leaves = leaves
-        self._leaf_types = list(map(type, leaves))
+        self._shape = plain[0]
+        self._leaves = plain[2]
+        self._leaf_types = list(map(type, plain[2]))
         self._metadata = dict(metadata) if metadata else {}
         self._pairs = pairs
-        self._keys = p.keys
+        self._keys = keys
         self._columns = cols
-        p.sd = sd
+        self._any_cuda = any(d.type != "cpu" for d in set(devices))
+        return self._prepared(tensors, cols[0])
+
+    def _prepared(self, tensors, ptrs):
+        p = Prepared()
+        p.items = None  # the prepared state dict stands for them
+        p.staged = []
+        p.pairs = self._pairs
+        p.sd = self._sd
+        p.entries = None
+        p.keys = self._keys
+        p.tensors = tensors
+        p.ptrs = ptrs
+        p.any_cuda = self._any_cuda
         return p
 
     def _reuse(self, plain, metadata):
@@ -184,32 +286,24 @@ class SaveCache:
             return None
         if not all(map(_is_contiguous(), tensors)):
             return None  # staged copies: the full walk decides
+        # A tensor's device is not read again: under CUDA's unified
+        # addressing another device means another address.
         cols = _columns(tensors)
         if cols != self._columns:
-            changed = [i for i, row in enumerate(zip(*cols)) if row != self._row(i)]
+            old = self._columns
+            changed = [i for i, row in enumerate(zip(*cols))
+                       if row[0] != old[0][i] or row[1] != old[1][i] or row[2] != old[2][i]]
             if len(changed) * self._REBUILD_SHARE > len(tensors):
                 return None
             keys = self._keys
             for i in changed:
-                rec, keep = _pack.pack_items([(keys[i], tensors[i], None, None)])
+                rec, keep = _pack.pack([keys[i]], [tensors[i]])
                 check(lib().ferry_state_dict_set(self._sd, i, rec))
+                if rec[0].device_type != 0:
+                    self._any_cuda = True
                 del keep
             self._columns = cols
-        p = Prepared()
-        keys = self._keys
-        p.items = None  # the prepared state dict stands for them
-        p.staged = []
-        p.pairs = self._pairs
-        p.sd = self._sd
-        p.entries = None
-        p.keys = keys
-        p.tensors = tensors
-        p.ptrs = cols[0]
-        p.devices = cols[3]
-        return p
-
-    def _row(self, i):
-        return tuple(c[i] for c in self._columns)
+        return self._prepared(tensors, cols[0])
 
 
 def _data_ptr():
@@ -224,23 +318,8 @@ def _is_contiguous():
     return torch.Tensor.is_contiguous
 
 
-def _get_device():
-    import torch
-
-    return torch.Tensor.get_device
-
-
 def _columns(tensors):
-    """What the C state dict holds of each tensor, column by column (the
-    device as its index, -1 for the CPU: an int is cheaper than a device)."""
+    """What the C state dict holds of each tensor that can change between
+    saves, column by column: address, shape, dtype."""
     return (list(map(_data_ptr(), tensors)), list(map(_shape, tensors)),
-            list(map(_dtype, tensors)), list(map(_get_device(), tensors)))
-
-
-def version_records(p, skip):
-    """(key, tensor, version, data_ptr) of the save's tensors not in `skip`,
-    for the mutation check."""
-    recs = zip(p.keys, p.tensors, map(_version, p.tensors), p.ptrs)
-    if not skip:
-        return list(recs)
-    return [r for r in recs if r[0] not in skip]
+            list(map(_dtype, tensors)))

@@ -91,7 +91,7 @@ def per_rank(value: Any, on_resize: Union[str, Callable[..., Any]] = "error") ->
 _RNG_SUFFIXES = ("_rng", "_rng_state", "_rng_states")
 
 
-def _rng_name(c):
+def rng_name(c):
     if not isinstance(c, str):
         return False
     c = c.lower()
@@ -126,6 +126,9 @@ def parse_per_rank_key(key):
 def per_rank_copies(keys):
     """entry key -> {saved rank: checkpoint key} of the per-rank copies among keys."""
     out = {}
+    keys = list(keys)
+    if "@rank" not in "\0".join(keys):  # one C-speed scan for the usual checkpoint
+        return out
     for k in keys:
         if "@rank" not in k:  # the regex only for the few that may match
             continue
@@ -374,7 +377,7 @@ def _walk(v, path, flat, slot, owner, pr=None):
             raise TypeError("ferry: a state dict must be a dict, not a ferry.per_rank value")
         _walk(v.value, path, flat, (v, "value"), owner, v.on_resize)
         return
-    if pr is None and path and _rng_name(path[-1]):
+    if pr is None and path and rng_name(path[-1]):
         pr = "error"
     if is_tensor_like(v):
         if not path:
@@ -406,7 +409,7 @@ def _walk(v, path, flat, slot, owner, pr=None):
             if type(k) is str:
                 # A plain tensor under a name that is no RNG's: what the
                 # call below would do, without the call (tens of thousands).
-                if type(x) is plain and pr is None and not _rng_name(k):
+                if type(x) is plain and pr is None and not rng_name(k):
                     flat._add(path + [k], "tensor", x, (v, k))
                     continue
             elif not isinstance(k, (str, int)) or isinstance(k, bool):

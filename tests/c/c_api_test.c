@@ -228,6 +228,23 @@ int main(void) {
     CHECK_OK(ferry_manifest_tensor(man, 2, &ti));
     CHECK(strcmp(ti.key, "w") == 0 && ti.global_shape[0] == 6 && ti.global_shape[1] == 4);
     CHECK(ferry_manifest_tensor(man, 3, &ti) == FERRY_INVALID_ARGUMENT);
+    /* The table: every tensor of the manifest in one call, as the calls above see them. */
+    ferry_manifest_table tab;
+    memset(&tab, 0, sizeof tab);
+    tab.size = sizeof tab;
+    CHECK_OK(ferry_manifest_tensor_table(man, &tab));
+    CHECK(tab.num_tensors == 3 && tab.size == sizeof tab);
+    CHECK(tab.keys_len == strlen("b") + strlen("tail") + strlen("w") + 3);
+    CHECK(memcmp(tab.keys, "b\0tail\0w\0", tab.keys_len) == 0);
+    CHECK(tab.dtypes[0] == FERRY_DTYPE_I16 && tab.ndims[0] == 1 && tab.bytes[0] == 10);
+    CHECK(tab.ndims[2] == 2);
+    {
+      size_t at = (size_t)tab.ndims[0] + (size_t)tab.ndims[1];
+      CHECK(tab.dims[0] == 5 && tab.dims[at] == 6 && tab.dims[at + 1] == 4);
+    }
+    tab.size = 8; /* a size this library does not read */
+    CHECK(ferry_manifest_tensor_table(man, &tab) == FERRY_INVALID_ARGUMENT);
+    CHECK(ferry_manifest_tensor_table(man, NULL) == FERRY_INVALID_ARGUMENT);
     int found = 0;
     for (size_t i = 0; i < ferry_manifest_num_metadata(man); ++i) {
       const char *k, *v;
@@ -497,6 +514,9 @@ int main(void) {
     CHECK(ferry_manifest_num_tensors(m2) == 0);
     ferry_tensor_info ti2;
     CHECK(ferry_manifest_tensor(m2, 0, &ti2) == FERRY_INVALID_ARGUMENT);
+    ferry_manifest_table tab2;
+    tab2.size = sizeof tab2;
+    CHECK(ferry_manifest_tensor_table(m2, &tab2) == FERRY_INVALID_ARGUMENT);
   }
 
   /* A write that never returns (FERRY_FAULTS stalls the first pwrite of a

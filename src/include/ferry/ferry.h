@@ -410,6 +410,25 @@ typedef struct ferry_tensor_info {
 FERRY_API ferry_status ferry_manifest_tensor(const ferry_manifest* m, size_t i,
                                              ferry_tensor_info* out);
 
+/* Every tensor of a manifest at once, in ferry_manifest_tensor's order (a
+ * reader of tens of thousands makes one call, not one each): their keys
+ * NUL-terminated one after another in `keys` (keys_len bytes in all), the
+ * dtype, ndim and stored bytes of each, and their global shapes one after
+ * another in `dims` (the sum of the ndims). Sized (see above); the arrays
+ * are owned by the manifest. */
+typedef struct ferry_manifest_table {
+  size_t size; /* set by the caller */
+  size_t num_tensors;
+  const char* keys;
+  size_t keys_len;
+  const int32_t* dtypes;
+  const int32_t* ndims;
+  const int64_t* dims;
+  const uint64_t* bytes;
+} ferry_manifest_table;
+FERRY_API ferry_status ferry_manifest_tensor_table(const ferry_manifest* m,
+                                                   ferry_manifest_table* out);
+
 FERRY_API size_t ferry_manifest_num_metadata(const ferry_manifest* m);
 /* Metadata pair i; values may hold any bytes, so their length is returned. */
 FERRY_API ferry_status ferry_manifest_metadata(const ferry_manifest* m, size_t i, const char** key,
