@@ -11,8 +11,9 @@
 //      persisting (needs the nvcc-built kernel).
 //   4. End-to-end save to local disk vs a raw O_DIRECT writer (both fsync).
 // Ends with one JSON line. Without a usable GPU it says so and exits 77.
-// Environment: FERRY_BENCH_GPU_BYTES (default 4 GiB), FERRY_BENCH_DIR
-// (default /tmp/ferry-bench-gpu), FERRY_BENCH_CHUNK (default: Ferry's chunk-bytes).
+// Environment: FERRY_BENCH_GPU_BYTES (default 4GiB), FERRY_BENCH_DIR
+// (default /tmp/ferry-bench-gpu), FERRY_BENCH_CHUNK (default: Ferry's
+// chunk-bytes); sizes as the settings write them (512MiB, 4GiB, 4096).
 
 #include <cuda_runtime_api.h>
 #include <fcntl.h>
@@ -31,6 +32,7 @@
 #include "cuda/device_cuda.hpp"
 #include "ferry/runtime.hpp"
 #include "pool.hpp"
+#include "tools/flags.hpp"
 
 #ifdef FERRY_BENCH_HAVE_KERNEL
 extern "C" int ferry_bench_step(void* stream, float* x, size_t n, int passes);
@@ -45,10 +47,6 @@ double ms_since(Clock::time_point t0) {
 }
 double gbps(uint64_t bytes, double ms) {
   return ms > 0 ? bytes / ms / 1e6 : 0;
-}
-uint64_t env_u64(const char* name, uint64_t dflt) {
-  const char* v = std::getenv(name);
-  return v && *v ? std::strtoull(v, nullptr, 10) : dflt;
 }
 
 #define CK(x)                                                                               \
@@ -124,6 +122,12 @@ double raw_odirect_ms(const std::string& path, const uint8_t* src, uint64_t byte
 }  // namespace
 
 int main() {
+  // Sizes in the settings' syntax ("512MiB", "4GiB"); a bad one is a usage
+  // error naming the variable, with or without a GPU.
+  const uint64_t chunk = ferry::cli::env_size_or_exit("ferry_bench_gpu", "FERRY_BENCH_CHUNK",
+                                                      ferry::Options{}.chunk_bytes);
+  uint64_t bytes =
+      ferry::cli::env_size_or_exit("ferry_bench_gpu", "FERRY_BENCH_GPU_BYTES", 4ull << 30);
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess || count == 0) {
@@ -136,8 +140,6 @@ int main() {
   CK(cudaSetDevice(0));
   cudaDeviceProp prop{};
   CK(cudaGetDeviceProperties(&prop, 0));
-  const uint64_t chunk = env_u64("FERRY_BENCH_CHUNK", ferry::Options{}.chunk_bytes);
-  uint64_t bytes = env_u64("FERRY_BENCH_GPU_BYTES", 4ull << 30);
   bytes = std::max(chunk, bytes / chunk * chunk);
   const uint64_t small = std::min<uint64_t>(bytes, 256ull << 20);
   const char* dir_env = std::getenv("FERRY_BENCH_DIR");

@@ -72,6 +72,7 @@
 #include "checksum.hpp"
 #include "cpus.hpp"
 #include "ferry/runtime.hpp"
+#include "tools/flags.hpp"
 
 namespace {
 
@@ -96,94 +97,52 @@ struct Flags {
   std::vector<std::pair<std::string, std::string>> settings;
 };
 
+// A usage error CLI11 cannot see: two flags that do not go together.
 [[noreturn]] void usage(const std::string& why) {
-  std::fprintf(stderr,
-               "ferry_bench_load: %s\n"
-               "usage: ferry_bench_load [--bytes SIZE] [--tensors N] [--large N] [--reshard]\n"
-               "                        [--pool-mib N]\n"
-               "                        [--dir DIR] [--set KEY=VALUE]...\n"
-               "  --bytes     state size (default 2GiB; suffixes KiB MiB GiB)\n"
-               "  --tensors   number of f32 tensors (default 120; try 2000)\n"
-               "  --large N   N of them large, holding half the state; the rest small (as\n"
-               "              a model's: a few matrices, many vectors); one process only\n"
-               "  --reshard   load 1 -> 2 ranks: two runtimes each load half the rows;\n"
-               "              with --ranks N, N ranks of one job each load 1/N of them\n"
-               "  --by-cols   with --reshard: split the columns instead (strided stretches)\n"
-               "  --page-aligned  load into page-aligned tensors (default: 64 bytes past a\n"
-               "              page, like torch's CPU tensors)\n"
-               "  --ranks N   N local ranks (processes) each load the whole state (replicated)\n"
-               "  --pool-mib  staging pool per runtime (default 256)\n"
-               "  --rounds N  load, then raw read, N times; the figures are the median\n"
-               "              round's (default 5; with --ranks, 5 launches of the job)\n"
-               "  --dir DIR   where to save (a fresh directory inside DIR, removed at the\n"
-               "              end; default /var/tmp: a disk, not tmpfs)\n"
-               "  --set K=V   any other [ferry] setting, e.g. --set direct-io=false\n",
-               why.c_str());
+  std::fprintf(stderr, "ferry_bench_load: %s\n", why.c_str());
   std::exit(2);
-}
-
-uint64_t parse_size(const std::string& s, const std::string& flag) {
-  char* end = nullptr;
-  const double v = std::strtod(s.c_str(), &end);
-  const std::string unit = end;
-  uint64_t mult = 1;
-  if (unit == "KiB" || unit == "K")
-    mult = 1ull << 10;
-  else if (unit == "MiB" || unit == "M")
-    mult = 1ull << 20;
-  else if (unit == "GiB" || unit == "G")
-    mult = 1ull << 30;
-  else if (!unit.empty())
-    usage("bad size for " + flag + ": '" + s + "'");
-  if (!(v > 0)) usage("bad size for " + flag + ": '" + s + "'");
-  return static_cast<uint64_t>(v * static_cast<double>(mult));
 }
 
 Flags parse(int argc, char** argv) {
   Flags f;
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    if (flag == "-h" || flag == "--help") usage("help");
-    if (flag == "--reshard") {
-      f.reshard = true;
-      continue;
-    }
-    if (flag == "--page-aligned") {
-      f.page_aligned = true;
-      continue;
-    }
-    if (flag == "--by-cols") {
-      f.by_cols = true;
-      continue;
-    }
-    if (i + 1 >= argc) usage("missing value for " + flag);
-    const std::string v = argv[++i];
-    if (flag == "--bytes") {
-      f.bytes = parse_size(v, flag);
-    } else if (flag == "--tensors") {
-      f.tensors = static_cast<uint32_t>(parse_size(v, flag));
-    } else if (flag == "--large") {
-      f.large = static_cast<uint32_t>(parse_size(v, flag));
-    } else if (flag == "--ranks") {
-      f.ranks = static_cast<int>(parse_size(v, flag));
-    } else if (flag == "--child") {
-      f.child_ckpt = v;
-    } else if (flag == "--rows") {
-      f.child_rows = static_cast<int64_t>(parse_size(v, flag));
-    } else if (flag == "--rounds") {
-      f.rounds = static_cast<int>(parse_size(v, flag));
-    } else if (flag == "--pool-mib") {
-      f.pool_mib = parse_size(v, flag);
-    } else if (flag == "--dir") {
-      f.dir = v;
-    } else if (flag == "--set") {
-      const auto eq = v.find('=');
-      if (eq == std::string::npos) usage("--set wants KEY=VALUE, got '" + v + "'");
-      f.settings.emplace_back(v.substr(0, eq), v.substr(eq + 1));
-    } else {
-      usage("unknown flag " + flag);
-    }
-  }
+  CLI::App app(
+      "Loads a saved state through Ferry from a cold cache, beside a plain O_DIRECT "
+      "reader of the same files.",
+      "ferry_bench_load");
+  // A flag given twice keeps its last value.
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  ferry::cli::add_size_flag(app, "--bytes", &f.bytes, "state size (default 2GiB)");
+  ferry::cli::add_count_flag(app, "--tensors", &f.tensors,
+                             "number of f32 tensors (default 120; try 2000)");
+  ferry::cli::add_count_flag(app, "--large", &f.large,
+                             "N of them large, holding half the state; the rest small (as a "
+                             "model's: a few matrices, many vectors); one process only");
+  app.add_flag("--reshard", f.reshard,
+               "load 1 -> 2 ranks: two runtimes each load half the rows; with --ranks N, N "
+               "ranks of one job each load 1/N of them");
+  app.add_flag("--by-cols", f.by_cols,
+               "with --reshard: split the columns instead (strided stretches)");
+  app.add_flag("--page-aligned", f.page_aligned,
+               "load into page-aligned tensors (default: 64 bytes past a page, like torch's "
+               "CPU tensors)");
+  ferry::cli::add_count_flag(app, "--ranks", &f.ranks,
+                             "N local ranks (processes) each load the whole state (replicated)");
+  ferry::cli::add_count_flag(app, "--pool-mib", &f.pool_mib,
+                             "staging pool per runtime in MiB (default 256)")
+      ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 32).description(""));
+  ferry::cli::add_count_flag(app, "--rounds", &f.rounds,
+                             "load, then raw read, N times; the figures are the median round's "
+                             "(default 5; with --ranks, 5 launches of the job)");
+  app.add_option("--dir", f.dir,
+                 "where to save (a fresh directory inside DIR, removed at the end; default "
+                 "/var/tmp: a disk, not tmpfs)")
+      ->type_name("DIR");
+  ferry::cli::add_set_flag(app, &f.settings,
+                           "any other [ferry] setting, e.g. --set direct-io=false");
+  // A rank of --ranks, started by this bench itself.
+  app.add_option("--child", f.child_ckpt)->group("");
+  ferry::cli::add_count_flag(app, "--rows", &f.child_rows, "")->group("");
+  ferry::cli::parse_or_exit(app, argc, argv);
   return f;
 }
 
@@ -850,7 +809,6 @@ int ranks_main(const Flags& f, const std::string& ckpt, int64_t rows, uint64_t s
 int main(int argc, char** argv) {
   const Flags f = parse(argc, argv);
   if (!f.child_ckpt.empty()) return child_main(f);
-  if (f.ranks < 1) usage("--ranks wants 1 or more");
   if (f.by_cols && !f.reshard) usage("--by-cols goes with --reshard");
   if (f.large >= f.tensors) usage("--large must be fewer than --tensors");
   if (f.large && f.ranks > 1) usage("--large goes with one process (no --ranks)");

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "plan.hpp"
+#include "tools/flags.hpp"
 
 namespace {
 
@@ -30,52 +31,34 @@ struct Args {
   int reps = 5;
 };
 
-[[noreturn]] void usage(const char* why) {
-  std::fprintf(stderr,
-               "ferry_bench_plan: %s\nusage: ferry_bench_plan [--ranks LIST] [--items N] "
-               "[--shape mixed|sharded|both] [--reps N]\n",
-               why);
-  std::exit(2);
-}
-
-int parse_positive(const std::string& s, const char* flag) {
-  char* end = nullptr;
-  const long v = std::strtol(s.c_str(), &end, 10);
-  if (s.empty() || *end != '\0' || v <= 0 || v > (1L << 24))
-    usage((std::string("bad value for ") + flag + ": '" + s + "'").c_str());
-  return static_cast<int>(v);
-}
-
 Args parse(int argc, char** argv) {
   Args a;
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    if (flag == "-h" || flag == "--help") usage("help");
-    if (i + 1 >= argc) usage(("missing value for " + flag).c_str());
-    const std::string v = argv[++i];
-    if (flag == "--ranks") {
-      a.ranks.clear();
-      size_t pos = 0;
-      while (pos <= v.size()) {
-        const size_t comma = std::min(v.find(',', pos), v.size());
-        a.ranks.push_back(parse_positive(v.substr(pos, comma - pos), "--ranks"));
-        pos = comma + 1;
-      }
-    } else if (flag == "--items") {
-      a.items = parse_positive(v, "--items");
-    } else if (flag == "--shape") {
-      if (v == "both")
-        a.shapes = {"mixed", "sharded"};
-      else if (v == "mixed" || v == "sharded")
-        a.shapes = {v};
-      else
-        usage(("unknown shape '" + v + "'").c_str());
-    } else if (flag == "--reps") {
-      a.reps = parse_positive(v, "--reps");
-    } else {
-      usage(("unknown flag " + flag).c_str());
-    }
-  }
+  CLI::App app("Times make_global_plan on synthetic local plans of a transformer-like model.",
+               "ferry_bench_plan");
+  // A flag given twice keeps its last value.
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  // Bounds that keep the synthetic plans' memory sane.
+  const auto bound = CLI::Range(1, 1 << 24).description("");
+  std::vector<int> ranks;
+  app.add_option("--ranks", ranks,
+                 "rank counts to plan, comma-separated (default 64,256,1024,4096)")
+      ->delimiter(',')
+      ->allow_extra_args(false)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll)
+      ->check(ferry::cli::positive_count())
+      ->check(bound)
+      ->type_name("LIST");
+  ferry::cli::add_count_flag(app, "--items", &a.items, "tensors per rank (default 500)")
+      ->check(bound);
+  std::string shape = "both";
+  app.add_option("--shape", shape, "mixed, sharded or both (default both)")
+      ->check(CLI::IsMember({"mixed", "sharded", "both"}))
+      ->type_name("mixed|sharded|both");
+  ferry::cli::add_count_flag(app, "--reps", &a.reps, "timed plans; the best is kept (default 5)")
+      ->check(bound);
+  ferry::cli::parse_or_exit(app, argc, argv);
+  if (!ranks.empty()) a.ranks = ranks;
+  if (shape != "both") a.shapes = {shape};
   return a;
 }
 

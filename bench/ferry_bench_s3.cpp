@@ -17,18 +17,11 @@
 #include <vector>
 
 #include "s3/client.hpp"
+#include "tools/flags.hpp"
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-[[noreturn]] void usage(const std::string& why) {
-  std::fprintf(stderr,
-               "ferry_bench_s3: %s\nusage: ferry_bench_s3 --endpoint URL --bucket B [--mib N] "
-               "[--part-mib N] [--threads N]\n",
-               why.c_str());
-  std::exit(2);
-}
 
 // Runs op(i) for i in [0, n) on `threads` threads; MiB/s of `bytes`, or -1
 // after printing the first failure.
@@ -57,29 +50,25 @@ int main(int argc, char** argv) {
   std::string bucket;
   uint64_t mib = 256, part_mib = 8;
   int threads = 8;
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    if (i + 1 >= argc) usage("missing value for " + flag);
-    const std::string v = argv[++i];
-    if (flag == "--endpoint")
-      c.endpoint = v;
-    else if (flag == "--bucket")
-      bucket = v;
-    else if (flag == "--mib")
-      mib = std::strtoull(v.c_str(), nullptr, 10);
-    else if (flag == "--part-mib")
-      part_mib = std::strtoull(v.c_str(), nullptr, 10);
-    else if (flag == "--threads")
-      threads = std::atoi(v.c_str());
-    else
-      usage("unknown flag " + flag);
-  }
-  if (bucket.empty() || mib == 0 || part_mib == 0 || threads < 1)
-    usage("--bucket, and positive sizes and threads, are needed");
+  CLI::App app("PUTs, then GETs, through Ferry's S3 client alone: the S3 server's own limit.",
+               "ferry_bench_s3");
+  // A flag given twice keeps its last value.
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  app.add_option("--endpoint", c.endpoint, "the S3 server")->type_name("URL");
+  app.add_option("--bucket", bucket, "an existing bucket")->required()->type_name("B");
+  const auto mib_bound = CLI::Range(uint64_t{1}, uint64_t{1} << 32).description("");
+  ferry::cli::add_count_flag(app, "--mib", &mib, "MiB in all (default 256)")->check(mib_bound);
+  ferry::cli::add_count_flag(app, "--part-mib", &part_mib, "MiB per object (default 8)")
+      ->check(mib_bound);
+  ferry::cli::add_count_flag(app, "--threads", &threads, "requests at a time (default 8)");
+  ferry::cli::parse_or_exit(app, argc, argv);
   ferry::s3::config_from_environment(&c);
   c.connections = threads;
   auto client = ferry::s3::Client::create(c);
-  if (!client.ok()) usage(client.status().to_string());
+  if (!client.ok()) {
+    std::fprintf(stderr, "ferry_bench_s3: %s\n", client.status().to_string().c_str());
+    return 1;
+  }
   ferry::s3::Client& s3 = *client.value();
   const size_t part = part_mib << 20;
   const int n = static_cast<int>((mib + part_mib - 1) / part_mib);

@@ -69,6 +69,7 @@
 #include "cpus.hpp"
 #include "ferry/runtime.hpp"
 #include "replica_check.hpp"
+#include "tools/flags.hpp"
 
 namespace {
 
@@ -100,88 +101,56 @@ struct Flags {
   std::string root;                                           // --root s3://...
 };
 
+// A usage error CLI11 cannot see: flags that do not go together.
 [[noreturn]] void usage(const std::string& why) {
-  std::fprintf(stderr,
-               "ferry_bench_save: %s\n"
-               "usage: ferry_bench_save [--state-mib N] [--tensors N] [--pool-mib N]\n"
-               "                        [--chunk-mib N] [--writers N] [--reps N] [--dir DIR]\n"
-               "                        [--rss-run] [--compress] [--compress-level N]\n"
-               "                        [--set KEY=VALUE]...\n"
-               "  --state-mib  state size (default 2048; 4096 with --rss-run)\n"
-               "  --tensors    number of tensors (default 120; try 2000 for many small ones)\n"
-               "  --large N    N of them large, holding half the state; the rest small\n"
-               "  --pool-mib   staging pool (default: the state plus its header; 512 with\n"
-               "               --rss-run)\n"
-               "  --chunk-mib  pool block / write size (default: the runtime's)\n"
-               "  --writers    writer threads (default: the runtime's)\n"
-               "  --reps       timed saves (default 15 up to 2 GiB, else 1)\n"
-               "  --dir DIR    where to write (a fresh directory inside DIR, removed at the\n"
-               "               end; default $TMPDIR or /tmp)\n"
-               "  --compress   realistic values; zstd codec figures; saves plain and compressed\n"
-               "  --compress-level N  zstd level for --compress (default 3)\n"
-               "  --set K=V    any other [ferry] setting, e.g. --set checksum=false;\n"
-               "               --set keep-last=N times saves that retire old checkpoints\n"
-               "  --root s3://B/P  save to (and load from) an object store, timed alone\n",
-               why.c_str());
+  std::fprintf(stderr, "ferry_bench_save: %s\n", why.c_str());
   std::exit(2);
-}
-
-uint64_t parse_positive(const std::string& s, const std::string& flag) {
-  char* end = nullptr;
-  errno = 0;
-  const unsigned long long v = std::strtoull(s.c_str(), &end, 10);
-  if (s.empty() || *end != '\0' || errno != 0 || v == 0 || v > (1ull << 32))
-    usage("bad value for " + flag + ": '" + s + "'");
-  return v;
 }
 
 Flags parse(int argc, char** argv) {
   Flags f;
-  bool state_set = false, pool_set = false;
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    if (flag == "-h" || flag == "--help") usage("help");
-    if (flag == "--rss-run") {
-      f.rss_run = true;
-      continue;
-    }
-    if (flag == "--compress") {
-      f.compress = true;
-      continue;
-    }
-    if (i + 1 >= argc) usage("missing value for " + flag);
-    const std::string v = argv[++i];
-    if (flag == "--state-mib") {
-      f.state_mib = parse_positive(v, flag);
-      state_set = true;
-    } else if (flag == "--tensors") {
-      f.tensors = static_cast<uint32_t>(parse_positive(v, flag));
-    } else if (flag == "--large") {
-      f.large = static_cast<uint32_t>(parse_positive(v, flag));
-    } else if (flag == "--pool-mib") {
-      f.pool_mib = parse_positive(v, flag);
-      pool_set = true;
-    } else if (flag == "--chunk-mib") {
-      f.chunk_mib = parse_positive(v, flag);
-    } else if (flag == "--writers") {
-      f.writers = static_cast<uint32_t>(parse_positive(v, flag));
-    } else if (flag == "--reps") {
-      f.reps = static_cast<uint32_t>(parse_positive(v, flag));
-    } else if (flag == "--compress-level") {
-      f.compress_level = static_cast<int>(parse_positive(v, flag));
-      if (f.compress_level > 22) usage("--compress-level must be 1 to 22");
-    } else if (flag == "--dir") {
-      f.dir = v;
-    } else if (flag == "--root") {
-      f.root = v;
-    } else if (flag == "--set") {
-      const size_t eq = v.find('=');
-      if (eq == std::string::npos || eq == 0) usage("--set needs KEY=VALUE, got '" + v + "'");
-      f.settings.emplace_back(v.substr(0, eq), v.substr(eq + 1));
-    } else {
-      usage("unknown flag " + flag);
-    }
-  }
+  CLI::App app(
+      "Saves a synthetic host state through Ferry, beside a plain O_DIRECT writer and "
+      "memcpy of the same bytes.",
+      "ferry_bench_save");
+  // A flag given twice keeps its last value.
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  const auto mib = CLI::Range(uint64_t{1}, uint64_t{1} << 32).description("");
+  CLI::Option* state = ferry::cli::add_count_flag(app, "--state-mib", &f.state_mib,
+                                                  "state size (default 2048; 4096 with --rss-run)")
+                           ->check(mib);
+  ferry::cli::add_count_flag(app, "--tensors", &f.tensors,
+                             "number of tensors (default 120; try 2000 for many small ones)");
+  ferry::cli::add_count_flag(app, "--large", &f.large,
+                             "N of them large, holding half the state; the rest small");
+  CLI::Option* pool = ferry::cli::add_count_flag(app, "--pool-mib", &f.pool_mib,
+                                                 "staging pool (default: the state plus its "
+                                                 "header; 512 with --rss-run)")
+                          ->check(mib);
+  ferry::cli::add_count_flag(app, "--chunk-mib", &f.chunk_mib,
+                             "pool block / write size (default: the runtime's)")
+      ->check(mib);
+  ferry::cli::add_count_flag(app, "--writers", &f.writers,
+                             "writer threads (default: the runtime's)");
+  ferry::cli::add_count_flag(app, "--reps", &f.reps,
+                             "timed saves (default 15 up to 2 GiB, else 1)");
+  app.add_option("--dir", f.dir,
+                 "where to write (a fresh directory inside DIR, removed at the end; default "
+                 "$TMPDIR or /tmp)")
+      ->type_name("DIR");
+  app.add_flag("--rss-run", f.rss_run, "the memory run: a 4 GiB state through a 512 MiB pool");
+  app.add_flag("--compress", f.compress,
+               "realistic values; zstd codec figures; saves plain and compressed");
+  app.add_option("--compress-level", f.compress_level, "zstd level for --compress (default 3)")
+      ->check(CLI::Range(1, 22).description(""))
+      ->type_name("N");
+  ferry::cli::add_set_flag(app, &f.settings,
+                           "any other [ferry] setting, e.g. --set checksum=false; --set "
+                           "keep-last=N times saves that retire old checkpoints");
+  app.add_option("--root", f.root, "save to (and load from) an object store, timed alone")
+      ->type_name("s3://B/P");
+  ferry::cli::parse_or_exit(app, argc, argv);
+  const bool state_set = state->count() > 0, pool_set = pool->count() > 0;
   // Explicit sizes win over the memory run's, whatever the flag order.
   if (f.rss_run && !state_set) f.state_mib = 4096;
   if (f.rss_run && !pool_set) f.pool_mib = 512;

@@ -789,7 +789,7 @@ void add_demo_command(CLI::App& app, int* rc) {
   CLI::App* cmd = app.add_subcommand(
       "demo", "a training job that checkpoints in the background, and its restore");
   auto count = [cmd](const char* name, auto* out, const char* help) {
-    cmd->add_option(name, *out, help)->check(positive_count())->type_name("N");
+    add_count_flag(*cmd, name, out, help);
   };
   count("--ranks", &f->ranks, "training ranks (default 2)");
   count("--restore-ranks", &f->restore_ranks,
@@ -811,15 +811,7 @@ void add_demo_command(CLI::App& app, int* rc) {
           ->check(CLI::IsMember({"host", "cuda"}).description(""))
           ->type_name("host|cuda");
   // Every --set is kept, in order: they go to every rank as given.
-  cmd->add_option("--set", *sets, "a [ferry] setting for every rank, e.g. --set pool-bytes=512MiB")
-      ->allow_extra_args(false)
-      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll)
-      ->check(CLI::Validator(
-          [](std::string& kv) -> std::string {
-            return kv.find('=') == std::string::npos ? "needs KEY=VALUE, got '" + kv + "'" : "";
-          },
-          ""))
-      ->type_name("KEY=VALUE");
+  add_set_flag(*cmd, sets.get(), "a [ferry] setting for every rank, e.g. --set pool-bytes=512MiB");
   CLI::Option* config_file =
       cmd->add_option("--config-file", f->config_file, "an INI file of [ferry] settings")
           ->type_name("PATH");
