@@ -424,6 +424,7 @@ void on_all_results(coordinator_ptr self) {
   CommitOptions co{st.ctx->opts.fsync, c.overwrite, st.ctx->opts.keep_last, c.lease_owner};
   co.renew_lease_ms = lease_ms(st);
   co.manifests = st.ctx->manifests.get();
+  co.encoder = &st.manifest.encoder;
   const auto commit_started = std::chrono::steady_clock::now();
   Result<CommitOutcome> out = [&] {
     Doing doing(*st.ctx->threads, kCoordinatorThread,

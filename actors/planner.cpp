@@ -160,6 +160,7 @@ struct LayoutCache {
   RankPlan plan;
   DataFileOptions files;
   std::shared_ptr<const std::vector<FileLayout>> layouts;
+  std::vector<uint64_t> header_sums;  // [file]: xxh3 of its header, reported with each save
   std::vector<std::vector<std::pair<uint32_t, uint64_t>>> picks;  // [file][chunk]: entry, skip
   uint64_t layout = 0;    // WriteResult::layout: a new one each time the cache is filled
   bool reported = false;  // rank 0 committed a save with this layout's whole report
@@ -500,7 +501,8 @@ void send_result(planner_ptr self) {
   for (size_t f = 0; f < cur.layouts->size(); ++f) {
     const FileLayout& l = (*cur.layouts)[f];
     wr.files.push_back(
-        {l.name, l.size, l.header.size(), xxh3_64(l.header.data(), l.header.size())});
+        {l.name, l.size, l.header.size(),
+         wr.layout != 0 ? cache.header_sums[f] : xxh3_64(l.header.data(), l.header.size())});
     for (size_t c = 0; c < l.chunks.size(); ++c) {
       const LaidOutChunk& lc = l.chunks[c];
       std::vector<uint64_t> sums;
@@ -805,6 +807,9 @@ void on_plan(planner_ptr self, PlanReply& r) {
     cache.plan = cur.plan;
     cache.files = cur.job.files;
     cache.layouts = cur.layouts;
+    cache.header_sums.clear();
+    for (const FileLayout& l : *cur.layouts)
+      cache.header_sums.push_back(xxh3_64(l.header.data(), l.header.size()));
     cache.layout = ++st.layouts_made;
     cache.reported = false;
     cache.valid = true;

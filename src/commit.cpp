@@ -470,7 +470,10 @@ Result<CommitOutcome> commit_checkpoint_in_place(Filesystem& fs, const std::stri
   }
   // Kept between commits: a fresh buffer of megabytes is paged in anew each time.
   static thread_local std::string encoded;
-  encode_manifest_into(manifest, &encoded);
+  if (opts.encoder != nullptr)
+    opts.encoder->encode(manifest, &encoded);
+  else
+    encode_manifest_into(manifest, &encoded);
   struct Trim {
     ~Trim() {
       if (encoded.capacity() > kKeptManifestBufferBytes) std::string().swap(encoded);

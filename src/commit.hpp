@@ -94,6 +94,9 @@ struct ManifestSkeleton {
   // changed no byte range, file size or checksum count: the check would pass
   // again (the caller sets it once checked).
   bool checked = false;
+  // The last commit's encoded manifest, rewritten in place by the next one
+  // of the same shape (CommitOptions::encoder).
+  ManifestEncoder encoder;
 };
 
 // assemble_manifest(header, results), built in `skeleton` (refilled when the
@@ -125,6 +128,9 @@ struct CommitOptions {
   // What the committer knows of the root's manifests (its runtime's); null:
   // each commit reads every committed manifest to number itself.
   ManifestCache* manifests = nullptr;
+  // Encodes the manifest, keeping its message for the next commit (a
+  // repeated save's manifest is rewritten in place); null: encoded afresh.
+  ManifestEncoder* encoder = nullptr;
 };
 
 struct CommitOutcome {

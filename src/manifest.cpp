@@ -6,7 +6,9 @@
 
 #include "box.hpp"
 
+#include <capnp/any.h>
 #include <capnp/message.h>
+#include <capnp/schema.h>
 #include <capnp/serialize.h>
 #include <kj/array.h>
 #include <kj/exception.h>
@@ -406,12 +408,8 @@ std::string encode_manifest(const Manifest& m) {
 
 namespace {
 
-// Frame and payload into *out_bytes; the builder starts in `first` (zeroed).
-// Returns the payload's size in words; *segments, how many it holds.
-size_t encode_framed(const Manifest& m, kj::ArrayPtr<capnp::word> first, std::string* out_bytes,
-                     size_t* segments) {
-  capnp::MallocMessageBuilder message(first);
-  auto root = message.initRoot<proto::Manifest>();
+// The Cap'n Proto form of `m` into `root`.
+void build_payload(const Manifest& m, proto::Manifest::Builder root) {
   root.setFormatVersion(m.format_version);
   root.setStep(m.step);
   root.setCommitSeq(m.commit_seq);
@@ -463,7 +461,12 @@ size_t encode_framed(const Manifest& m, kj::ArrayPtr<capnp::word> first, std::st
     kv.setKey(text(m.metadata[i].first));
     kv.setValue(text(m.metadata[i].second));
   }
+}
 
+// Frame and `message` (m's payload) into *out_bytes. Returns the payload's
+// size in words; *segments, how many it holds.
+size_t write_framed(const Manifest& m, capnp::MessageBuilder& message, std::string* out_bytes,
+                    size_t* segments) {
   const size_t payload_size = capnp::computeSerializedSizeInWords(message) * sizeof(capnp::word);
   *segments = message.getSegmentsForOutput().size();
 
@@ -491,6 +494,15 @@ size_t encode_framed(const Manifest& m, kj::ArrayPtr<capnp::word> first, std::st
   return payload_size / sizeof(capnp::word);
 }
 
+// Frame and payload into *out_bytes; the builder starts in `first` (zeroed).
+// Returns the payload's size in words; *segments, how many it holds.
+size_t encode_framed(const Manifest& m, kj::ArrayPtr<capnp::word> first, std::string* out_bytes,
+                     size_t* segments) {
+  capnp::MallocMessageBuilder message(first);
+  build_payload(m, message.initRoot<proto::Manifest>());
+  return write_framed(m, message, out_bytes, segments);
+}
+
 }  // namespace
 
 void encode_manifest_into(const Manifest& m, std::string* out) {
@@ -510,6 +522,226 @@ void encode_manifest_into(const Manifest& m, std::string* out) {
   }
   if (segment.size() * sizeof(capnp::word) > kKeptManifestBufferBytes)
     std::vector<capnp::word>(1024).swap(segment);
+}
+
+namespace {
+
+// Patching writes values into a message built before; it holds the bytes a
+// fresh build gives only where the message's shape is the same: every
+// list's length, every text's length, which optional fields are present.
+bool patch_text(capnp::Text::Builder b, std::string_view s) {
+  if (b.size() != s.size()) return false;
+  if (!s.empty()) std::memcpy(b.begin(), s.data(), s.size());
+  return true;
+}
+
+// Where build_payload put each tensor's and chunk's parts in the message's
+// segment, so a repeated save's values are written there directly: going
+// through Cap'n Proto's accessors for every chunk costs as much as building.
+struct Span {
+  kj::byte* p = nullptr;
+  size_t n = 0;  // bytes
+};
+struct WhereTensor {
+  Span key, dtype, shape, data;
+  size_t chunks = 0;
+};
+struct WhereChunk {
+  Span offsets, sizes, entry, checksums, data, codec, frame_ends;
+};
+struct Where {
+  std::vector<WhereTensor> tensors;
+  std::vector<WhereChunk> chunks;  // of every tensor, in order
+};
+
+// Byte (or, for a Bool, bit) offsets of the fields in their data sections.
+struct Offsets {
+  size_t file, byte_offset, byte_length, raw_length, frame_bytes, per_rank_bit, rank;
+};
+const Offsets& offsets() {
+  static const Offsets o = [] {
+    auto slot = [](capnp::StructSchema s, const char* name, size_t bytes) {
+      return static_cast<size_t>(s.getFieldByName(name).getProto().getSlot().getOffset()) * bytes;
+    };
+    const auto chunk = capnp::Schema::from<proto::Chunk>();
+    const auto tensor = capnp::Schema::from<proto::Tensor>();
+    return Offsets{slot(chunk, "file", 4),       slot(chunk, "byteOffset", 8),
+                   slot(chunk, "byteLength", 8), slot(chunk, "rawLength", 8),
+                   slot(chunk, "frameBytes", 8), slot(tensor, "perRank", 1),
+                   slot(tensor, "rank", 4)};
+  }();
+  return o;
+}
+
+Span span(capnp::Text::Builder t) {
+  return {reinterpret_cast<kj::byte*>(t.begin()), t.size()};
+}
+template <class List>
+Span span(List l) {
+  auto raw = capnp::AnyList::Reader(l.asReader()).getRawBytes();
+  return {const_cast<kj::byte*>(raw.begin()), raw.size()};
+}
+Span span_data(capnp::AnyStruct::Builder b) {
+  auto d = b.getDataSection();
+  return {d.begin(), d.size()};
+}
+
+void record(proto::Manifest::Builder root, Where* where) {
+  where->tensors.clear();
+  where->chunks.clear();
+  for (auto t : root.getTensors()) {
+    auto chunks = t.getChunks();
+    where->tensors.push_back({span(t.getKey()), span(t.getDtype()), span(t.getGlobalShape()),
+                              span_data(capnp::AnyStruct::Builder(proto::Tensor::Builder(t))),
+                              chunks.size()});
+    for (auto c : chunks)
+      where->chunks.push_back({span(c.getOffsets()), span(c.getSizes()), span(c.getEntry()),
+                               span(c.getChecksums()),
+                               span_data(capnp::AnyStruct::Builder(proto::Chunk::Builder(c))),
+                               c.hasCodec() ? span(c.getCodec()) : Span{},
+                               c.hasFrameEnds() ? span(c.getFrameEnds()) : Span{}});
+  }
+}
+
+// The little-endian bytes of `n` bytes of values at `v` into `at`, when the
+// sizes agree.
+bool put(const Span& at, const void* v, size_t n) {
+  if (at.n != n) return false;
+  if (n != 0) std::memcpy(at.p, v, n);
+  return true;
+}
+template <class T>
+void put_field(const Span& data, size_t offset, T v) {
+  std::memcpy(data.p + offset, &v, sizeof v);
+}
+
+bool patch_tensors(const Manifest& m, const Where& where) {
+  static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the message is written in host order");
+  const Offsets& o = offsets();
+  if (where.tensors.size() != m.tensors.size()) return false;
+  size_t k = 0;
+  for (size_t i = 0; i < m.tensors.size(); ++i) {
+    const ManifestTensor& mt = m.tensors[i];
+    const WhereTensor& wt = where.tensors[i];
+    const char* dtype = dtype_name(mt.dtype);
+    if (wt.chunks != mt.chunks.size() || !put(wt.key, mt.key.data(), mt.key.size()) ||
+        !put(wt.dtype, dtype, std::strlen(dtype)) ||
+        !put(wt.shape, mt.global_shape.data(), mt.global_shape.size() * sizeof(int64_t)))
+      return false;
+    // build_payload leaves both at zero for an ordinary tensor.
+    kj::byte& flags = wt.data.p[o.per_rank_bit / 8];
+    const kj::byte bit = static_cast<kj::byte>(1u << (o.per_rank_bit % 8));
+    flags = static_cast<kj::byte>(mt.per_rank >= 0 ? flags | bit : flags & ~bit);
+    put_field<int32_t>(wt.data, o.rank, mt.per_rank >= 0 ? mt.per_rank : 0);
+    for (const ManifestChunk& mc : mt.chunks) {
+      const WhereChunk& wc = where.chunks[k++];
+      if (!put(wc.offsets, mc.offsets.data(), mc.offsets.size() * sizeof(int64_t)) ||
+          !put(wc.sizes, mc.sizes.data(), mc.sizes.size() * sizeof(int64_t)) ||
+          !put(wc.entry, mc.entry.data(), mc.entry.size()) ||
+          !put(wc.checksums, mc.checksums.data(), mc.checksums.size() * sizeof(uint64_t)))
+        return false;
+      put_field<uint32_t>(wc.data, o.file, mc.file);
+      put_field<uint64_t>(wc.data, o.byte_offset, mc.byte_offset);
+      put_field<uint64_t>(wc.data, o.byte_length, mc.byte_length);
+      // set_stored_bytes writes the codec's fields only for a compressed chunk.
+      if ((wc.codec.p != nullptr) != !mc.codec.empty()) return false;
+      if (mc.codec.empty()) {
+        if (wc.frame_ends.p != nullptr) return false;
+        continue;
+      }
+      if (!put(wc.codec, mc.codec.data(), mc.codec.size()) ||
+          !put(wc.frame_ends, mc.frame_ends.data(), mc.frame_ends.size() * sizeof(uint64_t)))
+        return false;
+      put_field<uint64_t>(wc.data, o.raw_length, mc.raw_length);
+      put_field<uint64_t>(wc.data, o.frame_bytes, mc.frame_bytes);
+    }
+  }
+  return true;
+}
+
+// build_payload's result, written over a message build_payload made for a
+// manifest of the same shape; false (the message then half written) if the
+// shapes differ.
+bool patch_payload(const Manifest& m, proto::Manifest::Builder root, const Where& where) {
+  auto features = root.getRequiredFeatures();
+  auto files = root.getFiles();
+  auto tensors = root.getTensors();
+  auto metadata = root.getMetadata();
+  if (features.size() != m.required_features.size() || files.size() != m.files.size() ||
+      tensors.size() != m.tensors.size() || metadata.size() != m.metadata.size() ||
+      !patch_text(root.getJobId(), m.job_id) ||
+      !patch_text(root.getCheckpointId(), m.checkpoint_id))
+    return false;
+  root.setFormatVersion(m.format_version);
+  root.setStep(m.step);
+  root.setCommitSeq(m.commit_seq);
+  root.setWorldSize(m.world_size);
+  root.setFsynced(m.fsynced);
+  root.setChecksumBlockBytes(m.checksum_block_bytes);
+  root.setCreatedUnixMs(m.created_unix_ms);
+  for (size_t i = 0; i < m.required_features.size(); ++i)
+    if (!patch_text(features[static_cast<unsigned>(i)], m.required_features[i])) return false;
+  for (size_t i = 0; i < m.files.size(); ++i) {
+    const ManifestFile& mf = m.files[i];
+    auto f = files[static_cast<unsigned>(i)];
+    if (!patch_text(f.getName(), mf.name)) return false;
+    f.setSize(mf.size);
+    f.setRank(mf.rank);
+    f.setHeaderBytes(mf.header_bytes);
+    f.setHeaderChecksum(mf.header_checksum);
+  }
+  if (!patch_tensors(m, where)) return false;
+  for (size_t i = 0; i < m.metadata.size(); ++i) {
+    auto kv = metadata[static_cast<unsigned>(i)];
+    if (!patch_text(kv.getKey(), m.metadata[i].first) ||
+        !patch_text(kv.getValue(), m.metadata[i].second))
+      return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+struct ManifestEncoder::Kept {
+  std::vector<capnp::word> segment = std::vector<capnp::word>(1024);
+  // Built in `segment` alone (one segment, as encode_manifest_into's); null
+  // when nothing is kept.
+  std::unique_ptr<capnp::MallocMessageBuilder> message;
+  Where where;
+};
+
+ManifestEncoder::ManifestEncoder() : kept_(std::make_unique<Kept>()) {}
+ManifestEncoder::~ManifestEncoder() = default;
+ManifestEncoder::ManifestEncoder(ManifestEncoder&&) noexcept = default;
+ManifestEncoder& ManifestEncoder::operator=(ManifestEncoder&&) noexcept = default;
+
+void ManifestEncoder::encode(const Manifest& m, std::string* out) {
+  if (!kept_) kept_ = std::make_unique<Kept>();
+  Kept& k = *kept_;
+  size_t segments = 0;
+  patched_ =
+      k.message != nullptr && patch_payload(m, k.message->getRoot<proto::Manifest>(), k.where);
+  if (patched_) {
+    write_framed(m, *k.message, out, &segments);
+    return;
+  }
+  for (;;) {
+    k.message.reset();
+    std::fill(k.segment.begin(), k.segment.end(), capnp::word());  // Cap'n Proto requires it zeroed
+    k.message = std::make_unique<capnp::MallocMessageBuilder>(
+        kj::arrayPtr(k.segment.data(), k.segment.size()));
+    build_payload(m, k.message->initRoot<proto::Manifest>());
+    const size_t words = write_framed(m, *k.message, out, &segments);
+    if (segments == 1) break;
+    k.message.reset();
+    k.segment.resize(words);
+  }
+  record(k.message->getRoot<proto::Manifest>(), &k.where);
+  if (k.segment.size() * sizeof(capnp::word) > kKeptManifestBufferBytes) {
+    k.message.reset();
+    k.where = Where{};
+    std::vector<capnp::word>(1024).swap(k.segment);
+  }
 }
 
 namespace {

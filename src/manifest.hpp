@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -82,6 +83,30 @@ const std::vector<std::string>& known_manifest_features();
 std::string encode_manifest(const Manifest& m);
 // The same bytes into *out, whose memory is reused.
 void encode_manifest_into(const Manifest& m, std::string* out);
+
+// encode_manifest_into's bytes, from a Cap'n Proto message kept between
+// calls: when a manifest differs from the last one encoded here only in what
+// a repeated save changes (header numbers, ids, file names and metadata of
+// the same lengths, file sizes and headers, chunk files, byte ranges and
+// checksums of the same counts), those are rewritten in place and the rest
+// of the message is not built again. Anything else builds it afresh. Keeps
+// up to kKeptManifestBufferBytes of message. Not thread-safe.
+class ManifestEncoder {
+ public:
+  ManifestEncoder();
+  ~ManifestEncoder();
+  ManifestEncoder(ManifestEncoder&&) noexcept;
+  ManifestEncoder& operator=(ManifestEncoder&&) noexcept;
+
+  void encode(const Manifest& m, std::string* out);
+  // The last encode() rewrote the kept message rather than building it.
+  bool last_patched() const { return patched_; }
+
+ private:
+  struct Kept;
+  std::unique_ptr<Kept> kept_;
+  bool patched_ = false;
+};
 
 // Checks the frame (magic, version <= ours, known features, length, payload
 // checksum), decodes with traversal/nesting limits sized from the input, and
