@@ -11,6 +11,8 @@
 #include <random>
 #include <utility>
 
+#include <caf/thread_hook.hpp>
+
 #include "actors/actors.hpp"
 #include "actors/messages.hpp"
 #include "actors/runtime_access.hpp"
@@ -21,6 +23,7 @@
 #include "drills/kill_point.hpp"
 #include "node.hpp"
 #include "object_fs.hpp"
+#include "s3/client.hpp"
 #include "verify.hpp"
 
 namespace ferry {
@@ -166,6 +169,16 @@ struct SaveRegistry {
     for (auto& w : left)
       if (auto s = w.lock()) s->finish(why, "");
   }
+};
+
+// Each thread CAF ends gives back its HTTP stack's per-thread state first
+// (see s3::release_thread_state): a detached actor's thread may still be
+// ending when the process exits.
+class ReleaseThreadState : public caf::thread_hook {
+ public:
+  void init(caf::actor_system&) override {}
+  void thread_started() override {}
+  void thread_terminates() override { s3::release_thread_state(); }
 };
 
 }  // namespace
@@ -436,6 +449,7 @@ Result<std::unique_ptr<Runtime>> Runtime::create(RuntimeArgs args) {
   // thread costs its sender one notify, so it waits at once.
   impl->cfg.set("work-stealing.moderate-poll-attempts", 0);
   impl->cfg.set("logger.console-verbosity", caf::atom("quiet"));
+  impl->cfg.add_thread_hook<ReleaseThreadState>();
   std::vector<std::string> caf_args;
   for (const auto& a : args.argv)
     if (a.rfind("--config-file=", 0) != 0) caf_args.push_back(a);

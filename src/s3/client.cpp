@@ -1,6 +1,7 @@
 #include "s3/client.hpp"
 
 #include <curl/curl.h>
+#include <openssl/crypto.h>
 #include <openssl/evp.h>
 
 #include <algorithm>
@@ -69,6 +70,10 @@ void config_from_environment(Config* c) {
   std::string region = env_or_empty("AWS_REGION");
   if (region.empty()) region = env_or_empty("AWS_DEFAULT_REGION");
   if (!region.empty() && c->region == Config().region) c->region = region;
+}
+
+void release_thread_state() {
+  OPENSSL_thread_stop();
 }
 
 bool is_s3_url(const std::string& root) {

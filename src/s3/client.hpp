@@ -66,6 +66,14 @@ struct Url {
 Result<Url> parse_url(const std::string& url);
 bool is_s3_url(const std::string& root);
 
+// Frees what the HTTP stack keeps per thread (OpenSSL's error queue, which
+// SigV4's hashing creates). A thread frees it on exit by itself, except one
+// that ends while the process exits: OpenSSL's exit handler has by then
+// removed the key whose destructor would free it. CAF's detached actor
+// threads are such threads (they report their end before they exit), so the
+// runtime calls this as each CAF thread ends.
+void release_thread_state();
+
 using Clock = std::chrono::steady_clock;
 // The whole call, retries included, ends by this time.
 struct Deadline {
