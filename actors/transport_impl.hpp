@@ -277,6 +277,8 @@ class Transport::Impl {
   // Progress thread: UCX.
   void run();
   void dispatch_events();
+  // A connection's UCX end failed (error, oversize frame): a lane closes, a peer fails.
+  void lose_conn(Conn* conn, Status why);
   void handle_frame(Conn* conn, std::string bytes);
   void mark_ready(Conn* conn);
   void distribute_lanes();
