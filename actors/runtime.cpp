@@ -296,6 +296,7 @@ Status start_transport(Runtime::Impl& impl, const std::string& token) {
   to.connect_timeout_s = ctx.opts.connect_timeout_s;
   to.heartbeat_interval_s = ctx.opts.heartbeat_interval_s;
   to.heartbeat_timeout_s = ctx.opts.heartbeat_timeout_s;
+  to.rejoin_timeout_s = ctx.opts.rejoin_timeout_s;
   to.frame_buffers = ctx.frames;
   to.logger = ctx.log;
 
