@@ -120,6 +120,14 @@ struct RankContext {
   // agree on without a round trip.
   uint64_t run_salt = 0;
   std::shared_ptr<Filesystem> fs;
+  // Declares `root` on fs once for this runtime's life (its saves and loads
+  // there may run on after the call that named it); released when it ends.
+  void hold_root(const std::string& root) {
+    std::lock_guard<std::mutex> lock(roots_mu);
+    if (roots.find(root) == roots.end()) roots.emplace(root, RootHold(fs, root));
+  }
+  std::mutex roots_mu;
+  std::map<std::string, RootHold> roots;
   std::shared_ptr<DeviceBackend> device;
   std::shared_ptr<StagingPool> pool;
   // Flow control of the replicated bytes this rank sends others in a load:

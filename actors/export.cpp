@@ -183,7 +183,7 @@ Result<std::string> export_checkpoint(Runtime& rt, const std::string& checkpoint
   // The checkpoint may be on an object root (s3://), with the runtime's S3 settings.
   const S3StoreOptions s3 = s3_store_options(detail::RuntimeAccess::context(rt).opts);
   auto fs = with_object_roots(posix_filesystem(), [s3] { return s3; });
-  fs->add_root(checkpoint);
+  const RootHold hold(fs, checkpoint);
   FERRY_ASSIGN_OR_RETURN(std::string dir, resolve_checkpoint(*fs, checkpoint));
   FERRY_ASSIGN_OR_RETURN(Manifest m, read_manifest(*fs, dir));
   // A size past 2^64 would be written as a wrapped safetensors entry.

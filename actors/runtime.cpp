@@ -296,6 +296,7 @@ Status start_transport(Runtime::Impl& impl, const std::string& token) {
   to.connect_timeout_s = ctx.opts.connect_timeout_s;
   to.heartbeat_interval_s = ctx.opts.heartbeat_interval_s;
   to.heartbeat_timeout_s = ctx.opts.heartbeat_timeout_s;
+  to.rejoin_timeout_s = ctx.opts.rejoin_timeout_s;
   to.frame_buffers = ctx.frames;
   to.logger = ctx.log;
 
@@ -485,7 +486,7 @@ Result<std::unique_ptr<Runtime>> Runtime::create(RuntimeArgs args) {
       });
   FERRY_ASSIGN_OR_RETURN(ctx->fs, filesystem_from_env(std::move(base)));
   // Nothing below a root is reached through a link (Filesystem::add_root).
-  if (!opts.root.empty()) ctx->fs->add_root(opts.root);
+  if (!opts.root.empty()) ctx->hold_root(opts.root);
   // Crash drills (FERRY_KILL_AT) observe this runtime's crash points only.
   FERRY_ASSIGN_OR_RETURN(ctx->fs, kill_points_from_env(std::move(ctx->fs), args.rank));
   // The CUDA backend when this machine has a GPU (host tensors still take
@@ -667,7 +668,7 @@ std::shared_ptr<detail::SaveState> detail::RuntimeAccess::start_save(
     return refuse(
         Status::invalid_argument("no checkpoint root: set ferry.root or SaveOptions::root"));
   }
-  impl_->ctx->fs->add_root(root);
+  impl_->ctx->hold_root(root);
   // Resolved once here: the plan and the writers see this one value.
   auto files = resolve_data_files(impl_->ctx->opts, opts, static_cast<bool>(checkpoint_fn));
   if (!files.ok()) {
@@ -983,7 +984,7 @@ Result<LoadReport> Runtime::resolve(const std::string& path) {
 Result<LoadReport> Runtime::load_report(StateDict& sd, const std::string& path) {
   Impl& im = *impl_;
   const std::string id = "load-" + std::to_string(++im.loads);
-  im.ctx->fs->add_root(path);
+  im.ctx->hold_root(path);
   std::optional<LoadTimes> times;
   if (!im.ctx->opts.trace_dir.empty()) times.emplace().start = trace_now_ns();
   caf::scoped_actor self{*im.sys};
@@ -1013,14 +1014,14 @@ Status Runtime::load(StateDict& sd, const std::string& path) {
 }
 
 std::string Runtime::latest(const std::string& root) const {
-  if (!root.empty()) impl_->ctx->fs->add_root(root);
+  if (!root.empty()) impl_->ctx->hold_root(root);
   auto r = find_latest(*impl_->ctx->fs, root.empty() ? impl_->ctx->opts.root : root,
                        impl_->ctx->manifests.get());
   return r.ok() ? r->path : "";
 }
 
 std::string Runtime::latest_valid(const std::string& root) const {
-  if (!root.empty()) impl_->ctx->fs->add_root(root);
+  if (!root.empty()) impl_->ctx->hold_root(root);
   auto r = ferry::latest_valid(*impl_->ctx->fs, root.empty() ? impl_->ctx->opts.root : root);
   return r.ok() ? r->path : "";
 }

@@ -193,6 +193,10 @@ Result<std::unique_ptr<Transport>> Transport::start(const TransportOptions& opti
     return Status::invalid_argument("transport: connect_timeout_s must be > 0, got " +
                                     std::to_string(o.connect_timeout_s));
   }
+  if (!(o.rejoin_timeout_s > 0)) {
+    return Status::invalid_argument("transport: rejoin_timeout_s must be > 0, got " +
+                                    std::to_string(o.rejoin_timeout_s));
+  }
   if (!(o.handshake_timeout_s > 0)) {
     return Status::invalid_argument("transport: handshake_timeout_s must be > 0, got " +
                                     std::to_string(o.handshake_timeout_s));

@@ -39,7 +39,9 @@
 //   tcp connecting --hello sent, reply--> up --error/silence--> failed --hello again--> up
 //     |   ^             |  (the reply is the first frame;      (on_peer_failed(0) once;
 //     |   |             |                                       rank 0 takes a failed rank
-//     |   |             |                                       back: on_peer_rejoined)
+//     |   |             |                                       back: on_peer_rejoined;
+//     |   |             |                                       none by rejoin_timeout_s:
+//     |   |             |                                       lost, on_peer_failed(0) again)
 //     |   |             |   a refused UCX connect to rank 0 is retried
 //     |   |             |   until 0.8 heartbeat_timeout_s, then failed)
 //     |   |             +--refused: the reply is the first frame; sends fail.
@@ -87,6 +89,9 @@ struct TransportOptions {
   // Rank 0 closes a connection that has not delivered its whole hello (or
   // taken its whole reply) this long after it was accepted.
   double handshake_timeout_s = 5;
+  // A rank > 0 whose rank 0 failed asks to rejoin this long, then gives rank
+  // 0 up (on_peer_failed(0) a second time, naming it lost).
+  double rejoin_timeout_s = 300;
   // The largest frame either way: send() refuses a larger one, and a peer
   // that announces one is failed before anything is allocated for it.
   uint64_t max_frame_bytes = uint64_t{1} << 30;
@@ -118,12 +123,13 @@ struct TransportCallbacks {
   std::function<void(int32_t from_rank, std::string frame)> on_frame;
   // Once per peer, as soon as its endpoint fails or it has been silent for
   // heartbeat_timeout_s. A peer that closes its end gracefully is reported
-  // too: the layer above knows whether that was expected.
+  // too: the layer above knows whether that was expected. On a rank > 0,
+  // rank 0 once more when rejoining it gave up (rejoin_timeout_s), naming it lost.
   std::function<void(int32_t rank, Status why)> on_peer_failed;
   // A failed peer is back (after a partition, say): on rank 0 a failed rank
   // whose hello accept() let in again; on a rank > 0, rank 0 once it took
   // our hello again (a rank > 0 keeps asking, with backoff, after rank 0
-  // failed). It has a new session; on_peer_failed may report it again.
+  // failed, for rejoin_timeout_s). It has a new session; on_peer_failed may report it again.
   // Lanes that close_lane() closed stay so (sends on them fail).
   std::function<void(int32_t rank)> on_peer_rejoined;
 };

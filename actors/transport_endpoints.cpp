@@ -181,34 +181,30 @@ void Transport::Impl::dispatch_events() {
           conn->last_rx = Clock::now();
           install_lanes(e.bytes);
           continue;
-        case Event::oversize: {
-          Status why = Status::invalid_argument(
-              "rank " + std::to_string(conn->rank) + " announced a " + std::to_string(e.announced) +
-              "-byte frame; the limit is " + std::to_string(opts_.max_frame_bytes));
-          // Whether a rank failed is rank 0's word: a lane only closes.
-          if (conn->lane) {
-            log("closed the direct lane to rank %d: %s", conn->rank, why.message().c_str());
-            close_lane_now(conn->rank, why, false);
-            continue;
-          }
-          fail_peer(conn->rank, std::move(why));
-          break;
-        }
-        case Event::error: {
-          Status why = Status::aborted("rank " + std::to_string(conn->rank) +
-                                       ": connection lost: " + ucs_status_string(e.status));
-          if (conn->lane) {
-            log("closed the direct lane to rank %d: %s", conn->rank, why.message().c_str());
-            close_lane_now(conn->rank, why, false);
-            continue;
-          }
-          fail_peer(conn->rank, std::move(why));
-          break;
-        }
+        case Event::oversize:
+          lose_conn(conn, Status::invalid_argument("rank " + std::to_string(conn->rank) +
+                                                   " announced a " + std::to_string(e.announced) +
+                                                   "-byte frame; the limit is " +
+                                                   std::to_string(opts_.max_frame_bytes)));
+          continue;
+        case Event::error:
+          lose_conn(conn, Status::aborted("rank " + std::to_string(conn->rank) +
+                                          ": connection lost: " + ucs_status_string(e.status)));
+          continue;
       }
-      drop_conn(conn, /*force=*/true);
     }
   }
+}
+
+// Whether a rank failed is rank 0's word: a lane only closes.
+void Transport::Impl::lose_conn(Conn* conn, Status why) {
+  if (conn->lane) {
+    log("closed the direct lane to rank %d: %s", conn->rank, why.message().c_str());
+    close_lane_now(conn->rank, why, false);
+    return;
+  }
+  fail_peer(conn->rank, std::move(why));
+  drop_conn(conn, /*force=*/true);
 }
 
 void Transport::Impl::mark_ready(Conn* conn) {

@@ -277,6 +277,8 @@ class Transport::Impl {
   // Progress thread: UCX.
   void run();
   void dispatch_events();
+  // A connection's UCX end failed (error, oversize frame): a lane closes, a peer fails.
+  void lose_conn(Conn* conn, Status why);
   void handle_frame(Conn* conn, std::string bytes);
   void mark_ready(Conn* conn);
   void distribute_lanes();
@@ -286,6 +288,9 @@ class Transport::Impl {
   void run_commands();
   void on_tick(Clock::time_point now);
   void fail_peer(int32_t rank, Status why);
+  // Rank > 0, rejoining: one attempt failed (logged seldom); past the limit, give up.
+  void rejoin_failed(const std::string& why);
+  void give_up_rejoin(Clock::time_point now);
   Result<Conn*> connect_to(int32_t rank, const std::string& address, uint64_t session,
                            bool lane = false);
   void drop_conn(Conn* conn, bool force);
@@ -389,8 +394,12 @@ class Transport::Impl {
   bool stopping_ = false;
   bool connected_once_ = false;
   // rank > 0: rank 0 failed after we joined; we present our hello again
-  // (retrying with backoff until stop()) and rejoin with a fresh session.
+  // (retrying with backoff until rejoin_timeout_s) and rejoin with a fresh session.
   bool rejoining_ = false;
+  Clock::time_point rejoin_since_;
+  int rejoin_attempts_ = 0;
+  std::string rejoin_logged_cause_;  // the last failed attempt's cause that was logged
+  std::string rejoin_cause_;         // the last failed attempt's cause
   // Rank > 0: when the last hello left and when rank 0's reply to it came
   // (steady clock ns; under mu_), for the timeline's clock offset.
   int64_t hello_sent_ns_ = 0;

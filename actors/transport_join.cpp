@@ -404,8 +404,7 @@ void Transport::Impl::connect_rank0(Clock::time_point now) {
   Result<Conn*> conn = connect_to(0, p.address, p.session);
   if (!conn.ok()) {
     if (now >= p.deadline && rejoining_) {
-      log("rejoining rank 0: %s (%d attempts); asking again", conn.status().message().c_str(),
-          p.attempts);
+      rejoin_failed(conn.status().message());
       pending_join_.reset();
       next_attempt_ = now + retry_delay_;
       return;
@@ -463,7 +462,7 @@ void Transport::Impl::connect_attempt(Clock::time_point now) {
   Handshake& h = handshakes_[id];
   h.fd = fd;
   h.from = describe(address_.storage);
-  // A rejoin has no overall deadline: each attempt has its own.
+  // A rejoin's attempts each have their own deadline; all together, rejoin_timeout_s.
   h.deadline = rejoining_ ? now + from_seconds(opts_.handshake_timeout_s) : connect_deadline_;
   h.out.assign(kHelloMagic, 4);
   h.out.push_back(static_cast<char>(kHandshakeVersion));
@@ -484,6 +483,7 @@ void Transport::Impl::connect_attempt(Clock::time_point now) {
 void Transport::Impl::retry_connect(const std::string& why) {
   if (client_handshake_ != 0) close_handshake(client_handshake_);
   last_connect_error_ = why;
+  if (rejoining_) rejoin_failed(why);
   next_attempt_ = Clock::now() + retry_delay_;
   retry_delay_ = std::min<Clock::duration>(retry_delay_ * 2, kMaxRetryDelay);
 }

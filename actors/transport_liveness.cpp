@@ -79,6 +79,7 @@ void Transport::Impl::on_tick(Clock::time_point now) {
     for (auto& [id, conn] : conns_) conn->last_rx += now - last_tick_;
     for (auto& [id, h] : handshakes_) h.deadline += now - last_tick_;
     if (pending_join_) pending_join_->deadline += now - last_tick_;
+    rejoin_since_ += now - last_tick_;
   }
   last_tick_ = now;
 
@@ -94,6 +95,9 @@ void Transport::Impl::on_tick(Clock::time_point now) {
     } else if (client_handshake_ == 0 && now >= next_attempt_) {
       connect_attempt(now);
     }
+  }
+  if (rejoining_ && now - rejoin_since_ >= from_seconds(opts_.rejoin_timeout_s)) {
+    give_up_rejoin(now);
   }
   if (rejoining_ && reported_[0]) {
     auto h = client_handshake_ != 0 ? handshakes_.find(client_handshake_) : handshakes_.end();
@@ -178,20 +182,59 @@ void Transport::Impl::fail_peer(int32_t rank, Status why) {
     peers_[rank].why = why;
     cv_.notify_all();
   }
+  const std::string what = why.message();
   if (!stopping_ && cb_.on_peer_failed) cb_.on_peer_failed(rank, std::move(why));
   if (opts_.rank != 0 && rank == 0 && connected_once_ && !stopping_) {
-    // The job may outlive a partition: ask rank 0 again until stop().
+    // The job may outlive a partition: ask rank 0 again, for rejoin_timeout_s.
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (refused_) return;
       ack_delivered_ = false;
     }
+    log("rank 0 lost (%s); asking it to take this rank back for up to %s", what.c_str(),
+        format_seconds(opts_.rejoin_timeout_s).c_str());
     rejoining_ = true;
+    rejoin_since_ = Clock::now();
+    rejoin_attempts_ = 0;
+    rejoin_cause_.clear();
+    rejoin_logged_cause_.clear();
     pending_join_.reset();
     if (client_handshake_ != 0) close_handshake(client_handshake_);
     retry_delay_ = kFirstRetryDelay;
     next_attempt_ = Clock::now() + retry_delay_;
   }
+}
+
+// A line for the first failed attempt, a new cause, or every kRejoinLogEvery-th:
+// a rank 0 gone for good must not fill the log.
+void Transport::Impl::rejoin_failed(const std::string& why) {
+  constexpr int kRejoinLogEvery = 20;
+  ++rejoin_attempts_;
+  rejoin_cause_ = why;
+  if (why == rejoin_logged_cause_ && rejoin_attempts_ % kRejoinLogEvery != 0) return;
+  rejoin_logged_cause_ = why;
+  const double left = opts_.rejoin_timeout_s - seconds(Clock::now() - rejoin_since_);
+  log("rejoining rank 0: attempt %d failed: %s; asking again (for %s more)", rejoin_attempts_,
+      why.c_str(), format_seconds(std::max(0.0, left)).c_str());
+}
+
+void Transport::Impl::give_up_rejoin(Clock::time_point now) {
+  rejoining_ = false;
+  pending_join_.reset();
+  if (client_handshake_ != 0) close_handshake(client_handshake_);
+  std::string why = "rank 0 lost: this rank asked it to take it back for " +
+                    format_seconds(seconds(now - rejoin_since_)) + " (" +
+                    std::to_string(rejoin_attempts_) + " attempts";
+  if (!rejoin_cause_.empty()) why += "; last: " + rejoin_cause_;
+  why += ") and gave up (rejoin-timeout " + format_seconds(opts_.rejoin_timeout_s) + ")";
+  log("%s", why.c_str());
+  Status st = Status::aborted(why);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    peers_[0].why = st;
+    cv_.notify_all();
+  }
+  if (!stopping_ && cb_.on_peer_failed) cb_.on_peer_failed(0, std::move(st));
 }
 
 }  // namespace ferry

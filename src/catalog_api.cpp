@@ -96,36 +96,36 @@ Catalog::Catalog(std::shared_ptr<Filesystem> fs) : fs_(fs ? std::move(fs) : posi
 
 Result<std::vector<CheckpointInfo>> Catalog::list(const std::string& root,
                                                   const ListOptions& o) const {
-  fs_->add_root(root);
+  const RootHold hold(fs_, root);
   FERRY_ASSIGN_OR_RETURN(std::vector<CheckpointInfo> out, list_checkpoints(*fs_, root));
   if (o.include_uncommitted) FERRY_RETURN_IF_ERROR(add_uncommitted(*fs_, root, &out));
   return out;
 }
 
 Result<CheckpointInfo> Catalog::latest(const std::string& root) const {
-  fs_->add_root(root);
+  const RootHold hold(fs_, root);
   return find_latest(*fs_, root);
 }
 
 Result<CheckpointInfo> Catalog::latest_valid(const std::string& root) const {
-  fs_->add_root(root);
+  const RootHold hold(fs_, root);
   return ferry::latest_valid(*fs_, root);
 }
 
 Result<std::string> Catalog::resolve(const std::string& path) const {
-  fs_->add_root(path);
+  const RootHold hold(fs_, path);
   return resolve_checkpoint(*fs_, path);
 }
 
 Result<VerifyReport> Catalog::verify(const std::string& path) const {
-  fs_->add_root(path);
+  const RootHold hold(fs_, path);
   FERRY_ASSIGN_OR_RETURN(std::string dir, resolve_checkpoint(*fs_, path));
   return verify_checkpoint(*fs_, dir);
 }
 
 Result<CheckpointManifest> Catalog::manifest(const std::string& path,
                                              const ManifestOptions& o) const {
-  fs_->add_root(path);
+  const RootHold hold(fs_, path);
   FERRY_ASSIGN_OR_RETURN(std::string dir, resolve_checkpoint(*fs_, path));
   FERRY_ASSIGN_OR_RETURN(Manifest m, read_manifest(*fs_, dir));
   CheckpointManifest out;
@@ -168,14 +168,14 @@ Result<CheckpointManifest> Catalog::manifest(const std::string& path,
 }
 
 Result<GcReport> Catalog::gc(const std::string& root, const GcOptions& o) const {
-  fs_->add_root(root);
+  const RootHold hold(fs_, root);
   return collect_garbage(*fs_, root, o.now_unix_ms ? o.now_unix_ms : now_unix_ms(), o.grace_ms,
                          o.lock_wait_ms);
 }
 
 Result<std::vector<std::string>> Catalog::apply_retention(const std::string& root,
                                                           uint32_t keep_last) const {
-  fs_->add_root(root);
+  const RootHold hold(fs_, root);
   return ferry::apply_retention(*fs_, root, keep_last);
 }
 

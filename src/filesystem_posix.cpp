@@ -13,6 +13,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <map>
 #include <mutex>
 #include <thread>
 #include <utility>
@@ -122,12 +123,13 @@ class PosixFile : public File {
 
 class PosixLock : public FileLock {
  public:
-  explicit PosixLock(int fd) : fd_(fd) {}
+  PosixLock(int fd, RootHold dir) : fd_(fd), dir_(std::move(dir)) {}
   // Closing the descriptor releases the flock.
   ~PosixLock() override { ::close(fd_); }
 
  private:
   int fd_;
+  RootHold dir_;  // its directory stays a root while the lock is held
 };
 
 Status check_errno(int rc, const char* op, const std::string& path) {
@@ -188,7 +190,7 @@ struct At {
   bool beneath = false;  // then the last component is never followed either
 };
 
-class PosixFilesystem : public Filesystem {
+class PosixFilesystem : public Filesystem, public std::enable_shared_from_this<PosixFilesystem> {
  public:
   explicit PosixFilesystem(bool openat2 = true) : openat2_(openat2) {}
 
@@ -196,7 +198,19 @@ class PosixFilesystem : public Filesystem {
     std::string n = normal_path(root);
     if (n == "/") return;  // everything would be below it
     std::lock_guard<std::mutex> lock(roots_mu_);
-    if (std::find(roots_.begin(), roots_.end(), n) == roots_.end()) roots_.push_back(std::move(n));
+    ++roots_[n];
+  }
+
+  void release_root(const std::string& root) override {
+    std::string n = normal_path(root);
+    std::lock_guard<std::mutex> lock(roots_mu_);
+    auto it = roots_.find(n);
+    if (it != roots_.end() && --it->second == 0) roots_.erase(it);
+  }
+
+  size_t declared_roots() {
+    std::lock_guard<std::mutex> lock(roots_mu_);
+    return roots_.size();
   }
 
   Result<std::unique_ptr<File>> open(const std::string& path, const OpenOptions& o) override {
@@ -333,7 +347,7 @@ class PosixFilesystem : public Filesystem {
 
   Result<std::unique_ptr<FileLock>> lock(const std::string& path, int64_t wait_ms) override {
     // The lock guards a root: whatever Ferry does in it stays below it.
-    add_root(parent_path(path));
+    RootHold dir(shared_from_this(), parent_path(path));
     FERRY_ASSIGN_OR_RETURN(At a, at(path, "open lock file"));
     int fd = open_retrying(a, O_RDWR | O_CREAT | O_CLOEXEC | O_NONBLOCK | O_NOFOLLOW);
     if (fd < 0) return open_error(errno, "open lock file", path);
@@ -369,7 +383,7 @@ class PosixFilesystem : public Filesystem {
     // failure here does not make the lock less held.
     std::string who = "pid " + std::to_string(::getpid()) + " on " + host_name() + "\n";
     if (::ftruncate(fd, 0) == 0) (void)!::pwrite(fd, who.data(), who.size(), 0);
-    return std::unique_ptr<FileLock>(new PosixLock(fd));
+    return std::unique_ptr<FileLock>(new PosixLock(fd, std::move(dir)));
   }
 
   Result<FileInfo> stat(const std::string& path) override {
@@ -420,7 +434,8 @@ class PosixFilesystem : public Filesystem {
     const std::string n = normal_path(path);
     std::lock_guard<std::mutex> lock(roots_mu_);
     bool found = false;
-    for (const std::string& r : roots_) {
+    for (const auto& held : roots_) {
+      const std::string& r = held.first;
       if (found && r.size() >= root->size()) continue;
       if (r == ".") {
         if (n[0] == '/' || n == "." || n == ".." || n.compare(0, 3, "../") == 0) continue;
@@ -530,20 +545,25 @@ class PosixFilesystem : public Filesystem {
 
   std::atomic<bool> openat2_;
   std::mutex roots_mu_;
-  std::vector<std::string> roots_;  // in normal form
+  std::map<std::string, size_t> roots_;  // in normal form: how many declarations hold each
 };
 
 }  // namespace
 
 std::shared_ptr<Filesystem> posix_filesystem() {
-  // Stateless, so one shared instance is as good as many; it is still passed
-  // down explicitly rather than reached as a global.
+  // One instance, passed down explicitly rather than reached as a global; its
+  // only state is the declared roots, each released by what declared it.
   static const std::shared_ptr<Filesystem> fs = std::make_shared<PosixFilesystem>();
   return fs;
 }
 
 std::shared_ptr<Filesystem> detail::posix_filesystem_without_openat2() {
   return std::make_shared<PosixFilesystem>(false);
+}
+
+size_t detail::declared_roots(Filesystem& fs) {
+  auto* posix = dynamic_cast<PosixFilesystem*>(&fs);
+  return posix != nullptr ? posix->declared_roots() : 0;
 }
 
 std::string join_path(const std::string& a, const std::string& b) {

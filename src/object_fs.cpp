@@ -416,6 +416,9 @@ class ObjectRootFilesystem : public FilesystemWrapper {
   void add_root(const std::string& root) override {
     if (!is_object_root(root)) target_->add_root(root);
   }
+  void release_root(const std::string& root) override {
+    if (!is_object_root(root)) target_->release_root(root);
+  }
 
   // The store under an object path, and the path's key in it.
   Result<std::pair<StoreFilesystem*, std::string>> store_of(const std::string& path) {

@@ -411,6 +411,11 @@ const std::vector<KeySpec>& key_table() {
        [](const std::string& v, Options& o, std::string& why) {
          return parse_positive_duration(v, o.heartbeat_timeout_s, why);
        }},
+      {{"rejoin-timeout", "300s",
+        "a rank > 0 whose rank 0 failed asks to rejoin this long, then gives rank 0 up as lost"},
+       [](const std::string& v, Options& o, std::string& why) {
+         return parse_positive_duration(v, o.rejoin_timeout_s, why);
+       }},
       {{"plan-timeout", "30s",
         "time for every rank's local plan to reach rank 0 after the first; a save some ranks "
         "never call fails after it, naming them"},

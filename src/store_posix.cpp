@@ -86,8 +86,9 @@ class DirectoryWriter : public ObjectWriter {
 
 class DirectoryStore : public Store {
  public:
+  // Nothing below the store's directory is followed if it is a link.
   DirectoryStore(std::shared_ptr<Filesystem> fs, std::string dir)
-      : fs_(std::move(fs)), dir_(std::move(dir)) {}
+      : fs_(std::move(fs)), dir_(std::move(dir)), hold_(fs_, dir_) {}
 
   const std::string& root() const override { return dir_; }
   uint64_t part_bytes() const override { return 1; }
@@ -228,6 +229,7 @@ class DirectoryStore : public Store {
 
   std::shared_ptr<Filesystem> fs_;
   std::string dir_;
+  RootHold hold_;
 };
 
 }  // namespace
@@ -259,8 +261,6 @@ Result<std::shared_ptr<Store>> directory_store(std::shared_ptr<Filesystem> fs,
     if (s.ok()) s = fs->sync_dir(parent_path(dir));
     if (!s.ok()) return s;
   }
-  // Nothing below the store's directory is followed if it is a link.
-  fs->add_root(dir);
   return std::shared_ptr<Store>(new DirectoryStore(std::move(fs), dir));
 }
 

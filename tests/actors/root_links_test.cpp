@@ -116,3 +116,23 @@ TEST_CASE("a load whose step directory becomes a link reads nothing outside the 
                                Catch::Contains("symbolic link, which Ferry never follows"));
   CHECK(got.a == Model(-1).a);
 }
+
+TEST_CASE("runtimes give back the roots they declared on the shared POSIX filesystem",
+          "[actors][root]") {
+  TempDir dir;
+  ferry::Filesystem& shared = *ferry::posix_filesystem();
+  const size_t before = ferry::detail::declared_roots(shared);
+  for (int i = 0; i < 8; ++i) {
+    ferry::RuntimeArgs args;
+    const std::string root = dir.sub("root" + std::to_string(i));
+    args.set("root", root).set("pool-bytes", "1MiB").set("chunk-bytes", "64KiB");
+    auto rt = ferry::Runtime::create(args);
+    REQUIRE(rt.ok());
+    Model m(static_cast<float>(i));
+    REQUIRE((*rt)->save_async(m.sd, 1).wait_committed(std::chrono::seconds(60)).ok());
+    CHECK((*rt)->latest(dir.sub("other")).empty());  // a second root, for a call
+    CHECK(ferry::detail::declared_roots(shared) >= before + 1);
+  }
+  // Each runtime's roots went with it (its save's lock released its own).
+  CHECK(ferry::detail::declared_roots(shared) == before);
+}

@@ -487,6 +487,80 @@ TEST_CASE("a rank whose rank 0 never appears fails wait_peers with a timeout", "
                     [&] { return failure.has_value(); }));
 }
 
+TEST_CASE("a rank whose rank 0 was killed asks to rejoin quietly, then gives rank 0 up as lost",
+          "[transport][rejoin]") {
+  PeerProcess rank0(0, 2, 0, "serve",
+                    {"--connect-timeout", "60", "--hb-interval", "0.1", "--hb-timeout", "5"},
+                    /*piped=*/true);
+  auto line = rank0.read_line(kDeadline);
+  REQUIRE(line);
+  REQUIRE(line->rfind("port ", 0) == 0);
+
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<Status> failures;  // of rank 0
+  std::vector<std::string> lines;
+  TransportCallbacks cb;
+  cb.on_peer_failed = [&](int32_t rank, Status why) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (rank == 0) failures.push_back(std::move(why));
+    cv.notify_all();
+  };
+  TransportOptions o;
+  o.rank = 1;
+  o.world_size = 2;
+  o.port = static_cast<uint16_t>(std::stoul(line->substr(5)));
+  o.heartbeat_interval_s = 0.1;
+  o.heartbeat_timeout_s = 5;
+  o.handshake_timeout_s = 1;
+  const double limit = 3;
+  o.rejoin_timeout_s = limit;
+  o.logger = [&](ferry::LogLevel, const std::string& m) {
+    std::lock_guard<std::mutex> lock(mu);
+    lines.push_back(m);
+  };
+  auto t = Transport::start(o, "hello 1", "hb", cb);
+  REQUIRE(t.ok());
+  REQUIRE((*t)->wait_peers(kDeadline).ok());
+  REQUIRE(rank0.read_line(kDeadline) == std::optional<std::string>("joined"));
+
+  const auto killed_at = Clock::now();
+  rank0.signal(SIGKILL);
+  std::unique_lock<std::mutex> lock(mu);
+  // The failure, then, rejoin_timeout_s later, rank 0 given up for good.
+  REQUIRE(cv.wait_for(lock, std::chrono::duration<double>(kDeadline + limit),
+                      [&] { return failures.size() >= 2; }));
+  const double took = since(killed_at);
+  INFO("gave up after " << took << " s: " << failures[1].to_string());
+  CHECK(took >= limit);
+  CHECK(took < limit + kDetectBound);
+  CHECK(failures[1].code() == StatusCode::aborted);
+  CHECK_THAT(failures[1].message(), Catch::Contains("rank 0 lost") && Catch::Contains("gave up"));
+  lock.unlock();
+  // What this rank asks of rank 0 from now on fails, naming it lost.
+  Status sent = (*t)->send(0, "x");
+  CHECK(sent.code() == StatusCode::aborted);
+  CHECK_THAT(sent.message(), Catch::Contains("rank 0 lost"));
+  lock.lock();
+
+  // About ten refused attempts in 3 s: one line as rejoining starts, one for
+  // the first failed attempt, one giving up; a few more if the cause changed.
+  int rejoin_lines = 0, gave_up_lines = 0;
+  std::string all;
+  for (const std::string& l : lines) {
+    all += l + "\n";
+    if (l.find("rejoin") != std::string::npos || l.find("rank 0 lost") != std::string::npos)
+      ++rejoin_lines;
+    if (l.find("gave up") != std::string::npos) ++gave_up_lines;
+  }
+  INFO(all);
+  CHECK(rejoin_lines >= 3);
+  CHECK(rejoin_lines <= 5);
+  CHECK(gave_up_lines == 1);
+  CHECK_THAT(all, Catch::Contains("asking it to take this rank back for up to 3 s"));
+  CHECK(rank0.wait_exit(kDeadline) == std::optional<int>(128 + SIGKILL));
+}
+
 // --- rank 0's UCX connect refused after its answer ------------------------------
 
 // A bare UCX worker on loopback whose tcp listener takes `port`: what rank 0's

@@ -571,6 +571,50 @@ TEST_CASE("a root's own path may go through links", "[filesystem][symlink]") {
   CHECK(lock.ok());
 }
 
+TEST_CASE("a root stays declared while any declaration of it lasts, then is released",
+          "[filesystem][symlink][root]") {
+  TempDir tmp;
+  auto fs = detail::posix_filesystem_without_openat2();
+  const std::string root = join_path(tmp.path(), "root");
+  const std::string outside = join_path(tmp.path(), "outside");
+  REQUIRE(fs->mkdir(root).ok());
+  REQUIRE(fs->mkdir(outside).ok());
+  REQUIRE(write_file_atomic(*fs, join_path(outside, "secret"), "s", true).ok());
+  REQUIRE(::symlink(outside.c_str(), join_path(root, "step-1").c_str()) == 0);
+  const std::string via = join_path(root, "step-1/secret");
+  {
+    RootHold first(fs, root);
+    {
+      RootHold second(fs, root + "/");  // the same root, spelled otherwise
+      CHECK(detail::declared_roots(*fs) == 1);
+    }
+    // One declaration left: still no link below the root is followed.
+    CHECK(detail::declared_roots(*fs) == 1);
+    CHECK_FALSE(read_file(*fs, via).ok());
+  }
+  CHECK(detail::declared_roots(*fs) == 0);
+  // Undeclared, the path is an ordinary one again (only its last component
+  // is never a link).
+  auto back = read_file(*fs, via);
+  REQUIRE(back.ok());
+  CHECK(*back == "s");
+
+  // Many declarations and locks come and go: the list ends where it began.
+  for (int i = 0; i < 1000; ++i) {
+    const std::string r = join_path(tmp.path(), "r" + std::to_string(i));
+    RootHold hold(fs, r);
+    CHECK(detail::declared_roots(*fs) == 1);
+  }
+  for (int i = 0; i < 20; ++i) {
+    const std::string d = join_path(tmp.path(), "d" + std::to_string(i));
+    REQUIRE(fs->mkdir(d).ok());
+    auto lock = fs->lock(join_path(d, ".ferry-lock"), 0);
+    REQUIRE(lock.ok());
+    CHECK(detail::declared_roots(*fs) == 1);
+  }
+  CHECK(detail::declared_roots(*fs) == 0);
+}
+
 TEST_CASE("O_DIRECT falls back where the filesystem refuses it", "[filesystem]") {
   // /dev/shm is tmpfs, which refused O_DIRECT (EINVAL) before Linux 6.6;
   // newer kernels accept it, so both outcomes are valid here.

@@ -46,6 +46,7 @@ void check_defaults(const Options& o) {
   CHECK(o.shard_size == d.shard_size);
   CHECK(o.compress == d.compress);
   CHECK(o.replica_check == d.replica_check);
+  CHECK(o.rejoin_timeout_s == d.rejoin_timeout_s);
   CHECK(o.plan_timeout_s == d.plan_timeout_s);
   CHECK(o.s3_endpoint == d.s3_endpoint);
   CHECK(o.s3_region == d.s3_region);
@@ -171,6 +172,7 @@ TEST_CASE("option_infos lists every key once, and its defaults resolve to Option
                                              "connect-timeout",
                                              "heartbeat-interval",
                                              "heartbeat-timeout",
+                                             "rejoin-timeout",
                                              "plan-timeout",
                                              "write-timeout",
                                              "commit-timeout",

@@ -99,8 +99,12 @@ class FERRY_EXPORT Filesystem {
   // never leaving it (".."), so a directory swapped for a link after a check
   // cannot send a read or write outside. `root`'s own path may hold links.
   // Matching is lexical, on the path as callers spell it; the outermost
-  // declared root containing a path wins. lock() declares its directory.
+  // declared root containing a path wins. lock() declares its directory
+  // while the lock is held. Each add_root is undone by one release_root of
+  // the same root (RootHold pairs them): a root stays declared while any of
+  // its declarations lasts, so the list does not grow with every runtime.
   virtual void add_root(const std::string& /*root*/) {}
+  virtual void release_root(const std::string& /*root*/) {}
   // Ferry passed the named crash point of its protocol (`ferry kill-points`
   // lists them). A no-op: a crash drill or a test wraps the filesystem and
   // overrides it to observe the points, or to crash at one.
@@ -114,7 +118,42 @@ namespace detail {
 // A POSIX filesystem that resolves paths below a root one component at a
 // time, as where the kernel lacks openat2 (before Linux 5.6): for tests.
 std::shared_ptr<Filesystem> posix_filesystem_without_openat2();
+// How many roots a POSIX filesystem has declared (0 for any other): for tests.
+size_t declared_roots(Filesystem& fs);
 }  // namespace detail
+
+// `root` declared on `fs` (Filesystem::add_root) for this object's life.
+class RootHold {
+ public:
+  RootHold() = default;
+  RootHold(std::shared_ptr<Filesystem> fs, std::string root)
+      : fs_(std::move(fs)), root_(std::move(root)) {
+    if (fs_) fs_->add_root(root_);
+  }
+  RootHold(RootHold&& o) noexcept : fs_(std::move(o.fs_)), root_(std::move(o.root_)) {
+    o.fs_.reset();
+  }
+  RootHold& operator=(RootHold&& o) noexcept {
+    if (this != &o) {
+      reset();
+      fs_ = std::move(o.fs_);
+      root_ = std::move(o.root_);
+      o.fs_.reset();
+    }
+    return *this;
+  }
+  RootHold(const RootHold&) = delete;
+  RootHold& operator=(const RootHold&) = delete;
+  ~RootHold() { reset(); }
+  void reset() {
+    if (fs_) fs_->release_root(root_);
+    fs_.reset();
+  }
+
+ private:
+  std::shared_ptr<Filesystem> fs_;
+  std::string root_;
+};
 
 // Forwards everything to `target`; subclasses override only what they break.
 class FERRY_EXPORT FilesystemWrapper : public Filesystem {
@@ -141,6 +180,7 @@ class FERRY_EXPORT FilesystemWrapper : public Filesystem {
     return target_->lock(p, wait_ms);
   }
   void add_root(const std::string& root) override { target_->add_root(root); }
+  void release_root(const std::string& root) override { target_->release_root(root); }
   void crash_point(const char* point) override { target_->crash_point(point); }
 
  protected:

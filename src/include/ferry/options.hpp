@@ -61,6 +61,7 @@ struct Options {
   double connect_timeout_s = 60;    // connect-timeout: ranks wait this long for each other
   double heartbeat_interval_s = 1;  // heartbeat-interval
   double heartbeat_timeout_s = 10;  // heartbeat-timeout: a silent peer is failed after it
+  double rejoin_timeout_s = 300;    // rejoin-timeout: a failed rank 0 is asked back this long
   double plan_timeout_s = 30;       // plan-timeout: all local plans in
   double write_timeout_s = 600;     // write-timeout: all write results in
   double commit_timeout_s = 60;     // commit-timeout: manifest, renames, LATEST
