@@ -505,23 +505,43 @@ size_t encode_framed(const Manifest& m, kj::ArrayPtr<capnp::word> first, std::st
 
 }  // namespace
 
+namespace {
+
+// A builder's first segment, kept between encodes and sized to the largest
+// manifest so far: megabytes of fresh memory are paged in on every commit
+// otherwise, most of an encode's time. 64-bit words, not capnp::word, which
+// libstdc++ cannot fill or resize under clang.
+class KeptSegment {
+ public:
+  // Zeroed, as Cap'n Proto requires of a first segment.
+  kj::ArrayPtr<capnp::word> zeroed() {
+    std::fill(words_.begin(), words_.end(), uint64_t{0});
+    return {reinterpret_cast<capnp::word*>(words_.data()), words_.size()};
+  }
+  void grow(size_t words) { words_.resize(words); }
+  bool oversized() const { return words_.size() * sizeof(uint64_t) > kKeptManifestBufferBytes; }
+  // Gives back what one huge manifest took; no message may be built in it
+  // (a builder zeroes its first segment as it goes).
+  void trim() { std::vector<uint64_t>(kFirstWords).swap(words_); }
+
+ private:
+  static constexpr size_t kFirstWords = 1024;
+  std::vector<uint64_t> words_ = std::vector<uint64_t>(kFirstWords);
+};
+
+}  // namespace
+
 void encode_manifest_into(const Manifest& m, std::string* out) {
-  // The builder's first segment is kept by the thread, sized to its largest
-  // manifest so far: megabytes of fresh memory are paged in on every commit
-  // otherwise, most of an encode's time.
   // Always one segment, so the bytes depend on the manifest alone, not on
   // what the thread encoded before: one that does not fit is encoded again.
-  static thread_local std::vector<capnp::word> segment(1024);
+  static thread_local KeptSegment segment;
   for (;;) {
-    std::fill(segment.begin(), segment.end(), capnp::word());  // Cap'n Proto requires it zeroed
     size_t segments = 0;
-    const size_t words =
-        encode_framed(m, kj::arrayPtr(segment.data(), segment.size()), out, &segments);
+    const size_t words = encode_framed(m, segment.zeroed(), out, &segments);
     if (segments == 1) break;
-    segment.resize(words);
+    segment.grow(words);
   }
-  if (segment.size() * sizeof(capnp::word) > kKeptManifestBufferBytes)
-    std::vector<capnp::word>(1024).swap(segment);
+  if (segment.oversized()) segment.trim();
 }
 
 namespace {
@@ -703,7 +723,7 @@ bool patch_payload(const Manifest& m, proto::Manifest::Builder root, const Where
 }  // namespace
 
 struct ManifestEncoder::Kept {
-  std::vector<capnp::word> segment = std::vector<capnp::word>(1024);
+  KeptSegment segment;
   // Built in `segment` alone (one segment, as encode_manifest_into's); null
   // when nothing is kept.
   std::unique_ptr<capnp::MallocMessageBuilder> message;
@@ -727,20 +747,18 @@ void ManifestEncoder::encode(const Manifest& m, std::string* out) {
   }
   for (;;) {
     k.message.reset();
-    std::fill(k.segment.begin(), k.segment.end(), capnp::word());  // Cap'n Proto requires it zeroed
-    k.message = std::make_unique<capnp::MallocMessageBuilder>(
-        kj::arrayPtr(k.segment.data(), k.segment.size()));
+    k.message = std::make_unique<capnp::MallocMessageBuilder>(k.segment.zeroed());
     build_payload(m, k.message->initRoot<proto::Manifest>());
     const size_t words = write_framed(m, *k.message, out, &segments);
     if (segments == 1) break;
     k.message.reset();
-    k.segment.resize(words);
+    k.segment.grow(words);
   }
   record(k.message->getRoot<proto::Manifest>(), &k.where);
-  if (k.segment.size() * sizeof(capnp::word) > kKeptManifestBufferBytes) {
+  if (k.segment.oversized()) {
     k.message.reset();
     k.where = Where{};
-    std::vector<capnp::word>(1024).swap(k.segment);
+    k.segment.trim();
   }
 }
 
