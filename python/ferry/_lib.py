@@ -173,17 +173,6 @@ class LoadStats(ctypes.Structure):
     ]
 
 
-class TensorInfo(ctypes.Structure):
-    _fields_ = [
-        ("key", ctypes.c_char_p),
-        ("dtype", ctypes.c_int32),
-        ("ndim", ctypes.c_int32),
-        ("global_shape", c_int64_p),
-        ("bytes", ctypes.c_uint64),
-        ("num_chunks", ctypes.c_uint64),
-    ]
-
-
 class ManifestTable(ctypes.Structure):
     _fields_ = [
         ("size", ctypes.c_size_t),
@@ -289,8 +278,6 @@ def _declare(L):
         "ferry_manifest_step": (ctypes.c_uint64, [vp]),
         "ferry_manifest_commit_seq": (ctypes.c_uint64, [vp]),
         "ferry_manifest_world_size": (ctypes.c_int32, [vp]),
-        "ferry_manifest_num_tensors": (sz, [vp]),
-        "ferry_manifest_tensor": (st, [vp, sz, ctypes.POINTER(TensorInfo)]),
         "ferry_manifest_tensor_table": (st, [vp, ctypes.POINTER(ManifestTable)]),
         "ferry_manifest_num_metadata": (sz, [vp]),
         "ferry_manifest_metadata": (
