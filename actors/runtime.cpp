@@ -6,9 +6,9 @@
 #include <unistd.h>
 #include <algorithm>
 #include <cstdlib>
-#include <fstream>
 #include <map>
 #include <random>
+#include <sstream>
 #include <utility>
 
 #include <caf/thread_hook.hpp>
@@ -18,6 +18,7 @@
 #include "actors/runtime_access.hpp"
 #include "catalog.hpp"
 #include "checksum.hpp"
+#include "config_ini.hpp"
 #include "cuda/device_cuda.hpp"
 #include "drills/fault_fs.hpp"
 #include "drills/kill_point.hpp"
@@ -297,6 +298,8 @@ Status start_transport(Runtime::Impl& impl, const std::string& token) {
   to.heartbeat_interval_s = ctx.opts.heartbeat_interval_s;
   to.heartbeat_timeout_s = ctx.opts.heartbeat_timeout_s;
   to.rejoin_timeout_s = ctx.opts.rejoin_timeout_s;
+  to.lanes = ctx.opts.direct_lanes;
+  to.lane_info = ctx.opts.lane_info;
   to.frame_buffers = ctx.frames;
   to.logger = ctx.log;
 
@@ -433,7 +436,8 @@ Runtime::Runtime(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Result<std::unique_ptr<Runtime>> Runtime::create(RuntimeArgs args) {
   const std::string config_file = config_file_from(args);
-  FERRY_ASSIGN_OR_RETURN(Options opts, load_options(args.settings, config_file));
+  std::string actor_config;  // the config file's bytes, for CAF too
+  FERRY_ASSIGN_OR_RETURN(Options opts, load_options(args.settings, config_file, &actor_config));
   if (args.world_size < 1 || args.rank < 0 || args.rank >= args.world_size)
     return Status::invalid_argument("rank " + std::to_string(args.rank) + " outside world size " +
                                     std::to_string(args.world_size));
@@ -454,12 +458,8 @@ Result<std::unique_ptr<Runtime>> Runtime::create(RuntimeArgs args) {
   std::vector<std::string> caf_args;
   for (const auto& a : args.argv)
     if (a.rfind("--config-file=", 0) != 0) caf_args.push_back(a);
-  std::string ini = config_file;
-  if (ini.empty()) {
-    std::ifstream probe("caf-application.ini");
-    if (probe) ini = "caf-application.ini";
-  }
-  if (auto err = impl->cfg.parse(caf_args, ini.empty() ? nullptr : ini.c_str()))
+  std::istringstream ini(actor_config);
+  if (auto err = impl->cfg.parse(caf_args, ini))
     return Status::invalid_argument("actor system config: " + caf::to_string(err));
 
   auto ctx = std::make_shared<RankContext>();

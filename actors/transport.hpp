@@ -98,10 +98,10 @@ struct TransportOptions {
   // Direct lanes between the ranks of one node: "tcp" (endpoints with peer
   // error handling: UCX uses tcp, and a lane closes by force), "shm" (without
   // it, so UCX may use shared memory: posix or sysv, no cma), or "off"
-  // (frames between ranks > 0 go through rank 0). Empty: $FERRY_DIRECT_LANES,
-  // else "tcp". Two ranks get a lane only if both ask for the same mode on
-  // the same node.
-  std::string lanes;
+  // (frames between ranks > 0 go through rank 0; the setting direct-lanes).
+  // Two ranks get a lane only if both ask for the same mode on the same node.
+  std::string lanes = "tcp";
+  bool lane_info = false;  // log each lane's UCX transports as it comes up
   // This rank's node; empty: the kernel's boot id and the host name.
   std::string node;
   // Where large received frames take their memory and sent ones return it

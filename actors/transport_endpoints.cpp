@@ -221,7 +221,7 @@ void Transport::Impl::mark_ready(Conn* conn) {
       if (text != nullptr) info.assign(text, size);
     }
     std::free(text);
-    if (std::getenv("FERRY_LANE_INFO") != nullptr) {
+    if (opts_.lane_info) {
       log("direct lane to rank %d is up:\n%s", conn->rank, info.c_str());
     }
     std::lock_guard<std::mutex> lock(mu_);

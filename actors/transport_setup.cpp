@@ -121,11 +121,7 @@ Status Transport::Impl::init() {
   make_ucx_a_good_guest();
   FERRY_ASSIGN_OR_RETURN(address_, resolve(opts_.host, opts_.port));
 
-  std::string mode = opts_.lanes;
-  if (mode.empty()) {
-    const char* env = std::getenv("FERRY_DIRECT_LANES");
-    mode = env != nullptr && *env != '\0' ? env : "tcp";
-  }
+  const std::string& mode = opts_.lanes;
   if (mode == "shm") {
     lane_mode_ = LaneMode::shm;
   } else if (mode == "tcp") {
@@ -134,7 +130,7 @@ Status Transport::Impl::init() {
     lane_mode_ = LaneMode::off;
   } else {
     return Status::invalid_argument(
-        "transport: direct lanes (FERRY_DIRECT_LANES) must be shm, "
+        "transport: direct lanes (direct-lanes) must be shm, "
         "tcp or off, got '" +
         mode + "'");
   }

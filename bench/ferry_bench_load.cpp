@@ -786,7 +786,7 @@ int ranks_main(const Flags& f, const std::string& ckpt, int64_t rows, uint64_t s
       "load's: %.2f (above 1: reading once and passing bytes on beats reading them %d times)\n",
       f.ranks, each_s, each_s / load_s, f.ranks);
   // Frames of shared bytes and acks rank 0 passed on between other ranks:
-  // 0 when the ranks reach each other over direct lanes (FERRY_DIRECT_LANES).
+  // 0 when the ranks reach each other over direct lanes (the setting direct-lanes).
   const double relayed = std::max(0.0, field(r0, "relayed_frames"));
   std::printf(
       "rank 0: peak RSS %.0f MiB, grew %.0f MiB during the load, send queue peak %.1f "

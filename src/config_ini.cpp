@@ -205,8 +205,7 @@ class IniParser {
 
 }  // namespace
 
-Result<std::vector<Setting>> read_ini_file(const std::string& path, const std::string& origin,
-                                           const std::string& what) {
+Result<std::string> read_ini_text(const std::string& path, const std::string& what) {
   // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer.
   const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) {
@@ -237,6 +236,12 @@ Result<std::vector<Setting>> read_ini_file(const std::string& path, const std::s
     got += static_cast<size_t>(n);
   }
   text.resize(got);
+  return text;
+}
+
+Result<std::vector<Setting>> read_ini_file(const std::string& path, const std::string& origin,
+                                           const std::string& what) {
+  FERRY_ASSIGN_OR_RETURN(std::string text, read_ini_text(path, what));
   return parse_ini_settings(text, origin);
 }
 

@@ -386,6 +386,24 @@ const std::vector<KeySpec>& key_table() {
          o.load_sharing_job = l == "job";
          return true;
        }},
+      {{"direct-lanes", "tcp",
+        "how ranks of one node reach each other besides through rank 0: tcp (UCX endpoints "
+        "closed by force when a peer fails), shm (UCX may use shared memory) or off (rank 0 "
+        "relays every frame between the others); two ranks get a lane only if both ask for the "
+        "same"},
+       [](const std::string& v, Options& o, std::string& why) {
+         const std::string l = lower(v);
+         if (l != "tcp" && l != "shm" && l != "off") {
+           why = "expected tcp, shm or off";
+           return false;
+         }
+         o.direct_lanes = l;
+         return true;
+       }},
+      {{"lane-info", "false", "log the UCX transports of each direct lane as it comes up"},
+       [](const std::string& v, Options& o, std::string& why) {
+         return parse_bool(v, o.lane_info, why);
+       }},
       {{"coordinator-address", "", "address of rank 0; empty means MASTER_ADDR, else 127.0.0.1"},
        [](const std::string& v, Options& o, std::string&) {
          o.coordinator_address = v;
@@ -682,26 +700,31 @@ Result<Options> resolve_options(const std::vector<Setting>& settings) {
   return opts;
 }
 
-Result<Options> load_options(const std::vector<Setting>& code, const std::string& config_file) {
+Result<Options> load_options(const std::vector<Setting>& code, const std::string& config_file,
+                             std::string* actor_config) {
   std::vector<Setting> all;
   auto append = [&all](std::vector<Setting>&& more) {
     all.insert(all.end(), std::make_move_iterator(more.begin()),
                std::make_move_iterator(more.end()));
   };
-
-  if (!config_file.empty()) {
-    FERRY_ASSIGN_OR_RETURN(auto file,
-                           read_ini_file(config_file, config_file, "--config-file " + config_file));
+  // The file that is also CAF's: its bytes are read here, once.
+  auto read_actor_config = [&](const std::string& path, const std::string& what) -> Status {
+    FERRY_ASSIGN_OR_RETURN(std::string text, read_ini_text(path, what));
+    FERRY_ASSIGN_OR_RETURN(auto file, parse_ini_settings(text, path));
     append(std::move(file));
+    if (actor_config) *actor_config = std::move(text);
+    return Status::ok_status();
+  };
+
+  if (actor_config) actor_config->clear();
+  if (!config_file.empty()) {
+    FERRY_RETURN_IF_ERROR(read_actor_config(config_file, "--config-file " + config_file));
   } else {
     // CAF skips its default file silently when absent; so does Ferry.
     const std::string kDefault = "caf-application.ini";
     std::error_code ec;
-    if (std::filesystem::exists(kDefault, ec)) {
-      FERRY_ASSIGN_OR_RETURN(auto file,
-                             read_ini_file(kDefault, kDefault, "config file " + kDefault));
-      append(std::move(file));
-    }
+    if (std::filesystem::exists(kDefault, ec))
+      FERRY_RETURN_IF_ERROR(read_actor_config(kDefault, "config file " + kDefault));
   }
 
   const char* env = std::getenv("FERRY_CONFIG");
@@ -713,6 +736,10 @@ Result<Options> load_options(const std::vector<Setting>& code, const std::string
 
   all.insert(all.end(), code.begin(), code.end());
   return resolve_options(all);
+}
+
+Result<Options> load_options(const std::vector<Setting>& code, const std::string& config_file) {
+  return load_options(code, config_file, nullptr);
 }
 
 Result<uint64_t> parse_size(const std::string& text) {

@@ -40,18 +40,16 @@ TEST_CASE("four local ranks share replicated bytes over direct lanes, rank 0 rel
   const std::string mode = GENERATE(std::string("shm"), std::string("tcp"));
   // The bytes themselves in the receivers' share rings, or in the frames.
   const bool in_memory = GENERATE(true, false);
-  INFO("FERRY_DIRECT_LANES=" << mode << " share-memory=" << in_memory);
+  INFO("direct-lanes=" << mode << " share-memory=" << in_memory);
   TempDir d;
   // 16 MiB of replicated bytes in 1 MiB windows: many frames each way.
   const std::string model = " --seed 3 --big-mib 16";
   const ferry::Manifest m = manifest_of(save_state(d, model));
   const uint64_t one_copy = data_bytes(m);
 
-  auto l =
-      launch(kRanks,
-             "--mode load --layout full --evict 1 --root " + d.path() + model +
-                 " --set share-window=1MiB --set share-memory=" + (in_memory ? "true" : "false"),
-             "FERRY_DIRECT_LANES=" + mode);
+  auto l = launch(kRanks, "--mode load --layout full --evict 1 --root " + d.path() + model +
+                              " --set share-window=1MiB --set share-memory=" +
+                              (in_memory ? "true" : "false") + " --set direct-lanes=" + mode);
   INFO(l.out);
   REQUIRE(l.code == 0);
   CHECK(count(l.out, "every byte equal") == kRanks);
@@ -86,9 +84,8 @@ TEST_CASE("with direct lanes off rank 0 relays the shared bytes between the othe
   TempDir d;
   const std::string model = " --seed 3 --big-mib 16";
   const uint64_t one_copy = data_bytes(manifest_of(save_state(d, model)));
-  auto l = launch(
-      kRanks, "--mode load --layout full --root " + d.path() + model + " --set share-window=1MiB",
-      "FERRY_DIRECT_LANES=off");
+  auto l = launch(kRanks, "--mode load --layout full --root " + d.path() + model +
+                              " --set share-window=1MiB --set direct-lanes=off");
   INFO(l.out);
   REQUIRE(l.code == 0);
   CHECK(count(l.out, "every byte equal") == kRanks);
@@ -116,7 +113,7 @@ TEST_CASE("a receiver that dies in a load over shm lanes releases the ranks send
   TempDir d;
   const std::string model = " --seed 9 --big-mib 32";
   save_state(d, model);
-  ferry::testing::check_receiver_death_releases_senders(d.path(), model, "FERRY_DIRECT_LANES=shm");
+  ferry::testing::check_receiver_death_releases_senders(d.path(), model, "--set direct-lanes=shm");
 }
 
 TEST_CASE("a rank's share ring serves its next load, whose shared bytes all land anew",

@@ -66,13 +66,14 @@ inline uint64_t data_bytes(const Manifest& m) {
 // arrives: the others each have a full window toward it, so their readers
 // wait for acks that will not come. Its death must end those waits (the
 // heartbeat timeout is 3 s), not write-timeout (30 s), and must crash or
-// abort no other rank. `env` picks the lanes.
+// abort no other rank. `settings` (worker flags) pick the lanes.
 inline void check_receiver_death_releases_senders(const std::string& root, const std::string& model,
-                                                  const std::string& env = "") {
+                                                  const std::string& settings = "") {
   constexpr int kRanks = 4;
-  auto l = launch(kRanks,
-                  "--mode load --layout full --root " + root + model + " --set share-window=256KiB",
-                  env + (env.empty() ? "" : " ") + "FERRY_KILL_AT=load.receive:3@2");
+  auto l = launch(
+      kRanks,
+      "--mode load --layout full --root " + root + model + " --set share-window=256KiB " + settings,
+      "FERRY_KILL_AT=load.receive:3@2");
   INFO(l.out);
   CHECK(l.code != 0);
   CHECK(count(l.out, "killed by signal 9") == 1);

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "config_ini.hpp"
 #include "ferry/size.hpp"
 #include "test_util.hpp"
 
@@ -167,6 +168,8 @@ TEST_CASE("option_infos lists every key once, and its defaults resolve to Option
                                              "share-window",
                                              "share-memory",
                                              "load-sharing",
+                                             "direct-lanes",
+                                             "lane-info",
                                              "coordinator-address",
                                              "port",
                                              "connect-timeout",
@@ -723,6 +726,34 @@ TEST_CASE("load_options: caf-application.ini in the working directory is optiona
   CHECK(contains(bad.status().message(), "(from caf-application.ini:2)"));
 }
 
+TEST_CASE("load_options hands the actor config file's bytes on, so CAF reads no file itself",
+          "[options]") {
+  ferry::testing::TempDir dir;
+  REQUIRE(!dir.path().empty());
+  const std::string env_file = dir.sub("env.ini");
+  write_file(env_file, "[ferry]\nwriters = 4\n");
+  ScopedEnv env("FERRY_CONFIG", env_file.c_str());
+  ScopedCwd cwd(dir.path());
+
+  std::string text = "left from before";
+  auto none = ferry::load_options({}, "", &text);
+  REQUIRE(none.ok());
+  CHECK(text.empty());  // no config file: CAF gets nothing, not FERRY_CONFIG's
+
+  const std::string caf_ini = "[scheduler]\nmax-threads = 3\n[ferry]\nwriters = 6\n";
+  write_file(dir.sub("caf-application.ini"), caf_ini);
+  auto found = ferry::load_options({}, "", &text);
+  REQUIRE(found.ok());
+  CHECK(text == caf_ini);
+  CHECK(found->writers == 4);
+
+  const std::string other_ini = "[middleman]\nenable-automatic-connections = false\n";
+  write_file(dir.sub("other.ini"), other_ini);
+  auto other = ferry::load_options({}, dir.sub("other.ini"), &text);
+  REQUIRE(other.ok());
+  CHECK(text == other_ini);
+}
+
 TEST_CASE("load_options: a named file that is missing is an error", "[options]") {
   ferry::testing::TempDir dir;
   ScopedEnv env("FERRY_CONFIG", nullptr);
@@ -843,6 +874,23 @@ TEST_CASE("load-sharing takes node (the default) or job, another value is named"
   REQUIRE_FALSE(bad.ok());
   CHECK(contains(bad.status().message(), "load-sharing"));
   CHECK(contains(bad.status().message(), "expected node or job"));
+}
+
+TEST_CASE("direct-lanes takes tcp (the default), shm or off, and lane-info a boolean",
+          "[options]") {
+  CHECK(Options{}.direct_lanes == "tcp");
+  CHECK_FALSE(Options{}.lane_info);
+  auto shm = resolve1("direct-lanes", "SHM");
+  REQUIRE(shm.ok());
+  CHECK(shm->direct_lanes == "shm");
+  auto off = ferry::resolve_options({{"direct-lanes", "off", "code"}, {"lane-info", "on", "code"}});
+  REQUIRE(off.ok());
+  CHECK(off->direct_lanes == "off");
+  CHECK(off->lane_info);
+  auto bad = resolve1("direct-lanes", "rdma");
+  REQUIRE_FALSE(bad.ok());
+  CHECK(contains(bad.status().message(), "direct-lanes"));
+  CHECK(contains(bad.status().message(), "expected tcp, shm or off"));
 }
 
 TEST_CASE("the s3 settings parse into their fields, a bad value is named", "[options]") {

@@ -55,6 +55,12 @@ struct Options {
   // "node") or the whole job (true, "job": one host reads each range from
   // storage and sends it to the others over the network).
   bool load_sharing_job = false;
+  // direct-lanes: how ranks of one node reach each other besides through
+  // rank 0: "tcp" (UCX over tcp, closed by force when a peer fails), "shm"
+  // (UCX may use shared memory) or "off" (rank 0 relays); the same on both
+  // ends of a lane.
+  std::string direct_lanes = "tcp";
+  bool lane_info = false;  // lane-info: log the UCX transports of each lane as it comes up
   // Many ranks (torchrun-style environment fills what is left unset).
   std::string coordinator_address;  // coordinator-address: "" = MASTER_ADDR, else 127.0.0.1
   uint32_t port = 0;                // port: rank 0 listens here; 0 = MASTER_PORT + 1
