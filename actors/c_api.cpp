@@ -138,6 +138,7 @@ ferry::Status to_entry(const ferry_tensor& t, size_t i, ferry::StateEntry* out) 
 // Builds a StateDict of views over the caller's tensors.
 ferry::Status to_state_dict(const ferry_tensor* ts, size_t n, ferry::StateDict* sd) {
   if (n > 0 && !ts) return ferry::Status::invalid_argument("tensors is NULL");
+  sd->reserve(sd->size() + n);
   ferry::StateEntry e;
   for (size_t i = 0; i < n; ++i) {
     FERRY_RETURN_IF_ERROR(to_entry(ts[i], i, &e));

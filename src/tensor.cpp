@@ -1,6 +1,7 @@
 #include "ferry/tensor.hpp"
 
 #include <atomic>
+#include <functional>
 #include <limits>
 #include <string_view>
 
@@ -73,6 +74,33 @@ bool TensorView::is_contiguous() const {
   return true;
 }
 
+// The keys are indexed by open addressing over entry positions: one uint32_t
+// per slot (position + 1; 0 = empty), at most half full, so adding an entry
+// allocates no node and copies no key.
+struct StateDict::Data {
+  std::vector<StateEntry> entries;
+  std::vector<uint32_t> slots;  // empty or a power of two
+
+  static size_t hash(std::string_view k) { return std::hash<std::string_view>{}(k); }
+  // The slot holding `key`'s entry, or the empty slot where it would go.
+  size_t probe(std::string_view key) const {
+    const size_t mask = slots.size() - 1;
+    for (size_t i = hash(key) & mask;; i = (i + 1) & mask) {
+      const uint32_t s = slots[i];
+      if (s == 0 || entries[s - 1].key == key) return i;
+    }
+  }
+  // Room in the index for n entries.
+  void grow(size_t n) {
+    if (slots.size() >= 2 * n) return;
+    size_t cap = 16;
+    while (cap < 2 * n) cap *= 2;
+    slots.assign(cap, 0);
+    for (size_t e = 0; e < entries.size(); ++e)
+      slots[probe(entries[e].key)] = static_cast<uint32_t>(e + 1);
+  }
+};
+
 StateDict::Data& StateDict::mut() {
   if (!d_) {
     d_ = std::make_shared<Data>();
@@ -95,11 +123,28 @@ std::vector<StateEntry>& StateDict::entries() {
   return mut().entries;
 }
 
+size_t StateDict::size() const {
+  return d_ ? d_->entries.size() : 0;
+}
+
+void StateDict::reserve(size_t n) {
+  Data& d = mut();
+  d.entries.reserve(n);
+  d.grow(n);
+}
+
 Status StateDict::add(std::string key, TensorView view, std::optional<Shard> shard) {
   if (key.empty()) return Status::invalid_argument("state dict key is empty");
   Data& d = mut();
-  auto [it, fresh] = d.index.emplace(key, d.entries.size());
-  if (!fresh) return Status::invalid_argument("duplicate state dict key '" + key + "'");
+  // Positions are stored as uint32_t + 1.
+  if (d.entries.size() >= std::numeric_limits<uint32_t>::max() - 1)
+    return Status::invalid_argument("state dict key '" + key + "': a state dict holds at most " +
+                                    std::to_string(std::numeric_limits<uint32_t>::max() - 1) +
+                                    " entries");
+  d.grow(d.entries.size() + 1);
+  const size_t slot = d.probe(key);
+  if (d.slots[slot] != 0) return Status::invalid_argument("duplicate state dict key '" + key + "'");
+  d.slots[slot] = static_cast<uint32_t>(d.entries.size() + 1);
   d.entries.push_back({std::move(key), std::move(view), std::move(shard)});
   return Status();
 }
@@ -136,9 +181,9 @@ std::optional<std::pair<std::string, int32_t>> parse_per_rank_key(const std::str
 }
 
 const StateEntry* StateDict::find(const std::string& key) const {
-  if (!d_) return nullptr;
-  auto it = d_->index.find(key);
-  return it == d_->index.end() ? nullptr : &d_->entries[it->second];
+  if (!d_ || d_->slots.empty()) return nullptr;
+  const uint32_t s = d_->slots[d_->probe(key)];
+  return s ? &d_->entries[s - 1] : nullptr;
 }
 
 Status validate_entry(const StateEntry& e) {

@@ -341,6 +341,7 @@ class Runtime:
         self._lock = threading.Lock()
         self._calls = set()  # loads still running after an interrupt (_lib.call_interruptibly)
         self._save_cache = None  # _save_cache.SaveCache, from the first save
+        self._kv = self._kv_of = None  # the last save's metadata array, and of which pairs
         self._save_lock = threading.Lock()
         _runtimes.add(self)
 
@@ -381,7 +382,10 @@ class Runtime:
         with _gc_paused():  # as _save_entries: a few objects per tensor
             prep = self._save_cache.prepare(state_dict, metadata, _save_entries)
         items, staged, entries, pairs = prep.items, prep.staged, prep.entries, prep.pairs
-        kv, kv_keep = _kvs(pairs)
+        # A cached save hands the same pairs again (the tree's JSON among them).
+        if self._kv_of is not pairs:
+            self._kv, self._kv_of = _kvs(pairs), pairs
+        kv, kv_keep = self._kv
         out = ctypes.c_void_p()
         root_b = os.fspath(root).encode("utf-8") if root else None
         req = _lib.sized(_lib.SaveRequest)

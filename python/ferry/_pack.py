@@ -77,21 +77,26 @@ def _device_code(key, dev):
     return c
 
 
-def _key_blob(keys):
-    """(the keys as one NUL-terminated UTF-8 buffer each, each key's byte
-    offset in it); a key holding a NUL is refused, named."""
-    joined = "\0".join(keys)
+def _key_blob(keys, joined=None):
+    """(the keys as one NUL-terminated UTF-8 buffer each, the byte length
+    of each key but the last with its NUL: the steps between their
+    offsets); a key holding a NUL is refused, named. `joined`:
+    "\\0".join(keys), when the caller has it."""
+    if joined is None:
+        joined = "\0".join(keys)
     if joined.count("\0") != len(keys) - 1:
         bad = next(k for k in keys if "\0" in k)
         raise FerryError("tensor key %r contains a NUL character, which Ferry cannot store"
                          % (bad,), "invalid_argument")
-    blob = joined.encode("utf-8") + b"\0"
+    # A bytes object's buffer always ends with a NUL past its length (the C
+    # API's promise): that NUL ends the last key.
+    blob = joined.encode("utf-8")
     head = keys[:-1]
-    if len(blob) == len(joined) + 1:  # ASCII: bytes are characters
+    if len(blob) == len(joined):  # ASCII: bytes are characters
         lens = map(len, head)
     else:
         lens = map(len, [k.encode("utf-8") for k in head])
-    return blob, accumulate(chain((0,), map(add, lens, repeat(1))))
+    return blob, map(add, lens, repeat(1))
 
 
 def pack_items(items, flags=None):
@@ -111,16 +116,17 @@ def pack_items(items, flags=None):
 
 
 def pack(keys, tensors, shapes=None, dtypes=None, ptrs=None, devices=None, shards=None,
-         flags=None):
+         flags=None, contiguous=False, joined_keys=None):
     """pack_items of columns: keys, tensors, their shapes, dtypes, data_ptrs
-    and devices when known, the shards as (index, global shape, offsets),
-    flags as pack_items'."""
+    and devices when known ("cpu": every tensor is on the CPU), the shards
+    as (index, global shape, offsets), flags as pack_items'; `contiguous`:
+    every tensor is known to be; `joined_keys`: "\\0".join(keys) if known."""
     import torch
 
     n = len(keys)
     if n == 0:
         return (_lib.Tensor * 1)(), None
-    blob, koffs = _key_blob(keys)
+    blob, ksteps = _key_blob(keys, joined_keys)
     if shapes is None:
         shapes = list(map(_shape, tensors))
     nds = array("q", map(len, shapes))
@@ -133,9 +139,8 @@ def pack(keys, tensors, shapes=None, dtypes=None, ptrs=None, devices=None, shard
         shard_at.append((i, len(dims)))
         dims.extend(int(x) for x in g)
         dims.extend(int(x) for x in o)
-    contig = list(map(torch.Tensor.is_contiguous, tensors))
     strides_at = []
-    if not all(contig):
+    if not contiguous and not all(contig := list(map(torch.Tensor.is_contiguous, tensors))):
         for i in compress(range(n), map(not_, contig)):
             strides_at.append((i, len(dims)))
             dims.extend(tensors[i].stride())
@@ -148,8 +153,11 @@ def pack(keys, tensors, shapes=None, dtypes=None, ptrs=None, devices=None, shard
     if -1 in dcodes:
         i = dcodes.index(-1)
         _dtype_code(keys[i], dtypes[i])  # raises, naming the key
-    devs = devices if devices is not None else list(map(_device, tensors))
-    dev_codes = {d: _device_code(keys[devs.index(d)], d) for d in set(devs)}
+    if devices == "cpu":
+        devs, dev_codes = None, {None: (0, 0)}
+    else:
+        devs = devices if devices is not None else list(map(_device, tensors))
+        dev_codes = {d: _device_code(keys[devs.index(d)], d) for d in set(devs)}
     data = array("Q", ptrs if ptrs is not None else map(torch.Tensor.data_ptr, tensors))
     if has_empty:  # an empty tensor's address is no memory: C reads NULL
         for i, s in enumerate(shapes):
@@ -160,7 +168,7 @@ def pack(keys, tensors, shapes=None, dtypes=None, ptrs=None, devices=None, shard
     q = memoryview(buf).cast("Q")
     w = memoryview(buf).cast("i")
     kbase = ctypes.cast(ctypes.c_char_p(blob), ctypes.c_void_p).value
-    q[_AT["key"]::_Q] = array("Q", map(add, koffs, repeat(kbase)))
+    q[_AT["key"]::_Q] = array("Q", accumulate(chain((kbase,), ksteps)))
     q[_AT["data"]::_Q] = data
     w[_AT["dtype"]::_I] = dcodes
     w[_AT["ndim"]::_I] = array("i", nds)

@@ -20,8 +20,9 @@ before: its output may depend on more than the shape, so it is never reused.
 
 import ctypes
 import json
+from array import array
 from collections import OrderedDict
-from itertools import repeat
+from itertools import chain, product, repeat
 from operator import add, attrgetter
 
 from . import _pack, _tree
@@ -32,6 +33,7 @@ _DICTS = frozenset((dict, OrderedDict))
 _shape = attrgetter("shape")
 _dtype = attrgetter("dtype")
 _device = attrgetter("device")
+_is_cpu = attrgetter("is_cpu")
 _tensor_types = None
 
 
@@ -90,7 +92,7 @@ def plain_shape(state_dict, last=None):
         if keys == last:
             vals = list(state_dict.values())
             if set(map(type, vals)) <= _tensor_type_set():
-                return keys, vals, []
+                return last, vals, []  # `last` itself: the caller compares it by identity
     tensors, leaves = [], []
     try:
         shape = _shape_of(state_dict, tensors, leaves, _tensor_type_set())
@@ -142,20 +144,88 @@ def _any_rng_name(paths):
     return any(_tree.rng_name(c) for p in paths.values() for c in p)
 
 
+# JSON's own spelling of a str (json.dumps's default, ensure_ascii): a
+# printable ASCII str without " or \ is spelled as itself in quotes.
+_quote = json.encoder.encode_basestring_ascii
+# Every spelling of "rng" in any case (no other character lowers to r, n or g).
+_RNG_SPELLINGS = tuple(map("".join, product("rR", "nN", "gG")))
+_item = "%s: [%s%s]".__mod__  # one entry of the tree's JSON: "flat key": [path]
+_nested_item = '"%s": [%s"%s"]'.__mod__  # the same, of a key spelled as itself
+
+
+def _names(shape, out):
+    """Every dict key of a shape (each path component)."""
+    if type(shape[0]) is str:
+        out.extend(shape)
+        return
+    for k, sub in shape:
+        out.append(k)
+        if type(sub) is not int:
+            _names(sub, out)
+
+
+def _tree_json(shape, key_prefix, path_json, tkeys, lkeys, items, plain):
+    """Like _flat_keys, but each key's path goes straight into `items` as
+    its entry of json.dumps(paths) (the same text); a dict of tensors alone
+    at C speed. `plain`: no key needs escaping in JSON."""
+    if type(shape[0]) is str:
+        if not key_prefix:  # the keys are the flat keys
+            tkeys.extend(shape)
+            qs = list(map(_quote, shape))
+            items.extend(map(_item, zip(qs, repeat(""), qs)))
+            return
+        ks = list(map(add, repeat(key_prefix), shape))
+        tkeys.extend(ks)
+        if plain:
+            items.extend(map(_nested_item, zip(ks, repeat(path_json), shape)))
+        else:
+            items.extend(map(_item, zip(map(_quote, ks), repeat(path_json), map(_quote, shape))))
+        return
+    for k, sub in shape:
+        key = key_prefix + k
+        if type(sub) is int:
+            (lkeys if sub == 1 else tkeys).append(key)
+            items.append(_item((_quote(key), path_json, _quote(k))))
+        else:
+            _tree_json(sub, key + ".", path_json + _quote(k) + ", ", tkeys, lkeys, items, plain)
+
+
 def _plain_entries(plain, metadata):
-    """(tensor keys, metadata pairs) of a plain tree as flatten and
-    encode_meta give them, or None when the walk must decide (a key an RNG
-    state's name makes per-rank, keys flattening to the same key, a value
-    over the JSON limit, a non-contiguous tensor)."""
+    """(tensor keys, metadata pairs, the keys joined by NULs or None) of a
+    plain tree as flatten and encode_meta give them, or None when the walk
+    must decide (a key an RNG state's name makes per-rank, keys flattening
+    to the same key, a value over the JSON limit, a non-contiguous tensor)."""
     shape, tensors, leaves = plain
     if not shape or not all(map(_is_contiguous(), tensors)):
         return None
-    tkeys, lkeys, paths = [], [], {}
-    _flat_keys(shape, [], tkeys, lkeys, paths)
-    if len(paths) != len(tkeys) + len(lkeys):
+    names = []
+    _names(shape, names)
+    joined = "\0".join(names)
+    # Every RNG state's name holds "rng": C-speed scans clear the usual tree.
+    if any(map(joined.__contains__, _RNG_SPELLINGS)) and any(map(_tree.rng_name, names)):
         return None
-    if _any_rng_name(paths):
-        return None
+    tkeys, lkeys, items = [], [], []
+    plain_names = (joined.isascii() and '"' not in joined and "\\" not in joined
+                   and all(map(str.isprintable, names)))
+    flat = type(shape[0]) is str  # a dict of tensors alone: its keys are the flat keys
+    if flat and plain_names:
+        # {"k": ["k"], ...} joined from the keys and two constants: no str per key.
+        tkeys = list(shape)
+        items = ['{"']
+        items.extend(chain.from_iterable(zip(shape, repeat('": ["'), shape, repeat('"], "'))))
+        items[-1] = '"]}'
+        tree = "".join(items)
+    else:
+        _tree_json(shape, "", "", tkeys, lkeys, items, plain_names)
+        # A dict's own keys are distinct: only nested dicts can flatten two
+        # paths to one key ({"a.b": x, "a": {"b": y}}).
+        if not flat and len(set(tkeys).union(lkeys)) != len(tkeys) + len(lkeys):
+            return None
+        # The braces go on the first and last items: the text is copied once.
+        items[0] = "{" + items[0]
+        items[-1] += "}"
+        tree = ", ".join(items)
+    del items
     limit = _tree.MAX_LEAF_JSON_BYTES
     for v in leaves:  # only a long str or a huge int can pass the limit
         if ((type(v) is str and len(v) * 6 + 2 > limit)
@@ -163,9 +233,9 @@ def _plain_entries(plain, metadata):
                     json.dumps(v, allow_nan=True)) > limit:
             return None
     pairs = [(k, v) for k, v in (metadata or {}).items()]
-    pairs.append((_tree.TREE_META_KEY, json.dumps(paths, allow_nan=True)))
+    pairs.append((_tree.TREE_META_KEY, tree))
     pairs.append((_tree.LEAVES_META_KEY, json.dumps(dict(zip(lkeys, leaves)), allow_nan=True)))
-    return tkeys, pairs
+    return tkeys, pairs, joined if flat else None
 
 
 def plain_flat(state_dict):
@@ -245,12 +315,13 @@ class SaveCache:
         got = _plain_entries(plain, metadata)
         if got is None:
             return None
-        keys, pairs = got
+        keys, pairs, joined = got
         tensors = plain[1]
         cols = _columns(tensors)
-        devices = list(map(_device, tensors))
+        # A device object per tensor only when some are not on the CPU.
+        devices = "cpu" if all(map(_is_cpu, tensors)) else list(map(_device, tensors))
         arr, keep = _pack.pack(keys, tensors, shapes=cols[1], dtypes=cols[2], ptrs=cols[0],
-                               devices=devices)
+                               devices=devices, contiguous=True, joined_keys=joined)
         sd = ctypes.c_void_p()
         self.close()
         check(lib().ferry_state_dict_create(arr, len(keys), ctypes.byref(sd)))
@@ -263,7 +334,7 @@ class SaveCache:
         self._pairs = pairs
         self._keys = keys
         self._columns = cols
-        self._any_cuda = any(d.type != "cpu" for d in set(devices))
+        self._any_cuda = devices != "cpu" and any(d.type != "cpu" for d in set(devices))
         return self._prepared(tensors, cols[0])
 
     def _prepared(self, tensors, ptrs):
@@ -281,7 +352,8 @@ class SaveCache:
 
     def _reuse(self, plain, metadata):
         shape, tensors, leaves = plain
-        if (shape != self._shape or list(map(type, leaves)) != self._leaf_types
+        if ((shape is not self._shape and shape != self._shape)
+                or list(map(type, leaves)) != self._leaf_types
                 or leaves != self._leaves or (dict(metadata) if metadata else {}) != self._metadata):
             return None
         if not all(map(_is_contiguous(), tensors)):
@@ -321,5 +393,5 @@ def _is_contiguous():
 def _columns(tensors):
     """What the C state dict holds of each tensor that can change between
     saves, column by column: address, shape, dtype."""
-    return (list(map(_data_ptr(), tensors)), list(map(_shape, tensors)),
+    return (array("Q", map(_data_ptr(), tensors)), list(map(_shape, tensors)),
             list(map(_dtype, tensors)))

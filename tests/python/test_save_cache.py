@@ -116,6 +116,59 @@ class Changes(Base):
         second["w1"] = sd["w1"].to(torch.float64)
         self.two_saves(sd, second, cached=True)
 
+    def test_same_tensor_changed_in_place_between_saves(self):
+        # Each change keeps the tensor object and its version (or changes
+        # only what a version bump says nothing about): the cache must still
+        # see the new shape, dtype, address or layout, else the second save
+        # holds the first's shape or reads memory the tensor left.
+        def resize_same_numel(sd):
+            sd["w0"].resize_(3, 4).copy_(torch.arange(12.0).reshape(3, 4))
+
+        def resize_bigger(sd):
+            sd["w1"].resize_(40, 30).fill_(5.0)
+
+        def storage_resize(sd):
+            t = sd["w2"]
+            t.storage().resize_(1 << 16)  # moved: the shape stays, the address does not
+            t.fill_(3.0)
+
+        def data_of_other_dtype(sd):
+            t = sd["w3"]
+            t.data = t.view(torch.int32)  # the same memory, read as int32
+
+        def data_of_other_memory(sd):
+            sd["w4"].data = torch.full((4, 3), 9.0)
+
+        def transposed(sd):
+            sd["w5"].resize_(3, 3).copy_(torch.arange(9.0).reshape(3, 3))
+
+        def transposed_again(sd):
+            sd["w5"].t_()  # same shape and address, no longer contiguous
+
+        for i, change in enumerate((resize_same_numel, resize_bigger, storage_resize,
+                                    data_of_other_dtype, data_of_other_memory, transposed,
+                                    transposed_again)):
+            sd = state(20 + i)
+            if change is transposed_again:
+                transposed(sd)
+            tree = {"run%d" % i: sd}  # keys of its own: the first save is not a cached one
+            a = clone(tree)
+            p1 = self.save(tree, 2 * i + 1)
+            versions = {k: t._version for k, t in sd.items()}
+            hits = self.rt._save_cache.hits
+            change(sd)
+            if change in (data_of_other_dtype, data_of_other_memory):
+                self.assertEqual(versions, {k: t._version for k, t in sd.items()})
+            b = {"run%d" % i: {k: t.clone(memory_format=torch.contiguous_format)
+                               for k, t in sd.items()}}
+            p2 = self.save(tree, 2 * i + 2)
+            with self.subTest(change=change.__name__):
+                # Only a non-contiguous tensor takes the full walk.
+                self.assertEqual(self.rt._save_cache.hits,
+                                 hits + (0 if change is transposed_again else 1))
+                self.assert_loads(p1, a)
+                self.assert_loads(p2, b)
+
     def test_new_key(self):
         sd = state(4)
         second = dict(sd)

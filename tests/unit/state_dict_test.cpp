@@ -88,3 +88,38 @@ TEST_CASE("copies of a state dict share entries until one changes, then differ")
   CHECK(none.entries().empty());
   CHECK(none.find("x") == nullptr);
 }
+
+TEST_CASE("the key index finds every key and refuses every duplicate through growth and copies") {
+  std::vector<float> d(1);
+  const ferry::TensorView v{d.data(), ferry::DType::f32, {1}};
+  auto key = [](size_t i) { return "m." + std::to_string(i) + ".w"; };
+  const size_t n = 20000;
+  ferry::StateDict grown;  // no reserve: the index grows many times
+  ferry::StateDict reserved;
+  reserved.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    REQUIRE(grown.add(key(i), v).ok());
+    REQUIRE(reserved.add(key(i), v).ok());
+  }
+  // A copy taken midway, grown past its shared size, indexes its own entries.
+  ferry::StateDict copy = grown;
+  for (size_t i = n; i < n + 5000; ++i) REQUIRE(copy.add(key(i), v).ok());
+  for (const ferry::StateDict* sd : {&grown, &reserved, &copy}) {
+    const size_t size = sd->size();
+    for (size_t i = 0; i < size; ++i) {
+      const ferry::StateEntry* e = sd->find(key(i));
+      REQUIRE(e != nullptr);
+      REQUIRE(e == &sd->entries()[i]);
+    }
+    CHECK(sd->find(key(size)) == nullptr);
+    CHECK(sd->find("m.1") == nullptr);
+    CHECK(sd->find("m.1.w ") == nullptr);
+  }
+  CHECK(grown.size() == n);
+  for (size_t i = 0; i < n + 5000; i += 97) {
+    ferry::Status st = copy.add(key(i), v);
+    REQUIRE_FALSE(st.ok());
+    CHECK(st.to_string().find("duplicate state dict key '" + key(i) + "'") != std::string::npos);
+  }
+  CHECK(copy.size() == n + 5000);
+}

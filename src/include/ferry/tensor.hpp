@@ -123,15 +123,15 @@ class FERRY_EXPORT StateDict {
   // this state dict's own until it is next copied: change entries through
   // it before copying the state dict, not after.
   std::vector<StateEntry>& entries();
-  size_t size() const { return d_ ? d_->entries.size() : 0; }
+  size_t size() const;
   bool empty() const { return size() == 0; }
   const StateEntry* find(const std::string& key) const;
+  // Room for n entries, so adding them allocates nothing but the entries'
+  // own keys and shapes.
+  void reserve(size_t n);
 
  private:
-  struct Data {
-    std::vector<StateEntry> entries;
-    std::unordered_map<std::string, size_t> index;  // key -> position in entries
-  };
+  struct Data;  // the entries and an index of their keys (tensor.cpp)
   Data& mut();  // this state dict's own data (copied first if shared)
   std::shared_ptr<Data> d_;
 };
