@@ -46,11 +46,13 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <unordered_map>
 
 #include "actors/messages.hpp"
 #include "actors/snapshot_actor.hpp"
+#include "block_walk.hpp"
 #include "checksum.hpp"
 #include "work_queue.hpp"
 
@@ -64,8 +66,8 @@ Status abandoned() {
 
 void copy_out(DeviceBackend& device, const BlockCopy& c, const std::shared_ptr<BlockCopies>& done) {
   // The device names itself and the CUDA error; only we know the tensor.
-  device.copy_out(c.view, c.src_off, c.len, c.dst, [done, key = c.key](Status s) {
-    if (!s.ok()) s = s.with_context("tensor '" + key + "': ");
+  device.copy_out(*c.view, c.src_off, c.len, c.dst, [done, key = c.key](Status s) {
+    if (!s.ok()) s = s.with_context("tensor '" + *key + "': ");
     done->done(std::move(s));
   });
 }
@@ -195,6 +197,8 @@ struct snapshot_state {
   // Set when the current save is abandoned or fails: its queued lane tasks
   // are skipped. A fresh flag per save.
   std::shared_ptr<std::atomic<bool>> cancelled;
+  std::optional<BlockWalk> walk;           // over next_file's chunks
+  std::vector<ChunkSlice> slices;          // the block being issued's (kept for its capacity)
   std::vector<SourceSum> sums;             // verify-snapshot: the current save's
   std::vector<int> job_devices;            // the current save's: -1 host, N cuda:N
   std::map<int, gpu_snapshot_actor> gpus;  // by CUDA device index
@@ -250,6 +254,7 @@ void finish(snapshot_ptr self, Status status) {
   }
   st.active = false;
   st.inflight.clear();
+  st.walk.reset();
   st.job = StreamJob{};
 }
 
@@ -297,21 +302,10 @@ void issue_block(snapshot_ptr self) {
     const uint64_t n = std::min<uint64_t>(len, f.header.size() - off);
     std::memcpy(dst, f.header.data() + off, n);
   }
-  struct Copy {
-    const ChunkSource* src;
-    const std::string* key;
-    uint64_t src_off, len, dst_off;
-  };
-  std::vector<Copy> copies;
+  if (!st.walk) st.walk.emplace(f);
+  st.slices.clear();
+  st.walk->next(off, len, st.slices);
   const auto& sources = (*st.job.sources)[st.next_file];
-  for (size_t i = 0; i < f.chunks.size(); ++i) {
-    const auto& c = f.chunks[i];
-    const uint64_t lo = std::max(off, c.offset);
-    const uint64_t hi = std::min(off + len, c.offset + c.length);
-    if (lo >= hi) continue;
-    copies.push_back(
-        {&sources[i], &c.chunk.key, sources[i].offset + (lo - c.offset), hi - lo, lo - off});
-  }
   st.inflight.push_back(std::move(b));
   // The first writes wait for the save's first block alone: its copies are
   // shared by every lane. Later blocks are dealt whole, one per lane.
@@ -323,21 +317,25 @@ void issue_block(snapshot_ptr self) {
     ++st.next_file;
     st.next_offset = 0;
     st.next_index = 0;
+    st.walk.reset();
   }
 
   const uint64_t save = st.job.save;
   std::map<int, std::vector<BlockCopy>> by_device;  // -1: host
-  for (const Copy& c : copies) {
-    const Device& d = c.src->view.device;
-    by_device[d.is_host() ? -1 : d.index].push_back(
-        {c.src->view, c.src_off, c.len, dst + c.dst_off, *c.key});
+  for (const ChunkSlice& c : st.slices) {
+    const ChunkSource& src = sources[c.chunk];
+    const Device& d = src.view.device;
+    by_device[d.is_host() ? -1 : d.index].push_back({&src.view, src.offset + c.chunk_off, c.len,
+                                                     dst + c.block_off,
+                                                     &f.chunks[c.chunk].chunk.key});
   }
   st.inflight.back().outstanding = static_cast<uint32_t>(by_device.size());
   for (auto& [device, block_copies] : by_device) {
     if (std::find(st.job_devices.begin(), st.job_devices.end(), device) == st.job_devices.end())
       st.job_devices.push_back(device);
     if (device >= 0) {
-      auto done = std::make_shared<BlockCopies>(self, save, seq, block_copies.size());
+      auto done = std::make_shared<BlockCopies>(self, save, seq, block_copies.size(),
+                                                st.job.sources, st.job.files);
       auto& gpu = st.gpus[device];
       if (!gpu) gpu = self->spawn<caf::linked>(gpu_snapshot_fun, st.ctx);
       self->send(gpu, atom::gpu_copy_v, GpuCopies{std::move(block_copies), done, st.cancelled});
@@ -354,7 +352,8 @@ void issue_block(snapshot_ptr self) {
       runs.push_back(std::move(block_copies));
     size_t pieces = 0;
     for (const auto& run : runs) pieces += run.size();
-    auto done = std::make_shared<BlockCopies>(self, save, seq, pieces);
+    auto done =
+        std::make_shared<BlockCopies>(self, save, seq, pieces, st.job.sources, st.job.files);
     for (auto& run : runs) {
       WorkQueue& lane = *st.host_lanes[st.next_lane++ % st.host_lanes.size()];
       lane.post([device = st.ctx->device, cancelled = st.cancelled, done, run = std::move(run),
@@ -406,6 +405,7 @@ snapshot_actor::behavior_type snapshot_fun(snapshot_ptr self, ContextPtr ctx,
         st.next_file = 0;
         st.next_offset = 0;
         st.next_index = 0;
+        st.walk.reset();
         st.seq_base = st.next_seq;  // sequence numbers never repeat (see orphans)
         st.waiting_for_block = false;
         st.cancelled = std::make_shared<std::atomic<bool>>(false);
@@ -461,6 +461,7 @@ snapshot_actor::behavior_type snapshot_fun(snapshot_ptr self, ContextPtr ctx,
           cancel_queued(st);
           release_all(self);
           st.active = false;
+          st.walk.reset();
           st.job = StreamJob{};
         }
         if (!copies_running(st, save)) return true;
