@@ -17,6 +17,8 @@
 #include <vector>
 
 #include "actors/c_api_internal.hpp"
+#include "actors/runtime_access.hpp"
+#include "catalog.hpp"
 #include "ferry/catalog.hpp"
 #include "ferry/export.hpp"
 #include "ferry/filesystem.hpp"
@@ -34,8 +36,41 @@ struct ferry_state_dict {
 };
 
 struct ferry_manifest {
-  explicit ferry_manifest(ferry::CheckpointManifest mm) : m(std::move(mm)) {}
+  explicit ferry_manifest(ferry::CheckpointManifest mm) : m(std::move(mm)), path(m.path) {}
+  // Opened on a runtime: its decode, which that runtime's loads share.
+  ferry_manifest(std::shared_ptr<const ferry::Manifest> d, std::string dir)
+      : decoded(std::move(d)), path(std::move(dir)) {}
+  // One of the two: the public catalog's form, or a runtime's decode.
   ferry::CheckpointManifest m;
+  std::shared_ptr<const ferry::Manifest> decoded;
+  std::string path;  // the checkpoint directory
+
+  uint64_t step() const { return decoded ? decoded->step : m.step; }
+  uint64_t commit_seq() const { return decoded ? decoded->commit_seq : m.commit_seq; }
+  int32_t world_size() const { return decoded ? decoded->world_size : m.world_size; }
+  const std::vector<std::pair<std::string, std::string>>& metadata() const {
+    return decoded ? decoded->metadata : m.metadata;
+  }
+  size_t num_tensors() const { return decoded ? decoded->tensors.size() : m.tensors.size(); }
+  const std::string& key(size_t i) const {
+    return decoded ? decoded->tensors[i].key : m.tensors[i].key;
+  }
+  ferry::DType dtype(size_t i) const {
+    return decoded ? decoded->tensors[i].dtype : m.tensors[i].dtype;
+  }
+  const std::vector<int64_t>& shape(size_t i) const {
+    return decoded ? decoded->tensors[i].global_shape : m.tensors[i].global_shape;
+  }
+  size_t num_chunks(size_t i) const {
+    return decoded ? decoded->tensors[i].chunks.size() : m.tensors[i].chunks.size();
+  }
+  uint64_t stored_bytes(size_t i) const {
+    if (!decoded) return m.tensors[i].bytes;
+    uint64_t n = 0;
+    for (const ferry::ManifestChunk& c : decoded->tensors[i].chunks) n += c.byte_length;
+    return n;
+  }
+
   // ferry_manifest_tensor_table's columns, built once at its first call.
   mutable std::once_flag table_once;
   mutable std::string keys;
@@ -736,43 +771,60 @@ ferry_status ferry_manifest_open(const char* path, ferry_manifest** out) {
   });
 }
 
+ferry_status ferry_manifest_open_rt(ferry_runtime* rt, const char* path, ferry_manifest** out) {
+  return guarded([&] {
+    if (!out) return null_arg("out");
+    *out = nullptr;
+    FERRY_CHECK_HANDLE(rt, "runtime");
+    if (!path) return null_arg("path");
+    const ferry::RankContext& ctx = ferry::detail::RuntimeAccess::context(*rt->rt);
+    const ferry::RootHold hold(ctx.fs, path);
+    auto dir = ferry::resolve_checkpoint(*ctx.fs, path, ctx.manifests.get());
+    if (!dir.ok()) return to_c(dir.status());
+    auto m = ferry::read_manifest_shared(*ctx.fs, *dir, ctx.manifests.get());
+    if (!m.ok()) return to_c(m.status());
+    *out = handles<ferry_manifest>().add(
+        std::make_unique<ferry_manifest>(std::move(m).value(), std::move(dir).value()));
+    return to_c(ferry::Status());
+  });
+}
+
 void ferry_manifest_close(ferry_manifest* m) {
   handles<ferry_manifest>().take(m).reset();
 }
 
 const char* ferry_manifest_path(const ferry_manifest* m) {
-  return live(m) ? m->m.path.c_str() : "";
+  return live(m) ? m->path.c_str() : "";
 }
 
 uint64_t ferry_manifest_step(const ferry_manifest* m) {
-  return live(m) ? m->m.step : 0;
+  return live(m) ? m->step() : 0;
 }
 
 uint64_t ferry_manifest_commit_seq(const ferry_manifest* m) {
-  return live(m) ? m->m.commit_seq : 0;
+  return live(m) ? m->commit_seq() : 0;
 }
 
 int32_t ferry_manifest_world_size(const ferry_manifest* m) {
-  return live(m) ? m->m.world_size : 0;
+  return live(m) ? m->world_size() : 0;
 }
 
 size_t ferry_manifest_num_tensors(const ferry_manifest* m) {
-  return live(m) ? m->m.tensors.size() : 0;
+  return live(m) ? m->num_tensors() : 0;
 }
 
 ferry_status ferry_manifest_tensor(const ferry_manifest* m, size_t i, ferry_tensor_info* out) {
   FERRY_CHECK_HANDLE(m, "manifest");
   if (!out) return null_arg("out");
-  if (i >= m->m.tensors.size())
+  if (i >= m->num_tensors())
     return fail(FERRY_INVALID_ARGUMENT, "tensor index " + std::to_string(i) + " out of range (" +
-                                            std::to_string(m->m.tensors.size()) + " tensors)");
-  const ferry::ManifestTensorInfo& t = m->m.tensors[i];
-  out->key = t.key.c_str();
-  out->dtype = static_cast<int32_t>(t.dtype);
-  out->ndim = static_cast<int32_t>(t.global_shape.size());
-  out->global_shape = t.global_shape.data();
-  out->bytes = t.bytes;
-  out->num_chunks = t.chunks.size();
+                                            std::to_string(m->num_tensors()) + " tensors)");
+  out->key = m->key(i).c_str();
+  out->dtype = static_cast<int32_t>(m->dtype(i));
+  out->ndim = static_cast<int32_t>(m->shape(i).size());
+  out->global_shape = m->shape(i).data();
+  out->bytes = m->stored_bytes(i);
+  out->num_chunks = m->num_chunks(i);
   return FERRY_OK;
 }
 
@@ -783,42 +835,45 @@ ferry_status ferry_manifest_tensor_table(const ferry_manifest* m, ferry_manifest
     if (ferry_status e = size_error<ferry_manifest_table>(out->size, "ferry_manifest_table");
         e != FERRY_OK)
       return e;
-    const auto& ts = m->m.tensors;
+    const size_t n = m->num_tensors();
     std::call_once(m->table_once, [&] {
       size_t key_bytes = 0, ndims = 0;
-      for (const ferry::ManifestTensorInfo& t : ts) {
-        key_bytes += t.key.size() + 1;
-        ndims += t.global_shape.size();
+      for (size_t i = 0; i < n; ++i) {
+        key_bytes += m->key(i).size() + 1;
+        ndims += m->shape(i).size();
       }
       m->keys.reserve(key_bytes);
-      m->dtypes.reserve(ts.size());
-      m->ndims.reserve(ts.size());
-      m->bytes.reserve(ts.size());
+      m->dtypes.reserve(n);
+      m->ndims.reserve(n);
+      m->bytes.reserve(n);
       m->dims.reserve(ndims);
-      for (const ferry::ManifestTensorInfo& t : ts) {
-        m->keys.append(t.key).push_back('\0');
-        m->dtypes.push_back(static_cast<int32_t>(t.dtype));
-        m->ndims.push_back(static_cast<int32_t>(t.global_shape.size()));
-        m->dims.insert(m->dims.end(), t.global_shape.begin(), t.global_shape.end());
-        m->bytes.push_back(t.bytes);
+      for (size_t i = 0; i < n; ++i) {
+        const std::vector<int64_t>& shape = m->shape(i);
+        m->keys.append(m->key(i)).push_back('\0');
+        m->dtypes.push_back(static_cast<int32_t>(m->dtype(i)));
+        m->ndims.push_back(static_cast<int32_t>(shape.size()));
+        m->dims.insert(m->dims.end(), shape.begin(), shape.end());
+        m->bytes.push_back(m->stored_bytes(i));
       }
     });
-    ferry_manifest_table full{sizeof full,      ts.size(),       m->keys.data(), m->keys.size(),
-                              m->dtypes.data(), m->ndims.data(), m->dims.data(), m->bytes.data()};
+    ferry_manifest_table full{sizeof full,      n,
+                              m->keys.data(),   m->keys.size(),
+                              m->dtypes.data(), m->ndims.data(),
+                              m->dims.data(),   m->bytes.data()};
     return write_result(full, "ferry_manifest_table", out);
   });
 }
 
 size_t ferry_manifest_num_metadata(const ferry_manifest* m) {
-  return live(m) ? m->m.metadata.size() : 0;
+  return live(m) ? m->metadata().size() : 0;
 }
 
 ferry_status ferry_manifest_metadata(const ferry_manifest* m, size_t i, const char** key,
                                      const char** value, size_t* value_len) {
   FERRY_CHECK_HANDLE(m, "manifest");
-  if (i >= m->m.metadata.size())
+  if (i >= m->metadata().size())
     return fail(FERRY_INVALID_ARGUMENT, "metadata index " + std::to_string(i) + " out of range");
-  const auto& kv = m->m.metadata[i];
+  const auto& kv = m->metadata()[i];
   if (key) *key = kv.first.c_str();
   if (value) *value = kv.second.data();
   if (value_len) *value_len = kv.second.size();

@@ -194,11 +194,19 @@ class RunReader {
     const uint64_t block = ctx_.pool->block_bytes();
     std::vector<ReadOp> ops;
     std::vector<const ReadOp*> compressed;
-    for (ReadOp& op : task_.ops) {
-      if (task_.manifest->tensors[op.tensor].chunks[op.chunk].codec.empty())
-        ops.push_back(std::move(op));
-      else
-        compressed.push_back(&op);
+    auto raw = [this](const ReadOp& op) {
+      return task_.manifest->tensors[op.tensor].chunks[op.chunk].codec.empty();
+    };
+    if (std::all_of(task_.ops.begin(), task_.ops.end(), raw)) {
+      ops = std::move(task_.ops);  // the usual case: not one op moved
+    } else {
+      ops.reserve(task_.ops.size());
+      for (ReadOp& op : task_.ops) {
+        if (raw(op))
+          ops.push_back(std::move(op));
+        else
+          compressed.push_back(&op);
+      }
     }
     FERRY_RETURN_IF_ERROR(read_compressed_ops(compressed));
     FERRY_RETURN_IF_ERROR(plan_work(std::move(ops), block));

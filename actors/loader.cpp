@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdio>
 #include <deque>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <optional>
@@ -396,14 +397,21 @@ loader_actor::behavior_type loader_fun(loader_ptr self, ContextPtr ctx) {
         // a few long sequential streams, and runs coalesce inside each.
         // Pieces another host sends whole go to a reader of their own, which
         // waits for them while the others read from storage.
-        std::vector<ReadOp> fetched;
-        std::vector<ReadOp> ops;
-        for (ReadOp& op : job.ops) (op.fetch_from >= 0 ? fetched : ops).push_back(std::move(op));
+        // Ops are moved as little as may be: a load of 50,000 tensors has as
+        // many, each a few hundred bytes with boxes of their own.
+        std::vector<ReadOp> ops = std::move(job.ops);
+        auto from_others = std::stable_partition(
+            ops.begin(), ops.end(), [](const ReadOp& op) { return op.fetch_from < 0; });
+        std::vector<ReadOp> fetched(std::make_move_iterator(from_others),
+                                    std::make_move_iterator(ops.end()));
+        ops.erase(from_others, ops.end());
         std::vector<ReadTask> tasks(std::min<size_t>(st.storage_readers, ops.size()));
         if (tasks.empty() && fetched.empty() && job.receive.empty()) return Status();
-        std::sort(ops.begin(), ops.end(), [](const ReadOp& a, const ReadOp& b) {
+        auto by_place = [](const ReadOp& a, const ReadOp& b) {
           return std::tie(a.file, a.file_offset) < std::tie(b.file, b.file_offset);
-        });
+        };
+        if (!std::is_sorted(ops.begin(), ops.end(), by_place))
+          std::sort(ops.begin(), ops.end(), by_place);
         auto load = std::make_shared<LoadInFlight>();
         load->rp = self->make_response_promise();
         load->load_id = job.load_id;
@@ -427,11 +435,16 @@ loader_actor::behavior_type loader_fun(loader_ptr self, ContextPtr ctx) {
         if (!load->receivers.empty())
           st.ctx->shares->open(st.ctx->rank, job.load_id, load->receivers);
         uint64_t seen = 0;
-        for (auto& op : ops) {
-          const size_t k =
-              total ? std::min<size_t>(tasks.size() - 1, seen * tasks.size() / total) : 0;
-          seen += op.length;
-          tasks[k].ops.push_back(std::move(op));
+        if (tasks.size() == 1) {
+          tasks[0].ops = std::move(ops);
+        } else {
+          for (auto& t : tasks) t.ops.reserve(ops.size() / tasks.size() + 1);
+          for (auto& op : ops) {
+            const size_t k =
+                total ? std::min<size_t>(tasks.size() - 1, seen * tasks.size() / total) : 0;
+            seen += op.length;
+            tasks[k].ops.push_back(std::move(op));
+          }
         }
         for (const auto& t : tasks) load->left += t.ops.empty() ? 0 : 1;
         for (size_t i = 0; i < tasks.size(); ++i) {

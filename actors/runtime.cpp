@@ -743,9 +743,10 @@ Status from_caf(caf::scoped_actor& self, const caf::error& e, const std::string&
 Status plan_load(Runtime::Impl& im, StateDict& sd, const LoadReplyMsg& reply,
                  std::shared_ptr<const Manifest>* manifest, std::vector<LoadRequest>* requests,
                  std::vector<ReadOp>* ops) {
-  auto m = decode_manifest(reply.manifest);
+  // Decoded once per runtime: ferry_manifest_open on it decoded the same bytes.
+  auto m = decode_manifest_shared(reply.manifest, reply.dir, im.ctx->manifests.get());
   if (!m.ok()) return m.status().with_context(join_path(reply.dir, kManifestFileName) + ": ");
-  *manifest = std::make_shared<const Manifest>(std::move(m).value());
+  *manifest = std::move(m).value();
   FERRY_ASSIGN_OR_RETURN(*requests, make_load_requests(sd));
   FERRY_RETURN_IF_ERROR(
       resolve_per_rank(*requests, sd, **manifest, im.ctx->rank, im.ctx->world_size));
@@ -888,6 +889,7 @@ Status load_local(Runtime::Impl& im, caf::scoped_actor& self, StateDict& sd, con
   }
   for (const auto& [from, op] : job.receive)
     report->bytes_received += shared_bytes(op, dtype_size(manifest->tensors[op.tensor].dtype));
+  job.targets.reserve(sd.size());
   for (const auto& e : sd.entries()) job.targets.push_back(e.view);
   if (times) {
     if (times->planned == 0) times->planned = trace_now_ns();

@@ -229,6 +229,26 @@ Result<Manifest> decode_checked(Filesystem& fs, ManifestCache* cache, const std:
   return m;
 }
 
+// decode_checked through decode_manifest_shared (`dir`: the checkpoint's).
+Result<std::shared_ptr<const Manifest>> decode_checked_shared(Filesystem& fs, ManifestCache* cache,
+                                                              const std::string& dir,
+                                                              const std::string& path,
+                                                              const FileInfo& info,
+                                                              std::string& head) {
+  std::string bytes;
+  if (head.size() == info.size)
+    bytes = std::move(head);
+  else
+    FERRY_RETURN_IF_ERROR(read_file_into(fs, path, &bytes, kMaxManifestBytes));
+  Result<std::shared_ptr<const Manifest>> m = decode_manifest_shared(bytes, dir, cache);
+  if (!m.ok()) {
+    Status st = m.status().with_context(path + ": ");
+    remember_failure(cache, failure_key(path, info), st, !summarize_manifest(bytes).ok());
+    return st;
+  }
+  return m;
+}
+
 }  // namespace
 
 Result<Manifest> read_manifest(Filesystem& fs, const std::string& checkpoint_dir,
@@ -238,6 +258,35 @@ Result<Manifest> read_manifest(Filesystem& fs, const std::string& checkpoint_dir
   std::string head;
   FERRY_RETURN_IF_ERROR(check_manifest_file(fs, cache, path, /*frame_only=*/false, &info, &head));
   return decode_checked(fs, cache, path, info, head);
+}
+
+Result<std::shared_ptr<const Manifest>> decode_manifest_shared(std::string_view bytes,
+                                                               const std::string& dir,
+                                                               ManifestCache* cache) {
+  uint64_t sum = 0;
+  if (cache != nullptr) {
+    // Checks the frame and the payload against its checksum: what is served
+    // is a decode of these very bytes.
+    Result<ManifestSummary> s = summarize_manifest(bytes);
+    if (s.ok()) {
+      sum = s->payload_sum;
+      if (auto known = cache->manifest(dir, bytes.size(), sum)) return known;
+    }
+  }
+  FERRY_ASSIGN_OR_RETURN(Manifest m, decode_manifest(bytes));
+  auto out = std::make_shared<const Manifest>(std::move(m));
+  if (cache != nullptr) cache->remember_manifest(dir, bytes.size(), sum, out);
+  return out;
+}
+
+Result<std::shared_ptr<const Manifest>> read_manifest_shared(Filesystem& fs,
+                                                             const std::string& checkpoint_dir,
+                                                             ManifestCache* cache) {
+  std::string path = join_path(checkpoint_dir, kManifestFileName);
+  FileInfo info;
+  std::string head;
+  FERRY_RETURN_IF_ERROR(check_manifest_file(fs, cache, path, /*frame_only=*/false, &info, &head));
+  return decode_checked_shared(fs, cache, checkpoint_dir, path, info, head);
 }
 
 void remember_committed(Filesystem& fs, const std::string& checkpoint_dir, const Manifest& m,
@@ -369,13 +418,15 @@ Result<std::shared_ptr<const ManifestCache::Decoded>> decoded_manifest(Filesyste
   if (cache != nullptr && sum.ok()) {
     if (auto known = cache->decoded(failure_key(path, info), *sum)) return known;
   }
-  FERRY_ASSIGN_OR_RETURN(Manifest m, decode_checked(fs, cache, path, info, head));
+  // Decoded as a load decodes it: a load of the root plans against this decode.
+  FERRY_ASSIGN_OR_RETURN(std::shared_ptr<const Manifest> m,
+                         decode_checked_shared(fs, cache, dir, path, info, head));
   auto d = std::make_shared<ManifestCache::Decoded>();
-  d->step = m.step;
-  d->commit_seq = m.commit_seq;
-  d->total_bytes = m.total_bytes();
-  d->tensors = m.tensors.size();
-  d->files = std::move(m.files);
+  d->step = m->step;
+  d->commit_seq = m->commit_seq;
+  d->total_bytes = m->total_bytes();
+  d->tensors = m->tensors.size();
+  d->files = m->files;
   if (cache != nullptr && sum.ok()) cache->remember_decoded(failure_key(path, info), *sum, d);
   return std::shared_ptr<const ManifestCache::Decoded>(std::move(d));
 }

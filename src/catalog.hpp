@@ -85,6 +85,19 @@ Result<std::string> resolve_checkpoint(Filesystem& fs, const std::string& path,
 Result<Manifest> read_manifest(Filesystem& fs, const std::string& checkpoint_dir,
                                ManifestCache* cache = nullptr);
 
+// The manifest of checkpoint DIR whose MANIFEST file holds `bytes`, decoded
+// once per `cache` owner (ManifestCache::manifest) for ferry_manifest_open
+// on a runtime and its loads: the bytes' frame and payload checksum are
+// checked each time (summarize_manifest), so a manifest replaced or changed
+// on disk is decoded again, never served stale. Null cache: decoded here.
+Result<std::shared_ptr<const Manifest>> decode_manifest_shared(std::string_view bytes,
+                                                               const std::string& dir,
+                                                               ManifestCache* cache);
+// read_manifest through decode_manifest_shared.
+Result<std::shared_ptr<const Manifest>> read_manifest_shared(Filesystem& fs,
+                                                             const std::string& checkpoint_dir,
+                                                             ManifestCache* cache);
+
 // Tells `cache` (null: nothing) of the manifest a commit just wrote to
 // CHECKPOINT_DIR as `encoded`: the next commits number themselves and retire
 // checkpoints without decoding it.

@@ -155,6 +155,7 @@ Result<std::vector<ReadOp>> make_load_plan(const Manifest& m,
                                            const std::vector<LoadRequest>& requests,
                                            const LoadPlanOptions& opts) {
   std::vector<ReadOp> ops;
+  ops.reserve(requests.size());  // one read per request, the most common case
   // Per tensor, built on first use: its chunks are checked once, and indexed
   // when there are many, however many requests name it.
   std::unordered_map<uint32_t, std::unique_ptr<ChunkIndex>> seen;
@@ -241,9 +242,12 @@ void for_each_copy(const ReadOp& op, size_t elem_size,
 std::vector<ReadRun> make_read_runs(std::vector<ReadOp> ops, const Manifest& m,
                                     uint64_t max_run_bytes, uint64_t align,
                                     uint64_t tail_run_bytes) {
-  std::sort(ops.begin(), ops.end(), [](const ReadOp& a, const ReadOp& b) {
+  auto by_place = [](const ReadOp& a, const ReadOp& b) {
     return std::tie(a.file, a.file_offset, a.entry) < std::tie(b.file, b.file_offset, b.entry);
-  });
+  };
+  // Usually sorted already (the loader's split keeps file order).
+  if (!std::is_sorted(ops.begin(), ops.end(), by_place))
+    std::sort(ops.begin(), ops.end(), by_place);
   auto down = [align](uint64_t v) { return v / align * align; };
   auto up = [align](uint64_t v) { return (v + align - 1) / align * align; };
   max_run_bytes = std::max(align, down(max_run_bytes));
@@ -279,7 +283,7 @@ std::vector<ReadRun> make_read_runs(std::vector<ReadOp> ops, const Manifest& m,
       if (up(end) <= room_end) {
         run.length = std::max(run.length, up(end) - run.offset);
         left -= op.length;
-        run.ops.push_back(op);
+        run.ops.push_back(std::move(op));
         break;
       }
       uint64_t take = room_end > op.file_offset ? (room_end - op.file_offset) / grain * grain : 0;

@@ -14,6 +14,7 @@
 #include <kj/exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <exception>
 #include <limits>
@@ -910,7 +911,16 @@ Result<ManifestSummary> summarize_manifest(std::string_view bytes) {
   return out;
 }
 
+namespace {
+std::atomic<uint64_t> g_manifest_decodes{0};
+}  // namespace
+
+uint64_t manifest_decodes() {
+  return g_manifest_decodes.load(std::memory_order_relaxed);
+}
+
 Result<Manifest> decode_manifest(std::string_view bytes) {
+  g_manifest_decodes.fetch_add(1, std::memory_order_relaxed);
   Frame fr;
   Manifest m;
   FERRY_RETURN_IF_ERROR(read_checked_payload(

@@ -114,6 +114,8 @@ class ManifestEncoder {
 // files, lengths matching dtype x numel, checksum counts). Every failure is a
 // Status (corruption / unsupported) naming what is wrong; never throws.
 Result<Manifest> decode_manifest(std::string_view bytes);
+// How many times decode_manifest ran in this process (tests count a load's decodes).
+uint64_t manifest_decodes();
 
 // decode_manifest's checks of the contents, on a manifest in memory (what
 // rank 0 checks before a commit, without encoding and decoding it).

@@ -4,14 +4,15 @@
 // commit at most picks a larger number than needed), what retention and
 // find_latest need of those that decoded whole, by file and payload
 // checksum (a file rewritten has another inode or mtime and is decoded
-// again; load decodes what it reads), and the manifests that failed, by path, size,
-// inode and mtime, so that a bad one costs one read per owner rather than
-// one per save or `ls`. Owned, never process-global: two runtimes in one
+// again), whole manifests for loads (see manifest()), and the manifests
+// that failed, by path, size, inode and mtime, so that a bad one costs one
+// read per owner rather than one per save or `ls`. Owned, never process-global: two runtimes in one
 // process (other roots, other filesystems) never see each other's entries.
 // Thread-safe.
 #pragma once
 
 #include <cstdint>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -85,6 +86,31 @@ class ManifestCache {
     decoded_[key] = {payload_sum, std::move(d)};
   }
 
+  // Whole manifests as decode_manifest gave them, for a load to plan
+  // against what ferry_manifest_open on the same runtime (or its last load
+  // of the checkpoint) already decoded: keyed by the checkpoint directory,
+  // the file's length and its payload checksum, which the caller checked
+  // against the bytes it read (summarize_manifest), so a manifest replaced or
+  // changed on disk is decoded again. The last one remembered is kept; the
+  // others only while someone holds them (a decoded manifest of 100,000
+  // tensors is tens of MiB).
+  std::shared_ptr<const Manifest> manifest(const std::string& dir, uint64_t file_bytes,
+                                           uint64_t payload_sum) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = manifests_.find({dir, file_bytes, payload_sum});
+    if (it == manifests_.end()) return nullptr;
+    return it->second.lock();
+  }
+  void remember_manifest(const std::string& dir, uint64_t file_bytes, uint64_t payload_sum,
+                         std::shared_ptr<const Manifest> m) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = manifests_.begin(); it != manifests_.end();)
+      it = it->second.expired() ? manifests_.erase(it) : std::next(it);
+    if (manifests_.size() >= kMaxRemembered) manifests_.clear();
+    manifests_[{dir, file_bytes, payload_sum}] = m;
+    last_manifest_ = std::move(m);
+  }
+
   size_t summaries() {
     std::lock_guard<std::mutex> lock(mu_);
     return by_sum_.size();
@@ -99,6 +125,8 @@ class ManifestCache {
   std::unordered_map<uint64_t, ManifestSummary> by_sum_;
   std::map<FailureKey, Failure> failed_;
   std::map<FailureKey, std::pair<uint64_t, std::shared_ptr<const Decoded>>> decoded_;
+  std::map<std::tuple<std::string, uint64_t, uint64_t>, std::weak_ptr<const Manifest>> manifests_;
+  std::shared_ptr<const Manifest> last_manifest_;
 };
 
 }  // namespace ferry

@@ -681,10 +681,14 @@ class Manifest:
     (key -> TensorInfo with the torch dtype and global shape), metadata (the
     user's key/values, and the package's own)."""
 
-    def __init__(self, path: PathLike) -> None:
+    def __init__(self, path: PathLike, _runtime_ptr: Any = None) -> None:
         L = lib()
         m = ctypes.c_void_p()
-        check(L.ferry_manifest_open(os.fspath(path).encode("utf-8"), ctypes.byref(m)))
+        p = os.fspath(path).encode("utf-8")
+        if _runtime_ptr is None:
+            check(L.ferry_manifest_open(p, ctypes.byref(m)))
+        else:  # the runtime's load of it then plans against this decode
+            check(L.ferry_manifest_open_rt(_runtime_ptr, p, ctypes.byref(m)))
         try:
             self.path = L.ferry_manifest_path(m).decode("utf-8")
             self.step = L.ferry_manifest_step(m)
@@ -828,7 +832,7 @@ def _load(rt, state_dict, path, strict, cast, key_map, allow_pickle=False):
     ptr = rt._alive()
     flat = _save_cache.plain_flat(state_dict) or _tree.flatten(state_dict)
     resolved, step = _resolve(ptr, path)
-    man = Manifest(resolved)
+    man = Manifest(resolved, ptr)
     # Per-rank entries stand in the checks below as one key each; which
     # rank's copy this rank gets is decided once the claims are known.
     copies = _hide_per_rank_copies(man)
@@ -1179,7 +1183,7 @@ def load_state_dict(path: PathLike, runtime: Optional[Runtime] = None, prefix: O
     rt = runtime or default_runtime()
     ptr = rt._alive()
     resolved, _ = _resolve(ptr, path)
-    man = Manifest(resolved)
+    man = Manifest(resolved, ptr)
     used = [k for k in man.pickled if prefix is None or _under(k, prefix)]
     if used and not allow_pickle:
         raise _refuse_pickle(man, used)

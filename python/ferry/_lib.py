@@ -273,6 +273,7 @@ def _declare(L):
         ),
         "ferry_apply_retention": (st, [ctypes.c_char_p, ctypes.c_uint32]),
         "ferry_manifest_open": (st, [ctypes.c_char_p, ctypes.POINTER(vp)]),
+        "ferry_manifest_open_rt": (st, [vp, ctypes.c_char_p, ctypes.POINTER(vp)]),
         "ferry_manifest_close": (None, [vp]),
         "ferry_manifest_path": (ctypes.c_char_p, [vp]),
         "ferry_manifest_step": (ctypes.c_uint64, [vp]),

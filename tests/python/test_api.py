@@ -346,8 +346,8 @@ class ResolvedOnce(Base):
         root = self.root
 
         class CommitAfterRead(real):
-            def __init__(self, path):
-                super().__init__(path)
+            def __init__(self, path, *runtime):
+                super().__init__(path, *runtime)
                 if not os.path.isdir(os.path.join(root, "step-00000002")):
                     ferry.save({"w": torch.full((4,), 2.0), "epoch": 2, "extra": 5}, root, 2)
 

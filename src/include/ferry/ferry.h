@@ -391,6 +391,12 @@ FERRY_API ferry_status ferry_apply_retention(const char* root, uint32_t keep_las
 
 /* Reads the manifest of `path` (a checkpoint, or a root: its latest). */
 FERRY_API ferry_status ferry_manifest_open(const char* path, ferry_manifest** out);
+/* The same through runtime `rt` (its filesystem): the decoded manifest is
+ * shared with rt's loads, so opening a checkpoint and then loading it
+ * decodes its manifest once. A manifest changed on disk meanwhile is
+ * decoded again by the load (its bytes are checked each time). */
+FERRY_API ferry_status ferry_manifest_open_rt(ferry_runtime* rt, const char* path,
+                                              ferry_manifest** out);
 FERRY_API void ferry_manifest_close(ferry_manifest* m);
 FERRY_API const char* ferry_manifest_path(const ferry_manifest* m); /* the checkpoint dir */
 FERRY_API uint64_t ferry_manifest_step(const ferry_manifest* m);
