@@ -486,9 +486,16 @@ size_t write_framed(const Manifest& m, capnp::MessageBuilder& message, std::stri
   }
   put_u64(out, payload_size);
   const size_t at = out.size() + 8;  // after the checksum
-  out.resize(at + payload_size);
-  kj::ArrayOutputStream stream(kj::arrayPtr(reinterpret_cast<kj::byte*>(&out[at]), payload_size));
-  capnp::writeMessage(stream, message);
+  put_u64(out, 0);                   // the checksum, once the payload is there
+  // capnp::writeMessage's bytes (segment table, then the segments), appended
+  // rather than written over a resized string, which would zero megabytes
+  // first.
+  auto segs = message.getSegmentsForOutput();
+  put_u32(out, static_cast<uint32_t>(segs.size() - 1));
+  for (auto seg : segs) put_u32(out, static_cast<uint32_t>(seg.size()));
+  if (segs.size() % 2 == 0) put_u32(out, 0);  // the table fills whole words
+  for (auto seg : segs)
+    out.append(reinterpret_cast<const char*>(seg.begin()), seg.size() * sizeof(capnp::word));
   const uint64_t sum = xxh3_64(out.data() + at, payload_size);
   for (int i = 0; i < 8; ++i) out[at - 8 + i] = static_cast<char>((sum >> (8 * i)) & 0xff);
   return payload_size / sizeof(capnp::word);
