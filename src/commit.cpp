@@ -399,7 +399,7 @@ Result<CommitOutcome> commit_to_object_root(Filesystem& fs, const std::string& r
   }
   fs.crash_point("commit.rename");
   CommitOutcome out{step_dir, manifest.commit_seq, {}, {}, {}, {}};
-  remember_committed(fs, step_dir, manifest, encoded, opts.manifests);
+  remember_committed(fs, step_dir, manifest, encoded, encoded.size(), opts.manifests);
   for (const std::string& p : old_prefixes) out.trash.push_back(join_path(step_dir, p));
   (void)fs.unlink(join_path(pending_dir, kLeaseFileName));
   Status latest = write_file_atomic_passing(fs, join_path(root, kLatestFileName), name + "\n",
@@ -510,26 +510,36 @@ Result<CommitOutcome> commit_checkpoint_in_place(Filesystem& fs, const std::stri
     for (ManifestFile& f : manifest.files)
       f.name = save + "/" + f.name.substr(f.name.find_last_of('/') + 1);
   }
-  // Kept between commits: a fresh buffer of megabytes is paged in anew each time.
+  // Kept between commits: a fresh buffer of megabytes is paged in anew each
+  // time. With an encoder it holds the frame only, and `rest`, the message
+  // the encoder keeps, follows it in the file without being copied.
   static thread_local std::string encoded;
+  std::string_view rest;
   if (opts.encoder != nullptr)
-    opts.encoder->encode(manifest, &encoded);
+    rest = opts.encoder->encode_parts(manifest, &encoded);
   else
     encode_manifest_into(manifest, &encoded);
   struct Trim {
+    ManifestEncoder* encoder;
     ~Trim() {
       if (encoded.capacity() > kKeptManifestBufferBytes) std::string().swap(encoded);
+      if (encoder != nullptr) encoder->release_oversized();
     }
-  } trim;
+  } trim{opts.encoder};
+  const uint64_t file_bytes = encoded.size() + rest.size();
   // Readers refuse a larger one: committing it would make the step unreadable.
-  if (encoded.size() > kMaxManifestBytes)
+  if (file_bytes > kMaxManifestBytes)
     return Status::invalid_argument(
-        "the manifest of " + pending_dir + " would be " + std::to_string(encoded.size()) +
+        "the manifest of " + pending_dir + " would be " + std::to_string(file_bytes) +
         " bytes, more than the " + std::to_string(kMaxManifestBytes) +
         " a reader accepts (fewer, larger chunks or checksum blocks make it smaller)");
-  if (object) return commit_to_object_root(fs, root, pending_dir, manifest, encoded, opts);
-  FERRY_RETURN_IF_ERROR(write_file_atomic_passing(fs, join_path(pending_dir, kManifestFileName),
-                                                  encoded, opts.fsync, "manifest"));
+  if (object) {
+    std::string whole = encoded;
+    whole.append(rest);
+    return commit_to_object_root(fs, root, pending_dir, manifest, whole, opts);
+  }
+  FERRY_RETURN_IF_ERROR(write_pieces_atomic_passing(fs, join_path(pending_dir, kManifestFileName),
+                                                    {encoded, rest}, opts.fsync, "manifest"));
   FERRY_RETURN_IF_ERROR(check_pending(fs, pending_dir, pending_dir, manifest, opts));
 
   const std::string name = step_dir_name(manifest.step);
@@ -576,7 +586,7 @@ Result<CommitOutcome> commit_checkpoint_in_place(Filesystem& fs, const std::stri
   // fails now is a warning, never a failed save (a retry would only meet
   // already_exists).
   CommitOutcome out{step_dir, manifest.commit_seq, {}, {}, {}, restored};
-  remember_committed(fs, step_dir, manifest, encoded, opts.manifests);
+  remember_committed(fs, step_dir, manifest, encoded, file_bytes, opts.manifests);
   // The lease protected the save while it was pending (a crash before the
   // rename leaves a directory gc may take once it expires); a committed
   // directory needs none. Not in the manifest, so a leftover is harmless.

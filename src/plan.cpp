@@ -98,6 +98,14 @@ bool keep(T& dst, const T& src) {
   return false;
 }
 
+// Dims are a few values: compared inline, not through a memcmp call each.
+bool keep(std::vector<int64_t>& dst, const std::vector<int64_t>& src) {
+  bool same = dst.size() == src.size();
+  for (size_t i = 0; same && i < src.size(); ++i) same = dst[i] == src[i];
+  if (!same) dst = src;
+  return same;
+}
+
 bool all_zero(const std::vector<int64_t>& v, size_t n) {
   if (v.size() != n) return false;
   for (int64_t x : v)
