@@ -200,9 +200,17 @@ bool same_entries(const std::vector<uint32_t>& entries, const LocalPlan& local) 
   return true;
 }
 
+// Dims are a few values: compared inline, not through a memcmp call each.
+bool same_dims(const std::vector<int64_t>& a, const std::vector<int64_t>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (a[i] != b[i]) return false;
+  return true;
+}
+
 bool same_view(const TensorView& a, const TensorView& b) {
-  return a.data == b.data && a.dtype == b.dtype && a.device == b.device && a.shape == b.shape &&
-         a.strides == b.strides;
+  return a.data == b.data && a.dtype == b.dtype && a.device == b.device &&
+         same_dims(a.shape, b.shape) && same_dims(a.strides, b.strides);
 }
 
 struct planner_state {
