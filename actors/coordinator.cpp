@@ -69,7 +69,11 @@ struct Checkpoint {
   // Dropped once the global plan is made: an in-process planner refills
   // its plan in place only when no one else holds it.
   std::vector<std::shared_ptr<const LocalPlan>> plans;
-  std::vector<bool> planned;           // by rank: its plan came
+  std::vector<bool> planned;  // by rank: its plan came
+  // By rank: the plan's digest when its planner sent it along (0: unknown),
+  // and whether the plan came in process (its reply then shares the plan).
+  std::vector<uint64_t> digests;
+  std::vector<bool> in_process;
   std::vector<DataFileOptions> files;  // by rank: how each names and fills its data files
   std::vector<caf::typed_response_promise<PlanReply>> plan_promises;
   size_t plans_in = 0;
@@ -158,13 +162,14 @@ int64_t lease_ms(const coordinator_state& st) {
 
 Result<std::shared_ptr<const GlobalPlan>> global_plan(
     coordinator_state& st, const std::vector<std::shared_ptr<const LocalPlan>>& plans,
-    uint8_t owner_policy) {
+    const std::vector<uint64_t>& known, uint8_t owner_policy) {
   GlobalPlanOptions o;
   if (owner_policy == 2 || (owner_policy == 0 && st.ctx->opts.owner_lowest_rank))
     o.policy = OwnerPolicy::lowest_rank;
   std::vector<uint64_t> digests;
   digests.reserve(plans.size() + 1);
-  for (const auto& p : plans) digests.push_back(p->digest());
+  for (size_t r = 0; r < plans.size(); ++r)
+    digests.push_back(r < known.size() && known[r] != 0 ? known[r] : plans[r]->digest());
   digests.push_back(static_cast<uint64_t>(o.policy));  // the cache holds one policy's plan
   if (st.cached_plan && digests == st.cached_digests) return st.cached_plan;
   std::vector<LocalPlan> copies;  // only when the plans changed
@@ -342,7 +347,7 @@ Status disagreement(const Checkpoint& c, const PlanRequest& req) {
 void on_all_plans(coordinator_ptr self) {
   auto& st = self->state;
   Checkpoint& c = *st.active;
-  auto gp = global_plan(st, c.plans, c.owner_policy);
+  auto gp = global_plan(st, c.plans, c.digests, c.owner_policy);
   if (!gp.ok()) return abort_active(self, gp.status());
   char nonce[17];
   std::snprintf(nonce, sizeof(nonce), "%016llx", static_cast<unsigned long long>(st.nonces()));
@@ -368,9 +373,21 @@ void on_all_plans(coordinator_ptr self) {
     if (!sp.ok()) return abort_active(self, sp.status());
     all = encode_save_plans(*sp);
   }
-  for (size_t r = 0; r < c.plan_promises.size(); ++r)
+  for (size_t r = 0; r < c.plan_promises.size(); ++r) {
+    if (c.in_process[r]) {
+      // Shared with the cached global plan: no copy of its chunks per save.
+      c.plan_promises[r].deliver(PlanReply{st.ctx->job_id,
+                                           c.id,
+                                           Status(),
+                                           c.pending_dir,
+                                           {},
+                                           all,
+                                           std::shared_ptr<const RankPlan>(*gp, &(*gp)->ranks[r])});
+      continue;
+    }
     c.plan_promises[r].deliver(
         PlanReply{st.ctx->job_id, c.id, Status(), c.pending_dir, (*gp)->ranks[r], all});
+  }
   for (auto& p : c.plans) p.reset();
   self->delayed_send(me(self), seconds(st.ctx->opts.write_timeout_s), atom::ckpt_due_v, c.id,
                      std::string("write"));
@@ -668,6 +685,8 @@ coordinator_actor::behavior_type coordinator_fun(coordinator_ptr self, ContextPt
           c.owner_policy = req.owner_policy;
           c.plans.resize(world);
           c.planned.resize(world);
+          c.digests.resize(world);
+          c.in_process.resize(world);
           c.files.resize(world);
           c.plan_promises.resize(world);
           c.results.resize(world);
@@ -700,6 +719,8 @@ coordinator_actor::behavior_type coordinator_fun(coordinator_ptr self, ContextPt
         auto rp = self->make_response_promise<PlanReply>();
         if (!c.planned[req.rank]) ++c.plans_in;
         c.planned[req.rank] = true;
+        c.in_process[req.rank] = req.shared != nullptr;
+        c.digests[req.rank] = req.shared ? req.shared_digest : 0;
         c.plans[req.rank] = req.shared ? std::move(req.shared)
                                        : std::make_shared<const LocalPlan>(std::move(req.plan));
         c.files[req.rank] = std::move(req.files);

@@ -42,6 +42,7 @@
 #include <cstdio>
 #include <deque>
 #include <functional>
+#include <optional>
 #include <utility>
 
 #include "actors/messages.hpp"
@@ -79,7 +80,9 @@ struct Current {
   std::string pending_dir;
   // Shared with rank 0's coordinator in process, which drops it once planned.
   std::shared_ptr<LocalPlan> local = std::make_shared<LocalPlan>();
-  RankPlan plan;
+  std::optional<uint64_t> local_digest;  // local->digest(), once known
+  // This rank's part of the global plan (in process: rank 0's cached one, shared).
+  std::shared_ptr<const RankPlan> plan = std::make_shared<const RankPlan>();
   // Shared with the stream job (and, uncompressed, with the layout cache).
   std::shared_ptr<const std::vector<FileLayout>> layouts =
       std::make_shared<const std::vector<FileLayout>>();
@@ -157,9 +160,12 @@ struct LayoutCache {
   bool valid = false;
   uint64_t local_digest = 0;
   std::vector<uint32_t> entries;  // [item]: its state dict entry
-  RankPlan plan;
+  std::shared_ptr<const RankPlan> plan;
   DataFileOptions files;
   std::shared_ptr<const std::vector<FileLayout>> layouts;
+  // The last save's sources: the next one whose tensors are the same views
+  // shares them instead of copying every view again.
+  std::shared_ptr<const std::vector<std::vector<ChunkSource>>> sources;
   std::vector<uint64_t> header_sums;  // [file]: xxh3 of its header, reported with each save
   std::vector<std::vector<std::pair<uint32_t, uint64_t>>> picks;  // [file][chunk]: entry, skip
   uint64_t layout = 0;    // WriteResult::layout: a new one each time the cache is filled
@@ -167,6 +173,7 @@ struct LayoutCache {
 };
 
 bool same_rank_plan(const RankPlan& a, const RankPlan& b) {
+  if (&a == &b) return true;  // rank 0's cached global plan, shared again
   if (a.rank != b.rank || a.files != b.files || a.bytes != b.bytes ||
       a.replicated != b.replicated || a.chunks.size() != b.chunks.size())
     return false;
@@ -186,6 +193,26 @@ std::vector<uint32_t> item_entries(const LocalPlan& local) {
   return out;
 }
 
+bool same_entries(const std::vector<uint32_t>& entries, const LocalPlan& local) {
+  if (entries.size() != local.items.size()) return false;
+  for (size_t i = 0; i < entries.size(); ++i)
+    if (entries[i] != local.items[i].entry) return false;
+  return true;
+}
+
+// Dims are a few values: compared inline, not through a memcmp call each.
+bool same_dims(const std::vector<int64_t>& a, const std::vector<int64_t>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (a[i] != b[i]) return false;
+  return true;
+}
+
+bool same_view(const TensorView& a, const TensorView& b) {
+  return a.data == b.data && a.dtype == b.dtype && a.device == b.device &&
+         same_dims(a.shape, b.shape) && same_dims(a.strides, b.strides);
+}
+
 struct planner_state {
   static inline const char* name = "ferry.planner";
   ContextPtr ctx;
@@ -203,6 +230,7 @@ struct planner_state {
   LayoutCache layout_cache;
   uint64_t layouts_made = 0;
   std::shared_ptr<LocalPlan> kept_local;  // the last save's, refilled in place by the next
+  std::optional<uint64_t> kept_digest;    // kept_local->digest(), when known
   hasher_actor hasher;                    // spawned at the first save with replicated items
 };
 
@@ -231,6 +259,7 @@ void end_save(planner_ptr self, const Status& status, const std::string& path,
   auto& st = self->state;
   st.cur.job.state->finish(status, path, std::move(warnings));
   st.kept_local = std::move(st.cur.local);
+  st.kept_digest = st.cur.local_digest;
   st.cur = Current{};
   start_next(self);
 }
@@ -447,12 +476,12 @@ void on_hashed(planner_ptr self, uint64_t id, HashDone& d) {
 Status start_hashing(planner_ptr self) {
   auto& st = self->state;
   auto& cur = st.cur;
-  if (st.ctx->opts.replica_check == ReplicaCheck::off || cur.plan.replicated.empty())
+  if (st.ctx->opts.replica_check == ReplicaCheck::off || cur.plan->replicated.empty())
     return Status();
   HashJob job;
   job.mode = st.ctx->opts.replica_check;
   const auto& entries = cur.job.sd.entries();
-  for (uint32_t i : cur.plan.replicated) {
+  for (uint32_t i : cur.plan->replicated) {
     if (i >= cur.local->items.size() || cur.local->items[i].entry >= entries.size())
       return Status::invalid_argument("rank 0's plan names replicated item " + std::to_string(i) +
                                       " of " + std::to_string(cur.local->items.size()));
@@ -495,27 +524,29 @@ void send_result(planner_ptr self) {
   // Rank 0's coordinator keeps the last report: a save laid out as the one
   // it committed sends only sizes and checksums (not over the wire).
   wr.repeat = wr.layout != 0 && cache.reported && st.ctx->rank == 0;
-  size_t chunk_count = 0;
-  for (const auto& l : *cur.layouts) chunk_count += l.chunks.size();
-  wr.chunks.reserve(chunk_count);
   for (size_t f = 0; f < cur.layouts->size(); ++f) {
     const FileLayout& l = (*cur.layouts)[f];
     wr.files.push_back(
         {l.name, l.size, l.header.size(),
          wr.layout != 0 ? cache.header_sums[f] : xxh3_64(l.header.data(), l.header.size())});
+  }
+  if (wr.repeat) {
+    // The byte ranges are the shared layouts' and the checksums the
+    // serializer's vectors: nothing is built per chunk.
+    wr.laid_out = cur.layouts;
+    wr.sums = std::move(cur.sums.sums);
+    for (const FileLayout& l : *cur.layouts) wr.bytes += l.size - l.header.size();
+  } else {
+    size_t chunk_count = 0;
+    for (const auto& l : *cur.layouts) chunk_count += l.chunks.size();
+    wr.chunks.reserve(chunk_count);
+  }
+  for (size_t f = 0; f < cur.layouts->size() && !wr.repeat; ++f) {
+    const FileLayout& l = (*cur.layouts)[f];
     for (size_t c = 0; c < l.chunks.size(); ++c) {
       const LaidOutChunk& lc = l.chunks[c];
       std::vector<uint64_t> sums;
       if (!cur.sums.sums.empty()) sums = std::move(cur.sums.sums[f][c]);
-      if (wr.repeat) {
-        WrittenChunk& wc = wr.chunks.emplace_back();
-        wc.file = static_cast<uint32_t>(f);
-        wc.byte_offset = lc.offset;
-        wc.byte_length = lc.length;
-        wc.checksums = std::move(sums);
-        wr.bytes += lc.length;
-        continue;
-      }
       wr.chunks.push_back({lc.chunk.key,
                            lc.chunk.dtype,
                            lc.chunk.global_shape,
@@ -671,7 +702,7 @@ Status plan_chunks(planner_state& st, FileChunks& out,
                    std::vector<std::vector<std::pair<uint32_t, uint64_t>>>* picks) {
   auto& cur = st.cur;
   const auto& entries = std::as_const(cur.job.sd).entries();
-  FERRY_ASSIGN_OR_RETURN(auto files, data_files(*cur.local, cur.plan, cur.job.files));
+  FERRY_ASSIGN_OR_RETURN(auto files, data_files(*cur.local, *cur.plan, cur.job.files));
   out = FileChunks{};
   if (picks) picks->clear();
   for (PlannedFile& f : files) {
@@ -705,25 +736,36 @@ Status make_layouts(planner_state& st, FileChunks& chunks) {
 }
 
 // The cached layouts, when this save lays its files out as the last one
-// did: its tensors' views are looked up again (their addresses may differ).
+// did: its tensors' views are looked up again (their addresses may differ),
+// and the last save's sources shared when every view is the same.
 bool reuse_layouts(planner_state& st, uint64_t local_digest) {
   auto& cur = st.cur;
-  const LayoutCache& c = st.layout_cache;
+  LayoutCache& c = st.layout_cache;
   if (!c.valid || c.local_digest != local_digest || c.files != cur.job.files ||
-      !same_rank_plan(c.plan, cur.plan) || c.entries != item_entries(*cur.local))
+      !same_rank_plan(*c.plan, *cur.plan) || !same_entries(c.entries, *cur.local))
     return false;
   const auto& entries = std::as_const(cur.job.sd).entries();
-  auto sources = std::make_shared<std::vector<std::vector<ChunkSource>>>(c.picks.size());
-  for (size_t f = 0; f < c.picks.size(); ++f) {
-    auto& out = (*sources)[f];
-    out.reserve(c.picks[f].size());
-    for (const auto& [entry, skip] : c.picks[f]) {
-      if (entry >= entries.size()) return false;
-      out.push_back({entries[entry].view, skip});
+  bool same_views = c.sources != nullptr;
+  for (size_t f = 0; f < c.picks.size() && same_views; ++f)
+    for (size_t i = 0; i < c.picks[f].size() && same_views; ++i) {
+      const uint32_t entry = c.picks[f][i].first;
+      same_views =
+          entry < entries.size() && same_view(entries[entry].view, (*c.sources)[f][i].view);
     }
+  if (!same_views) {
+    auto sources = std::make_shared<std::vector<std::vector<ChunkSource>>>(c.picks.size());
+    for (size_t f = 0; f < c.picks.size(); ++f) {
+      auto& out = (*sources)[f];
+      out.reserve(c.picks[f].size());
+      for (const auto& [entry, skip] : c.picks[f]) {
+        if (entry >= entries.size()) return false;
+        out.push_back({entries[entry].view, skip});
+      }
+    }
+    c.sources = std::move(sources);
   }
   cur.layouts = c.layouts;
-  cur.sources = std::move(sources);
+  cur.sources = c.sources;
   return true;
 }
 
@@ -787,7 +829,8 @@ void on_plan(planner_ptr self, PlanReply& r) {
     return fail(self, r.status, false);
   }
   traced(cur, "plan", "save", cur.t_start);
-  cur.plan = std::move(r.plan);  // moved: a copy allocates per box, every save
+  // Shared in process; moved otherwise: a copy allocates per box, every save.
+  cur.plan = r.shared ? std::move(r.shared) : std::make_shared<const RankPlan>(std::move(r.plan));
   cur.pending_dir = r.pending_dir;
   cur.write_deadline = std::chrono::steady_clock::now() + seconds(st.ctx->opts.write_timeout_s);
   arm_deadline(self, "write", seconds(st.ctx->opts.write_timeout_s));
@@ -795,7 +838,8 @@ void on_plan(planner_ptr self, PlanReply& r) {
   if (Status s = start_hashing(self); !s.ok()) return fail(self, s);
   const int level = cur.job.files.level();
   if (level == 0) {
-    const uint64_t digest = cur.local->digest();
+    if (!cur.local_digest) cur.local_digest = cur.local->digest();
+    const uint64_t digest = *cur.local_digest;
     if (reuse_layouts(st, digest)) return laid_out(self);
     LayoutCache& cache = st.layout_cache;
     cache.valid = false;
@@ -807,6 +851,7 @@ void on_plan(planner_ptr self, PlanReply& r) {
     cache.plan = cur.plan;
     cache.files = cur.job.files;
     cache.layouts = cur.layouts;
+    cache.sources = cur.sources;
     cache.header_sums.clear();
     for (const FileLayout& l : *cur.layouts)
       cache.header_sums.push_back(xxh3_64(l.header.data(), l.header.size()));
@@ -932,18 +977,25 @@ void start_next(planner_ptr self) {
     cur.local = std::make_shared<LocalPlan>(std::move(*cur.job.local));
   } else {
     // In place unless the coordinator still holds the last one.
-    if (st.kept_local && st.kept_local.use_count() == 1) cur.local = std::move(st.kept_local);
-    if (Status s = make_local_plan_into(cur.job.sd, st.ctx->rank, cur.local.get()); !s.ok())
+    const bool kept = st.kept_local && st.kept_local.use_count() == 1;
+    if (kept) cur.local = std::move(st.kept_local);
+    bool unchanged = false;
+    if (Status s = make_local_plan_into(cur.job.sd, st.ctx->rank, cur.local.get(), &unchanged);
+        !s.ok())
       return doom(s);
+    // The same plan as the last save's: its digest too, not hashed again.
+    if (kept && unchanged) cur.local_digest = st.kept_digest;
   }
+  if (!cur.local_digest) cur.local_digest = cur.local->digest();
   // With other ranks, rank 0's coordinator ends a plan phase they never
   // join, naming them: this rank's own deadline is the backstop behind it.
   double plan_wait_s = st.ctx->opts.plan_timeout_s;
   if (st.ctx->world_size > 1) plan_wait_s += st.ctx->opts.heartbeat_timeout_s;
   arm_deadline(self, "plan", seconds(plan_wait_s));
-  PlanRequest req{st.ctx->job_id, cur.checkpoint_id,      st.ctx->rank,          cur.job.step,
-                  cur.job.root,   cur.job.opts.overwrite, cur.job.opts.metadata, {},
-                  cur.local,      cur.job.staged,         cur.job.owner_policy,  cur.job.files};
+  PlanRequest req{st.ctx->job_id,   cur.checkpoint_id,      st.ctx->rank,          cur.job.step,
+                  cur.job.root,     cur.job.opts.overwrite, cur.job.opts.metadata, {},
+                  cur.local,        cur.job.staged,         cur.job.owner_policy,  cur.job.files,
+                  *cur.local_digest};
   const uint64_t id = cur.id;
   self->request(st.coordinator, caf::infinite, atom::plan_v, std::move(req))
       .then(

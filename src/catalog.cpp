@@ -290,11 +290,11 @@ Result<std::shared_ptr<const Manifest>> read_manifest_shared(Filesystem& fs,
 }
 
 void remember_committed(Filesystem& fs, const std::string& checkpoint_dir, const Manifest& m,
-                        std::string_view encoded, ManifestCache* cache) {
+                        std::string_view head, uint64_t file_bytes, ManifestCache* cache) {
   if (cache == nullptr) return;
-  Result<uint64_t> sum = manifest_payload_sum(encoded);
+  Result<uint64_t> sum = manifest_payload_sum(head);
   Result<FileInfo> info = fs.lstat(join_path(checkpoint_dir, kManifestFileName));
-  if (!sum.ok() || !info.ok() || !info->is_regular || info->size != encoded.size()) return;
+  if (!sum.ok() || !info.ok() || !info->is_regular || info->size != file_bytes) return;
   auto d = std::make_shared<ManifestCache::Decoded>();
   d->step = m.step;
   d->commit_seq = m.commit_seq;

@@ -99,10 +99,11 @@ Result<std::shared_ptr<const Manifest>> read_manifest_shared(Filesystem& fs,
                                                              ManifestCache* cache);
 
 // Tells `cache` (null: nothing) of the manifest a commit just wrote to
-// CHECKPOINT_DIR as `encoded`: the next commits number themselves and retire
-// checkpoints without decoding it.
+// CHECKPOINT_DIR, `file_bytes` long, whose first bytes (its frame at least)
+// are `head`: the next commits number themselves and retire checkpoints
+// without decoding it.
 void remember_committed(Filesystem& fs, const std::string& checkpoint_dir, const Manifest& m,
-                        std::string_view encoded, ManifestCache* cache);
+                        std::string_view head, uint64_t file_bytes, ManifestCache* cache);
 
 // Lease: a text file holding the expiry time (unix ms) and the owner.
 Status write_lease(Filesystem& fs, const std::string& pending_dir, int64_t expires_unix_ms,

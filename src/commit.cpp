@@ -12,6 +12,8 @@ namespace ferry {
 
 namespace {
 
+const std::vector<uint64_t> kNoSums;  // a repeat report's chunks without checksums
+
 // The one place a chunk as a rank reported it (protocol) becomes a chunk of
 // the manifest; `file_base` turns the rank's file index into the manifest's.
 // Assigned field by field, so a kept chunk reuses its vectors' memory.
@@ -48,7 +50,7 @@ bool refill(ManifestSkeleton& sk, const Manifest& header, const std::vector<Writ
   for (size_t r = 0; r < results.size(); ++r)
     if (results[r].rank != static_cast<int32_t>(r) ||
         results[r].files.size() != sk.parts[r].files ||
-        results[r].chunks.size() != sk.parts[r].chunks)
+        results[r].chunk_count() != sk.parts[r].chunks)
       return false;
   bool same =
       header.checksum_block_bytes == m.checksum_block_bytes && header.world_size == m.world_size;
@@ -64,6 +66,23 @@ bool refill(ManifestSkeleton& sk, const Manifest& header, const std::vector<Writ
       mf.header_bytes = f.header_bytes;
       mf.header_checksum = f.header_checksum;
     }
+    if (wr.repeat) {
+      const std::vector<FileLayout>& files = *wr.laid_out;
+      for (size_t f = 0; f < files.size(); ++f)
+        for (size_t i = 0; i < files[f].chunks.size(); ++i) {
+          const LaidOutChunk& lc = files[f].chunks[i];
+          const std::vector<uint64_t>& sums = wr.sums.empty() ? kNoSums : wr.sums[f][i];
+          const auto [ti, ci] = sk.slots[k++];
+          ManifestChunk& mc = m.tensors[ti].chunks[ci];
+          same = same && mc.byte_offset == lc.offset && mc.byte_length == lc.length &&
+                 mc.checksums.size() == sums.size();
+          mc.byte_offset = lc.offset;
+          mc.byte_length = lc.length;
+          mc.checksums = sums;  // assigned: the kept vector's memory is reused
+        }
+      file_base += static_cast<uint32_t>(wr.files.size());
+      continue;
+    }
     for (const WrittenChunk& c : wr.chunks) {
       const auto [ti, ci] = sk.slots[k++];
       ManifestTensor& t = m.tensors[ti];
@@ -71,12 +90,6 @@ bool refill(ManifestSkeleton& sk, const Manifest& header, const std::vector<Writ
       if (!c.codec.empty()) return false;
       same = same && mc.byte_offset == c.byte_offset && mc.byte_length == c.byte_length &&
              mc.checksums.size() == c.checksums.size();
-      if (wr.repeat) {
-        mc.byte_offset = c.byte_offset;
-        mc.byte_length = c.byte_length;
-        mc.checksums = c.checksums;
-        continue;
-      }
       if (c.file >= wr.files.size() || mc.file != file_base + c.file || t.key != c.key ||
           t.dtype != c.dtype || t.global_shape != c.global_shape || mc.offsets != c.box.offsets ||
           mc.sizes != c.box.sizes || mc.entry != c.entry)
@@ -103,10 +116,22 @@ Status check_repeats(const ManifestSkeleton& sk, const std::vector<WriteResult>&
     const WriteResult& wr = results[r];
     if (!wr.repeat) continue;
     if (!sk.valid || r >= sk.parts.size() || wr.layout == 0 || sk.parts[r].layout != wr.layout ||
-        sk.parts[r].files != wr.files.size() || sk.parts[r].chunks != wr.chunks.size())
+        !wr.laid_out || sk.parts[r].files != wr.files.size() ||
+        wr.laid_out->size() != wr.files.size() || sk.parts[r].chunks != wr.chunk_count())
       return Status::internal("rank " + std::to_string(wr.rank) +
                               " reported its files as laid out in its last save (layout " +
                               std::to_string(wr.layout) + "), which rank 0 does not hold");
+    bool sums_fit = wr.sums.empty() || wr.sums.size() == wr.laid_out->size();
+    for (size_t f = 0; sums_fit && !wr.sums.empty() && f < wr.sums.size(); ++f) {
+      const FileLayout& l = (*wr.laid_out)[f];
+      sums_fit = wr.sums[f].size() == l.chunks.size();
+      for (const LaidOutChunk& lc : l.chunks) sums_fit = sums_fit && !lc.chunk.compressed;
+    }
+    if (!sums_fit)
+      return Status::internal("rank " + std::to_string(wr.rank) +
+                              "'s repeated report does not match its layout " +
+                              std::to_string(wr.layout) +
+                              " (checksums of other files or chunks, or a compressed chunk)");
   }
   return Status();
 }
@@ -121,20 +146,30 @@ void expand_repeats(const ManifestSkeleton& sk, std::vector<WriteResult>& result
     WriteResult& wr = results[r];
     if (wr.repeat) {
       for (size_t i = 0; i < wr.files.size(); ++i) wr.files[i].name = m.files[file_base + i].name;
-      for (size_t i = 0; i < wr.chunks.size(); ++i) {
-        const auto [ti, ci] = sk.slots[k + i];
-        const ManifestTensor& t = m.tensors[ti];
-        const ManifestChunk& mc = t.chunks[ci];
-        WrittenChunk& c = wr.chunks[i];
-        c.key = t.key;
-        c.dtype = t.dtype;
-        c.global_shape = t.global_shape;
-        c.box.offsets = mc.offsets;
-        c.box.sizes = mc.sizes;
-        c.file = mc.file - file_base;
-        c.entry = mc.entry;
-      }
+      wr.chunks.clear();
+      wr.chunks.reserve(sk.parts[r].chunks);
+      const std::vector<FileLayout>& files = *wr.laid_out;
+      size_t i = 0;
+      for (size_t f = 0; f < files.size(); ++f)
+        for (size_t j = 0; j < files[f].chunks.size(); ++j, ++i) {
+          const auto [ti, ci] = sk.slots[k + i];
+          const ManifestTensor& t = m.tensors[ti];
+          const ManifestChunk& mc = t.chunks[ci];
+          WrittenChunk& c = wr.chunks.emplace_back();
+          c.key = t.key;
+          c.dtype = t.dtype;
+          c.global_shape = t.global_shape;
+          c.box.offsets = mc.offsets;
+          c.box.sizes = mc.sizes;
+          c.file = mc.file - file_base;
+          c.byte_offset = files[f].chunks[j].offset;
+          c.byte_length = files[f].chunks[j].length;
+          c.entry = mc.entry;
+          if (!wr.sums.empty()) c.checksums = std::move(wr.sums[f][j]);
+        }
       wr.repeat = false;
+      wr.laid_out.reset();
+      wr.sums.clear();
     }
     k += sk.parts[r].chunks;
     file_base += static_cast<uint32_t>(sk.parts[r].files);
@@ -219,6 +254,13 @@ Result<Manifest*> assemble_manifest_into(ManifestSkeleton& skeleton, const Manif
   for (const WriteResult& wr : results)
     skeleton.parts.push_back({wr.layout, wr.files.size(), wr.chunks.size()});
   return &skeleton.manifest;
+}
+
+size_t WriteResult::chunk_count() const {
+  if (!repeat || !laid_out) return chunks.size();
+  size_t n = 0;
+  for (const FileLayout& l : *laid_out) n += l.chunks.size();
+  return n;
 }
 
 namespace {
@@ -357,7 +399,7 @@ Result<CommitOutcome> commit_to_object_root(Filesystem& fs, const std::string& r
   }
   fs.crash_point("commit.rename");
   CommitOutcome out{step_dir, manifest.commit_seq, {}, {}, {}, {}};
-  remember_committed(fs, step_dir, manifest, encoded, opts.manifests);
+  remember_committed(fs, step_dir, manifest, encoded, encoded.size(), opts.manifests);
   for (const std::string& p : old_prefixes) out.trash.push_back(join_path(step_dir, p));
   (void)fs.unlink(join_path(pending_dir, kLeaseFileName));
   Status latest = write_file_atomic_passing(fs, join_path(root, kLatestFileName), name + "\n",
@@ -468,26 +510,36 @@ Result<CommitOutcome> commit_checkpoint_in_place(Filesystem& fs, const std::stri
     for (ManifestFile& f : manifest.files)
       f.name = save + "/" + f.name.substr(f.name.find_last_of('/') + 1);
   }
-  // Kept between commits: a fresh buffer of megabytes is paged in anew each time.
+  // Kept between commits: a fresh buffer of megabytes is paged in anew each
+  // time. With an encoder it holds the frame only, and `rest`, the message
+  // the encoder keeps, follows it in the file without being copied.
   static thread_local std::string encoded;
+  std::string_view rest;
   if (opts.encoder != nullptr)
-    opts.encoder->encode(manifest, &encoded);
+    rest = opts.encoder->encode_parts(manifest, &encoded);
   else
     encode_manifest_into(manifest, &encoded);
   struct Trim {
+    ManifestEncoder* encoder;
     ~Trim() {
       if (encoded.capacity() > kKeptManifestBufferBytes) std::string().swap(encoded);
+      if (encoder != nullptr) encoder->release_oversized();
     }
-  } trim;
+  } trim{opts.encoder};
+  const uint64_t file_bytes = encoded.size() + rest.size();
   // Readers refuse a larger one: committing it would make the step unreadable.
-  if (encoded.size() > kMaxManifestBytes)
+  if (file_bytes > kMaxManifestBytes)
     return Status::invalid_argument(
-        "the manifest of " + pending_dir + " would be " + std::to_string(encoded.size()) +
+        "the manifest of " + pending_dir + " would be " + std::to_string(file_bytes) +
         " bytes, more than the " + std::to_string(kMaxManifestBytes) +
         " a reader accepts (fewer, larger chunks or checksum blocks make it smaller)");
-  if (object) return commit_to_object_root(fs, root, pending_dir, manifest, encoded, opts);
-  FERRY_RETURN_IF_ERROR(write_file_atomic_passing(fs, join_path(pending_dir, kManifestFileName),
-                                                  encoded, opts.fsync, "manifest"));
+  if (object) {
+    std::string whole = encoded;
+    whole.append(rest);
+    return commit_to_object_root(fs, root, pending_dir, manifest, whole, opts);
+  }
+  FERRY_RETURN_IF_ERROR(write_pieces_atomic_passing(fs, join_path(pending_dir, kManifestFileName),
+                                                    {encoded, rest}, opts.fsync, "manifest"));
   FERRY_RETURN_IF_ERROR(check_pending(fs, pending_dir, pending_dir, manifest, opts));
 
   const std::string name = step_dir_name(manifest.step);
@@ -534,7 +586,7 @@ Result<CommitOutcome> commit_checkpoint_in_place(Filesystem& fs, const std::stri
   // fails now is a warning, never a failed save (a retry would only meet
   // already_exists).
   CommitOutcome out{step_dir, manifest.commit_seq, {}, {}, {}, restored};
-  remember_committed(fs, step_dir, manifest, encoded, opts.manifests);
+  remember_committed(fs, step_dir, manifest, encoded, file_bytes, opts.manifests);
   // The lease protected the save while it was pending (a crash before the
   // rename leaves a directory gc may take once it expires); a committed
   // directory needs none. Not in the manifest, so a leftover is harmless.

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -14,6 +15,7 @@
 #include "ferry/filesystem.hpp"
 #include "ferry/status.hpp"
 #include "ferry/tensor.hpp"
+#include "layout.hpp"
 #include "manifest.hpp"
 
 namespace ferry {
@@ -62,12 +64,18 @@ struct WriteResult {
   std::vector<ReplicaDigest> replica_digests;  // its replicated items, unless replica-check = off
   // Names the rank's files and chunks as laid out (keys, boxes, entries,
   // file names); 0: unnamed. With `repeat`, the report is the one rank 0
-  // kept for this layout (ManifestSkeleton::parts) with new sizes: its
-  // chunks carry only byte_offset, byte_length and checksums, its files only
-  // their sizes and headers, so a repeated save copies no key or box. Only
-  // sent in process (rank 0's own report): the wire carries whole reports.
+  // kept for this layout (ManifestSkeleton::parts) with new sizes: `chunks`
+  // stays empty, each chunk's byte range is in `laid_out` (the planner's
+  // layouts, shared) and its checksums in `sums` (the serializer's, moved),
+  // so a repeated save builds nothing per chunk for its report. Only sent in
+  // process (rank 0's own report): the wire carries whole reports.
   uint64_t layout = 0;
   bool repeat = false;
+  std::shared_ptr<const std::vector<FileLayout>> laid_out;  // [file], with `repeat`
+  std::vector<std::vector<std::vector<uint64_t>>> sums;     // [file][chunk][block]; empty: none
+
+  // The chunks it reports, in either form.
+  size_t chunk_count() const;
 };
 
 // Merges the ranks' reports (results[r].rank == r) into `header`, a manifest

@@ -6,6 +6,8 @@
 #pragma once
 
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "ferry/filesystem.hpp"
 #include "ferry/status.hpp"
@@ -19,5 +21,10 @@ Status write_file_atomic_passing(Filesystem& fs, const std::string& path, const 
 Result<std::string> write_temp_file_passing(Filesystem& fs, const std::string& path,
                                             const std::string& bytes, bool sync,
                                             const char* points);
+// The same, the file's bytes given as pieces that follow each other (a
+// frame and a message kept elsewhere), so none is copied to join them.
+Status write_pieces_atomic_passing(Filesystem& fs, const std::string& path,
+                                   const std::vector<std::string_view>& pieces, bool sync,
+                                   const char* points);
 
 }  // namespace ferry

@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <map>
 #include <mutex>
+#include <string_view>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -662,9 +663,11 @@ Result<std::string> write_temp_file(Filesystem& fs, const std::string& path,
   return write_temp_file_passing(fs, path, bytes, sync, nullptr);
 }
 
-Result<std::string> write_temp_file_passing(Filesystem& fs, const std::string& path,
-                                            const std::string& bytes, bool sync,
-                                            const char* points) {
+namespace {
+
+Result<std::string> write_temp_pieces(Filesystem& fs, const std::string& path,
+                                      const std::vector<std::string_view>& pieces, bool sync,
+                                      const char* points) {
   static std::atomic<uint64_t> counter{0};
   std::string tmp = path + ".tmp-" + std::to_string(::getpid()) + "-" +
                     std::to_string(counter.fetch_add(1, std::memory_order_relaxed));
@@ -673,7 +676,13 @@ Result<std::string> write_temp_file_passing(Filesystem& fs, const std::string& p
   o.create = true;
   o.exclusive = true;
   FERRY_ASSIGN_OR_RETURN(std::unique_ptr<File> f, fs.open(tmp, o));
-  Status st = f->pwrite(bytes.data(), bytes.size(), 0);
+  Status st;
+  uint64_t at = 0;
+  for (std::string_view piece : pieces) {
+    st = f->pwrite(piece.data(), piece.size(), at);
+    if (!st.ok()) break;
+    at += piece.size();
+  }
   if (st.ok()) crash_point_of(fs, points, "write");
   if (st.ok() && sync) {
     st = f->sync();
@@ -688,6 +697,14 @@ Result<std::string> write_temp_file_passing(Filesystem& fs, const std::string& p
   return tmp;
 }
 
+}  // namespace
+
+Result<std::string> write_temp_file_passing(Filesystem& fs, const std::string& path,
+                                            const std::string& bytes, bool sync,
+                                            const char* points) {
+  return write_temp_pieces(fs, path, {bytes}, sync, points);
+}
+
 Status write_file_atomic(Filesystem& fs, const std::string& path, const std::string& bytes,
                          bool sync) {
   return write_file_atomic_passing(fs, path, bytes, sync, nullptr);
@@ -695,7 +712,13 @@ Status write_file_atomic(Filesystem& fs, const std::string& path, const std::str
 
 Status write_file_atomic_passing(Filesystem& fs, const std::string& path, const std::string& bytes,
                                  bool sync, const char* points) {
-  FERRY_ASSIGN_OR_RETURN(std::string tmp, write_temp_file_passing(fs, path, bytes, sync, points));
+  return write_pieces_atomic_passing(fs, path, {bytes}, sync, points);
+}
+
+Status write_pieces_atomic_passing(Filesystem& fs, const std::string& path,
+                                   const std::vector<std::string_view>& pieces, bool sync,
+                                   const char* points) {
+  FERRY_ASSIGN_OR_RETURN(std::string tmp, write_temp_pieces(fs, path, pieces, sync, points));
   Status st = fs.rename(tmp, path);
   if (!st.ok()) {
     (void)fs.unlink(tmp);

@@ -464,18 +464,13 @@ void build_payload(const Manifest& m, proto::Manifest::Builder root) {
   }
 }
 
-// Frame and `message` (m's payload) into *out_bytes. Returns the payload's
-// size in words; *segments, how many it holds.
-size_t write_framed(const Manifest& m, capnp::MessageBuilder& message, std::string* out_bytes,
-                    size_t* segments) {
-  const size_t payload_size = capnp::computeSerializedSizeInWords(message) * sizeof(capnp::word);
-  *segments = message.getSegmentsForOutput().size();
-
-  std::string& out = *out_bytes;
+// The frame up to the payload's length: magic, version, required features.
+// `more`: the bytes that will follow, reserved.
+void put_frame_start(const Manifest& m, size_t more, std::string& out) {
   out.clear();
   size_t feature_bytes = 0;
   for (const auto& f : m.required_features) feature_bytes += 2 + f.size();
-  out.reserve(sizeof(kMagic) + 8 + feature_bytes + 16 + payload_size);
+  out.reserve(sizeof(kMagic) + 8 + feature_bytes + more);
   out.append(kMagic, sizeof(kMagic));
   put_u32(out, m.format_version);
   put_u32(out, static_cast<uint32_t>(m.required_features.size()));
@@ -485,11 +480,29 @@ size_t write_framed(const Manifest& m, capnp::MessageBuilder& message, std::stri
     put_u16(out, static_cast<uint16_t>(n));
     out.append(f.data(), n);
   }
+}
+
+// Frame and `message` (m's payload) into *out_bytes. Returns the payload's
+// size in words; *segments, how many it holds.
+size_t write_framed(const Manifest& m, capnp::MessageBuilder& message, std::string* out_bytes,
+                    size_t* segments) {
+  const size_t payload_size = capnp::computeSerializedSizeInWords(message) * sizeof(capnp::word);
+  *segments = message.getSegmentsForOutput().size();
+
+  std::string& out = *out_bytes;
+  put_frame_start(m, 16 + payload_size, out);
   put_u64(out, payload_size);
   const size_t at = out.size() + 8;  // after the checksum
-  out.resize(at + payload_size);
-  kj::ArrayOutputStream stream(kj::arrayPtr(reinterpret_cast<kj::byte*>(&out[at]), payload_size));
-  capnp::writeMessage(stream, message);
+  put_u64(out, 0);                   // the checksum, once the payload is there
+  // capnp::writeMessage's bytes (segment table, then the segments), appended
+  // rather than written over a resized string, which would zero megabytes
+  // first.
+  auto segs = message.getSegmentsForOutput();
+  put_u32(out, static_cast<uint32_t>(segs.size() - 1));
+  for (auto seg : segs) put_u32(out, static_cast<uint32_t>(seg.size()));
+  if (segs.size() % 2 == 0) put_u32(out, 0);  // the table fills whole words
+  for (auto seg : segs)
+    out.append(reinterpret_cast<const char*>(seg.begin()), seg.size() * sizeof(capnp::word));
   const uint64_t sum = xxh3_64(out.data() + at, payload_size);
   for (int i = 0; i < 8; ++i) out[at - 8 + i] = static_cast<char>((sum >> (8 * i)) & 0xff);
   return payload_size / sizeof(capnp::word);
@@ -737,30 +750,53 @@ ManifestEncoder::ManifestEncoder(ManifestEncoder&&) noexcept = default;
 ManifestEncoder& ManifestEncoder::operator=(ManifestEncoder&&) noexcept = default;
 
 void ManifestEncoder::encode(const Manifest& m, std::string* out) {
+  const std::string_view rest = encode_parts(m, out);
+  out->reserve(out->size() + rest.size());
+  out->append(rest);
+  release_oversized();
+}
+
+std::string_view ManifestEncoder::encode_parts(const Manifest& m, std::string* head) {
   if (!kept_) kept_ = std::make_unique<Kept>();
   Kept& k = *kept_;
-  size_t segments = 0;
   patched_ =
       k.message != nullptr && patch_payload(m, k.message->getRoot<proto::Manifest>(), k.where);
-  if (patched_) {
-    write_framed(m, *k.message, out, &segments);
-    return;
+  if (!patched_) {
+    for (;;) {
+      k.message.reset();
+      k.message = std::make_unique<capnp::MallocMessageBuilder>(k.segment.zeroed());
+      build_payload(m, k.message->initRoot<proto::Manifest>());
+      if (k.message->getSegmentsForOutput().size() == 1) break;
+      const size_t words = capnp::computeSerializedSizeInWords(*k.message);
+      k.message.reset();
+      k.segment.grow(words);
+    }
+    record(k.message->getRoot<proto::Manifest>(), &k.where);
   }
-  for (;;) {
-    k.message.reset();
-    k.message = std::make_unique<capnp::MallocMessageBuilder>(k.segment.zeroed());
-    build_payload(m, k.message->initRoot<proto::Manifest>());
-    const size_t words = write_framed(m, *k.message, out, &segments);
-    if (segments == 1) break;
-    k.message.reset();
-    k.segment.grow(words);
-  }
-  record(k.message->getRoot<proto::Manifest>(), &k.where);
-  if (k.segment.oversized()) {
-    k.message.reset();
-    k.where = Where{};
-    k.segment.trim();
-  }
+  // writeMessage's bytes of one segment: its table (count - 1, size), then
+  // the segment, which stays where the message keeps it.
+  const kj::ArrayPtr<const capnp::word> seg = k.message->getSegmentsForOutput()[0];
+  const std::string_view rest(reinterpret_cast<const char*>(seg.begin()),
+                              seg.size() * sizeof(capnp::word));
+  std::string table;
+  put_u32(table, 0);
+  put_u32(table, static_cast<uint32_t>(seg.size()));
+  StreamingChecksum sum;
+  sum.update(table.data(), table.size());
+  sum.update(rest.data(), rest.size());
+  std::string& out = *head;
+  put_frame_start(m, 24, out);
+  put_u64(out, table.size() + rest.size());
+  put_u64(out, sum.digest());
+  out.append(table);
+  return rest;
+}
+
+void ManifestEncoder::release_oversized() {
+  if (!kept_ || !kept_->segment.oversized()) return;
+  kept_->message.reset();
+  kept_->where = Where{};
+  kept_->segment.trim();
 }
 
 namespace {

@@ -99,6 +99,14 @@ class ManifestEncoder {
   ManifestEncoder& operator=(ManifestEncoder&&) noexcept;
 
   void encode(const Manifest& m, std::string* out);
+  // encode()'s bytes in two pieces, nothing copied out of the kept message:
+  // *head (the frame and the payload's segment table), then the returned
+  // bytes of the message itself, valid until the next call or
+  // release_oversized().
+  std::string_view encode_parts(const Manifest& m, std::string* head);
+  // Gives back a message larger than kKeptManifestBufferBytes (encode()
+  // does it itself; a caller of encode_parts once it used the bytes).
+  void release_oversized();
   // The last encode() rewrote the kept message rather than building it.
   bool last_patched() const { return patched_; }
 

@@ -88,11 +88,41 @@ Result<LocalPlan> make_local_plan(const StateDict& sd, int32_t rank) {
   return plan;
 }
 
-Status make_local_plan_into(const StateDict& sd, int32_t rank, LocalPlan* out) {
+namespace {
+
+// dst = src, and false when that changed dst.
+template <class T>
+bool keep(T& dst, const T& src) {
+  if (dst == src) return true;
+  dst = src;
+  return false;
+}
+
+// Dims are a few values: compared inline, not through a memcmp call each.
+bool keep(std::vector<int64_t>& dst, const std::vector<int64_t>& src) {
+  bool same = dst.size() == src.size();
+  for (size_t i = 0; same && i < src.size(); ++i) same = dst[i] == src[i];
+  if (!same) dst = src;
+  return same;
+}
+
+bool all_zero(const std::vector<int64_t>& v, size_t n) {
+  if (v.size() != n) return false;
+  for (int64_t x : v)
+    if (x != 0) return false;
+  return true;
+}
+
+}  // namespace
+
+Status make_local_plan_into(const StateDict& sd, int32_t rank, LocalPlan* out, bool* unchanged) {
   if (rank < 0) return Status::invalid_argument("rank " + std::to_string(rank) + " is negative");
   if (sd.size() > std::numeric_limits<uint32_t>::max())
     return Status::invalid_argument("state dict has too many entries");
   LocalPlan& plan = *out;
+  // Compared as they are assigned: a repeated save's plan is known to be
+  // the last one without hashing it again.
+  bool same = plan.rank == rank && plan.items.size() == sd.size();
   plan.rank = rank;
   plan.items.resize(sd.size());
   uint32_t index = 0;
@@ -101,26 +131,31 @@ Status make_local_plan_into(const StateDict& sd, int32_t rank, LocalPlan* out) {
     // Assigned field by field: a kept item reuses its strings' and vectors' memory.
     WriteItem& it = plan.items[index];
     if (e.per_rank) {
-      it.key = per_rank_key(e.key, rank);  // its own key: never a replica of another rank's
+      // Its own key: never a replica of another rank's.
+      same = keep(it.key, per_rank_key(e.key, rank)) && same;
     } else if (parse_per_rank_key(e.key)) {
       return Status::invalid_argument("tensor '" + e.key +
                                       "': keys ending in @rank<N> are reserved for the values of "
                                       "per-rank entries; rename it, or add it as per-rank");
     } else {
-      it.key = e.key;
+      same = keep(it.key, e.key) && same;
     }
-    it.dtype = e.view.dtype;
-    it.box.sizes = e.view.shape;
+    same = keep(it.dtype, e.view.dtype) && same;
+    same = keep(it.box.sizes, e.view.shape) && same;
     if (e.shard) {
-      it.global_shape = e.shard->global_shape;
-      it.box.offsets = e.shard->offsets;
+      same = keep(it.global_shape, e.shard->global_shape) && same;
+      same = keep(it.box.offsets, e.shard->offsets) && same;
     } else {
-      it.global_shape = e.view.shape;
-      it.box.offsets.assign(e.view.shape.size(), 0);
+      same = keep(it.global_shape, e.view.shape) && same;
+      if (!all_zero(it.box.offsets, e.view.shape.size())) {
+        it.box.offsets.assign(e.view.shape.size(), 0);
+        same = false;
+      }
     }
-    it.nbytes = e.view.nbytes();
-    it.entry = index++;
+    same = keep(it.nbytes, e.view.nbytes()) && same;
+    same = keep(it.entry, index++) && same;
   }
+  if (unchanged) *unchanged = same;
   return Status();
 }
 

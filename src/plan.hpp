@@ -41,8 +41,10 @@ struct LocalPlan {
 Result<LocalPlan> make_local_plan(const StateDict& sd, int32_t rank);
 // The same, into `plan`, reusing its items' memory: a plan kept between
 // saves of the same state is refilled without an allocation per item. On
-// an error *plan is left half refilled.
-Status make_local_plan_into(const StateDict& sd, int32_t rank, LocalPlan* plan);
+// an error *plan is left half refilled. *unchanged (when given): the plan
+// holds what it held before, so its digest() is the one it had.
+Status make_local_plan_into(const StateDict& sd, int32_t rank, LocalPlan* plan,
+                            bool* unchanged = nullptr);
 
 struct GlobalPlanOptions {
   OwnerPolicy policy = OwnerPolicy::balanced;

@@ -89,6 +89,9 @@ struct PlanRequest {
   bool want_all = false;     // the reply should carry every rank's plan (SavePlanner)
   uint8_t owner_policy = 0;  // 0: rank 0's configured one, 1: balanced, 2: lowest rank
   DataFileOptions files;     // how the rank names and fills its data files (data_files())
+  // In process, with `shared`: its LocalPlan::digest(), which the planner
+  // knows already (0: rank 0 computes it). Not on the wire.
+  uint64_t shared_digest = 0;
 };
 
 inline const LocalPlan& plan_of(const PlanRequest& r) {
@@ -103,6 +106,9 @@ struct PlanReply {
   std::string pending_dir;
   RankPlan plan;
   std::string all_plans = {};  // every rank's SavePlan, when a rank asked (encode_save_plans)
+  // In process (to a rank whose request was `shared`): its part of the
+  // cached global plan, shared rather than copied (`plan` then empty).
+  std::shared_ptr<const RankPlan> shared = nullptr;
 };
 
 // A rank's write result once its files and the pending directory are durable.

@@ -472,7 +472,7 @@ TEST_CASE("retention reads each kept manifest whole once, then only its frame", 
   REQUIRE(fs.mkdirs(dir).ok());
   const std::string bytes = encode_manifest(c);
   REQUIRE(write_file_atomic(fs, join_path(dir, kManifestFileName), bytes, false).ok());
-  remember_committed(fs, dir, c, bytes, &told);
+  remember_committed(fs, dir, c, bytes, bytes.size(), &told);
   fs.manifest_bytes = 0;
   r = retire_checkpoints(fs, other.path(), 1, dir, {}, &told);
   REQUIRE(r.ok());

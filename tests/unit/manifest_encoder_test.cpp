@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <random>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "codec.hpp"
@@ -182,4 +183,32 @@ TEST_CASE("random manifests: the encoder's bytes always equal a full encode's",
   }
   // Most changes keep the shape: the fast path ran, and was checked.
   CHECK(rewritten > 150);
+}
+
+// The commit writes the frame and then the kept message itself: the two
+// pieces are a full encode's bytes, and a rewritten manifest's message is
+// the one kept, where it was (nothing copied out, nothing reallocated).
+TEST_CASE("the encoder's two pieces are a full encode's bytes, the message where it is kept",
+          "[manifest][scale]") {
+  ferry::ManifestEncoder enc;
+  std::string head;
+  const std::string_view first = enc.encode_parts(sample(20, 1), &head);
+  CHECK(head + std::string(first) == ferry::encode_manifest(sample(20, 1)));
+  CHECK_FALSE(enc.last_patched());
+  for (uint64_t seed = 2; seed < 5; ++seed) {
+    const std::string_view rest = enc.encode_parts(sample(20, seed), &head);
+    CHECK(enc.last_patched());
+    CHECK(rest.data() == first.data());
+    CHECK(rest.size() == first.size());
+    const std::string whole = head + std::string(rest);
+    CHECK(whole == ferry::encode_manifest(sample(20, seed)));
+    auto back = ferry::decode_manifest(whole);
+    INFO(back.status().to_string());
+    REQUIRE(back.ok());
+    CHECK(back->step == 100 + seed);
+  }
+  // Another shape: built afresh, the pieces still a full encode's.
+  const std::string_view other = enc.encode_parts(sample(33, 6), &head);
+  CHECK_FALSE(enc.last_patched());
+  CHECK(head + std::string(other) == ferry::encode_manifest(sample(33, 6)));
 }

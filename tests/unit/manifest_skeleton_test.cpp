@@ -5,6 +5,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -37,18 +38,23 @@ ferry::WriteResult report(int32_t rank, size_t n, uint64_t seed, uint64_t layout
   return wr;
 }
 
-// The same report as rank 0 sends it when rank 0 holds its layout.
+// The same report as rank 0 sends it when rank 0 holds its layout: no
+// chunk of its own, the byte ranges in its (shared) layouts, the checksums
+// by [file][chunk].
 ferry::WriteResult as_repeat(const ferry::WriteResult& whole) {
   ferry::WriteResult wr = whole;
   wr.repeat = true;
-  for (ferry::WrittenChunk& c : wr.chunks) {
-    ferry::WrittenChunk bare;
-    bare.file = c.file;
-    bare.byte_offset = c.byte_offset;
-    bare.byte_length = c.byte_length;
-    bare.checksums = c.checksums;
-    c = bare;
+  auto files = std::make_shared<std::vector<ferry::FileLayout>>(whole.files.size());
+  wr.sums.assign(whole.files.size(), {});
+  for (const ferry::WrittenChunk& c : whole.chunks) {
+    ferry::LaidOutChunk lc;
+    lc.offset = c.byte_offset;
+    lc.length = c.byte_length;
+    (*files)[c.file].chunks.push_back(lc);
+    wr.sums[c.file].push_back(c.checksums);
   }
+  wr.laid_out = std::move(files);
+  wr.chunks.clear();
   return wr;
 }
 
@@ -137,5 +143,45 @@ TEST_CASE("a repeat report of a layout rank 0 does not hold fails, naming the ra
   CHECK(m.status().message().find("layout 8") != std::string::npos);
   // A failed repeat leaves the kept manifest as it was.
   const std::vector<ferry::WriteResult> second{report(0, 5, 2, 7), report(1, 3, 2, 9)};
+  CHECK(assembled(sk, {as_repeat(second[0]), second[1]}) == expected(second));
+}
+
+TEST_CASE("a repeat report refills the kept manifest without a chunk of its own",
+          "[commit][scale]") {
+  ferry::ManifestSkeleton sk;
+  const std::vector<ferry::WriteResult> first{report(0, 5, 1, 7), report(1, 3, 1, 9)};
+  CHECK(assembled(sk, first) == expected(first));
+  const std::vector<ferry::WriteResult> second{report(0, 5, 2, 7), report(1, 3, 2, 9)};
+  ferry::WriteResult repeat = as_repeat(second[0]);
+  REQUIRE(repeat.chunks.empty());
+  CHECK(repeat.chunk_count() == 5);
+  // The kept manifest's checksum vectors are refilled where they are.
+  const uint64_t* kept = sk.manifest.tensors[0].chunks[0].checksums.data();
+  CHECK(assembled(sk, {repeat, second[1]}) == expected(second));
+  CHECK(sk.manifest.tensors[0].chunks[0].checksums.data() == kept);
+
+  // Without checksums (checksum = false): none in the report, none kept.
+  std::vector<ferry::WriteResult> bare{report(0, 5, 3, 7), report(1, 3, 3, 9)};
+  for (auto& wr : bare)
+    for (auto& c : wr.chunks) c.checksums.clear();
+  ferry::WriteResult bare_repeat = as_repeat(bare[0]);
+  bare_repeat.sums.clear();
+  CHECK(assembled(sk, {bare_repeat, bare[1]}) == expected(bare));
+}
+
+TEST_CASE("a repeat report whose checksums do not fit its layout fails, naming the rank",
+          "[commit][scale]") {
+  ferry::ManifestSkeleton sk;
+  const std::vector<ferry::WriteResult> first{report(0, 5, 1, 7), report(1, 3, 1, 9)};
+  CHECK(assembled(sk, first) == expected(first));
+  ferry::WriteResult short_sums = as_repeat(report(0, 5, 2, 7));
+  short_sums.sums[0].pop_back();
+  std::vector<ferry::WriteResult> results{short_sums, report(1, 3, 2, 9)};
+  auto m = ferry::assemble_manifest_into(sk, header(), results);
+  REQUIRE_FALSE(m.ok());
+  CHECK(m.status().message().find("rank 0's repeated report does not match its layout 7") !=
+        std::string::npos);
+  // Nothing of it was taken: the next good report refills as before.
+  const std::vector<ferry::WriteResult> second{report(0, 5, 3, 7), report(1, 3, 3, 9)};
   CHECK(assembled(sk, {as_repeat(second[0]), second[1]}) == expected(second));
 }

@@ -236,6 +236,59 @@ TEST_CASE("local plan from a state dict, sharded and not", "[plan]") {
   CHECK(step.entry == 2);
 }
 
+// A repeated save refills its kept plan in place and, when nothing in it
+// changed, keeps the digest it had instead of hashing every item again.
+TEST_CASE("a local plan refilled in place says whether it changed", "[plan]") {
+  std::vector<float> a(64), b(64);
+  auto dict = [](float* p, Dims shape, Dims offsets) {
+    ferry::StateDict sd;
+    REQUIRE(sd.add("emb", ferry::TensorView{p, DType::f32, {8, 4}}).ok());
+    REQUIRE(sd.add("w", ferry::TensorView{p + 32, DType::f32, shape},
+                   ferry::Shard{{16, 4}, std::move(offsets)})
+                .ok());
+    return sd;
+  };
+  LocalPlan plan;
+  bool unchanged = true;
+  REQUIRE(ferry::make_local_plan_into(dict(a.data(), {4, 4}, {0, 0}), 0, &plan, &unchanged).ok());
+  CHECK_FALSE(unchanged);  // filled from nothing
+  const uint64_t digest = plan.digest();
+
+  // Other memory, the same tensors: the same plan (it names no address).
+  REQUIRE(ferry::make_local_plan_into(dict(b.data(), {4, 4}, {0, 0}), 0, &plan, &unchanged).ok());
+  CHECK(unchanged);
+  CHECK(plan.digest() == digest);
+
+  // Each change of what the digest covers is seen, and the refill equals a fresh plan.
+  struct Change {
+    const char* what;
+    ferry::StateDict sd;
+    int32_t rank;
+  };
+  std::vector<Change> changes;
+  changes.push_back({"an offset", dict(a.data(), {4, 4}, {4, 0}), 0});
+  changes.push_back({"a shape", dict(a.data(), {2, 4}, {4, 0}), 0});
+  changes.push_back({"the rank", dict(a.data(), {2, 4}, {4, 0}), 1});
+  ferry::StateDict renamed;
+  REQUIRE(renamed.add("emb2", ferry::TensorView{a.data(), DType::f32, {8, 4}}).ok());
+  changes.push_back({"a key and the count", renamed, 1});
+  ferry::StateDict retyped;
+  REQUIRE(retyped.add("emb2", ferry::TensorView{a.data(), DType::i32, {8, 4}}).ok());
+  changes.push_back({"a dtype", retyped, 1});
+  for (Change& c : changes) {
+    INFO(c.what);
+    const uint64_t before = plan.digest();
+    REQUIRE(ferry::make_local_plan_into(c.sd, c.rank, &plan, &unchanged).ok());
+    CHECK_FALSE(unchanged);
+    CHECK(plan.digest() != before);
+    auto fresh = ferry::make_local_plan(c.sd, c.rank);
+    REQUIRE(fresh.ok());
+    CHECK(plan.digest() == fresh->digest());
+    REQUIRE(ferry::make_local_plan_into(c.sd, c.rank, &plan, &unchanged).ok());
+    CHECK(unchanged);
+  }
+}
+
 TEST_CASE("local plan errors name the key", "[plan]") {
   SECTION("shard outside its global shape") {
     ferry::StateDict sd;
