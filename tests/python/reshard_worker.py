@@ -83,8 +83,8 @@ def race(rank, root):
         real = ferry._core.Manifest
 
         class Marked(real):  # the moment rank 0 has read the manifest of its load
-            def __init__(self, path):
-                super().__init__(path)
+            def __init__(self, path, *rest):
+                super().__init__(path, *rest)
                 open(marker, "w").close()
 
         ferry._core.Manifest = Marked
