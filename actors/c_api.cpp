@@ -758,25 +758,19 @@ ferry_status ferry_apply_retention(const char* root, uint32_t keep_last) {
   });
 }
 
-ferry_status ferry_manifest_open(const char* path, ferry_manifest** out) {
+ferry_status ferry_manifest_open(ferry_runtime* rt, const char* path, ferry_manifest** out) {
   return guarded([&] {
     if (!out) return null_arg("out");
     *out = nullptr;
+    if (rt) FERRY_CHECK_HANDLE(rt, "runtime");
     if (!path) return null_arg("path");
-    auto m = ferry::Catalog().manifest(path);
-    if (!m.ok()) return to_c(m.status());
-    *out = handles<ferry_manifest>().add(
-        std::unique_ptr<ferry_manifest>(new ferry_manifest{std::move(m).value()}));
-    return to_c(ferry::Status());
-  });
-}
-
-ferry_status ferry_manifest_open_rt(ferry_runtime* rt, const char* path, ferry_manifest** out) {
-  return guarded([&] {
-    if (!out) return null_arg("out");
-    *out = nullptr;
-    FERRY_CHECK_HANDLE(rt, "runtime");
-    if (!path) return null_arg("path");
+    if (!rt) {
+      auto m = ferry::Catalog().manifest(path);
+      if (!m.ok()) return to_c(m.status());
+      *out = handles<ferry_manifest>().add(
+          std::unique_ptr<ferry_manifest>(new ferry_manifest{std::move(m).value()}));
+      return to_c(ferry::Status());
+    }
     const ferry::RankContext& ctx = ferry::detail::RuntimeAccess::context(*rt->rt);
     const ferry::RootHold hold(ctx.fs, path);
     auto dir = ferry::resolve_checkpoint(*ctx.fs, path, ctx.manifests.get());

@@ -685,10 +685,8 @@ class Manifest:
         L = lib()
         m = ctypes.c_void_p()
         p = os.fspath(path).encode("utf-8")
-        if _runtime_ptr is None:
-            check(L.ferry_manifest_open(p, ctypes.byref(m)))
-        else:  # the runtime's load of it then plans against this decode
-            check(L.ferry_manifest_open_rt(_runtime_ptr, p, ctypes.byref(m)))
+        # With a runtime, its load of the checkpoint plans against this decode.
+        check(L.ferry_manifest_open(_runtime_ptr, p, ctypes.byref(m)))
         try:
             self.path = L.ferry_manifest_path(m).decode("utf-8")
             self.step = L.ferry_manifest_step(m)

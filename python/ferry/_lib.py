@@ -18,7 +18,7 @@ import time
 
 __all__ = ["FerryError", "lib", "check", "library_path", "wait_sliced", "call_interruptibly"]
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 _STATUS_NAMES = {
     0: "ok",
@@ -272,8 +272,7 @@ def _declare(L):
             [ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint64), sz, ctypes.POINTER(sz)],
         ),
         "ferry_apply_retention": (st, [ctypes.c_char_p, ctypes.c_uint32]),
-        "ferry_manifest_open": (st, [ctypes.c_char_p, ctypes.POINTER(vp)]),
-        "ferry_manifest_open_rt": (st, [vp, ctypes.c_char_p, ctypes.POINTER(vp)]),
+        "ferry_manifest_open": (st, [vp, ctypes.c_char_p, ctypes.POINTER(vp)]),
         "ferry_manifest_close": (None, [vp]),
         "ferry_manifest_path": (ctypes.c_char_p, [vp]),
         "ferry_manifest_step": (ctypes.c_uint64, [vp]),

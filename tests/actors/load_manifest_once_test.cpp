@@ -1,5 +1,5 @@
 // A load decodes its checkpoint's manifest once per runtime: the manifest
-// ferry_manifest_open_rt decoded is the one the runtime's load plans
+// ferry_manifest_open decoded is the one the runtime's load plans
 // against, and a manifest replaced or changed on disk since is decoded
 // again (or refused), never served stale.
 
@@ -77,14 +77,14 @@ void save(ferry::Runtime& rt, float seed, bool overwrite) {
 ferry_manifest* open_rt(ferry_runtime* rt, const std::string& path) {
   ferry_manifest* m = nullptr;
   INFO(ferry_last_error());
-  REQUIRE(ferry_manifest_open_rt(rt, path.c_str(), &m) == FERRY_OK);
+  REQUIRE(ferry_manifest_open(rt, path.c_str(), &m) == FERRY_OK);
   REQUIRE(m != nullptr);
   return m;
 }
 
 }  // namespace
 
-TEST_CASE("a load decodes the manifest ferry_manifest_open_rt decoded, not again",
+TEST_CASE("a load decodes the manifest ferry_manifest_open decoded, not again",
           "[load][manifest]") {
   TempDir dir;
   CRuntime c(dir.path());
@@ -114,7 +114,7 @@ TEST_CASE("a load decodes the manifest ferry_manifest_open_rt decoded, not again
   CHECK(ferry::manifest_decodes() - before == 1);
 }
 
-TEST_CASE("a manifest replaced between ferry_manifest_open_rt and the load is read again",
+TEST_CASE("a manifest replaced between ferry_manifest_open and the load is read again",
           "[load][manifest]") {
   TempDir dir;
   CRuntime c(dir.path());
@@ -133,7 +133,7 @@ TEST_CASE("a manifest replaced between ferry_manifest_open_rt and the load is re
   ferry_manifest_close(m);
 }
 
-TEST_CASE("a manifest changed in place after ferry_manifest_open_rt fails the load",
+TEST_CASE("a manifest changed in place after ferry_manifest_open fails the load",
           "[load][manifest]") {
   TempDir dir;
   CRuntime c(dir.path());

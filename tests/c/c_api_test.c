@@ -217,7 +217,7 @@ int main(void) {
   char step7[512];
   snprintf(step7, sizeof step7, "%s/step-00000007", root);
   ferry_manifest* man = NULL;
-  CHECK_OK(ferry_manifest_open(step7, &man));
+  CHECK_OK(ferry_manifest_open(NULL, step7, &man));
   if (man) {
     CHECK(ferry_manifest_step(man) == 7);
     CHECK(ferry_manifest_num_tensors(man) == 3);
@@ -259,7 +259,7 @@ int main(void) {
   CHECK_OK(ferry_list_steps(root, steps, 4, &count));
   CHECK(count == 1 && steps[0] == 9);
   man = NULL;
-  CHECK(ferry_manifest_open("/nonexistent/ferry", &man) != FERRY_OK && man == NULL);
+  CHECK(ferry_manifest_open(NULL, "/nonexistent/ferry", &man) != FERRY_OK && man == NULL);
   CHECK(strlen(ferry_last_error()) > 0);
 
   /* The planner in steps: the step defaults to latest + 1, the pure global
@@ -508,7 +508,7 @@ int main(void) {
     CHECK(ferry_save_step(s) == 0);
     CHECK(ferry_save_done(s));
     ferry_manifest* m2 = NULL;
-    CHECK_OK(ferry_manifest_open(root, &m2));
+    CHECK_OK(ferry_manifest_open(NULL, root, &m2));
     ferry_manifest_close(m2);
     ferry_manifest_close(m2);
     CHECK(ferry_manifest_num_tensors(m2) == 0);

@@ -46,7 +46,7 @@ extern "C" {
 #endif
 
 /* Bumped when a struct layout or a function signature changes. */
-#define FERRY_C_ABI_VERSION 5
+#define FERRY_C_ABI_VERSION 6
 
 /* Mirrors ferry::StatusCode. */
 typedef enum ferry_status {
@@ -389,14 +389,13 @@ FERRY_API ferry_status ferry_list_steps(const char* root, uint64_t* steps, size_
  * (taken out of sight under ROOT's lock, as a commit does, then deleted). */
 FERRY_API ferry_status ferry_apply_retention(const char* root, uint32_t keep_last);
 
-/* Reads the manifest of `path` (a checkpoint, or a root: its latest). */
-FERRY_API ferry_status ferry_manifest_open(const char* path, ferry_manifest** out);
-/* The same through runtime `rt` (its filesystem): the decoded manifest is
- * shared with rt's loads, so opening a checkpoint and then loading it
- * decodes its manifest once. A manifest changed on disk meanwhile is
- * decoded again by the load (its bytes are checked each time). */
-FERRY_API ferry_status ferry_manifest_open_rt(ferry_runtime* rt, const char* path,
-                                              ferry_manifest** out);
+/* Reads the manifest of `path` (a checkpoint, or a root: its latest).
+ * With a runtime `rt` (NULL: none), through its filesystem, and the decoded
+ * manifest is shared with rt's loads, so opening a checkpoint and then
+ * loading it decodes its manifest once; a manifest changed on disk meanwhile
+ * is decoded again by the load (its bytes are checked each time). */
+FERRY_API ferry_status ferry_manifest_open(ferry_runtime* rt, const char* path,
+                                           ferry_manifest** out);
 FERRY_API void ferry_manifest_close(ferry_manifest* m);
 FERRY_API const char* ferry_manifest_path(const ferry_manifest* m); /* the checkpoint dir */
 FERRY_API uint64_t ferry_manifest_step(const ferry_manifest* m);
