@@ -431,7 +431,9 @@ link_actor::behavior_type link_fun(link_ptr self, ContextPtr ctx, coordinator_ac
           return;
         }
         if (st.leaving) return;
-        log(st, "rank " + std::to_string(rank) + " failed: " + why.to_string());
+        // A second failure without a rejoin between is the transport giving
+        // rank 0 up after asking it back: the transport said so already.
+        if (st.rank0_failed.ok()) log(st, "rank 0 failed: " + why.to_string());
         st.rank0_failed = Status::aborted("rank 0 (coordinator) failed: " + why.message());
         fail_pending(self, st.rank0_failed);
         shared_reader_failed(self, 0, why);

@@ -4,6 +4,9 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <mutex>
+
 #include "actor_fixture.hpp"
 #include "protocol.hpp"
 
@@ -20,7 +23,9 @@ struct Link : ferry::testing::ActorSystem {
   // The planner's view: it cannot tell the link from a coordinator.
   ferry::coordinator_api rank0;
 
-  Link() {
+  // A logger, when given, is in place before the link can log anything.
+  explicit Link(ferry::Logger log = nullptr) {
+    if (log) ctx->log = std::move(log);
     link = ferry::spawn_link(*sys, ctx, ferry::coordinator_actor());
     rank0 = link;
     caf::anon_send(link, ferry::atom::attach_net_v, std::shared_ptr<ferry::Transport>(),
@@ -181,4 +186,35 @@ TEST_CASE("link alone: forged or stray ShareAcks are dropped, the true one opens
   REQUIRE(w.acquire("load-1", 0, 400, kWindow, 30).ok());
   CHECK(w.outstanding("load-1", 0) == kWindow);
   w.close("load-1", Status());
+}
+
+TEST_CASE("link alone: rank 0's loss is logged once, not again when the transport gives it up",
+          "[link][actor][rejoin]") {
+  auto lines = std::make_shared<std::vector<std::string>>();
+  auto mu = std::make_shared<std::mutex>();
+  auto count = [&](const std::string& what) {
+    std::lock_guard<std::mutex> lock(*mu);
+    return std::count_if(lines->begin(), lines->end(),
+                         [&](const std::string& l) { return l.find(what) != std::string::npos; });
+  };
+  Link l([lines, mu](ferry::LogLevel, const std::string& m) {
+    std::lock_guard<std::mutex> lock(*mu);
+    lines->push_back(m);
+  });
+  caf::anon_send(l.link, ferry::atom::peer_failed_v, int32_t{0},
+                 Status::io_error("heartbeat timeout"));
+  CHECK(l.planner_heard().first == "*");
+  // The transport's give-up, after asking rank 0 back in vain: it logs that
+  // line itself.
+  caf::anon_send(l.link, ferry::atom::peer_failed_v, int32_t{0},
+                 Status::aborted("rank 0 lost: this rank asked it back and gave up"));
+  CHECK(l.planner_heard().first == "*");
+  CHECK(count("heartbeat timeout") == 1);
+  CHECK(count("gave up") == 0);
+  // Back, then lost again: a new loss, logged again.
+  caf::anon_send(l.link, ferry::atom::peer_rejoined_v, int32_t{0});
+  caf::anon_send(l.link, ferry::atom::peer_failed_v, int32_t{0}, Status::io_error("reset"));
+  CHECK(l.planner_heard().first == "*");
+  CHECK(count("rank 0 is back") == 1);
+  CHECK(count("reset") == 1);
 }
