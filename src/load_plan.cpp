@@ -281,6 +281,10 @@ std::vector<ReadRun> make_read_runs(std::vector<ReadOp> ops, const Manifest& m,
       tail_run_bytes == 0 ? max_run_bytes : std::clamp(down(tail_run_bytes), align, max_run_bytes);
   uint64_t left = 0;  // op bytes not yet in a run
   for (const ReadOp& op : ops) left += op.length;
+  // Each run's ops reserved for as many of the average op as it holds: a
+  // run of hundreds of small ops otherwise grows (and moves them) ten times.
+  const uint64_t mean_op = ops.empty() ? 1 : std::max<uint64_t>(1, left / ops.size());
+  size_t ops_left = ops.size();
   // A run started with `left` bytes to go: the last max_run_bytes go in
   // runs of tail_run_bytes, and the run before them ends where they begin.
   auto cap_for = [&]() {
@@ -302,6 +306,7 @@ std::vector<ReadRun> make_read_runs(std::vector<ReadOp> ops, const Manifest& m,
       if (!joins) {
         runs.push_back(ReadRun{op.file, down(op.file_offset), 0, {}});
         cap = cap_for();
+        runs.back().ops.reserve(std::min<uint64_t>(ops_left, cap / mean_op + 1));
       }
       ReadRun& run = runs.back();
       const uint64_t room_end = run.offset + cap;
@@ -309,6 +314,7 @@ std::vector<ReadRun> make_read_runs(std::vector<ReadOp> ops, const Manifest& m,
       if (up(end) <= room_end) {
         run.length = std::max(run.length, up(end) - run.offset);
         left -= op.length;
+        --ops_left;
         run.ops.push_back(std::move(op));
         break;
       }
