@@ -288,7 +288,7 @@ class RunReader {
   // goes away, and on a fast disk that copy is what limits a load.
   uint8_t* direct_target(const ReadOp& op, const OpenFile& f, uint64_t block) const {
     if (op.entry == ReadOp::kForOthers) return nullptr;
-    const TensorView& t = task_.targets[op.entry];
+    const TensorView& t = (*task_.targets)[op.entry];
     if (!ctx_.opts.read_into_tensors || op.length < std::min(kDirectMinBytes, block) ||
         !t.device.is_host() || !t.is_contiguous())
       return nullptr;
@@ -310,18 +310,23 @@ class RunReader {
   // The reader's list, in file order: ops read straight into their tensors,
   // and runs of the others through staging blocks.
   Status plan_work(std::vector<ReadOp> ops, uint64_t block) {
-    std::vector<ReadOp> staged;
+    // The staged ops stay where they are, moved down over those read
+    // straight into their tensors: at 10,000 small ops a copy of them all
+    // was megabytes of fresh pages faulted in before the first read.
+    size_t staged = 0;
     for (ReadOp& op : ops) {
       FERRY_ASSIGN_OR_RETURN(OpenFile * f, open(op.file));
       uint8_t* p = direct_target(op, *f, block);
       if (!p) {
-        staged.push_back(std::move(op));
+        if (&ops[staged] != &op) ops[staged] = std::move(op);
+        ++staged;
         continue;
       }
       const uint64_t head = op.length / f->align.offset * f->align.offset;
       runs_.push_back({ReadRun{op.file, op.file_offset, head, {std::move(op)}}, p});
     }
-    for (ReadRun& r : make_read_runs(std::move(staged), *task_.manifest,
+    ops.resize(staged);
+    for (ReadRun& r : make_read_runs(std::move(ops), *task_.manifest,
                                      std::min(block, kStagedRunBytes), kAlign, kTailRunBytes))
       runs_.push_back({std::move(r), nullptr});
     std::stable_sort(runs_.begin(), runs_.end(), [](const Work& a, const Work& b) {
@@ -389,7 +394,7 @@ class RunReader {
       const int64_t t0 = task_.clocks ? trace_now_ns() : 0;
       s = op.entry == ReadOp::kForOthers
               ? verify_blocks(ctx_, m, op, path, f.buf + at)
-              : verify_and_copy(ctx_, m, op, path, f.buf + at, task_.targets[op.entry], latch,
+              : verify_and_copy(ctx_, m, op, path, f.buf + at, (*task_.targets)[op.entry], latch,
                                 task_.unverified.get());
       if (task_.clocks) task_.clocks->verify.add(t0, trace_now_ns(), op.length);
       if (!s.ok()) break;
@@ -526,7 +531,7 @@ class RunReader {
       first = header_checked(*files_.at(d.op->file));
       if (!first.ok()) continue;
       CopyLatch latch;
-      const TensorView& target = task_.targets[d.op->entry];
+      const TensorView& target = (*task_.targets)[d.op->entry];
       std::vector<DeviceBackend::Run> runs;
       for_each_copy(*d.op, dtype_size(target.dtype), [&](uint64_t src, uint64_t dst, uint64_t n) {
         runs.push_back({src, dst, n});
@@ -575,7 +580,7 @@ Status run_fetched(const RankContext& ctx, ReadTask& task) {
     CopyLatch latch;
     Status s = op.entry == ReadOp::kForOthers
                    ? verify_blocks(ctx, m, op, path, buf)
-                   : verify_and_copy(ctx, m, op, path, buf, task.targets[op.entry], latch,
+                   : verify_and_copy(ctx, m, op, path, buf, (*task.targets)[op.entry], latch,
                                      task.unverified.get());
     if (s.ok() && !op.share_with.empty() && task.transport) s = send_shared(ctx, task, m, op, buf);
     Status copied = latch.wait();

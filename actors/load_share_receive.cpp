@@ -99,7 +99,7 @@ Status take_share(const RankContext& ctx, ShareWait& w, const BlockShareMsg& msg
       if (a < b) runs.push_back({a - lo, dst + (a - *q), b - a});
     });
     if (!s.ok()) break;
-    landings.push_back({&t.key, &w.targets[op.entry], std::move(runs)});
+    landings.push_back({&t.key, &(*w.targets)[op.entry], std::move(runs)});
     runs.clear();
   }
   FERRY_RETURN_IF_ERROR(s);

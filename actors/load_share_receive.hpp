@@ -17,7 +17,7 @@ namespace ferry {
 struct ShareWait {
   uint64_t task = 0;
   std::shared_ptr<const Manifest> manifest;
-  std::vector<TensorView> targets;
+  LoadTargets targets;
   std::vector<std::pair<int32_t, ReadOp>> pieces;  // by (file, file_offset)
   std::map<int32_t, uint64_t> owed;                // bytes each reader has yet to send
   std::chrono::steady_clock::time_point last;      // when bytes last arrived

@@ -337,14 +337,14 @@ void fetch(loader_ptr self, const LoadJob& job, const std::shared_ptr<LoadInFlig
 // heap) may split it, and the process's count of mappings is bounded.
 void advise_fresh_targets(const LoadJob& job) {
   constexpr size_t kAdvisedTargets = 4096;
-  std::vector<bool> filled(job.targets.size());
+  std::vector<bool> filled(job.targets->size());
   for (const ReadOp& op : job.ops)
     if (op.entry != ReadOp::kForOthers && op.entry < filled.size()) filled[op.entry] = true;
   for (const auto& [from, op] : job.receive)
     if (op.entry != ReadOp::kForOthers && op.entry < filled.size()) filled[op.entry] = true;
   size_t advised = 0;
   for (size_t i = 0; i < filled.size() && advised < kAdvisedTargets; ++i) {
-    const TensorView& t = job.targets[i];
+    const TensorView& t = (*job.targets)[i];
     if (filled[i] && t.device.is_host() && t.is_contiguous() && t.data)
       advised += advise_huge_pages(t.data, t.nbytes()) ? 1 : 0;
   }

@@ -216,11 +216,16 @@ struct ChecksumSet {
 };
 
 // Runtime::load -> loader.
+// A load's tensors, by StateDict entry index: one copy of their views per
+// load, shared by every reader task (a load of 50,000 tensors copied them
+// once per reader, two allocations a view). Never null in a LoadJob.
+using LoadTargets = std::shared_ptr<const std::vector<TensorView>>;
+
 struct LoadJob {
   std::string dir;
   std::shared_ptr<const Manifest> manifest;
-  std::vector<ReadOp> ops;          // what this rank reads (ops with share_with are sent on)
-  std::vector<TensorView> targets;  // by StateDict entry index
+  std::vector<ReadOp> ops;  // what this rank reads (ops with share_with are sent on)
+  LoadTargets targets;
   // Reading replicated bytes once per node: the collective load's id, the
   // pieces other ranks read for this one (with the rank each comes from),
   // and the transport the shared bytes leave on. Empty/null on one rank.
@@ -245,7 +250,7 @@ struct ReadTask {
   std::string dir;
   std::shared_ptr<const Manifest> manifest;
   std::vector<ReadOp> ops;
-  std::vector<TensorView> targets;
+  LoadTargets targets;
   std::string load_id;
   std::shared_ptr<Transport> transport;
   std::shared_ptr<PeerRings> peer_rings;

@@ -889,8 +889,10 @@ Status load_local(Runtime::Impl& im, caf::scoped_actor& self, StateDict& sd, con
   }
   for (const auto& [from, op] : job.receive)
     report->bytes_received += shared_bytes(op, dtype_size(manifest->tensors[op.tensor].dtype));
-  job.targets.reserve(sd.size());
-  for (const auto& e : sd.entries()) job.targets.push_back(e.view);
+  auto targets = std::make_shared<std::vector<TensorView>>();
+  targets->reserve(sd.size());
+  for (const auto& e : sd.entries()) targets->push_back(e.view);
+  job.targets = std::move(targets);
   if (times) {
     if (times->planned == 0) times->planned = trace_now_ns();
     job.clocks = times->clocks;

@@ -5,7 +5,6 @@
 #include <map>
 #include <memory>
 #include <tuple>
-#include <unordered_map>
 
 namespace ferry {
 
@@ -35,12 +34,23 @@ Status check_chunks(const ManifestTensor& t, size_t elem_size) {
     };
     if (c.offsets.size() != t.global_shape.size() || c.sizes.size() != t.global_shape.size())
       return bad("rank differs from the tensor's");
-    if (c.raw_bytes() != static_cast<uint64_t>(chunk_box(c).numel()) * elem_size)
+    int64_t numel = 1;
+    for (int64_t s : c.sizes) numel *= s;
+    if (c.raw_bytes() != static_cast<uint64_t>(numel) * elem_size)
       return bad("holds " + std::to_string(c.raw_bytes()) + " bytes, its box " +
                  chunk_box(c).to_string() + " needs " +
-                 std::to_string(static_cast<uint64_t>(chunk_box(c).numel()) * elem_size));
+                 std::to_string(static_cast<uint64_t>(numel) * elem_size));
   }
   return Status();
+}
+
+// Box::whole(shape).contains(box), without building the whole box (a plan
+// asks it once per request).
+bool inside_shape(const Box& box, const std::vector<int64_t>& shape) {
+  if (box.offsets.size() != shape.size() || box.sizes.size() != shape.size()) return false;
+  for (size_t i = 0; i < shape.size(); ++i)
+    if (box.offsets[i] < 0 || box.offsets[i] + box.sizes[i] > shape[i]) return false;
+  return true;
 }
 
 ChunkIndex build_index(const ManifestTensor& t) {
@@ -56,15 +66,13 @@ ChunkIndex build_index(const ManifestTensor& t) {
   return ix;
 }
 
-// Chunk indices (ascending) that may intersect `box`.
-std::vector<uint32_t> candidate_chunks(const ManifestTensor& t, const ChunkIndex* ix,
-                                       const Box& box) {
-  std::vector<uint32_t> out;
-  if (!ix) {
-    out.reserve(t.chunks.size());
-    for (size_t i = 0; i < t.chunks.size(); ++i) out.push_back(static_cast<uint32_t>(i));
-    return out;
-  }
+// Chunk indices (ascending) that may intersect `box`, into `out`. Without an
+// index, every chunk (most tensors have one): `out` is left empty and the
+// caller walks them all, so a plan of many small tensors allocates nothing here.
+void candidate_chunks(const ManifestTensor& t, const ChunkIndex* ix, const Box& box,
+                      std::vector<uint32_t>* out) {
+  out->clear();
+  if (!ix) return;
   // A chunk starting at or before box.start - max_extent ends at or before
   // box.start; one starting at or after box.end starts past it.
   const int64_t lo = box.offsets[0] - ix->max_extent;
@@ -74,14 +82,14 @@ std::vector<uint32_t> candidate_chunks(const ManifestTensor& t, const ChunkIndex
                                 [&](int64_t v, uint32_t c) { return v < start_of(c); });
   auto last = std::lower_bound(first, ix->by_start.end(), hi,
                                [&](uint32_t c, int64_t v) { return start_of(c) < v; });
-  out.assign(first, last);
-  std::sort(out.begin(), out.end());
-  return out;
+  out->assign(first, last);
+  std::sort(out->begin(), out->end());
 }
 
 // Appends the reads of the blocks of one chunk that hold bytes of `region`.
+// `region` and `cbox` are moved into the last read (most chunks have one).
 void plan_chunk_reads(const LoadRequest& req, uint32_t tensor_idx, uint32_t chunk_idx,
-                      const ManifestChunk& c, const Box& region, const Box& cbox, size_t elem_size,
+                      const ManifestChunk& c, Box region, Box cbox, size_t elem_size,
                       uint64_t block_bytes, const LoadPlanOptions& opts, std::vector<ReadOp>* out) {
   // A checkpoint without a block size is read as one block per chunk.
   // A compressed chunk is read in whole frames (codec.hpp), decoded by the reader.
@@ -93,20 +101,28 @@ void plan_chunk_reads(const LoadRequest& req, uint32_t tensor_idx, uint32_t chun
   // chunk order (the region is a sub-box of the chunk, both row-major), so a
   // new range only ever extends or follows the last one.
   std::vector<std::pair<uint64_t, uint64_t>> ranges;
-  for_each_run(region, cbox, req.box, [&](int64_t s, int64_t, int64_t n) {
-    const uint64_t first = static_cast<uint64_t>(s) * elem_size / bb;
-    const uint64_t last = (static_cast<uint64_t>(s + n) * elem_size - 1) / bb;
-    if (!ranges.empty() && first <= ranges.back().second + 1) {
-      ranges.back().second = std::max(ranges.back().second, last);
-    } else {
-      ranges.emplace_back(first, last);
-    }
-  });
+  if (region == cbox) {
+    // The whole chunk (a load of the sharding it was saved with): every
+    // block, without walking the region's runs.
+    ranges.emplace_back(0, (c.raw_bytes() - 1) / bb);
+  } else {
+    for_each_run(region, cbox, req.box, [&](int64_t s, int64_t, int64_t n) {
+      const uint64_t first = static_cast<uint64_t>(s) * elem_size / bb;
+      const uint64_t last = (static_cast<uint64_t>(s + n) * elem_size - 1) / bb;
+      if (!ranges.empty() && first <= ranges.back().second + 1) {
+        ranges.back().second = std::max(ranges.back().second, last);
+      } else {
+        ranges.emplace_back(first, last);
+      }
+    });
+  }
 
   const uint64_t max_blocks = std::max<uint64_t>(1, opts.max_read_bytes / bb);
-  for (const auto& [first, last] : ranges) {
+  for (size_t r = 0; r < ranges.size(); ++r) {
+    const auto [first, last] = ranges[r];
     for (uint64_t b = first; b <= last; b += max_blocks) {
       const uint64_t nb = std::min(max_blocks, last - b + 1);
+      const bool final_read = r + 1 == ranges.size() && last - b < max_blocks;
       ReadOp op;
       op.entry = req.entry;
       op.tensor = tensor_idx;
@@ -118,8 +134,13 @@ void plan_chunk_reads(const LoadRequest& req, uint32_t tensor_idx, uint32_t chun
       op.file_offset = c.byte_offset + op.chunk_offset;
       op.first_block = static_cast<uint32_t>(b);
       op.nblocks = static_cast<uint32_t>(nb);
-      op.region = region;
-      op.chunk_box = cbox;
+      if (final_read) {
+        op.region = std::move(region);
+        op.chunk_box = std::move(cbox);
+      } else {
+        op.region = region;
+        op.chunk_box = cbox;
+      }
       op.target_box = req.box;
       out->push_back(std::move(op));
     }
@@ -157,8 +178,11 @@ Result<std::vector<ReadOp>> make_load_plan(const Manifest& m,
   std::vector<ReadOp> ops;
   ops.reserve(requests.size());  // one read per request, the most common case
   // Per tensor, built on first use: its chunks are checked once, and indexed
-  // when there are many, however many requests name it.
-  std::unordered_map<uint32_t, std::unique_ptr<ChunkIndex>> seen;
+  // when there are many, however many requests name it. By tensor index: a
+  // map node per tensor cost more than the rest of a small tensor's plan.
+  std::vector<char> checked(m.tensors.size(), 0);
+  std::vector<std::unique_ptr<ChunkIndex>> indexes(m.tensors.size());
+  std::vector<uint32_t> candidates;  // reused: one allocation for the whole plan
 
   for (const auto& req : requests) {
     const ManifestTensor* t = m.find(req.key);
@@ -172,7 +196,7 @@ Result<std::vector<ReadOp>> make_load_plan(const Manifest& m,
           " requested, checkpoint has " + shape_to_string(t->global_shape));
     if (req.box.offsets.size() != req.global_shape.size() ||
         std::any_of(req.box.sizes.begin(), req.box.sizes.end(), [](int64_t s) { return s < 0; }) ||
-        !Box::whole(req.global_shape).contains(req.box))
+        !inside_shape(req.box, req.global_shape))
       return Status::invalid_argument("tensor '" + req.key + "': requested box " +
                                       req.box.to_string() + " is not inside global shape " +
                                       shape_to_string(req.global_shape));
@@ -181,24 +205,26 @@ Result<std::vector<ReadOp>> make_load_plan(const Manifest& m,
     if (req.box.empty()) continue;
 
     const auto tensor_idx = static_cast<uint32_t>(t - m.tensors.data());
-    auto it = seen.find(tensor_idx);
-    if (it == seen.end()) {
+    if (!checked[tensor_idx]) {
       FERRY_RETURN_IF_ERROR(check_chunks(*t, elem_size));
-      std::unique_ptr<ChunkIndex> ix;
       if (t->chunks.size() >= kIndexMinChunks && !t->global_shape.empty())
-        ix = std::make_unique<ChunkIndex>(build_index(*t));
-      it = seen.emplace(tensor_idx, std::move(ix)).first;
+        indexes[tensor_idx] = std::make_unique<ChunkIndex>(build_index(*t));
+      checked[tensor_idx] = 1;
     }
+    const ChunkIndex* ix = indexes[tensor_idx].get();
 
     int64_t covered = 0;
-    for (uint32_t ci : candidate_chunks(*t, it->second.get(), req.box)) {
+    candidate_chunks(*t, ix, req.box, &candidates);
+    const size_t n = ix ? candidates.size() : t->chunks.size();
+    for (size_t k = 0; k < n; ++k) {
+      const uint32_t ci = ix ? candidates[k] : static_cast<uint32_t>(k);
       const auto& c = t->chunks[ci];
-      const Box cbox = chunk_box(c);
+      Box cbox = chunk_box(c);
       auto region = intersect(cbox, req.box);
       if (!region) continue;
       covered += region->numel();
-      plan_chunk_reads(req, tensor_idx, ci, c, *region, cbox, elem_size, m.checksum_block_bytes,
-                       opts, &ops);
+      plan_chunk_reads(req, tensor_idx, ci, c, std::move(*region), std::move(cbox), elem_size,
+                       m.checksum_block_bytes, opts, &ops);
     }
     // Saved chunks are disjoint, so full coverage is exactly a full count.
     if (covered != req.box.numel())
@@ -255,6 +281,10 @@ std::vector<ReadRun> make_read_runs(std::vector<ReadOp> ops, const Manifest& m,
       tail_run_bytes == 0 ? max_run_bytes : std::clamp(down(tail_run_bytes), align, max_run_bytes);
   uint64_t left = 0;  // op bytes not yet in a run
   for (const ReadOp& op : ops) left += op.length;
+  // Each run's ops reserved for as many of the average op as it holds: a
+  // run of hundreds of small ops otherwise grows (and moves them) ten times.
+  const uint64_t mean_op = ops.empty() ? 1 : std::max<uint64_t>(1, left / ops.size());
+  size_t ops_left = ops.size();
   // A run started with `left` bytes to go: the last max_run_bytes go in
   // runs of tail_run_bytes, and the run before them ends where they begin.
   auto cap_for = [&]() {
@@ -276,6 +306,7 @@ std::vector<ReadRun> make_read_runs(std::vector<ReadOp> ops, const Manifest& m,
       if (!joins) {
         runs.push_back(ReadRun{op.file, down(op.file_offset), 0, {}});
         cap = cap_for();
+        runs.back().ops.reserve(std::min<uint64_t>(ops_left, cap / mean_op + 1));
       }
       ReadRun& run = runs.back();
       const uint64_t room_end = run.offset + cap;
@@ -283,6 +314,7 @@ std::vector<ReadRun> make_read_runs(std::vector<ReadOp> ops, const Manifest& m,
       if (up(end) <= room_end) {
         run.length = std::max(run.length, up(end) - run.offset);
         left -= op.length;
+        --ops_left;
         run.ops.push_back(std::move(op));
         break;
       }
@@ -343,27 +375,27 @@ Status resolve_per_rank(std::vector<LoadRequest>& requests, const StateDict& sd,
 
 std::vector<std::string> tensors_not_requested(const Manifest& m,
                                                const std::vector<LoadRequest>& requests) {
-  std::vector<const std::string*> asked;
-  asked.reserve(requests.size());
+  // Marked by index through the manifest's own (sorted) order: sorting the
+  // requests' keys instead was most of this at 10,000 tensors.
+  std::vector<char> asked(m.tensors.size(), 0);
   // Per-rank entries asked for: the other ranks' values of them are not left out.
   std::vector<std::string> per_rank_asked;
   for (const auto& r : requests) {
-    asked.push_back(&r.key);
+    if (const ManifestTensor* t = m.find(r.key))
+      asked[static_cast<size_t>(t - m.tensors.data())] = 1;
     if (auto pr = parse_per_rank_key(r.key)) per_rank_asked.push_back(pr->first);
   }
   std::sort(per_rank_asked.begin(), per_rank_asked.end());
-  std::sort(asked.begin(), asked.end(),
-            [](const std::string* a, const std::string* b) { return *a < *b; });
   std::vector<std::string> left;
-  for (const auto& t : m.tensors) {
+  for (size_t i = 0; i < m.tensors.size(); ++i) {
+    const ManifestTensor& t = m.tensors[i];
+    if (asked[i]) continue;
     if (t.per_rank >= 0 && !per_rank_asked.empty()) {
       auto pr = parse_per_rank_key(t.key);
       if (pr && std::binary_search(per_rank_asked.begin(), per_rank_asked.end(), pr->first))
         continue;
     }
-    auto it = std::lower_bound(asked.begin(), asked.end(), &t.key,
-                               [](const std::string* a, const std::string* b) { return *a < *b; });
-    if (it == asked.end() || **it != t.key) left.push_back(t.key);
+    left.push_back(t.key);
   }
   return left;
 }

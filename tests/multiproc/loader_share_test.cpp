@@ -93,7 +93,8 @@ struct Receiver : ferry::testing::ActorSystem {
     job.receive = part.receive;
     job.load_id = "load-1";
     const ferry::Box mine = box_of(1, by_cols);
-    job.targets = {ferry::TensorView(got.data(), ferry::DType::f32, mine.sizes)};
+    job.targets = std::make_shared<std::vector<ferry::TensorView>>(std::vector<ferry::TensorView>{
+        ferry::TensorView(got.data(), ferry::DType::f32, mine.sizes)});
   }
   ~Receiver() { caf::anon_send_exit(loader, caf::exit_reason::user_shutdown); }
 

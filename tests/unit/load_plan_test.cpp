@@ -405,6 +405,56 @@ TEST_CASE("small checksum blocks: only the touched blocks are read", "[load_plan
   }
 }
 
+// A whole chunk read as the sharding saved it: its blocks are planned
+// without walking the region's runs, and every read of it, however it is
+// split, carries the chunk's boxes (the last read takes them over).
+TEST_CASE("whole chunks: every split read carries the chunk's boxes", "[load_plan]") {
+  MemCheckpoint ck(64);
+  ck.add("o", DType::u8, {10, 15}, {Box::whole({10, 15})});  // 150 bytes: 64 + 64 + 22
+  ck.add("r", DType::f32, {8, 8}, grid({8, 8}, {{3}, {}}));  // two row chunks
+  SECTION("one block a read") {
+    ferry::LoadPlanOptions opts;
+    opts.max_read_bytes = 64;
+    auto plan = ferry::make_load_plan(ck.manifest(), {[] {
+                                        ferry::LoadRequest r;
+                                        r.key = "o";
+                                        r.dtype = DType::u8;
+                                        r.global_shape = {10, 15};
+                                        r.box = Box::whole({10, 15});
+                                        return r;
+                                      }()},
+                                      opts);
+    REQUIRE(plan.ok());
+    REQUIRE(plan->size() == 3);
+    for (size_t i = 0; i < 3; ++i) {
+      const ferry::ReadOp& op = (*plan)[i];
+      CHECK(op.first_block == i);
+      CHECK(op.nblocks == 1);
+      CHECK(op.length == (i < 2 ? 64u : 22u));
+      CHECK(op.region == Box::whole({10, 15}));
+      CHECK(op.chunk_box == Box::whole({10, 15}));
+      CHECK(op.target_box == Box::whole({10, 15}));
+    }
+    auto t = targets_for("o", DType::u8, {10, 15}, {Box::whole({10, 15})});
+    auto st = load_and_check(ck, t, opts);
+    CHECK(st.reads == 3);
+    CHECK(st.bytes_read == 150);
+  }
+  SECTION("a tensor of two chunks, whole") {
+    auto plan = plan_for(ck, "r", DType::f32, {8, 8}, Box::whole({8, 8}));
+    REQUIRE(plan.ok());
+    REQUIRE(plan->size() == 2);
+    CHECK((*plan)[0].region == Box{{0, 0}, {3, 8}});
+    CHECK((*plan)[0].chunk_box == Box{{0, 0}, {3, 8}});
+    CHECK((*plan)[1].region == Box{{3, 0}, {5, 8}});
+    CHECK((*plan)[1].chunk_box == Box{{3, 0}, {5, 8}});
+    CHECK((*plan)[1].target_box == Box::whole({8, 8}));
+    auto t = targets_for("r", DType::f32, {8, 8}, {Box::whole({8, 8})});
+    auto st = load_and_check(ck, t);
+    CHECK(st.bytes_read == 8 * 8 * 4);
+  }
+}
+
 TEST_CASE("random tilings round-trip through any resharding", "[load_plan]") {
   std::mt19937 rng(42);
   auto pick = [&](int64_t lo, int64_t hi) {
