@@ -243,6 +243,163 @@ class Changes(Base):
             self.assertTrue(torch.equal(target["rng"], expected), "step %d" % step)
 
 
+def slow_runtime():
+    """A snapshot that streams for seconds after save_async returns: a 2 MiB
+    pool and every write slowed by the fault injector."""
+    old = os.environ.get("FERRY_FAULTS")
+    os.environ["FERRY_FAULTS"] = "latency:write:30ms"
+    try:
+        return ferry.Runtime({"pool_bytes": "2MiB", "chunk_bytes": "1MiB", "direct_io": False},
+                             rank=0, world_size=1)
+    finally:
+        if old is None:
+            del os.environ["FERRY_FAULTS"]
+        else:
+            os.environ["FERRY_FAULTS"] = old
+
+
+class StoragesHeld(Base):
+    """A cached save holds, until its snapshot is done, storages that own
+    every saved tensor's bytes: the last save's where a tensor kept its
+    address, shape and dtype, fresh ones for the others and for each held
+    storage that moved. The caller may drop its tensors (or t.set_() them)
+    right after save_async."""
+
+    def assert_held(self, h, tensors):
+        held = h._storages
+        self.assertEqual(len(held), len(tensors))
+        for i, (s, t) in enumerate(zip(held, tensors)):
+            start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+            self.assertTrue(s.data_ptr() <= start and end <= s.data_ptr() + s.nbytes(),
+                            "tensor %d [%#x, %#x) lies outside its held storage [%#x, +%d)"
+                            % (i, start, end, s.data_ptr(), s.nbytes()))
+
+    def test_each_change_between_saves_is_held(self):
+        # Each change takes the state dict and the prefix of its keys.
+        def set_other(sd, p):
+            sd[p + "w0"].set_(torch.full((4, 3), 2.0))
+
+        def data_other(sd, p):
+            sd[p + "w1"].data = torch.full((4, 3), 3.0)
+
+        def resize_bigger(sd, p):
+            sd[p + "w2"].resize_(50, 40).fill_(4.0)
+
+        def storage_moved(sd, p):
+            sd[p + "w3"].storage().resize_(1 << 12)
+
+        def shared(sd, p):
+            sd[p + "w4"].share_memory_()
+
+        def unsqueezed(sd, p):
+            sd[p + "w5"].unsqueeze_(0)
+
+        def replaced(sd, p):
+            sd[p + "w0"] = torch.full((4, 3), 6.0)
+
+        def same_storage_other_view(sd, p):
+            t = sd[p + "w1"]
+            t.set_(t.storage(), 6, (2, 3))
+
+        for n, change in enumerate((set_other, data_other, resize_bigger, storage_moved, shared,
+                                    unsqueezed, replaced, same_storage_other_view)):
+            with self.subTest(change=change.__name__):
+                prefix = "c%d." % n  # keys of its own: the first save is not a cached one
+                sd = {prefix + k: t for k, t in state(40 + n).items()}
+                self.save(sd, 3 * n + 1)
+                hits = self.rt._save_cache.hits
+                change(sd, prefix)
+                expected = clone(sd)
+                h = self.rt.save_async(sd, self.root, 3 * n + 2)
+                self.assertEqual(self.rt._save_cache.hits, hits + 1)
+                self.assert_held(h, list(sd.values()))
+                p = h.wait()
+                self.assert_loads(p, expected)
+                # Unchanged since: the same storages serve the next save.
+                h = self.rt.save_async(sd, self.root, 3 * n + 3)
+                self.assertEqual(self.rt._save_cache.hits, hits + 2)
+                self.assert_held(h, list(sd.values()))
+                h.wait()
+
+    def test_caller_frees_its_tensors_after_a_cached_save_async(self):
+        rt = slow_runtime()
+        try:
+            sd = {"w%d" % i: torch.full((1 << 20,), float(i)) for i in range(6)}
+            rt.save_async(sd, self.root, 1).wait()
+            sd["w1"] = torch.full((1 << 20,), 11.0)  # one changed, five as before
+            expected = clone(sd)
+            hits = rt._save_cache.hits
+            h = rt.save_async(sd, self.root, 2)
+            self.assertEqual(rt._save_cache.hits, hits + 1)
+            self.assertFalse(h.snapshot_done())
+            for t in sd.values():
+                t.set_()  # the tensor lets its storage go
+            del sd
+            # Memory freed now would be reused by these.
+            junk = [torch.full((1 << 20,), -1.0) for _ in range(8)]
+            p = h.wait()
+            del junk
+            target = zeros_like(expected)
+            rt.load(target, p, strict=True)
+            self.assert_same(target, expected)
+        finally:
+            rt.close()
+
+    def test_held_storage_moved_and_its_old_address_reused(self):
+        # A held storage that moves (share_memory_, storage resize_) frees its
+        # old bytes; a new tensor of the same shape may lie there, at the
+        # address, shape and dtype the cache saw: the save must hold the new
+        # tensor's own storage, not the moved one.
+        n = 10 << 20  # 40 MiB: past glibc's mmap threshold, so a free unmaps it
+        for how in ("share_memory", "storage_resize"):
+            with self.subTest(how=how):
+                rt = slow_runtime()
+                try:
+                    root = os.path.join(self.root, how)
+                    if how == "share_memory":
+                        # NumPy's array owns the bytes: a new tensor over it
+                        # lies at the old address for sure.
+                        np = __import__("numpy")
+                        arr = np.ones(n, dtype=np.float32)
+                        sd = {"big": torch.from_numpy(arr), "small": torch.ones(4)}
+                    else:
+                        sd = {"big": torch.ones(n), "small": torch.ones(4)}
+                    rt.save_async(sd, root, 1).wait()
+                    old = sd["big"].data_ptr()
+                    if how == "share_memory":
+                        sd["big"].share_memory_()  # moved to shared memory, arr let go
+                        moved = sd["big"]
+                        arr.fill(5.0)
+                        sd["big"] = torch.from_numpy(arr)
+                        del arr  # the new tensor's storage alone keeps it
+                    else:
+                        sd["big"].storage().resize_(2 * n)
+                        moved = sd["big"]
+                        # The kernel maps the freed range again, perhaps
+                        # after other holes.
+                        tries = [torch.empty(n) for _ in range(8)]
+                        there = [t for t in tries if t.data_ptr() == old]
+                        del tries
+                        if not there:
+                            self.skipTest("the allocator did not reuse the freed range")
+                        sd["big"] = there.pop().fill_(5.0)
+                    self.assertEqual(sd["big"].data_ptr(), old)
+                    expected = clone(sd)
+                    hits = rt._save_cache.hits
+                    h = rt.save_async(sd, root, 2)
+                    self.assertEqual(rt._save_cache.hits, hits + 1)
+                    self.assert_held(h, list(sd.values()))
+                    self.assertFalse(h.snapshot_done())
+                    sd["big"].set_()  # its storage, and so its bytes, may go now
+                    junk = torch.full((n,), -1.0)  # reuses them if they went
+                    p = h.wait()
+                    del junk, moved
+                    target = zeros_like(expected)
+                    rt.load(target, p, strict=True)
+                    self.assert_same(target, expected)
+                finally:
+                    rt.close()
+
 class MutationCheck(unittest.TestCase):
     """A cached save keeps the snapshot check (ferry_save_request.snapshot_check of a prepared state dict)."""
 
