@@ -375,7 +375,7 @@ class SaveCache:
         # torch.Size objects kept for the next save costs ~0.8 us each in
         # fresh memory (faults), four times the compare.
         changed.update(compress(count(), map(ne, map(_shape, tensors), shapes)))
-        changed.update(compress(count(), map(ne, map(_dtype, tensors), dtypes)))
+        changed.update(_differ(list(map(_dtype, tensors)), dtypes))  # shared objects: no new ones
         if changed:
             if len(changed) * self._REBUILD_SHARE > len(tensors):
                 return None
