@@ -371,9 +371,9 @@ class SaveCache:
         ptrs = array("Q", map(_data_ptr(), tensors))
         old_ptrs, shapes, dtypes = self._columns
         changed = set(_differ(ptrs, old_ptrs))
-        # Compared as read, each dropped at once: a column of 100,000 new
-        # torch.Size objects kept for the next save costs ~0.8 us each in
-        # fresh memory (faults), four times the compare.
+        # Shapes compared as read, each dropped at once: no column of new
+        # torch.Size objects is kept (at 100,000 tensors, objects the cyclic
+        # collector then walks cost more than reading them).
         changed.update(compress(count(), map(ne, map(_shape, tensors), shapes)))
         changed.update(_differ(list(map(_dtype, tensors)), dtypes))  # shared objects: no new ones
         if changed:
@@ -381,6 +381,9 @@ class SaveCache:
                 return None
             changed = sorted(changed)
             keys = self._keys
+            # New columns, kept only once every changed entry is in: an error
+            # half way leaves the rest to be found changed again next time.
+            shapes, dtypes = list(shapes), list(dtypes)
             for i in changed:
                 t = tensors[i]
                 rec, keep = _pack.pack([keys[i]], [t])

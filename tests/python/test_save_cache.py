@@ -321,6 +321,21 @@ class StoragesHeld(Base):
                 self.assert_held(h, list(sd.values()))
                 h.wait()
 
+    def test_longer_tensor_at_the_same_address(self):
+        # Two storages over one NumPy array: the second, longer, starts where
+        # the first did. Only the shape says the held storage is too short.
+        np = __import__("numpy")
+        arr = np.arange(24, dtype=np.float32)
+        sd = {"a": torch.from_numpy(arr[:12])}
+        sd.update(state(9))  # one change in seven: a cached save
+        self.save(sd, 1)
+        sd["a"] = torch.from_numpy(arr)
+        hits = self.rt._save_cache.hits
+        h = self.rt.save_async(sd, self.root, 2)
+        self.assertEqual(self.rt._save_cache.hits, hits + 1)
+        self.assert_held(h, list(sd.values()))
+        self.assert_loads(h.wait(), clone(sd))
+
     def test_caller_frees_its_tensors_after_a_cached_save_async(self):
         rt = slow_runtime()
         try:
