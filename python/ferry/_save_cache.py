@@ -271,11 +271,15 @@ class SaveCache:
         self._pairs = None
         self._keys = None
         self._columns = None  # (ptrs, shapes, dtypes) of the cached tensors
-        # The last save's storage of each tensor (held from one save to the
-        # next) and the address each had when taken (see _storages_for).
+        # The last save's storage of each CPU tensor (held from one save to
+        # the next) and the address each had when taken (see _storages_for).
+        # A GPU tensor's is held by its save's handle alone, until that
+        # snapshot is done: GPU memory the job drops after a save is freed
+        # then, not at its next save; here it has a placeholder (address 0).
         self._storages = None
         self._storage_ptrs = None
         self._any_cuda = False
+        self._gpu = ()  # indices of the entries not on the CPU, ascending
         self.hits = 0  # saves served from the cache (tests read it)
 
     def close(self):
@@ -339,12 +343,30 @@ class SaveCache:
         self._pairs = pairs
         self._keys = keys
         self._columns = cols
-        self._any_cuda = devices != "cpu" and any(d.type != "cpu" for d in set(devices))
-        self._storages = list(map(_pack.storage_fn(), tensors))
-        self._storage_ptrs = array("Q", map(_storage_data_ptr(), self._storages))
-        return self._prepared(tensors, cols[0])
+        self._gpu = () if devices == "cpu" else [
+            i for i, d in enumerate(devices) if d.type != "cpu"]
+        self._any_cuda = bool(self._gpu)
+        storages = list(map(_pack.storage_fn(), tensors))
+        held = storages
+        if self._gpu:
+            held = list(storages)
+            empty = _placeholder()
+            for i in self._gpu:
+                held[i] = empty
+        self._storages = held
+        self._storage_ptrs = array("Q", map(_storage_data_ptr(), held))
+        return self._prepared(tensors, cols[0], storages)
 
-    def _prepared(self, tensors, ptrs):
+    def _prepared(self, tensors, ptrs, storages=None):
+        """`storages`: this save's, when the caller has them; else the held
+        ones, with fresh ones for the entries not on the CPU."""
+        if storages is None:
+            storages = self._storages
+            if self._gpu:
+                storages = list(storages)
+                storage = _pack.storage_fn()
+                for i in self._gpu:
+                    storages[i] = storage(tensors[i])
         p = Prepared()
         p.items = None  # the prepared state dict stands for them
         p.staged = []
@@ -355,7 +377,7 @@ class SaveCache:
         p.tensors = tensors
         p.ptrs = ptrs
         p.any_cuda = self._any_cuda
-        p.storages = self._storages
+        p.storages = storages
         return p
 
     def _reuse(self, plain, metadata):
@@ -384,15 +406,18 @@ class SaveCache:
             # New columns, kept only once every changed entry is in: an error
             # half way leaves the rest to be found changed again next time.
             shapes, dtypes = list(shapes), list(dtypes)
+            gpu = set(self._gpu)
             for i in changed:
                 t = tensors[i]
                 rec, keep = _pack.pack([keys[i]], [t])
                 check(lib().ferry_state_dict_set(self._sd, i, rec))
-                if rec[0].device_type != 0:
-                    self._any_cuda = True
+                (gpu.add if rec[0].device_type != 0 else gpu.discard)(i)
                 del keep
                 shapes[i], dtypes[i] = _shape(t), _dtype(t)
             self._columns = (ptrs, shapes, dtypes)
+            if gpu or self._gpu:
+                self._gpu = sorted(gpu)
+                self._any_cuda = bool(gpu)
         self._storages_for(tensors, changed)
         return self._prepared(tensors, ptrs)
 
@@ -422,8 +447,27 @@ class SaveCache:
         for i in changed:
             s = held[i] = storage(tensors[i])
             sptrs[i] = sdata(s)
+        if self._gpu:
+            empty = _placeholder()
+            for i in self._gpu:
+                held[i] = empty
+                sptrs[i] = sdata(empty)
         self._storages = held
         self._storage_ptrs = sptrs
+
+
+_empty_storage = None
+
+
+def _placeholder():
+    """What the held storages list has for an entry not on the CPU: an
+    empty CPU storage (no bytes, its address never moves)."""
+    global _empty_storage
+    if _empty_storage is None:
+        import torch
+
+        _empty_storage = _pack.storage_fn()(torch.empty(0))
+    return _empty_storage
 
 
 def _differ(a, b):

@@ -11,11 +11,13 @@ import os
 import shutil
 import tempfile
 import unittest
+import weakref
 
 import _support  # noqa: F401 (exits 77, skipped, without torch)
 import torch  # noqa: E402
 
 import ferry
+from ferry import _pack, _save_cache
 
 
 def state(seed, n=6):
@@ -414,6 +416,75 @@ class StoragesHeld(Base):
                     self.assert_same(target, expected)
                 finally:
                     rt.close()
+
+class GpuStoragesNotKept(unittest.TestCase):
+    """The cache keeps no storage of an entry not on the CPU from one save
+    to the next: that save's handle alone holds it, until its snapshot is
+    done. No GPU here: chosen CPU tensors are reported on cuda:0 by the
+    device getters the cache and _pack read (the C state dict takes a CUDA
+    entry without touching it); the cache is driven without a save."""
+
+    def setUp(self):
+        self.gpu = set()  # ids of the tensors reported on the GPU
+        cuda = torch.device("cuda", 0)
+        self.saved = (_save_cache._is_cpu, _save_cache._device, _pack._device)
+        _save_cache._is_cpu = lambda t: id(t) not in self.gpu
+        _save_cache._device = _pack._device = lambda t: cuda if id(t) in self.gpu else t.device
+        self.cache = _save_cache.SaveCache()
+
+    def tearDown(self):
+        self.cache.close()
+        _save_cache._is_cpu, _save_cache._device, _pack._device = self.saved
+
+    def owner(self):
+        """A tensor over a NumPy array, and a weak reference to the array:
+        dead once no storage of the tensor is held."""
+        arr = __import__("numpy").ones(1000, dtype="float32")
+        return torch.from_numpy(arr), weakref.ref(arr)
+
+    def prepare(self, sd):
+        p = self.cache.prepare(sd, None, None)  # no walk: the cache must answer
+        self.assertIsNotNone(p.sd)
+        for i, (s, t) in enumerate(zip(p.storages, sd.values())):
+            self.assertEqual(s.data_ptr(), t.data_ptr(), "the save holds entry %d" % i)
+        return p
+
+    def test_storages_of_gpu_entries_are_not_kept(self):
+        sd = state(3, n=8)
+        sd["g"], g_arr = self.owner()
+        sd["c"], c_arr = self.owner()
+        self.gpu.add(id(sd["g"]))
+        for hits in (0, 1):  # the first save, then a cached one
+            p = self.prepare(sd)
+            self.assertEqual(self.cache.hits, hits)
+            self.assertTrue(p.any_cuda)
+        del p, sd["g"], sd["c"]
+        self.assertIsNone(g_arr(), "the cache still holds the GPU entry's storage")
+        self.assertIsNotNone(c_arr(), "the cache holds the CPU entries' storages")
+
+    def test_entry_moved_to_and_from_the_gpu(self):
+        sd = state(4, n=8)
+        sd["a"], a_arr = self.owner()
+        sd["b"], b_arr = self.owner()
+        self.gpu.add(id(sd["a"]))
+        self.prepare(sd)
+        # One change in ten: a cached save replaces both entries.
+        sd["a"], a2_arr = self.owner()  # "a" now on the CPU
+        sd["b"], b2_arr = self.owner()
+        self.gpu = {id(sd["b"])}  # "b" now on the GPU
+        p = self.prepare(sd)
+        self.assertEqual(self.cache.hits, 1)
+        self.assertTrue(p.any_cuda)
+        del p, sd["a"], sd["b"]
+        self.assertIsNone(a_arr())
+        self.assertIsNone(b_arr())
+        self.assertIsNone(b2_arr(), "the cache still holds the GPU entry's storage")
+        self.assertIsNotNone(a2_arr(), "the cache holds the CPU entries' storages")
+        sd.pop("w0")
+        sd["w0"] = torch.ones(4, 3)  # the same keys in another order: not the cached shape
+        self.gpu.clear()
+        self.assertFalse(self.prepare(sd).any_cuda)
+
 
 class MutationCheck(unittest.TestCase):
     """A cached save keeps the snapshot check (ferry_save_request.snapshot_check of a prepared state dict)."""
