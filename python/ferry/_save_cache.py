@@ -329,12 +329,11 @@ class SaveCache:
         cols = _columns(tensors)
         # A device object per tensor only when some are not on the CPU.
         devices = "cpu" if all(map(_is_cpu, tensors)) else list(map(_device, tensors))
-        arr, keep = _pack.pack(keys, tensors, shapes=cols[1], dtypes=cols[2], ptrs=cols[0],
-                               devices=devices, contiguous=True, joined_keys=joined)
+        req, keep = _pack.columns(keys, cols[1], cols[2], cols[0], devices, joined)
         sd = ctypes.c_void_p()
         self.close()
-        check(lib().ferry_state_dict_create(arr, len(keys), ctypes.byref(sd)))
-        del arr, keep
+        check(lib().ferry_state_dict_create_columns(ctypes.byref(req), ctypes.byref(sd)))
+        del req, keep
         self._sd = sd
         self._shape = plain[0]
         self._leaves = plain[2]
