@@ -231,12 +231,11 @@ def columns(keys, shapes, dtypes, ptrs, devices="cpu", joined_keys=None):
     c.dtypes = dcodes.buffer_info()[0] if n else None
     c.ndims = ndims.buffer_info()[0] if n else None
     c.shapes = dims.buffer_info()[0] if dims else None
-    if devices != "cpu":
+    if devices != "cpu":  # a device per tensor
         dev_codes = {d: _device_code(keys[devices.index(d)], d) for d in set(devices)}
-        if any(dev_codes.values()):
-            dc = list(map(dev_codes.__getitem__, devices))
-            types = array("i", map(itemgetter(0), dc))
-            indices = array("i", map(itemgetter(1), dc))
-            keep += [types, indices]
-            c.device_types, c.device_indices = types.buffer_info()[0], indices.buffer_info()[0]
+        dc = list(map(dev_codes.__getitem__, devices))
+        types = array("i", map(itemgetter(0), dc))
+        indices = array("i", map(itemgetter(1), dc))
+        keep += [types, indices]
+        c.device_types, c.device_indices = types.buffer_info()[0], indices.buffer_info()[0]
     return c, keep
