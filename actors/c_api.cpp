@@ -527,6 +527,59 @@ ferry_status ferry_state_dict_create(const ferry_tensor* tensors, size_t num_ten
   });
 }
 
+ferry_status ferry_state_dict_create_columns(const ferry_state_dict_columns* columns,
+                                             ferry_state_dict** out) {
+  return guarded([&] {
+    if (!out) return null_arg("out");
+    *out = nullptr;
+    ferry_state_dict_columns c;
+    if (ferry_status e = read_request(columns, "ferry_state_dict_columns", &c); e != FERRY_OK)
+      return e;
+    const size_t n = c.num_tensors;
+    if (n > 0 && (!c.keys || !c.data || !c.dtypes || !c.ndims))
+      return fail(FERRY_INVALID_ARGUMENT,
+                  "ferry_state_dict_columns: keys, data, dtypes and ndims must be set");
+    if (!c.device_types != !c.device_indices)
+      return fail(FERRY_INVALID_ARGUMENT,
+                  "ferry_state_dict_columns: device_types and device_indices must both be set "
+                  "or NULL");
+    auto h = std::make_unique<ferry_state_dict>();
+    h->sd.reserve(n);
+    // Each entry as a ferry_tensor, checked as ferry_state_dict_create's are.
+    const char* key = c.keys;
+    const char* const keys_end = c.keys + c.keys_bytes;
+    const int64_t* shape = c.shapes;
+    ferry_tensor t{};
+    ferry::StateEntry e;
+    for (size_t i = 0; i < n; ++i) {
+      const void* nul = key < keys_end ? std::memchr(key, '\0', keys_end - key) : nullptr;
+      if (!nul)
+        return fail(FERRY_INVALID_ARGUMENT,
+                    "ferry_state_dict_columns: keys_bytes = " + std::to_string(c.keys_bytes) +
+                        " holds " + std::to_string(i) + " keys, not " + std::to_string(n));
+      t.key = key;
+      t.data = c.data[i];
+      t.dtype = c.dtypes[i];
+      t.ndim = c.ndims[i];
+      t.shape = t.ndim > 0 ? shape : nullptr;
+      if (c.device_types) {
+        t.device_type = c.device_types[i];
+        t.device_index = c.device_indices[i];
+      }
+      if (auto st = to_entry(t, i, &e); !st.ok()) return to_c(st);
+      if (auto st = h->sd.add(std::move(e.key), std::move(e.view)); !st.ok()) return to_c(st);
+      key = static_cast<const char*>(nul) + 1;
+      shape += t.ndim;
+    }
+    if (key != keys_end)
+      return fail(FERRY_INVALID_ARGUMENT,
+                  "ferry_state_dict_columns: keys_bytes = " + std::to_string(c.keys_bytes) +
+                      " holds more than " + std::to_string(n) + " keys");
+    *out = handles<ferry_state_dict>().add(std::move(h));
+    return to_c(ferry::Status());
+  });
+}
+
 ferry_status ferry_state_dict_set(ferry_state_dict* sd, size_t index, const ferry_tensor* tensor) {
   return guarded([&] {
     FERRY_CHECK_HANDLE(sd, "state dict");

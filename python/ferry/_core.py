@@ -221,7 +221,9 @@ def _version_check(items, staged, on_mutation, prep=None):
     if on_mutation == "ignore":
         return None, None
     if prep is not None and prep.items is None:  # prepared: nothing staged
-        records = (prep.keys, prep.tensors, list(map(_version_of, prep.tensors)), prep.ptrs)
+        # An array, not a list: versions past 256 are int objects in fresh memory.
+        records = (prep.keys, prep.tensors, array.array("Q", map(_version_of, prep.tensors)),
+                   prep.ptrs)
     else:
         # Staged tensors are private copies: the caller cannot change them.
         skip = set(staged)
@@ -416,7 +418,7 @@ class Runtime:
             if self._last is not None:
                 _checks.pop(self._last._check_id, None)
             with _gc_paused():  # one storage object per tensor
-                h = SaveHandle(out, entries, prep.tensors, staged)
+                h = SaveHandle(out, entries, prep.tensors, staged, prep.storages)
             h._check, h._check_id = chk, cid
             # The previous tensors may go now.
             self._last = h
@@ -459,6 +461,10 @@ class Runtime:
         # Save handles stay usable: they share the save's state, not the runtime.
         ptr, self._ptr = self._ptr, None
         lib().ferry_runtime_destroy(ptr)
+        # The cache holds the last save's storages: the caller's memory, not ours to keep.
+        cache, self._save_cache = self._save_cache, None
+        if cache is not None:
+            cache.close()
 
 
 # Handles whose snapshot may still read their tensors' memory.
@@ -520,11 +526,14 @@ class SaveHandle:
     _check = None  # the _VersionCheck of its tensors (on_mutation)
     _check_id = None
 
-    def __init__(self, ptr: ctypes.c_void_p, entries: Any, tensors: Any, staged: Any) -> None:
+    def __init__(self, ptr: ctypes.c_void_p, entries: Any, tensors: Any, staged: Any,
+                 storages: Any = None) -> None:
         self._ptr = ptr
         self._entries = entries
         self._tensors = tensors
-        self._storages = list(map(_pack.storage_fn(), tensors))
+        # `storages`: those of `tensors`, or others holding their bytes (a save cache's).
+        self._storages = storages if storages is not None else list(
+            map(_pack.storage_fn(), tensors))
         self._ptrs = None  # addresses of the storages, found at the first resize_
         self.staged = staged  # keys of non-contiguous tensors copied before the save
         self._lock = threading.Lock()

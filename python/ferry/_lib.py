@@ -116,6 +116,22 @@ def sized(struct_type, *args, **fields):
     return struct_type(ctypes.sizeof(struct_type), *args, **fields)
 
 
+class StateDictColumns(ctypes.Structure):
+    # Addresses as plain ints: the columns are arrays whose buffers C reads.
+    _fields_ = [
+        ("size", ctypes.c_size_t),
+        ("num_tensors", ctypes.c_size_t),
+        ("keys", ctypes.c_void_p),
+        ("keys_bytes", ctypes.c_size_t),
+        ("data", ctypes.c_void_p),
+        ("dtypes", ctypes.c_void_p),
+        ("ndims", ctypes.c_void_p),
+        ("shapes", ctypes.c_void_p),
+        ("device_types", ctypes.c_void_p),
+        ("device_indices", ctypes.c_void_p),
+    ]
+
+
 class SaveRequest(ctypes.Structure):
     _fields_ = [
         ("size", ctypes.c_size_t),
@@ -240,6 +256,8 @@ def _declare(L):
         "ferry_save_start": (st, [vp, ctypes.POINTER(SaveRequest), ctypes.POINTER(vp)]),
         "ferry_save_wait_snapshot_stream": (st, [vp, vp, ctypes.c_int32]),
         "ferry_state_dict_create": (st, [tp, sz, ctypes.POINTER(vp)]),
+        "ferry_state_dict_create_columns": (st, [ctypes.POINTER(StateDictColumns),
+                                                 ctypes.POINTER(vp)]),
         "ferry_state_dict_set": (st, [vp, sz, tp]),
         "ferry_state_dict_size": (sz, [vp]),
         "ferry_state_dict_release": (None, [vp]),

@@ -195,3 +195,47 @@ def pack(keys, tensors, shapes=None, dtypes=None, ptrs=None, devices=None, shard
     w.release()
     arr = (_lib.Tensor * n).from_buffer(buf)
     return arr, (blob, dims, buf)
+
+
+def columns(keys, shapes, dtypes, ptrs, devices="cpu", joined_keys=None):
+    """ferry_state_dict_columns of whole contiguous tensors, given as
+    columns (pack's), and what must stay alive while C reads it: no record
+    per tensor to fill."""
+    n = len(keys)
+    if joined_keys is None:
+        joined_keys = "\0".join(keys)
+    if joined_keys.count("\0") != n - 1:
+        bad = next(k for k in keys if "\0" in k)
+        raise FerryError("tensor key %r contains a NUL character, which Ferry cannot store"
+                         % (bad,), "invalid_argument")
+    blob = joined_keys.encode("utf-8")  # its buffer's NUL past the end ends the last key
+    ndims = array("i", map(len, shapes))
+    dims = array("q", chain.from_iterable(shapes))
+    codes, _ = _dtype_tables()
+    dcodes = array("i", map(codes.get, dtypes, repeat(-1)))
+    if -1 in dcodes:
+        i = dcodes.index(-1)
+        _dtype_code(keys[i], dtypes[i])  # raises, naming the key
+    data = ptrs
+    if 0 in dims:  # an empty tensor's address is no memory: C reads NULL
+        data = array("Q", ptrs)
+        for i, s in enumerate(shapes):
+            if 0 in s:
+                data[i] = 0
+    keep = [blob, ndims, dims, dcodes, data]
+    c = _lib.sized(_lib.StateDictColumns)
+    c.num_tensors = n
+    c.keys = ctypes.cast(ctypes.c_char_p(blob), ctypes.c_void_p).value
+    c.keys_bytes = len(blob) + 1
+    c.data = data.buffer_info()[0] if n else None
+    c.dtypes = dcodes.buffer_info()[0] if n else None
+    c.ndims = ndims.buffer_info()[0] if n else None
+    c.shapes = dims.buffer_info()[0] if dims else None
+    if devices != "cpu":  # a device per tensor
+        dev_codes = {d: _device_code(keys[devices.index(d)], d) for d in set(devices)}
+        dc = list(map(dev_codes.__getitem__, devices))
+        types = array("i", map(itemgetter(0), dc))
+        indices = array("i", map(itemgetter(1), dc))
+        keep += [types, indices]
+        c.device_types, c.device_indices = types.buffer_info()[0], indices.buffer_info()[0]
+    return c, keep

@@ -22,8 +22,8 @@ import ctypes
 import json
 from array import array
 from collections import OrderedDict
-from itertools import chain, product, repeat
-from operator import add, attrgetter
+from itertools import chain, compress, count, product, repeat
+from operator import add, attrgetter, methodcaller, ne
 
 from . import _pack, _tree
 from ._lib import check, lib
@@ -109,7 +109,7 @@ class Prepared:
     `items`), whether any tensor is on a GPU (None: unknown)."""
 
     __slots__ = ("items", "staged", "pairs", "sd", "entries", "keys", "tensors", "ptrs",
-                 "any_cuda")
+                 "any_cuda", "storages")
 
 
 def _flat_keys(shape, path, tkeys, lkeys, paths):
@@ -271,13 +271,22 @@ class SaveCache:
         self._pairs = None
         self._keys = None
         self._columns = None  # (ptrs, shapes, dtypes) of the cached tensors
+        # The last save's storage of each CPU tensor (held from one save to
+        # the next) and the address each had when taken (see _storages_for).
+        # A GPU tensor's is held by its save's handle alone, until that
+        # snapshot is done: GPU memory the job drops after a save is freed
+        # then, not at its next save; here it has a placeholder (address 0).
+        self._storages = None
+        self._storage_ptrs = None
         self._any_cuda = False
+        self._gpu = ()  # indices of the entries not on the CPU, ascending
         self.hits = 0  # saves served from the cache (tests read it)
 
     def close(self):
         sd, self._sd = self._sd, None
         self._shape = None
         self._columns = None
+        self._storages = self._storage_ptrs = None
         if sd is not None:
             lib().ferry_state_dict_release(sd)
 
@@ -306,7 +315,7 @@ class SaveCache:
         p.items, p.staged, p.pairs, p.sd, p.entries = items, staged, pairs, None, entries
         p.keys = [it[0] for it in items]
         p.tensors = [it[1] for it in items]
-        p.ptrs = p.any_cuda = None
+        p.ptrs = p.any_cuda = p.storages = None
         return p
 
     def _first(self, plain, metadata):
@@ -320,12 +329,11 @@ class SaveCache:
         cols = _columns(tensors)
         # A device object per tensor only when some are not on the CPU.
         devices = "cpu" if all(map(_is_cpu, tensors)) else list(map(_device, tensors))
-        arr, keep = _pack.pack(keys, tensors, shapes=cols[1], dtypes=cols[2], ptrs=cols[0],
-                               devices=devices, contiguous=True, joined_keys=joined)
+        req, keep = _pack.columns(keys, cols[1], cols[2], cols[0], devices, joined)
         sd = ctypes.c_void_p()
         self.close()
-        check(lib().ferry_state_dict_create(arr, len(keys), ctypes.byref(sd)))
-        del arr, keep
+        check(lib().ferry_state_dict_create_columns(ctypes.byref(req), ctypes.byref(sd)))
+        del req, keep
         self._sd = sd
         self._shape = plain[0]
         self._leaves = plain[2]
@@ -334,10 +342,30 @@ class SaveCache:
         self._pairs = pairs
         self._keys = keys
         self._columns = cols
-        self._any_cuda = devices != "cpu" and any(d.type != "cpu" for d in set(devices))
-        return self._prepared(tensors, cols[0])
+        self._gpu = () if devices == "cpu" else [
+            i for i, d in enumerate(devices) if d.type != "cpu"]
+        self._any_cuda = bool(self._gpu)
+        storages = list(map(_pack.storage_fn(), tensors))
+        held = storages
+        if self._gpu:
+            held = list(storages)
+            empty = _placeholder()
+            for i in self._gpu:
+                held[i] = empty
+        self._storages = held
+        self._storage_ptrs = array("Q", map(_storage_data_ptr(), held))
+        return self._prepared(tensors, cols[0], storages)
 
-    def _prepared(self, tensors, ptrs):
+    def _prepared(self, tensors, ptrs, storages=None):
+        """`storages`: this save's, when the caller has them; else the held
+        ones, with fresh ones for the entries not on the CPU."""
+        if storages is None:
+            storages = self._storages
+            if self._gpu:
+                storages = list(storages)
+                storage = _pack.storage_fn()
+                for i in self._gpu:
+                    storages[i] = storage(tensors[i])
         p = Prepared()
         p.items = None  # the prepared state dict stands for them
         p.staged = []
@@ -348,6 +376,7 @@ class SaveCache:
         p.tensors = tensors
         p.ptrs = ptrs
         p.any_cuda = self._any_cuda
+        p.storages = storages
         return p
 
     def _reuse(self, plain, metadata):
@@ -360,22 +389,97 @@ class SaveCache:
             return None  # staged copies: the full walk decides
         # A tensor's device is not read again: under CUDA's unified
         # addressing another device means another address.
-        cols = _columns(tensors)
-        if cols != self._columns:
-            old = self._columns
-            changed = [i for i, row in enumerate(zip(*cols))
-                       if row[0] != old[0][i] or row[1] != old[1][i] or row[2] != old[2][i]]
+        ptrs = array("Q", map(_data_ptr(), tensors))
+        old_ptrs, shapes, dtypes = self._columns
+        changed = set(_differ(ptrs, old_ptrs))
+        # Shapes compared as read, each dropped at once: no column of new
+        # torch.Size objects is kept (at 100,000 tensors, objects the cyclic
+        # collector then walks cost more than reading them).
+        changed.update(compress(count(), map(ne, map(_shape, tensors), shapes)))
+        changed.update(_differ(list(map(_dtype, tensors)), dtypes))  # shared objects: no new ones
+        if changed:
             if len(changed) * self._REBUILD_SHARE > len(tensors):
                 return None
+            changed = sorted(changed)
             keys = self._keys
+            # New columns, kept only once every changed entry is in: an error
+            # half way leaves the rest to be found changed again next time.
+            shapes, dtypes = list(shapes), list(dtypes)
+            gpu = set(self._gpu)
             for i in changed:
-                rec, keep = _pack.pack([keys[i]], [tensors[i]])
+                t = tensors[i]
+                rec, keep = _pack.pack([keys[i]], [t])
                 check(lib().ferry_state_dict_set(self._sd, i, rec))
-                if rec[0].device_type != 0:
-                    self._any_cuda = True
+                (gpu.add if rec[0].device_type != 0 else gpu.discard)(i)
                 del keep
-            self._columns = cols
-        return self._prepared(tensors, cols[0])
+                shapes[i], dtypes[i] = _shape(t), _dtype(t)
+            self._columns = (ptrs, shapes, dtypes)
+            if gpu or self._gpu:
+                self._gpu = sorted(gpu)
+                self._any_cuda = bool(gpu)
+        self._storages_for(tensors, changed)
+        return self._prepared(tensors, ptrs)
+
+    def _storages_for(self, tensors, changed):
+        """The storages this save holds until its snapshot is done (so that
+        t.set_(...) or the caller dropping its tensors cannot free what the
+        snapshot copies): the last save's, but a fresh one for each tensor
+        that changed (`changed`) and for each held storage that moved.
+
+        A tensor at the address, shape and dtype it had at the last save
+        reads the same bytes as then, which lay in the storage taken then;
+        that storage, held since and still at its address, owns those bytes,
+        so no other allocation can hold them: it keeps them alive. A held
+        storage that moved (storage.resize_, share_memory_ reallocate in
+        place) freed its old bytes, where another tensor may now lie: its
+        address is read again (one C-speed column) to catch that."""
+        held = self._storages
+        sptrs = array("Q", map(_storage_data_ptr(), held))
+        if sptrs != self._storage_ptrs:
+            changed = set(changed).union(_differ(sptrs, self._storage_ptrs))
+        if not changed:
+            return
+        # A new list: the previous save's handle keeps its own until its snapshot is done.
+        held = list(held)
+        storage = _pack.storage_fn()
+        sdata = _storage_data_ptr()
+        for i in changed:
+            s = held[i] = storage(tensors[i])
+            sptrs[i] = sdata(s)
+        if self._gpu:
+            empty = _placeholder()
+            for i in self._gpu:
+                held[i] = empty
+                sptrs[i] = sdata(empty)
+        self._storages = held
+        self._storage_ptrs = sptrs
+
+
+_empty_storage = None
+
+
+def _placeholder():
+    """What the held storages list has for an entry not on the CPU: an
+    empty CPU storage (no bytes, its address never moves)."""
+    global _empty_storage
+    if _empty_storage is None:
+        import torch
+
+        _empty_storage = _pack.storage_fn()(torch.empty(0))
+    return _empty_storage
+
+
+def _differ(a, b):
+    """The indices where two columns of the same length differ, at C speed."""
+    if a == b:
+        return ()
+    return compress(count(), map(ne, a, b))
+
+
+def _is_contiguous():
+    import torch
+
+    return torch.Tensor.is_contiguous
 
 
 def _data_ptr():
@@ -384,10 +488,11 @@ def _data_ptr():
     return torch.Tensor.data_ptr
 
 
-def _is_contiguous():
+def _storage_data_ptr():
     import torch
 
-    return torch.Tensor.is_contiguous
+    base = getattr(torch._C, "StorageBase", None)  # what _pack.storage_fn's storages derive from
+    return base.data_ptr if base is not None else methodcaller("data_ptr")
 
 
 def _columns(tensors):

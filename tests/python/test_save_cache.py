@@ -11,11 +11,13 @@ import os
 import shutil
 import tempfile
 import unittest
+import weakref
 
 import _support  # noqa: F401 (exits 77, skipped, without torch)
 import torch  # noqa: E402
 
 import ferry
+from ferry import _pack, _save_cache
 
 
 def state(seed, n=6):
@@ -241,6 +243,247 @@ class Changes(Base):
             target = {"w": torch.zeros(3), "rng": torch.zeros_like(expected)}
             self.rt.load(target, p, strict=True)
             self.assertTrue(torch.equal(target["rng"], expected), "step %d" % step)
+
+
+def slow_runtime():
+    """A snapshot that streams for seconds after save_async returns: a 2 MiB
+    pool and every write slowed by the fault injector."""
+    old = os.environ.get("FERRY_FAULTS")
+    os.environ["FERRY_FAULTS"] = "latency:write:30ms"
+    try:
+        return ferry.Runtime({"pool_bytes": "2MiB", "chunk_bytes": "1MiB", "direct_io": False},
+                             rank=0, world_size=1)
+    finally:
+        if old is None:
+            del os.environ["FERRY_FAULTS"]
+        else:
+            os.environ["FERRY_FAULTS"] = old
+
+
+class StoragesHeld(Base):
+    """A cached save holds, until its snapshot is done, storages that own
+    every saved tensor's bytes: the last save's where a tensor kept its
+    address, shape and dtype, fresh ones for the others and for each held
+    storage that moved. The caller may drop its tensors (or t.set_() them)
+    right after save_async."""
+
+    def assert_held(self, h, tensors):
+        held = h._storages
+        self.assertEqual(len(held), len(tensors))
+        for i, (s, t) in enumerate(zip(held, tensors)):
+            start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+            self.assertTrue(s.data_ptr() <= start and end <= s.data_ptr() + s.nbytes(),
+                            "tensor %d [%#x, %#x) lies outside its held storage [%#x, +%d)"
+                            % (i, start, end, s.data_ptr(), s.nbytes()))
+
+    def test_each_change_between_saves_is_held(self):
+        # Each change takes the state dict and the prefix of its keys.
+        def set_other(sd, p):
+            sd[p + "w0"].set_(torch.full((4, 3), 2.0))
+
+        def data_other(sd, p):
+            sd[p + "w1"].data = torch.full((4, 3), 3.0)
+
+        def resize_bigger(sd, p):
+            sd[p + "w2"].resize_(50, 40).fill_(4.0)
+
+        def storage_moved(sd, p):
+            sd[p + "w3"].storage().resize_(1 << 12)
+
+        def shared(sd, p):
+            sd[p + "w4"].share_memory_()
+
+        def unsqueezed(sd, p):
+            sd[p + "w5"].unsqueeze_(0)
+
+        def replaced(sd, p):
+            sd[p + "w0"] = torch.full((4, 3), 6.0)
+
+        def same_storage_other_view(sd, p):
+            t = sd[p + "w1"]
+            t.set_(t.storage(), 6, (2, 3))
+
+        for n, change in enumerate((set_other, data_other, resize_bigger, storage_moved, shared,
+                                    unsqueezed, replaced, same_storage_other_view)):
+            with self.subTest(change=change.__name__):
+                prefix = "c%d." % n  # keys of its own: the first save is not a cached one
+                sd = {prefix + k: t for k, t in state(40 + n).items()}
+                self.save(sd, 3 * n + 1)
+                hits = self.rt._save_cache.hits
+                change(sd, prefix)
+                expected = clone(sd)
+                h = self.rt.save_async(sd, self.root, 3 * n + 2)
+                self.assertEqual(self.rt._save_cache.hits, hits + 1)
+                self.assert_held(h, list(sd.values()))
+                p = h.wait()
+                self.assert_loads(p, expected)
+                # Unchanged since: the same storages serve the next save.
+                h = self.rt.save_async(sd, self.root, 3 * n + 3)
+                self.assertEqual(self.rt._save_cache.hits, hits + 2)
+                self.assert_held(h, list(sd.values()))
+                h.wait()
+
+    def test_longer_tensor_at_the_same_address(self):
+        # Two storages over one NumPy array: the second, longer, starts where
+        # the first did. Only the shape says the held storage is too short.
+        np = __import__("numpy")
+        arr = np.arange(24, dtype=np.float32)
+        sd = {"a": torch.from_numpy(arr[:12])}
+        sd.update(state(9))  # one change in seven: a cached save
+        self.save(sd, 1)
+        sd["a"] = torch.from_numpy(arr)
+        hits = self.rt._save_cache.hits
+        h = self.rt.save_async(sd, self.root, 2)
+        self.assertEqual(self.rt._save_cache.hits, hits + 1)
+        self.assert_held(h, list(sd.values()))
+        self.assert_loads(h.wait(), clone(sd))
+
+    def test_caller_frees_its_tensors_after_a_cached_save_async(self):
+        rt = slow_runtime()
+        try:
+            sd = {"w%d" % i: torch.full((1 << 20,), float(i)) for i in range(6)}
+            rt.save_async(sd, self.root, 1).wait()
+            sd["w1"] = torch.full((1 << 20,), 11.0)  # one changed, five as before
+            expected = clone(sd)
+            hits = rt._save_cache.hits
+            h = rt.save_async(sd, self.root, 2)
+            self.assertEqual(rt._save_cache.hits, hits + 1)
+            self.assertFalse(h.snapshot_done())
+            for t in sd.values():
+                t.set_()  # the tensor lets its storage go
+            del sd
+            # Memory freed now would be reused by these.
+            junk = [torch.full((1 << 20,), -1.0) for _ in range(8)]
+            p = h.wait()
+            del junk
+            target = zeros_like(expected)
+            rt.load(target, p, strict=True)
+            self.assert_same(target, expected)
+        finally:
+            rt.close()
+
+    def test_held_storage_moved_and_its_old_address_reused(self):
+        # A held storage that moves (share_memory_, storage resize_) frees its
+        # old bytes; a new tensor of the same shape may lie there, at the
+        # address, shape and dtype the cache saw: the save must hold the new
+        # tensor's own storage, not the moved one.
+        n = 10 << 20  # 40 MiB: past glibc's mmap threshold, so a free unmaps it
+        for how in ("share_memory", "storage_resize"):
+            with self.subTest(how=how):
+                rt = slow_runtime()
+                try:
+                    root = os.path.join(self.root, how)
+                    if how == "share_memory":
+                        # NumPy's array owns the bytes: a new tensor over it
+                        # lies at the old address for sure.
+                        np = __import__("numpy")
+                        arr = np.ones(n, dtype=np.float32)
+                        sd = {"big": torch.from_numpy(arr), "small": torch.ones(4)}
+                    else:
+                        sd = {"big": torch.ones(n), "small": torch.ones(4)}
+                    rt.save_async(sd, root, 1).wait()
+                    old = sd["big"].data_ptr()
+                    if how == "share_memory":
+                        sd["big"].share_memory_()  # moved to shared memory, arr let go
+                        moved = sd["big"]
+                        arr.fill(5.0)
+                        sd["big"] = torch.from_numpy(arr)
+                        del arr  # the new tensor's storage alone keeps it
+                    else:
+                        sd["big"].storage().resize_(2 * n)
+                        moved = sd["big"]
+                        # The kernel maps the freed range again, perhaps
+                        # after other holes.
+                        tries = [torch.empty(n) for _ in range(8)]
+                        there = [t for t in tries if t.data_ptr() == old]
+                        del tries
+                        if not there:
+                            self.skipTest("the allocator did not reuse the freed range")
+                        sd["big"] = there.pop().fill_(5.0)
+                    self.assertEqual(sd["big"].data_ptr(), old)
+                    expected = clone(sd)
+                    hits = rt._save_cache.hits
+                    h = rt.save_async(sd, root, 2)
+                    self.assertEqual(rt._save_cache.hits, hits + 1)
+                    self.assert_held(h, list(sd.values()))
+                    self.assertFalse(h.snapshot_done())
+                    sd["big"].set_()  # its storage, and so its bytes, may go now
+                    junk = torch.full((n,), -1.0)  # reuses them if they went
+                    p = h.wait()
+                    del junk, moved
+                    target = zeros_like(expected)
+                    rt.load(target, p, strict=True)
+                    self.assert_same(target, expected)
+                finally:
+                    rt.close()
+
+class GpuStoragesNotKept(unittest.TestCase):
+    """The cache keeps no storage of an entry not on the CPU from one save
+    to the next: that save's handle alone holds it, until its snapshot is
+    done. No GPU here: chosen CPU tensors are reported on cuda:0 by the
+    device getters the cache and _pack read (the C state dict takes a CUDA
+    entry without touching it); the cache is driven without a save."""
+
+    def setUp(self):
+        self.gpu = set()  # ids of the tensors reported on the GPU
+        cuda = torch.device("cuda", 0)
+        self.saved = (_save_cache._is_cpu, _save_cache._device, _pack._device)
+        _save_cache._is_cpu = lambda t: id(t) not in self.gpu
+        _save_cache._device = _pack._device = lambda t: cuda if id(t) in self.gpu else t.device
+        self.cache = _save_cache.SaveCache()
+
+    def tearDown(self):
+        self.cache.close()
+        _save_cache._is_cpu, _save_cache._device, _pack._device = self.saved
+
+    def owner(self):
+        """A tensor over a NumPy array, and a weak reference to the array:
+        dead once no storage of the tensor is held."""
+        arr = __import__("numpy").ones(1000, dtype="float32")
+        return torch.from_numpy(arr), weakref.ref(arr)
+
+    def prepare(self, sd):
+        p = self.cache.prepare(sd, None, None)  # no walk: the cache must answer
+        self.assertIsNotNone(p.sd)
+        for i, (s, t) in enumerate(zip(p.storages, sd.values())):
+            self.assertEqual(s.data_ptr(), t.data_ptr(), "the save holds entry %d" % i)
+        return p
+
+    def test_storages_of_gpu_entries_are_not_kept(self):
+        sd = state(3, n=8)
+        sd["g"], g_arr = self.owner()
+        sd["c"], c_arr = self.owner()
+        self.gpu.add(id(sd["g"]))
+        for hits in (0, 1):  # the first save, then a cached one
+            p = self.prepare(sd)
+            self.assertEqual(self.cache.hits, hits)
+            self.assertTrue(p.any_cuda)
+        del p, sd["g"], sd["c"]
+        self.assertIsNone(g_arr(), "the cache still holds the GPU entry's storage")
+        self.assertIsNotNone(c_arr(), "the cache holds the CPU entries' storages")
+
+    def test_entry_moved_to_and_from_the_gpu(self):
+        sd = state(4, n=8)
+        sd["a"], a_arr = self.owner()
+        sd["b"], b_arr = self.owner()
+        self.gpu.add(id(sd["a"]))
+        self.prepare(sd)
+        # One change in ten: a cached save replaces both entries.
+        sd["a"], a2_arr = self.owner()  # "a" now on the CPU
+        sd["b"], b2_arr = self.owner()
+        self.gpu = {id(sd["b"])}  # "b" now on the GPU
+        p = self.prepare(sd)
+        self.assertEqual(self.cache.hits, 1)
+        self.assertTrue(p.any_cuda)
+        del p, sd["a"], sd["b"]
+        self.assertIsNone(a_arr())
+        self.assertIsNone(b_arr())
+        self.assertIsNone(b2_arr(), "the cache still holds the GPU entry's storage")
+        self.assertIsNotNone(a2_arr(), "the cache holds the CPU entries' storages")
+        sd.pop("w0")
+        sd["w0"] = torch.ones(4, 3)  # the same keys in another order: not the cached shape
+        self.gpu.clear()
+        self.assertFalse(self.prepare(sd).any_cuda)
 
 
 class MutationCheck(unittest.TestCase):

@@ -233,6 +233,27 @@ typedef int (*ferry_snapshot_check_fn)(void* user, char* error, size_t error_len
  * memory rules of ferry_tensor apply to each save of it. */
 FERRY_API ferry_status ferry_state_dict_create(const ferry_tensor* tensors, size_t num_tensors,
                                                ferry_state_dict** out);
+/* The same state dict from columns, one array per field, for a caller that
+ * holds its tensors' fields as arrays (the Python package): no ferry_tensor
+ * per tensor to pack. Whole tensors, row-major contiguous, not per-rank
+ * (other entries go through ferry_state_dict_create). Sized: see above. */
+typedef struct ferry_state_dict_columns {
+  size_t size;
+  size_t num_tensors;
+  /* The keys, each NUL-terminated, one after another: keys_bytes bytes (the
+   * NULs included) holding exactly num_tensors keys. */
+  const char* keys;
+  size_t keys_bytes;
+  void* const* data;     /* each tensor's first element (NULL when empty) */
+  const int32_t* dtypes; /* ferry_dtype each */
+  const int32_t* ndims;
+  const int64_t* shapes; /* every tensor's ndims[i] sizes, one after another */
+  /* ferry_device_type and CUDA ordinal of each tensor; NULL: all on the host. */
+  const int32_t* device_types;
+  const int32_t* device_indices;
+} ferry_state_dict_columns;
+FERRY_API ferry_status ferry_state_dict_create_columns(const ferry_state_dict_columns* columns,
+                                                       ferry_state_dict** out);
 /* Replaces entry `index` (a tensor moved, was reshaped, ...); its key must
  * stay the same. A save already started keeps the entries it was given. */
 FERRY_API ferry_status ferry_state_dict_set(ferry_state_dict* sd, size_t index,
