@@ -1,6 +1,7 @@
 #include "commit.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 
 #include "catalog.hpp"
@@ -247,10 +248,14 @@ Result<Manifest*> assemble_manifest_into(ManifestSkeleton& skeleton, const Manif
   if (refill(skeleton, header, results)) return &skeleton.manifest;
   expand_repeats(skeleton, results);
   skeleton.valid = false;
+  skeleton.body = 0;
   skeleton.checked = false;
   skeleton.parts.clear();
   FERRY_ASSIGN_OR_RETURN(skeleton.manifest, assemble_manifest(header, results));
   skeleton.valid = find_slots(skeleton.manifest, results, &skeleton.slots);
+  // Unique across skeletons: an encoder is never told another's tensors are its own.
+  static std::atomic<uint64_t> bodies{0};
+  skeleton.body = skeleton.valid ? bodies.fetch_add(1, std::memory_order_relaxed) + 1 : 0;
   for (const WriteResult& wr : results)
     skeleton.parts.push_back({wr.layout, wr.files.size(), wr.chunks.size()});
   return &skeleton.manifest;
@@ -516,7 +521,7 @@ Result<CommitOutcome> commit_checkpoint_in_place(Filesystem& fs, const std::stri
   static thread_local std::string encoded;
   std::string_view rest;
   if (opts.encoder != nullptr)
-    rest = opts.encoder->encode_parts(manifest, &encoded);
+    rest = opts.encoder->encode_parts(manifest, &encoded, opts.body);
   else
     encode_manifest_into(manifest, &encoded);
   struct Trim {
