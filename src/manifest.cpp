@@ -660,6 +660,16 @@ bool patch_tensors(const Manifest& m, const Where& where, bool names_kept) {
     const ManifestTensor& mt = m.tensors[i];
     const WhereTensor& wt = where.tensors[i];
     if (wt.chunks != mt.chunks.size() || k + mt.chunks.size() > where.chunks.size()) return false;
+    // A tensor's chunks, their checksums and their places in the message lie
+    // all over memory: asked for ahead, the walk is not one cache miss after
+    // another (at 100,000 tensors it is bound by those misses).
+    if (i + 16 < m.tensors.size()) __builtin_prefetch(m.tensors[i + 16].chunks.data());
+    if (i + 8 < m.tensors.size() && !m.tensors[i + 8].chunks.empty())
+      __builtin_prefetch(m.tensors[i + 8].chunks.front().checksums.data());
+    if (k + 8 < where.chunks.size()) {
+      __builtin_prefetch(where.chunks[k + 8].checksums.p, 1);
+      __builtin_prefetch(where.chunks[k + 8].data.p, 1);
+    }
     if (!names_kept) {
       const char* dtype = dtype_name(mt.dtype);
       if (!put(wt.key, mt.key.data(), mt.key.size()) || !put(wt.dtype, dtype, std::strlen(dtype)) ||
