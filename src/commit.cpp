@@ -57,6 +57,7 @@ bool refill(ManifestSkeleton& sk, const Manifest& header, const std::vector<Writ
       header.checksum_block_bytes == m.checksum_block_bytes && header.world_size == m.world_size;
   size_t k = 0;
   uint32_t file_base = 0;
+  uint64_t total = 0;
   for (const WriteResult& wr : results) {
     for (size_t i = 0; i < wr.files.size(); ++i) {
       const WrittenFile& f = wr.files[i];
@@ -92,6 +93,7 @@ bool refill(ManifestSkeleton& sk, const Manifest& header, const std::vector<Writ
                  mc.checksums.size() == sums.size();
           mc.byte_offset = lc.offset;
           mc.byte_length = lc.length;
+          total += lc.length;
           mc.checksums = sums;  // assigned: the kept vector's memory is reused
         }
       file_base += static_cast<uint32_t>(wr.files.size());
@@ -109,10 +111,12 @@ bool refill(ManifestSkeleton& sk, const Manifest& header, const std::vector<Writ
           mc.sizes != c.box.sizes || mc.entry != c.entry)
         return false;
       fill_chunk(mc, c, file_base);
+      total += c.byte_length;
     }
     file_base += static_cast<uint32_t>(wr.files.size());
   }
   if (!same) sk.checked = false;
+  sk.total_bytes = total;
   for (size_t r = 0; r < results.size(); ++r) sk.parts[r].layout = results[r].layout;
   // The header's fields, whatever they are; the body stays.
   std::vector<ManifestTensor> tensors = std::move(m.tensors);
@@ -265,6 +269,7 @@ Result<Manifest*> assemble_manifest_into(ManifestSkeleton& skeleton, const Manif
   skeleton.checked = false;
   skeleton.parts.clear();
   FERRY_ASSIGN_OR_RETURN(skeleton.manifest, assemble_manifest(header, results));
+  skeleton.total_bytes = skeleton.manifest.total_bytes();
   skeleton.valid = find_slots(skeleton.manifest, results, &skeleton.slots);
   // Unique across skeletons: an encoder is never told another's tensors are its own.
   static std::atomic<uint64_t> bodies{0};
@@ -417,7 +422,8 @@ Result<CommitOutcome> commit_to_object_root(Filesystem& fs, const std::string& r
   }
   fs.crash_point("commit.rename");
   CommitOutcome out{step_dir, manifest.commit_seq, {}, {}, {}, {}};
-  remember_committed(fs, step_dir, manifest, encoded, encoded.size(), opts.manifests);
+  remember_committed(fs, step_dir, manifest, encoded, encoded.size(), opts.manifests,
+                     opts.total_bytes);
   for (const std::string& p : old_prefixes) out.trash.push_back(join_path(step_dir, p));
   (void)fs.unlink(join_path(pending_dir, kLeaseFileName));
   Status latest = write_file_atomic_passing(fs, join_path(root, kLatestFileName), name + "\n",
@@ -604,7 +610,7 @@ Result<CommitOutcome> commit_checkpoint_in_place(Filesystem& fs, const std::stri
   // fails now is a warning, never a failed save (a retry would only meet
   // already_exists).
   CommitOutcome out{step_dir, manifest.commit_seq, {}, {}, {}, restored};
-  remember_committed(fs, step_dir, manifest, encoded, file_bytes, opts.manifests);
+  remember_committed(fs, step_dir, manifest, encoded, file_bytes, opts.manifests, opts.total_bytes);
   // The lease protected the save while it was pending (a crash before the
   // rename leaves a directory gc may take once it expires); a committed
   // directory needs none. Not in the manifest, so a leftover is harmless.

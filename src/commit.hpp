@@ -110,6 +110,8 @@ struct ManifestSkeleton {
   // keeps the value; a manifest assembled afresh gets a new one. 0 while
   // not valid.
   uint64_t body = 0;
+  // manifest.total_bytes(), counted as the manifest is (re)filled.
+  uint64_t total_bytes = 0;
 };
 
 // assemble_manifest(header, results), built in `skeleton` (refilled when the
@@ -146,6 +148,9 @@ struct CommitOptions {
   ManifestEncoder* encoder = nullptr;
   // With `encoder`: names the manifest's tensors for it (ManifestSkeleton::body).
   uint64_t body = 0;
+  // The manifest's total_bytes() where the caller knows it (a
+  // ManifestSkeleton's); 0: counted, a walk over every chunk.
+  uint64_t total_bytes = 0;
 };
 
 struct CommitOutcome {

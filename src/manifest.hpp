@@ -102,8 +102,8 @@ class ManifestEncoder {
   // chunks' files, byte ranges, checksums and codec fields: their keys,
   // dtypes, shapes, per-rank values, boxes and entries. A caller passes the
   // value of the last call again only when those are unchanged since (a
-  // refilled ManifestSkeleton); then they are not written again, which at
-  // 100,000 tensors is most of a rewrite's time. 0: all of it is written.
+  // refilled ManifestSkeleton); then they are not written again (at 100,000
+  // tensors a fifth of a rewrite's time). 0: all of it is written.
   void encode(const Manifest& m, std::string* out, uint64_t body = 0);
   // encode()'s bytes in two pieces, nothing copied out of the kept message:
   // *head (the frame and the payload's segment table), then the returned

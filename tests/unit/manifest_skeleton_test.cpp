@@ -82,6 +82,8 @@ std::string assembled(ferry::ManifestSkeleton& sk, std::vector<ferry::WriteResul
   auto m = ferry::assemble_manifest_into(sk, header(), results);
   INFO(m.status().to_string());
   REQUIRE(m.ok());
+  // What the commit tells the catalog of the manifest's size, counted as it was filled.
+  CHECK(sk.total_bytes == (*m)->total_bytes());
   // The commit encodes through the skeleton's encoder, naming its tensors
   // (ManifestSkeleton::body): the same bytes.
   ferry::Manifest timeless = **m;
@@ -221,4 +223,22 @@ TEST_CASE("a manifest assembled afresh names its tensors anew for the encoder", 
   }
   CHECK(assembled(sk, {as_repeat(again[0]), as_repeat(again[1])}) == expected(again));
   CHECK(sk.encoder.last_patched());
+}
+
+// The commit tells the catalog the manifest's size from the skeleton's own
+// count (ManifestSkeleton::total_bytes) rather than walking every chunk
+// again: a refill whose chunks grew must count their new lengths.
+TEST_CASE("a refilled manifest's total counts its chunks' new lengths", "[commit][scale]") {
+  ferry::ManifestSkeleton sk;
+  const std::vector<ferry::WriteResult> first{report(0, 5, 1, 7), report(1, 3, 1, 9)};
+  CHECK(assembled(sk, first) == expected(first));
+  CHECK(sk.total_bytes == 8 * kBytes);
+
+  std::vector<ferry::WriteResult> grown{report(0, 5, 2, 7), report(1, 3, 2, 9)};
+  grown[0].files[0].size += kBytes;
+  grown[0].chunks[4].byte_length += kBytes;  // rank 0's last chunk, as a repeat report
+  grown[1].files[0].size += 2 * kBytes;
+  grown[1].chunks[2].byte_length += 2 * kBytes;  // rank 1's last, as a whole one
+  CHECK(assembled(sk, {as_repeat(grown[0]), grown[1]}) == expected(grown));
+  CHECK(sk.total_bytes == 11 * kBytes);
 }
