@@ -442,6 +442,8 @@ void on_all_results(coordinator_ptr self) {
   co.renew_lease_ms = lease_ms(st);
   co.manifests = st.ctx->manifests.get();
   co.encoder = &st.manifest.encoder;
+  co.body = st.manifest.body;
+  co.total_bytes = st.manifest.total_bytes;
   const auto commit_started = std::chrono::steady_clock::now();
   Result<CommitOutcome> out = [&] {
     Doing doing(*st.ctx->threads, kCoordinatorThread,

@@ -290,7 +290,8 @@ Result<std::shared_ptr<const Manifest>> read_manifest_shared(Filesystem& fs,
 }
 
 void remember_committed(Filesystem& fs, const std::string& checkpoint_dir, const Manifest& m,
-                        std::string_view head, uint64_t file_bytes, ManifestCache* cache) {
+                        std::string_view head, uint64_t file_bytes, ManifestCache* cache,
+                        uint64_t total_bytes) {
   if (cache == nullptr) return;
   Result<uint64_t> sum = manifest_payload_sum(head);
   Result<FileInfo> info = fs.lstat(join_path(checkpoint_dir, kManifestFileName));
@@ -298,7 +299,7 @@ void remember_committed(Filesystem& fs, const std::string& checkpoint_dir, const
   auto d = std::make_shared<ManifestCache::Decoded>();
   d->step = m.step;
   d->commit_seq = m.commit_seq;
-  d->total_bytes = m.total_bytes();
+  d->total_bytes = total_bytes != 0 ? total_bytes : m.total_bytes();
   d->tensors = m.tensors.size();
   d->files = m.files;
   cache->remember_decoded(failure_key(join_path(checkpoint_dir, kManifestFileName), *info), *sum,

@@ -102,8 +102,11 @@ Result<std::shared_ptr<const Manifest>> read_manifest_shared(Filesystem& fs,
 // CHECKPOINT_DIR, `file_bytes` long, whose first bytes (its frame at least)
 // are `head`: the next commits number themselves and retire checkpoints
 // without decoding it.
+// `total_bytes`: m.total_bytes() where the caller knows it (0: counted here,
+// a walk over every chunk).
 void remember_committed(Filesystem& fs, const std::string& checkpoint_dir, const Manifest& m,
-                        std::string_view head, uint64_t file_bytes, ManifestCache* cache);
+                        std::string_view head, uint64_t file_bytes, ManifestCache* cache,
+                        uint64_t total_bytes = 0);
 
 // Lease: a text file holding the expiry time (unix ms) and the owner.
 Status write_lease(Filesystem& fs, const std::string& pending_dir, int64_t expires_unix_ms,

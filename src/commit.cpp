@@ -1,6 +1,7 @@
 #include "commit.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 
 #include "catalog.hpp"
@@ -56,6 +57,7 @@ bool refill(ManifestSkeleton& sk, const Manifest& header, const std::vector<Writ
       header.checksum_block_bytes == m.checksum_block_bytes && header.world_size == m.world_size;
   size_t k = 0;
   uint32_t file_base = 0;
+  uint64_t total = 0;
   for (const WriteResult& wr : results) {
     for (size_t i = 0; i < wr.files.size(); ++i) {
       const WrittenFile& f = wr.files[i];
@@ -70,6 +72,19 @@ bool refill(ManifestSkeleton& sk, const Manifest& header, const std::vector<Writ
       const std::vector<FileLayout>& files = *wr.laid_out;
       for (size_t f = 0; f < files.size(); ++f)
         for (size_t i = 0; i < files[f].chunks.size(); ++i) {
+          // The kept chunks and both sides' checksums lie all over memory:
+          // asked for ahead, the walk is not one cache miss after another
+          // (at 100,000 tensors it is bound by those misses).
+          if (k + 16 < sk.slots.size()) {
+            const auto [t, c] = sk.slots[k + 16];
+            __builtin_prefetch(m.tensors[t].chunks.data() + c);
+          }
+          if (k + 8 < sk.slots.size()) {
+            const auto [t, c] = sk.slots[k + 8];
+            __builtin_prefetch(m.tensors[t].chunks[c].checksums.data(), 1);
+          }
+          if (!wr.sums.empty() && i + 8 < wr.sums[f].size())
+            __builtin_prefetch(wr.sums[f][i + 8].data());
           const LaidOutChunk& lc = files[f].chunks[i];
           const std::vector<uint64_t>& sums = wr.sums.empty() ? kNoSums : wr.sums[f][i];
           const auto [ti, ci] = sk.slots[k++];
@@ -78,6 +93,7 @@ bool refill(ManifestSkeleton& sk, const Manifest& header, const std::vector<Writ
                  mc.checksums.size() == sums.size();
           mc.byte_offset = lc.offset;
           mc.byte_length = lc.length;
+          total += lc.length;
           mc.checksums = sums;  // assigned: the kept vector's memory is reused
         }
       file_base += static_cast<uint32_t>(wr.files.size());
@@ -95,10 +111,12 @@ bool refill(ManifestSkeleton& sk, const Manifest& header, const std::vector<Writ
           mc.sizes != c.box.sizes || mc.entry != c.entry)
         return false;
       fill_chunk(mc, c, file_base);
+      total += c.byte_length;
     }
     file_base += static_cast<uint32_t>(wr.files.size());
   }
   if (!same) sk.checked = false;
+  sk.total_bytes = total;
   for (size_t r = 0; r < results.size(); ++r) sk.parts[r].layout = results[r].layout;
   // The header's fields, whatever they are; the body stays.
   std::vector<ManifestTensor> tensors = std::move(m.tensors);
@@ -247,10 +265,15 @@ Result<Manifest*> assemble_manifest_into(ManifestSkeleton& skeleton, const Manif
   if (refill(skeleton, header, results)) return &skeleton.manifest;
   expand_repeats(skeleton, results);
   skeleton.valid = false;
+  skeleton.body = 0;
   skeleton.checked = false;
   skeleton.parts.clear();
   FERRY_ASSIGN_OR_RETURN(skeleton.manifest, assemble_manifest(header, results));
+  skeleton.total_bytes = skeleton.manifest.total_bytes();
   skeleton.valid = find_slots(skeleton.manifest, results, &skeleton.slots);
+  // Unique across skeletons: an encoder is never told another's tensors are its own.
+  static std::atomic<uint64_t> bodies{0};
+  skeleton.body = skeleton.valid ? bodies.fetch_add(1, std::memory_order_relaxed) + 1 : 0;
   for (const WriteResult& wr : results)
     skeleton.parts.push_back({wr.layout, wr.files.size(), wr.chunks.size()});
   return &skeleton.manifest;
@@ -399,7 +422,8 @@ Result<CommitOutcome> commit_to_object_root(Filesystem& fs, const std::string& r
   }
   fs.crash_point("commit.rename");
   CommitOutcome out{step_dir, manifest.commit_seq, {}, {}, {}, {}};
-  remember_committed(fs, step_dir, manifest, encoded, encoded.size(), opts.manifests);
+  remember_committed(fs, step_dir, manifest, encoded, encoded.size(), opts.manifests,
+                     opts.total_bytes);
   for (const std::string& p : old_prefixes) out.trash.push_back(join_path(step_dir, p));
   (void)fs.unlink(join_path(pending_dir, kLeaseFileName));
   Status latest = write_file_atomic_passing(fs, join_path(root, kLatestFileName), name + "\n",
@@ -516,7 +540,7 @@ Result<CommitOutcome> commit_checkpoint_in_place(Filesystem& fs, const std::stri
   static thread_local std::string encoded;
   std::string_view rest;
   if (opts.encoder != nullptr)
-    rest = opts.encoder->encode_parts(manifest, &encoded);
+    rest = opts.encoder->encode_parts(manifest, &encoded, opts.body);
   else
     encode_manifest_into(manifest, &encoded);
   struct Trim {
@@ -586,7 +610,7 @@ Result<CommitOutcome> commit_checkpoint_in_place(Filesystem& fs, const std::stri
   // fails now is a warning, never a failed save (a retry would only meet
   // already_exists).
   CommitOutcome out{step_dir, manifest.commit_seq, {}, {}, {}, restored};
-  remember_committed(fs, step_dir, manifest, encoded, file_bytes, opts.manifests);
+  remember_committed(fs, step_dir, manifest, encoded, file_bytes, opts.manifests, opts.total_bytes);
   // The lease protected the save while it was pending (a crash before the
   // rename leaves a directory gc may take once it expires); a committed
   // directory needs none. Not in the manifest, so a leftover is harmless.

@@ -105,6 +105,13 @@ struct ManifestSkeleton {
   // The last commit's encoded manifest, rewritten in place by the next one
   // of the same shape (CommitOptions::encoder).
   ManifestEncoder encoder;
+  // Names the manifest's tensors as assembled (ManifestEncoder's `body`): a
+  // refill changes only their chunks' byte ranges and checksums, so it
+  // keeps the value; a manifest assembled afresh gets a new one. 0 while
+  // not valid.
+  uint64_t body = 0;
+  // manifest.total_bytes(), counted as the manifest is (re)filled.
+  uint64_t total_bytes = 0;
 };
 
 // assemble_manifest(header, results), built in `skeleton` (refilled when the
@@ -139,6 +146,11 @@ struct CommitOptions {
   // Encodes the manifest, keeping its message for the next commit (a
   // repeated save's manifest is rewritten in place); null: encoded afresh.
   ManifestEncoder* encoder = nullptr;
+  // With `encoder`: names the manifest's tensors for it (ManifestSkeleton::body).
+  uint64_t body = 0;
+  // The manifest's total_bytes() where the caller knows it (a
+  // ManifestSkeleton's); 0: counted, a walk over every chunk.
+  uint64_t total_bytes = 0;
 };
 
 struct CommitOutcome {

@@ -649,7 +649,9 @@ void put_field(const Span& data, size_t offset, T v) {
   std::memcpy(data.p + offset, &v, sizeof v);
 }
 
-bool patch_tensors(const Manifest& m, const Where& where) {
+// `names_kept`: the message holds the tensors' keys, dtypes, shapes,
+// per-rank values, boxes and entries already (ManifestEncoder's `body`).
+bool patch_tensors(const Manifest& m, const Where& where, bool names_kept) {
   static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the message is written in host order");
   const Offsets& o = offsets();
   if (where.tensors.size() != m.tensors.size()) return false;
@@ -657,22 +659,36 @@ bool patch_tensors(const Manifest& m, const Where& where) {
   for (size_t i = 0; i < m.tensors.size(); ++i) {
     const ManifestTensor& mt = m.tensors[i];
     const WhereTensor& wt = where.tensors[i];
-    const char* dtype = dtype_name(mt.dtype);
-    if (wt.chunks != mt.chunks.size() || !put(wt.key, mt.key.data(), mt.key.size()) ||
-        !put(wt.dtype, dtype, std::strlen(dtype)) ||
-        !put(wt.shape, mt.global_shape.data(), mt.global_shape.size() * sizeof(int64_t)))
-      return false;
-    // build_payload leaves both at zero for an ordinary tensor.
-    kj::byte& flags = wt.data.p[o.per_rank_bit / 8];
-    const kj::byte bit = static_cast<kj::byte>(1u << (o.per_rank_bit % 8));
-    flags = static_cast<kj::byte>(mt.per_rank >= 0 ? flags | bit : flags & ~bit);
-    put_field<int32_t>(wt.data, o.rank, mt.per_rank >= 0 ? mt.per_rank : 0);
+    if (wt.chunks != mt.chunks.size() || k + mt.chunks.size() > where.chunks.size()) return false;
+    // A tensor's chunks, their checksums and their places in the message lie
+    // all over memory: asked for ahead, the walk is not one cache miss after
+    // another (at 100,000 tensors it is bound by those misses).
+    if (i + 16 < m.tensors.size()) __builtin_prefetch(m.tensors[i + 16].chunks.data());
+    if (i + 8 < m.tensors.size() && !m.tensors[i + 8].chunks.empty())
+      __builtin_prefetch(m.tensors[i + 8].chunks.front().checksums.data());
+    if (k + 8 < where.chunks.size()) {
+      __builtin_prefetch(where.chunks[k + 8].checksums.p, 1);
+      __builtin_prefetch(where.chunks[k + 8].data.p, 1);
+    }
+    if (!names_kept) {
+      const char* dtype = dtype_name(mt.dtype);
+      if (!put(wt.key, mt.key.data(), mt.key.size()) || !put(wt.dtype, dtype, std::strlen(dtype)) ||
+          !put(wt.shape, mt.global_shape.data(), mt.global_shape.size() * sizeof(int64_t)))
+        return false;
+      // build_payload leaves both at zero for an ordinary tensor.
+      kj::byte& flags = wt.data.p[o.per_rank_bit / 8];
+      const kj::byte bit = static_cast<kj::byte>(1u << (o.per_rank_bit % 8));
+      flags = static_cast<kj::byte>(mt.per_rank >= 0 ? flags | bit : flags & ~bit);
+      put_field<int32_t>(wt.data, o.rank, mt.per_rank >= 0 ? mt.per_rank : 0);
+    }
     for (const ManifestChunk& mc : mt.chunks) {
       const WhereChunk& wc = where.chunks[k++];
-      if (!put(wc.offsets, mc.offsets.data(), mc.offsets.size() * sizeof(int64_t)) ||
-          !put(wc.sizes, mc.sizes.data(), mc.sizes.size() * sizeof(int64_t)) ||
-          !put(wc.entry, mc.entry.data(), mc.entry.size()) ||
-          !put(wc.checksums, mc.checksums.data(), mc.checksums.size() * sizeof(uint64_t)))
+      if (!names_kept &&
+          (!put(wc.offsets, mc.offsets.data(), mc.offsets.size() * sizeof(int64_t)) ||
+           !put(wc.sizes, mc.sizes.data(), mc.sizes.size() * sizeof(int64_t)) ||
+           !put(wc.entry, mc.entry.data(), mc.entry.size())))
+        return false;
+      if (!put(wc.checksums, mc.checksums.data(), mc.checksums.size() * sizeof(uint64_t)))
         return false;
       put_field<uint32_t>(wc.data, o.file, mc.file);
       put_field<uint64_t>(wc.data, o.byte_offset, mc.byte_offset);
@@ -696,7 +712,8 @@ bool patch_tensors(const Manifest& m, const Where& where) {
 // build_payload's result, written over a message build_payload made for a
 // manifest of the same shape; false (the message then half written) if the
 // shapes differ.
-bool patch_payload(const Manifest& m, proto::Manifest::Builder root, const Where& where) {
+bool patch_payload(const Manifest& m, proto::Manifest::Builder root, const Where& where,
+                   bool names_kept) {
   auto features = root.getRequiredFeatures();
   auto files = root.getFiles();
   auto tensors = root.getTensors();
@@ -724,7 +741,7 @@ bool patch_payload(const Manifest& m, proto::Manifest::Builder root, const Where
     f.setHeaderBytes(mf.header_bytes);
     f.setHeaderChecksum(mf.header_checksum);
   }
-  if (!patch_tensors(m, where)) return false;
+  if (!patch_tensors(m, where, names_kept)) return false;
   for (size_t i = 0; i < m.metadata.size(); ++i) {
     auto kv = metadata[static_cast<unsigned>(i)];
     if (!patch_text(kv.getKey(), m.metadata[i].first) ||
@@ -749,18 +766,22 @@ ManifestEncoder::~ManifestEncoder() = default;
 ManifestEncoder::ManifestEncoder(ManifestEncoder&&) noexcept = default;
 ManifestEncoder& ManifestEncoder::operator=(ManifestEncoder&&) noexcept = default;
 
-void ManifestEncoder::encode(const Manifest& m, std::string* out) {
-  const std::string_view rest = encode_parts(m, out);
+void ManifestEncoder::encode(const Manifest& m, std::string* out, uint64_t body) {
+  const std::string_view rest = encode_parts(m, out, body);
   out->reserve(out->size() + rest.size());
   out->append(rest);
   release_oversized();
 }
 
-std::string_view ManifestEncoder::encode_parts(const Manifest& m, std::string* head) {
+std::string_view ManifestEncoder::encode_parts(const Manifest& m, std::string* head,
+                                               uint64_t body) {
   if (!kept_) kept_ = std::make_unique<Kept>();
   Kept& k = *kept_;
-  patched_ =
-      k.message != nullptr && patch_payload(m, k.message->getRoot<proto::Manifest>(), k.where);
+  const bool names_kept = body != 0 && body == body_;
+  // Until it is whole again the message holds no body a later call may name.
+  body_ = 0;
+  patched_ = k.message != nullptr &&
+             patch_payload(m, k.message->getRoot<proto::Manifest>(), k.where, names_kept);
   if (!patched_) {
     for (;;) {
       k.message.reset();
@@ -773,6 +794,7 @@ std::string_view ManifestEncoder::encode_parts(const Manifest& m, std::string* h
     }
     record(k.message->getRoot<proto::Manifest>(), &k.where);
   }
+  body_ = body;
   // writeMessage's bytes of one segment: its table (count - 1, size), then
   // the segment, which stays where the message keeps it.
   const kj::ArrayPtr<const capnp::word> seg = k.message->getSegmentsForOutput()[0];
@@ -794,6 +816,7 @@ std::string_view ManifestEncoder::encode_parts(const Manifest& m, std::string* h
 
 void ManifestEncoder::release_oversized() {
   if (!kept_ || !kept_->segment.oversized()) return;
+  body_ = 0;
   kept_->message.reset();
   kept_->where = Where{};
   kept_->segment.trim();

@@ -98,12 +98,18 @@ class ManifestEncoder {
   ManifestEncoder(ManifestEncoder&&) noexcept;
   ManifestEncoder& operator=(ManifestEncoder&&) noexcept;
 
-  void encode(const Manifest& m, std::string* out);
+  // `body`, when not 0, names the manifest's tensors apart from their
+  // chunks' files, byte ranges, checksums and codec fields: their keys,
+  // dtypes, shapes, per-rank values, boxes and entries. A caller passes the
+  // value of the last call again only when those are unchanged since (a
+  // refilled ManifestSkeleton); then they are not written again (at 100,000
+  // tensors a fifth of a rewrite's time). 0: all of it is written.
+  void encode(const Manifest& m, std::string* out, uint64_t body = 0);
   // encode()'s bytes in two pieces, nothing copied out of the kept message:
   // *head (the frame and the payload's segment table), then the returned
   // bytes of the message itself, valid until the next call or
   // release_oversized().
-  std::string_view encode_parts(const Manifest& m, std::string* head);
+  std::string_view encode_parts(const Manifest& m, std::string* head, uint64_t body = 0);
   // Gives back a message larger than kKeptManifestBufferBytes (encode()
   // does it itself; a caller of encode_parts once it used the bytes).
   void release_oversized();
@@ -114,6 +120,7 @@ class ManifestEncoder {
   struct Kept;
   std::unique_ptr<Kept> kept_;
   bool patched_ = false;
+  uint64_t body_ = 0;  // the kept message's tensors are the ones this names; 0: none
 };
 
 // Checks the frame (magic, version <= ours, known features, length, payload

@@ -82,11 +82,14 @@ std::string assembled(ferry::ManifestSkeleton& sk, std::vector<ferry::WriteResul
   auto m = ferry::assemble_manifest_into(sk, header(), results);
   INFO(m.status().to_string());
   REQUIRE(m.ok());
-  // The commit encodes through the skeleton's encoder: the same bytes.
+  // What the commit tells the catalog of the manifest's size, counted as it was filled.
+  CHECK(sk.total_bytes == (*m)->total_bytes());
+  // The commit encodes through the skeleton's encoder, naming its tensors
+  // (ManifestSkeleton::body): the same bytes.
   ferry::Manifest timeless = **m;
   timeless.created_unix_ms = 0;
   std::string fast;
-  sk.encoder.encode(timeless, &fast);
+  sk.encoder.encode(timeless, &fast, sk.body);
   CHECK(fast == encoded(**m));
   return encoded(**m);
 }
@@ -184,4 +187,58 @@ TEST_CASE("a repeat report whose checksums do not fit its layout fails, naming t
   // Nothing of it was taken: the next good report refills as before.
   const std::vector<ferry::WriteResult> second{report(0, 5, 3, 7), report(1, 3, 3, 9)};
   CHECK(assembled(sk, {as_repeat(second[0]), second[1]}) == expected(second));
+}
+
+// The encoder leaves a refilled manifest's keys, boxes and entries as they
+// are in its kept message: a skeleton assembled afresh must name its tensors
+// anew, or a rank's renamed tensors (same lengths, so the same message
+// shape) would keep their old names in the bytes.
+TEST_CASE("a manifest assembled afresh names its tensors anew for the encoder", "[commit][scale]") {
+  ferry::ManifestSkeleton sk;
+  const std::vector<ferry::WriteResult> first{report(0, 5, 1, 7), report(1, 3, 1, 9)};
+  CHECK(assembled(sk, first) == expected(first));
+  const uint64_t body = sk.body;
+  CHECK(body != 0);
+  const std::vector<ferry::WriteResult> second{report(0, 5, 2, 7), report(1, 3, 2, 9)};
+  CHECK(assembled(sk, {as_repeat(second[0]), second[1]}) == expected(second));
+  CHECK(sk.encoder.last_patched());
+  CHECK(sk.body == body);  // refilled: the same tensors
+
+  std::vector<ferry::WriteResult> renamed{report(0, 5, 3, 7), report(1, 3, 3, 10)};
+  for (ferry::WrittenChunk& c : renamed[1].chunks) {
+    c.key[3] = 'u';  // "r1.t0" -> "r1.u0"
+    c.entry = c.key;
+  }
+  const std::string bytes = assembled(sk, {as_repeat(renamed[0]), renamed[1]});
+  CHECK(bytes == expected(renamed));
+  CHECK(bytes.find("r1.u0") != std::string::npos);
+  CHECK(bytes.find("r1.t0") == std::string::npos);
+  CHECK(sk.body != 0);
+  CHECK(sk.body != body);
+  // And its repeats are rewritten from there.
+  std::vector<ferry::WriteResult> again{report(0, 5, 4, 7), report(1, 3, 4, 10)};
+  for (ferry::WrittenChunk& c : again[1].chunks) {
+    c.key[3] = 'u';
+    c.entry = c.key;
+  }
+  CHECK(assembled(sk, {as_repeat(again[0]), as_repeat(again[1])}) == expected(again));
+  CHECK(sk.encoder.last_patched());
+}
+
+// The commit tells the catalog the manifest's size from the skeleton's own
+// count (ManifestSkeleton::total_bytes) rather than walking every chunk
+// again: a refill whose chunks grew must count their new lengths.
+TEST_CASE("a refilled manifest's total counts its chunks' new lengths", "[commit][scale]") {
+  ferry::ManifestSkeleton sk;
+  const std::vector<ferry::WriteResult> first{report(0, 5, 1, 7), report(1, 3, 1, 9)};
+  CHECK(assembled(sk, first) == expected(first));
+  CHECK(sk.total_bytes == 8 * kBytes);
+
+  std::vector<ferry::WriteResult> grown{report(0, 5, 2, 7), report(1, 3, 2, 9)};
+  grown[0].files[0].size += kBytes;
+  grown[0].chunks[4].byte_length += kBytes;  // rank 0's last chunk, as a repeat report
+  grown[1].files[0].size += 2 * kBytes;
+  grown[1].chunks[2].byte_length += 2 * kBytes;  // rank 1's last, as a whole one
+  CHECK(assembled(sk, {as_repeat(grown[0]), grown[1]}) == expected(grown));
+  CHECK(sk.total_bytes == 11 * kBytes);
 }
