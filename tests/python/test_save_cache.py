@@ -491,16 +491,7 @@ class MutationCheck(unittest.TestCase):
 
     def test_change_during_a_cached_snapshot_fails_naming_the_tensor(self):
         root = tempfile.mkdtemp(prefix="ferry_save_cache_mut_")
-        old = os.environ.get("FERRY_FAULTS")
-        os.environ["FERRY_FAULTS"] = "latency:write:30ms"
-        try:
-            rt = ferry.Runtime({"pool_bytes": "2MiB", "chunk_bytes": "1MiB", "direct_io": False},
-                               rank=0, world_size=1)
-        finally:
-            if old is None:
-                del os.environ["FERRY_FAULTS"]
-            else:
-                os.environ["FERRY_FAULTS"] = old
+        rt = slow_runtime()
         try:
             big = torch.zeros(8 << 20)
             small = torch.ones(16)
