@@ -77,26 +77,59 @@ def _device_code(key, dev):
     return c
 
 
-def _key_blob(keys, joined=None):
-    """(the keys as one NUL-terminated UTF-8 buffer each, the byte length
-    of each key but the last with its NUL: the steps between their
-    offsets); a key holding a NUL is refused, named. `joined`:
-    "\\0".join(keys), when the caller has it."""
+def _joined_keys(keys, joined=None):
+    """(the keys joined by NULs as UTF-8 bytes, the joined text); a key
+    holding a NUL is refused, named. A bytes object's buffer always ends
+    with a NUL past its length (the C API's promise): that NUL ends the last
+    key. `joined`: "\\0".join(keys), when the caller has it."""
     if joined is None:
         joined = "\0".join(keys)
     if joined.count("\0") != len(keys) - 1:
         bad = next(k for k in keys if "\0" in k)
         raise FerryError("tensor key %r contains a NUL character, which Ferry cannot store"
                          % (bad,), "invalid_argument")
-    # A bytes object's buffer always ends with a NUL past its length (the C
-    # API's promise): that NUL ends the last key.
-    blob = joined.encode("utf-8")
+    return joined.encode("utf-8"), joined
+
+
+def _key_blob(keys, joined=None):
+    """(_joined_keys' buffer, the byte length of each key but the last with
+    its NUL: the steps between their offsets)."""
+    blob, joined = _joined_keys(keys, joined)
     head = keys[:-1]
     if len(blob) == len(joined):  # ASCII: bytes are characters
         lens = map(len, head)
     else:
         lens = map(len, [k.encode("utf-8") for k in head])
     return blob, map(add, lens, repeat(1))
+
+
+def _device_codes_of(keys, devices):
+    """{device: its (ferry_device_type, ordinal)} for each device in
+    `devices`; an unsupported one is refused, naming its first key."""
+    return {d: _device_code(keys[devices.index(d)], d) for d in set(devices)}
+
+
+def _device_columns(devices, codes):
+    """The ferry_device_type and ordinal columns of `devices`."""
+    dc = list(map(codes.__getitem__, devices))
+    return array("i", map(itemgetter(0), dc)), array("i", map(itemgetter(1), dc))
+
+
+def _dtype_codes(keys, dtypes):
+    """The ferry_dtype of each dtype; an unsupported one is refused, naming its key."""
+    codes, _ = _dtype_tables()
+    dcodes = array("i", map(codes.get, dtypes, repeat(-1)))
+    if -1 in dcodes:
+        i = dcodes.index(-1)
+        _dtype_code(keys[i], dtypes[i])  # raises, naming the key
+    return dcodes
+
+
+def _zero_empty(data, shapes):
+    """An empty tensor's address is no memory: C reads NULL (in place)."""
+    for i, s in enumerate(shapes):
+        if 0 in s:
+            data[i] = 0
 
 
 def pack_items(items, flags=None):
@@ -146,23 +179,15 @@ def pack(keys, tensors, shapes=None, dtypes=None, ptrs=None, devices=None, shard
             dims.extend(tensors[i].stride())
     dims.append(0)  # never empty: its address is every scalar's shape
     dbase = dims.buffer_info()[0]
-    codes, _ = _dtype_tables()
-    if dtypes is None:
-        dtypes = list(map(_dtype, tensors))
-    dcodes = array("i", map(codes.get, dtypes, repeat(-1)))
-    if -1 in dcodes:
-        i = dcodes.index(-1)
-        _dtype_code(keys[i], dtypes[i])  # raises, naming the key
+    dcodes = _dtype_codes(keys, dtypes if dtypes is not None else list(map(_dtype, tensors)))
     if devices == "cpu":
         devs, dev_codes = None, {None: (0, 0)}
     else:
         devs = devices if devices is not None else list(map(_device, tensors))
-        dev_codes = {d: _device_code(keys[devs.index(d)], d) for d in set(devs)}
+        dev_codes = _device_codes_of(keys, devs)
     data = array("Q", ptrs if ptrs is not None else map(torch.Tensor.data_ptr, tensors))
-    if has_empty:  # an empty tensor's address is no memory: C reads NULL
-        for i, s in enumerate(shapes):
-            if 0 in s:
-                data[i] = 0
+    if has_empty:
+        _zero_empty(data, shapes)
 
     buf = bytearray(_SIZE * n)
     q = memoryview(buf).cast("Q")
@@ -181,9 +206,7 @@ def pack(keys, tensors, shapes=None, dtypes=None, ptrs=None, devices=None, shard
             w[_AT["device_type"]::_I] = array("i", repeat(dt, n))
             w[_AT["device_index"]::_I] = array("i", repeat(di, n))
     else:
-        dc = list(map(dev_codes.__getitem__, devs))
-        w[_AT["device_type"]::_I] = array("i", map(itemgetter(0), dc))
-        w[_AT["device_index"]::_I] = array("i", map(itemgetter(1), dc))
+        w[_AT["device_type"]::_I], w[_AT["device_index"]::_I] = _device_columns(devs, dev_codes)
     for i, at in strides_at:
         q[i * _Q + _AT["strides"]] = dbase + 8 * at
     for i, at in shard_at:
@@ -202,26 +225,14 @@ def columns(keys, shapes, dtypes, ptrs, devices="cpu", joined_keys=None):
     columns (pack's), and what must stay alive while C reads it: no record
     per tensor to fill."""
     n = len(keys)
-    if joined_keys is None:
-        joined_keys = "\0".join(keys)
-    if joined_keys.count("\0") != n - 1:
-        bad = next(k for k in keys if "\0" in k)
-        raise FerryError("tensor key %r contains a NUL character, which Ferry cannot store"
-                         % (bad,), "invalid_argument")
-    blob = joined_keys.encode("utf-8")  # its buffer's NUL past the end ends the last key
+    blob, _ = _joined_keys(keys, joined_keys)
     ndims = array("i", map(len, shapes))
     dims = array("q", chain.from_iterable(shapes))
-    codes, _ = _dtype_tables()
-    dcodes = array("i", map(codes.get, dtypes, repeat(-1)))
-    if -1 in dcodes:
-        i = dcodes.index(-1)
-        _dtype_code(keys[i], dtypes[i])  # raises, naming the key
+    dcodes = _dtype_codes(keys, dtypes)
     data = ptrs
-    if 0 in dims:  # an empty tensor's address is no memory: C reads NULL
+    if 0 in dims:
         data = array("Q", ptrs)
-        for i, s in enumerate(shapes):
-            if 0 in s:
-                data[i] = 0
+        _zero_empty(data, shapes)
     keep = [blob, ndims, dims, dcodes, data]
     c = _lib.sized(_lib.StateDictColumns)
     c.num_tensors = n
@@ -232,10 +243,7 @@ def columns(keys, shapes, dtypes, ptrs, devices="cpu", joined_keys=None):
     c.ndims = ndims.buffer_info()[0] if n else None
     c.shapes = dims.buffer_info()[0] if dims else None
     if devices != "cpu":  # a device per tensor
-        dev_codes = {d: _device_code(keys[devices.index(d)], d) for d in set(devices)}
-        dc = list(map(dev_codes.__getitem__, devices))
-        types = array("i", map(itemgetter(0), dc))
-        indices = array("i", map(itemgetter(1), dc))
+        types, indices = _device_columns(devices, _device_codes_of(keys, devices))
         keep += [types, indices]
         c.device_types, c.device_indices = types.buffer_info()[0], indices.buffer_info()[0]
     return c, keep
