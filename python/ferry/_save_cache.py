@@ -22,7 +22,7 @@ import ctypes
 import json
 from array import array
 from collections import OrderedDict
-from itertools import chain, compress, count, product, repeat, tee
+from itertools import chain, compress, count, repeat, tee
 from operator import add, attrgetter, eq, is_, methodcaller, ne
 
 from . import _pack, _tree
@@ -155,8 +155,7 @@ def _any_rng_name(paths):
 # JSON's own spelling of a str (json.dumps's default, ensure_ascii): a
 # printable ASCII str without " or \ is spelled as itself in quotes.
 _quote = json.encoder.encode_basestring_ascii
-# Every spelling of "rng" in any case (no other character lowers to r, n or g).
-_RNG_SPELLINGS = tuple(map("".join, product("rR", "nN", "gG")))
+_PRINTABLE_OR_NUL = bytes(range(0x20, 0x7F)) + b"\0"
 _item = "%s: [%s%s]".__mod__  # one entry of the tree's JSON: "flat key": [path]
 _nested_item = '"%s": [%s"%s"]'.__mod__  # the same, of a key spelled as itself
 
@@ -207,8 +206,9 @@ def _plain_names(shape):
     names = []
     _names(shape, names)
     joined = "\0".join(names)
-    # Every RNG state's name holds "rng": C-speed scans clear the usual tree.
-    if any(map(joined.__contains__, _RNG_SPELLINGS)) and any(map(_tree.rng_name, names)):
+    # Every RNG state's name holds "rng" in some case (no other character
+    # lowers to r, n or g): one C-speed scan clears the usual tree.
+    if "rng" in joined.lower() and any(map(_tree.rng_name, names)):
         return None
     return names, joined
 
@@ -220,8 +220,9 @@ def _plain_entries(plain, metadata, names, joined):
     limit); `names`, `joined`: _plain_names'."""
     shape, tensors, leaves = plain
     tkeys, lkeys, items = [], [], []
+    # ASCII is printable from space to "~": nothing else but the NULs between names.
     plain_names = (joined.isascii() and '"' not in joined and "\\" not in joined
-                   and all(map(str.isprintable, names)))
+                   and not joined.encode("ascii").translate(None, _PRINTABLE_OR_NUL))
     flat = type(shape[0]) is str  # a dict of tensors alone: its keys are the flat keys
     if flat and plain_names:
         # {"k": ["k"], ...} joined from the keys and two constants: no str per key.
