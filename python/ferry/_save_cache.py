@@ -451,8 +451,8 @@ class SaveCache:
             contiguous = _is_contiguous()
             if not all(contiguous(tensors[i]) for i in odd):
                 return None  # staged copies: the full walk decides
-            changed.update(i for i in odd
-                           if _shape(tensors[i]) != shapes[i] or _dtype(tensors[i]) is not dtypes[i])
+            changed.update(i for i in odd if _shape(tensors[i]) != shapes[i]
+                           or _dtype(tensors[i]) is not dtypes[i])
             sdata = _storage_data_ptr()
             moved = [i for i in odd if sdata(held[i]) != held_ptrs[i]]
         if changed:
