@@ -221,9 +221,8 @@ def _version_check(items, staged, on_mutation, prep=None):
     if on_mutation == "ignore":
         return None, None
     if prep is not None and prep.items is None:  # prepared: nothing staged
-        # An array, not a list: versions past 256 are int objects in fresh memory.
-        records = (prep.keys, prep.tensors, array.array("Q", map(_version_of, prep.tensors)),
-                   prep.ptrs)
+        # Read with the cache's other columns, in its one pass over the tensors.
+        records = (prep.keys, prep.tensors, prep.versions, prep.ptrs)
     else:
         # Staged tensors are private copies: the caller cannot change them.
         skip = set(staged)

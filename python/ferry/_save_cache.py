@@ -22,8 +22,8 @@ import ctypes
 import json
 from array import array
 from collections import OrderedDict
-from itertools import chain, compress, count, product, repeat
-from operator import add, attrgetter, methodcaller, ne
+from itertools import chain, compress, count, repeat, tee
+from operator import add, attrgetter, eq, is_, methodcaller, ne
 
 from . import _pack, _tree
 from ._lib import check, lib
@@ -34,6 +34,14 @@ _shape = attrgetter("shape")
 _dtype = attrgetter("dtype")
 _device = attrgetter("device")
 _is_cpu = attrgetter("is_cpu")
+_version = attrgetter("_version")
+# What _reuse's pass reads of a tensor that is as at the last save: (the
+# address and version appended to their columns, contiguous, the same shape,
+# the same dtype, its held storage where it was).
+_AS_BEFORE = (None, None, True, True, True, True)
+# What _first's pass reads of a contiguous CPU tensor: (contiguous, on the
+# CPU, then six values appended to their columns).
+_FIRST_AS_USUAL = (True, True, None, None, None, None, None, None)
 _tensor_types = None
 
 
@@ -109,7 +117,7 @@ class Prepared:
     `items`), whether any tensor is on a GPU (None: unknown)."""
 
     __slots__ = ("items", "staged", "pairs", "sd", "entries", "keys", "tensors", "ptrs",
-                 "any_cuda", "storages")
+                 "versions", "any_cuda", "storages")
 
 
 def _flat_keys(shape, path, tkeys, lkeys, paths):
@@ -147,8 +155,7 @@ def _any_rng_name(paths):
 # JSON's own spelling of a str (json.dumps's default, ensure_ascii): a
 # printable ASCII str without " or \ is spelled as itself in quotes.
 _quote = json.encoder.encode_basestring_ascii
-# Every spelling of "rng" in any case (no other character lowers to r, n or g).
-_RNG_SPELLINGS = tuple(map("".join, product("rR", "nN", "gG")))
+_PRINTABLE_OR_NUL = bytes(range(0x20, 0x7F)) + b"\0"
 _item = "%s: [%s%s]".__mod__  # one entry of the tree's JSON: "flat key": [path]
 _nested_item = '"%s": [%s"%s"]'.__mod__  # the same, of a key spelled as itself
 
@@ -190,23 +197,32 @@ def _tree_json(shape, key_prefix, path_json, tkeys, lkeys, items, plain):
             _tree_json(sub, key + ".", path_json + _quote(k) + ", ", tkeys, lkeys, items, plain)
 
 
-def _plain_entries(plain, metadata):
-    """(tensor keys, metadata pairs, the keys joined by NULs or None) of a
-    plain tree as flatten and encode_meta give them, or None when the walk
-    must decide (a key an RNG state's name makes per-rank, keys flattening
-    to the same key, a value over the JSON limit, a non-contiguous tensor)."""
-    shape, tensors, leaves = plain
-    if not shape or not all(map(_is_contiguous(), tensors)):
+def _plain_names(shape):
+    """(every dict key of a plain tree's shape, them joined by NULs), or None
+    when the walk must decide: no key at all, or a key an RNG state's name
+    makes per-rank."""
+    if not shape:
         return None
     names = []
     _names(shape, names)
     joined = "\0".join(names)
-    # Every RNG state's name holds "rng": C-speed scans clear the usual tree.
-    if any(map(joined.__contains__, _RNG_SPELLINGS)) and any(map(_tree.rng_name, names)):
+    # Every RNG state's name holds "rng" in some case (no other character
+    # lowers to r, n or g): one C-speed scan clears the usual tree.
+    if "rng" in joined.lower() and any(map(_tree.rng_name, names)):
         return None
+    return names, joined
+
+
+def _plain_entries(plain, metadata, names, joined):
+    """(tensor keys, metadata pairs, the keys joined by NULs or None) of a
+    plain tree as flatten and encode_meta give them, or None when the walk
+    must decide (keys flattening to the same key, a value over the JSON
+    limit); `names`, `joined`: _plain_names'."""
+    shape, tensors, leaves = plain
     tkeys, lkeys, items = [], [], []
+    # ASCII is printable from space to "~": nothing else but the NULs between names.
     plain_names = (joined.isascii() and '"' not in joined and "\\" not in joined
-                   and all(map(str.isprintable, names)))
+                   and not joined.encode("ascii").translate(None, _PRINTABLE_OR_NUL))
     flat = type(shape[0]) is str  # a dict of tensors alone: its keys are the flat keys
     if flat and plain_names:
         # {"k": ["k"], ...} joined from the keys and two constants: no str per key.
@@ -315,21 +331,42 @@ class SaveCache:
         p.items, p.staged, p.pairs, p.sd, p.entries = items, staged, pairs, None, entries
         p.keys = [it[0] for it in items]
         p.tensors = [it[1] for it in items]
-        p.ptrs = p.any_cuda = p.storages = None
+        p.ptrs = p.versions = p.any_cuda = p.storages = None
         return p
 
     def _first(self, plain, metadata):
         """A plain tree's save without the walk: its entries from the shape,
         packed once into the C state dict the next saves reuse."""
-        got = _plain_entries(plain, metadata)
+        named = _plain_names(plain[0])
+        if named is None:
+            return None
+        tensors = plain[1]
+        ptrs, versions, sptrs = array("Q"), array("Q"), array("Q")
+        shapes, dtypes, storages = [], [], []
+        s1, s2 = tee(map(_pack.storage_fn(), tensors))
+        # One pass, tensor by tensor, as _reuse's (see there): every column
+        # this save and the next ones read, each tensor's objects in cache.
+        odd = list(compress(count(), map(ne, zip(
+            map(_is_contiguous(), tensors),
+            map(_is_cpu, tensors),
+            map(ptrs.append, map(_data_ptr(), tensors)),
+            map(shapes.append, map(_shape, tensors)),
+            map(dtypes.append, map(_dtype, tensors)),
+            map(versions.append, map(_version, tensors)),
+            map(storages.append, s1),
+            map(sptrs.append, map(_storage_data_ptr(), s2))), repeat(_FIRST_AS_USUAL))))
+        del s1, s2
+        contiguous = _is_contiguous()
+        if not all(contiguous(tensors[i]) for i in odd):
+            return None  # staged copies: the full walk decides
+        got = _plain_entries(plain, metadata, *named)
         if got is None:
             return None
         keys, pairs, joined = got
-        tensors = plain[1]
-        cols = _columns(tensors)
+        cols = (ptrs, shapes, dtypes)
         # A device object per tensor only when some are not on the CPU.
-        devices = "cpu" if all(map(_is_cpu, tensors)) else list(map(_device, tensors))
-        req, keep = _pack.columns(keys, cols[1], cols[2], cols[0], devices, joined)
+        devices = list(map(_device, tensors)) if odd else "cpu"
+        req, keep = _pack.columns(keys, shapes, dtypes, ptrs, devices, joined)
         sd = ctypes.c_void_p()
         self.close()
         check(lib().ferry_state_dict_create_columns(ctypes.byref(req), ctypes.byref(sd)))
@@ -342,23 +379,24 @@ class SaveCache:
         self._pairs = pairs
         self._keys = keys
         self._columns = cols
-        self._gpu = () if devices == "cpu" else [
-            i for i, d in enumerate(devices) if d.type != "cpu"]
+        self._gpu = [i for i in odd if devices[i].type != "cpu"]
         self._any_cuda = bool(self._gpu)
-        storages = list(map(_pack.storage_fn(), tensors))
         held = storages
         if self._gpu:
             held = list(storages)
             empty = _placeholder()
+            eptr = _storage_data_ptr()(empty)
             for i in self._gpu:
                 held[i] = empty
+                sptrs[i] = eptr
         self._storages = held
-        self._storage_ptrs = array("Q", map(_storage_data_ptr(), held))
-        return self._prepared(tensors, cols[0], storages)
+        self._storage_ptrs = sptrs
+        return self._prepared(tensors, ptrs, versions, storages)
 
-    def _prepared(self, tensors, ptrs, storages=None):
-        """`storages`: this save's, when the caller has them; else the held
-        ones, with fresh ones for the entries not on the CPU."""
+    def _prepared(self, tensors, ptrs, versions, storages=None):
+        """`versions`: the tensors' _version, read with the rest; `storages`:
+        this save's, when the caller has them; else the held ones, with fresh
+        ones for the entries not on the CPU."""
         if storages is None:
             storages = self._storages
             if self._gpu:
@@ -375,6 +413,7 @@ class SaveCache:
         p.keys = self._keys
         p.tensors = tensors
         p.ptrs = ptrs
+        p.versions = versions
         p.any_cuda = self._any_cuda
         p.storages = storages
         return p
@@ -385,18 +424,37 @@ class SaveCache:
                 or list(map(type, leaves)) != self._leaf_types
                 or leaves != self._leaves or (dict(metadata) if metadata else {}) != self._metadata):
             return None
-        if not all(map(_is_contiguous(), tensors)):
-            return None  # staged copies: the full walk decides
+        old_ptrs, shapes, dtypes = self._columns
+        held, held_ptrs = self._storages, self._storage_ptrs
+        if not len(tensors) == len(shapes) == len(held):
+            return None  # zip below would stop at the shortest column, unchecked
         # A tensor's device is not read again: under CUDA's unified
         # addressing another device means another address.
-        ptrs = array("Q", map(_data_ptr(), tensors))
-        old_ptrs, shapes, dtypes = self._columns
+        ptrs, versions = array("Q"), array("Q")
+        # One pass, tensor by tensor (zip pulls each column's next value in
+        # turn): a tensor's objects are read while they are in the cache. A
+        # pass per column misses it again for each (at 100,000 tensors, most
+        # of the time). Shapes are compared as read, each dropped at once: no
+        # column of new torch.Size objects (objects the cyclic collector then
+        # walks); dtypes are shared objects, compared by identity.
+        odd = list(compress(count(), map(ne, zip(
+            map(ptrs.append, map(_data_ptr(), tensors)),
+            map(versions.append, map(_version, tensors)),
+            map(_is_contiguous(), tensors),
+            map(eq, map(_shape, tensors), shapes),
+            map(is_, map(_dtype, tensors), dtypes),
+            # The held storage usually is the tensor's: its memory was just read.
+            map(eq, map(_storage_data_ptr(), held), held_ptrs)), repeat(_AS_BEFORE))))
         changed = set(_differ(ptrs, old_ptrs))
-        # Shapes compared as read, each dropped at once: no column of new
-        # torch.Size objects is kept (at 100,000 tensors, objects the cyclic
-        # collector then walks cost more than reading them).
-        changed.update(compress(count(), map(ne, map(_shape, tensors), shapes)))
-        changed.update(_differ(list(map(_dtype, tensors)), dtypes))  # shared objects: no new ones
+        moved = ()  # held storages that moved (see _storages_for)
+        if odd:
+            contiguous = _is_contiguous()
+            if not all(contiguous(tensors[i]) for i in odd):
+                return None  # staged copies: the full walk decides
+            changed.update(i for i in odd if _shape(tensors[i]) != shapes[i]
+                           or _dtype(tensors[i]) is not dtypes[i])
+            sdata = _storage_data_ptr()
+            moved = [i for i in odd if sdata(held[i]) != held_ptrs[i]]
         if changed:
             if len(changed) * self._REBUILD_SHARE > len(tensors):
                 return None
@@ -417,30 +475,30 @@ class SaveCache:
             if gpu or self._gpu:
                 self._gpu = sorted(gpu)
                 self._any_cuda = bool(gpu)
-        self._storages_for(tensors, changed)
-        return self._prepared(tensors, ptrs)
+        self._storages_for(tensors, changed, moved)
+        return self._prepared(tensors, ptrs, versions)
 
-    def _storages_for(self, tensors, changed):
+    def _storages_for(self, tensors, changed, moved):
         """The storages this save holds until its snapshot is done (so that
         t.set_(...) or the caller dropping its tensors cannot free what the
-        snapshot copies): the last save's, but a fresh one for each tensor
-        that changed (`changed`) and for each held storage that moved.
+        snapshot copies from): the last save's, but a fresh one for each tensor
+        that changed (`changed`) and for each held storage that moved
+        (`moved`).
 
         A tensor at the address, shape and dtype it had at the last save
         reads the same bytes as then, which lay in the storage taken then;
         that storage, held since and still at its address, owns those bytes,
         so no other allocation can hold them: it keeps them alive. A held
         storage that moved (storage.resize_, share_memory_ reallocate in
-        place) freed its old bytes, where another tensor may now lie: its
-        address is read again (one C-speed column) to catch that."""
-        held = self._storages
-        sptrs = array("Q", map(_storage_data_ptr(), held))
-        if sptrs != self._storage_ptrs:
-            changed = set(changed).union(_differ(sptrs, self._storage_ptrs))
+        place) freed its old bytes, where another tensor may now lie: _reuse
+        reads each held storage's address again to catch that."""
+        if moved:
+            changed = set(changed).union(moved)
         if not changed:
             return
-        # A new list: the previous save's handle keeps its own until its snapshot is done.
-        held = list(held)
+        # New columns: the previous save's handle keeps its own until its snapshot is done.
+        held = list(self._storages)
+        sptrs = array("Q", self._storage_ptrs)
         storage = _pack.storage_fn()
         sdata = _storage_data_ptr()
         for i in changed:
@@ -493,10 +551,3 @@ def _storage_data_ptr():
 
     base = getattr(torch._C, "StorageBase", None)  # what _pack.storage_fn's storages derive from
     return base.data_ptr if base is not None else methodcaller("data_ptr")
-
-
-def _columns(tensors):
-    """What the C state dict holds of each tensor that can change between
-    saves, column by column: address, shape, dtype."""
-    return (array("Q", map(_data_ptr(), tensors)), list(map(_shape, tensors)),
-            list(map(_dtype, tensors)))

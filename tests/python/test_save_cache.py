@@ -323,6 +323,34 @@ class StoragesHeld(Base):
                 self.assert_held(h, list(sd.values()))
                 h.wait()
 
+    def test_every_change_at_once_is_held(self):
+        # The cache reads every column in one pass and sorts the entries out
+        # afterwards: changes of each kind in one save, two of them on one
+        # entry, must each be found.
+        sd = state(60, n=48)  # eight changes in 48: still a cached save
+        self.save(sd, 1)
+        sd["w0"].set_(torch.full((4, 3), 2.0))
+        sd["w1"].data = torch.full((4, 3), 3.0)
+        sd["w2"].resize_(50, 40).fill_(4.0)
+        sd["w3"].storage().resize_(1 << 12)
+        sd["w4"].share_memory_()
+        sd["w5"].unsqueeze_(0)
+        sd["w6"] = torch.full((4, 3), 6.0)
+        sd["w7"].storage().resize_(1 << 12)  # moved, then another shape on the same entry
+        sd["w7"].resize_(2, 6)
+        sd["w8"].data = sd["w8"].view(torch.int32)  # another dtype only
+        expected = clone(sd)
+        hits = self.rt._save_cache.hits
+        h = self.rt.save_async(sd, self.root, 2)
+        self.assertEqual(self.rt._save_cache.hits, hits + 1)
+        self.assert_held(h, list(sd.values()))
+        self.assert_loads(h.wait(), expected)
+        # The next save finds nothing changed.
+        h = self.rt.save_async(sd, self.root, 3)
+        self.assertEqual(self.rt._save_cache.hits, hits + 2)
+        self.assert_held(h, list(sd.values()))
+        self.assert_loads(h.wait(), expected)
+
     def test_longer_tensor_at_the_same_address(self):
         # Two storages over one NumPy array: the second, longer, starts where
         # the first did. Only the shape says the held storage is too short.
