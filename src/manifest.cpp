@@ -797,9 +797,7 @@ std::string_view ManifestEncoder::encode_parts(const Manifest& m, std::string* h
     Manifest whole;
     if (chunks_kept) {
       whole = m;
-      body_ = body;
       const bool taken = take_chunks(&whole);
-      body_ = 0;
       assert(taken);  // the message holds `body`, whose shape m has
       (void)taken;
     }
