@@ -434,6 +434,7 @@ void on_all_results(coordinator_ptr self) {
   // Before the commit point: never a committed checkpoint that cannot load.
   // A refill that moved no byte range passes again (ManifestSkeleton::checked).
   if (!st.manifest.checked) {
+    sync_chunks(st.manifest);
     if (Status s = check_manifest_before_commit(**m); !s.ok())
       return abort_active(self, s.with_context("rank 0 (commit phase): "));
     st.manifest.checked = st.manifest.valid;

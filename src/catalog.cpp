@@ -188,7 +188,13 @@ Status check_manifest_file(Filesystem& fs, ManifestCache* cache, const std::stri
   if (cache != nullptr) {
     if (std::optional<Status> failed = cache->failure(key, frame_only)) return *failed;
   }
-  FERRY_ASSIGN_OR_RETURN(*head, read_file_head(fs, path, kFrameHeadBytes));
+  // Opened without read_file_head's own lstat: the one above told a regular
+  // file, and the open refuses anything else (a link put there meanwhile too).
+  FERRY_ASSIGN_OR_RETURN(std::unique_ptr<File> f, fs.open(path, OpenOptions{}));
+  head->resize(static_cast<size_t>(std::min<uint64_t>(info->size, kFrameHeadBytes)));
+  FERRY_ASSIGN_OR_RETURN(const size_t n, f->pread(head->data(), head->size(), 0));
+  head->resize(n);
+  FERRY_RETURN_IF_ERROR(f->close());
   Result<uint64_t> total = manifest_file_bytes(*head);
   Status bad;
   if (!total.ok()) {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstddef>
 #include <map>
 
 #include "catalog.hpp"
@@ -38,21 +39,46 @@ ManifestChunk manifest_chunk(const WrittenChunk& c, uint32_t file_base) {
   return m;
 }
 
+// A repeat report's chunk that its layout says is compressed: the skeleton
+// holds raw chunks only (the planner never reports such a layout as a repeat).
+Status compressed_repeat(const WriteResult& wr) {
+  return Status::internal(
+      "rank " + std::to_string(wr.rank) + "'s repeated report does not match its layout " +
+      std::to_string(wr.layout) + " (checksums of other files or chunks, or a compressed chunk)");
+}
+
 // Refills the skeleton's manifest from `results`; false (the manifest then
 // half refilled, its keys, boxes and entries intact) when their shape is not
 // the one it holds. A repeat report (checked against the skeleton already)
-// brings only sizes and checksums. Clears sk.checked when what
-// check_manifest_before_commit looks at changed.
-bool refill(ManifestSkeleton& sk, const Manifest& header, const std::vector<WriteResult>& results) {
+// brings only sizes and checksums; one that names a compressed chunk is an
+// error (the skeleton is then dropped). Clears sk.checked when what
+// check_manifest_before_commit looks at changed. Where the skeleton's
+// encoder holds its message, each chunk's values go there in the same walk
+// (ManifestEncoder::put_chunk), a repeat report's there only: the manifest's
+// own vectors are not touched (sync_chunks brings them up to date).
+Result<bool> refill(ManifestSkeleton& sk, const Manifest& header,
+                    const std::vector<WriteResult>& results) {
   Manifest& m = sk.manifest;
   if (!sk.valid || !header.files.empty() || !header.tensors.empty() ||
-      header.required_features != m.required_features || results.size() != sk.parts.size())
+      header.required_features != m.required_features || results.size() != sk.parts.size() ||
+      sk.places.size() != sk.slots.size())
     return false;
   for (size_t r = 0; r < results.size(); ++r)
     if (results[r].rank != static_cast<int32_t>(r) ||
         results[r].files.size() != sk.parts[r].files ||
         results[r].chunk_count() != sk.parts[r].chunks)
       return false;
+  ManifestEncoder& enc = sk.encoder;
+  const std::vector<ManifestSkeleton::Place>& places = sk.places;
+  bool put = enc.holds(sk.body);
+  // Where the message cannot take a chunk's values (another checksum
+  // count), the manifest takes them all from here on, after the newest
+  // ones so far, the message's (it holds the body, so the shape fits).
+  auto stop_putting = [&] {
+    (void)enc.take_chunks(&m);
+    enc.chunks_put(0);
+    put = false;
+  };
   bool same =
       header.checksum_block_bytes == m.checksum_block_bytes && header.world_size == m.world_size;
   size_t k = 0;
@@ -71,50 +97,71 @@ bool refill(ManifestSkeleton& sk, const Manifest& header, const std::vector<Writ
     if (wr.repeat) {
       const std::vector<FileLayout>& files = *wr.laid_out;
       for (size_t f = 0; f < files.size(); ++f)
-        for (size_t i = 0; i < files[f].chunks.size(); ++i) {
-          // The kept chunks and both sides' checksums lie all over memory:
-          // asked for ahead, the walk is not one cache miss after another
-          // (at 100,000 tensors it is bound by those misses).
-          if (k + 16 < sk.slots.size()) {
-            const auto [t, c] = sk.slots[k + 16];
-            __builtin_prefetch(m.tensors[t].chunks.data() + c);
+        for (size_t i = 0; i < files[f].chunks.size(); ++i, ++k) {
+          // The layouts, the checksums and the message's chunks lie all
+          // over memory: asked for ahead (far enough for a guest's memory,
+          // reached through two levels of page tables), the walk is not one
+          // cache miss after another (at 100,000 tensors it is bound by them).
+          if (i + 16 < files[f].chunks.size()) {
+            const char* ahead = reinterpret_cast<const char*>(&files[f].chunks[i + 16]);
+            __builtin_prefetch(ahead + offsetof(LaidOutChunk, chunk.compressed));
+            __builtin_prefetch(ahead + offsetof(LaidOutChunk, length));
+            if (!wr.sums.empty()) __builtin_prefetch(wr.sums[f][i + 16].data());
           }
-          if (k + 8 < sk.slots.size()) {
-            const auto [t, c] = sk.slots[k + 8];
-            __builtin_prefetch(m.tensors[t].chunks[c].checksums.data(), 1);
-          }
-          if (!wr.sums.empty() && i + 8 < wr.sums[f].size())
-            __builtin_prefetch(wr.sums[f][i + 8].data());
           const LaidOutChunk& lc = files[f].chunks[i];
+          if (lc.chunk.compressed) {
+            sk.valid = false;
+            sk.body = 0;
+            sk.checked = false;
+            enc.chunks_put(0);
+            return compressed_repeat(wr);
+          }
           const std::vector<uint64_t>& sums = wr.sums.empty() ? kNoSums : wr.sums[f][i];
-          const auto [ti, ci] = sk.slots[k++];
-          ManifestChunk& mc = m.tensors[ti].chunks[ci];
+          total += lc.length;
+          if (put) {
+            if (k + 16 < places.size())
+              enc.prefetch_chunk(places[k + 16].index,
+                                 k + 32 < places.size() ? places[k + 32].index : SIZE_MAX);
+            if (enc.put_chunk(places[k].index, lc.offset, lc.length, sums.data(), sums.size(),
+                              &same))
+              continue;
+            stop_putting();
+            same = false;
+          }
+          ManifestChunk& mc = *places[k].chunk;
           same = same && mc.byte_offset == lc.offset && mc.byte_length == lc.length &&
                  mc.checksums.size() == sums.size();
           mc.byte_offset = lc.offset;
           mc.byte_length = lc.length;
-          total += lc.length;
           mc.checksums = sums;  // assigned: the kept vector's memory is reused
         }
       file_base += static_cast<uint32_t>(wr.files.size());
       continue;
     }
     for (const WrittenChunk& c : wr.chunks) {
-      const auto [ti, ci] = sk.slots[k++];
+      const auto [ti, ci] = sk.slots[k];
       ManifestTensor& t = m.tensors[ti];
       ManifestChunk& mc = t.chunks[ci];
       if (!c.codec.empty()) return false;
-      same = same && mc.byte_offset == c.byte_offset && mc.byte_length == c.byte_length &&
-             mc.checksums.size() == c.checksums.size();
       if (c.file >= wr.files.size() || mc.file != file_base + c.file || t.key != c.key ||
           t.dtype != c.dtype || t.global_shape != c.global_shape || mc.offsets != c.box.offsets ||
           mc.sizes != c.box.sizes || mc.entry != c.entry)
         return false;
+      if (put && !enc.put_chunk(places[k].index, c.byte_offset, c.byte_length, c.checksums.data(),
+                                c.checksums.size(), &same)) {
+        stop_putting();
+        same = false;
+      }
+      if (!put)
+        same = same && mc.byte_offset == c.byte_offset && mc.byte_length == c.byte_length &&
+               mc.checksums.size() == c.checksums.size();
       fill_chunk(mc, c, file_base);
       total += c.byte_length;
+      ++k;
     }
     file_base += static_cast<uint32_t>(wr.files.size());
   }
+  if (put) enc.chunks_put(sk.body);
   if (!same) sk.checked = false;
   sk.total_bytes = total;
   for (size_t r = 0; r < results.size(); ++r) sk.parts[r].layout = results[r].layout;
@@ -128,7 +175,8 @@ bool refill(ManifestSkeleton& sk, const Manifest& header, const std::vector<Writ
   return true;
 }
 
-// A repeat report must be of the layout the skeleton holds for its rank.
+// A repeat report must be of the layout the skeleton holds for its rank
+// (its chunks' codecs are checked as the refill meets them).
 Status check_repeats(const ManifestSkeleton& sk, const std::vector<WriteResult>& results) {
   for (size_t r = 0; r < results.size(); ++r) {
     const WriteResult& wr = results[r];
@@ -140,16 +188,9 @@ Status check_repeats(const ManifestSkeleton& sk, const std::vector<WriteResult>&
                               " reported its files as laid out in its last save (layout " +
                               std::to_string(wr.layout) + "), which rank 0 does not hold");
     bool sums_fit = wr.sums.empty() || wr.sums.size() == wr.laid_out->size();
-    for (size_t f = 0; sums_fit && !wr.sums.empty() && f < wr.sums.size(); ++f) {
-      const FileLayout& l = (*wr.laid_out)[f];
-      sums_fit = wr.sums[f].size() == l.chunks.size();
-      for (const LaidOutChunk& lc : l.chunks) sums_fit = sums_fit && !lc.chunk.compressed;
-    }
-    if (!sums_fit)
-      return Status::internal("rank " + std::to_string(wr.rank) +
-                              "'s repeated report does not match its layout " +
-                              std::to_string(wr.layout) +
-                              " (checksums of other files or chunks, or a compressed chunk)");
+    for (size_t f = 0; sums_fit && !wr.sums.empty() && f < wr.sums.size(); ++f)
+      sums_fit = wr.sums[f].size() == (*wr.laid_out)[f].chunks.size();
+    if (!sums_fit) return compressed_repeat(wr);
   }
   return Status();
 }
@@ -262,7 +303,9 @@ Result<Manifest> assemble_manifest(Manifest header, const std::vector<WriteResul
 Result<Manifest*> assemble_manifest_into(ManifestSkeleton& skeleton, const Manifest& header,
                                          std::vector<WriteResult>& results) {
   FERRY_RETURN_IF_ERROR(check_repeats(skeleton, results));
-  if (refill(skeleton, header, results)) return &skeleton.manifest;
+  FERRY_ASSIGN_OR_RETURN(const bool refilled, refill(skeleton, header, results));
+  if (refilled) return &skeleton.manifest;
+
   expand_repeats(skeleton, results);
   skeleton.valid = false;
   skeleton.body = 0;
@@ -271,12 +314,30 @@ Result<Manifest*> assemble_manifest_into(ManifestSkeleton& skeleton, const Manif
   FERRY_ASSIGN_OR_RETURN(skeleton.manifest, assemble_manifest(header, results));
   skeleton.total_bytes = skeleton.manifest.total_bytes();
   skeleton.valid = find_slots(skeleton.manifest, results, &skeleton.slots);
+  skeleton.places.clear();
+  if (skeleton.valid) {
+    std::vector<uint32_t> first;  // [tensor]: its first chunk's place among all chunks
+    first.reserve(skeleton.manifest.tensors.size());
+    uint32_t n = 0;
+    for (const ManifestTensor& t : skeleton.manifest.tensors) {
+      first.push_back(n);
+      n += static_cast<uint32_t>(t.chunks.size());
+    }
+    skeleton.places.reserve(skeleton.slots.size());
+    for (const auto& [t, c] : skeleton.slots)
+      skeleton.places.push_back({&skeleton.manifest.tensors[t].chunks[c], first[t] + c});
+  }
   // Unique across skeletons: an encoder is never told another's tensors are its own.
   static std::atomic<uint64_t> bodies{0};
   skeleton.body = skeleton.valid ? bodies.fetch_add(1, std::memory_order_relaxed) + 1 : 0;
   for (const WriteResult& wr : results)
     skeleton.parts.push_back({wr.layout, wr.files.size(), wr.chunks.size()});
   return &skeleton.manifest;
+}
+
+void sync_chunks(ManifestSkeleton& skeleton) {
+  if (skeleton.encoder.chunks_newest(skeleton.body))
+    (void)skeleton.encoder.take_chunks(&skeleton.manifest);
 }
 
 size_t WriteResult::chunk_count() const {

@@ -93,6 +93,15 @@ struct ManifestSkeleton {
   bool valid = false;
   Manifest manifest;
   std::vector<std::pair<uint32_t, uint32_t>> slots;  // [chunk, ranks in order]: tensor, chunk
+  // [chunk, ranks in order]: the manifest's chunk, and its place among the
+  // manifest's chunks tensor by tensor (the encoder's chunk index:
+  // ManifestEncoder::put_chunk). A refill walks these in order, asking for
+  // what lies ahead without a walk through the tensors.
+  struct Place {
+    ManifestChunk* chunk = nullptr;
+    size_t index = 0;
+  };
+  std::vector<Place> places;
   struct Part {
     uint64_t layout = 0;  // WriteResult::layout of the rank's report it holds
     size_t files = 0, chunks = 0;
@@ -118,8 +127,14 @@ struct ManifestSkeleton {
 // shape is the one it holds, else built afresh and kept). The manifest is
 // the skeleton's, valid until its next use. A `repeat` report is read
 // against the skeleton: an error when it does not hold that rank's layout.
+// Its chunks' byte ranges and checksums may be in the skeleton's encoder
+// only (a refill writes them into the kept message): encoded through that
+// encoder with the skeleton's body they are there; whoever reads them from
+// the manifest itself calls sync_chunks first.
 Result<Manifest*> assemble_manifest_into(ManifestSkeleton& skeleton, const Manifest& header,
                                          std::vector<WriteResult>& results);
+// Brings the skeleton's manifest's chunk values up to date from its encoder.
+void sync_chunks(ManifestSkeleton& skeleton);
 
 struct CommitOptions {
   bool fsync = true;

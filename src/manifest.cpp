@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cassert>
 #include <cstring>
 #include <exception>
 #include <limits>
@@ -580,8 +581,9 @@ struct WhereTensor {
   Span key, dtype, shape, data;
   size_t chunks = 0;
 };
+// What a repeated save rewrites first: one cache line of the walk.
 struct WhereChunk {
-  Span offsets, sizes, entry, checksums, data, codec, frame_ends;
+  Span data, checksums, offsets, sizes, entry, codec, frame_ends;
 };
 struct Where {
   std::vector<WhereTensor> tensors;
@@ -629,10 +631,9 @@ void record(proto::Manifest::Builder root, Where* where) {
                               span_data(capnp::AnyStruct::Builder(proto::Tensor::Builder(t))),
                               chunks.size()});
     for (auto c : chunks)
-      where->chunks.push_back({span(c.getOffsets()), span(c.getSizes()), span(c.getEntry()),
-                               span(c.getChecksums()),
-                               span_data(capnp::AnyStruct::Builder(proto::Chunk::Builder(c))),
-                               c.hasCodec() ? span(c.getCodec()) : Span{},
+      where->chunks.push_back({span_data(capnp::AnyStruct::Builder(proto::Chunk::Builder(c))),
+                               span(c.getChecksums()), span(c.getOffsets()), span(c.getSizes()),
+                               span(c.getEntry()), c.hasCodec() ? span(c.getCodec()) : Span{},
                                c.hasFrameEnds() ? span(c.getFrameEnds()) : Span{}});
   }
 }
@@ -712,8 +713,10 @@ bool patch_tensors(const Manifest& m, const Where& where, bool names_kept) {
 // build_payload's result, written over a message build_payload made for a
 // manifest of the same shape; false (the message then half written) if the
 // shapes differ.
+// `chunks_kept`: with names_kept, the message holds every chunk's values
+// too (ManifestEncoder::chunks_put), so no tensor is rewritten.
 bool patch_payload(const Manifest& m, proto::Manifest::Builder root, const Where& where,
-                   bool names_kept) {
+                   bool names_kept, bool chunks_kept) {
   auto features = root.getRequiredFeatures();
   auto files = root.getFiles();
   auto tensors = root.getTensors();
@@ -741,7 +744,11 @@ bool patch_payload(const Manifest& m, proto::Manifest::Builder root, const Where
     f.setHeaderBytes(mf.header_bytes);
     f.setHeaderChecksum(mf.header_checksum);
   }
-  if (!patch_tensors(m, where, names_kept)) return false;
+  if (names_kept && chunks_kept) {
+    if (where.tensors.size() != m.tensors.size()) return false;
+  } else if (!patch_tensors(m, where, names_kept)) {
+    return false;
+  }
   for (size_t i = 0; i < m.metadata.size(); ++i) {
     auto kv = metadata[static_cast<unsigned>(i)];
     if (!patch_text(kv.getKey(), m.metadata[i].first) ||
@@ -778,15 +785,27 @@ std::string_view ManifestEncoder::encode_parts(const Manifest& m, std::string* h
   if (!kept_) kept_ = std::make_unique<Kept>();
   Kept& k = *kept_;
   const bool names_kept = body != 0 && body == body_;
+  const bool chunks_kept = names_kept && chunks_put_ == body;
   // Until it is whole again the message holds no body a later call may name.
   body_ = 0;
-  patched_ = k.message != nullptr &&
-             patch_payload(m, k.message->getRoot<proto::Manifest>(), k.where, names_kept);
+  chunks_put_ = 0;
+  patched_ = k.message != nullptr && patch_payload(m, k.message->getRoot<proto::Manifest>(),
+                                                   k.where, names_kept, chunks_kept);
   if (!patched_) {
+    // Built afresh (a header of another shape): the newest chunk values are
+    // the message's, taken before it goes.
+    Manifest whole;
+    if (chunks_kept) {
+      whole = m;
+      const bool taken = take_chunks(&whole);
+      assert(taken);  // the message holds `body`, whose shape m has
+      (void)taken;
+    }
+    const Manifest& from = chunks_kept ? whole : m;
     for (;;) {
       k.message.reset();
       k.message = std::make_unique<capnp::MallocMessageBuilder>(k.segment.zeroed());
-      build_payload(m, k.message->initRoot<proto::Manifest>());
+      build_payload(from, k.message->initRoot<proto::Manifest>());
       if (k.message->getSegmentsForOutput().size() == 1) break;
       const size_t words = capnp::computeSerializedSizeInWords(*k.message);
       k.message.reset();
@@ -795,6 +814,7 @@ std::string_view ManifestEncoder::encode_parts(const Manifest& m, std::string* h
     record(k.message->getRoot<proto::Manifest>(), &k.where);
   }
   body_ = body;
+  if (chunks_kept) chunks_put_ = body;
   // writeMessage's bytes of one segment: its table (count - 1, size), then
   // the segment, which stays where the message keeps it.
   const kj::ArrayPtr<const capnp::word> seg = k.message->getSegmentsForOutput()[0];
@@ -814,8 +834,65 @@ std::string_view ManifestEncoder::encode_parts(const Manifest& m, std::string* h
   return rest;
 }
 
+bool ManifestEncoder::holds(uint64_t body) const {
+  return body != 0 && body == body_ && kept_ && kept_->message != nullptr;
+}
+
+template <class T>
+T get_field(const Span& data, size_t offset) {
+  T v;
+  std::memcpy(&v, data.p + offset, sizeof v);
+  return v;
+}
+
+bool ManifestEncoder::put_chunk(size_t i, uint64_t byte_offset, uint64_t byte_length,
+                                const uint64_t* sums, size_t n, bool* same) {
+  if (i >= kept_->where.chunks.size()) return false;
+  const WhereChunk& wc = kept_->where.chunks[i];
+  if (!put(wc.checksums, sums, n * sizeof(uint64_t))) return false;
+  const Offsets& o = offsets();
+  *same = *same && get_field<uint64_t>(wc.data, o.byte_offset) == byte_offset &&
+          get_field<uint64_t>(wc.data, o.byte_length) == byte_length;
+  put_field<uint64_t>(wc.data, o.byte_offset, byte_offset);
+  put_field<uint64_t>(wc.data, o.byte_length, byte_length);
+  return true;
+}
+
+bool ManifestEncoder::take_chunks(Manifest* m) const {
+  if (!kept_ || kept_->message == nullptr) return false;
+  const std::vector<WhereChunk>& chunks = kept_->where.chunks;
+  size_t n = 0;
+  for (const ManifestTensor& t : m->tensors) n += t.chunks.size();
+  if (n != chunks.size()) return false;
+  if (m->tensors.size() != kept_->where.tensors.size()) return false;
+  for (size_t i = 0; i < m->tensors.size(); ++i)
+    if (m->tensors[i].chunks.size() != kept_->where.tensors[i].chunks) return false;
+  const Offsets& o = offsets();
+  size_t k = 0;
+  for (ManifestTensor& t : m->tensors)
+    for (ManifestChunk& mc : t.chunks) {
+      const WhereChunk& wc = chunks[k++];
+      mc.byte_offset = get_field<uint64_t>(wc.data, o.byte_offset);
+      mc.byte_length = get_field<uint64_t>(wc.data, o.byte_length);
+      const size_t sums = wc.checksums.n / sizeof(uint64_t);
+      mc.checksums.resize(sums);
+      if (sums != 0) std::memcpy(mc.checksums.data(), wc.checksums.p, wc.checksums.n);
+    }
+  return true;
+}
+
+void ManifestEncoder::prefetch_chunk(size_t near, size_t far) const {
+  const std::vector<WhereChunk>& chunks = kept_->where.chunks;
+  if (far < chunks.size()) __builtin_prefetch(&chunks[far]);
+  if (near < chunks.size()) {
+    __builtin_prefetch(chunks[near].data.p, 1);
+    __builtin_prefetch(chunks[near].checksums.p, 1);
+  }
+}
+
 void ManifestEncoder::release_oversized() {
-  if (!kept_ || !kept_->segment.oversized()) return;
+  // Held chunk values are the only copy of them: kept, whatever the size.
+  if (!kept_ || !kept_->segment.oversized() || chunks_put_ != 0) return;
   body_ = 0;
   kept_->message.reset();
   kept_->where = Where{};

@@ -111,8 +111,37 @@ class ManifestEncoder {
   // release_oversized().
   std::string_view encode_parts(const Manifest& m, std::string* head, uint64_t body = 0);
   // Gives back a message larger than kKeptManifestBufferBytes (encode()
-  // does it itself; a caller of encode_parts once it used the bytes).
+  // does it itself; a caller of encode_parts once it used the bytes),
+  // unless it holds the newest chunk values (chunks_put).
   void release_oversized();
+
+  // A refill writes each chunk's new values into the kept message instead
+  // of the manifest's own vectors (ManifestSkeleton): one walk over the
+  // chunks, and no chunk rewritten at the encode. Only while holds(body):
+  // the message is that body's, chunk `i` the i-th of the manifest's chunks,
+  // tensor by tensor.
+  bool holds(uint64_t body) const;
+  // Chunk i's byte range and checksums; false (nothing written) when the
+  // message holds another number of checksums for it. *same: the byte
+  // range and the checksum count are the ones it held.
+  bool put_chunk(size_t i, uint64_t byte_offset, uint64_t byte_length, const uint64_t* sums,
+                 size_t n, bool* same);
+  // Asks for chunk `near`'s places in the message, and for where chunk
+  // `far`'s are: a walk ahead of itself (either may be past the end).
+  void prefetch_chunk(size_t near, size_t far) const;
+  // Declares the message's chunk values the newest of the manifests named
+  // `body` (0: none): the caller put every chunk since it held that body.
+  // Then an encode with `body` takes them from the message, not from the
+  // manifest it is given (whose chunk values may be older), rebuilding
+  // included, and the message is kept whatever its size until this is
+  // cleared, by chunks_put(0) or an encode with another body.
+  void chunks_put(uint64_t body) { chunks_put_ = body; }
+  bool chunks_newest(uint64_t body) const {
+    return body != 0 && chunks_put_ == body && holds(body);
+  }
+  // The message's chunk values (byte ranges, checksums) into `m`, a manifest
+  // of the body it holds; false (m unchanged) when m's shape is another.
+  bool take_chunks(Manifest* m) const;
   // The last encode() rewrote the kept message rather than building it.
   bool last_patched() const { return patched_; }
 
@@ -120,7 +149,8 @@ class ManifestEncoder {
   struct Kept;
   std::unique_ptr<Kept> kept_;
   bool patched_ = false;
-  uint64_t body_ = 0;  // the kept message's tensors are the ones this names; 0: none
+  uint64_t body_ = 0;        // the kept message's tensors are the ones this names; 0: none
+  uint64_t chunks_put_ = 0;  // see chunks_put()
 };
 
 // Checks the frame (magic, version <= ours, known features, length, payload

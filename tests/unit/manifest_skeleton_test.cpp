@@ -82,14 +82,16 @@ std::string assembled(ferry::ManifestSkeleton& sk, std::vector<ferry::WriteResul
   auto m = ferry::assemble_manifest_into(sk, header(), results);
   INFO(m.status().to_string());
   REQUIRE(m.ok());
-  // What the commit tells the catalog of the manifest's size, counted as it was filled.
-  CHECK(sk.total_bytes == (*m)->total_bytes());
   // The commit encodes through the skeleton's encoder, naming its tensors
-  // (ManifestSkeleton::body): the same bytes.
+  // (ManifestSkeleton::body), before anything brings the chunk values the
+  // refill put into the encoder back into the manifest: the same bytes.
   ferry::Manifest timeless = **m;
   timeless.created_unix_ms = 0;
   std::string fast;
   sk.encoder.encode(timeless, &fast, sk.body);
+  ferry::sync_chunks(sk);
+  // What the commit tells the catalog of the manifest's size, counted as it was filled.
+  CHECK(sk.total_bytes == (*m)->total_bytes());
   CHECK(fast == encoded(**m));
   return encoded(**m);
 }
@@ -241,4 +243,78 @@ TEST_CASE("a refilled manifest's total counts its chunks' new lengths", "[commit
   grown[1].chunks[2].byte_length += 2 * kBytes;  // rank 1's last, as a whole one
   CHECK(assembled(sk, {as_repeat(grown[0]), grown[1]}) == expected(grown));
   CHECK(sk.total_bytes == 11 * kBytes);
+}
+
+// A repeat report's values go into the encoder's kept message only; the
+// manifest's own vectors catch up when asked (sync_chunks), and the encoder
+// keeps them through whatever comes before the next encode.
+TEST_CASE("a refill's values kept by the encoder survive a rebuild, a skipped encode and a sync",
+          "[commit][scale]") {
+  ferry::ManifestSkeleton sk;
+  const std::vector<ferry::WriteResult> first{report(0, 5, 1, 7), report(1, 3, 1, 9)};
+  CHECK(assembled(sk, first) == expected(first));
+
+  // Refilled twice with no encode in between (a commit that failed before
+  // it encoded): the second refill's values are the ones encoded.
+  const std::vector<ferry::WriteResult> second{report(0, 5, 2, 7), report(1, 3, 2, 9)};
+  std::vector<ferry::WriteResult> results{as_repeat(second[0]), second[1]};
+  REQUIRE(ferry::assemble_manifest_into(sk, header(), results).ok());
+  const std::vector<ferry::WriteResult> third{report(0, 5, 3, 7), report(1, 3, 3, 9)};
+  CHECK(assembled(sk, {as_repeat(third[0]), third[1]}) == expected(third));
+
+  // A header of another length (a longer checkpoint id) cannot be patched:
+  // the message is built afresh, with the refill's values, not the stale
+  // ones of the manifest's own vectors.
+  const std::vector<ferry::WriteResult> fourth{report(0, 5, 4, 7), report(1, 3, 4, 9)};
+  results = {as_repeat(fourth[0]), fourth[1]};
+  auto m = ferry::assemble_manifest_into(sk, header(), results);
+  REQUIRE(m.ok());
+  ferry::Manifest longer = **m;
+  longer.created_unix_ms = 0;
+  longer.checkpoint_id = "a-longer-checkpoint-id";
+  std::string fast;
+  sk.encoder.encode(longer, &fast, sk.body);
+  CHECK_FALSE(sk.encoder.last_patched());
+  auto want = ferry::assemble_manifest(header(), fourth);
+  REQUIRE(want.ok());
+  want->checkpoint_id = longer.checkpoint_id;
+  CHECK(fast == encoded(*want));
+  ferry::sync_chunks(sk);
+  CHECK(sk.manifest.tensors[0].chunks[0].checksums == want->tensors[0].chunks[0].checksums);
+  // Back to the first id's length (built afresh again), then patched in place.
+  const std::vector<ferry::WriteResult> fifth{report(0, 5, 5, 7), report(1, 3, 5, 9)};
+  CHECK(assembled(sk, {as_repeat(fifth[0]), fifth[1]}) == expected(fifth));
+  const std::vector<ferry::WriteResult> sixth{report(0, 5, 6, 7), report(1, 3, 6, 9)};
+  CHECK(assembled(sk, {as_repeat(sixth[0]), sixth[1]}) == expected(sixth));
+  CHECK(sk.encoder.last_patched());
+}
+
+// A chunk whose checksum count changed does not fit the kept message: from
+// there the manifest's own vectors take the values, after the ones the
+// message took before it, and the encode builds afresh.
+TEST_CASE("a refill that meets a chunk with another checksum count midway loses no value",
+          "[commit][scale]") {
+  ferry::ManifestSkeleton sk;
+  const std::vector<ferry::WriteResult> first{report(0, 5, 1, 7), report(1, 3, 1, 9)};
+  CHECK(assembled(sk, first) == expected(first));
+  const std::vector<ferry::WriteResult> second{report(0, 5, 2, 7), report(1, 3, 2, 9)};
+  CHECK(assembled(sk, {as_repeat(second[0]), second[1]}) == expected(second));
+
+  std::vector<ferry::WriteResult> third{report(0, 5, 3, 7), report(1, 3, 3, 9)};
+  third[0].chunks[3].checksums.push_back(42);  // rank 0's fourth chunk: one block more
+  sk.checked = true;
+  CHECK(assembled(sk, {as_repeat(third[0]), third[1]}) == expected(third));
+  CHECK_FALSE(sk.checked);
+  CHECK_FALSE(sk.encoder.last_patched());
+  // Rank 1's whole report met a count change too.
+  std::vector<ferry::WriteResult> fourth{report(0, 5, 4, 7), report(1, 3, 4, 9)};
+  fourth[0].chunks[3].checksums.push_back(43);
+  fourth[1].chunks[1].checksums.push_back(44);
+  CHECK(assembled(sk, {as_repeat(fourth[0]), fourth[1]}) == expected(fourth));
+  // The new shape is kept: patched from there.
+  std::vector<ferry::WriteResult> fifth{report(0, 5, 5, 7), report(1, 3, 5, 9)};
+  fifth[0].chunks[3].checksums.push_back(45);
+  fifth[1].chunks[1].checksums.push_back(46);
+  CHECK(assembled(sk, {as_repeat(fifth[0]), fifth[1]}) == expected(fifth));
+  CHECK(sk.encoder.last_patched());
 }
