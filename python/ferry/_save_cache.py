@@ -203,8 +203,11 @@ def _plain_names(shape):
     makes per-rank."""
     if not shape:
         return None
-    names = []
-    _names(shape, names)
+    if type(shape[0]) is str:  # a dict of tensors alone: its keys, as they are
+        names = shape
+    else:
+        names = []
+        _names(shape, names)
     joined = "\0".join(names)
     # Every RNG state's name holds "rng" in some case (no other character
     # lowers to r, n or g): one C-speed scan clears the usual tree.

@@ -118,6 +118,30 @@ class Changes(Base):
         second["w1"] = sd["w1"].to(torch.float64)
         self.two_saves(sd, second, cached=True)
 
+    def test_first_save_dtype_columns(self):
+        # _pack._dtype_codes answers a state of one dtype with one lookup:
+        # mixed dtypes still get each its own code, and an unsupported one
+        # among supported ones (or alone in a uniform state) is refused
+        # naming its key.
+        mixed = state(5)
+        mixed["w1"] = mixed["w1"].to(torch.float64)
+        mixed["w4"] = (mixed["w4"] * 100).to(torch.int16)
+        expected = clone(mixed)
+        p = self.save(mixed, 1)
+        man = ferry.read_manifest(p)
+        self.assertEqual({k: man.torch_dtype(k) for k in expected},
+                         {k: t.dtype for k, t in expected.items()})
+        self.assert_loads(p, expected)
+        odd = state(6)
+        odd["w3"] = torch.zeros(4, 3, dtype=torch.complex64)
+        with self.assertRaises(ferry.FerryError) as cm:
+            self.save(odd, 2)
+        self.assertIn("'w3'", str(cm.exception))
+        uniform = {k: torch.zeros(2, dtype=torch.complex64) for k in ("c0", "c1")}
+        with self.assertRaises(ferry.FerryError) as cm:
+            self.save(uniform, 3)
+        self.assertIn("'c0'", str(cm.exception))
+
     def test_same_tensor_changed_in_place_between_saves(self):
         # Each change keeps the tensor object and its version (or changes
         # only what a version bump says nothing about): the cache must still
