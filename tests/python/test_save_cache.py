@@ -284,6 +284,47 @@ def slow_runtime():
             os.environ["FERRY_FAULTS"] = old
 
 
+class BuiltApart(Base):
+    """From _save_cache._APART_TENSORS tensors a first save's C state dict is
+    built on a thread of its own beside the tree's JSON: what it built is
+    saved, and its error reaches the caller with C's message (read on the
+    thread that made the call)."""
+
+    def many(self, seed):
+        n = _save_cache._APART_TENSORS + 10
+        g = torch.Generator().manual_seed(seed)
+        return {"layer%05d.w" % i: torch.randn(2, generator=g) for i in range(n)}
+
+    def test_built_apart_is_saved_whole(self):
+        sd = self.many(0)
+        expected = clone(sd)
+        self.assert_loads(self.save(sd, 1), expected)
+        hits = self.rt._save_cache.hits
+        self.assert_loads(self.save(sd, 2), expected)
+        self.assertEqual(self.rt._save_cache.hits, hits + 1)
+
+    def test_error_of_the_build_apart_is_raised_with_its_message(self):
+        sd = self.many(1)
+        n = len(sd)
+        columns = _pack.columns
+
+        def cut_last_key(*args, **kwargs):
+            req, keep = columns(*args, **kwargs)
+            req.keys_bytes -= 3  # the last key loses its NUL
+            return req, keep
+
+        _pack.columns = cut_last_key
+        try:
+            with self.assertRaises(ferry.FerryError) as cm:
+                self.rt.save_async(sd, self.root, 1)
+        finally:
+            _pack.columns = columns
+        self.assertIn("holds %d keys, not %d" % (n - 1, n), str(cm.exception))
+        self.assertIsNone(self.rt._save_cache._sd)
+        expected = clone(sd)
+        self.assert_loads(self.save(sd, 2), expected)
+
+
 class StoragesHeld(Base):
     """A cached save holds, until its snapshot is done, storages that own
     every saved tensor's bytes: the last save's where a tensor kept its
