@@ -452,6 +452,8 @@ class SaveCache:
         held, held_ptrs = self._storages, self._storage_ptrs
         if not len(tensors) == len(shapes) == len(held):
             return None  # zip below would stop at the shortest column, unchecked
+        if _mostly_moved(tensors, old_ptrs):
+            return None  # a new state (a reload): the pass below would end there
         # A tensor's device is not read again: under CUDA's unified
         # addressing another device means another address.
         ptrs, versions = array("Q"), array("Q")
@@ -595,6 +597,26 @@ def _placeholder():
 
         _empty_storage = _pack.storage_fn()(torch.empty(0))
     return _empty_storage
+
+
+# _mostly_moved reads this many tensors' addresses, spread over the state.
+_PROBES = 64
+
+
+def _mostly_moved(tensors, old_ptrs):
+    """Whether most of a large state's tensors are not where the last save
+    saw them (a new state dict of the same keys: a model reloaded), read
+    from a few of them: _reuse would read every tensor to then build the
+    state dict anew (past its share of changed entries). Half of the probes
+    moved, not a quarter (_REBUILD_SHARE): a state it misjudges only costs
+    that pass, as before."""
+    n = len(tensors)
+    if n < 16 * _PROBES:
+        return False
+    at = range(0, n, n // _PROBES)
+    moved = sum(map(ne, map(_data_ptr(), map(tensors.__getitem__, at)),
+                    map(old_ptrs.__getitem__, at)))
+    return moved * 2 > len(at)
 
 
 def _differ(a, b):

@@ -325,6 +325,41 @@ class BuiltApart(Base):
         self.assert_loads(self.save(sd, 2), expected)
 
 
+class NewStateOfTheSameKeys(Base):
+    """A new state dict of the same keys (a model reloaded): _reuse sees
+    from a few tensors that most moved and leaves it to _first at once,
+    without reading every tensor first; a state with a few tensors moved is
+    still served from the cache."""
+
+    def test_reloaded_state_is_read_once(self):
+        n = 16 * _save_cache._PROBES
+        g = torch.Generator().manual_seed(3)
+        first = {"p%04d" % i: torch.randn(3, generator=g) for i in range(n)}
+        self.save(first, 1)
+        reloaded = clone(first)
+        for t in reloaded.values():
+            t.add_(1.0)
+        reads = []
+        version = _save_cache._version
+        _save_cache._version = lambda t: reads.append(1) or version(t)
+        try:
+            hits = self.rt._save_cache.hits
+            p = self.save(reloaded, 2)
+        finally:
+            _save_cache._version = version
+        self.assertEqual(self.rt._save_cache.hits, hits)
+        self.assertEqual(len(reads), n)  # _first's pass alone
+        self.assert_loads(p, reloaded)
+        # A few tensors replaced: still the cache's.
+        again = dict(reloaded)
+        for k in list(again)[::100]:
+            again[k] = torch.zeros(3)
+        expected = clone(again)
+        p = self.save(again, 3)
+        self.assertEqual(self.rt._save_cache.hits, hits + 1)
+        self.assert_loads(p, expected)
+
+
 class StoragesHeld(Base):
     """A cached save holds, until its snapshot is done, storages that own
     every saved tensor's bytes: the last save's where a tensor kept its
