@@ -629,7 +629,7 @@ SaveHandle Runtime::save_async(const StateDict& sd, uint64_t step, const SaveOpt
 
 // save_async, and SavePlanner's saves, which stop between their steps.
 std::shared_ptr<detail::SaveState> detail::RuntimeAccess::start_save(
-    Runtime& rt, const StateDict& sd, uint64_t step, const SaveOptions& opts,
+    Runtime& rt, const StateDict& sd, uint64_t step, SaveOptions opts,
     std::optional<LocalPlan> local, bool staged, CheckpointFn checkpoint_fn, uint8_t owner_policy) {
   auto& impl_ = rt.impl_;
   const auto t0 = detail::SaveState::clock::now();
@@ -687,8 +687,8 @@ std::shared_ptr<detail::SaveState> detail::RuntimeAccess::start_save(
   if (!impl_->saves->add(state)) return state;
   caf::anon_send(
       impl_->planner, atom::save_v,
-      SaveJob{sd, step, opts, root, state, std::move(local), staged, std::move(checkpoint_fn),
-              owner_policy, std::move(files).value(), Status()});
+      SaveJob{sd, step, std::move(opts), root, state, std::move(local), staged,
+              std::move(checkpoint_fn), owner_policy, std::move(files).value(), Status()});
   const double ms =
       std::chrono::duration<double, std::milli>(detail::SaveState::clock::now() - t0).count();
   state->update_metrics([ms](SaveMetrics& m) { m.save_async_ms = ms; });

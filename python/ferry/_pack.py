@@ -118,6 +118,12 @@ def _device_columns(devices, codes):
 def _dtype_codes(keys, dtypes):
     """The ferry_dtype of each dtype; an unsupported one is refused, naming its key."""
     codes, _ = _dtype_tables()
+    # Most states hold one dtype (dtypes are shared objects: count compares
+    # by identity first): one lookup, not one per tensor.
+    if dtypes and dtypes.count(dtypes[0]) == len(dtypes):
+        code = codes.get(dtypes[0], -1)
+        if code != -1:
+            return array("i", (code,)) * len(dtypes)
     dcodes = array("i", map(codes.get, dtypes, repeat(-1)))
     if -1 in dcodes:
         i = dcodes.index(-1)
@@ -227,7 +233,8 @@ def columns(keys, shapes, dtypes, ptrs, devices="cpu", joined_keys=None):
     n = len(keys)
     blob, _ = _joined_keys(keys, joined_keys)
     ndims = array("i", map(len, shapes))
-    dims = array("q", chain.from_iterable(shapes))
+    # From a list: array() sizes itself once instead of growing per item.
+    dims = array("q", list(chain.from_iterable(shapes)))
     dcodes = _dtype_codes(keys, dtypes)
     data = ptrs
     if 0 in dims:

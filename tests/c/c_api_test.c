@@ -558,6 +558,87 @@ int main(void) {
     CHECK(ferry_state_dict_create_columns(NULL, &sd) == FERRY_INVALID_ARGUMENT);
   }
 
+  /* A state dict of thousands of entries is built on a thread of its own
+   * (c_api.cpp, build_apart): its errors still reach this thread's
+   * ferry_last_error, and what it built is saved whole. */
+  {
+    enum { N = 5000 };
+    char* many_keys = malloc(N * 16);
+    void** many_data = malloc(N * sizeof(void*));
+    int32_t* many_dtypes = malloc(N * sizeof(int32_t));
+    int32_t* many_ndims = malloc(N * sizeof(int32_t));
+    float* many_vals = malloc(N * sizeof(float));
+    ferry_tensor* many_rec = malloc(N * sizeof(ferry_tensor));
+    size_t kb = 0;
+    int64_t one = 1;
+    for (int i = 0; i < N; ++i) {
+      many_rec[i].key = many_keys + kb;
+      kb += (size_t)sprintf(many_keys + kb, "t%d", i) + 1;
+      many_vals[i] = (float)i;
+      many_data[i] = &many_vals[i];
+      many_dtypes[i] = FERRY_DTYPE_F32;
+      many_ndims[i] = 1;
+      ferry_tensor r = {many_rec[i].key, &many_vals[i], FERRY_DTYPE_F32, 1, &one, NULL,
+                        FERRY_DEVICE_HOST, 0, NULL, NULL, 0, 0};
+      many_rec[i] = r;
+    }
+    int64_t* many_shapes = malloc(N * sizeof(int64_t));
+    for (int i = 0; i < N; ++i) many_shapes[i] = 1;
+    ferry_state_dict_columns mc;
+    memset(&mc, 0, sizeof mc);
+    mc.size = sizeof mc;
+    mc.num_tensors = N;
+    mc.keys = many_keys;
+    mc.keys_bytes = kb;
+    mc.data = many_data;
+    mc.dtypes = many_dtypes;
+    mc.ndims = many_ndims;
+    mc.shapes = many_shapes;
+    ferry_state_dict* sd = NULL;
+    CHECK_OK(ferry_state_dict_create_columns(&mc, &sd));
+    CHECK(ferry_state_dict_size(sd) == N);
+    ferry_save_request sq;
+    memset(&sq, 0, sizeof sq);
+    sq.size = sizeof sq;
+    sq.state_dict = sd;
+    sq.step = 40;
+    sq.root = root;
+    s = NULL;
+    CHECK_OK(ferry_save_start(rt, &sq, &s));
+    CHECK_OK(ferry_save_wait(s));
+    ferry_save_release(s);
+    ferry_state_dict_release(sd);
+    float got[2] = {-1, -1};
+    ferry_tensor back_many[2] = {
+        {"t0", &got[0], FERRY_DTYPE_F32, 1, &one, NULL, FERRY_DEVICE_HOST, 0, NULL, NULL, 0, 0},
+        {"t4999", &got[1], FERRY_DTYPE_F32, 1, &one, NULL, FERRY_DEVICE_HOST, 0, NULL, NULL, 0, 0},
+    };
+    char d40[512];
+    snprintf(d40, sizeof d40, "%s/step-00000040", root);
+    CHECK_OK(ferry_load(rt, back_many, 2, d40));
+    CHECK(got[0] == 0.0f && got[1] == 4999.0f);
+
+    many_dtypes[N - 1] = 99;
+    sd = NULL;
+    CHECK(ferry_state_dict_create_columns(&mc, &sd) == FERRY_INVALID_ARGUMENT && sd == NULL);
+    CHECK(strstr(ferry_last_error(), "tensor 't4999': unknown dtype 99") != NULL);
+    many_dtypes[N - 1] = FERRY_DTYPE_F32;
+    mc.keys_bytes = kb - 3; /* "t4999" cut short, its NUL gone */
+    CHECK(ferry_state_dict_create_columns(&mc, &sd) == FERRY_INVALID_ARGUMENT && sd == NULL);
+    CHECK(strstr(ferry_last_error(), "holds 4999 keys, not 5000") != NULL);
+    mc.keys_bytes = kb;
+    many_rec[N - 1].key = "t7";
+    CHECK(ferry_state_dict_create(many_rec, N, &sd) == FERRY_INVALID_ARGUMENT && sd == NULL);
+    CHECK(strstr(ferry_last_error(), "duplicate state dict key 't7'") != NULL);
+    free(many_keys);
+    free(many_data);
+    free(many_dtypes);
+    free(many_ndims);
+    free(many_shapes);
+    free(many_vals);
+    free(many_rec);
+  }
+
   /* The snapshot check runs once per save, before the snapshot is reported
    * done; a failing one fails the save with its message and commits nothing. */
   {

@@ -118,6 +118,30 @@ class Changes(Base):
         second["w1"] = sd["w1"].to(torch.float64)
         self.two_saves(sd, second, cached=True)
 
+    def test_first_save_dtype_columns(self):
+        # _pack._dtype_codes answers a state of one dtype with one lookup:
+        # mixed dtypes still get each its own code, and an unsupported one
+        # among supported ones (or alone in a uniform state) is refused
+        # naming its key.
+        mixed = state(5)
+        mixed["w1"] = mixed["w1"].to(torch.float64)
+        mixed["w4"] = (mixed["w4"] * 100).to(torch.int16)
+        expected = clone(mixed)
+        p = self.save(mixed, 1)
+        man = ferry.read_manifest(p)
+        self.assertEqual({k: man.torch_dtype(k) for k in expected},
+                         {k: t.dtype for k, t in expected.items()})
+        self.assert_loads(p, expected)
+        odd = state(6)
+        odd["w3"] = torch.zeros(4, 3, dtype=torch.complex64)
+        with self.assertRaises(ferry.FerryError) as cm:
+            self.save(odd, 2)
+        self.assertIn("'w3'", str(cm.exception))
+        uniform = {k: torch.zeros(2, dtype=torch.complex64) for k in ("c0", "c1")}
+        with self.assertRaises(ferry.FerryError) as cm:
+            self.save(uniform, 3)
+        self.assertIn("'c0'", str(cm.exception))
+
     def test_same_tensor_changed_in_place_between_saves(self):
         # Each change keeps the tensor object and its version (or changes
         # only what a version bump says nothing about): the cache must still
@@ -258,6 +282,82 @@ def slow_runtime():
             del os.environ["FERRY_FAULTS"]
         else:
             os.environ["FERRY_FAULTS"] = old
+
+
+class BuiltApart(Base):
+    """From _save_cache._APART_TENSORS tensors a first save's C state dict is
+    built on a thread of its own beside the tree's JSON: what it built is
+    saved, and its error reaches the caller with C's message (read on the
+    thread that made the call)."""
+
+    def many(self, seed):
+        n = _save_cache._APART_TENSORS + 10
+        g = torch.Generator().manual_seed(seed)
+        return {"layer%05d.w" % i: torch.randn(2, generator=g) for i in range(n)}
+
+    def test_built_apart_is_saved_whole(self):
+        sd = self.many(0)
+        expected = clone(sd)
+        self.assert_loads(self.save(sd, 1), expected)
+        hits = self.rt._save_cache.hits
+        self.assert_loads(self.save(sd, 2), expected)
+        self.assertEqual(self.rt._save_cache.hits, hits + 1)
+
+    def test_error_of_the_build_apart_is_raised_with_its_message(self):
+        sd = self.many(1)
+        n = len(sd)
+        columns = _pack.columns
+
+        def cut_last_key(*args, **kwargs):
+            req, keep = columns(*args, **kwargs)
+            req.keys_bytes -= 3  # the last key loses its NUL
+            return req, keep
+
+        _pack.columns = cut_last_key
+        try:
+            with self.assertRaises(ferry.FerryError) as cm:
+                self.rt.save_async(sd, self.root, 1)
+        finally:
+            _pack.columns = columns
+        self.assertIn("holds %d keys, not %d" % (n - 1, n), str(cm.exception))
+        self.assertIsNone(self.rt._save_cache._sd)
+        expected = clone(sd)
+        self.assert_loads(self.save(sd, 2), expected)
+
+
+class NewStateOfTheSameKeys(Base):
+    """A new state dict of the same keys (a model reloaded): _reuse sees
+    from a few tensors that most moved and leaves it to _first at once,
+    without reading every tensor first; a state with a few tensors moved is
+    still served from the cache."""
+
+    def test_reloaded_state_is_read_once(self):
+        n = 16 * _save_cache._PROBES
+        g = torch.Generator().manual_seed(3)
+        first = {"p%04d" % i: torch.randn(3, generator=g) for i in range(n)}
+        self.save(first, 1)
+        reloaded = clone(first)
+        for t in reloaded.values():
+            t.add_(1.0)
+        reads = []
+        version = _save_cache._version
+        _save_cache._version = lambda t: reads.append(1) or version(t)
+        try:
+            hits = self.rt._save_cache.hits
+            p = self.save(reloaded, 2)
+        finally:
+            _save_cache._version = version
+        self.assertEqual(self.rt._save_cache.hits, hits)
+        self.assertEqual(len(reads), n)  # _first's pass alone
+        self.assert_loads(p, reloaded)
+        # A few tensors replaced: still the cache's.
+        again = dict(reloaded)
+        for k in list(again)[::100]:
+            again[k] = torch.zeros(3)
+        expected = clone(again)
+        p = self.save(again, 3)
+        self.assertEqual(self.rt._save_cache.hits, hits + 1)
+        self.assert_loads(p, expected)
 
 
 class StoragesHeld(Base):
