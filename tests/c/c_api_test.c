@@ -578,8 +578,18 @@ int main(void) {
       many_data[i] = &many_vals[i];
       many_dtypes[i] = FERRY_DTYPE_F32;
       many_ndims[i] = 1;
-      ferry_tensor r = {many_rec[i].key, &many_vals[i], FERRY_DTYPE_F32, 1, &one, NULL,
-                        FERRY_DEVICE_HOST, 0, NULL, NULL, 0, 0};
+      ferry_tensor r = {many_rec[i].key,
+                        &many_vals[i],
+                        FERRY_DTYPE_F32,
+                        1,
+                        &one,
+                        NULL,
+                        FERRY_DEVICE_HOST,
+                        0,
+                        NULL,
+                        NULL,
+                        0,
+                        0};
       many_rec[i] = r;
     }
     int64_t* many_shapes = malloc(N * sizeof(int64_t));
