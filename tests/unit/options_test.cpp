@@ -115,8 +115,7 @@ class ScopedCwd {
 };
 
 std::string source_dir() {
-  const std::string file = __FILE__;
-  return file.substr(0, file.rfind("/tests/"));
+  return std::filesystem::path(FERRY_TESTS_DIR).parent_path().string();
 }
 
 }  // namespace

@@ -64,7 +64,7 @@ void check_decodes_or_names(const std::string& bytes, const char* kind) {
 }
 
 std::filesystem::path seed_dir() {
-  return std::filesystem::path(__FILE__).parent_path().parent_path() / "fuzz" / "plan";
+  return std::filesystem::path(FERRY_TESTS_DIR) / "fuzz" / "plan";
 }
 
 std::vector<std::pair<std::string, std::string>> seeds() {

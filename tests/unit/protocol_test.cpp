@@ -472,7 +472,7 @@ std::string error_of(std::string_view bytes) {
 }
 
 std::filesystem::path seed_dir() {
-  return std::filesystem::path(__FILE__).parent_path().parent_path() / "fuzz" / "protocol";
+  return std::filesystem::path(FERRY_TESTS_DIR) / "fuzz" / "protocol";
 }
 
 const char* seed_name(const WireMessage& m) {
