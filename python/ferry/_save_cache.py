@@ -360,9 +360,8 @@ class SaveCache:
             map(storages.append, s1),
             map(sptrs.append, map(_storage_data_ptr(), s2))), repeat(_FIRST_AS_USUAL))))
         del s1, s2
-        contiguous = _is_contiguous()
-        if not all(contiguous(tensors[i]) for i in odd):
-            return None  # staged copies: the full walk decides
+        if not _all_contiguous(tensors, odd):
+            return None
         # A dict of tensors alone: its flat keys are its keys, known before
         # its tree's JSON, which is then written while C builds the state
         # dict (below).
@@ -407,12 +406,8 @@ class SaveCache:
         self._any_cuda = bool(self._gpu)
         held = storages
         if self._gpu:
-            held = list(storages)
-            empty = _placeholder()
-            eptr = _storage_data_ptr()(empty)
-            for i in self._gpu:
-                held[i] = empty
-                sptrs[i] = eptr
+            held = list(storages)  # this save's own keeps its GPU storages
+            _hold_placeholders(held, sptrs, self._gpu)
         self._storages = held
         self._storage_ptrs = sptrs
         return self._prepared(tensors, ptrs, versions, storages)
@@ -474,9 +469,8 @@ class SaveCache:
         changed = set(_differ(ptrs, old_ptrs))
         moved = ()  # held storages that moved (see _storages_for)
         if odd:
-            contiguous = _is_contiguous()
-            if not all(contiguous(tensors[i]) for i in odd):
-                return None  # staged copies: the full walk decides
+            if not _all_contiguous(tensors, odd):
+                return None
             changed.update(i for i in odd if _shape(tensors[i]) != shapes[i]
                            or _dtype(tensors[i]) is not dtypes[i])
             sdata = _storage_data_ptr()
@@ -530,11 +524,7 @@ class SaveCache:
         for i in changed:
             s = held[i] = storage(tensors[i])
             sptrs[i] = sdata(s)
-        if self._gpu:
-            empty = _placeholder()
-            for i in self._gpu:
-                held[i] = empty
-                sptrs[i] = sdata(empty)
+        _hold_placeholders(held, sptrs, self._gpu)
         self._storages = held
         self._storage_ptrs = sptrs
 
@@ -597,6 +587,26 @@ def _placeholder():
 
         _empty_storage = _pack.storage_fn()(torch.empty(0))
     return _empty_storage
+
+
+def _hold_placeholders(held, sptrs, gpu):
+    """GPU storages are never held past a save: the empty placeholder and its
+    address stand in `held` and `sptrs` at the indices `gpu`."""
+    if not gpu:
+        return
+    empty = _placeholder()
+    eptr = _storage_data_ptr()(empty)
+    for i in gpu:
+        held[i] = empty
+        sptrs[i] = eptr
+
+
+def _all_contiguous(tensors, odd):
+    """Whether the tensors at `odd` (those a pass found unusual) are all
+    contiguous: a tensor that is not is saved from a staged copy, which the
+    full walk decides."""
+    contiguous = _is_contiguous()
+    return all(contiguous(tensors[i]) for i in odd)
 
 
 # _mostly_moved reads this many tensors' addresses, spread over the state.
